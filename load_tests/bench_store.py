@@ -1,0 +1,176 @@
+"""Benchmark of the embedding store: Cython vs its pure-Python twin vs a dense torch table.
+
+Single thread, dim 16, Adagrad, capacity 1M rows, ids Zipf(1.1)-distributed over 10M values
+(rank k drawn with probability ∝ k^-1.1, mapped to a u64 id by a hash), batches of 65,536.
+The stores are first filled to capacity with training lookups, so the timed batches run in
+steady state (hits, misses, admissions and evictions). Each timed batch is a training
+lookup followed by an update with the same ids.
+
+Baseline: a preallocated torch table of 1M rows (weights + Adagrad accumulator) indexed by
+``rank % 1M``: ``index_select`` for lookup; for update, ``index_add_`` sums duplicate ids into
+a dense gradient buffer, then Adagrad runs on the touched rows. It is the ceiling with no
+hashing and no eviction.
+
+Memory: ``memory_bytes()`` of the full Cython store per row, against the raw bytes of a row
+(4 * (dim + state width)); the growth of the process RSS while filling is shown beside it.
+
+Usage: ``python load_tests/bench_store.py [--json PATH] [--batches N] [--twin-batches N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from stream_persia.embedding._pystore import PyEmbeddingStore, mix64
+from stream_persia.embedding.optim import Adagrad
+from stream_persia.embedding.store import CEmbeddingStore
+
+DIM, CAPACITY, UNIVERSE, BATCH = 16, 1_000_000, 10_000_000, 65_536
+OPT = Adagrad(lr=1e-2)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class ZipfIds:
+    """Ranks 0..UNIVERSE-1 with P(k) ∝ (k+1)^-1.1, by inverse CDF."""
+
+    def __init__(self, seed: int = 0):
+        cdf = np.cumsum(np.arange(1, UNIVERSE + 1, dtype=np.float64) ** -1.1)
+        self.cdf = cdf / cdf[-1]
+        self.rng = np.random.default_rng(seed)
+
+    def ranks(self, n: int) -> np.ndarray:
+        return np.searchsorted(self.cdf, self.rng.random(n)).astype(np.int64)
+
+
+class TorchTable:
+    """Dense baseline: no hashing, no eviction, Adagrad with summed duplicate gradients."""
+
+    def __init__(self, rows: int):
+        self.w = torch.rand(rows, DIM) * 0.02 - 0.01
+        self.acc = torch.full((rows, DIM), OPT.initial_accumulator_value)
+        self.gbuf = torch.zeros(rows, DIM)
+        self.touched = torch.zeros(rows, dtype=torch.bool)
+
+    def lookup(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.w.index_select(0, idx)
+
+    def update(self, idx: torch.Tensor, grads: torch.Tensor) -> None:
+        self.gbuf.index_add_(0, idx, grads)
+        self.touched[idx] = True
+        rows = self.touched.nonzero().squeeze(1)
+        g = self.gbuf.index_select(0, rows)
+        a = self.acc.index_select(0, rows)
+        w = self.w.index_select(0, rows)
+        w -= OPT.lr * g / torch.sqrt(a + OPT.eps)
+        a += g * g
+        self.w.index_copy_(0, rows, w)
+        self.acc.index_copy_(0, rows, a)
+        self.gbuf.index_fill_(0, rows, 0.0)
+        self.touched.index_fill_(0, rows, False)
+
+
+def time_store(store, batches, grads) -> tuple[float, float]:
+    t_lookup = t_update = 0.0
+    for ids in batches:
+        t0 = time.perf_counter()
+        store.lookup(ids, DIM, True)
+        t1 = time.perf_counter()
+        store.update(ids, grads)
+        t_update += time.perf_counter() - t1
+        t_lookup += t1 - t0
+    n = len(batches) * BATCH
+    return n / t_lookup, n / t_update
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--batches", type=int, default=30, help="timed batches (Cython, torch)")
+    ap.add_argument("--twin-batches", type=int, default=3, help="timed batches (Python twin)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    zipf = ZipfIds()
+    rng = np.random.default_rng(1)
+    grads = (rng.standard_normal((BATCH, DIM)) * 0.01).astype(np.float32)
+
+    print("filling the Cython store to capacity ...", file=sys.stderr)
+    rss0 = rss_bytes()
+    cstore = CEmbeddingStore(CAPACITY, OPT)
+    t0 = time.perf_counter()
+    fill_ids = 0
+    while len(cstore) < CAPACITY:
+        cstore.lookup(mix64(zipf.ranks(BATCH).astype(np.uint64)), DIM, True)
+        fill_ids += BATCH
+    fill_s = time.perf_counter() - t0
+    rss_per_row = (rss_bytes() - rss0) / len(cstore)
+    raw = 4 * (DIM + OPT.state_width(DIM))
+    mem_per_row = cstore.memory_bytes() / len(cstore)
+
+    ranks = [zipf.ranks(BATCH) for _ in range(max(args.batches, args.twin_batches))]
+    batches = [mix64(r.astype(np.uint64)) for r in ranks]
+
+    print("copying it into the Python twin ...", file=sys.stderr)
+    pystore = PyEmbeddingStore(CAPACITY, OPT)
+    pystore.load(cstore.dump())
+
+    c_lookup, c_update = time_store(cstore, batches[:args.batches], grads)
+    p_lookup, p_update = time_store(pystore, batches[:args.twin_batches], grads)
+
+    table = TorchTable(CAPACITY)
+    tg = torch.from_numpy(grads)
+    idxs = [torch.from_numpy(r % CAPACITY) for r in ranks[:args.batches]]
+    table.update(idxs[0], tg)  # warm-up of torch's kernels
+    t_lookup = t_update = 0.0
+    for idx in idxs:
+        t0 = time.perf_counter()
+        table.lookup(idx)
+        t1 = time.perf_counter()
+        table.update(idx, tg)
+        t_update += time.perf_counter() - t1
+        t_lookup += t1 - t0
+    n = len(idxs) * BATCH
+    t_lookup, t_update = n / t_lookup, n / t_update
+
+    stats = cstore.stats()
+    res = {
+        "cython_lookup_ids_per_s": c_lookup, "cython_update_ids_per_s": c_update,
+        "twin_lookup_ids_per_s": p_lookup, "twin_update_ids_per_s": p_update,
+        "torch_lookup_ids_per_s": t_lookup, "torch_update_ids_per_s": t_update,
+        "lookup_vs_twin": c_lookup / p_lookup, "update_vs_twin": c_update / p_update,
+        "lookup_vs_torch": c_lookup / t_lookup, "update_vs_torch": c_update / t_update,
+        "bytes_per_row": mem_per_row, "raw_bytes_per_row": raw,
+        "bytes_per_row_over_raw": mem_per_row / raw, "rss_bytes_per_row_over_raw": rss_per_row / raw,
+        "fill_ids_per_s": fill_ids / fill_s, "rows": len(cstore),
+        "steady_state_miss_rate": stats["misses"] / stats["lookups"],
+    }
+    print(f"{'':10}{'lookup ids/s':>16}{'update ids/s':>16}")
+    for name, lk, up in (("cython", c_lookup, c_update), ("python", p_lookup, p_update),
+                         ("torch", t_lookup, t_update)):
+        print(f"{name:10}{lk:16,.0f}{up:16,.0f}")
+    print(f"cython / python twin: lookup {res['lookup_vs_twin']:.1f}x, "
+          f"update {res['update_vs_twin']:.1f}x   (target >= 30x)")
+    print(f"cython / torch dense: lookup {res['lookup_vs_torch']:.2f}x, "
+          f"update {res['update_vs_torch']:.2f}x   (target >= 0.33x)")
+    print(f"memory: {mem_per_row:.1f} B/row allocated, {rss_per_row:.1f} B/row RSS growth, "
+          f"raw {raw} B/row -> {res['bytes_per_row_over_raw']:.2f}x   (target <= 1.5x)")
+    print(f"miss rate over the run: {res['steady_state_miss_rate']:.3f}; "
+          f"{len(cstore):,} rows")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+if __name__ == "__main__":
+    main()

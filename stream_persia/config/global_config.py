@@ -1,0 +1,340 @@
+"""``global_config.yml``: PERSIA's sections plus stream-persia's ``kafka`` and ``api``.
+
+PERSIA's keys and documented defaults::
+
+    common_config:
+      job_type: Train                    # Train | Eval | Infer
+      metrics_config: {enable_metrics: false, push_interval_sec: 10,
+                       job_name: persia_default_jobname}
+      checkpointing_config: {num_workers: 4}
+      infer_config: {servers: [], embedding_checkpoint: null}
+    embedding_parameter_server_config:
+      capacity: 1000000000               # embedding rows per server (LRU beyond it)
+      num_hashmap_internal_shards: 100
+      full_amount_manager_buffer_size: 1000
+      enable_incremental_update: false   # true is refused: not implemented
+      incremental_buffer_size: 1000000
+      incremental_dir: null
+      incremental_channel_capacity: 1000
+    embedding_worker_config:
+      forward_buffer_size: 1000          # batches buffered from data loaders
+      buffered_data_expired_sec: 1000    # a served batch whose gradients never come back
+      ready_buffer_batches: 16           # ours: looked-up batches waiting for NN workers
+      max_inflight_lookups: 16           # ours: concurrent lookup RPCs per worker
+      rpc_timeout_ms: 10000              # ours
+
+``kafka`` is described in :mod:`stream_persia.config.kafka`; ``api`` in :class:`ApiConfig`.
+Keys that PERSIA accepted but never acted on are refused with an explanation instead of
+being ignored (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from stream_persia.config._base import (
+    at_source,
+    build,
+    canonical_digest,
+    check_bool,
+    check_choice,
+    check_instance,
+    check_int,
+    check_str,
+    describe,
+    error,
+    parse_addresses,
+    section_to_dict,
+)
+from stream_persia.config.kafka import KafkaConfig
+from stream_persia.errors import ConfigError
+
+__all__ = ["MetricsConfig", "CheckpointingConfig", "InferConfig", "CommonConfig",
+           "EmbeddingParameterServerConfig", "EmbeddingWorkerConfig", "ApiConfig",
+           "GlobalConfig", "JOB_TYPES"]
+
+JOB_TYPES = ("Train", "Eval", "Infer")
+_UNUSED = "PERSIA's {what}; stream-persia has no use for it: remove it"
+
+
+class _Section:
+    """``to_dict`` shared by the sections."""
+
+    def to_dict(self, *, redact: bool = False) -> dict[str, Any]:
+        return section_to_dict(self, redact)
+
+
+@dataclass(frozen=True)
+class MetricsConfig(_Section):
+    """``common_config.metrics_config`` (PERSIA's keys; ``push_interval_seconds`` too)."""
+
+    enable_metrics: bool = False
+    push_interval_sec: int = 10
+    job_name: str = "persia_default_jobname"
+
+    _ALIASES: ClassVar[dict[str, str]] = {"push_interval_seconds": "push_interval_sec"}
+
+    def __post_init__(self) -> None:
+        check_bool(self, "enable_metrics")
+        check_int(self, "push_interval_sec", lo=1, hi=86_400)
+        check_str(self, "job_name")
+
+
+@dataclass(frozen=True)
+class CheckpointingConfig(_Section):
+    """``common_config.checkpointing_config``: concurrency of embedding dump and load."""
+
+    num_workers: int = 4
+
+    def __post_init__(self) -> None:
+        check_int(self, "num_workers", lo=1, hi=1024)
+
+
+@dataclass(frozen=True)
+class InferConfig(_Section):
+    """``common_config.infer_config``.
+
+    Args:
+        servers: embedding servers as ``host:port``; empty = the topology's addresses.
+        embedding_checkpoint: checkpoint the servers load at start (PERSIA's docs also
+            call it ``initial_sparse_checkpoint``).
+    """
+
+    servers: tuple[str, ...] = ()
+    embedding_checkpoint: str | None = None
+
+    _ALIASES: ClassVar[dict[str, str]] = {"initial_sparse_checkpoint": "embedding_checkpoint"}
+
+    def __post_init__(self) -> None:
+        servers = self.servers
+        if servers is None:
+            servers = ()
+        if isinstance(servers, str) or not isinstance(servers, (list, tuple)):
+            raise error("servers", f"expected a list of host:port, got {describe(servers)}")
+        for i, s in enumerate(servers):
+            if not isinstance(s, str) or "," in s or parse_addresses(s, f"servers[{i}]") is None:
+                raise error(f"servers[{i}]", f"expected one host:port, got {describe(s)}")
+        object.__setattr__(self, "servers", tuple(s.strip() for s in servers))
+        check_str(self, "embedding_checkpoint", optional=True)
+
+
+@dataclass(frozen=True)
+class CommonConfig(_Section):
+    """``common_config``: the job type and cross-role settings."""
+
+    job_type: str = "Train"
+    metrics_config: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpointing_config: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    infer_config: InferConfig = field(default_factory=InferConfig)
+
+    _NESTED: ClassVar[dict[str, type]] = {"metrics_config": MetricsConfig,
+                                          "checkpointing_config": CheckpointingConfig,
+                                          "infer_config": InferConfig}
+    _REJECTED: ClassVar[dict[str, str]] = {
+        "intent": "PERSIA renamed it job_type (Train, Eval or Infer)",
+        "servers": "it belongs under common_config.infer_config",
+        "embedding_checkpoint": "it belongs under common_config.infer_config",
+        "initial_sparse_checkpoint": "it belongs under common_config.infer_config "
+                                     "(as embedding_checkpoint)",
+    }
+
+    def __post_init__(self) -> None:
+        check_choice(self, "job_type", JOB_TYPES)
+        check_instance(self, "metrics_config", MetricsConfig)
+        check_instance(self, "checkpointing_config", CheckpointingConfig)
+        check_instance(self, "infer_config", InferConfig)
+
+
+@dataclass(frozen=True)
+class EmbeddingParameterServerConfig(_Section):
+    """``embedding_parameter_server_config`` (PERSIA's keys and defaults).
+
+    Only ``capacity`` changes behaviour here: the store is one LRU table per server, so
+    ``num_hashmap_internal_shards`` and ``full_amount_manager_buffer_size`` are accepted
+    for compatibility and validated. Incremental update is not implemented: enabling it
+    is an error; checkpoints (consistent with the Kafka offsets) replace it.
+    """
+
+    capacity: int = 1_000_000_000
+    num_hashmap_internal_shards: int = 100
+    full_amount_manager_buffer_size: int = 1000
+    enable_incremental_update: bool = False
+    incremental_buffer_size: int = 1_000_000
+    incremental_dir: str | None = None
+    incremental_channel_capacity: int = 1000
+
+    _REJECTED: ClassVar[dict[str, str]] = {
+        "num_embedding_io_workers": "PERSIA ignored it in this section; the concurrency of "
+                                    "embedding dump/load is common_config."
+                                    "checkpointing_config.num_workers: remove it here",
+    } | {k: _UNUSED.format(what="older key (checkpoints go to any local path or fsspec URL)")
+         for k in ("num_persistence_workers", "num_signs_per_file", "storage",
+                   "local_buffer_dir")} | {
+        "embedding_recycle_pool_capacity": _UNUSED.format(what="older memory-pool key"),
+    }
+
+    def __post_init__(self) -> None:
+        check_int(self, "capacity", lo=1, hi=1 << 48,
+                  hint="the most embedding rows one server holds, e.g. 1000000000")
+        check_int(self, "num_hashmap_internal_shards", lo=1, hi=1 << 20)
+        check_int(self, "full_amount_manager_buffer_size", lo=1, hi=1 << 30)
+        check_bool(self, "enable_incremental_update")
+        check_int(self, "incremental_buffer_size", lo=1, hi=1 << 40)
+        check_str(self, "incremental_dir", optional=True)
+        check_int(self, "incremental_channel_capacity", lo=1, hi=1 << 30)
+        if self.enable_incremental_update:
+            raise error("enable_incremental_update", "true is not supported: stream-persia "
+                        "does not implement PERSIA's incremental update",
+                        "set it to false; periodic checkpoints (consistent with the Kafka "
+                        "offsets) take its place")
+
+
+@dataclass(frozen=True)
+class EmbeddingWorkerConfig(_Section):
+    """``embedding_worker_config``: PERSIA's keys plus bounded buffers and RPC limits.
+
+    Args:
+        forward_buffer_size: batches (ID features) buffered per worker before the data
+            side is slowed down (Kafka partitions paused).
+        buffered_data_expired_sec: a batch served to an NN worker whose gradients have
+            not come back after this long is released (and counted).
+        ready_buffer_batches: batches with embeddings looked up, waiting for NN workers.
+        max_inflight_lookups: concurrent lookup RPCs a worker sends to embedding servers.
+        rpc_timeout_ms: deadline of one RPC to an embedding server.
+    """
+
+    forward_buffer_size: int = 1000
+    buffered_data_expired_sec: int = 1000
+    ready_buffer_batches: int = 16
+    max_inflight_lookups: int = 16
+    rpc_timeout_ms: int = 10_000
+
+    def __post_init__(self) -> None:
+        check_int(self, "forward_buffer_size", lo=1, hi=1 << 20)
+        check_int(self, "buffered_data_expired_sec", lo=1, hi=30 * 86_400)
+        check_int(self, "ready_buffer_batches", lo=1, hi=1 << 16)
+        check_int(self, "max_inflight_lookups", lo=1, hi=1 << 16)
+        check_int(self, "rpc_timeout_ms", lo=1, hi=3_600_000)
+
+
+@dataclass(frozen=True)
+class ApiConfig(_Section):
+    """``api``: the HTTP control plane and inference service.
+
+    Args:
+        host: address to bind; 127.0.0.1 keeps it local.
+        port: TCP port; 0 lets the OS pick (tests).
+        token, token_file: bearer token required on every request except health probes;
+            inline or read from a file (a mounted secret). Neither = no authentication.
+        max_body_bytes: largest request body accepted.
+        max_rows_per_request: most samples in one inference request.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    token: str | None = field(default=None, repr=False)
+    token_file: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_rows_per_request: int = 10_000
+
+    _SECRETS: ClassVar[tuple[str, ...]] = ("token",)
+
+    def __post_init__(self) -> None:
+        check_str(self, "host")
+        check_int(self, "port", lo=0, hi=65535)
+        check_str(self, "token", optional=True)
+        check_str(self, "token_file", optional=True)
+        if self.token is not None and self.token_file is not None:
+            raise error("token_file", "is given together with token", "keep one of them")
+        check_int(self, "max_body_bytes", lo=1024, hi=1 << 32)
+        check_int(self, "max_rows_per_request", lo=1, hi=1 << 24)
+
+    def read_token(self) -> str | None:
+        """The bearer token, from ``token_file`` when set; None = no authentication."""
+        if self.token_file is None:
+            return self.token
+        try:
+            with open(self.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"api.token_file: cannot read {self.token_file!r}: {exc}",
+                              field="api.token_file") from None
+        if not token:
+            raise ConfigError(f"api.token_file: {self.token_file!r} is empty",
+                              field="api.token_file", hint="write the token into the file")
+        return token
+
+
+@dataclass(frozen=True)
+class GlobalConfig(_Section):
+    """The parsed ``global_config.yml``; every section has defaults."""
+
+    common_config: CommonConfig = field(default_factory=CommonConfig)
+    embedding_parameter_server_config: EmbeddingParameterServerConfig = field(
+        default_factory=EmbeddingParameterServerConfig)
+    embedding_worker_config: EmbeddingWorkerConfig = field(
+        default_factory=EmbeddingWorkerConfig)
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+
+    _NESTED: ClassVar[dict[str, type]] = {
+        "common_config": CommonConfig,
+        "embedding_parameter_server_config": EmbeddingParameterServerConfig,
+        "embedding_worker_config": EmbeddingWorkerConfig,
+        "kafka": KafkaConfig, "api": ApiConfig}
+    _REJECTED: ClassVar[dict[str, str]] = {
+        "middleware_config": "PERSIA renamed it embedding_worker_config",
+        "shard_server_config": "PERSIA renamed it embedding_parameter_server_config",
+        "embedding_server_config": "PERSIA renamed it embedding_parameter_server_config",
+    }
+
+    def __post_init__(self) -> None:
+        for name, cls in self._NESTED.items():
+            check_instance(self, name, cls)
+
+    @property
+    def job_type(self) -> str:
+        return self.common_config.job_type
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "<dict>") -> GlobalConfig:
+        """Build from a parsed ``global_config.yml`` mapping; errors name ``source``."""
+        try:
+            return build(cls, _move_legacy_keys(d), "")
+        except ConfigError as err:
+            raise at_source(err, source) from None
+
+    def to_dict(self, *, redact: bool = False) -> dict[str, Any]:
+        """The mapping form (round-trips through :meth:`from_dict`); ``redact`` blanks
+        secrets (Kafka password, API token)."""
+        return section_to_dict(self, redact)
+
+    def digest(self) -> str:
+        """Hex SHA-256 of the canonical JSON of the redacted :meth:`to_dict`, so rotating
+        a secret does not change it."""
+        return canonical_digest(self.to_dict(redact=True))
+
+
+def _move_legacy_keys(d: Any) -> Any:
+    """PERSIA's older ``common_config.num_embedding_io_workers`` meant what
+    ``checkpointing_config.num_workers`` means now: carry it over (a conflict is an error)."""
+    if not isinstance(d, Mapping):
+        return d
+    common = d.get("common_config")
+    if not isinstance(common, Mapping) or "num_embedding_io_workers" not in common:
+        return d
+    common = dict(common)
+    value = common.pop("num_embedding_io_workers")
+    ckpt = common.get("checkpointing_config")
+    ckpt = dict(ckpt) if isinstance(ckpt, Mapping) else ({} if ckpt is None else ckpt)
+    if isinstance(ckpt, dict):
+        if "num_workers" in ckpt and ckpt["num_workers"] != value:
+            raise error("common_config.num_embedding_io_workers",
+                        f"is {value!r} but checkpointing_config.num_workers is "
+                        f"{ckpt['num_workers']!r}",
+                        "keep only common_config.checkpointing_config.num_workers")
+        ckpt["num_workers"] = value
+    common["checkpointing_config"] = ckpt
+    return {**d, "common_config": common}

@@ -1,0 +1,432 @@
+"""Pure-Python twin of the Cython embedding store, and the rules both follow.
+
+:class:`PyEmbeddingStore` is the readable reference: the Cython ``CEmbeddingStore``
+(``cython_ext/store.pyx``) must give the same lookups, dumps and stats, bit for bit, for the
+same call sequence (``tests/embedding/test_store.py`` checks it). This module also holds
+what both share: argument validation (so errors read the same) and the two hash functions
+that make behaviour deterministic:
+
+- a new row of id ``k`` is ``lo + (hi - lo) * u_j`` (float64, then rounded to float32) with
+  ``u_j = (mix64(mix64(k) + j) >> 40) / 2**24`` for element ``j``: it depends on the id
+  only, never on the shard that holds it;
+- the ``t``-th training miss of a store (t = 0, 1, ...) admits id ``k`` iff
+  ``(mix64(k ^ mix64(t)) >> 11) / 2**53 < admit_probability``.
+
+``mix64`` is the splitmix64 finaliser, all arithmetic modulo 2**64.
+
+Semantics (DESIGN.md §3): ``capacity`` counts vectors of every dim; one LRU order; training
+lookups insert and refresh, inference lookups do neither; gradients of one id in an update
+are summed in call order before the optimizer runs once per id; ids not stored are dropped
+and counted; rows are clamped to ±weight_bound after each update.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import Optimizer, as_optimizer
+from stream_persia.errors import BadInput, Misuse
+
+__all__ = ["PyEmbeddingStore", "mix64", "initial_rows", "admit_uniform"]
+
+_MASK = (1 << 64) - 1
+_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+MAX_CAPACITY = 2**31 - 2  # entry indices are int32 in the Cython store
+MAX_DIM = 1 << 16
+DUMP_CHUNK_ROWS = 65536
+
+
+def mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
+    z = np.asarray(z, np.uint64) + np.uint64(_GOLDEN)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
+    return z ^ (z >> np.uint64(31))
+
+
+def _mix64_int(z: int) -> int:
+    z = (z + _GOLDEN) & _MASK
+    z = ((z ^ (z >> 30)) * _M1) & _MASK
+    z = ((z ^ (z >> 27)) * _M2) & _MASK
+    return z ^ (z >> 31)
+
+
+def initial_rows(ids: np.ndarray, dim: int, init: tuple[float, float]) -> np.ndarray:
+    """The deterministic initial vectors of ``ids``: float32 (n, dim)."""
+    lo, hi = init
+    base = mix64(np.asarray(ids, np.uint64))[:, None]
+    h = mix64(base + np.arange(dim, dtype=np.uint64)[None, :]) >> np.uint64(40)
+    u = h.astype(np.float64) * (1.0 / 16777216.0)
+    return (lo + (hi - lo) * u).astype(np.float32)
+
+
+def admit_uniform(key: int, draw: int) -> float:
+    """The uniform [0, 1) number deciding admission of ``key`` at training miss ``draw``."""
+    return (_mix64_int(key ^ _mix64_int(draw)) >> 11) * (1.0 / 9007199254740992.0)
+
+
+# --- validation shared by both stores -------------------------------------------------------
+
+def check_capacity(capacity: Any) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) \
+            or not 1 <= capacity <= MAX_CAPACITY:
+        raise BadInput(f"capacity must be an int in [1, {MAX_CAPACITY}], got {capacity!r}",
+                       field="capacity", hint="the most embedding vectors this store holds")
+    return int(capacity)
+
+
+def check_config(cfg: Any) -> EmbeddingConfig:
+    if cfg is None:
+        return EmbeddingConfig()
+    if isinstance(cfg, EmbeddingConfig):
+        return cfg
+    if isinstance(cfg, dict):
+        return EmbeddingConfig.from_dict(cfg)
+    raise BadInput(f"embedding_config must be an EmbeddingConfig (or its to_dict()), got {cfg!r}",
+                   field="embedding_config")
+
+
+def check_ids(ids: Any, field: str = "ids") -> np.ndarray:
+    """A 1-D uint64 array (made C-contiguous); anything else is a BadInput."""
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
+        got = (f"{ids.dtype} array of shape {ids.shape}" if isinstance(ids, np.ndarray)
+               else type(ids).__name__)
+        raise BadInput(f"{field} must be a 1-D numpy array of uint64, got {got}", field=field,
+                       hint="np.asarray(ids, dtype=np.uint64)")
+    return np.ascontiguousarray(ids)
+
+
+def check_dim(dim: Any) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) \
+            or not 1 <= dim <= MAX_DIM:
+        raise BadInput(f"dim must be an int in [1, {MAX_DIM}], got {dim!r}", field="dim")
+    return int(dim)
+
+
+def check_grads(grads: Any, n: int) -> np.ndarray:
+    """float32 (n, dim) with finite values; returns it C-contiguous."""
+    if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.ndim != 2 \
+            or grads.shape[0] != n:
+        got = (f"{grads.dtype} array of shape {grads.shape}" if isinstance(grads, np.ndarray)
+               else type(grads).__name__)
+        raise BadInput(f"grads must be a float32 array of shape ({n}, dim) (one row per id), "
+                       f"got {got}", field="grads", hint="grads.astype(np.float32)")
+    check_dim(grads.shape[1])
+    return np.ascontiguousarray(grads)
+
+
+def nonfinite_error(i: int, key: int) -> BadInput:
+    return BadInput(f"grads row {i} (id {key}) is not finite (NaN or inf)", field="grads",
+                    hint="skip the update of a step whose gradients overflowed")
+
+
+def dim_error(key: int, stored: int, dim: int, what: str) -> BadInput:
+    return BadInput(f"id {key} is stored with dim {stored} but this {what} uses dim {dim}",
+                    field="ids", hint="each slot needs its own id prefix "
+                    "(feature_index_prefix_bit) when slots have different dims")
+
+
+def check_chunk(chunk: Any, opt: Optimizer) -> tuple[int, np.ndarray, np.ndarray, Any]:
+    """Validate one dump chunk; returns (dim, ids, weights, state or None)."""
+    if not isinstance(chunk, dict):
+        raise BadInput(f"a dump chunk must be a dict, got {type(chunk).__name__}", field="chunk")
+    missing = {"dim", "ids", "weights"} - set(chunk)
+    if missing:
+        raise BadInput(f"dump chunk lacks {sorted(missing)}", field=sorted(missing)[0],
+                       hint="chunks are the dicts EmbeddingStore.dump() yields")
+    dim = check_dim(chunk["dim"])
+    ids = check_ids(chunk["ids"])
+    n = len(ids)
+    weights = chunk["weights"]
+    if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 \
+            or weights.shape != (n, dim):
+        raise BadInput(f"chunk weights must be float32 of shape ({n}, {dim}), got "
+                       f"{getattr(weights, 'dtype', type(weights).__name__)} "
+                       f"{getattr(weights, 'shape', '')}", field="weights")
+    state = chunk.get("state")
+    if state is not None:
+        kind = chunk.get("state_kind")
+        width = opt.state_width(dim)
+        if kind != opt.state_kind:
+            raise BadInput(f"chunk holds {kind!r} optimizer state but the store's optimizer "
+                           f"keeps {opt.state_kind!r} state", field="state_kind",
+                           hint="configure the store with the optimizer the dump was taken "
+                           "with, or drop 'state' from the chunks to start fresh")
+        if not isinstance(state, np.ndarray) or state.dtype != np.float32 \
+                or state.shape != (n, width):
+            raise BadInput(f"chunk state must be float32 of shape ({n}, {width}), got "
+                           f"{getattr(state, 'dtype', type(state).__name__)} "
+                           f"{getattr(state, 'shape', '')}", field="state")
+        state = np.ascontiguousarray(state)
+    return dim, ids, np.ascontiguousarray(weights), state
+
+
+class _Arena:
+    """Rows of one dim: ``[weights(dim) | optimizer state]`` float32, with a free list."""
+
+    def __init__(self, dim: int, opt: Optimizer):
+        self.dim = dim
+        self.init_state = opt.initial_state(dim)
+        self.data = np.zeros((16, dim + len(self.init_state)), np.float32)
+        self.used = 0
+        self.free: list[int] = []
+
+    def alloc(self) -> int:
+        if self.free:
+            return self.free.pop()
+        if self.used == len(self.data):
+            grown = np.zeros((2 * len(self.data), self.data.shape[1]), np.float32)
+            grown[:self.used] = self.data
+            self.data = grown
+        self.used += 1
+        return self.used - 1
+
+    def restate(self, opt: Optimizer) -> None:
+        self.init_state = opt.initial_state(self.dim)
+        data = np.empty((len(self.data), self.dim + len(self.init_state)), np.float32)
+        data[:, :self.dim] = self.data[:, :self.dim]
+        data[:, self.dim:] = self.init_state
+        self.data = data
+
+
+class PyEmbeddingStore:
+    """LRU embedding store in plain Python and numpy (the reference twin).
+
+    Args:
+        capacity: the most vectors stored (all dims together); the least recently used
+            rows are evicted beyond it.
+        optimizer: SGD, Adagrad or Adam (or its ``to_dict()``).
+        embedding_config: initialisation, admission and clamping (defaults: PERSIA's).
+    """
+
+    implementation = "python"
+
+    def __init__(self, capacity: int, optimizer: Any, embedding_config: Any = None):
+        self._capacity = check_capacity(capacity)
+        self._opt = as_optimizer(optimizer)
+        self._cfg = check_config(embedding_config)
+        self._lru: OrderedDict[int, tuple[_Arena, int]] = OrderedDict()  # oldest first
+        self._arenas: dict[int, _Arena] = {}
+        self._counts = dict.fromkeys(
+            ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates"), 0)
+        self._draws = 0
+        self._version = 0
+
+    capacity = property(lambda self: self._capacity, doc="Most vectors held.")
+    optimizer = property(lambda self: self._opt, doc="The embedding optimizer.")
+    embedding_config = property(lambda self: self._cfg, doc="The EmbeddingConfig in force.")
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def _arena(self, dim: int) -> _Arena:
+        arena = self._arenas.get(dim)
+        if arena is None:
+            arena = self._arenas[dim] = _Arena(dim, self._opt)
+        return arena
+
+    def _evict_oldest(self, deferred: list[tuple[_Arena, int]] | None) -> None:
+        _, where = self._lru.popitem(last=False)
+        if deferred is None:
+            where[0].free.append(where[1])
+        else:
+            deferred.append(where)
+        self._counts["evictions"] += 1
+
+    def lookup(self, ids: np.ndarray, dim: int, train: bool = True) -> np.ndarray:
+        """Embeddings of ``ids`` as float32 (n, dim); zeros for ids not stored.
+
+        A training lookup refreshes hits and admits misses (with ``admit_probability``),
+        evicting the least recently used rows beyond capacity; an inference lookup
+        (``train=False``) changes nothing. An id stored with another dim is a BadInput
+        raised at that id (earlier ids of the call have been processed).
+        """
+        ids, dim = check_ids(ids), check_dim(dim)
+        rows = np.full(len(ids), -1, np.int64)
+        arena = self._arena(dim) if train else self._arenas.get(dim)
+        new_rows: list[int] = []
+        new_keys: list[int] = []
+        deferred: list[tuple[_Arena, int]] = []  # freed rows stay unused until the gather
+        lru, counts, p = self._lru, self._counts, self._cfg.admit_probability
+        counts["lookups"] += len(ids)
+        if train:
+            self._version += 1
+        try:
+            for i, key in enumerate(ids.tolist()):
+                where = lru.get(key)
+                if where is not None:
+                    if where[0] is not arena:
+                        raise dim_error(key, where[0].dim, dim, "lookup")
+                    if train:
+                        lru.move_to_end(key)
+                    rows[i] = where[1]
+                    continue
+                counts["misses"] += 1
+                if not train:
+                    continue
+                draw, self._draws = self._draws, self._draws + 1
+                if p < 1.0 and not admit_uniform(key, draw) < p:
+                    continue
+                if len(lru) >= self._capacity:
+                    self._evict_oldest(deferred)
+                r = arena.alloc()
+                lru[key] = (arena, r)
+                counts["admissions"] += 1
+                rows[i] = r
+                new_rows.append(r)
+                new_keys.append(key)
+        finally:
+            if new_rows:
+                arena.data[new_rows, :dim] = initial_rows(
+                    np.array(new_keys, np.uint64), dim, self._cfg.emb_initialization)
+                arena.data[new_rows, dim:] = arena.init_state
+            out = np.zeros((len(ids), dim), np.float32)
+            hit = rows >= 0
+            if arena is not None:
+                out[hit] = arena.data[rows[hit], :dim]
+            for a, r in deferred:
+                a.free.append(r)
+        return out
+
+    def update(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        """Apply the optimizer with ``grads`` (float32 (n, dim)) to the rows of ``ids``.
+
+        Gradients of the same id are summed first; ids not stored are dropped and counted;
+        rows are then clamped to ±weight_bound. Errors leave the store unchanged.
+        """
+        ids = check_ids(ids)
+        grads = check_grads(grads, len(ids))
+        dim = grads.shape[1]
+        finite = np.isfinite(grads).all(axis=1)
+        if not finite.all():
+            i = int(np.argmin(finite))
+            raise nonfinite_error(i, int(ids[i]))
+        rows = np.full(len(ids), -1, np.int64)
+        arena = self._arenas.get(dim)
+        for i, key in enumerate(ids.tolist()):
+            where = self._lru.get(key)
+            if where is not None:
+                if where[0] is not arena:
+                    raise dim_error(key, where[0].dim, dim, "update")
+                rows[i] = where[1]
+        self._counts["updates"] += len(ids)
+        self._version += 1
+        present = rows >= 0
+        self._counts["dropped_updates"] += int(len(ids) - present.sum())
+        if arena is None or not present.any():
+            return
+        uniq, inv = np.unique(rows[present], return_inverse=True)
+        g = np.zeros((len(uniq), dim), np.float32)
+        np.add.at(g, inv, grads[present])  # in call order, from 0.0, like the C loop
+        w = arena.data[uniq, :dim]
+        s = arena.data[uniq, dim:]
+        self._opt.step(w, s, g)
+        bound = np.float32(self._cfg.weight_bound)
+        arena.data[uniq, :dim] = np.clip(w, -bound, bound)
+        arena.data[uniq, dim:] = s
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        """Which ids are stored (bool array); recency is not refreshed."""
+        ids = check_ids(ids)
+        return np.fromiter((k in self._lru for k in ids.tolist()), bool, len(ids))
+
+    def clear(self) -> None:
+        """Drop every row (statistics are kept)."""
+        self._lru.clear()
+        self._arenas.clear()
+        self._version += 1
+
+    def configure(self, optimizer: Any = None, embedding_config: Any = None) -> None:
+        """Replace the optimizer and/or the embedding config.
+
+        Rows keep their weights. They keep their optimizer state when the new optimizer
+        has the same ``state_kind`` (e.g. only lr changed); otherwise their state is reset
+        to the new optimizer's initial state.
+        """
+        opt = self._opt if optimizer is None else as_optimizer(optimizer)
+        cfg = self._cfg if embedding_config is None else check_config(embedding_config)
+        if opt.state_kind != self._opt.state_kind:
+            for arena in self._arenas.values():
+                arena.restate(opt)
+        else:
+            for arena in self._arenas.values():
+                arena.init_state = opt.initial_state(arena.dim)
+        self._opt, self._cfg = opt, cfg
+        self._version += 1
+
+    def stats(self) -> dict[str, int]:
+        """Counters: rows, capacity, lookups, misses, admissions, evictions, updates,
+        dropped_updates."""
+        return {"rows": len(self._lru), "capacity": self._capacity, **self._counts}
+
+    def memory_bytes(self) -> int:
+        """Bytes held by row storage (the dict and list overhead is not counted)."""
+        return sum(a.data.nbytes for a in self._arenas.values())
+
+    def dump(self, chunk_rows: int = DUMP_CHUNK_ROWS) -> Iterator[dict[str, Any]]:
+        """Yield the rows with their optimizer state, least recently used first.
+
+        Rows are taken in windows of ``chunk_rows`` in LRU order; each window yields one chunk
+        per dim (dims in order of first appearance), ``{"dim", "ids" (uint64 (n,)),
+        "weights" (float32 (n, dim)), "state" (float32 (n, width)), "state_kind"}``.
+        Loading the chunks in order reproduces the recency order exactly within a dim.
+        Changing the store while iterating raises Misuse.
+        """
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise BadInput(f"chunk_rows must be an int >= 1, got {chunk_rows!r}",
+                           field="chunk_rows")
+        version = self._version
+        items = iter(list(self._lru.items()))
+        while True:
+            window = [kv for _, kv in zip(range(chunk_rows), items, strict=False)]
+            if not window:
+                return
+            groups: dict[int, list[tuple[int, int]]] = {}
+            for key, (arena, r) in window:
+                groups.setdefault(arena.dim, []).append((key, r))
+            for dim, members in groups.items():
+                data = self._arenas[dim].data[[r for _, r in members]]
+                chunk = {"dim": dim, "ids": np.array([k for k, _ in members], np.uint64),
+                         "weights": np.ascontiguousarray(data[:, :dim]),
+                         "state": np.ascontiguousarray(data[:, dim:]),
+                         "state_kind": self._opt.state_kind}
+                yield chunk
+                if self._version != version:
+                    raise Misuse("the embedding store changed while it was being dumped",
+                                 hint="pause lookups and updates until dump() is exhausted")
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.dump()
+
+    def load(self, chunks: Iterable[dict[str, Any]]) -> None:
+        """Insert dumped rows (overwriting stored ids) as the most recently used, in order.
+
+        A chunk without ``"state"`` gets the optimizer's initial state. A chunk is validated
+        as a whole before any of it is applied.
+        """
+        for chunk in chunks:
+            dim, ids, weights, state = check_chunk(chunk, self._opt)
+            keys = ids.tolist()
+            for key in keys:
+                where = self._lru.get(key)
+                if where is not None and where[0].dim != dim:
+                    raise dim_error(key, where[0].dim, dim, "load")
+            arena = self._arena(dim)
+            self._version += 1
+            for i, key in enumerate(keys):
+                where = self._lru.get(key)
+                if where is None:
+                    if len(self._lru) >= self._capacity:
+                        self._evict_oldest(None)
+                    where = (arena, arena.alloc())
+                    self._lru[key] = where
+                else:
+                    self._lru.move_to_end(key)
+                r = where[1]
+                arena.data[r, :dim] = weights[i]
+                arena.data[r, dim:] = arena.init_state if state is None else state[i]

@@ -1,0 +1,103 @@
+"""One exception root with four families (STYLE.md habit 5).
+
+- :class:`BadInput` — something from outside (a Kafka message, an RPC frame, an HTTP body,
+  a config file, a CLI flag) is invalid. Raised at the edge; never crashes a worker.
+- :class:`Misuse` — the API was called wrongly by the program using it.
+- :class:`RemoteError` — a peer failed, timed out or is unreachable.
+- :class:`InternalError` — a bug in stream-persia.
+
+Every error carries a human message that names the field, the value received and what
+would be accepted; ``field`` and ``hint`` are also kept as attributes so callers (the HTTP
+API, the dead-letter topic) can report them structurally.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PersiaError(Exception):
+    """Root of every error stream-persia raises on purpose."""
+
+    #: short machine-readable family name, used in RPC error replies and DLQ records
+    kind = "error"
+
+    def __init__(self, message: str, *, field: str | None = None, hint: str | None = None):
+        self.message = message
+        self.field = field
+        self.hint = hint
+        text = message
+        if hint:
+            text = f"{message} (hint: {hint})"
+        super().__init__(text)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "type": type(self).__name__, "message": self.message,
+                "field": self.field, "hint": self.hint}
+
+
+class BadInput(PersiaError, ValueError):
+    """Invalid input from outside the process."""
+
+    kind = "bad_input"
+
+
+class ConfigError(BadInput):
+    """A config file, environment variable or CLI flag is invalid."""
+
+    kind = "config"
+
+
+class WireError(BadInput):
+    """Bytes that are not a valid stream-persia frame or message."""
+
+    kind = "wire"
+
+
+class Misuse(PersiaError, RuntimeError):
+    """The API was called in a way it does not support."""
+
+    kind = "misuse"
+
+
+class RemoteError(PersiaError):
+    """A peer failed to answer, answered with an error, or cannot be reached."""
+
+    kind = "remote"
+
+
+class PeerUnavailable(RemoteError, ConnectionError):
+    """The peer cannot be reached (refused, reset, closed)."""
+
+    kind = "unavailable"
+
+
+class RemoteTimeout(RemoteError, TimeoutError):
+    """The peer did not answer in time."""
+
+    kind = "timeout"
+
+
+class Backpressure(PersiaError):
+    """A bounded buffer stayed full for longer than the caller was willing to wait."""
+
+    kind = "backpressure"
+
+
+class InternalError(PersiaError):
+    """A bug: an invariant of stream-persia itself was broken."""
+
+    kind = "internal"
+
+
+_BY_KIND: dict[str, type[PersiaError]] = {
+    cls.kind: cls
+    for cls in (PersiaError, BadInput, ConfigError, WireError, Misuse, RemoteError,
+                PeerUnavailable, RemoteTimeout, Backpressure, InternalError)
+}
+
+
+def error_from_dict(d: dict[str, Any]) -> PersiaError:
+    """Rebuild an error sent as :meth:`PersiaError.to_dict` (e.g. in an RPC error reply)."""
+    cls = _BY_KIND.get(str(d.get("kind")), RemoteError)
+    return cls(str(d.get("message", "remote error")), field=d.get("field"), hint=d.get("hint"))

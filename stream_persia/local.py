@@ -1,0 +1,105 @@
+"""Run roles as local child processes (``stream-persia run`` and the integration tests).
+
+Each role is started as ``python -m stream_persia.cli launch <role> ... --ready-file F``
+and is ready when F holds its ``host:port``. Children are put in their own process group
+and stopped with SIGTERM (then SIGKILL after a grace period), so nothing outlives its
+owner.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from stream_persia.errors import RemoteTimeout
+
+__all__ = ["RoleProcess"]
+
+
+class RoleProcess:
+    """One role in a child process.
+
+    Args:
+        role: ``embedding-server``, ``embedding-worker``, ...
+        args: extra CLI arguments for ``launch <role>``.
+        env: extra environment variables.
+        log_path: where stdout/stderr go (default: a temp file, shown on failure).
+    """
+
+    def __init__(self, role: str, args: list[str] | tuple[str, ...] = (), *,
+                 env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
+                 name: str | None = None):
+        self.role = role
+        self.name = name or role
+        self.args = list(args)
+        self.env = dict(env or {})
+        self._dir = tempfile.mkdtemp(prefix=f"persia-{self.name}-")
+        self.ready_file = Path(self._dir) / "ready"
+        self.log_path = Path(log_path) if log_path else Path(self._dir) / "log"
+        self.proc: subprocess.Popen | None = None
+        self.address: str | None = None
+
+    def start(self) -> RoleProcess:
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        self.ready_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "stream_persia.cli", "launch", self.role, *self.args,
+               "--ready-file", str(self.ready_file)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                self.address = self.ready_file.read_text().strip()
+                return self.address
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.05)
+        raise RemoteTimeout(f"{self.name} was not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, limit: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the role (its whole process group), as a crash would."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM, wait up to ``grace_s``, then SIGKILL; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        return self.proc.returncode
+
+    def __enter__(self) -> RoleProcess:
+        self.start()
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

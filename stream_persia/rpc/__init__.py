@@ -1,0 +1,34 @@
+"""Framed msgpack RPC over TCP, spoken by every role (DESIGN.md §1, §5).
+
+Wire schema (version 1)
+-----------------------
+A connection carries frames both ways::
+
+    frame   = length body
+    length  = 4-byte big-endian unsigned int: the byte length of body (1 .. max_frame_bytes)
+    body    = stream_persia.wire.pack(message)       (format version inside; numpy arrays
+                                                      as ext types, decoded without copying)
+
+    request = {"id": int, "m": str, "p": any}        client -> server; "p" is the handler's
+                                                      params (None when omitted)
+    reply   = {"id": int, "r": any}                  server -> client, success
+            | {"id": int, "e": error}                server -> client, the handler failed
+            | {"id": None, "e": error}               server -> client, a frame could not be
+                                                      tied to a request: the server closes
+                                                      the connection right after this frame
+    error   = PersiaError.to_dict() = {"kind", "type", "message", "field", "hint"};
+              rebuilt by stream_persia.errors.error_from_dict (same family, same fields)
+
+Request ids are chosen by the client and unique per connection, so any number of calls
+share one connection and replies may come back in any order (pipelining). Every received
+frame is checked against ``WireLimits``: the length before its body is read, the body by
+``wire.unpack``. A server answers a malformed request whose id it can read with an error
+reply; anything else it cannot decode gets the ``id: None`` reply and a closed connection,
+never a crash. Unknown methods get a ``Misuse`` reply listing the known ones; a handler's
+unexpected exception gets an ``InternalError`` reply and is logged with its traceback.
+"""
+
+from stream_persia.rpc.client import RpcClient, parse_address
+from stream_persia.rpc.server import RpcServer
+
+__all__ = ["RpcClient", "RpcServer", "parse_address"]

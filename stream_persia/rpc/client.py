@@ -1,0 +1,382 @@
+"""RPC client: many concurrent calls pipelined over one lazily (re)connected TCP connection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+from stream_persia.aio import run_until
+from stream_persia.errors import (
+    BadInput,
+    InternalError,
+    Misuse,
+    PeerUnavailable,
+    PersiaError,
+    RemoteTimeout,
+    WireError,
+    error_from_dict,
+)
+from stream_persia.rpc import framing
+from stream_persia.rpc.framing import wire
+from stream_persia.rpc.server import STREAM_LIMIT_BYTES, set_nodelay
+
+__all__ = ["RpcClient", "parse_address"]
+
+log = logging.getLogger(__name__)
+
+_FIRST_BACKOFF_S = 0.05
+
+Failure = Callable[[str], PersiaError]  # method name -> the error its pending call gets
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``host:port`` (or ``[v6addr]:port``).
+
+    Raises:
+        BadInput: not of that form, or the port is not in 1..65535.
+    """
+    host, sep, port = str(address).rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BadInput(f"RPC address must be 'host:port' with a port in 1..65535, got "
+                       f"{address!r}", field="address", hint="e.g. '127.0.0.1:7000'")
+    return host, int(port)
+
+
+class _Conn:
+    __slots__ = ("reader", "writer", "pending", "reader_task", "alive")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader = reader
+        self.writer = writer
+        self.pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
+        self.reader_task: asyncio.Task[None] | None = None
+        self.alive = True
+
+
+class RpcClient:
+    """Calls methods of one :class:`RpcServer`.
+
+    Concurrent calls share one connection; a reader task owned by the client hands
+    replies to the waiting calls by request id. The connection is opened on the first
+    call and reopened after it drops, with exponential backoff between failed attempts.
+    A client belongs to the event loop of its first call.
+
+    Args:
+        address: ``host:port`` of the server.
+        timeout_ms: default per-call timeout, connecting included.
+        connect_timeout_ms: how long one connection attempt may take.
+        max_reconnect_backoff_ms: cap of the wait between failed connection attempts.
+        limits: wire limits enforced on every frame received (and on requests sent).
+        name: role of the peer for error messages, e.g. "embedding-server".
+
+    Raises:
+        BadInput: ``address`` is not ``host:port``.
+        Misuse: a timeout or backoff is not positive.
+    """
+
+    def __init__(self, address: str, *, timeout_ms: float = 10000,
+                 connect_timeout_ms: float = 3000, max_reconnect_backoff_ms: float = 2000,
+                 limits: wire.WireLimits = wire.DEFAULT_LIMITS, name: str | None = None):
+        self.host, self.port = parse_address(address)
+        for field, value in (("timeout_ms", timeout_ms),
+                             ("connect_timeout_ms", connect_timeout_ms),
+                             ("max_reconnect_backoff_ms", max_reconnect_backoff_ms)):
+            if not value > 0:
+                raise Misuse(f"RpcClient {field} must be > 0, got {value!r}", field=field)
+        self.address = address
+        self.name = name
+        self.peer = f"{name} {address}" if name else f"RPC peer {address}"
+        self.timeout_ms = timeout_ms
+        self._connect_timeout_s = connect_timeout_ms / 1000
+        self._max_backoff_s = max_reconnect_backoff_ms / 1000
+        self._limits = limits
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conn: _Conn | None = None
+        self._connecting: asyncio.Task[_Conn] | None = None
+        self._closed = False
+        self._ids = itertools.count(1)
+        self._backoff_s = 0.0
+        self._next_attempt_at = 0.0
+        self._last_failure: PeerUnavailable | None = None
+        self._counters = {"calls": 0, "errors": 0, "timeouts": 0, "connects": 0,
+                          "connect_failures": 0, "disconnects": 0}
+
+    # -- calls -----------------------------------------------------------------------
+
+    async def call(self, method: str, params: Any = None, timeout_ms: float | None = None) -> Any:
+        """Call ``method`` on the peer and return its result.
+
+        Raises:
+            PeerUnavailable: the peer cannot be reached, or the connection dropped while
+                the call was in flight.
+            RemoteTimeout: no reply within ``timeout_ms`` (default: the client's).
+            PersiaError: the error the handler raised, rebuilt with its type and fields
+                (an unexpected handler exception arrives as :class:`InternalError`).
+            WireError: the request cannot be encoded or is over ``max_frame_bytes``.
+            Misuse: the client is closed or bound to another event loop.
+        """
+        loop = self._bind_loop()
+        timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
+        deadline = loop.time() + timeout_ms / 1000
+        req_id = next(self._ids)
+        self._counters["calls"] += 1
+        phase = ["connecting"]
+        try:
+            parts = framing.encode(framing.request_body(req_id, method, params), self._limits,
+                                   f"request {method!r} to {self.peer}")
+            return await run_until(self._call(req_id, method, parts, deadline, phase), deadline)
+        except RemoteTimeout:
+            self._counters["errors"] += 1
+            raise
+        except TimeoutError:
+            self._counters["timeouts"] += 1
+            self._counters["errors"] += 1
+            what = {"connecting": "could not be connected to for",
+                    "sending": "did not read the request for",
+                    "waiting": "did not answer"}[phase[0]]
+            raise RemoteTimeout(f"{self.peer} {what} {method!r} within {timeout_ms:g} ms",
+                                field="timeout_ms",
+                                hint="the peer may be overloaded or stuck; raise timeout_ms "
+                                     "if the call is legitimately slow") from None
+        except PersiaError:
+            self._counters["errors"] += 1
+            raise
+
+    async def _call(self, req_id: int, method: str, parts: list[bytes], deadline: float,
+                    phase: list[str]) -> Any:
+        conn = self._conn
+        if conn is None or not conn.alive or conn.writer.is_closing():
+            conn = await self._connected(deadline)
+        phase[0] = "sending"
+        fut = asyncio.get_running_loop().create_future()
+        conn.pending[req_id] = (fut, method)
+        try:
+            try:
+                framing.write(conn.writer, parts)
+                await conn.writer.drain()
+            except (ConnectionError, RuntimeError):  # RuntimeError: uvloop, transport closed
+                if fut.done():  # the reader already failed it with the precise cause
+                    return fut.result()
+                raise PeerUnavailable(f"{self.peer} dropped the connection while {method!r} "
+                                      "was being sent") from None
+            phase[0] = "waiting"
+            return await fut
+        finally:
+            conn.pending.pop(req_id, None)
+
+    # -- connection ------------------------------------------------------------------
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            raise Misuse(f"RpcClient for {self.peer} is closed",
+                         hint="create a new client after close()")
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise Misuse(f"RpcClient for {self.peer} is bound to another event loop",
+                         hint="use one client per loop; from sync code, run calls on an "
+                              "aio.LoopThread")
+        return loop
+
+    async def _connected(self, deadline: float) -> _Conn:
+        """The live connection, joining or starting a connection attempt."""
+        if self._connecting is None:
+            loop = asyncio.get_running_loop()
+            if self._last_failure is not None and self._next_attempt_at > deadline:
+                wait_ms = (self._next_attempt_at - loop.time()) * 1000
+                raise PeerUnavailable(
+                    f"{self._last_failure.message}; the next attempt is in {wait_ms:.0f} ms "
+                    "(reconnect backoff), after this call's deadline",
+                    hint=self._last_failure.hint)
+            task = loop.create_task(self._connect(), name=f"connect {self.peer}")
+            # Callers may all time out before the attempt ends; don't log its error then.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._connecting = task
+        return await asyncio.shield(self._connecting)
+
+    async def _connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            delay = self._next_attempt_at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.host, self.port, limit=STREAM_LIMIT_BYTES),
+                    self._connect_timeout_s)
+            except ConnectionRefusedError:
+                raise self._connect_failed(PeerUnavailable(
+                    f"{self.peer} refused the connection (nothing listening on that port)",
+                    hint="is the process running, and is the address right?")) from None
+            except asyncio.TimeoutError:
+                raise self._connect_failed(PeerUnavailable(
+                    f"{self.peer} did not accept the connection within "
+                    f"{self._connect_timeout_s * 1000:g} ms",
+                    hint="the host may be down or a firewall may drop packets")) from None
+            except OSError as exc:
+                raise self._connect_failed(PeerUnavailable(
+                    f"{self.peer} could not be reached: {exc}",
+                    hint="check the host name and the network")) from None
+            set_nodelay(writer)
+            conn = _Conn(reader, writer)
+            conn.reader_task = loop.create_task(self._read_loop(conn),
+                                                name=f"reader {self.peer}")
+            self._conn = conn
+            self._backoff_s = 0.0
+            self._next_attempt_at = 0.0
+            self._last_failure = None
+            self._counters["connects"] += 1
+            return conn
+        finally:
+            self._connecting = None
+
+    def _connect_failed(self, err: PeerUnavailable) -> PeerUnavailable:
+        self._counters["connect_failures"] += 1
+        self._backoff_s = min(max(2 * self._backoff_s, _FIRST_BACKOFF_S), self._max_backoff_s)
+        jitter = 0.8 + 0.4 * random.random()  # de-synchronise clients of a restarted peer
+        self._next_attempt_at = asyncio.get_running_loop().time() + self._backoff_s * jitter
+        self._last_failure = err
+        return err
+
+    async def _read_loop(self, conn: _Conn) -> None:
+        peer = self.peer
+        failure: Failure
+        try:
+            while True:
+                body = await framing.read_frame(conn.reader, self._limits, peer)
+                reply = framing.parse_reply(wire.unpack(body, self._limits), peer)
+                if reply.id is None:  # the server rejected a frame and closes the connection
+                    rejected = error_from_dict(reply.error or {})
+                    cls = type(rejected)
+
+                    def failure(m: str, r: PersiaError = rejected, c: type = cls) -> PersiaError:
+                        return c(f"{peer} rejected a frame on the connection {m!r} was using "
+                                 f"and closed it: {r.message}", field=r.field, hint=r.hint)
+                    return
+                entry = conn.pending.pop(reply.id, None)
+                if entry is None or entry[0].done():
+                    continue  # its caller timed out or was cancelled: drop the late reply
+                fut, _ = entry
+                if reply.error is not None:
+                    fut.set_exception(error_from_dict(reply.error))
+                else:
+                    fut.set_result(reply.result)
+        except asyncio.CancelledError:
+            def failure(m: str) -> PersiaError:
+                return PeerUnavailable(f"the RpcClient for {peer} was closed while {m!r} was "
+                                       "in flight")
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            cause = "closed the connection" if isinstance(
+                exc, asyncio.IncompleteReadError) else f"dropped the connection ({exc})"
+
+            def failure(m: str) -> PersiaError:
+                return PeerUnavailable(f"{peer} {cause} while {m!r} was in flight",
+                                       hint="the peer may have crashed or restarted; the "
+                                            "next call reconnects")
+        except WireError as exc:
+            log.warning("%s: invalid reply frame, closing the connection: %s", peer, exc)
+            bad = exc
+
+            def failure(m: str) -> PersiaError:
+                return WireError(f"{peer} sent an invalid reply frame while {m!r} was in "
+                                 f"flight: {bad.message}", field=bad.field, hint=bad.hint)
+        except Exception as exc:  # a bug: fail the calls rather than leave them hanging
+            log.exception("%s: RPC reader failed", peer)
+            bug = exc
+
+            def failure(m: str) -> PersiaError:
+                return InternalError(f"RPC reader for {peer} failed while {m!r} was in "
+                                     f"flight: {bug!r}")
+        finally:
+            self._drop(conn, failure)
+
+    def _drop(self, conn: _Conn, failure: Failure) -> None:
+        """Fail every call pending on ``conn`` and forget it; the next call reconnects."""
+        conn.alive = False
+        conn.writer.close()
+        pending, conn.pending = conn.pending, {}
+        for fut, method in pending.values():
+            if not fut.done():
+                fut.set_exception(failure(method))
+        if self._conn is conn:
+            self._conn = None
+            self._counters["disconnects"] += 1
+            # The peer was up a moment ago: retry at once (backoff starts on failure).
+            self._backoff_s = 0.0
+            self._next_attempt_at = 0.0
+
+    # -- readiness and lifecycle -----------------------------------------------------
+
+    async def wait_ready(self, timeout_s: float, *, probe: str | None = None) -> None:
+        """Retry connecting (and calling ``probe``, if given) until it works.
+
+        Raises:
+            PeerUnavailable: still not reachable after ``timeout_s``; names the last error.
+        """
+        loop = self._bind_loop()
+        deadline = loop.time() + timeout_s
+        last: PersiaError | None = None
+        while True:
+            try:
+                conn = self._conn
+                if conn is None or not conn.alive or conn.writer.is_closing():
+                    await run_until(self._connected(deadline), deadline)
+                if probe is not None:
+                    remaining_ms = max(1.0, (deadline - loop.time()) * 1000)
+                    await self.call(probe, None, timeout_ms=remaining_ms)
+                return
+            except (PeerUnavailable, RemoteTimeout) as exc:
+                last = exc
+            except TimeoutError:
+                pass
+            now = loop.time()
+            if now >= deadline or self._next_attempt_at > deadline:
+                break
+            if self._next_attempt_at <= now and self._connecting is None:
+                # Connected but the probe failed: pace the retries like reconnects.
+                await asyncio.sleep(min(_FIRST_BACKOFF_S, deadline - now))
+        raise PeerUnavailable(f"{self.peer} was not ready within {timeout_s:g} s"
+                              + (f": {last.message}" if last is not None else ""),
+                              hint=last.hint if last is not None else None)
+
+    @property
+    def connected(self) -> bool:
+        """Whether a connection is open now (calls connect lazily either way)."""
+        return self._conn is not None and self._conn.alive
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: calls, errors, timeouts, connects, connect failures, disconnects."""
+        in_flight = len(self._conn.pending) if self._conn is not None else 0
+        return {"peer": self.peer, "connected": self.connected, "in_flight": in_flight,
+                **self._counters}
+
+    async def close(self) -> None:
+        """Close the connection; calls still in flight fail with PeerUnavailable."""
+        if self._closed:
+            return
+        self._closed = True
+        connecting = self._connecting
+        if connecting is not None:
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+        conn = self._conn
+        if conn is not None and conn.reader_task is not None:
+            conn.reader_task.cancel()
+            await asyncio.gather(conn.reader_task, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.writer.wait_closed(), 1.0)
+
+    async def __aenter__(self) -> RpcClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,353 @@
+"""RPC server: serves ``async def handler(params)`` coroutines over framed TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import inspect
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from stream_persia.errors import InternalError, Misuse, PeerUnavailable, PersiaError, WireError
+from stream_persia.rpc import framing
+from stream_persia.rpc.framing import wire
+
+__all__ = ["RpcServer"]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any], Awaitable[Any]]
+
+#: upper bounds (seconds) of the latency histogram kept per method
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0)
+
+# StreamReader buffer: large enough that a big frame arrives without pausing the transport
+# every 128 KiB (asyncio's default limit is 64 KiB and pauses at twice that).
+STREAM_LIMIT_BYTES = 1 << 20
+
+
+def set_nodelay(writer: asyncio.StreamWriter) -> None:
+    """Disable Nagle: replies are single frames that must leave at once."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not TCP (e.g. a unix socket)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _is_async_callable(obj: Any) -> bool:
+    return inspect.iscoroutinefunction(obj) or (
+        callable(obj) and inspect.iscoroutinefunction(type(obj).__call__))
+
+
+class _MethodStats:
+    __slots__ = ("calls", "errors", "in_flight", "latency_sum_s", "latency_max_s", "buckets")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.errors = 0
+        self.in_flight = 0
+        self.latency_sum_s = 0.0
+        self.latency_max_s = 0.0
+        self.buckets = [0] * (len(LATENCY_BUCKETS_S) + 1)  # last one is +Inf
+
+    def observe(self, seconds: float, failed: bool) -> None:
+        self.in_flight -= 1
+        self.errors += failed
+        self.latency_sum_s += seconds
+        self.latency_max_s = max(self.latency_max_s, seconds)
+        self.buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        cumulative, acc = {}, 0
+        for le, n in zip((*LATENCY_BUCKETS_S, float("inf")), self.buckets, strict=True):
+            acc += n
+            cumulative[le] = acc
+        return {"calls": self.calls, "errors": self.errors, "in_flight": self.in_flight,
+                "latency_s_sum": self.latency_sum_s, "latency_s_max": self.latency_max_s,
+                "latency_s_buckets": cumulative}
+
+
+class _Conn:
+    """One accepted connection: its streams, its reader task and its handler tasks."""
+
+    __slots__ = ("reader", "writer", "peer", "slots", "tasks", "reader_task", "reading")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 max_in_flight: int):
+        self.reader = reader
+        self.writer = writer
+        addr = writer.get_extra_info("peername")
+        self.peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        # Backpressure: the reader takes a slot before reading the next request, so at most
+        # max_in_flight requests run per connection and a flooding peer is stopped by TCP.
+        self.slots = asyncio.Semaphore(max_in_flight)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.reader_task: asyncio.Task[None] | None = None
+        self.reading = True
+
+
+class RpcServer:
+    """Serves a mapping of method names to ``async def handler(params)`` coroutines.
+
+    Requests on one connection run concurrently, at most ``max_in_flight_per_conn`` at a
+    time; past that the server stops reading from that connection until one finishes.
+
+    Args:
+        handlers: method name → coroutine function taking the decoded params.
+        host: interface to bind.
+        port: TCP port; 0 lets the OS pick one (read it back from :attr:`port`).
+        limits: wire limits enforced on every frame received.
+        name: role name used in logs and error messages (e.g. "embedding-server-0").
+        max_in_flight_per_conn: concurrent requests per connection before reading pauses.
+
+    Raises:
+        Misuse: a handler is not a coroutine function, or a bound value is invalid.
+    """
+
+    def __init__(self, handlers: Mapping[str, Handler], host: str = "127.0.0.1",
+                 port: int = 0, *, limits: wire.WireLimits = wire.DEFAULT_LIMITS,
+                 name: str = "rpc", max_in_flight_per_conn: int = 64):
+        for method, handler in handlers.items():
+            if not isinstance(method, str):
+                raise Misuse(f"RPC method names must be str, got {method!r}", field="handlers")
+            if not _is_async_callable(handler):
+                raise Misuse(f"handler for {method!r} must be an `async def` function, got "
+                             f"{handler!r}", field="handlers",
+                             hint="a blocking handler would stall every connection")
+        if max_in_flight_per_conn < 1:
+            raise Misuse(f"max_in_flight_per_conn must be >= 1, got {max_in_flight_per_conn}",
+                         field="max_in_flight_per_conn")
+        self._handlers = dict(handlers)
+        self._host = host
+        self._port = port
+        self._limits = limits
+        self.name = name
+        self._max_in_flight = max_in_flight_per_conn
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[_Conn] = set()
+        self._stopping = False
+        self._stopped: asyncio.Event | None = None
+        self._stats: dict[str, _MethodStats] = {m: _MethodStats() for m in self._handlers}
+        self._counters = {"connections_total": 0, "frames_rejected": 0, "unknown_method": 0}
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind and start accepting connections."""
+        if self._server is not None:
+            raise Misuse(f"RpcServer {self.name!r} is already started")
+        self._server = await asyncio.start_server(
+            self._accept, self._host, self._port, limit=STREAM_LIMIT_BYTES,
+            reuse_address=True)
+        sockname = self._server.sockets[0].getsockname()
+        self._port = sockname[1]
+        log.info("%s: serving %d methods on %s", self.name, len(self._handlers), self.address)
+
+    @property
+    def port(self) -> int:
+        """The bound port (the OS's choice when constructed with port 0)."""
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` for :class:`RpcClient` (``[v6addr]:port`` for IPv6 hosts)."""
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self._port}"
+
+    async def stop(self, drain_timeout_s: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish, then close every connection.
+
+        Requests still running after ``drain_timeout_s`` are cancelled; their callers get
+        :class:`PeerUnavailable`. Idempotent.
+        """
+        if self._server is None:
+            return
+        if self._stopping:
+            assert self._stopped is not None
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        self._stopped = asyncio.Event()
+        try:
+            await self._shutdown(drain_timeout_s)
+        finally:
+            self._stopped.set()
+
+    async def _shutdown(self, drain_timeout_s: float) -> None:
+        assert self._server is not None
+        self._server.close()
+        conns = list(self._conns)
+        readers = [c.reader_task for c in conns if c.reader_task is not None]
+        for task in readers:
+            task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        running = {t for c in conns for t in c.tasks}
+        if running:
+            _, late = await asyncio.wait(running, timeout=drain_timeout_s)
+            if late:
+                log.warning("%s: cancelling %d requests still running after the %.1f s drain",
+                            self.name, len(late), drain_timeout_s)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
+        for conn in conns:
+            conn.writer.close()
+        closing = [c.writer.wait_closed() for c in conns]
+        try:
+            await asyncio.wait_for(asyncio.gather(*closing, return_exceptions=True), 2.0)
+        except asyncio.TimeoutError:  # a peer that stopped reading cannot be flushed to
+            for conn in conns:
+                conn.writer.transport.abort()
+        self._conns.clear()
+        await self._server.wait_closed()
+        log.info("%s: stopped", self.name)
+
+    async def __aenter__(self) -> RpcServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics: per-method calls, errors, in-flight and latency histogram."""
+        return {"name": self.name, "address": self.address,
+                "connections_open": len(self._conns), **self._counters,
+                "methods": {m: s.as_dict() for m, s in self._stats.items()}}
+
+    # -- connections -----------------------------------------------------------------
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A plain callback (not a coroutine) so the reader task is ours to own and cancel.
+        if self._stopping:
+            writer.close()
+            return
+        set_nodelay(writer)
+        conn = _Conn(reader, writer, self._max_in_flight)
+        self._conns.add(conn)
+        self._counters["connections_total"] += 1
+        conn.reader_task = asyncio.get_running_loop().create_task(
+            self._read_loop(conn), name=f"{self.name} reader {conn.peer}")
+
+    async def _read_loop(self, conn: _Conn) -> None:
+        try:
+            while True:
+                await conn.slots.acquire()
+                if not await self._read_one(conn):
+                    conn.slots.release()
+                    return
+        except asyncio.CancelledError:
+            pass  # stop(): in-flight requests are drained by stop() itself
+        except Exception:  # a bug here must not take the server down
+            log.exception("%s: connection from %s failed", self.name, conn.peer)
+            conn.writer.close()
+        finally:
+            conn.reading = False
+            if not conn.tasks and not self._stopping:
+                self._close(conn)
+
+    async def _read_one(self, conn: _Conn) -> bool:
+        """Read and dispatch one request; False when the connection is done."""
+        try:
+            body = await framing.read_frame(conn.reader, self._limits, conn.peer)
+        except (asyncio.IncompleteReadError, OSError):
+            return False  # the peer went away (or reset); any partial frame is moot
+        except framing.Unidentifiable as exc:
+            self._reject(conn, exc)
+            return False
+        try:
+            req = framing.parse_request(wire.unpack(body, self._limits), conn.peer)
+        except framing.MalformedRequest as exc:
+            self._reply_now(conn, framing.error_reply(exc.request_id, exc))
+            conn.slots.release()
+            return True
+        except WireError as exc:  # undecodable: no id to answer to
+            self._reject(conn, exc)
+            return False
+        handler = self._handlers.get(req.method)
+        if handler is None:
+            self._counters["unknown_method"] += 1
+            err = Misuse(f"{self.name} has no RPC method {req.method!r}", field="m",
+                         hint=f"known methods: {', '.join(sorted(self._handlers)) or 'none'}")
+            self._reply_now(conn, framing.error_reply(req.id, err))
+            conn.slots.release()
+            return True
+        task = asyncio.get_running_loop().create_task(self._serve(conn, req, handler))
+        conn.tasks.add(task)
+        task.add_done_callback(lambda t: self._request_done(conn, t))
+        return True
+
+    def _request_done(self, conn: _Conn, task: asyncio.Task[None]) -> None:
+        conn.tasks.discard(task)
+        conn.slots.release()
+        if not task.cancelled() and task.exception() is not None:  # _serve catches all
+            log.error("%s: request task failed", self.name, exc_info=task.exception())
+        if not conn.reading and not conn.tasks and not self._stopping:
+            self._close(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        conn.writer.close()
+        self._conns.discard(conn)
+
+    def _reject(self, conn: _Conn, exc: WireError) -> None:
+        """Answer a frame we cannot tie to a request, then close the connection."""
+        self._counters["frames_rejected"] += 1
+        log.warning("%s: closing connection from %s: %s", self.name, conn.peer, exc)
+        self._reply_now(conn, framing.error_reply(None, exc))
+        conn.writer.close()
+
+    # -- requests --------------------------------------------------------------------
+
+    def _reply_now(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        """Queue a small reply without waiting for the transport to drain."""
+        if not conn.writer.is_closing():
+            framing.write(conn.writer, framing.encode(msg, self._limits, "error reply"))
+
+    async def _serve(self, conn: _Conn, req: framing.Request, handler: Handler) -> None:
+        stats = self._stats[req.method]
+        stats.calls += 1
+        stats.in_flight += 1
+        t0 = time.perf_counter()
+        err: PersiaError | None = None
+        parts: list[bytes] = []
+        try:
+            result = await handler(req.params)
+            try:
+                parts = framing.encode({"id": req.id, "r": result}, self._limits,
+                                       f"{self.name} cannot send the reply to {req.method!r}")
+            except WireError as exc:
+                log.error("%s", exc)
+                err = exc
+        except PersiaError as exc:
+            err = exc
+        except asyncio.CancelledError:
+            if not self._stopping:  # the handler's own await was cancelled, not this task
+                log.exception("%s: handler for %r was cancelled", self.name, req.method)
+                err = InternalError(f"{self.name}: handler for {req.method!r} was cancelled")
+            else:  # stop() gave up on it: tell the caller rather than leave it waiting
+                stats.observe(time.perf_counter() - t0, True)
+                self._reply_now(conn, framing.error_reply(req.id, PeerUnavailable(
+                    f"{self.name} at {self.address} is shutting down and cancelled "
+                    f"{req.method!r} after its drain timeout",
+                    hint="retry on another replica or after the server restarts")))
+                raise
+        except Exception as exc:
+            log.exception("%s: handler for %r raised", self.name, req.method)
+            err = InternalError(f"{self.name}: handler for {req.method!r} raised "
+                                f"{type(exc).__name__}: {exc}",
+                                hint="the traceback is in that server's log")
+        stats.observe(time.perf_counter() - t0, err is not None)
+        if err is not None:
+            parts = framing.encode(framing.error_reply(req.id, err), self._limits,
+                                   "error reply")
+        if conn.writer.is_closing():
+            return  # the caller is gone; it already saw PeerUnavailable
+        framing.write(conn.writer, parts)
+        with contextlib.suppress(ConnectionError):
+            await conn.writer.drain()

@@ -1,0 +1,1 @@
+"""Test support shipped with the package: the Kafka test broker and pytest fixtures."""

@@ -1,0 +1,68 @@
+"""The checkpoint frontier: per partition, the offset up to which every batch is done.
+
+A batch consumed from Kafka is *pending* from the moment it is read until its gradients
+have been applied on every embedding server (or until it is settled otherwise: an eval
+batch served, a poisoned message written to the dead-letter topic). The frontier of a
+partition is the offset of its oldest pending batch, or — with nothing pending — the
+offset after the last batch read. Storing the frontier in a checkpoint therefore makes
+restore replay exactly the batches whose effect the checkpoint does not contain.
+
+Offsets within one partition arrive in increasing order (one consumer per partition,
+static assignment), so each partition is a FIFO of pending offsets with a done-set;
+completing a batch is O(1) and advancing the frontier is amortised O(1).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from stream_persia.errors import InternalError
+
+__all__ = ["Frontier"]
+
+
+class _Partition:
+    __slots__ = ("queue", "done", "next_offset")
+
+    def __init__(self, start: int):
+        self.queue: deque[int] = deque()
+        self.done: set[int] = set()
+        self.next_offset = start
+
+
+class Frontier:
+    """Tracks pending batches per partition and answers where a checkpoint must resume."""
+
+    def __init__(self, start_offsets: dict[int, int] | None = None):
+        self._parts: dict[int, _Partition] = {
+            p: _Partition(o) for p, o in (start_offsets or {}).items()}
+
+    def read(self, partition: int, offset: int) -> None:
+        """Record that the batch at ``offset`` was read and is now pending."""
+        part = self._parts.get(partition)
+        if part is None:
+            part = self._parts[partition] = _Partition(offset)
+        if offset < part.next_offset:
+            raise InternalError(
+                f"partition {partition}: offset {offset} read after {part.next_offset - 1}")
+        part.queue.append(offset)
+        part.next_offset = offset + 1
+
+    def done(self, partition: int, offset: int) -> None:
+        """Record that the batch at ``offset`` is settled (applied, served or dead-lettered)."""
+        part = self._parts.get(partition)
+        if part is None or offset >= part.next_offset:
+            raise InternalError(f"partition {partition}: offset {offset} settled before read")
+        part.done.add(offset)
+        q = part.queue
+        while q and q[0] in part.done:
+            part.done.discard(q.popleft())
+
+    def offsets(self) -> dict[int, int]:
+        """The frontier: per partition, the first offset a restore must consume."""
+        return {p: (part.queue[0] if part.queue else part.next_offset)
+                for p, part in self._parts.items()}
+
+    def pending(self) -> int:
+        """How many batches are read but not yet settled, over all partitions."""
+        return sum(len(part.queue) for part in self._parts.values())

@@ -1,0 +1,142 @@
+"""Kafka ingest for an embedding worker: static partitions → validated, planned batches.
+
+One task owns the :class:`~stream_persia.kafka.SampleConsumer`. For each record it
+records the offset in the worker's frontier, decodes and plans the batch, and puts it in
+the worker's bounded ready buffer. While that buffer is full the owned partitions are
+paused, so fetched-but-unserved data stays bounded; they resume when it drains.
+
+A record that cannot be decoded or validated goes to the dead-letter topic with the
+reason and is settled in the frontier (a checkpoint never replays it). If the dead-letter
+topic cannot be written, ingest retries with backoff rather than move past the record:
+an outage stalls ingest visibly, it never loses a sample silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from stream_persia.embedding.data import PersiaBatch
+from stream_persia.errors import BadInput
+from stream_persia.kafka import DeadLetterWriter, SampleConsumer
+from stream_persia.worker.frontier import Frontier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KafkaIngest"]
+
+
+class KafkaIngest:
+    """Feeds ``worker`` from its partitions of the samples topic.
+
+    Args:
+        worker: the :class:`~stream_persia.worker.service.EmbeddingWorker` to feed.
+        consumer: a not-yet-started consumer for this worker's replica.
+        dead_letters: a not-yet-started writer for the dead-letter topic.
+        start_offsets: partition → first offset to read (from a checkpoint).
+        max_records: records taken per poll (bounds fetched-but-unplanned work).
+    """
+
+    def __init__(self, worker: Any, consumer: SampleConsumer, dead_letters: DeadLetterWriter,
+                 *, start_offsets: dict[int, int] | None = None, max_records: int = 32):
+        self.worker = worker
+        self.consumer = consumer
+        self.dead_letters = dead_letters
+        self.start_offsets = dict(start_offsets or {})
+        self.max_records = max_records
+        self.backpressure_pauses = 0
+        self._task: asyncio.Task | None = None
+        worker.metrics.add_callback("kafka", self._stats)
+
+    def _stats(self) -> dict[str, float]:
+        stats = {f"consumer_{k}": v for k, v in self.consumer.stats().items()}
+        stats.update({f"dlq_{k}": v for k, v in self.dead_letters.stats().items()})
+        stats["backpressure_pauses"] = self.backpressure_pauses
+        return stats
+
+    async def start(self) -> None:
+        await self.dead_letters.start()
+        await self.consumer.start(self.start_offsets)
+        self.worker.frontier = Frontier(await self.consumer.positions())
+        self._task = asyncio.create_task(self._run(), name="kafka-ingest")
+        log.info("worker %d consumes %s partitions %s from %s", self.worker.replica_index,
+                 self.consumer.topic, self.consumer.partitions,
+                 self.worker.frontier.offsets())
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        await self.consumer.stop()
+        await self.dead_letters.close()
+
+    async def status(self) -> dict:
+        try:
+            lag = await self.consumer.lag()
+        except Exception as e:  # status must answer even while the broker is away
+            log.debug("lag unavailable: %r", e)
+            lag = {}
+        return {"topic": self.consumer.topic, "partitions": self.consumer.partitions,
+                "lag": {str(p): n for p, n in lag.items()},
+                "paused": sorted(self.consumer.paused()),
+                "dead_lettered": self.dead_letters.stats().get("written", 0),
+                "backpressure_pauses": self.backpressure_pauses}
+
+    async def _run(self) -> None:
+        worker = self.worker
+        try:
+            while True:
+                if worker.ingest_paused.is_set():
+                    self.consumer.pause()
+                    while worker.ingest_paused.is_set():
+                        await asyncio.sleep(0.05)
+                    self.consumer.resume()
+                records = await self.consumer.getmany(timeout_ms=200,
+                                                      max_records=self.max_records)
+                for partition, recs in records.items():
+                    for rec in recs:
+                        await self._one(partition, rec)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("Kafka ingest of worker %d stopped", worker.replica_index)
+            raise
+
+    async def _one(self, partition: int, rec: Any) -> None:
+        worker = self.worker
+        worker.frontier.read(partition, rec.offset)
+        try:
+            if rec.value is None:
+                raise BadInput("the record has no value", field="value")
+            pb = worker.prepare(PersiaBatch.from_bytes(rec.value), source=(partition,
+                                                                            rec.offset))
+        except BadInput as e:
+            await self._dead_letter(rec, e)
+            worker.reject(type(e).__name__)
+            worker.frontier.done(partition, rec.offset)
+            return
+        if worker.ready.full():
+            self.backpressure_pauses += 1
+            self.consumer.pause()
+            try:
+                await worker.ready.put(pb)
+            finally:
+                if not worker.ingest_paused.is_set():
+                    self.consumer.resume()
+        else:
+            await worker.ready.put(pb)
+        worker.m_ingested.inc()
+
+    async def _dead_letter(self, rec: Any, err: BadInput) -> None:
+        delay = 0.1
+        while not await self.dead_letters.write(
+                rec.value or b"", str(err), (rec.topic, rec.partition, rec.offset),
+                key=rec.key, kind=type(err).__name__):
+            log.error("dead-letter topic unavailable; retrying in %.1f s", delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)

@@ -1,0 +1,304 @@
+"""Embedding worker role (PERSIA's embedding worker), the asyncio heart of the runtime.
+
+Batches enter from the Kafka ingest loop (:mod:`stream_persia.worker.ingest`) or, with no
+broker, from data loaders calling ``ingest`` over RPC. Each is decoded, validated against
+the embedding schema and *planned* (prefixed, de-duplicated ids per slot) ahead of time,
+then waits in a bounded ready buffer. Embedding lookups happen when an NN worker pulls
+the batch: the NN side holds a staleness permit per pulled batch, so the number of batches
+looked up but not yet applied is bounded by ``embedding_staleness`` (PERSIA's semantics;
+with 1 the job is fully synchronous and deterministic).
+
+RPC methods (params → result):
+
+- ``health`` → ``{"ok", "role", "replica_index", ...}``
+- ``ingest {"batch": PersiaBatch wire dict, "timeout_ms"?}`` → ``{"batch_id"}`` —
+  broker-less ingest; waits while the ready buffer is full (``Backpressure`` after the
+  timeout); bad batches are refused with ``BadInput`` naming the field (nothing stored).
+- ``next_batch {"timeout_ms"}`` → a training batch (below) or None when none arrived.
+- ``push_gradients {"batch_id", "grads": {slot: f32 grad | None}}`` → ``{"applied", "dropped",
+  "skipped_slots"}``; replies only after every server applied the update.
+- ``lookup_batch {"batch": wire dict, "mode": "eval"|"infer"}`` → a batch with embeddings,
+  looked up without inserting (evaluation, online inference).
+- ``status`` → buffers, counters, frontier offsets; ``pause_ingest`` / ``resume_ingest``;
+  ``servers`` → embedding server addresses; ``metrics`` → Prometheus text.
+
+A served batch: ``{"batch_id", "requires_grad", "meta", "batch_size",
+"non_id_type_features": [{"name", "data"}], "labels": [{"name", "data"}],
+"embeddings": [{"name", "kind": "sum", "emb": f32 (batch, dim)} |
+{"name", "kind": "raw", "emb": f32 (n+1, dim), "index": i64 (batch, k), "mask": bool}]}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from stream_persia.config import EmbeddingSchema
+from stream_persia.embedding.data import PersiaBatch
+from stream_persia.errors import BadInput
+from stream_persia.metrics import RoleMetrics
+from stream_persia.rpc import RpcServer
+from stream_persia.worker import pooling
+from stream_persia.worker.buffer import BoundedBuffer
+from stream_persia.worker.frontier import Frontier
+from stream_persia.worker.router import ShardRouter
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EmbeddingWorker", "PendingBatch"]
+
+
+@dataclass(eq=False)
+class PendingBatch:
+    """A validated, planned batch waiting to be served (and, if training, applied)."""
+
+    batch_id: int
+    batch: PersiaBatch
+    plans: dict[str, pooling.SlotPlan]
+    source: tuple[int, int] | None = None       # (partition, offset) when from Kafka
+    received_s: float = field(default_factory=time.monotonic)
+    missing: int = 0                             # ids absent from the servers (eval/infer)
+
+
+class EmbeddingWorker:
+    """One embedding worker replica.
+
+    Args:
+        schema: the job's embedding config (slots, dims, prefixes).
+        embedding_servers: addresses of every embedding server, in replica order.
+        ready_buffer_batches: planned batches held ready for NN workers (bounded).
+        max_inflight_batches: served training batches awaiting gradients (bounded).
+    """
+
+    def __init__(self, schema: EmbeddingSchema, embedding_servers: list[str], *,
+                 replica_index: int = 0, replica_size: int = 1, host: str = "127.0.0.1",
+                 port: int = 0, ready_buffer_batches: int = 16,
+                 max_inflight_batches: int = 64, rpc_timeout_ms: int = 10_000,
+                 ingest_timeout_ms: int = 30_000):
+        self.schema = schema
+        self.replica_index = replica_index
+        self.replica_size = replica_size
+        self.router = ShardRouter(embedding_servers, timeout_ms=rpc_timeout_ms)
+        self.ready: BoundedBuffer[PendingBatch] = BoundedBuffer(ready_buffer_batches,
+                                                                "ready buffer")
+        self.max_inflight_batches = max_inflight_batches
+        self.inflight: dict[int, PendingBatch] = {}
+        self._inflight_room = asyncio.Semaphore(max_inflight_batches)
+        self.frontier = Frontier()
+        self.ingest_timeout_ms = ingest_timeout_ms
+        self.ingest_paused = asyncio.Event()    # set = paused (control plane)
+        self._seq = 0
+        self.kafka: Any = None                  # KafkaIngest when consuming a topic
+        m = self.metrics = RoleMetrics("embedding_worker", replica_index)
+        self.m_ingested = m.counter("batches_ingested_total", "batches accepted")
+        self.m_rejected = m.counter("batches_rejected_total", "batches refused or dead-lettered",
+                                    ("reason",))
+        self.m_served = m.counter("batches_served_total", "batches served to NN workers")
+        self.m_applied = m.counter("batches_applied_total", "batches whose gradients applied")
+        self.m_nonfinite = m.counter("nonfinite_gradient_slots_total",
+                                     "slot gradients skipped for NaN/Inf", ("slot",))
+        self.m_lookup_s = m.histogram("lookup_seconds", "embedding lookup latency",
+                                      buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
+        self.m_update_s = m.histogram("update_seconds", "gradient apply latency",
+                                      buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
+        m.add_callback("buffer", lambda: {"ready": len(self.ready),
+                                          "inflight": len(self.inflight),
+                                          "pending": self.frontier.pending()})
+        self.rpc = RpcServer({
+            "health": self._health, "ingest": self._ingest, "next_batch": self._next_batch,
+            "push_gradients": self._push_gradients, "lookup_batch": self._lookup_batch,
+            "status": self._status, "pause_ingest": self._pause, "resume_ingest": self._resume,
+            "servers": self._servers, "metrics": self._metrics,
+        }, host=host, port=port, name=f"embedding-worker-{replica_index}")
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        await self.rpc.start()
+        log.info("embedding worker %d/%d on %s, servers %s", self.replica_index,
+                 self.replica_size, self.rpc.address, self.router.addresses)
+
+    async def stop(self) -> None:
+        if self.kafka is not None:
+            await self.kafka.stop()
+        await self.rpc.stop()
+        await self.router.close()
+
+    @property
+    def address(self) -> str:
+        return self.rpc.address
+
+    # ----------------------------------------------------------------- ingest
+    def prepare(self, batch: PersiaBatch, source: tuple[int, int] | None = None
+                ) -> PendingBatch:
+        """Validate a decoded batch against the schema and plan its lookups.
+
+        Raises:
+            BadInput: unknown slot, malformed ids, disagreeing batch sizes (names the field).
+        """
+        plans = pooling.plan_batch(batch.id_type_features, self.schema,
+                                   requires_grad=batch.requires_grad)
+        batch_id = self._seq * self.replica_size + self.replica_index
+        self._seq += 1
+        return PendingBatch(batch_id, batch, plans, source)
+
+    def reject(self, reason: str) -> None:
+        self.m_rejected.labels(reason).inc()
+
+    async def _ingest(self, params: Any) -> dict:
+        if not isinstance(params, dict) or not isinstance(params.get("batch"), dict):
+            raise BadInput("ingest needs {'batch': <PersiaBatch wire dict>}", field="batch")
+        timeout_ms = params.get("timeout_ms", self.ingest_timeout_ms)
+        if not isinstance(timeout_ms, (int, float)) or timeout_ms < 0:
+            raise BadInput(f"timeout_ms must be a number >= 0, got {timeout_ms!r}",
+                           field="timeout_ms")
+        try:
+            batch = PersiaBatch.from_wire(params["batch"])
+            pb = self.prepare(batch)
+        except BadInput as e:
+            self.reject(type(e).__name__)
+            raise
+        await self.ready.put(pb, timeout=float(timeout_ms) / 1000.0)
+        self.m_ingested.inc()
+        return {"batch_id": pb.batch_id}
+
+    # ----------------------------------------------------------------- serving
+    async def _embed(self, pb: PendingBatch, mode: str) -> list[dict]:
+        merged = pooling.merge_lookups(pb.plans)
+        t0 = time.perf_counter()
+        rows, missing = await self.router.lookup([(m.dim, m.ids) for m in merged.values()],
+                                                 mode)
+        self.m_lookup_s.observe(time.perf_counter() - t0)
+        pooled = pooling.pool_batch(pb.plans, merged, dict(zip(merged, rows, strict=True)))
+        out = []
+        for name, o in pooled.items():
+            if pb.plans[name].summation:
+                out.append({"name": name, "kind": "sum", "emb": o.embeddings})
+            else:
+                out.append({"name": name, "kind": "raw", "emb": o.embeddings,
+                            "index": o.index, "mask": o.mask})
+        pb.missing = missing
+        return out
+
+    @staticmethod
+    def _served(pb: PendingBatch, embeddings: list[dict]) -> dict:
+        b = pb.batch
+        return {
+            "batch_id": pb.batch_id, "requires_grad": bool(b.requires_grad),
+            "meta": b.meta, "batch_size": b.batch_size, "embeddings": embeddings,
+            "non_id_type_features": [{"name": f.name, "data": f.data}
+                                     for f in (b.non_id_type_features or [])],
+            "labels": [{"name": f.name, "data": f.data} for f in (b.labels or [])],
+        }
+
+    async def _next_batch(self, params: Any) -> dict | None:
+        timeout_ms = (params or {}).get("timeout_ms", 1000) if isinstance(params, dict) else 1000
+        if not isinstance(timeout_ms, (int, float)) or timeout_ms < 0:
+            raise BadInput(f"timeout_ms must be a number >= 0, got {timeout_ms!r}",
+                           field="timeout_ms")
+        deadline = time.monotonic() + timeout_ms / 1000.0
+        # Room for one more in-flight batch first, so a batch is never taken off the ready
+        # buffer only to wait there.
+        try:
+            await asyncio.wait_for(self._inflight_room.acquire(),
+                                   max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return None
+        pb = await self.ready.get(timeout=max(0.0, deadline - time.monotonic()))
+        if pb is None:
+            self._inflight_room.release()
+            return None
+        training = bool(pb.batch.requires_grad)
+        try:
+            embeddings = await self._embed(pb, "train" if training else "eval")
+        except BaseException:
+            await self.ready.put_front(pb)   # not lost: first in line for the next pull
+            self._inflight_room.release()
+            raise
+        if training:
+            self.inflight[pb.batch_id] = pb
+        else:
+            self._inflight_room.release()
+            self._settle(pb)
+        self.m_served.inc()
+        return self._served(pb, embeddings)
+
+    async def _lookup_batch(self, params: Any) -> dict:
+        if not isinstance(params, dict) or not isinstance(params.get("batch"), dict):
+            raise BadInput("lookup_batch needs {'batch': <PersiaBatch wire dict>}",
+                           field="batch")
+        mode = params.get("mode", "eval")
+        if mode not in ("eval", "infer"):
+            raise BadInput(f"mode must be 'eval' or 'infer', got {mode!r}", field="mode")
+        batch = PersiaBatch.from_wire(params["batch"])
+        plans = pooling.plan_batch(batch.id_type_features, self.schema, requires_grad=False)
+        pb = PendingBatch(-1, batch, plans)
+        served = self._served(pb, await self._embed(pb, mode))
+        served["missing"] = pb.missing
+        return served
+
+    async def _push_gradients(self, params: Any) -> dict:
+        if not isinstance(params, dict):
+            raise BadInput("push_gradients takes a map", field="params")
+        batch_id = params.get("batch_id")
+        pb = self.inflight.get(batch_id) if isinstance(batch_id, int) else None
+        if pb is None:
+            raise BadInput(f"batch_id {batch_id!r} is not a batch in flight on this worker",
+                           field="batch_id",
+                           hint="gradients go to the worker that served the batch, once")
+        grads = params.get("grads")
+        if not isinstance(grads, dict):
+            raise BadInput("grads must be a map of slot name -> gradient (None: no gradient)",
+                           field="grads", hint=f"slots: {sorted(pb.plans)}")
+        reduced = pooling.reduce_batch_gradients(pb.plans, grads)
+        for name in reduced.skipped:
+            self.m_nonfinite.labels(name).inc()
+        groups = [(dim, ids, rows) for dim, (ids, rows) in reduced.by_dim.items()]
+        t0 = time.perf_counter()
+        applied = dropped = 0
+        if groups:
+            # A failure leaves the batch in flight so the NN worker can push again.
+            applied, dropped = await self.router.update(groups)
+        self.m_update_s.observe(time.perf_counter() - t0)
+        del self.inflight[batch_id]
+        self._inflight_room.release()
+        self._settle(pb)
+        self.m_applied.inc()
+        return {"applied": applied, "dropped": dropped, "skipped_slots": list(reduced.skipped)}
+
+    def _settle(self, pb: PendingBatch) -> None:
+        if pb.source is not None:
+            self.frontier.done(*pb.source)
+
+    # ----------------------------------------------------------------- control
+    async def _health(self, params: Any) -> dict:
+        return {"ok": True, "role": "embedding-worker", "replica_index": self.replica_index,
+                "replica_size": self.replica_size, "ready": len(self.ready),
+                "inflight": len(self.inflight)}
+
+    async def _status(self, params: Any) -> dict:
+        status = {
+            "replica_index": self.replica_index, "ready": len(self.ready),
+            "ready_capacity": self.ready.maxsize, "inflight": len(self.inflight),
+            "pending": self.frontier.pending(),
+            "frontier": {str(p): o for p, o in self.frontier.offsets().items()},
+            "ingest_paused": self.ingest_paused.is_set(),
+        }
+        if self.kafka is not None:
+            status["kafka"] = await self.kafka.status()
+        return status
+
+    async def _pause(self, params: Any) -> None:
+        self.ingest_paused.set()
+
+    async def _resume(self, params: Any) -> None:
+        self.ingest_paused.clear()
+
+    async def _servers(self, params: Any) -> list[str]:
+        return self.router.addresses
+
+    async def _metrics(self, params: Any) -> bytes:
+        return self.metrics.render()
+

@@ -1,0 +1,21 @@
+"""Suite-wide fixtures and reporting.
+
+Fixtures for the Kafka test broker live in :mod:`stream_persia.testing.pytest_plugin` so
+that load tests and users' own suites can use them too.
+"""
+
+from __future__ import annotations
+
+import os
+
+pytest_plugins = ["stream_persia.testing.pytest_plugin"]
+
+
+def pytest_report_header(config):
+    from stream_persia.embedding import store
+
+    lines = [f"stream-persia embedding store: {store.IMPLEMENTATION}"
+             f" (STREAM_PERSIA_PURE_PYTHON={os.environ.get('STREAM_PERSIA_PURE_PYTHON', '')!r})"]
+    kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    lines.append(f"kafka test broker: {kafka or 'librdkafka mock cluster (started by the suite)'}")
+    return lines
