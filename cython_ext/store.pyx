@@ -4,10 +4,10 @@
 
 Same interface and the same results, bit for bit, as the pure-Python twin
 ``stream_persia.embedding._pystore.PyEmbeddingStore``, which documents the semantics, the
-validation and the hash functions both use. Layout, chosen for memory (about 40 bytes of
+validation and the hash functions both use. Layout, chosen for memory (about 50 bytes of
 bookkeeping per row at full load) and for loops that run without the GIL:
 
-- ``entries``: one 24-byte ``Entry`` per stored row (id, intrusive doubly linked LRU list,
+- ``entries``: one 32-byte ``Entry`` per stored row (id, intrusive doubly linked LRU list,
   arena and row of its vector), reused through a free list threaded through ``next``;
 - ``table``: open addressing with linear probing, load <= 1/2, slots of (32-bit hash, entry)
   so that probing past other keys and rehashing never touch the entries; deletion shifts
@@ -38,6 +38,9 @@ cdef extern from *:
     #include <math.h>
     #include <stdlib.h>
     #include <string.h>
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    #endif
     #if defined(__GNUC__) && !defined(__clang__)
     #define SP_KERNEL static __attribute__((optimize("no-math-errno", "fp-contract=off")))
     #else
@@ -58,30 +61,85 @@ cdef extern from *:
     static inline uint32_t sp_hash32(uint64_t key) {
         return (uint32_t)((key * 0x9E3779B97F4A7C15ULL) >> 32);
     }
-    static inline void *sp_aligned_alloc(size_t n) {
+    #if defined(__linux__)
+    #include <sys/mman.h>
+    #define SP_MMAP 1
+    #else
+    #define SP_MMAP 0
+    #endif
+    #define SP_HUGE (1u << 21)
+    #define SP_MAP_MIN (1u << 18)
+    /* Large buffers are mapped directly rather than taken from malloc: freeing them then
+       returns the memory to the system at once (glibc's heap would keep it, and would
+       fragment around the numpy temporaries of the caller). With `huge`, they are 2 MiB
+       aligned and on transparent huge pages: the store is read at random, and with 4 KiB
+       pages nearly every access to a large store would also miss the TLB. */
+    static void *sp_alloc(size_t n, int huge) {
         void *p = NULL;
+    #if SP_MMAP
+        if (n >= SP_MAP_MIN) {
+            size_t extra = huge ? SP_HUGE : 0;
+            char *m = mmap(NULL, n + extra, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m == MAP_FAILED) return NULL;
+            if (!extra) return m;
+            char *a = (char *)(((uintptr_t)m + SP_HUGE - 1) & ~(uintptr_t)(SP_HUGE - 1));
+            if (a > m) munmap(m, (size_t)(a - m));
+            if (a + n < m + n + extra) munmap(a + n, (size_t)(m + n + extra - (a + n)));
+    #if defined(MADV_HUGEPAGE)
+            madvise(a, n, MADV_HUGEPAGE);
+    #endif
+            return a;
+        }
+    #endif
         return posix_memalign(&p, 64, n) == 0 ? p : NULL;
     }
+    static void sp_free(void *p, size_t n) {
+        if (p == NULL) return;
+    #if SP_MMAP
+        if (n >= SP_MAP_MIN) { munmap(p, n); return; }
+    #endif
+        free(p);
+    }
 
-    /* New row of `key`: see _pystore.initial_rows. */
-    SP_KERNEL void sp_init_row(float *w, int d, uint64_t key, double lo, double span) {
-        uint64_t base = sp_mix64(key);
-        for (int j = 0; j < d; j++) {
-            double u = (double)(sp_mix64(base + (uint64_t)j) >> 40) * (1.0 / 16777216.0);
-            w[j] = (float)(lo + span * u);
+    /* New row of `key`: see _pystore.initial_rows (two 24-bit draws per mix64). */
+    SP_KERNEL void sp_init_row(float *w, int d, uint64_t key, float lo, float span) {
+        const uint64_t base = sp_mix64(key);
+        const float scale = 1.0f / 16777216.0f;
+        int j = 0;
+    #if defined(__SSE2__)
+        const __m128 vscale = _mm_set1_ps(scale), vspan = _mm_set1_ps(span),
+                     vlo = _mm_set1_ps(lo);
+        for (; j + 4 <= d; j += 4) {
+            uint64_t h0 = sp_mix64(base + (uint64_t)(j >> 1));
+            uint64_t h1 = sp_mix64(base + (uint64_t)(j >> 1) + 1);
+            __m128i bits = _mm_set_epi32((int)((h1 >> 8) & 0xFFFFFFu), (int)(h1 >> 40),
+                                         (int)((h0 >> 8) & 0xFFFFFFu), (int)(h0 >> 40));
+            __m128 u = _mm_mul_ps(_mm_cvtepi32_ps(bits), vscale);
+            _mm_storeu_ps(w + j, _mm_add_ps(vlo, _mm_mul_ps(vspan, u)));
+        }
+    #endif
+        for (; j < d; j += 2) {
+            uint64_t h = sp_mix64(base + (uint64_t)(j >> 1));
+            w[j] = lo + span * ((float)(h >> 40) * scale);
+            if (j + 1 < d) w[j + 1] = lo + span * ((float)((h >> 8) & 0xFFFFFFu) * scale);
         }
     }
 
-    /* 1 if any of the n floats is NaN or inf (exponent bits all ones). */
-    SP_KERNEL int sp_any_nonfinite(const float *x, int64_t n) {
+    /* Bit 31 is set if any of the n floats is NaN or inf (exponent bits all ones). */
+    static inline uint32_t sp_nonfinite_bits(const float *x, int64_t n) {
         const uint32_t *b = (const uint32_t *)x;
         uint32_t acc = 0;
         for (int64_t i = 0; i < n; i++) acc |= (b[i] & 0x7f800000u) + 0x00800000u;
-        return (acc & 0x80000000u) != 0;
+        return acc & 0x80000000u;
     }
 
-    SP_KERNEL void sp_add(float *restrict acc, const float *restrict g, int d) {
+    static inline void sp_add(float *restrict acc, const float *restrict g, int d) {
         for (int j = 0; j < d; j++) acc[j] = acc[j] + g[j];
+    }
+    /* acc = 0 + g: the first gradient of an id, summed from +0.0 like the numpy twin. */
+    static inline void sp_first(float *restrict acc, const float *restrict g, int d) {
+        for (int j = 0; j < d; j++) acc[j] = 0.0f + g[j];
     }
 
     /* One optimizer step and the clamp: the float32 twin of Optimizer.step in optim.py. */
@@ -106,7 +164,19 @@ cdef extern from *:
                 for (j = 0; j < d; j++) w[j] = w[j] - o->lr * g[j] / den;
                 s[0] = o->g2m * s[0] + sq / (float)d;
             } else {
-                for (j = 0; j < d; j++) {
+                j = 0;
+    #if defined(__SSE2__)
+                /* GCC keeps sqrtf scalar (errno); SSE does the same IEEE operations. */
+                const __m128 lr = _mm_set1_ps(o->lr), eps = _mm_set1_ps(o->eps),
+                             g2m = _mm_set1_ps(o->g2m);
+                for (; j + 4 <= d; j += 4) {
+                    __m128 gj = _mm_loadu_ps(g + j), sj = _mm_loadu_ps(s + j);
+                    __m128 step = _mm_div_ps(_mm_mul_ps(lr, gj), _mm_sqrt_ps(_mm_add_ps(sj, eps)));
+                    _mm_storeu_ps(w + j, _mm_sub_ps(_mm_loadu_ps(w + j), step));
+                    _mm_storeu_ps(s + j, _mm_add_ps(_mm_mul_ps(g2m, sj), _mm_mul_ps(gj, gj)));
+                }
+    #endif
+                for (; j < d; j++) {
                     w[j] = w[j] - o->lr * g[j] / sqrtf(s[j] + o->eps);
                     s[j] = o->g2m * s[j] + g[j] * g[j];
                 }
@@ -118,7 +188,25 @@ cdef extern from *:
             s[2 * d + 1] = p2;
             p1 = 1.0f - p1;
             p2 = 1.0f - p2;
-            for (j = 0; j < d; j++) {
+            j = 0;
+    #if defined(__SSE2__)
+            const __m128 b1 = _mm_set1_ps(o->b1), b2 = _mm_set1_ps(o->b2),
+                         c1 = _mm_set1_ps(o->c1), c2 = _mm_set1_ps(o->c2),
+                         lr = _mm_set1_ps(o->lr), eps = _mm_set1_ps(o->eps),
+                         q1 = _mm_set1_ps(p1), q2 = _mm_set1_ps(p2);
+            for (; j + 4 <= d; j += 4) {
+                __m128 gj = _mm_loadu_ps(g + j);
+                __m128 mj = _mm_add_ps(_mm_mul_ps(b1, _mm_loadu_ps(m + j)), _mm_mul_ps(c1, gj));
+                __m128 vj = _mm_add_ps(_mm_mul_ps(b2, _mm_loadu_ps(v + j)),
+                                       _mm_mul_ps(c2, _mm_mul_ps(gj, gj)));
+                __m128 step = _mm_div_ps(_mm_mul_ps(lr, _mm_div_ps(mj, q1)),
+                                         _mm_add_ps(_mm_sqrt_ps(_mm_div_ps(vj, q2)), eps));
+                _mm_storeu_ps(m + j, mj);
+                _mm_storeu_ps(v + j, vj);
+                _mm_storeu_ps(w + j, _mm_sub_ps(_mm_loadu_ps(w + j), step));
+            }
+    #endif
+            for (; j < d; j++) {
                 m[j] = o->b1 * m[j] + o->c1 * g[j];
                 v[j] = o->b2 * v[j] + o->c2 * (g[j] * g[j]);
                 w[j] = w[j] - o->lr * (m[j] / p1) / (sqrtf(v[j] / p2) + o->eps);
@@ -136,21 +224,25 @@ cdef extern from *:
         float lr, momentum, wd, b1, b2, c1, c2, eps, g2m, bound
     uint64_t sp_mix64(uint64_t z) nogil
     uint32_t sp_hash32(uint64_t key) nogil
-    void *sp_aligned_alloc(size_t n) nogil
-    void sp_init_row(float *w, int d, uint64_t key, double lo, double span) nogil
-    int sp_any_nonfinite(const float *x, int64_t n) nogil
+    void *sp_alloc(size_t n, int huge) nogil
+    void sp_free(void *p, size_t n) nogil
+    void sp_init_row(float *w, int d, uint64_t key, float lo, float span) nogil
+    uint32_t sp_nonfinite_bits(const float *x, int64_t n) nogil
     void sp_add(float *acc, const float *g, int d) nogil
+    void sp_first(float *acc, const float *g, int d) nogil
     void sp_apply(const SpOpt *o, float *w, float *s, float *g, int d) nogil
     void sp_prefetch "__builtin_prefetch"(const void *p) nogil
     uint32_t NONE32 "SP_NONE32"
 
-cdef struct Entry:    # 24 bytes
+cdef struct Entry:    # 32 bytes, 64-byte aligned array: one cache line per entry
     uint64_t key
     int32_t prev      # towards the most recently used end (head); -1 at the head
     int32_t next      # towards the least recently used end (tail); free-list link when free
     uint32_t row
-    uint16_t arena
+    uint16_t arena    # FREE_ARENA while the entry is free
     uint16_t _pad
+    uint32_t stamp    # update() call that last saw this entry, and the entry's position
+    int32_t pos       # in that call's list of unique ids
 
 cdef struct Slot:
     uint32_t h        # sp_hash32(key)
@@ -168,19 +260,33 @@ cdef struct Arena:
     float **blocks
     float *init_state
 
+cdef struct Pipe:      # prefetch pipeline over a batch of ids (see _stage)
+    const uint64_t *keys
+    int64_t n
+    int lines         # cache lines of each row to prefetch
+    bint links        # prefetch the LRU neighbours too
+    uint32_t h[64]    # RING
+    int32_t e[64]
+
 cdef enum:
     OK = 0
     E_NOMEM = 1
     E_DIM = 2
     E_NONFINITE = 3
     MIN_TABLE_BITS = 10
-    BLOCK_BYTES = 1 << 20
-    PF_SLOT = 24      # prefetch distances, in ids
-    PF_ENTRY = 12
-    PF_ROW = 4
+    BLOCK_BYTES = 1 << 21
+    RING = 64         # prefetch distances, in ids (< RING)
+    PF_SLOT = 32
+    PF_ENTRY = 16
+    PF_ROW = 8
+    FREE_ARENA = 0xFFFF
 
 cdef inline float* row_ptr(const Arena *a, uint32_t r) noexcept nogil:
     return a.blocks[r >> a.shift] + <size_t>(r & ((<uint32_t>1 << a.shift) - 1)) * a.stride
+
+
+cdef inline size_t _block_bytes(const Arena *a) noexcept nogil:
+    return sizeof(float) * a.stride << a.shift
 
 
 cdef SpOpt make_opt(opt, cfg) except *:
@@ -219,11 +325,12 @@ cdef class CEmbeddingStore:
     cdef Arena *arenas
     cdef int narenas
     cdef SpOpt opt
-    cdef double init_lo, init_span, admit_p
-    cdef float *gbuf         # update scratch: summed gradients, row pointers, dedupe table
+    cdef float init_lo, init_span
+    cdef double admit_p
+    cdef float *gbuf         # update scratch: summed gradients, row pointers
     cdef float **rbuf
-    cdef int32_t *dbuf
-    cdef int64_t gbuf_cap, rbuf_cap, dbuf_cap
+    cdef int64_t gbuf_cap, rbuf_cap
+    cdef uint32_t stamp
     cdef int64_t n_lookups, n_misses, n_admissions, n_evictions, n_updates, n_dropped
     cdef uint64_t draws
     cdef int64_t version
@@ -240,9 +347,8 @@ cdef class CEmbeddingStore:
 
     def __dealloc__(self):
         self._free_all()
-        free(self.gbuf)
-        free(self.rbuf)
-        free(self.dbuf)
+        sp_free(self.gbuf, sizeof(float) * self.gbuf_cap)
+        sp_free(self.rbuf, sizeof(float*) * self.rbuf_cap)
 
     # --- memory ----------------------------------------------------------------------------
 
@@ -251,12 +357,12 @@ cdef class CEmbeddingStore:
         cdef uint32_t b
         for a in range(self.narenas):
             for b in range(self.arenas[a].nblocks):
-                free(self.arenas[a].blocks[b])
+                sp_free(self.arenas[a].blocks[b], _block_bytes(&self.arenas[a]))
             free(self.arenas[a].blocks)
             free(self.arenas[a].init_state)
         free(self.arenas)
-        free(self.entries)
-        free(self.table)
+        sp_free(self.entries, sizeof(Entry) * self.ecap)
+        sp_free(self.table, sizeof(Slot) << self.tbits)
         self.arenas = NULL
         self.entries = NULL
         self.table = NULL
@@ -268,7 +374,7 @@ cdef class CEmbeddingStore:
         self.ecap = self.eused = self.count = 0
         self.efree = self.head = self.tail = -1
         self.tbits = MIN_TABLE_BITS
-        self.table = <Slot*>malloc(sizeof(Slot) << self.tbits)
+        self.table = <Slot*>sp_alloc(sizeof(Slot) << self.tbits, False)
         if self.table == NULL:
             raise MemoryError()
         memset(self.table, 0xFF, sizeof(Slot) << self.tbits)
@@ -276,8 +382,9 @@ cdef class CEmbeddingStore:
     cdef _set_config(self, cfg):
         self._cfg = cfg
         self.opt = make_opt(self._opt_obj, cfg)
-        self.init_lo = cfg.emb_initialization[0]
-        self.init_span = cfg.emb_initialization[1] - cfg.emb_initialization[0]
+        lo, hi = _py.init_bounds(cfg.emb_initialization)
+        self.init_lo = lo
+        self.init_span = hi - lo
         self.admit_p = cfg.admit_probability
 
     cdef int _arena_index(self, int dim, bint create) except -2:
@@ -327,16 +434,19 @@ cdef class CEmbeddingStore:
             cap = 1024
         if cap > self.capacity_:
             cap = self.capacity_
-        cdef Entry *e = <Entry*>realloc(self.entries, sizeof(Entry) * cap)
+        cdef Entry *e = <Entry*>sp_alloc(sizeof(Entry) * cap, cap >= 1 << 17)
         if e == NULL:
             return False
+        if self.eused:
+            memcpy(e, self.entries, sizeof(Entry) * self.eused)
+        sp_free(self.entries, sizeof(Entry) * self.ecap)
         self.entries = e
         self.ecap = <int32_t>cap
         return True
 
     cdef bint _grow_table(self) noexcept nogil:
         cdef int bits = self.tbits + 1
-        cdef Slot *t = <Slot*>malloc(sizeof(Slot) << bits)
+        cdef Slot *t = <Slot*>sp_alloc(sizeof(Slot) << bits, bits >= 20)
         cdef uint32_t mask = (<uint32_t>1 << bits) - 1, i, k
         if t == NULL:
             return False
@@ -347,7 +457,7 @@ cdef class CEmbeddingStore:
                 while t[i].e >= 0:
                     i = (i + 1) & mask
                 t[i] = self.table[k]
-        free(self.table)
+        sp_free(self.table, sizeof(Slot) << self.tbits)
         self.table = t
         self.tbits = bits
         return True
@@ -367,7 +477,8 @@ cdef class CEmbeddingStore:
                     return NONE32
                 a.blocks = blocks
                 a.blocks_cap = cap
-            a.blocks[a.nblocks] = <float*>sp_aligned_alloc(sizeof(float) * a.stride << a.shift)
+            # The first block of a dim stays on small pages: small stores stay small.
+            a.blocks[a.nblocks] = <float*>sp_alloc(_block_bytes(a), a.nblocks > 0)
             if a.blocks[a.nblocks] == NULL:
                 return NONE32
             a.nblocks += 1
@@ -405,37 +516,58 @@ cdef class CEmbeddingStore:
             i = j
         self.table[i].e = -1
 
-    cdef inline void _prefetch(self, const uint64_t *keys, int64_t i, int64_t n,
-                               int lines, bint links) noexcept nogil:
-        """Prefetch, for ids further down the batch: the table slot, the entry, then the
-        row (``lines`` cache lines of it) and the LRU neighbours. Only a hint: ids are
-        still processed in order against the current state."""
+    cdef inline void _stage(self, Pipe *p, int64_t i) noexcept nogil:
+        """Advance the prefetch pipeline before id ``i`` is processed: fetch the table slot
+        of id i+PF_SLOT; follow its probe chain by hash and fetch the entry of id
+        i+PF_ENTRY (remembered in the ring); check that entry's key and fetch the row and
+        LRU neighbours of id i+PF_ROW. Only hints: see :meth:`_resolve`."""
+        cdef int64_t j = i + PF_SLOT
+        cdef int sh = 32 - self.tbits, k
+        cdef uint32_t h, s, mask
+        cdef int32_t e
         cdef Entry *x
         cdef const float *row
-        cdef int sh = 32 - self.tbits, k
-        cdef uint32_t h, j, mask = (<uint32_t>1 << self.tbits) - 1
-        cdef int32_t e
-        if i + PF_SLOT < n:
-            sp_prefetch(&self.table[sp_hash32(keys[i + PF_SLOT]) >> sh])
-        if i + PF_ENTRY < n:  # the slot has arrived: follow the probe chain by hash only
-            h = sp_hash32(keys[i + PF_ENTRY])
-            j = h >> sh
-            while self.table[j].e >= 0:
-                if self.table[j].h == h:
-                    sp_prefetch(&self.entries[self.table[j].e])
+        if 0 <= j < p.n:
+            h = sp_hash32(p.keys[j])
+            p.h[j & (RING - 1)] = h
+            sp_prefetch(&self.table[h >> sh])
+        j = i + PF_ENTRY
+        if 0 <= j < p.n:
+            h = p.h[j & (RING - 1)]
+            mask = (<uint32_t>1 << self.tbits) - 1
+            s = h >> sh
+            e = -1
+            while self.table[s].e >= 0:
+                if self.table[s].h == h:
+                    e = self.table[s].e
+                    sp_prefetch(&self.entries[e])
                     break
-                j = (j + 1) & mask
-        if (lines or links) and i + PF_ROW < n:
-            e = self._find(keys[i + PF_ROW])
+                s = (s + 1) & mask
+            p.e[j & (RING - 1)] = e
+        j = i + PF_ROW
+        if 0 <= j < p.n:
+            e = p.e[j & (RING - 1)]
             if e >= 0:
                 x = &self.entries[e]
-                row = row_ptr(&self.arenas[x.arena], x.row)
-                for k in range(lines):
-                    sp_prefetch(row + 16 * k)
-                if links and x.prev >= 0:
-                    sp_prefetch(&self.entries[x.prev])
-                if links and x.next >= 0:
-                    sp_prefetch(&self.entries[x.next])
+                if x.key != p.keys[j] or x.arena == FREE_ARENA:
+                    p.e[j & (RING - 1)] = -1
+                else:
+                    if p.lines:
+                        row = row_ptr(&self.arenas[x.arena], x.row)
+                        for k in range(p.lines):
+                            sp_prefetch(row + 16 * k)
+                    if p.links and x.prev >= 0:
+                        sp_prefetch(&self.entries[x.prev])
+                    if p.links and x.next >= 0:
+                        sp_prefetch(&self.entries[x.next])
+
+    cdef inline int32_t _resolve(self, Pipe *p, int64_t i) noexcept nogil:
+        """Entry of id ``i`` (-1 if not stored). The entry remembered by the pipeline is
+        used only if it still holds this id; the store may have changed since."""
+        cdef int32_t e = p.e[i & (RING - 1)]
+        if e >= 0 and self.entries[e].key == p.keys[i] and self.entries[e].arena != FREE_ARENA:
+            return e
+        return self._find(p.keys[i])
 
     cdef inline void _unlink(self, int32_t e) noexcept nogil:
         cdef Entry *x = &self.entries[e]
@@ -473,11 +605,15 @@ cdef class CEmbeddingStore:
         (<uint32_t*>row_ptr(a, x.row))[0] = a.free_head
         a.free_head = x.row
         x.next = self.efree
+        x.arena = FREE_ARENA
         self.efree = e
         self.count -= 1
         self.n_evictions += 1
-        if self.tail >= 0:  # the next victims are cold: fetch them while this miss proceeds
-            y = &self.entries[self.tail]
+        # The next victims are cold: fetch what evicting them will touch, two evictions
+        # ahead for their table slot and row (their entry was fetched one eviction ago)
+        # and three ahead for the entry.
+        if self.tail >= 0 and self.entries[self.tail].prev >= 0:
+            y = &self.entries[self.entries[self.tail].prev]
             sp_prefetch(&self.table[sp_hash32(y.key) >> (32 - self.tbits)])
             sp_prefetch(row_ptr(&self.arenas[y.arena], y.row))
             if y.prev >= 0:
@@ -506,6 +642,7 @@ cdef class CEmbeddingStore:
         self.entries[e].key = key
         self.entries[e].row = r
         self.entries[e].arena = <uint16_t>ai
+        self.entries[e].stamp = 0
         mask = (<uint32_t>1 << self.tbits) - 1
         i = h >> (32 - self.tbits)
         while self.table[i].e >= 0:
@@ -587,15 +724,18 @@ cdef class CEmbeddingStore:
         cdef uint64_t key
         cdef Entry *x
         cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
-        cdef double p = self.admit_p, u
+        cdef double admit = self.admit_p, u
         cdef float *dst
         cdef float *row
-        cdef int lines = (dim + 15) // 16
-        for i in range(n):
-            self._prefetch(keys, i, n, lines, train)
+        cdef Pipe pipe
+        pipe.keys, pipe.n, pipe.lines, pipe.links = keys, n, (dim + 15) // 16, train
+        for i in range(-PF_SLOT, n):
+            self._stage(&pipe, i)
+            if i < 0:
+                continue
             key = keys[i]
             dst = out + i * dim
-            e = self._find(key)
+            e = self._resolve(&pipe, i)
             if e >= 0:
                 x = &self.entries[e]
                 if x.arena != ai:
@@ -610,11 +750,11 @@ cdef class CEmbeddingStore:
                 memset(dst, 0, sizeof(float) * dim)
                 continue
             u = 0.0
-            if p < 1.0:
+            if admit < 1.0:
                 u = <double>(sp_mix64(key ^ sp_mix64(self.draws)) >> 11) * (
                     1.0 / 9007199254740992.0)
             self.draws += 1
-            if not u < p:
+            if not u < admit:
                 memset(dst, 0, sizeof(float) * dim)
                 continue
             e = self._insert(key, ai)
@@ -633,79 +773,75 @@ cdef class CEmbeddingStore:
         ids = _py.check_ids(ids)
         grads = _py.check_grads(grads, len(ids))
         cdef int64_t n = ids.shape[0], i = 0, nd
-        cdef int dim = grads.shape[1], bits = 1
+        cdef int dim = grads.shape[1]
         if n == 0:
             return
         cdef int ai = self._arena_index(dim, False)
         cdef const uint64_t[::1] keys = ids
         cdef const float[:, ::1] g = grads
         cdef int status = OK
-        while (<int64_t>1 << bits) < 2 * n:
-            bits += 1
         self._enter()
         try:
             nd = n * dim
             if self.gbuf_cap < nd:
-                free(self.gbuf)
-                self.gbuf = <float*>sp_aligned_alloc(sizeof(float) * nd)
+                sp_free(self.gbuf, sizeof(float) * self.gbuf_cap)
+                self.gbuf = <float*>sp_alloc(sizeof(float) * nd, False)
                 self.gbuf_cap = nd if self.gbuf != NULL else 0
             if self.rbuf_cap < n:
-                free(self.rbuf)
-                self.rbuf = <float**>malloc(sizeof(float*) * n)
+                sp_free(self.rbuf, sizeof(float*) * self.rbuf_cap)
+                self.rbuf = <float**>sp_alloc(sizeof(float*) * n, False)
                 self.rbuf_cap = n if self.rbuf != NULL else 0
-            if self.dbuf_cap < (<int64_t>1 << bits):
-                free(self.dbuf)
-                self.dbuf = <int32_t*>malloc(sizeof(int32_t) << bits)
-                self.dbuf_cap = (<int64_t>1 << bits) if self.dbuf != NULL else 0
-            if self.gbuf == NULL or self.rbuf == NULL or self.dbuf == NULL:
+            if self.gbuf == NULL or self.rbuf == NULL:
                 raise MemoryError()
+            self.stamp += 1
+            if self.stamp == 0:  # wrapped (after 2**32 updates): forget every old stamp
+                for i in range(self.eused):
+                    self.entries[i].stamp = 0
+                self.stamp = 1
             with nogil:
-                status = self._update(&keys[0], &g[0, 0], n, dim, ai, bits, &i)
+                status = self._update(&keys[0], &g[0, 0], n, dim, ai, &i)
         finally:
             self.busy = False
         if status != OK:
             self._raise(status, i, ids, dim, "update")
 
     cdef int _update(self, const uint64_t *keys, const float *g, int64_t n, int dim, int ai,
-                     int bits, int64_t *at) noexcept nogil:
+                     int64_t *at) noexcept nogil:
         cdef int64_t i
         cdef int32_t e, u, nu = 0
-        cdef uint32_t k, dmask = (<uint32_t>1 << bits) - 1
+        cdef uint32_t stamp = self.stamp
         cdef Entry *x
         cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
         cdef int64_t dropped = 0
         cdef int lines = (dim + (self.arenas[ai].width if ai >= 0 else 0) + 15) // 16, j
-        if sp_any_nonfinite(g, n * dim):
-            for i in range(n):
-                if sp_any_nonfinite(g + i * dim, dim):
-                    at[0] = i
-                    return E_NONFINITE
-        # Pass 1: resolve ids, sum the gradients of each stored id (in call order, from 0).
-        # The dedupe table maps entry index -> position in the unique list.
-        memset(self.dbuf, 0xFF, sizeof(int32_t) << bits)
-        for i in range(n):
-            self._prefetch(keys, i, n, 0, False)
-            e = self._find(keys[i])
+        cdef uint32_t bad = 0
+        # Pass 1: resolve ids, sum the gradients of each stored id (in call order, from 0),
+        # and check that every gradient is finite (on the same read of grads).
+        cdef Pipe p
+        p.keys, p.n, p.lines, p.links = keys, n, 0, False
+        for i in range(-PF_SLOT, n):
+            self._stage(&p, i)
+            if i < 0:
+                continue
+            bad |= sp_nonfinite_bits(g + i * dim, dim)
+            e = self._resolve(&p, i)
             if e < 0:
                 dropped += 1
                 continue
             x = &self.entries[e]
             if x.arena != ai:
                 at[0] = i
-                return E_DIM
-            k = (<uint32_t>e * <uint32_t>0x9E3779B1) >> (32 - bits)
-            while True:
-                u = self.dbuf[k]
-                if u < 0:
-                    u = self.dbuf[k] = nu
-                    self.rbuf[nu] = row_ptr(a, x.row)
-                    memset(self.gbuf + <int64_t>nu * dim, 0, sizeof(float) * dim)
-                    nu += 1
-                    break
-                if self.rbuf[u] == row_ptr(a, x.row):
-                    break
-                k = (k + 1) & dmask
-            sp_add(self.gbuf + <int64_t>u * dim, g + i * dim, dim)
+                return self._first_nonfinite(g, n, dim, at, E_DIM)
+            if x.stamp != stamp:
+                x.stamp = stamp
+                x.pos = nu
+                self.rbuf[nu] = row_ptr(a, x.row)
+                sp_first(self.gbuf + <int64_t>nu * dim, g + i * dim, dim)
+                nu += 1
+            else:
+                sp_add(self.gbuf + <int64_t>x.pos * dim, g + i * dim, dim)
+        if bad:
+            return self._first_nonfinite(g, n, dim, at, OK)
         self.n_updates += n
         self.n_dropped += dropped
         self.version += 1
@@ -718,6 +854,17 @@ cdef class CEmbeddingStore:
                      self.gbuf + <int64_t>u * dim, dim)
         return OK
 
+    cdef int _first_nonfinite(self, const float *g, int64_t n, int dim, int64_t *at,
+                              int otherwise) noexcept nogil:
+        """E_NONFINITE at the first non-finite row of grads, else ``otherwise`` (errors are
+        reported in the order the twin checks them)."""
+        cdef int64_t i
+        for i in range(n):
+            if sp_nonfinite_bits(g + i * dim, dim):
+                at[0] = i
+                return E_NONFINITE
+        return otherwise
+
     def contains(self, ids):
         """Which ids are stored (bool array); recency is not refreshed."""
         ids = _py.check_ids(ids)
@@ -727,12 +874,15 @@ cdef class CEmbeddingStore:
             return out
         cdef const uint64_t[::1] keys = ids
         cdef unsigned char[::1] o = out.view(np.uint8)
+        cdef Pipe p
+        p.keys, p.n, p.lines, p.links = &keys[0], n, 0, False
         self._enter()
         try:
             with nogil:
-                for i in range(n):
-                    self._prefetch(&keys[0], i, n, 0, False)
-                    o[i] = self._find(keys[i]) >= 0
+                for i in range(-PF_SLOT, n):
+                    self._stage(&p, i)
+                    if i >= 0:
+                        o[i] = self._resolve(&p, i) >= 0
         finally:
             self.busy = False
         return out
@@ -768,13 +918,14 @@ cdef class CEmbeddingStore:
     cdef _restate(self, Arena *a):
         """Re-layout an arena for a new state width: keep weights, reset state."""
         cdef int old_stride = a.stride, dim = a.dim
+        cdef size_t old_bytes = _block_bytes(a)
         cdef uint32_t b, r, rows = <uint32_t>1 << a.shift
         cdef float *nb
         cdef float *ob
         cdef float *row
         self._set_arena_state(a)
         for b in range(a.nblocks):
-            nb = <float*>sp_aligned_alloc(sizeof(float) * a.stride << a.shift)
+            nb = <float*>sp_alloc(_block_bytes(a), b > 0)
             if nb == NULL:
                 raise MemoryError()
             ob = a.blocks[b]
@@ -782,7 +933,7 @@ cdef class CEmbeddingStore:
                 row = nb + <size_t>r * a.stride
                 memcpy(row, ob + <size_t>r * old_stride, sizeof(float) * dim)
                 memcpy(row + dim, a.init_state, sizeof(float) * a.width)
-            free(ob)
+            sp_free(ob, old_bytes)
             a.blocks[b] = nb
 
     def stats(self):

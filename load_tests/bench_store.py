@@ -4,7 +4,8 @@ Single thread, dim 16, Adagrad, capacity 1M rows, ids Zipf(1.1)-distributed over
 (rank k drawn with probability ∝ k^-1.1, mapped to a u64 id by a hash), batches of 65,536.
 The stores are first filled to capacity with training lookups, so the timed batches run in
 steady state (hits, misses, admissions and evictions). Each timed batch is a training
-lookup followed by an update with the same ids.
+lookup followed by an update with the same ids. Figures are medians over rounds that
+interleave the three implementations, in ids per second of the calling thread's CPU time.
 
 Baseline: a preallocated torch table of 1M rows (weights + Adagrad accumulator) indexed by
 ``rank % 1M``: ``index_select`` for lookup; for update, ``index_add_`` sums duplicate ids into
@@ -12,9 +13,10 @@ a dense gradient buffer, then Adagrad runs on the touched rows. It is the ceilin
 hashing and no eviction.
 
 Memory: ``memory_bytes()`` of the full Cython store per row, against the raw bytes of a row
-(4 * (dim + state width)); the growth of the process RSS while filling is shown beside it.
+(4 * (dim + state width)); the growth of the process RSS while a second store is filled is
+shown beside it as a check.
 
-Usage: ``python load_tests/bench_store.py [--json PATH] [--batches N] [--twin-batches N]``
+Usage: ``python load_tests/bench_store.py [--json PATH] [--rounds N] [--batches N]``
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ import os
 import sys
 import time
 
-import numpy as np
-import torch
+# Single-threaded means no idle BLAS/OpenMP worker threads spinning beside the timed loops.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
-from stream_persia.embedding._pystore import PyEmbeddingStore, mix64
-from stream_persia.embedding.optim import Adagrad
-from stream_persia.embedding.store import CEmbeddingStore
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from stream_persia.embedding._pystore import PyEmbeddingStore, mix64  # noqa: E402
+from stream_persia.embedding.optim import Adagrad  # noqa: E402
+from stream_persia.embedding.store import CEmbeddingStore  # noqa: E402
 
 DIM, CAPACITY, UNIVERSE, BATCH = 16, 1_000_000, 10_000_000, 65_536
 OPT = Adagrad(lr=1e-2)
@@ -80,24 +86,41 @@ class TorchTable:
         self.touched.index_fill_(0, rows, False)
 
 
-def time_store(store, batches, grads) -> tuple[float, float]:
-    t_lookup = t_update = 0.0
-    for ids in batches:
-        t0 = time.perf_counter()
-        store.lookup(ids, DIM, True)
-        t1 = time.perf_counter()
-        store.update(ids, grads)
-        t_update += time.perf_counter() - t1
-        t_lookup += t1 - t0
-    n = len(batches) * BATCH
-    return n / t_lookup, n / t_update
+class Timer:
+    """Per-round throughput of one implementation (lookup and update timed separately).
+
+    Time is the calling thread's CPU time: every implementation here runs in this one
+    thread, and on a shared machine wall time would also count other processes.
+    """
+
+    def __init__(self):
+        self.rounds: list[tuple[int, float, float]] = []
+
+    def run(self, lookup, update, batches) -> None:
+        t_lookup = t_update = 0.0
+        for b in batches:
+            t0 = time.thread_time()
+            lookup(b)
+            t1 = time.thread_time()
+            update(b)
+            t_update += time.thread_time() - t1
+            t_lookup += t1 - t0
+        self.rounds.append((len(batches) * BATCH, t_lookup, t_update))
+
+    def rates(self) -> tuple[float, float]:
+        """Median over rounds of ids/s, for lookup and for update."""
+        return (float(np.median([n / tl for n, tl, _ in self.rounds])),
+                float(np.median([n / tu for n, _, tu in self.rounds])))
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--batches", type=int, default=30, help="timed batches (Cython, torch)")
-    ap.add_argument("--twin-batches", type=int, default=3, help="timed batches (Python twin)")
+    ap.add_argument("--rounds", type=int, default=5, help="timing rounds (medians are reported)")
+    ap.add_argument("--batches", type=int, default=6,
+                    help="batches per round for the Cython store and torch")
+    ap.add_argument("--twin-batches", type=int, default=1,
+                    help="batches per round for the Python twin")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     zipf = ZipfIds()
@@ -105,7 +128,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     grads = (rng.standard_normal((BATCH, DIM)) * 0.01).astype(np.float32)
 
     print("filling the Cython store to capacity ...", file=sys.stderr)
-    rss0 = rss_bytes()
     cstore = CEmbeddingStore(CAPACITY, OPT)
     t0 = time.perf_counter()
     fill_ids = 0
@@ -113,34 +135,46 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         cstore.lookup(mix64(zipf.ranks(BATCH).astype(np.uint64)), DIM, True)
         fill_ids += BATCH
     fill_s = time.perf_counter() - t0
-    rss_per_row = (rss_bytes() - rss0) / len(cstore)
     raw = 4 * (DIM + OPT.state_width(DIM))
     mem_per_row = cstore.memory_bytes() / len(cstore)
+    # As a check on memory_bytes(): the process's RSS growth while a second store is filled
+    # with CAPACITY distinct ids (generated beforehand, so that only the store grows).
+    fresh = mix64(np.arange(CAPACITY, dtype=np.uint64) + np.uint64(UNIVERSE))
+    rss0 = rss_bytes()
+    other = CEmbeddingStore(CAPACITY, OPT)
+    for i in range(0, CAPACITY, BATCH):
+        other.lookup(fresh[i:i + BATCH], DIM, True)
+    rss_per_row = (rss_bytes() - rss0) / len(other)
+    del other, fresh
 
-    ranks = [zipf.ranks(BATCH) for _ in range(max(args.batches, args.twin_batches))]
+    n_c = args.rounds * args.batches
+    ranks = [zipf.ranks(BATCH) for _ in range(n_c)]
     batches = [mix64(r.astype(np.uint64)) for r in ranks]
+    idxs = [torch.from_numpy(r % CAPACITY) for r in ranks]
 
     print("copying it into the Python twin ...", file=sys.stderr)
     pystore = PyEmbeddingStore(CAPACITY, OPT)
     pystore.load(cstore.dump())
-
-    c_lookup, c_update = time_store(cstore, batches[:args.batches], grads)
-    p_lookup, p_update = time_store(pystore, batches[:args.twin_batches], grads)
-
     table = TorchTable(CAPACITY)
     tg = torch.from_numpy(grads)
-    idxs = [torch.from_numpy(r % CAPACITY) for r in ranks[:args.batches]]
     table.update(idxs[0], tg)  # warm-up of torch's kernels
-    t_lookup = t_update = 0.0
-    for idx in idxs:
-        t0 = time.perf_counter()
-        table.lookup(idx)
-        t1 = time.perf_counter()
-        table.update(idx, tg)
-        t_update += time.perf_counter() - t1
-        t_lookup += t1 - t0
-    n = len(idxs) * BATCH
-    t_lookup, t_update = n / t_lookup, n / t_update
+
+    # Rounds interleave the three so that they share the machine's good and bad moments;
+    # within a round each runs alone, on its own warm caches.
+    timers = {"cython": Timer(), "python": Timer(), "torch": Timer()}
+    stats0 = cstore.stats()
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds} ...", file=sys.stderr)
+        mine = slice(r * args.batches, (r + 1) * args.batches)
+        timers["cython"].run(lambda b: cstore.lookup(b, DIM, True),
+                             lambda b: cstore.update(b, grads), batches[mine])
+        timers["torch"].run(table.lookup, lambda i: table.update(i, tg), idxs[mine])
+        twin = batches[r * args.twin_batches:(r + 1) * args.twin_batches]
+        timers["python"].run(lambda b: pystore.lookup(b, DIM, True),
+                             lambda b: pystore.update(b, grads), twin)
+    c_lookup, c_update = timers["cython"].rates()
+    p_lookup, p_update = timers["python"].rates()
+    t_lookup, t_update = timers["torch"].rates()
 
     stats = cstore.stats()
     res = {
@@ -152,7 +186,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "bytes_per_row": mem_per_row, "raw_bytes_per_row": raw,
         "bytes_per_row_over_raw": mem_per_row / raw, "rss_bytes_per_row_over_raw": rss_per_row / raw,
         "fill_ids_per_s": fill_ids / fill_s, "rows": len(cstore),
-        "steady_state_miss_rate": stats["misses"] / stats["lookups"],
+        "steady_state_miss_rate": ((stats["misses"] - stats0["misses"])
+                                   / (stats["lookups"] - stats0["lookups"])),
+        "rounds": args.rounds, "timing": "median over rounds of ids per CPU-second",
     }
     print(f"{'':10}{'lookup ids/s':>16}{'update ids/s':>16}")
     for name, lk, up in (("cython", c_lookup, c_update), ("python", p_lookup, p_update),
@@ -164,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"update {res['update_vs_torch']:.2f}x   (target >= 0.33x)")
     print(f"memory: {mem_per_row:.1f} B/row allocated, {rss_per_row:.1f} B/row RSS growth, "
           f"raw {raw} B/row -> {res['bytes_per_row_over_raw']:.2f}x   (target <= 1.5x)")
-    print(f"miss rate over the run: {res['steady_state_miss_rate']:.3f}; "
+    print(f"miss rate while timed: {res['steady_state_miss_rate']:.3f}; "
           f"{len(cstore):,} rows")
     if args.json:
         with open(args.json, "w") as f:

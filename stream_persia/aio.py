@@ -204,6 +204,10 @@ class LoopThread:
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
+            # On 3.11+ concurrent.futures.TimeoutError is the builtin TimeoutError, which
+            # the coroutine itself may raise (RemoteTimeout): that is its result, not ours.
+            if fut.done():
+                raise
             fut.cancel()
             raise TimeoutError(
                 f"coroutine did not finish within {timeout} s on LoopThread {self.name!r}; "

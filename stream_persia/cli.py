@@ -4,8 +4,12 @@ Commands:
 
 - ``launch <role>``: run one role of a job in this process. Roles: ``embedding-server``
   (PERSIA's ``embedding-parameter-server`` is accepted as an alias), ``embedding-worker``,
-  ``data-loader``.
+  ``data-loader``, ``nn-worker`` (the training script under torchrun: ``--nproc-per-node``,
+  ``--nnodes``, ``--node-rank``; script from ``PERSIA_NN_WORKER_ENTRY`` by default).
+- ``launch api``: the HTTP control plane and online inference (package ``api``; uvicorn).
 - ``produce``: stream a dataset file into the samples topic (see ``stream_persia.produce``).
+- ``checkpoint inspect DIR [--json] [--verify]``, ``checkpoint list ROOT``: show checkpoints
+  (see ``stream_persia.checkpoint``); exit 2 for a directory that is not a checkpoint.
 
 Settings come from flags, then the environment (PERSIA's variable names: ``PERSIA_EMBEDDING_
 CONFIG``, ``PERSIA_GLOBAL_CONFIG``, ``PERSIA_DATALOADER_ENTRY``, ``REPLICA_INDEX``,
@@ -97,11 +101,79 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--embedding-workers", default=os.environ.get("PERSIA_EMBEDDING_WORKERS"),
                     help="broker-less mode: host:port of the embedding workers")
     dl.add_argument("--kafka", default=None, help="Kafka bootstrap servers")
+
+    ap = roles.add_parser("api", help="HTTP control plane and online inference (uvicorn)")
+    _add_common(ap)
+    ap.set_defaults(host=None, port=None)   # None: api.host / api.port of the global config
+    ap.add_argument("--embedding-workers", default=os.environ.get("PERSIA_EMBEDDING_WORKERS"),
+                    help="host:port of the embedding workers (env PERSIA_EMBEDDING_WORKERS)")
+    ap.add_argument("--embedding-servers", default=os.environ.get("PERSIA_EMBEDDING_SERVERS"),
+                    help="host:port of the embedding servers, in replica order "
+                         "(env PERSIA_EMBEDDING_SERVERS)")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="where checkpoints started over HTTP go (env PERSIA_CHECKPOINT_DIR)")
+    ap.add_argument("--model", default=None,
+                    help="checkpoint to serve at start-up (env PERSIA_API_MODEL)")
+    ap.add_argument("--model-class", default=None,
+                    help="module:Class of the dense model for checkpoints without "
+                         "jit_dense.pt (env PERSIA_API_MODEL_CLASS)")
+    ap.add_argument("--embeddings", choices=("auto", "workers", "local"), default=None,
+                    help="served embeddings: through the workers, or loaded from the "
+                         "checkpoint into this process (env PERSIA_API_EMBEDDINGS)")
+    ap.add_argument("--predict-auth", action="store_true",
+                    help="require the bearer token on /v1/predict too "
+                         "(env PERSIA_API_PREDICT_AUTH=1)")
+    ap.add_argument("--batch-wait-ms", type=float, default=None,
+                    help="micro-batching: longest wait for concurrent requests (default 2)")
+    ap.add_argument("--max-batch-rows", type=int, default=None,
+                    help="micro-batching: most samples in one forward pass (default 1024)")
+
+    nw = roles.add_parser("nn-worker", help="run the training script with torchrun (DDP)")
+    nw.set_defaults(replica_index=0, replica_size=1)
+    nw.add_argument("entry", nargs="?", default=os.environ.get("PERSIA_NN_WORKER_ENTRY"),
+                    help="the training script (env PERSIA_NN_WORKER_ENTRY); its own "
+                         "arguments go after `--`")
+    # Arguments for the script follow `--` (split off in main(): argparse cannot tell them
+    # from this command's options when they come after the positional script path).
+    nw.set_defaults(script_args=[])
+    nw.add_argument("--nproc-per-node", type=int, default=_env_int("NPROC_PER_NODE", 1),
+                    help="processes (ranks) on this node, one per GPU (default 1)")
+    nw.add_argument("--nnodes", type=int, default=_env_int("NNODES", 1),
+                    help="number of NN worker nodes (default 1)")
+    nw.add_argument("--node-rank", type=int, default=_env_int("NODE_RANK", 0),
+                    help="index of this node (default 0)")
+    nw.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                    help="rendezvous host: node 0's address (env MASTER_ADDR)")
+    nw.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT", 0),
+                    help="rendezvous port (env MASTER_PORT; one node: a free port)")
+    nw.add_argument("--embedding-workers", default=os.environ.get("PERSIA_EMBEDDING_WORKERS"),
+                    help="host:port of the embedding workers (env PERSIA_EMBEDDING_WORKERS)")
+    nw.add_argument("--embedding-config", default=os.environ.get("PERSIA_EMBEDDING_CONFIG"),
+                    help="embedding_config.yml (env PERSIA_EMBEDDING_CONFIG)")
+    nw.add_argument("--global-config", default=os.environ.get("PERSIA_GLOBAL_CONFIG"),
+                    help="global_config.yml (env PERSIA_GLOBAL_CONFIG)")
+    nw.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
+
+    from stream_persia import produce
+
+    produce.add_arguments(sub.add_parser(
+        "produce", help="stream a dataset file (CSV/TSV/npz) through a mapping into a job"))
+
+    from stream_persia.checkpoint import command as checkpoint_command
+
+    checkpoint_command.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if argv[:2] == ["launch", "nn-worker"] and "--" in argv:
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
+    if script_args:
+        args.script_args = script_args
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -116,10 +188,23 @@ def main(argv: list[str] | None = None) -> int:
             if role == "embedding-worker":
                 args.embedding_servers = _addresses(args.embedding_servers,
                                                     "--embedding-servers")
-            if role == "data-loader":
+            if role in ("data-loader", "nn-worker"):
                 args.embedding_workers = _addresses(args.embedding_workers,
                                                     "--embedding-workers")
+            if role == "api":
+                args.embedding_workers = _addresses(args.embedding_workers,
+                                                    "--embedding-workers")
+                args.embedding_servers = _addresses(args.embedding_servers,
+                                                    "--embedding-servers")
             return launch.ROLES[role](args)
+        if args.command == "produce":
+            from stream_persia import produce
+
+            return produce.main(args)
+        if args.command == "checkpoint":
+            from stream_persia.checkpoint import command as checkpoint_command
+
+            return checkpoint_command.run(args)
     except PersiaError as e:
         print(f"stream-persia: {e}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import logging
 import struct
 from collections.abc import Iterator
@@ -285,7 +286,7 @@ def read_shard_file(directory: str, name: str) -> Iterator[dict]:
     path = f"{root.rstrip('/')}/{name}"
     if not fs.exists(path):
         raise BadInput(f"shard file {path} does not exist", field="files")
-    with fs.open(path, "rb") as f:
+    with _open_for_read(fs, path) as f:
         while True:
             head = f.read(_LEN.size)
             if not head:
@@ -303,3 +304,12 @@ def read_shard_file(directory: str, name: str) -> Iterator[dict]:
                 raise BadInput(f"shard file {path} holds a record that is not a store chunk",
                                field="files")
             yield chunk
+
+
+def _open_for_read(fs: Any, path: str) -> Any:
+    # fsspec's memory filesystem hands every opener the same file object (one shared
+    # position), so servers of one process loading the same shard concurrently would
+    # interleave their reads; its bytes are in memory already, so read a private copy.
+    if "memory" in fs.protocol:
+        return io.BytesIO(fs.cat_file(path))
+    return fs.open(path, "rb")

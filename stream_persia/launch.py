@@ -75,7 +75,12 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> N
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = ThreadingHTTPServer((host, port), Handler)
+    try:
+        httpd = ThreadingHTTPServer((host, port), Handler)
+    except OSError as e:
+        raise ConfigError(f"--metrics-port {port}: cannot listen on {host}:{port} "
+                          f"({e.strerror or e})", field="--metrics-port",
+                          hint="pick a free port, or leave the flag out") from None
     threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
     log.info("metrics on http://%s:%d/metrics", host, httpd.server_address[1])
 
@@ -91,7 +96,12 @@ async def _until_signal() -> None:
 
 async def _serve(role: Any, args: argparse.Namespace,
                  before_stop: Callable[[], Awaitable[None]] | None = None) -> int:
-    await role.start()
+    try:
+        await role.start()
+    except OSError as e:  # the RPC port: a traceback would bury the reason
+        raise ConfigError(f"--port {args.port}: cannot listen on {args.host}:{args.port} "
+                          f"({e.strerror or e})", field="--port",
+                          hint="pick a free port, or 0 for any") from None
     try:
         serve_metrics(args.metrics_port, args.host, role.metrics.render)
         write_ready_file(args.ready_file, role.address)
@@ -108,10 +118,8 @@ def embedding_server(args: argparse.Namespace) -> int:
 
     gc = global_config(args)
     capacity = args.capacity or gc.embedding_parameter_server_config.capacity
-    server = None
 
     async def main() -> int:
-        nonlocal server
         server = EmbeddingServer(capacity, replica_index=args.replica_index,
                                  replica_size=args.replica_size, host=args.host,
                                  port=args.port)
@@ -147,13 +155,18 @@ def embedding_worker(args: argparse.Namespace) -> int:
                                  ready_buffer_batches=wc.ready_buffer_batches,
                                  rpc_timeout_ms=wc.rpc_timeout_ms)
         if bootstrap:
-            worker.kafka = KafkaIngest(
-                worker,
-                SampleConsumer.from_config(kafka_cfg, replica_index=args.replica_index,
-                                           replica_size=args.replica_size,
-                                           bootstrap_servers=bootstrap,
-                                           expected_partitions=args.num_partitions),
-                DeadLetterWriter.from_config(kafka_cfg, bootstrap_servers=bootstrap))
+            def make_ingest(start_offsets: dict[int, int] | None) -> KafkaIngest:
+                return KafkaIngest(
+                    worker,
+                    SampleConsumer.from_config(kafka_cfg, replica_index=args.replica_index,
+                                               replica_size=args.replica_size,
+                                               bootstrap_servers=bootstrap,
+                                               expected_partitions=args.num_partitions),
+                    DeadLetterWriter.from_config(kafka_cfg, bootstrap_servers=bootstrap),
+                    start_offsets=start_offsets)
+
+            worker.kafka_factory = make_ingest
+            worker.kafka = make_ingest(None)
             await worker.kafka.start()
         return await _serve(worker, args)
 
@@ -185,8 +198,89 @@ def data_loader(args: argparse.Namespace) -> int:
     return 0
 
 
+def nn_worker_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command line that ``launch nn-worker`` runs (static rendezvous)."""
+    if not args.entry:
+        raise ConfigError("no NN worker script: pass it as an argument or set "
+                          "PERSIA_NN_WORKER_ENTRY", field="PERSIA_NN_WORKER_ENTRY")
+    entry = Path(args.entry)
+    if not entry.is_file():
+        raise ConfigError(f"NN worker script {entry} does not exist",
+                          field="PERSIA_NN_WORKER_ENTRY")
+    for name, value, lo in (("--nproc-per-node", args.nproc_per_node, 1),
+                            ("--nnodes", args.nnodes, 1), ("--node-rank", args.node_rank, 0)):
+        if value < lo:
+            raise ConfigError(f"{name} must be >= {lo}, got {value}", field=name)
+    if args.node_rank >= args.nnodes:
+        raise ConfigError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}",
+                          field="--node-rank")
+    port = args.master_port
+    if not port:
+        if args.nnodes > 1:
+            raise ConfigError("--master-port (or MASTER_PORT) is needed with --nnodes > 1: "
+                              "every node must use the same rendezvous port",
+                              field="--master-port")
+        from stream_persia.utils import find_free_port
+
+        port = find_free_port()
+    return [sys.executable, "-m", "torch.distributed.run",
+            f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
+            f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
+            f"--master-port={port}", str(entry), *args.script_args]
+
+
+def nn_worker(args: argparse.Namespace) -> int:
+    """Run the training script on this node with torchrun (one process per GPU/rank).
+
+    torchrun sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` for each process, which ``TrainCtx`` reads. SIGTERM/SIGINT are passed
+    on to torchrun, which stops its processes.
+    """
+    import subprocess
+
+    cmd = nn_worker_command(args)
+    env = dict(os.environ)
+    if args.embedding_workers:
+        env["PERSIA_EMBEDDING_WORKERS"] = ",".join(args.embedding_workers)
+    if args.global_config:
+        env["PERSIA_GLOBAL_CONFIG"] = args.global_config
+    if args.embedding_config:
+        env["PERSIA_EMBEDDING_CONFIG"] = args.embedding_config
+    env["PERSIA_NN_WORKER_ENTRY"] = str(args.entry)
+    log.info("starting %s", " ".join(cmd))
+    proc = subprocess.Popen(cmd, env=env)
+    previous = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def api(args: argparse.Namespace) -> int:
+    """``launch api``: the HTTP control plane and inference service (uvicorn; SIGTERM
+    drains in-flight requests and exits 0)."""
+    from api.server import serve
+    from api.settings import ApiSettings
+
+    gc = load_global_config(args.global_config) if args.global_config else None
+    schema = load_embedding_config(args.embedding_config) if args.embedding_config else None
+    settings = ApiSettings.from_env(
+        gc, host=args.host, port=args.port, schema=schema,
+        embedding_workers=args.embedding_workers or None,
+        embedding_servers=args.embedding_servers or None,
+        checkpoint_dir=args.checkpoint_dir, model_checkpoint=args.model,
+        model_class=args.model_class, embeddings=args.embeddings,
+        predict_requires_token=True if args.predict_auth else None,
+        batch_wait_ms=args.batch_wait_ms, max_batch_rows=args.max_batch_rows)
+    return serve(settings, ready_file=args.ready_file, log_level=str(args.log_level).lower())
+
+
 ROLES: dict[str, Callable[[argparse.Namespace], int]] = {
+    "api": api,
     "embedding-server": embedding_server,
     "embedding-worker": embedding_worker,
     "data-loader": data_loader,
+    "nn-worker": nn_worker,
 }

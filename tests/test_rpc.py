@@ -642,3 +642,16 @@ def test_aio_run_uses_uvloop_when_available(monkeypatch):
     monkeypatch.setenv("STREAM_PERSIA_NO_UVLOOP", "1")
     assert not aio.uvloop_available()
     assert aio.run(loop_type()) is not uvloop.Loop
+
+
+def test_loop_thread_run_reraises_the_coroutines_own_timeout():
+    """A TimeoutError subclass raised by the coroutine is its result, not run()'s timeout."""
+    from stream_persia.aio import LoopThread
+    from stream_persia.errors import RemoteTimeout
+
+    async def fails():
+        raise RemoteTimeout("peer did not answer", field="peer")
+
+    with LoopThread(name="t") as lt:
+        with pytest.raises(RemoteTimeout, match="peer did not answer"):
+            lt.run(fails())

@@ -6,9 +6,10 @@ same call sequence (``tests/embedding/test_store.py`` checks it). This module al
 what both share: argument validation (so errors read the same) and the two hash functions
 that make behaviour deterministic:
 
-- a new row of id ``k`` is ``lo + (hi - lo) * u_j`` (float64, then rounded to float32) with
-  ``u_j = (mix64(mix64(k) + j) >> 40) / 2**24`` for element ``j``: it depends on the id
-  only, never on the shard that holds it;
+- a new row of id ``k`` is ``lo + (hi - lo) * u_j`` in float32 arithmetic (lo, hi rounded
+  to float32 first): with ``h = mix64(mix64(k) + j // 2)``, ``u_j = (h >> 40) / 2**24`` for
+  even ``j`` and ``((h >> 8) & 0xFFFFFF) / 2**24`` for odd ``j``. It depends on the id only,
+  never on the shard that holds it;
 - the ``t``-th training miss of a store (t = 0, 1, ...) admits id ``k`` iff
   ``(mix64(k ^ mix64(t)) >> 11) / 2**53 < admit_probability``.
 
@@ -56,13 +57,21 @@ def _mix64_int(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def init_bounds(init: tuple[float, float]) -> tuple[np.float32, np.float32]:
+    """(lo, hi) of emb_initialization as the float32 values both stores compute with."""
+    return np.float32(init[0]), np.float32(init[1])
+
+
 def initial_rows(ids: np.ndarray, dim: int, init: tuple[float, float]) -> np.ndarray:
     """The deterministic initial vectors of ``ids``: float32 (n, dim)."""
-    lo, hi = init
+    lo, hi = init_bounds(init)
     base = mix64(np.asarray(ids, np.uint64))[:, None]
-    h = mix64(base + np.arange(dim, dtype=np.uint64)[None, :]) >> np.uint64(40)
-    u = h.astype(np.float64) * (1.0 / 16777216.0)
-    return (lo + (hi - lo) * u).astype(np.float32)
+    h = mix64(base + np.arange((dim + 1) // 2, dtype=np.uint64)[None, :])
+    bits = np.empty((len(base), 2 * h.shape[1]), np.uint64)
+    bits[:, 0::2] = h >> np.uint64(40)
+    bits[:, 1::2] = (h >> np.uint64(8)) & np.uint64(0xFFFFFF)
+    u = bits[:, :dim].astype(np.float32) * np.float32(1.0 / 16777216.0)
+    return lo + (hi - lo) * u
 
 
 def admit_uniform(key: int, draw: int) -> float:
@@ -380,6 +389,9 @@ class PyEmbeddingStore:
         if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
             raise BadInput(f"chunk_rows must be an int >= 1, got {chunk_rows!r}",
                            field="chunk_rows")
+        return self._dump(chunk_rows)
+
+    def _dump(self, chunk_rows: int) -> Iterator[dict[str, Any]]:
         version = self._version
         items = iter(list(self._lru.items()))
         while True:

@@ -47,9 +47,9 @@ class KafkaIngest:
         self.max_records = max_records
         self.backpressure_pauses = 0
         self._task: asyncio.Task | None = None
-        worker.metrics.add_callback("kafka", self._stats)
 
-    def _stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float]:
+        """Counters for the worker's metrics (the worker registers them once)."""
         stats = {f"consumer_{k}": v for k, v in self.consumer.stats().items()}
         stats.update({f"dlq_{k}": v for k, v in self.dead_letters.stats().items()})
         stats["backpressure_pauses"] = self.backpressure_pauses

@@ -50,7 +50,12 @@ class ShardRouter:
 
     async def lookup(self, groups: Sequence[tuple[int, np.ndarray]], mode: str
                      ) -> tuple[list[np.ndarray], int]:
-        """Look up ``[(dim, ids)]``; returns float32 rows per group and the missing count."""
+        """Look up ``[(dim, ids)]``; returns float32 rows per group and the missing count
+        (with one server, the rows are read-only views of its reply)."""
+        if self.num_shards == 1:  # nothing to split or scatter back
+            reply = await self.clients[0].call(
+                "lookup", {"mode": mode, "groups": [{"dim": d, "ids": i} for d, i in groups]})
+            return list(reply["rows"]), int(reply["missing"])
         splits = [split_by_shard(ids, self.num_shards) for _, ids in groups]
         calls, plan = [], []
         for s, client in enumerate(self.clients):
@@ -75,6 +80,10 @@ class ShardRouter:
     async def update(self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]]
                      ) -> tuple[int, int]:
         """Send ``[(dim, ids, grads)]`` to the owning servers; returns (applied, dropped)."""
+        if self.num_shards == 1:
+            reply = await self.clients[0].call("update", {"groups": [
+                {"dim": d, "ids": i, "grads": np.ascontiguousarray(g)} for d, i, g in groups]})
+            return int(reply["applied"]), int(reply["dropped"])
         splits = [split_by_shard(ids, self.num_shards) for _, ids, _ in groups]
         calls = []
         for s, client in enumerate(self.clients):

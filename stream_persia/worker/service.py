@@ -19,6 +19,15 @@ RPC methods (params → result):
   "skipped_slots"}``; replies only after every server applied the update.
 - ``lookup_batch {"batch": wire dict, "mode": "eval"|"infer"}`` → a batch with embeddings,
   looked up without inserting (evaluation, online inference).
+- ``return_batches {"batch_ids"}`` → None: served training batches go back, unapplied,
+  to the head of the ready buffer in their original order (an NN worker drops its
+  prefetched batches before a checkpoint, so nothing is left in flight).
+- ``frontier`` → ``{"stream": "kafka"|"direct", "offsets": {partition: offset},
+  "inflight", "pending"}``: with nothing in flight, every batch before ``offsets`` is
+  applied and none after it (the checkpoint cut).
+- ``reset_stream {"offsets": {partition: offset}}``: drop buffered and in-flight batches
+  and consume again from ``offsets`` (restore). ``commit_offsets {"offsets"}``: record
+  checkpoint offsets in the consumer group, for lag monitors.
 - ``status`` → buffers, counters, frontier offsets; ``pause_ingest`` / ``resume_ingest``;
   ``servers`` → embedding server addresses; ``metrics`` → Prometheus text.
 
@@ -79,6 +88,10 @@ class EmbeddingWorker:
                  max_inflight_batches: int = 64, rpc_timeout_ms: int = 10_000,
                  ingest_timeout_ms: int = 30_000):
         self.schema = schema
+        # Slots share ids only inside a feature group of several slots, or with prefixing
+        # off; otherwise a batch's slots are looked up as separate groups, unmerged.
+        self._disjoint_slots = schema.feature_index_prefix_bit > 0 and all(
+            len(members) == 1 for members in schema.feature_groups.values())
         self.replica_index = replica_index
         self.replica_size = replica_size
         self.router = ShardRouter(embedding_servers, timeout_ms=rpc_timeout_ms)
@@ -92,6 +105,8 @@ class EmbeddingWorker:
         self.ingest_paused = asyncio.Event()    # set = paused (control plane)
         self._seq = 0
         self.kafka: Any = None                  # KafkaIngest when consuming a topic
+        # Builds a fresh KafkaIngest from start offsets (reset_stream after a restore).
+        self.kafka_factory: Any = None
         m = self.metrics = RoleMetrics("embedding_worker", replica_index)
         self.m_ingested = m.counter("batches_ingested_total", "batches accepted")
         self.m_rejected = m.counter("batches_rejected_total", "batches refused or dead-lettered",
@@ -104,6 +119,9 @@ class EmbeddingWorker:
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
         self.m_update_s = m.histogram("update_seconds", "gradient apply latency",
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
+        # One collector for the Kafka counters, whichever KafkaIngest is current
+        # (reset_stream replaces it).
+        m.add_callback("kafka", lambda: self.kafka.stats() if self.kafka is not None else {})
         m.add_callback("buffer", lambda: {"ready": len(self.ready),
                                           "inflight": len(self.inflight),
                                           "pending": self.frontier.pending()})
@@ -112,6 +130,8 @@ class EmbeddingWorker:
             "push_gradients": self._push_gradients, "lookup_batch": self._lookup_batch,
             "status": self._status, "pause_ingest": self._pause, "resume_ingest": self._resume,
             "servers": self._servers, "metrics": self._metrics,
+            "return_batches": self._return_batches, "frontier": self._frontier,
+            "reset_stream": self._reset_stream, "commit_offsets": self._commit_offsets,
         }, host=host, port=port, name=f"embedding-worker-{replica_index}")
 
     # ----------------------------------------------------------------- lifecycle
@@ -166,12 +186,21 @@ class EmbeddingWorker:
 
     # ----------------------------------------------------------------- serving
     async def _embed(self, pb: PendingBatch, mode: str) -> list[dict]:
-        merged = pooling.merge_lookups(pb.plans)
         t0 = time.perf_counter()
-        rows, missing = await self.router.lookup([(m.dim, m.ids) for m in merged.values()],
-                                                 mode)
+        if self._disjoint_slots:
+            # One lookup group per slot: no two slots can share an id, so merging them per
+            # dim would only sort the whole batch's ids and copy each slot's rows back out
+            # (~1.5 ms of a 1024 x 26-slot batch, load_tests/bench_ingest.py).
+            plans = list(pb.plans.values())
+            rows, missing = await self.router.lookup([(p.dim, p.lookup_ids) for p in plans],
+                                                     mode)
+            pooled = {p.name: pooling.pool(p, r) for p, r in zip(plans, rows, strict=True)}
+        else:
+            merged = pooling.merge_lookups(pb.plans)
+            rows, missing = await self.router.lookup(
+                [(m.dim, m.ids) for m in merged.values()], mode)
+            pooled = pooling.pool_batch(pb.plans, merged, dict(zip(merged, rows, strict=True)))
         self.m_lookup_s.observe(time.perf_counter() - t0)
-        pooled = pooling.pool_batch(pb.plans, merged, dict(zip(merged, rows, strict=True)))
         out = []
         for name, o in pooled.items():
             if pb.plans[name].summation:
@@ -302,3 +331,60 @@ class EmbeddingWorker:
     async def _metrics(self, params: Any) -> bytes:
         return self.metrics.render()
 
+    # ----------------------------------------------------------------- checkpoints
+    async def _return_batches(self, params: Any) -> None:
+        ids = params.get("batch_ids") if isinstance(params, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise BadInput("return_batches needs {'batch_ids': [int, ...]}", field="batch_ids")
+        unknown = [i for i in ids if i not in self.inflight]
+        if unknown:
+            raise BadInput(f"batch ids {unknown} are not in flight on this worker",
+                           field="batch_ids")
+        # Back to the head in served order: the oldest must be served first again.
+        for pb in sorted((self.inflight.pop(i) for i in ids), key=lambda b: b.batch_id,
+                         reverse=True):
+            await self.ready.put_front(pb)
+            self._inflight_room.release()
+
+    async def _frontier(self, params: Any) -> dict:
+        return {"stream": "kafka" if self.kafka is not None else "direct",
+                "offsets": {str(p): o for p, o in self.frontier.offsets().items()},
+                "inflight": len(self.inflight), "pending": self.frontier.pending()}
+
+    @staticmethod
+    def _offsets_param(params: Any) -> dict[int, int]:
+        raw = params.get("offsets") if isinstance(params, dict) else None
+        if not isinstance(raw, dict):
+            raise BadInput("needs {'offsets': {partition: offset}}", field="offsets")
+        try:
+            offsets = {int(p): int(o) for p, o in raw.items()}
+        except (TypeError, ValueError):
+            raise BadInput(f"offsets must map partition numbers to offsets, got {raw!r}",
+                           field="offsets") from None
+        if any(p < 0 or o < 0 for p, o in offsets.items()):
+            raise BadInput("partitions and offsets must be >= 0", field="offsets")
+        return offsets
+
+    async def _reset_stream(self, params: Any) -> dict:
+        offsets = self._offsets_param(params)
+        if self.kafka_factory is None:
+            raise BadInput("this worker has no Kafka stream to reset (broker-less mode "
+                           "cannot replay)", field="offsets",
+                           hint="run with --kafka for exactly-once restore")
+        if self.kafka is not None:
+            await self.kafka.stop()
+            self.kafka = None
+        for _ in range(len(self.inflight)):
+            self._inflight_room.release()
+        self.inflight.clear()
+        self.ready.clear()
+        self.kafka = self.kafka_factory(offsets)
+        await self.kafka.start()
+        return {"offsets": {str(p): o for p, o in self.frontier.offsets().items()}}
+
+    async def _commit_offsets(self, params: Any) -> bool:
+        offsets = self._offsets_param(params)
+        if self.kafka is None:
+            return False
+        mine = {p: o for p, o in offsets.items() if p in self.kafka.consumer.partitions}
+        return await self.kafka.consumer.commit(mine) if mine else False

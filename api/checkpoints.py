@@ -1,0 +1,379 @@
+"""Checkpoints started, inspected and restored over HTTP.
+
+Starting one returns at once with an id; a background task owned by :class:`Checkpoints`
+takes it in one of two ways, both giving the consistent cut of DESIGN §7 (every batch
+consumed before it applied, none after it, offsets pointing at the first batch after it):
+
+- **NN ranks attached** (a heartbeat in the checkpoint mailbox, :mod:`api.mailbox`): the
+  request goes to the mailbox; NN rank 0 picks it up at its next step boundary and every
+  rank runs ``dump_checkpoint(dst)`` there, exactly as a checkpoint taken from
+  ``train.py``. The API follows the progress the rank reports.
+- **No NN rank attached**: nothing is training, so the API takes the cut itself. It checks
+  that no batch is in flight on any worker, has every server dump its shard, checks again
+  that nothing trained meanwhile (no batch in flight, no update applied, no row admitted
+  or evicted), and commits with the workers' frontier offsets. The dense files of the newest checkpoint under the
+  checkpoint directory are carried over (``extra.dense_from``), so the result also serves.
+  If training starts meanwhile the attempt fails (nothing is published) and can be retried.
+
+Restore loads the embedding rows into every server (any server count) and resets every
+worker's stream to the checkpoint's offsets; it refuses while batches are in flight,
+since NN ranks that are training would keep their own dense state. NN ranks load the
+dense model themselves (``load_checkpoint``) when they start again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from api.mailbox import TERMINAL, MailboxClient
+from api.roles import SERVER, WORKER, Roles
+from api.settings import ApiSettings
+from stream_persia.checkpoint import (
+    CheckpointWriter,
+    Manifest,
+    latest_checkpoint,
+    list_checkpoints,
+    load_embeddings,
+    read_manifest,
+)
+from stream_persia.checkpoint._common import Location
+from stream_persia.errors import BadInput, Misuse, PersiaError
+
+__all__ = ["Checkpoints", "CheckpointJob", "new_checkpoint_id"]
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1
+SHARD_TIMEOUT_MS = 30 * 60 * 1000
+_HISTORY = 64
+
+
+def new_checkpoint_id() -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"ckpt-{stamp}-{secrets.token_hex(3)}"
+
+
+@dataclass(eq=False)
+class CheckpointJob:
+    """A checkpoint started through this API."""
+
+    id: str
+    dst: str
+    state: str = "pending"
+    by: str | None = None
+    step: int | None = None
+    progress: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    requested_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    manifest: dict[str, Any] | None = None
+    task: asyncio.Task | None = field(default=None, repr=False)
+
+    def info(self) -> dict[str, Any]:
+        return {"id": self.id, "state": self.state, "dst": self.dst, "by": self.by,
+                "step": self.step, "progress": dict(self.progress), "error": self.error,
+                "requested_at": self.requested_at, "finished_at": self.finished_at,
+                "manifest": self.manifest}
+
+
+def _manifest_info(m: Manifest) -> dict[str, Any]:
+    from api.model import checkpoint_id
+
+    created = datetime.fromisoformat(m.created_at.replace("Z", "+00:00")).timestamp()
+    return {"id": checkpoint_id(m), "state": "done", "dst": m.path or "",
+            "by": m.extra.get("by"), "step": m.step,
+            "progress": {"phase": "committed"}, "error": None, "requested_at": None,
+            "finished_at": created, "manifest": m.to_dict()}
+
+
+class Checkpoints:
+    """Starts, follows, lists and restores checkpoints (owned by the app's lifespan).
+
+    Args:
+        settings: the API settings (``checkpoint_dir`` is where new ones go).
+        roles: clients of the workers (mailbox on replica 0) and servers.
+        predictor: reloaded after a restore when asked.
+        mailbox: override of the mailbox client (default: worker replica 0).
+    """
+
+    def __init__(self, settings: ApiSettings, roles: Roles, predictor: Any = None, *,
+                 mailbox: MailboxClient | None = None, timeout_s: float = 3600.0,
+                 pickup_ttl_s: float = 60.0):
+        self.settings = settings
+        self.roles = roles
+        self.predictor = predictor
+        if mailbox is None and roles.workers:
+            first = roles.workers[0]
+            mailbox = MailboxClient(lambda m, p: roles.call(first, m, p))
+        self.mailbox = mailbox
+        self.timeout_s = timeout_s
+        self.pickup_ttl_s = pickup_ttl_s
+        self.jobs: dict[str, CheckpointJob] = {}
+        gc = settings.global_config
+        self.job_name = gc.kafka.job_name if gc is not None else "persia"
+        self.config_digest = gc.digest() if gc is not None else None
+
+    async def stop(self) -> None:
+        tasks = [j.task for j in self.jobs.values() if j.task is not None and not j.task.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ----------------------------------------------------------------- queries
+    async def training(self) -> dict[str, Any] | None:
+        """NN rank 0's last heartbeat (``step``, ``attached``), or None."""
+        if self.mailbox is None:
+            return None
+        try:
+            return await self.mailbox.nn_status()
+        except PersiaError:
+            return None
+
+    async def last(self) -> dict[str, Any] | None:
+        if self.settings.checkpoint_dir is None:
+            return None
+        m = await asyncio.to_thread(latest_checkpoint, self.settings.checkpoint_dir)
+        return _manifest_info(m) if m is not None else None
+
+    async def list(self) -> list[dict[str, Any]]:
+        """Complete checkpoints under the directory (oldest step first), then the ones
+        this API is still taking or failed to take."""
+        found = []
+        if self.settings.checkpoint_dir is not None:
+            found = [_manifest_info(m) for m in await asyncio.to_thread(
+                list_checkpoints, self.settings.checkpoint_dir)]
+        on_disk = {f["id"] for f in found}
+        return found + [j.info() for j in self.jobs.values() if j.id not in on_disk
+                        and j.state != "done"]
+
+    async def get(self, ident: str) -> dict[str, Any] | None:
+        job = self.jobs.get(ident)
+        if job is not None:
+            return job.info()
+        src = self.resolve(ident)
+        if src is None:
+            return None
+        try:
+            return _manifest_info(await asyncio.to_thread(read_manifest, src))
+        except BadInput:
+            return None
+
+    def resolve(self, ident: str) -> str | None:
+        """Where the checkpoint with id ``ident`` lives (None: unknown)."""
+        job = self.jobs.get(ident)
+        if job is not None:
+            return job.dst
+        if self.settings.checkpoint_dir is None or "/" in ident or ident in (".", ".."):
+            return None
+        return f"{self.settings.checkpoint_dir.rstrip('/')}/{ident}"
+
+    # ----------------------------------------------------------------- start
+    async def start(self, ident: str | None = None) -> CheckpointJob:
+        """Start a checkpoint named ``ident`` under the checkpoint directory; returns its
+        job at once (202).
+
+        Raises:
+            Misuse: another checkpoint is being taken, the id is taken, no checkpoint
+                directory is configured, or the API has no embedding servers.
+        """
+        self.roles.require(SERVER)
+        if self.settings.checkpoint_dir is None:
+            raise Misuse("no checkpoint directory is configured", field="checkpoint_dir",
+                         hint="set PERSIA_CHECKPOINT_DIR (or --checkpoint-dir)")
+        active = next((j for j in self.jobs.values() if j.state not in TERMINAL), None)
+        if active is not None:
+            raise Misuse(f"checkpoint {active.id} is {active.state}; one at a time",
+                         hint=f"follow it at /v1/checkpoints/{active.id}")
+        ident = ident or new_checkpoint_id()
+        dst = f"{self.settings.checkpoint_dir.rstrip('/')}/{ident}"
+        if ident in self.jobs or await asyncio.to_thread(_exists, dst):
+            raise Misuse(f"checkpoint {ident!r} already exists", field="id",
+                         hint="choose another id, or leave it out for a fresh one")
+        job = self.jobs[ident] = CheckpointJob(ident, dst)
+        while len(self.jobs) > _HISTORY:
+            oldest = next(iter(self.jobs))
+            if self.jobs[oldest].state not in TERMINAL:
+                break
+            del self.jobs[oldest]
+        job.task = asyncio.create_task(self._drive(job), name=f"checkpoint-{ident}")
+        return job
+
+    async def _drive(self, job: CheckpointJob) -> None:
+        try:
+            hb = await self.training()
+            if hb is not None and hb.get("attached"):
+                job.by = "nn"
+                await asyncio.wait_for(self._through_nn(job), self.timeout_s)
+            else:
+                job.by = "api"
+                await asyncio.wait_for(self._direct(job, hb), self.timeout_s)
+        except asyncio.CancelledError:
+            job.state, job.error = "failed", "the API stopped while taking the checkpoint"
+            raise
+        except TimeoutError:
+            job.state, job.error = "failed", f"not finished within {self.timeout_s:.0f} s"
+        except PersiaError as e:
+            job.state, job.error = "failed", e.message
+        except Exception as e:   # a bug: keep the API up, report it on the job
+            log.exception("checkpoint %s failed", job.id)
+            job.state, job.error = "failed", f"{type(e).__name__}: {e}"
+        finally:
+            job.finished_at = time.time()
+            if job.state == "failed":
+                log.warning("checkpoint %s failed: %s", job.id, job.error)
+
+    async def _through_nn(self, job: CheckpointJob) -> None:
+        assert self.mailbox is not None
+        job.progress = {"phase": "waiting for NN rank 0 at its next step boundary"}
+        await self.mailbox.request(job.id, job.dst, self.pickup_ttl_s)
+        while True:
+            rec = await self.mailbox.status(job.id)
+            if rec is None:
+                raise Misuse(f"the checkpoint mailbox forgot request {job.id}",
+                             hint="embedding worker 0 restarted; start the checkpoint again")
+            job.state = "running" if rec["state"] == "pending" else rec["state"]
+            job.step = rec.get("step")
+            job.progress = rec.get("progress") or job.progress
+            if rec["state"] in TERMINAL:
+                job.manifest = rec.get("manifest")
+                job.error = rec.get("error")
+                return
+            await asyncio.sleep(POLL_S)
+
+    async def _frontiers(self) -> list[dict[str, Any]]:
+        workers = self.roles.workers
+        fronts = await self.roles.fanout(workers, "frontier") if workers else []
+        for w, f in zip(workers, fronts, strict=True):
+            if f.get("inflight", 0):
+                raise Misuse(f"{w.peer} has {f['inflight']} batch(es) in flight (served to "
+                             f"an NN worker, gradients not yet applied), and no NN rank "
+                             f"reports to the checkpoint mailbox",
+                             hint="take the checkpoint from train.py (dump_checkpoint), or "
+                                  "stop the NN workers first")
+        return fronts
+
+    async def _updates(self) -> list[Any]:
+        stats = await self.roles.fanout(self.roles.servers, "stats")
+        # Training changes these; inference lookups (eval/infer) never do.
+        return [(s.get("updates"), s.get("admissions"), s.get("evictions")) for s in stats]
+
+    async def _offsets(self, fronts: list[dict[str, Any]]) -> tuple[dict, str]:
+        if not any(f.get("stream") == "kafka" for f in fronts):
+            return {}, "direct"
+        statuses = await self.roles.fanout(self.roles.workers, "status")
+        topics = {s["kafka"]["topic"] for s in statuses if isinstance(s.get("kafka"), dict)}
+        if len(topics) != 1:
+            raise Misuse(f"embedding workers consume {sorted(topics)}; expected one topic")
+        parts: dict[str, int] = {}
+        for f in fronts:
+            parts.update({str(p): int(o) for p, o in f.get("offsets", {}).items()})
+        return {topics.pop(): parts}, "kafka"
+
+    async def _direct(self, job: CheckpointJob, hb: dict[str, Any] | None) -> None:
+        servers = self.roles.require(SERVER)
+        job.state = "running"
+        job.progress = {"phase": "checking that nothing is in flight"}
+        await self._frontiers()
+        updates = await self._updates()
+        base = None
+        if self.settings.checkpoint_dir is not None:
+            base = await asyncio.to_thread(latest_checkpoint, self.settings.checkpoint_dir)
+        writer = await asyncio.to_thread(CheckpointWriter, job.dst)
+        try:
+            job.progress = {"phase": "dumping embeddings", "done": 0, "total": len(servers)}
+            await writer.dump_embeddings([s.client for s in servers],
+                                         timeout_ms=SHARD_TIMEOUT_MS)
+            job.progress = {"phase": "checking the cut", "done": len(servers),
+                            "total": len(servers)}
+            after = await self._frontiers()   # raises if a batch went in flight meanwhile
+            if await self._updates() != updates:
+                raise Misuse("training moved while the embeddings were dumped, so the cut is "
+                             "not consistent; nothing was published",
+                             hint="retry; an NN rank that trains must report to the "
+                                  "checkpoint mailbox")
+            carried = await asyncio.to_thread(_carry_dense, writer, base)
+            offsets, stream = await self._offsets(after)
+            step = max([base.step if base is not None else 0]
+                       + ([int(hb["step"])] if hb and isinstance(hb.get("step"), int) else []))
+            job.progress = {"phase": "committing"}
+            extra = {"id": job.id, "by": "api",
+                     "dense_from": carried}
+            manifest = await asyncio.to_thread(
+                lambda: writer.commit(job=self.job_name, step=step, offsets=offsets,
+                                      stream=stream, config_digest=self.config_digest,
+                                      extra=extra))
+        except BaseException:
+            await asyncio.to_thread(writer.abort)
+            raise
+        job.step, job.manifest = manifest.step, manifest.to_dict()
+        job.state, job.progress = "done", {"phase": "committed"}
+        if stream == "kafka" and offsets:
+            parts = next(iter(offsets.values()))
+            with contextlib.suppress(PersiaError):   # monitoring only; the manifest rules
+                await self.roles.fanout(self.roles.workers, "commit_offsets",
+                                        {"offsets": parts})
+
+    # ----------------------------------------------------------------- restore
+    async def restore(self, ident: str, reload_model: bool) -> dict[str, Any]:
+        """Load a checkpoint back into the job (servers and stream position).
+
+        Raises:
+            Misuse: batches are in flight, or a checkpoint is being taken.
+            BadInput: not a checkpoint.
+        """
+        src = self.resolve(ident)
+        if src is None:
+            raise BadInput(f"unknown checkpoint {ident!r}", field="id")
+        active = next((j for j in self.jobs.values() if j.state not in TERMINAL), None)
+        if active is not None:
+            raise Misuse(f"checkpoint {active.id} is being taken; restore after it finishes")
+        manifest = await asyncio.to_thread(read_manifest, src)
+        servers = self.roles.require(SERVER)
+        await self._frontiers()
+        rows = await load_embeddings(src, [s.client for s in servers],
+                                     timeout_ms=SHARD_TIMEOUT_MS)
+        parts: dict[str, int] = {}
+        reset = 0
+        if manifest.stream == "kafka" and self.roles.workers:
+            for topic_parts in manifest.offsets.values():
+                parts.update(topic_parts)
+            await self.roles.fanout(self.roles.require(WORKER), "reset_stream",
+                                    {"offsets": parts})
+            reset = len(self.roles.workers)
+        reloaded = False
+        if reload_model and self.predictor is not None and (
+                manifest.jit_filename is not None or manifest.dense_filename is not None):
+            try:
+                await self.predictor.reload(src)
+                reloaded = True
+            except PersiaError as e:
+                log.warning("restored %s but could not serve its model: %s", src, e)
+        from api.model import checkpoint_id
+
+        return {"id": checkpoint_id(manifest), "rows": rows, "offsets": parts,
+                "workers_reset": reset, "model_reloaded": reloaded}
+
+
+def _exists(url: str) -> bool:
+    loc = Location(url)
+    return loc.fs.exists(loc.path)
+
+
+def _carry_dense(writer: CheckpointWriter, base: Manifest | None) -> str | None:
+    """Copy the dense files of ``base`` into ``writer`` (blocking); returns base's id."""
+    if base is None:
+        return None
+    from api.model import checkpoint_id
+
+    loc = Location(base.path or "")
+    for name in (base.dense_filename, base.opt_filename, base.jit_filename):
+        if name is not None:
+            writer.write_bytes(name, loc.fs.cat_file(loc.join(name)))
+    return checkpoint_id(base)

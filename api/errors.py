@@ -1,0 +1,129 @@
+"""HTTP status for every error family, and the one error body every route returns.
+
+================================  ======  =========================================
+error                             status  why
+================================  ======  =========================================
+BadInput (WireError, ConfigError)  422    the request is wrong; ``field`` names where
+request validation (pydantic)      422    same body; ``field`` is the dotted location
+BodyTooLarge / too many rows       413    limits of :class:`~api.settings.ApiSettings`
+Misuse                             409    the job is not in a state that allows it
+PeerUnavailable, RemoteTimeout     503    a role is down or slow: retry later
+Backpressure, NotReady             503    a buffer is full / no model yet: retry later
+other RemoteError                  502    a role answered with a failure
+InternalError, anything else       500    a bug (logged with its traceback)
+================================  ======  =========================================
+
+Body: ``{"error": {"kind", "type", "message", "field", "hint", "peer"}}`` (see
+:class:`api.schemas.ErrorBody`). ``peer`` names the role that failed for 502/503.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from stream_persia.errors import (
+    Backpressure,
+    BadInput,
+    InternalError,
+    Misuse,
+    PeerUnavailable,
+    PersiaError,
+    RemoteError,
+    RemoteTimeout,
+)
+
+__all__ = ["install_error_handlers", "status_of", "error_body", "TooLarge", "NotReady"]
+
+log = logging.getLogger(__name__)
+
+
+class TooLarge(BadInput):
+    """The request is over a size limit (body bytes or rows)."""
+
+    kind = "too_large"
+
+
+class NotReady(PersiaError):
+    """This API instance cannot serve the request yet (no model loaded)."""
+
+    kind = "not_ready"
+
+
+def status_of(err: BaseException) -> int:
+    """The HTTP status an exception maps to (table in the module docstring)."""
+    if isinstance(err, TooLarge):
+        return 413
+    if isinstance(err, BadInput):
+        return 422
+    if isinstance(err, Misuse):
+        return 409
+    if isinstance(err, (PeerUnavailable, RemoteTimeout, Backpressure, NotReady)):
+        return 503
+    if isinstance(err, InternalError):
+        return 500
+    if isinstance(err, RemoteError):
+        return 502
+    return 500
+
+
+def error_body(kind: str, message: str, *, type_: str | None = None, field: str | None = None,
+               hint: str | None = None, peer: str | None = None) -> dict[str, Any]:
+    return {"error": {"kind": kind, "type": type_ or kind, "message": message, "field": field,
+                      "hint": hint, "peer": peer}}
+
+
+def _persia_response(err: PersiaError) -> JSONResponse:
+    status = status_of(err)
+    peer = getattr(err, "peer", None)
+    if status >= 500 and not isinstance(err, NotReady):
+        log.log(logging.ERROR if status == 500 else logging.WARNING, "%s: %s",
+                type(err).__name__, err, exc_info=status == 500)
+    headers = {"Retry-After": "1"} if status == 503 else None
+    body = error_body(err.kind, err.message, type_=type(err).__name__, field=err.field,
+                      hint=err.hint, peer=peer)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _loc(loc: Any) -> str:
+    return ".".join(str(p) for p in loc) if isinstance(loc, (list, tuple)) else str(loc)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the mapping above on ``app``."""
+
+    @app.exception_handler(PersiaError)
+    async def persia_error(request: Request, err: PersiaError) -> JSONResponse:
+        return _persia_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        errors = err.errors()
+        first = errors[0] if errors else {}
+        field = _loc(first.get("loc", ("body",)))
+        message = f"{field}: {first.get('msg', 'invalid request')}"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem(s))"
+        body = error_body("bad_input", message, type_="RequestValidationError", field=field,
+                          hint="see the request schema in /docs")
+        return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        kinds = {401: "unauthorized", 403: "forbidden", 404: "not_found",
+                 405: "method_not_allowed", 413: "too_large"}
+        body = error_body(kinds.get(err.status_code, "http"), str(err.detail),
+                          type_="HTTPException",
+                          field="body" if err.status_code in (413, 415) else None)
+        return JSONResponse(body, status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("internal", f"internal error: {type(err).__name__}",
+                                       type_="InternalError"), status_code=500)

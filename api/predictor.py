@@ -1,0 +1,260 @@
+"""Online inference: the served model, its embeddings, micro-batching and hot reload.
+
+A :class:`Served` pairs a dense model with its embedding source and is immutable once
+loaded. :meth:`Predictor.reload` loads the new checkpoint fully (dense model and, for local
+embeddings, every row) off the event loop, then swaps one reference. A micro-batch takes
+the reference once when it starts, so requests already running finish on the old model,
+queued ones run on the new one, and none is dropped; each response names the version
+that produced it.
+
+Forward passes run on one dedicated thread (torch releases the GIL), one micro-batch at a
+time, so the event loop keeps accepting requests, which queue up into the next batch. A
+micro-batch whose merged forward is rejected as bad input is re-run request by request,
+so one bad request never fails the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from api.batcher import Job, MicroBatcher
+from api.embeddings import LocalTable, cat_slots, non_id_tensors, served_tensors
+from api.errors import NotReady
+from api.features import signature
+from api.metrics import ApiMetrics
+from api.model import DenseModel, load_dense
+from api.roles import WORKER, Roles
+from api.settings import ApiSettings
+from stream_persia.checkpoint._common import Location
+from stream_persia.embedding.data import PersiaBatch
+from stream_persia.errors import BadInput, ConfigError, PeerUnavailable, PersiaError
+
+__all__ = ["Predictor", "Served", "Prediction", "predictions_json"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class Served:
+    """One loaded checkpoint: dense model plus (local mode) its embedding rows."""
+
+    dense: DenseModel
+    table: LocalTable | None
+    source: str
+
+    @property
+    def version(self) -> str:
+        return self.dense.version
+
+    def info(self) -> dict[str, Any]:
+        m = self.dense.manifest
+        return {"version": self.version, "checkpoint": m.path or "", "step": m.step,
+                "kind": self.dense.kind, "embeddings": self.source,
+                "heads": list(self.dense.head_names or []), "loaded_at": self.dense.loaded_at}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The answer to one request."""
+
+    version: str
+    heads: dict[str, np.ndarray]
+    missing: int
+    rows: int
+
+
+class Predictor:
+    """Serves ``POST /v1/predict`` and ``POST /v1/model/reload``."""
+
+    def __init__(self, settings: ApiSettings, roles: Roles, metrics: ApiMetrics):
+        self.settings = settings
+        self.roles = roles
+        self.metrics = metrics
+        self.source = settings.source
+        self._served: Served | None = None
+        self._reload_lock = asyncio.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="predict")
+        self._rr = itertools.count()
+        self._last_error: str | None = None
+        self.batcher = MicroBatcher(self._run, max_rows=settings.max_batch_rows,
+                                    max_wait_s=settings.batch_wait_ms / 1000.0)
+
+    # ----------------------------------------------------------------- lifecycle
+    @property
+    def expects_model(self) -> bool:
+        """Whether readiness requires a loaded model (one was configured at start-up)."""
+        return self.settings.model_checkpoint is not None
+
+    async def start(self) -> None:
+        await self.batcher.start()
+        if self.settings.model_checkpoint is not None:
+            await self.reload(self.settings.model_checkpoint)
+
+    async def stop(self) -> None:
+        await self.batcher.stop()
+        self._pool.shutdown(wait=True)
+
+    def info(self) -> dict[str, Any] | None:
+        return self._served.info() if self._served is not None else None
+
+    def not_ready_reason(self) -> str:
+        why = f": {self._last_error}" if self._last_error else ""
+        return f"no model loaded{why}"
+
+    # ----------------------------------------------------------------- reload
+    def resolve(self, checkpoint: str) -> str:
+        """A checkpoint id under the checkpoint directory, or a path/URL as given."""
+        plain = "/" not in checkpoint and "://" not in checkpoint and checkpoint not in (".",
+                                                                                       "..")
+        if plain and self.settings.checkpoint_dir is not None:
+            return f"{self.settings.checkpoint_dir.rstrip('/')}/{checkpoint}"
+        return checkpoint
+
+    def _load(self, src: str) -> Served:
+        dense = load_dense(src, self.settings.model_class)
+        table = None
+        if self.source == "local":
+            if self.settings.schema is None:
+                raise ConfigError("local embeddings need the job's embedding config",
+                                  field="PERSIA_EMBEDDING_CONFIG",
+                                  hint="set PERSIA_EMBEDDING_CONFIG (or use "
+                                       "PERSIA_API_EMBEDDINGS=workers)")
+            table = LocalTable.load(dense.manifest, self.settings.schema)
+        return Served(dense, table, self.source)
+
+    async def reload(self, checkpoint: str) -> dict[str, Any]:
+        """Load ``checkpoint`` completely, then swap it in; returns the new model's info.
+
+        Raises:
+            BadInput: not a loadable checkpoint (the field is ``checkpoint``).
+        """
+        src = self.resolve(checkpoint)
+        async with self._reload_lock:
+            try:
+                served = await asyncio.get_running_loop().run_in_executor(None, self._load, src)
+            except PersiaError as e:
+                self._last_error = f"{src}: {e.message}"
+                self.metrics.reloads.labels("failed").inc()
+                if isinstance(e, BadInput) and e.field in ("src", "path", None):
+                    raise BadInput(e.message, field="checkpoint", hint=e.hint) from None
+                raise
+            except (OSError, ValueError) as e:
+                self._last_error = f"{src}: {e}"
+                self.metrics.reloads.labels("failed").inc()
+                raise BadInput(f"cannot load checkpoint {Location(src).url}: {e}",
+                               field="checkpoint") from None
+            old, self._served = self._served, served
+            self._last_error = None
+        self.metrics.reloads.labels("ok").inc()
+        log.info("serving model %s (was %s)", served.version,
+                 old.version if old is not None else "none")
+        return served.info()
+
+    # ----------------------------------------------------------------- predict
+    async def predict(self, batch: PersiaBatch) -> Prediction:
+        """Score one validated batch (micro-batched with concurrent requests)."""
+        if self._served is None:
+            raise NotReady(self.not_ready_reason(), hint="POST /v1/model/reload with a "
+                           "checkpoint, or start the API with PERSIA_API_MODEL")
+        served = None
+        if self.source == "workers":
+            served = await self._lookup(batch)
+        job = Job(signature(batch), batch.batch_size, (batch, served))
+        self.metrics.predict_rows.observe(batch.batch_size)
+        future = self.batcher.submit(job)
+        try:
+            prediction = await asyncio.wait_for(future, self.settings.predict_timeout_ms / 1000)
+        except TimeoutError:
+            raise NotReady(f"the prediction took longer than "
+                           f"{self.settings.predict_timeout_ms} ms",
+                           hint="the API is overloaded; retry or add replicas") from None
+        self.metrics.missing_ids.inc(prediction.missing)
+        return prediction
+
+    async def _lookup(self, batch: PersiaBatch) -> dict:
+        workers = self.roles.require(WORKER)
+        start = next(self._rr)
+        params = {"batch": batch.to_wire(), "mode": "infer"}
+        last: PeerUnavailable | None = None
+        for i in range(len(workers)):   # fail over to the next worker if one is down
+            role = workers[(start + i) % len(workers)]
+            try:
+                reply = await self.roles.call(role, "lookup_batch", params)
+            except PeerUnavailable as e:
+                last = e
+                continue
+            if not isinstance(reply, dict):
+                raise BadInput(f"embedding worker answered lookup_batch with "
+                               f"{type(reply).__name__}", field="embeddings")
+            return reply
+        assert last is not None
+        raise last
+
+    async def _run(self, jobs: list[Job]) -> None:
+        served = self._served     # one model per micro-batch, even if a reload lands now
+        assert served is not None
+        loop = asyncio.get_running_loop()
+        self.metrics.batch_requests.observe(len(jobs))
+        self.metrics.batch_rows.observe(sum(j.rows for j in jobs))
+        results = await loop.run_in_executor(self._pool, self._compute_safe, served, jobs)
+        for job, result in zip(jobs, results, strict=True):
+            if job.future.done():
+                continue
+            if isinstance(result, BaseException):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)
+
+    def _compute_safe(self, served: Served, jobs: list[Job]) -> list[Prediction | Exception]:
+        try:
+            return self._compute(served, jobs)
+        except BadInput as e:
+            if len(jobs) == 1:
+                return [e]
+        except Exception as e:   # a model or store bug: fail this micro-batch, keep serving
+            log.exception("inference failed for a micro-batch of %d request(s)", len(jobs))
+            return [e] * len(jobs)
+        out: list[Prediction | Exception] = []
+        for job in jobs:   # isolate the request(s) the model rejects
+            try:
+                out.extend(self._compute(served, [job]))
+            except Exception as e:
+                out.append(e)
+        return out
+
+    def _compute(self, served: Served, jobs: list[Job]) -> list[Prediction]:
+        batches = [j.payload[0] for j in jobs]
+        if served.table is not None:
+            embeddings, missing = served.table.embed(batches)
+        else:
+            embeddings = cat_slots([served_tensors(j.payload[1]) for j in jobs])
+            missing = [int(j.payload[1].get("missing", 0) or 0) for j in jobs]
+        rows = [b.batch_size for b in batches]
+        total = sum(rows)
+        heads = served.dense.forward(non_id_tensors(batches), embeddings, total)
+        out, start = [], 0
+        for n, miss in zip(rows, missing, strict=True):
+            part = {name: a[start:start + n] for name, a in heads.items()}
+            out.append(Prediction(served.version, part, int(miss), n))
+            start += n
+        return out
+
+
+def predictions_json(p: Prediction) -> list[dict[str, Any]]:
+    """Per sample: head → a float (one value per sample) or nested lists."""
+    names = list(p.heads)
+    cols = []
+    for a in p.heads.values():
+        if a.ndim == 1 or (a.ndim == 2 and a.shape[1] == 1):
+            cols.append(a.reshape(p.rows).tolist())
+        else:
+            cols.append(a.tolist())
+    return [dict(zip(names, vals, strict=True)) for vals in zip(*cols, strict=True)]
+

@@ -1,0 +1,192 @@
+"""Job control (``/v1/...``, bearer token): status, ingest pause/resume, embedding config,
+clear and sizes. Every call fans out to the roles concurrently over their RPC clients."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.auth import require_token
+from api.roles import SERVER, WORKER, Role, Roles
+from api.schemas import (
+    ERRORS,
+    Applied,
+    EmbeddingConfigRequest,
+    IngestState,
+    JobStatus,
+    ServerStatus,
+    Sizes,
+    TrainingStatus,
+    WorkerStatus,
+)
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import optimizer_from_dict
+from stream_persia.errors import BadInput, PersiaError
+
+router = APIRouter(prefix="/v1", tags=["control"], dependencies=[Depends(require_token)],
+                   responses=ERRORS["control"])
+
+_APPLIED_METRIC = "persia_embedding_worker_batches_applied"
+
+
+def _roles(request: Request) -> Roles:
+    return request.app.state.roles
+
+
+def _error(item: Any) -> str | None:
+    return item.message if isinstance(item, PersiaError) else None
+
+
+def _applied(text: Any) -> int | None:
+    if not isinstance(text, (bytes, str)):
+        return None
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    try:
+        for fam in text_string_to_metric_families(text):
+            if fam.name == _APPLIED_METRIC:
+                return int(sum(s.value for s in fam.samples if s.name.endswith("_total")))
+    except ValueError:
+        return None
+    return None
+
+
+def _worker_status(role: Role, health: dict, status: Any) -> WorkerStatus:
+    out = WorkerStatus(index=role.index, address=role.address, healthy=health["healthy"],
+                       error=health["error"] or _error(status))
+    if isinstance(status, dict):
+        kafka = status.get("kafka") if isinstance(status.get("kafka"), dict) else None
+        out = out.model_copy(update={
+            "ready": status.get("ready"), "ready_capacity": status.get("ready_capacity"),
+            "inflight": status.get("inflight"), "pending": status.get("pending"),
+            "ingest_paused": status.get("ingest_paused"),
+            "frontier": {str(k): int(v) for k, v in (status.get("frontier") or {}).items()},
+            "lag": {str(k): int(v) for k, v in ((kafka or {}).get("lag") or {}).items()},
+            "kafka": kafka})
+    return out
+
+
+@router.get("/status", response_model=JobStatus, summary="Status of the whole job")
+async def status(request: Request) -> JobStatus:
+    """Roles with address and health, per-partition consumer lag, batches in flight
+    (staleness), rows per embedding server, training step, last checkpoint and model."""
+    roles = _roles(request)
+    state = request.app.state
+    health, w_status, w_metrics, s_stats, s_size, training, last = await asyncio.gather(
+        roles.health(),
+        roles.gather_settled(roles.workers, "status"),
+        roles.gather_settled(roles.workers, "metrics"),
+        roles.gather_settled(roles.servers, "stats"),
+        roles.gather_settled(roles.servers, "size"),
+        state.checkpoints.training(),
+        state.checkpoints.last(),
+    )
+    by_role = {(h["role"], h["index"]): h for h in health}
+    workers = [_worker_status(r, by_role[(WORKER, r.index)], st)
+               for r, st in zip(roles.workers, w_status, strict=True)]
+    servers = []
+    for r, stats, size in zip(roles.servers, s_stats, s_size, strict=True):
+        h = by_role[(SERVER, r.index)]
+        servers.append(ServerStatus(
+            index=r.index, address=r.address, healthy=h["healthy"],
+            error=h["error"] or _error(stats) or _error(size),
+            rows=size if isinstance(size, int) else None,
+            stats={k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+            if isinstance(stats, dict) else {}))
+    lag: dict[str, int] = {}
+    for w in workers:
+        lag.update(w.lag)
+    applied = [_applied(m) for m in w_metrics]
+    paused = [w.ingest_paused for w in workers if w.ingest_paused is not None]
+    return JobStatus(
+        roles=health, workers=workers, servers=servers, consumer_lag=lag,
+        staleness_in_flight=sum(w.inflight or 0 for w in workers),
+        rows_total=sum(s.rows or 0 for s in servers),
+        ingest_paused=(all(paused) if paused else None),
+        training=TrainingStatus(
+            step=training.get("step") if training else None,
+            nn_attached=training.get("attached") if training else None,
+            batches_applied=(sum(a for a in applied if a is not None)
+                             if any(a is not None for a in applied) else None)),
+        last_checkpoint=last,
+        model=state.predictor.info() if state.predictor is not None else None)
+
+
+async def _set_ingest(request: Request, paused: bool) -> IngestState:
+    roles = _roles(request)
+    workers = roles.require(WORKER)
+    await roles.fanout(workers, "pause_ingest" if paused else "resume_ingest")
+    return IngestState(ingest_paused=paused, workers=len(workers))
+
+
+@router.post("/ingest/pause", response_model=IngestState, summary="Pause ingest on every worker")
+async def pause_ingest(request: Request) -> IngestState:
+    """Every embedding worker stops consuming its partitions (batches already buffered are
+    still served). Idempotent."""
+    return await _set_ingest(request, True)
+
+
+@router.post("/ingest/resume", response_model=IngestState,
+             summary="Resume ingest on every worker")
+async def resume_ingest(request: Request) -> IngestState:
+    """Every embedding worker consumes again. Idempotent."""
+    return await _set_ingest(request, False)
+
+
+def _checked_config(body: EmbeddingConfigRequest) -> dict[str, Any]:
+    """The ``configure`` params, validated here so a bad value is a 422 before any server
+    changes (a half-applied config across servers is the failure to avoid)."""
+    params: dict[str, Any] = {}
+    cfg = body.model_dump(exclude_none=True, exclude={"optimizer"})
+    if cfg:
+        try:
+            params["embedding_config"] = EmbeddingConfig.from_dict(cfg).to_dict()
+        except BadInput as e:
+            raise BadInput(e.message, field=f"body.{e.field}", hint=e.hint) from None
+    if body.optimizer is not None:
+        spec = body.optimizer.model_dump()
+        try:
+            params["optimizer"] = optimizer_from_dict(spec).to_dict()
+        except BadInput as e:
+            raise BadInput(e.message, field=f"body.optimizer.{e.field}", hint=e.hint) from None
+        except TypeError as e:  # a required parameter (lr) is missing
+            raise BadInput(f"optimizer {spec.get('name')!r}: {e}", field="body.optimizer",
+                           hint="e.g. {'name': 'adagrad', 'lr': 0.01}") from None
+    if not params:
+        raise BadInput("nothing to apply: give EmbeddingConfig fields and/or an optimizer",
+                       field="body", hint="e.g. {'admit_probability': 0.5}")
+    return params
+
+
+@router.post("/embeddings/configure", response_model=Applied,
+             summary="Apply an EmbeddingConfig (and optimizer) to every embedding server")
+async def configure(request: Request, body: EmbeddingConfigRequest) -> Applied:
+    """PERSIA's ``configure_embedding_parameter_servers``. The EmbeddingConfig is replaced
+    as a whole (fields left out take their defaults) when any of its fields is given; the
+    optimizer only when given. Checked in full before any server is changed."""
+    params = _checked_config(body)
+    roles = _roles(request)
+    servers = roles.require(SERVER)
+    await roles.fanout(servers, "configure", params)
+    return Applied(applied=True, servers=len(servers))
+
+
+@router.post("/embeddings/clear", response_model=Applied,
+             summary="Clear every embedding on every server")
+async def clear(request: Request) -> Applied:
+    """PERSIA's ``clear_embeddings``: drops every row on every embedding server."""
+    roles = _roles(request)
+    servers = roles.require(SERVER)
+    await roles.fanout(servers, "clear")
+    return Applied(applied=True, servers=len(servers))
+
+
+@router.get("/embeddings/sizes", response_model=Sizes, summary="Rows per embedding server")
+async def sizes(request: Request) -> Sizes:
+    """PERSIA's ``get_embedding_size``: rows held by each server, in replica order."""
+    roles = _roles(request)
+    counts = [int(n) for n in await roles.fanout(roles.require(SERVER), "size")]
+    return Sizes(servers=counts, total=sum(counts))

@@ -1,0 +1,90 @@
+"""Online inference: ``POST /v1/predict``, ``GET /v1/model``, ``POST /v1/model/reload``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+
+from api.auth import require_predict_token, require_token
+from api.errors import NotReady
+from api.features import JSON_TYPES, MSGPACK_TYPES, parse_json, parse_msgpack
+from api.predictor import Prediction, predictions_json
+from api.schemas import ERRORS, ModelInfo, PredictRequest, PredictResponse, ReloadRequest
+from stream_persia import wire
+
+router = APIRouter(prefix="/v1", tags=["inference"])
+
+_REQUEST_SCHEMA = PredictRequest.model_json_schema()
+_MSGPACK_NOTE = ("the bytes of PersiaBatch.to_bytes() (stream_persia.embedding.data); "
+                 "answer in msgpack too with Accept: application/msgpack")
+
+
+def _media_type(request: Request) -> str:
+    raw = request.headers.get("content-type") or "application/json"
+    return raw.split(";", 1)[0].strip().lower()
+
+
+def _wants_msgpack(request: Request) -> bool:
+    accept = request.headers.get("accept", "")
+    return any(t in accept for t in MSGPACK_TYPES)
+
+
+def _response(request: Request, p: Prediction) -> Response:
+    if _wants_msgpack(request):
+        body = wire.pack({"model_version": p.version, "rows": p.rows, "missing_ids": p.missing,
+                          "heads": list(p.heads), "outputs": p.heads})
+        return Response(body, media_type="application/msgpack")
+    return JSONResponse({"model_version": p.version, "rows": p.rows, "missing_ids": p.missing,
+                         "heads": list(p.heads), "predictions": predictions_json(p)})
+
+
+@router.post(
+    "/predict", response_model=PredictResponse, summary="Score samples with the served model",
+    dependencies=[Depends(require_predict_token)], responses=ERRORS["predict"],
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": _REQUEST_SCHEMA},
+        "application/msgpack": {"schema": {"type": "string", "format": "binary",
+                                           "description": _MSGPACK_NOTE}}}}})
+async def predict(request: Request) -> Response:
+    """Predictions per sample for every head of the model, the model version (checkpoint
+    id) that produced them, and how many ids were missing from the embedding tables
+    (their embeddings were zeros). Concurrent requests are micro-batched into one forward
+    pass. Bodies over ``api.max_body_bytes`` or with more than ``api.max_rows_per_request``
+    samples get 413; unknown slots, wrong types and malformed bodies get 422 naming the
+    field."""
+    state = request.app.state
+    media = _media_type(request)
+    if media not in JSON_TYPES and media not in MSGPACK_TYPES:
+        raise HTTPException(415, f"content type {media!r} is not supported: send "
+                                 f"application/json or application/msgpack")
+    predictor = state.predictor
+    if predictor.info() is None:
+        raise NotReady(predictor.not_ready_reason(),
+                       hint="POST /v1/model/reload with a checkpoint")
+    body = await request.body()
+    settings = state.settings
+    if media in MSGPACK_TYPES:
+        batch = parse_msgpack(body, settings.schema, settings.max_rows_per_request)
+    else:
+        batch = parse_json(body, settings.schema, settings.max_rows_per_request)
+    return _response(request, await predictor.predict(batch))
+
+
+@router.get("/model", response_model=ModelInfo, summary="The model being served",
+            dependencies=[Depends(require_predict_token)],
+            responses={503: {"description": "no model loaded"}} | ERRORS["public"])
+async def model_info(request: Request) -> ModelInfo:
+    """Version (checkpoint id), path, training step, kind and heads of the served model."""
+    info = request.app.state.predictor.info()
+    if info is None:
+        raise NotReady(request.app.state.predictor.not_ready_reason())
+    return ModelInfo(**info)
+
+
+@router.post("/model/reload", response_model=ModelInfo, summary="Serve another checkpoint",
+             dependencies=[Depends(require_token)], responses=ERRORS["control"])
+async def reload(request: Request, body: ReloadRequest) -> ModelInfo:
+    """Load the checkpoint completely (dense model and, with local embeddings, every row),
+    then swap it in atomically: requests already running finish on the old model, none is
+    dropped. ``checkpoint`` is a path/URL or an id under the checkpoint directory."""
+    return ModelInfo(**await request.app.state.predictor.reload(body.checkpoint))

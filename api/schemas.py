@@ -1,0 +1,290 @@
+"""Request and response bodies of the HTTP API (pydantic), each with an example for /docs."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ErrorInfo", "ErrorBody", "Liveness", "RoleHealth", "ModelInfo", "Readiness",
+    "WorkerStatus", "ServerStatus", "TrainingStatus", "JobStatus", "IngestState",
+    "OptimizerSpec", "EmbeddingConfigRequest", "Applied", "Sizes", "PredictRequest",
+    "PredictResponse", "ReloadRequest", "CheckpointStart", "CheckpointAccepted",
+    "CheckpointInfo", "CheckpointList", "RestoreRequest", "RestoreResult", "ERRORS",
+    "CHECKPOINT_ID_PATTERN",
+]
+
+
+def _example(example: dict[str, Any]) -> ConfigDict:
+    return ConfigDict(json_schema_extra={"examples": [example]})
+
+
+class ErrorInfo(BaseModel):
+    kind: str = Field(description="error family: bad_input, too_large, misuse, unavailable, "
+                                  "timeout, remote, unauthorized, forbidden, internal, ...")
+    type: str = Field(description="the exception type")
+    message: str
+    field: str | None = Field(None, description="the request field at fault, dotted")
+    hint: str | None = Field(None, description="what would be accepted")
+    peer: str | None = Field(None, description="the role that failed (502/503)")
+
+
+class ErrorBody(BaseModel):
+    model_config = _example({"error": {
+        "kind": "bad_input", "type": "BadInput",
+        "message": "unknown slot 'usr' in id_type_features", "field": "id_type_features.usr",
+        "hint": "slots of this job: item, tags, user", "peer": None}})
+    error: ErrorInfo
+
+
+def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    text = {401: "no bearer token", 403: "wrong bearer token", 404: "not found",
+            409: "not possible in the job's current state", 413: "request too large",
+            415: "unsupported content type", 422: "invalid request (names the field)",
+            502: "a role answered with a failure", 503: "a role is unavailable or busy"}
+    return {c: {"model": ErrorBody, "description": text[c]} for c in codes}
+
+
+#: common error responses per route group, for the OpenAPI document
+ERRORS = {
+    "control": _responses(401, 403, 409, 422, 502, 503),
+    "public": _responses(422),
+    "predict": _responses(401, 403, 409, 413, 415, 422, 502, 503),
+    "checkpoint": _responses(401, 403, 404, 409, 422, 502, 503),
+}
+
+
+# ---------------------------------------------------------------------------- health
+class Liveness(BaseModel):
+    model_config = _example({"status": "ok"})
+    status: Literal["ok"] = "ok"
+
+
+class RoleHealth(BaseModel):
+    role: str = Field(description="embedding-worker or embedding-server")
+    index: int
+    address: str
+    healthy: bool
+    error: str | None = None
+    latency_ms: float | None = None
+
+
+class ModelInfo(BaseModel):
+    model_config = _example({"version": "ckpt-20250101T000000Z-0001", "checkpoint":
+                             "/ckpt/ckpt-20250101T000000Z-0001", "step": 1200,
+                             "kind": "torchscript", "embeddings": "local",
+                             "heads": ["click", "buy"], "loaded_at": 1735689600.0})
+    version: str = Field(description="checkpoint id of the dense model being served")
+    checkpoint: str
+    step: int | None = None
+    kind: str = Field(description="torchscript (jit_dense.pt) or state_dict (model class)")
+    embeddings: str = Field(description="workers or local")
+    heads: list[str] = Field(default_factory=list)
+    loaded_at: float
+
+
+class Readiness(BaseModel):
+    model_config = _example({"ready": True, "problems": [], "roles": [
+        {"role": "embedding-worker", "index": 0, "address": "127.0.0.1:7100",
+         "healthy": True, "error": None, "latency_ms": 0.4}], "model": None})
+    ready: bool
+    problems: list[str] = Field(description="why the API is not ready (empty when ready)")
+    roles: list[RoleHealth]
+    model: ModelInfo | None = None
+
+
+# ---------------------------------------------------------------------------- control
+class WorkerStatus(BaseModel):
+    index: int
+    address: str
+    healthy: bool
+    error: str | None = None
+    ready: int | None = Field(None, description="batches ready for NN workers")
+    ready_capacity: int | None = None
+    inflight: int | None = Field(None, description="served batches awaiting gradients")
+    pending: int | None = Field(None, description="batches consumed but not applied")
+    ingest_paused: bool | None = None
+    frontier: dict[str, int] = Field(default_factory=dict,
+                                     description="partition -> first offset not yet applied")
+    lag: dict[str, int] = Field(default_factory=dict, description="partition -> consumer lag")
+    kafka: dict[str, Any] | None = None
+
+
+class ServerStatus(BaseModel):
+    index: int
+    address: str
+    healthy: bool
+    error: str | None = None
+    rows: int | None = None
+    stats: dict[str, float] = Field(default_factory=dict)
+
+
+class TrainingStatus(BaseModel):
+    step: int | None = Field(None, description="last step reported by NN rank 0")
+    batches_applied: int | None = Field(None, description="sum over embedding workers")
+    nn_attached: bool | None = None
+
+
+class JobStatus(BaseModel):
+    model_config = _example({
+        "roles": [{"role": "embedding-worker", "index": 0, "address": "127.0.0.1:7100",
+                   "healthy": True, "error": None, "latency_ms": 0.5}],
+        "workers": [{"index": 0, "address": "127.0.0.1:7100", "healthy": True, "ready": 3,
+                     "ready_capacity": 16, "inflight": 1, "pending": 4, "ingest_paused": False,
+                     "frontier": {"0": 1200}, "lag": {"0": 17}}],
+        "servers": [{"index": 0, "address": "127.0.0.1:7200", "healthy": True, "rows": 5210,
+                     "stats": {"lookups": 91000.0, "evictions": 0.0}}],
+        "consumer_lag": {"0": 17}, "staleness_in_flight": 1, "rows_total": 5210,
+        "ingest_paused": False,
+        "training": {"step": 1200, "batches_applied": 1200, "nn_attached": True},
+        "last_checkpoint": None, "model": None})
+    roles: list[RoleHealth]
+    workers: list[WorkerStatus]
+    servers: list[ServerStatus]
+    consumer_lag: dict[str, int] = Field(description="partition -> lag, over every worker")
+    staleness_in_flight: int = Field(description="batches served but not yet applied")
+    rows_total: int = Field(description="embedding rows over every server")
+    ingest_paused: bool | None = Field(None, description="true when every worker is paused")
+    training: TrainingStatus
+    last_checkpoint: dict[str, Any] | None = None
+    model: ModelInfo | None = None
+
+
+class IngestState(BaseModel):
+    model_config = _example({"ingest_paused": True, "workers": 2})
+    ingest_paused: bool
+    workers: int
+
+
+class OptimizerSpec(BaseModel):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"name": "adagrad", "lr": 0.01}, {"name": "sgd", "lr": 0.1, "momentum": 0.9}]})
+    name: Literal["sgd", "adagrad", "adam"]
+
+
+class EmbeddingConfigRequest(BaseModel):
+    """PERSIA's ``EmbeddingConfig`` and, optionally, a new embedding optimizer."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"emb_initialization": [-0.01, 0.01], "admit_probability": 1.0, "weight_bound": 10.0},
+        {"optimizer": {"name": "adagrad", "lr": 0.01}}]})
+    emb_initialization: tuple[float, float] | None = None
+    admit_probability: float | None = Field(None, ge=0.0, le=1.0)
+    weight_bound: float | None = Field(None, gt=0.0)
+    optimizer: OptimizerSpec | None = None
+
+
+class Applied(BaseModel):
+    model_config = _example({"applied": True, "servers": 2})
+    applied: bool
+    servers: int
+
+
+class Sizes(BaseModel):
+    model_config = _example({"servers": [5210, 5198], "total": 10408})
+    servers: list[int] = Field(description="rows per embedding server, in replica order")
+    total: int
+
+
+# ---------------------------------------------------------------------------- inference
+class PredictRequest(BaseModel):
+    """Samples to score. Every list has one entry per sample."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "id_type_features": {"user": [[3, 17], [5]], "item": [101, 102],
+                             "tags": [[1, 2, 3], []]},
+        "non_id_type_features": {"dense": [[0.1, 0.2, 0.3], [0.0, 1.5, -0.2]]}}]})
+    id_type_features: dict[str, list[int | list[int]]] = Field(
+        description="slot -> per sample either a list of ids or one id (uint64)")
+    non_id_type_features: dict[str, list[Any]] = Field(
+        default_factory=dict, description="name -> nested lists, first axis is the sample")
+
+
+class PredictResponse(BaseModel):
+    model_config = _example({"model_version": "ckpt-20250101T000000Z-0001", "rows": 2,
+                             "missing_ids": 1, "heads": ["click", "buy"],
+                             "predictions": [{"click": 0.12, "buy": 0.01},
+                                             {"click": 0.57, "buy": 0.2}]})
+    model_version: str = Field(description="checkpoint id the answer came from")
+    rows: int
+    missing_ids: int = Field(description="ids absent from the embedding tables (zeros used)")
+    heads: list[str]
+    predictions: list[dict[str, float | list[Any]]] = Field(
+        description="per sample: head -> a number, or nested lists for wider heads")
+
+
+class ReloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"checkpoint": "/ckpt/ckpt-20250101T000000Z-0002"}]})
+    checkpoint: str = Field(min_length=1, description="path/URL of a checkpoint, or an id "
+                                                      "under the checkpoint directory")
+
+
+# ---------------------------------------------------------------------------- checkpoints
+CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class CheckpointStart(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {}, {"id": "before-schema-change"}]})
+    id: str | None = Field(None, pattern=CHECKPOINT_ID_PATTERN,
+                           description="its name under the checkpoint directory (default: "
+                                       "ckpt-<UTC time>-<random>); never a path, so a request "
+                                       "cannot write outside that directory")
+
+
+class CheckpointAccepted(BaseModel):
+    model_config = _example({"id": "ckpt-20250101T000000Z-0001", "state": "pending",
+                             "dst": "/ckpt/ckpt-20250101T000000Z-0001",
+                             "status_url": "/v1/checkpoints/ckpt-20250101T000000Z-0001"})
+    id: str
+    state: str
+    dst: str
+    status_url: str
+
+
+class CheckpointInfo(BaseModel):
+    model_config = _example({
+        "id": "ckpt-20250101T000000Z-0001", "state": "done",
+        "dst": "/ckpt/ckpt-20250101T000000Z-0001", "by": "nn", "step": 1200,
+        "progress": {"phase": "committed", "done": 1, "total": 1}, "error": None,
+        "requested_at": 1735689600.0, "finished_at": 1735689604.2,
+        "manifest": {"step": 1200, "offsets": {"job.samples": {"0": 1200}}}})
+    id: str
+    state: str = Field(description="pending, running, done or failed")
+    dst: str
+    by: str | None = Field(None, description="who took the cut: nn (NN ranks) or api")
+    step: int | None = None
+    progress: dict[str, Any] = Field(default_factory=dict)
+    error: str | None = None
+    requested_at: float | None = None
+    finished_at: float | None = None
+    manifest: dict[str, Any] | None = None
+
+
+class CheckpointList(BaseModel):
+    model_config = _example({"checkpoints": [{
+        "id": "ckpt-20250101T000000Z-a1b2c3", "state": "done",
+        "dst": "/ckpt/ckpt-20250101T000000Z-a1b2c3", "by": "nn", "step": 1200,
+        "progress": {"phase": "committed"}, "error": None, "requested_at": None,
+        "finished_at": 1735689604.2, "manifest": {"step": 1200, "stream": "kafka"}}]})
+    checkpoints: list[CheckpointInfo] = Field(
+        description="complete ones oldest step first, then those being taken or failed")
+
+
+class RestoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"reload_model": True}]})
+    reload_model: bool = Field(True, description="also serve this checkpoint's dense model")
+
+
+class RestoreResult(BaseModel):
+    model_config = _example({"id": "ckpt-20250101T000000Z-0001", "rows": 10408,
+                             "offsets": {"0": 1200}, "workers_reset": 1,
+                             "model_reloaded": True})
+    id: str
+    rows: int = Field(description="embedding rows loaded over every server")
+    offsets: dict[str, int] = Field(default_factory=dict)
+    workers_reset: int
+    model_reloaded: bool

@@ -1,0 +1,85 @@
+"""Serve the API with uvicorn (uvloop + httptools), as ``stream-persia launch api`` does.
+
+uvicorn handles SIGTERM/SIGINT itself: it stops accepting connections, lets in-flight
+requests finish (up to ``graceful_timeout_s``), runs the lifespan shutdown (queued
+inference requests complete, connections to the roles close) and returns, so the
+process exits 0. The socket is bound before uvicorn starts so that port 0 works and the
+real ``host:port`` can be written to ``ready_file`` once the app is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from api.app import create_app
+from api.settings import ApiSettings
+from stream_persia import aio
+
+__all__ = ["serve", "bind_socket"]
+
+log = logging.getLogger(__name__)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on ``host:port`` (IPv6 when ``host`` is one)."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _write_ready(path: str | None, address: str) -> None:
+    if not path:
+        return
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(address)
+    os.replace(tmp, path)
+
+
+def _drained(signum: int, frame: object) -> None:
+    log.info("%s: the API has drained", signal.Signals(signum).name)
+
+
+def serve(settings: ApiSettings, *, ready_file: str | None = None, log_level: str = "info",
+          graceful_timeout_s: float = 30.0) -> int:
+    """Run the API until SIGTERM/SIGINT; returns the exit code (0 after a clean drain)."""
+    import uvicorn
+
+    app = create_app(settings)   # refuses to start without a token on a public address
+    sock = bind_socket(settings.host, settings.port)
+    loop = "uvloop" if aio.uvloop_available() else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    config = uvicorn.Config(app, loop=loop, http=http, lifespan="on", log_level=log_level,
+                            timeout_graceful_shutdown=graceful_timeout_s, access_log=False,
+                            server_header=False)
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            address = _address(sock)
+            _write_ready(ready_file, address)
+            log.info("API listening on http://%s (loop %s, http %s)", address, loop, http)
+        await task
+
+    # uvicorn re-raises the signal it caught once it has drained, with the handler that was
+    # installed before it started; a Python-level no-op there makes a drained exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _drained)
+    aio.run(main())   # the project's loop choice (uvloop unless STREAM_PERSIA_NO_UVLOOP)
+    return 0 if server.started else 1

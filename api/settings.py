@@ -1,0 +1,208 @@
+"""Settings of the API process, resolved once at the edge from config, environment and flags.
+
+Precedence for every value: the explicit argument (CLI flag), then the environment, then
+``global_config.yml``'s ``api`` section (:class:`~stream_persia.config.ApiConfig`), then the
+default. Environment variables:
+
+- ``PERSIA_API_TOKEN`` / ``PERSIA_API_TOKEN_FILE``: the bearer token (inline or a mounted
+  secret file); they override ``api.token`` / ``api.token_file``.
+- ``PERSIA_API_PREDICT_AUTH=1``: ``POST /v1/predict`` requires the token too.
+- ``PERSIA_EMBEDDING_WORKERS`` / ``PERSIA_EMBEDDING_SERVERS``: role addresses.
+- ``PERSIA_EMBEDDING_CONFIG``: the embedding schema that inference requests are checked
+  against.
+- ``PERSIA_CHECKPOINT_DIR``: where checkpoints started over HTTP are written and listed.
+- ``PERSIA_API_MODEL``: the checkpoint served at start-up; ``PERSIA_API_MODEL_CLASS``
+  (``module:Class``) when it holds no TorchScript ``jit_dense.pt``;
+  ``PERSIA_API_EMBEDDINGS`` = ``workers`` | ``local`` (where served embeddings come from).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from stream_persia.config import ApiConfig, EmbeddingSchema, GlobalConfig, load_embedding_config
+from stream_persia.errors import ConfigError
+
+__all__ = ["ApiSettings", "EMBEDDING_SOURCES", "is_loopback"]
+
+EMBEDDING_SOURCES = ("auto", "workers", "local")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server reachable only from this machine."""
+    h = host.strip().strip("[]").lower()
+    if h == "localhost" or h.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def _env_list(name: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in (_env(name) or "").split(",") if a.strip())
+
+
+def _env_bool(name: str) -> bool | None:
+    raw = _env(name)
+    if raw is None:
+        return None
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"environment variable {name}={raw!r} is not a boolean", field=name,
+                      hint="use 1/0, true/false, yes/no or on/off")
+
+
+def _read_token_file(path: str, where: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read {path!r}: {exc}", field=where) from None
+    if not token:
+        raise ConfigError(f"{where}: {path!r} is empty", field=where,
+                          hint="write the token into the file")
+    return token
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """Everything :func:`api.create_app` needs.
+
+    Args:
+        host, port: where uvicorn binds (used for the loopback check and by ``launch api``).
+        token: bearer token for control and checkpoint routes; None = no authentication,
+            which is refused unless ``host`` is a loopback address.
+        predict_requires_token: ``POST /v1/predict`` needs the token as well.
+        max_body_bytes: larger request bodies get 413.
+        max_rows_per_request: more samples in one inference request get 413.
+        embedding_workers, embedding_servers: role addresses (``host:port``).
+        schema: the embedding schema inference requests are validated against (None:
+            inference is unavailable until one is given).
+        checkpoint_dir: root of checkpoints started over HTTP (None: those routes 409).
+        model_checkpoint: checkpoint served at start-up (None: no model until a reload).
+        model_class: ``module:Class`` of the dense model when the checkpoint holds no
+            ``jit_dense.pt``.
+        embeddings: ``workers`` (lookups through the embedding workers), ``local`` (a
+            read-only store loaded from the checkpoint in this process) or ``auto``
+            (workers when any are configured, else local).
+        rpc_timeout_ms: deadline of one RPC to a role.
+        batch_wait_ms, max_batch_rows: micro-batching: concurrent inference requests are
+            collected for up to ``batch_wait_ms`` or ``max_batch_rows`` rows.
+        predict_timeout_ms: an inference request waiting longer gets 503.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    token: str | None = field(default=None, repr=False)
+    predict_requires_token: bool = False
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_rows_per_request: int = 10_000
+    embedding_workers: tuple[str, ...] = ()
+    embedding_servers: tuple[str, ...] = ()
+    schema: EmbeddingSchema | None = None
+    checkpoint_dir: str | None = None
+    model_checkpoint: str | None = None
+    model_class: str | None = None
+    embeddings: str = "auto"
+    rpc_timeout_ms: int = 10_000
+    batch_wait_ms: float = 2.0
+    max_batch_rows: int = 1024
+    predict_timeout_ms: int = 30_000
+    global_config: GlobalConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.embeddings not in EMBEDDING_SOURCES:
+            raise ConfigError(f"embeddings must be one of {EMBEDDING_SOURCES}, got "
+                              f"{self.embeddings!r}", field="embeddings")
+        if self.token is not None and not self.token.strip():
+            raise ConfigError("the API token is empty", field="token",
+                              hint="set a non-empty token or none at all")
+        for name in ("max_body_bytes", "max_rows_per_request", "rpc_timeout_ms",
+                     "max_batch_rows", "predict_timeout_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", field=name)
+        if not (0 <= float(self.batch_wait_ms) <= 1000):
+            raise ConfigError(f"batch_wait_ms must be in [0, 1000], got {self.batch_wait_ms!r}",
+                              field="batch_wait_ms")
+        if self.model_class is not None and ":" not in self.model_class:
+            raise ConfigError(f"model_class must be 'module:Class', got {self.model_class!r}",
+                              field="model_class", hint="e.g. 'my_model:DNN'")
+
+    @property
+    def source(self) -> str:
+        """The embedding source actually used (``auto`` resolved)."""
+        if self.embeddings != "auto":
+            return self.embeddings
+        return "workers" if self.embedding_workers else "local"
+
+    def check_bind(self) -> None:
+        """Refuse to serve control routes without a token on a non-loopback address.
+
+        Raises:
+            ConfigError: no token is configured and ``host`` is not loopback.
+        """
+        if self.token is None and not is_loopback(self.host):
+            raise ConfigError(
+                f"the API would listen on {self.host} without a token: control and checkpoint "
+                f"routes would be open to the network", field="api.token",
+                hint="set PERSIA_API_TOKEN or PERSIA_API_TOKEN_FILE (or api.token / "
+                     "api.token_file), or bind to 127.0.0.1")
+
+    @classmethod
+    def from_env(cls, global_config: GlobalConfig | None = None, **overrides: Any
+                 ) -> ApiSettings:
+        """Build settings from the environment and ``global_config``'s ``api`` section.
+
+        Keyword arguments override both (None values are ignored, so CLI flags that were
+        not given can be passed through as they are).
+        """
+        api = global_config.api if global_config is not None else ApiConfig()
+        token = None
+        env_token, env_file = _env("PERSIA_API_TOKEN"), _env("PERSIA_API_TOKEN_FILE")
+        if env_token is not None and env_file is not None:
+            raise ConfigError("both PERSIA_API_TOKEN and PERSIA_API_TOKEN_FILE are set",
+                              field="PERSIA_API_TOKEN", hint="keep one of them")
+        if env_token is not None:
+            token = env_token.strip()
+        elif env_file is not None:
+            token = _read_token_file(env_file, "PERSIA_API_TOKEN_FILE")
+        else:
+            token = api.read_token()
+        values: dict[str, Any] = {
+            "host": api.host, "port": api.port, "token": token,
+            "max_body_bytes": api.max_body_bytes,
+            "max_rows_per_request": api.max_rows_per_request,
+            "embedding_workers": _env_list("PERSIA_EMBEDDING_WORKERS"),
+            "embedding_servers": (_env_list("PERSIA_EMBEDDING_SERVERS")
+                                  or (global_config.common_config.infer_config.servers
+                                      if global_config is not None else ())),
+            "checkpoint_dir": _env("PERSIA_CHECKPOINT_DIR"),
+            "model_checkpoint": _env("PERSIA_API_MODEL"),
+            "model_class": _env("PERSIA_API_MODEL_CLASS"),
+            "embeddings": _env("PERSIA_API_EMBEDDINGS") or "auto",
+            "global_config": global_config,
+        }
+        predict_auth = _env_bool("PERSIA_API_PREDICT_AUTH")
+        if predict_auth is not None:
+            values["predict_requires_token"] = predict_auth
+        if global_config is not None:
+            values["rpc_timeout_ms"] = global_config.embedding_worker_config.rpc_timeout_ms
+        if "schema" not in overrides and _env("PERSIA_EMBEDDING_CONFIG") is not None:
+            values["schema"] = load_embedding_config()
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        for key in ("embedding_workers", "embedding_servers"):
+            values[key] = tuple(values[key])
+        return cls(**values)

@@ -1,0 +1,265 @@
+"""The checkpoint manifest (``manifest.json``): what a checkpoint holds, and its checksums.
+
+Schema (format version 1; JSON object, every key present, ``null`` where optional)::
+
+    {"format_version": 1, "job": str, "step": int >= 0,
+     "created_at": ISO-8601 UTC ("2024-05-01T12:00:00Z"),
+     "stream": "kafka" | "direct",
+     "offsets": {topic: {partition (decimal str): next offset to consume (int >= 0)}},
+     "config_digest": str | null, "shard_count": int >= 0,
+     "files": {name: {"sha256": 64 hex chars, "bytes": int, "rows"?: int}},
+     "embedding_files": [name, ...]  (one per embedding server, in replica order),
+     "dense_filename": name | null, "opt_filename": name | null,
+     "jit_filename": name | null, "extra": {...}}
+
+Every name in ``embedding_files`` and the ``*_filename`` keys is a key of ``files``; file
+names are plain (no ``/``). A reader that meets a ``format_version`` it does not know
+refuses the checkpoint instead of guessing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from datetime import datetime, timezone
+from typing import Any
+
+from stream_persia.errors import BadInput, Misuse
+
+__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "DENSE_FILENAME", "OPT_FILENAME", "JIT_FILENAME",
+           "STREAMS", "Manifest", "check_file_name", "cut_offsets", "utc_now"]
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DENSE_FILENAME = "dense.pt"
+OPT_FILENAME = "opt.pt"
+JIT_FILENAME = "jit_dense.pt"
+STREAMS = ("kafka", "direct")
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def utc_now() -> str:
+    """The current time as ISO-8601 UTC with a ``Z`` suffix (second precision)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def cut_offsets(topic: str, frontiers: Sequence[dict[str, Any]]
+                ) -> tuple[str, dict[str, dict[str, int]]]:
+    """The ``stream`` and ``offsets`` of a cut, from every embedding worker's ``frontier``.
+
+    Args:
+        topic: the samples topic the workers consume.
+        frontiers: each worker's ``frontier`` RPC reply (``{"stream", "offsets", "inflight"}``).
+
+    Returns:
+        ``("kafka", {topic: {partition: offset}})``, or ``("direct", {})`` without a broker.
+
+    Raises:
+        Misuse: a worker still has served batches whose gradients are not applied (the cut
+            would not be consistent), or the workers disagree on the stream or an offset.
+    """
+    streams = {f.get("stream") for f in frontiers}
+    if len(streams) != 1 or not streams <= set(STREAMS):
+        raise Misuse(f"embedding workers report streams {sorted(map(str, streams))}, expected "
+                     f"all 'kafka' or all 'direct'")
+    offsets: dict[str, int] = {}
+    for i, f in enumerate(frontiers):
+        if f.get("inflight"):
+            raise Misuse(f"embedding worker {i} has {f['inflight']} batch(es) in flight: not a "
+                         f"consistent cut", hint="return prefetched batches and wait for "
+                         "gradient pushes before checkpointing")
+        for p, o in (f.get("offsets") or {}).items():
+            if offsets.get(str(p), o) != o:
+                raise Misuse(f"workers disagree on partition {p}: {offsets[str(p)]} and {o}")
+            offsets[str(p)] = o
+    stream = streams.pop()
+    if stream == "direct":
+        return stream, {}
+    return stream, _offsets({topic: offsets})
+
+
+def check_file_name(name: Any, field_name: str = "name") -> str:
+    """A checkpoint file name: a non-empty plain name, not hidden, not the manifest."""
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name \
+            or name.startswith(".") or name == MANIFEST_NAME:
+        raise BadInput(f"{field_name} must be a plain file name, got {name!r}", field=field_name,
+                       hint=f"no '/', not starting with '.', not {MANIFEST_NAME!r}")
+    return name
+
+
+def _check_version(fv: Any) -> None:
+    if isinstance(fv, bool) or not isinstance(fv, int) or fv != FORMAT_VERSION:
+        raise BadInput(f"checkpoint format_version {fv!r} is not supported (this "
+                       f"stream-persia reads format_version {FORMAT_VERSION})",
+                       field="format_version",
+                       hint="read it with the stream-persia version that wrote it")
+
+
+def _int(value: Any, key: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BadInput(f"manifest {key!r} must be an int >= {minimum}, got {value!r}", field=key)
+    return value
+
+
+def _opt_str(value: Any, key: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise BadInput(f"manifest {key!r} must be a string or null, got {value!r}", field=key)
+    return value
+
+
+def _offsets(value: Any) -> dict[str, dict[str, int]]:
+    """Normalise topic → partition → offset (partition keys may arrive as ints)."""
+    if not isinstance(value, dict):
+        raise BadInput(f"manifest 'offsets' must map topic -> {{partition: offset}}, got "
+                       f"{type(value).__name__}", field="offsets")
+    out: dict[str, dict[str, int]] = {}
+    for topic, parts in value.items():
+        if not isinstance(topic, str) or not topic:
+            raise BadInput(f"offsets topic must be a non-empty string, got {topic!r}",
+                           field="offsets")
+        if not isinstance(parts, dict):
+            raise BadInput(f"offsets[{topic!r}] must map partition -> offset, got {parts!r}",
+                           field=f"offsets.{topic}")
+        norm: dict[str, int] = {}
+        for p, o in parts.items():
+            key = str(p) if isinstance(p, int) and not isinstance(p, bool) else p
+            if not (isinstance(key, str) and key.isdigit()):
+                raise BadInput(f"offsets[{topic!r}] partition must be a number >= 0, got {p!r}",
+                               field=f"offsets.{topic}")
+            norm[str(int(key))] = _int(o, f"offsets.{topic}.{key}")
+        out[topic] = dict(sorted(norm.items(), key=lambda kv: int(kv[0])))
+    return out
+
+
+def _files(value: Any) -> dict[str, dict[str, Any]]:
+    if not isinstance(value, dict):
+        raise BadInput(f"manifest 'files' must be a map, got {type(value).__name__}",
+                       field="files")
+    out: dict[str, dict[str, Any]] = {}
+    for name, entry in value.items():
+        check_file_name(name, "files")
+        where = f"files.{name}"
+        if not isinstance(entry, dict):
+            raise BadInput(f"manifest {where!r} must be a map, got {entry!r}", field=where)
+        unknown = set(entry) - {"sha256", "bytes", "rows"}
+        if unknown:
+            raise BadInput(f"manifest {where!r} has unknown key(s) {sorted(unknown)}",
+                           field=where, hint="sha256, bytes, rows")
+        sha = entry.get("sha256")
+        if not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+            raise BadInput(f"manifest '{where}.sha256' must be 64 lowercase hex chars, got "
+                           f"{sha!r}", field=f"{where}.sha256")
+        clean = {"sha256": sha, "bytes": _int(entry.get("bytes"), f"{where}.bytes")}
+        if "rows" in entry:
+            clean["rows"] = _int(entry["rows"], f"{where}.rows")
+        out[name] = clean
+    return out
+
+
+@dataclass
+class Manifest:
+    """What a checkpoint holds. Validated on construction (``BadInput`` naming the key).
+
+    ``path`` is where the checkpoint was read from (set by the readers, not stored).
+    """
+
+    job: str
+    step: int
+    stream: str
+    offsets: dict[str, dict[str, int]]
+    shard_count: int
+    files: dict[str, dict[str, Any]]
+    embedding_files: list[str]
+    created_at: str = field(default_factory=utc_now)
+    config_digest: str | None = None
+    dense_filename: str | None = None
+    opt_filename: str | None = None
+    jit_filename: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    path: str | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_version(self.format_version)
+        if not isinstance(self.job, str) or not self.job:
+            raise BadInput(f"manifest 'job' must be a non-empty string, got {self.job!r}",
+                           field="job")
+        _int(self.step, "step")
+        if not isinstance(self.created_at, str):
+            raise BadInput(f"manifest 'created_at' must be an ISO-8601 string, got "
+                           f"{self.created_at!r}", field="created_at")
+        try:
+            datetime.fromisoformat(self.created_at)
+        except ValueError:
+            raise BadInput(f"manifest 'created_at' is not ISO-8601: {self.created_at!r}",
+                           field="created_at", hint="e.g. '2024-05-01T12:00:00Z'") from None
+        if self.stream not in STREAMS:
+            raise BadInput(f"manifest 'stream' must be one of {STREAMS}, got {self.stream!r}",
+                           field="stream")
+        self.offsets = _offsets(self.offsets)
+        _opt_str(self.config_digest, "config_digest")
+        _int(self.shard_count, "shard_count")
+        self.files = _files(self.files)
+        if not isinstance(self.embedding_files, list):
+            raise BadInput("manifest 'embedding_files' must be a list of file names",
+                           field="embedding_files")
+        self.embedding_files = list(self.embedding_files)
+        if len(self.embedding_files) != self.shard_count:
+            raise BadInput(f"manifest lists {len(self.embedding_files)} embedding_files but "
+                           f"shard_count is {self.shard_count}", field="embedding_files")
+        for name in self.embedding_files:
+            if name not in self.files or "rows" not in self.files[name]:
+                raise BadInput(f"embedding file {name!r} has no entry with 'rows' in 'files'",
+                               field="embedding_files")
+        for key in ("dense_filename", "opt_filename", "jit_filename"):
+            name = _opt_str(getattr(self, key), key)
+            if name is not None and name not in self.files:
+                raise BadInput(f"manifest {key!r} names {name!r}, which is not in 'files'",
+                               field=key)
+        if not isinstance(self.extra, dict):
+            raise BadInput(f"manifest 'extra' must be a map, got {type(self.extra).__name__}",
+                           field="extra")
+        try:
+            json.dumps(self.extra, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise BadInput(f"manifest 'extra' must be JSON-serialisable: {e}",
+                           field="extra") from None
+
+    @property
+    def rows(self) -> int:
+        """Embedding rows stored in the checkpoint (over every shard file)."""
+        return sum(self.files[n]["rows"] for n in self.embedding_files)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form written to ``manifest.json`` (``path`` is not stored)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "path"}
+        out = {"format_version": out.pop("format_version"), **out}
+        return json.loads(json.dumps(out))   # deep copy, JSON types only
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str | None = None) -> Manifest:
+        """Parse the JSON form. Raises ``BadInput`` naming a missing, unknown or bad key."""
+        if not isinstance(d, dict):
+            raise BadInput(f"a manifest must be a JSON object, got {type(d).__name__}",
+                           field="manifest")
+        # The version first: a future format may have other keys, and "unsupported version"
+        # is the useful message then.
+        _check_version(d.get("format_version"))
+        names = [f.name for f in fields(cls) if f.name != "path"]
+        unknown = set(d) - set(names)
+        if unknown:
+            raise BadInput(f"manifest has unknown key(s) {sorted(unknown)}",
+                           field=sorted(unknown)[0], hint=f"known keys: {', '.join(names)}")
+        required = ("job", "step", "stream", "offsets", "shard_count", "files",
+                    "embedding_files", "created_at")
+        for key in required:
+            if key not in d:
+                raise BadInput(f"manifest is missing {key!r}", field=key)
+        kwargs = {k: d[k] for k in names if k in d}
+        if kwargs.get("extra") is None:
+            kwargs["extra"] = {}
+        return cls(**kwargs, path=path)
+

@@ -1,0 +1,214 @@
+"""Reading a checkpoint: manifest, checksums, embedding restore (any server count), torch."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import logging
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from stream_persia.checkpoint._common import (
+    DEFAULT_SHARD_TIMEOUT_MS,
+    Location,
+    check_server_set,
+    sha256_file,
+)
+from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest, check_file_name
+from stream_persia.errors import BadInput, InternalError
+
+__all__ = ["read_manifest", "verify", "load_embeddings", "load_torch", "list_checkpoints",
+           "latest_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+
+def read_manifest(src: str) -> Manifest:
+    """The manifest of the checkpoint at ``src`` (``path`` set to ``src``).
+
+    Raises:
+        BadInput: no manifest ("incomplete or not a checkpoint"), invalid JSON, or a
+            manifest that fails validation (names the key), or an unknown format version.
+    """
+    loc = Location(src)
+    try:
+        raw = loc.fs.cat_file(loc.join(MANIFEST_NAME))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise BadInput(f"{loc.url} is incomplete or not a checkpoint: it has no "
+                       f"{MANIFEST_NAME}", field="src", hint=_interrupted_hint(loc)) from None
+    try:
+        d = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput(f"{loc.url}/{MANIFEST_NAME} is not valid JSON: {e}",
+                       field="manifest") from None
+    try:
+        return Manifest.from_dict(d, path=loc.url)
+    except BadInput as e:
+        raise BadInput(f"{loc.url}/{MANIFEST_NAME}: {e.message}", field=e.field,
+                       hint=e.hint) from None
+
+
+def _interrupted_hint(loc: Location) -> str | None:
+    """Point at a complete checkpoint left under a hidden name by an interrupted publish."""
+    if not loc.local or loc.fs.exists(loc.path):
+        return None
+    parent = loc.path.rsplit("/", 1)[0] or "/"
+    try:
+        names = loc.fs.ls(parent, detail=False)
+    except FileNotFoundError:
+        return None
+    prefixes = {f".{loc.name}.old-": "previous", f".{loc.name}.staging-": "new"}
+    found = [f"{path} ({what})" for path in sorted(names)
+             for prefix, what in prefixes.items()
+             if path.rsplit("/", 1)[-1].startswith(prefix)
+             and loc.fs.exists(f"{path}/{MANIFEST_NAME}")]
+    if not found:
+        return None
+    return (f"publishing {loc.path} was interrupted; complete checkpoint(s) left under hidden "
+            f"names: {', '.join(found)}; rename one to {loc.path}")
+
+
+def _check_file(loc: Location, name: str, entry: dict[str, Any], *, checksum: bool) -> None:
+    path = loc.join(name)
+    if not loc.fs.exists(path):
+        raise BadInput(f"checkpoint {loc.url}: file {name} is missing", field=f"files.{name}")
+    if checksum:
+        digest, size = sha256_file(loc.fs, path)
+    else:
+        digest, size = None, loc.fs.size(path)
+    if size != entry["bytes"]:
+        raise BadInput(f"checkpoint {loc.url}: file {name} has {size} bytes but the manifest "
+                       f"records {entry['bytes']} (truncated or overwritten)",
+                       field=f"files.{name}")
+    if digest is not None and digest != entry["sha256"]:
+        raise BadInput(f"checkpoint {loc.url}: file {name} is corrupt (sha256 {digest[:12]}… "
+                       f"but the manifest records {entry['sha256'][:12]}…)",
+                       field=f"files.{name}")
+
+
+def verify(src: str) -> None:
+    """Recompute the size and sha256 of every file the manifest lists.
+
+    Raises:
+        BadInput: the manifest is missing or invalid, or a file is missing, truncated or
+            corrupt (the message names the file).
+    """
+    manifest = read_manifest(src)
+    loc = Location(src)
+    for name, entry in manifest.files.items():
+        _check_file(loc, name, entry, checksum=True)
+
+
+async def load_embeddings(src: str, server_clients: Sequence[Any], *,
+                          timeout_ms: float = DEFAULT_SHARD_TIMEOUT_MS,
+                          verify_checksums: bool = False) -> int:
+    """Restore the embedding rows of a checkpoint into any number of embedding servers.
+
+    Every server reads every shard file and keeps the rows it owns
+    (``shard_of(id, len(server_clients))``), so a checkpoint written by S servers loads into
+    S' servers. Each server is cleared first: afterwards the servers hold exactly the
+    checkpoint's rows (with their optimizer state and recency order).
+
+    Args:
+        src: the checkpoint directory.
+        server_clients: an ``RpcClient`` per embedding server, in replica order.
+        timeout_ms: per-server limit for the load.
+        verify_checksums: hash the shard files before loading (reads them once more).
+
+    Returns:
+        Rows loaded over all servers.
+
+    Raises:
+        BadInput: not a checkpoint, or a shard file is missing, truncated or corrupt.
+        Misuse: the clients are not every server of one job in replica order.
+        RemoteError: a server failed (servers that had loaded keep their rows: load again).
+    """
+    manifest = read_manifest(src)
+    loc = Location(src)
+    for name in manifest.embedding_files:   # cheap checks before any server is cleared
+        _check_file(loc, name, manifest.files[name], checksum=verify_checksums)
+    await check_server_set(server_clients, timeout_ms)
+    replies = await asyncio.gather(*(
+        c.call("load", {"dir": loc.url, "files": manifest.embedding_files},
+               timeout_ms=timeout_ms) for c in server_clients))
+    loaded = sum(int(r["rows"]) for r in replies)
+    if loaded != manifest.rows:
+        raise InternalError(f"servers loaded {loaded} rows from {loc.url} but it holds "
+                            f"{manifest.rows}: every row should have exactly one owner")
+    held = sum(await asyncio.gather(*(c.call("size", None) for c in server_clients)))
+    if held < loaded:
+        log.warning("embedding servers hold %d of the %d rows restored from %s: their "
+                    "capacity is too small and the least recent rows were evicted",
+                    held, loaded, loc.url)
+    return loaded
+
+
+def load_torch(src: str, name: str, map_location: Any = None, *,
+               weights_only: bool = True) -> Any:
+    """``torch.load`` one file of the checkpoint, after checking it against the manifest.
+
+    Args:
+        src: the checkpoint directory. name: e.g. ``manifest.dense_filename``.
+        map_location: as for ``torch.load`` (e.g. ``"cpu"``).
+        weights_only: as for ``torch.load``; state dicts need nothing more.
+
+    Raises:
+        BadInput: not a checkpoint, no such file in it, or the file is corrupt.
+    """
+    import torch
+
+    manifest = read_manifest(src)
+    check_file_name(name)
+    entry = manifest.files.get(name)
+    if entry is None:
+        raise BadInput(f"checkpoint {manifest.path} has no file {name!r}", field="name",
+                       hint=f"files: {', '.join(sorted(manifest.files)) or 'none'}")
+    loc = Location(src)
+    data = loc.fs.cat_file(loc.join(name))
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise BadInput(f"checkpoint {loc.url}: file {name} is corrupt or truncated "
+                       f"(its size or sha256 differs from the manifest)", field=f"files.{name}")
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+
+
+def _created(m: Manifest) -> datetime:
+    t = datetime.fromisoformat(m.created_at)
+    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
+def list_checkpoints(root: str) -> list[Manifest]:
+    """Complete checkpoints directly under ``root``, oldest step first (then time, path).
+
+    Directories without a manifest (being written, or abandoned) and hidden staging
+    directories are skipped; so are directories whose manifest is invalid (logged).
+    A missing ``root`` has no checkpoints.
+    """
+    loc = Location(root)
+    if not loc.fs.exists(loc.path) or not loc.fs.isdir(loc.path):
+        return []
+    found = []
+    for entry in loc.fs.ls(loc.path, detail=True):
+        if entry.get("type") != "directory":
+            continue
+        path = str(entry["name"]).rstrip("/")
+        if path.rsplit("/", 1)[-1].startswith("."):
+            continue
+        child = path if loc.local else loc.fs.unstrip_protocol(path)
+        if not loc.fs.exists(f"{path}/{MANIFEST_NAME}"):
+            log.debug("skipping %s: no manifest (incomplete)", child)
+            continue
+        try:
+            found.append(read_manifest(child))
+        except BadInput as e:
+            log.warning("skipping %s: %s", child, e)
+    found.sort(key=lambda m: (m.step, _created(m), m.path or ""))
+    return found
+
+
+def latest_checkpoint(root: str) -> Manifest | None:
+    """The complete checkpoint under ``root`` with the highest step, or None."""
+    found = list_checkpoints(root)
+    return found[-1] if found else None

@@ -1,0 +1,293 @@
+"""Writing a checkpoint: stage every file, write the manifest last, then publish atomically."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from stream_persia.checkpoint._common import (
+    DEFAULT_SHARD_TIMEOUT_MS,
+    HashingWriter,
+    Location,
+    check_server_set,
+)
+from stream_persia.checkpoint.manifest import (
+    DENSE_FILENAME,
+    JIT_FILENAME,
+    MANIFEST_NAME,
+    OPT_FILENAME,
+    Manifest,
+    check_file_name,
+)
+from stream_persia.errors import BadInput, InternalError, Misuse
+
+__all__ = ["CheckpointWriter"]
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointWriter:
+    """Builds one checkpoint at ``dst``; a reader sees it only once :meth:`commit` returns.
+
+    Local paths: files are staged in a hidden sibling directory (``.<name>.staging-*``)
+    which :meth:`commit` renames to ``dst``. Remote fsspec filesystems have no atomic
+    directory rename, so files go straight into ``dst`` and the manifest is written last;
+    readers treat a directory without a manifest as incomplete. See the package docstring
+    for what a crash at each point leaves behind.
+
+    Use as a context manager to abort on error::
+
+        with CheckpointWriter(dst) as w:
+            w.write_torch(DENSE_FILENAME, model.state_dict())
+            await w.dump_embeddings(router.clients)
+            w.commit(job="ctr", step=step, offsets=offsets, stream="kafka")
+
+    Args:
+        dst: the checkpoint directory (local path or fsspec URL). An existing ``dst`` is
+            replaced, but only if it looks like a checkpoint (a directory of plain files):
+            a directory with sub-directories (say, the root of many checkpoints) is refused.
+
+    Raises:
+        BadInput: ``dst`` exists and is not replaceable.
+    """
+
+    def __init__(self, dst: str):
+        self._dst = Location(dst)
+        if self._dst.path == "/" or not self._dst.name:
+            raise BadInput(f"checkpoint destination {dst!r} must name a directory below a root",
+                           field="dst")
+        self._files: dict[str, dict[str, Any]] = {}
+        self._embedding_files: list[str] = []
+        self._state = "open"
+        self._check_replaceable()
+        fs = self._dst.fs
+        if self._dst.local:
+            parent = os.path.dirname(self._dst.path)
+            os.makedirs(parent, exist_ok=True)
+            self._stage = Location(tempfile.mkdtemp(prefix=f".{self._dst.name}.staging-",
+                                                    dir=parent))
+            # mkdtemp makes it private (0700); a published checkpoint reads like any dir.
+            os.chmod(self._stage.path, 0o755)
+        else:
+            # The manifest goes first, so the old checkpoint is never seen complete while
+            # its files are being replaced.
+            if fs.exists(self._dst.join(MANIFEST_NAME)):
+                fs.rm_file(self._dst.join(MANIFEST_NAME))
+            if fs.exists(self._dst.path):
+                fs.rm(self._dst.path, recursive=True)
+            fs.makedirs(self._dst.path, exist_ok=True)
+            self._stage = self._dst
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def dst(self) -> str:
+        return self._dst.url
+
+    @property
+    def staging(self) -> str:
+        """Where files go before commit: embedding servers ``dump`` into this directory."""
+        return self._stage.url
+
+    @property
+    def files(self) -> dict[str, dict[str, Any]]:
+        """Files written so far: name → ``{"sha256", "bytes", "rows"?}``."""
+        return {k: dict(v) for k, v in self._files.items()}
+
+    # ----------------------------------------------------------------- writing
+    def write_bytes(self, name: str, data: bytes | bytearray | memoryview) -> dict[str, Any]:
+        """Write one file into the checkpoint; returns its ``{"sha256", "bytes"}`` entry."""
+        self._check_open()
+        check_file_name(name)
+        with self._stage.fs.open(self._stage.join(name), "wb") as f:
+            w = HashingWriter(f)
+            w.write(data)
+        return self._record(name, w)
+
+    def write_torch(self, name: str, obj: Any) -> dict[str, Any]:
+        """``torch.save`` ``obj`` into the checkpoint (e.g. :data:`DENSE_FILENAME`)."""
+        import torch
+
+        self._check_open()
+        check_file_name(name)
+        with self._stage.fs.open(self._stage.join(name), "wb") as f:
+            w = HashingWriter(f)
+            torch.save(obj, w)
+        return self._record(name, w)
+
+    def _record(self, name: str, w: HashingWriter) -> dict[str, Any]:
+        self._files[name] = {"sha256": w.digest.hexdigest(), "bytes": w.bytes}
+        return dict(self._files[name])
+
+    async def dump_embeddings(self, server_clients: Sequence[Any], *,
+                              timeout_ms: float = DEFAULT_SHARD_TIMEOUT_MS) -> list[str]:
+        """Have every embedding server write its shard into :attr:`staging`, concurrently.
+
+        Each server dumps on its store thread, so its shard is a snapshot between two
+        updates; a consistent cut across servers is the caller's job (nothing in flight).
+
+        Args:
+            server_clients: an ``RpcClient`` per embedding server, in replica order; their
+                number becomes the manifest's ``shard_count``.
+            timeout_ms: per-server limit for the dump.
+
+        Returns:
+            The shard file names, in replica order.
+
+        Raises:
+            Misuse: the clients are not every server of one job in replica order.
+        """
+        self._check_open()
+        await check_server_set(server_clients, timeout_ms)
+        replies = await asyncio.gather(*(
+            c.call("dump", {"dir": self.staging}, timeout_ms=timeout_ms)
+            for c in server_clients))
+        names = []
+        for i, r in enumerate(replies):
+            try:
+                name = check_file_name(r["file"], "file")
+                entry = {"sha256": str(r["sha256"]), "bytes": int(r["bytes"]),
+                         "rows": int(r["rows"])}
+            except (KeyError, TypeError, ValueError, BadInput) as e:
+                raise InternalError(f"embedding server {i} answered dump with {r!r}: {e}") \
+                    from None
+            if name in names:
+                raise InternalError(f"embedding servers wrote the same shard file {name!r}")
+            names.append(name)
+            self._files[name] = entry
+        for stale in set(self._embedding_files) - set(names):
+            self._files.pop(stale, None)
+        self._embedding_files = names
+        return list(names)
+
+    # ----------------------------------------------------------------- publishing
+    def commit(self, *, job: str, step: int, offsets: dict[str, dict[str, int]], stream: str,
+               config_digest: str | None = None, extra: dict[str, Any] | None = None
+               ) -> Manifest:
+        """Write ``manifest.json`` (last), then make the checkpoint visible at ``dst``.
+
+        Args:
+            job: job name. step: training step of the cut.
+            offsets: topic → partition → next offset to consume (partition keys may be
+                ints; they are stored as decimal strings). ``{}`` for a direct stream.
+            stream: ``"kafka"`` or ``"direct"``.
+            config_digest: digest of the job's configs, checked by whoever restores.
+            extra: any JSON-serialisable metadata.
+
+        Returns:
+            The manifest, with ``path`` set to ``dst``.
+
+        Raises:
+            BadInput: an argument is invalid (nothing is published; the writer stays open).
+        """
+        self._check_open()
+        files = self.files
+        manifest = Manifest(
+            job=job, step=step, stream=stream, offsets=offsets,
+            shard_count=len(self._embedding_files), files=files,
+            embedding_files=list(self._embedding_files), config_digest=config_digest,
+            dense_filename=DENSE_FILENAME if DENSE_FILENAME in files else None,
+            opt_filename=OPT_FILENAME if OPT_FILENAME in files else None,
+            jit_filename=JIT_FILENAME if JIT_FILENAME in files else None,
+            extra={} if extra is None else extra)
+        data = (json.dumps(manifest.to_dict(), indent=2) + "\n").encode()
+        if self._dst.local:
+            self._check_replaceable()
+            _fsync_files(self._stage.path)
+            with open(self._stage.join(MANIFEST_NAME), "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(self._stage.path)
+            self._swap_into_place()
+        else:
+            self._dst.fs.pipe_file(self._dst.join(MANIFEST_NAME), data)
+        self._state = "committed"
+        manifest.path = self._dst.url
+        log.info("checkpoint step %d of job %s committed at %s (%d shard(s), %d rows)",
+                 step, job, self._dst.url, manifest.shard_count, manifest.rows)
+        return manifest
+
+    def _swap_into_place(self) -> None:
+        dst = self._dst.path
+        parent = os.path.dirname(dst)
+        old = None
+        if os.path.lexists(dst):
+            old = os.path.join(parent, f".{self._dst.name}.old-{uuid.uuid4().hex[:12]}")
+            os.rename(dst, old)
+        # Between the two renames dst is missing; both the previous and the new checkpoint
+        # are complete (each with its manifest) under their hidden names.
+        try:
+            os.rename(self._stage.path, dst)
+        except BaseException:
+            if old is not None:
+                os.rename(old, dst)
+            raise
+        _fsync_dir(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        """Remove everything written so far; ``dst`` is untouched (local) or left without a
+        checkpoint (remote). Does nothing after :meth:`commit` or a previous abort."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        if self._dst.local:
+            shutil.rmtree(self._stage.path, ignore_errors=True)
+        else:
+            try:
+                if self._stage.fs.exists(self._stage.path):
+                    self._stage.fs.rm(self._stage.path, recursive=True)
+            except OSError as e:   # best effort: without a manifest it is never read anyway
+                log.warning("could not remove the partial checkpoint %s: %s", self.staging, e)
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.abort()
+
+    # ----------------------------------------------------------------- checks
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise Misuse(f"this checkpoint writer for {self.dst} is already {self._state}",
+                         hint="create a new CheckpointWriter for another checkpoint")
+
+    def _check_replaceable(self) -> None:
+        fs, path = self._dst.fs, self._dst.path
+        if not fs.exists(path):
+            return
+        if not fs.isdir(path):
+            raise BadInput(f"checkpoint destination {self._dst.url} exists and is not a "
+                           f"directory", field="dst")
+        subdirs = [e["name"] for e in fs.ls(path, detail=True) if e.get("type") == "directory"]
+        if subdirs:
+            raise BadInput(f"checkpoint destination {self._dst.url} holds sub-directories "
+                           f"({subdirs[0].rsplit('/', 1)[-1]!r}), so it is not a checkpoint: "
+                           f"refusing to replace it", field="dst",
+                           hint="give each checkpoint its own directory, e.g. ROOT/step-000100")
+
+
+def _fsync_files(directory: str) -> None:
+    for entry in os.scandir(directory):
+        if entry.is_file(follow_symlinks=False):
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

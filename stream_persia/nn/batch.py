@@ -1,0 +1,156 @@
+"""``PersiaTrainingBatch``: a batch with its embeddings, as the NN worker receives it.
+
+An embedding worker serves a batch (``next_batch`` for training, ``lookup_batch`` for
+evaluation and inference) as a wire dict; :func:`from_served` turns it into torch tensors
+on the host. Decoded wire arrays are read-only views of the received frame, and torch
+does not support read-only tensors (``torch.from_numpy`` warns, and writing through such
+a tensor would write into an immutable ``bytes``), so every array is copied exactly once
+here: into ordinary tensors, or into page-locked ones when the NN worker uses CUDA so
+that the copy to the device can be asynchronous. The copy also lets the frame be freed.
+
+Embeddings come in two kinds (see :mod:`stream_persia.worker.pooling`):
+
+- **sum** slots: ``emb`` float32 ``(batch, dim)``: the model receives it as is (a leaf
+  that requires grad in training).
+- **raw** slots (``embedding_summation: false``): ``emb`` float32 ``(n + 1, dim)``, one
+  row per distinct id of the batch plus the all-zero padding row 0, ``index`` int64
+  ``(batch, sample_fixed_size)`` into it and ``mask`` bool (True where a sample has an id).
+  The model receives the gathered ``(batch, sample_fixed_size, dim)`` tensor; the gather
+  runs on the NN worker so that the gradient comes back per distinct id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from stream_persia.errors import BadInput
+
+__all__ = ["EmbeddingSlot", "PersiaTrainingBatch", "from_served"]
+
+
+@dataclass(eq=False)
+class EmbeddingSlot:
+    """One slot's embeddings in a :class:`PersiaTrainingBatch` (host tensors).
+
+    Attributes:
+        name: slot name.
+        kind: ``"sum"`` or ``"raw"``.
+        emb: float32 ``(batch, dim)`` (sum) or ``(n + 1, dim)`` (raw; row 0 is padding).
+        index: raw slots: int64 ``(batch, sample_fixed_size)`` rows of ``emb``.
+        mask: raw slots: bool ``(batch, sample_fixed_size)``, True where an id is.
+    """
+
+    name: str
+    kind: str
+    emb: torch.Tensor
+    index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    def is_raw_embedding(self) -> bool:
+        return self.kind == "raw"
+
+
+@dataclass(eq=False)
+class PersiaTrainingBatch:
+    """A batch with embeddings, ready for ``ctx.prepare_features`` / ``ctx.forward``.
+
+    Attributes:
+        non_id_type_features: host tensors, in the order the data loader added them.
+        non_id_type_feature_names: their names (None where unnamed).
+        labels: host tensors, or None when the batch carries no labels (inference).
+        label_names: their names.
+        id_type_feature_embeddings: one :class:`EmbeddingSlot` per slot, in the order of
+            the batch's ID type features.
+        batch_id: the embedding worker's id for the batch (None for evaluation lookups).
+        requires_grad: whether gradients go back for this batch.
+        meta: the ``meta`` bytes the data loader attached.
+        batch_size: samples in the batch.
+        worker_index: which of the context's embedding workers served it.
+        missing: evaluation/inference lookups: ids the servers did not hold (zeros).
+        masks: raw slot name -> bool mask tensor on the device, set by ``prepare_features``.
+    """
+
+    non_id_type_features: list[torch.Tensor]
+    labels: list[torch.Tensor] | None
+    id_type_feature_embeddings: list[EmbeddingSlot]
+    batch_id: int | None = None
+    requires_grad: bool = False
+    meta: bytes | None = None
+    batch_size: int = 0
+    worker_index: int | None = None
+    missing: int = 0
+    non_id_type_feature_names: list[str | None] = field(default_factory=list)
+    label_names: list[str | None] = field(default_factory=list)
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Set by the data loader for served training batches: the staleness permit.
+    ticket: Any = field(default=None, repr=False)
+
+
+def _numpy_to_torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def copy_to_tensor(a: np.ndarray, pin: bool = False) -> torch.Tensor:
+    """A writable host tensor holding a copy of ``a`` (page-locked when ``pin``)."""
+    if pin:
+        t = torch.empty(a.shape, dtype=_numpy_to_torch_dtype(a.dtype), pin_memory=True)
+        t.numpy()[...] = a
+        return t
+    return torch.from_numpy(np.array(a, order="C", copy=True))
+
+
+def _array(d: dict, key: str, where: str) -> np.ndarray:
+    a = d.get(key) if isinstance(d, dict) else None
+    if not isinstance(a, np.ndarray):
+        raise BadInput(f"served batch: {where}.{key} is {type(a).__name__}, not an array",
+                       field=f"{where}.{key}")
+    return a
+
+
+def from_served(served: dict, worker_index: int | None = None, *, pin: bool = False
+                ) -> PersiaTrainingBatch:
+    """Build a :class:`PersiaTrainingBatch` from an embedding worker's served batch dict.
+
+    Raises:
+        BadInput: the dict does not have the documented shape (names the field).
+    """
+    if not isinstance(served, dict):
+        raise BadInput(f"served batch must be a map, got {type(served).__name__}",
+                       field="batch")
+    slots = []
+    for i, e in enumerate(served.get("embeddings") or []):
+        where = f"embeddings[{i}]"
+        kind = e.get("kind") if isinstance(e, dict) else None
+        if kind == "sum":
+            slots.append(EmbeddingSlot(e["name"], "sum", copy_to_tensor(_array(e, "emb", where),
+                                                                        pin)))
+        elif kind == "raw":
+            slots.append(EmbeddingSlot(
+                e["name"], "raw", copy_to_tensor(_array(e, "emb", where), pin),
+                copy_to_tensor(_array(e, "index", where).astype(np.int64, copy=False), pin),
+                copy_to_tensor(_array(e, "mask", where), pin)))
+        else:
+            raise BadInput(f"served batch: {where}.kind is {kind!r}, not 'sum' or 'raw'",
+                           field=f"{where}.kind")
+    features = served.get("non_id_type_features") or []
+    bid = served.get("batch_id")
+    labels = served.get("labels")
+    return PersiaTrainingBatch(
+        non_id_type_features=[copy_to_tensor(_array(f, "data", "non_id_type_features"), pin)
+                              for f in features],
+        non_id_type_feature_names=[f.get("name") for f in features],
+        labels=[copy_to_tensor(_array(f, "data", "labels"), pin) for f in labels]
+        if labels else None,
+        label_names=[f.get("name") for f in labels or []],
+        id_type_feature_embeddings=slots,
+        batch_id=bid if isinstance(bid, int) and bid >= 0 else None,
+        requires_grad=bool(served.get("requires_grad", False)),
+        meta=served.get("meta"),
+        batch_size=int(served.get("batch_size", 0)),
+        worker_index=worker_index,
+        missing=int(served.get("missing", 0) or 0),
+    )

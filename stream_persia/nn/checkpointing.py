@@ -1,0 +1,285 @@
+"""Checkpoints from the NN side: the consistent cut of DESIGN §7.
+
+``TrainCtx.dump_checkpoint(dst)`` is called by every rank at the same step:
+
+1. Quiesce this rank: stop prefetching, hand every served but untrained batch back to its
+   worker (``return_batches``: unapplied, first in line again) and wait until every
+   gradient push has been answered (the servers applied it).
+2. Barrier: now no rank has anything in flight.
+3. Rank 0 asks every worker for its ``frontier``: with nothing in flight, every batch
+   before those offsets is applied and none after it. It writes the dense model, the
+   optimizer (and the GradScaler with mixed precision), optionally the TorchScript model,
+   has every embedding server dump its shard into the checkpoint, and commits the
+   manifest with the offsets (:class:`stream_persia.checkpoint.CheckpointWriter`: the
+   checkpoint becomes visible atomically). Then the workers ``commit_offsets`` to the
+   consumer group (for lag monitors only: restoring uses the manifest).
+4. Barrier; prefetching resumes.
+
+``load_checkpoint(src)`` (every rank): quiesce, barrier, rank 0 loads the embeddings into
+the servers (any number of them: rows are resharded by hash) and, for a Kafka stream,
+has every worker ``reset_stream`` to the manifest's offsets; every rank loads the dense
+model and optimizer state; barrier.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import io
+import logging
+import os
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+from stream_persia.checkpoint import CheckpointWriter, load_embeddings, load_torch, read_manifest
+from stream_persia.errors import Misuse
+
+__all__ = ["dump_checkpoint", "dump_embedding", "dump_torch_state_dict", "load_checkpoint",
+           "load_embedding", "load_torch_state_dict"]
+
+log = logging.getLogger(__name__)
+
+GRAD_SCALER_FILENAME = "grad_scaler.pt"
+
+
+def _scripted(model: torch.nn.Module) -> bytes:
+    """The TorchScript archive of ``model`` (PERSIA's ``jit_dense.pt`` for serving)."""
+    with warnings.catch_warnings():
+        # torch marks TorchScript deprecated; PERSIA's checkpoint layout still has it.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        buf = io.BytesIO()
+        torch.jit.save(torch.jit.script(model), buf)
+    return buf.getvalue()
+
+
+def _job_name() -> str:
+    path = os.environ.get("PERSIA_GLOBAL_CONFIG")
+    if path:
+        from stream_persia.config import load_global_config
+
+        return load_global_config(path).kafka.job_name
+    return "persia"
+
+
+def _config_digest() -> str | None:
+    """sha256 over the job's config files (as named by the environment), if any."""
+    h = hashlib.sha256()
+    found = False
+    for var in ("PERSIA_EMBEDDING_CONFIG", "PERSIA_GLOBAL_CONFIG"):
+        path = os.environ.get(var)
+        if path and os.path.isfile(path):
+            with open(path, "rb") as f:
+                h.update(var.encode() + b"\0" + f.read() + b"\0")
+            found = True
+    return h.hexdigest() if found else None
+
+
+def _is_train(ctx: Any) -> bool:
+    from stream_persia.nn.train_ctx import TrainCtx
+
+    return isinstance(ctx, TrainCtx)
+
+
+def _rank(ctx: Any) -> int:
+    return getattr(ctx, "rank", 0)
+
+
+def _barrier(ctx: Any) -> None:
+    if _is_train(ctx):
+        ctx.barrier()
+
+
+def _dense_model(ctx: Any) -> torch.nn.Module:
+    model = getattr(ctx, "raw_model", None) or ctx.model
+    if model is None:
+        raise Misuse("the context has no model to checkpoint", field="model")
+    return model
+
+
+async def _stream_position(cluster: Any) -> tuple[str, dict[str, dict[str, int]]]:
+    """The cut's stream kind and offsets (topic → partition → next offset)."""
+    frontiers = await cluster.call_workers("frontier")
+    busy = [(i, f["inflight"]) for i, f in enumerate(frontiers) if f.get("inflight")]
+    if busy:
+        i, n = busy[0]
+        raise Misuse(f"embedding worker {i} still has {n} batch(es) in flight at the "
+                     f"checkpoint: some NN rank did not reach dump_checkpoint, or another "
+                     f"job trains from the same workers",
+                     hint="every rank must call dump_checkpoint at the same step")
+    kinds = {f.get("stream") for f in frontiers}
+    if kinds != {"kafka"}:
+        if "kafka" in kinds:
+            log.warning("some embedding workers read Kafka and some do not: the checkpoint "
+                        "records no offsets and cannot replay the stream")
+        return "direct", {}
+    statuses = await cluster.call_workers("status")
+    offsets: dict[str, dict[str, int]] = {}
+    for f, s in zip(frontiers, statuses, strict=True):
+        topic = (s.get("kafka") or {}).get("topic")
+        if topic is None:
+            raise Misuse("an embedding worker reads Kafka but reports no topic",
+                         field="topic")
+        offsets.setdefault(topic, {}).update({str(p): int(o)
+                                              for p, o in f["offsets"].items()})
+    return "kafka", offsets
+
+
+def dump_checkpoint(ctx: Any, dst_dir: str, *, dense_filename: str = "dense.pt",
+                    jit_dense_filename: str = "jit_dense.pt", opt_filename: str | None = None,
+                    with_jit_model: bool = False) -> None:
+    """Write a checkpoint of ``ctx``'s job at ``dst_dir`` (see the module docstring)."""
+    train = _is_train(ctx)
+    cluster = ctx._cluster()
+    resume = ctx._quiesce() if train else []
+    try:
+        _barrier(ctx)
+        if _rank(ctx) == 0:
+            if train:
+                stream, offsets = cluster.run(_stream_position(cluster))
+            else:   # no training here: the workers' position means nothing for this model
+                stream, offsets = "direct", {}
+            model = _dense_model(ctx)
+            with CheckpointWriter(dst_dir) as writer:
+                writer.write_torch(dense_filename, model.state_dict())
+                if train and opt_filename:
+                    writer.write_torch(opt_filename, ctx.dense_optimizer.state_dict())
+                    if ctx.grad_scaler is not None:
+                        writer.write_torch(GRAD_SCALER_FILENAME, ctx.grad_scaler.state_dict())
+                if with_jit_model:
+                    writer.write_bytes(jit_dense_filename, _scripted(model))
+                cluster.run(writer.dump_embeddings(cluster.servers))
+                writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0), offsets=offsets,
+                              stream=stream, config_digest=_config_digest(),
+                              extra={"world_size": getattr(ctx, "world_size", 1),
+                                     "dense_filename": dense_filename,
+                                     "opt_filename": opt_filename if train else None})
+            if stream == "kafka":
+                for topic_offsets in offsets.values():
+                    cluster.run(cluster.call_workers("commit_offsets",
+                                                     {"offsets": topic_offsets}))
+        _barrier(ctx)
+    finally:
+        if train:
+            ctx._resume(resume)
+
+
+def load_checkpoint(ctx: Any, src_dir: str, *, map_location: Any = None,
+                    dense_filename: str = "dense.pt", opt_filename: str | None = None) -> None:
+    """Restore ``ctx``'s job from the checkpoint at ``src_dir``."""
+    train = _is_train(ctx)
+    cluster = ctx._cluster()
+    manifest = read_manifest(src_dir)
+    resume = ctx._quiesce(strict=False) if train else []
+    try:
+        _barrier(ctx)
+        if _rank(ctx) == 0:
+            cluster.run(load_embeddings(src_dir, cluster.servers))
+            if train and manifest.stream == "kafka":
+                for topic_offsets in manifest.offsets.values():
+                    cluster.run(cluster.call_workers("reset_stream",
+                                                     {"offsets": topic_offsets}))
+        model = _dense_model(ctx)
+        model.load_state_dict(load_torch(src_dir, dense_filename, map_location))
+        if train and opt_filename and opt_filename in manifest.files:
+            ctx.dense_optimizer.load_state_dict(load_torch(src_dir, opt_filename, map_location))
+            if ctx.grad_scaler is not None and GRAD_SCALER_FILENAME in manifest.files:
+                ctx.grad_scaler.load_state_dict(load_torch(src_dir, GRAD_SCALER_FILENAME))
+        if train:
+            ctx.steps = manifest.step
+        _barrier(ctx)
+    finally:
+        if train:
+            ctx._resume(resume)
+
+
+def _in_thread(fn: Any) -> concurrent.futures.Future:
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="embedding-dump", daemon=True).start()
+    return fut
+
+
+def dump_embedding(ctx: Any, dst_dir: str, blocking: bool = True) -> concurrent.futures.Future:
+    """Write every server's embedding rows as a checkpoint without dense files.
+
+    Blocking, in a TrainCtx, the rank quiesces first, so the rows include every update of
+    the batches it trained. Non-blocking, the dump runs beside training and is not a cut.
+    """
+    cluster = ctx._cluster()
+
+    def dump() -> None:
+        with CheckpointWriter(dst_dir) as writer:
+            cluster.run(writer.dump_embeddings(cluster.servers))
+            writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0), offsets={},
+                          stream="direct", config_digest=_config_digest(),
+                          extra={"embedding_only": True})
+
+    return _guarded(ctx, dump, blocking)
+
+
+def load_embedding(ctx: Any, src_dir: str, blocking: bool = True) -> concurrent.futures.Future:
+    """Replace the servers' rows by the checkpoint's (resharded to the server count)."""
+    cluster = ctx._cluster()
+    read_manifest(src_dir)   # fail here, not in the background, on a wrong path
+
+    def load() -> None:
+        cluster.run(load_embeddings(src_dir, cluster.servers))
+
+    return _guarded(ctx, load, blocking)
+
+
+def _guarded(ctx: Any, fn: Any, blocking: bool) -> concurrent.futures.Future:
+    if not blocking:
+        return _in_thread(fn)
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    resume = ctx._quiesce() if _is_train(ctx) else []
+    try:
+        fut.set_result(fn())
+    except Exception as e:
+        fut.set_exception(e)
+    finally:
+        if resume:
+            ctx._resume(resume)
+    return fut
+
+
+def dump_torch_state_dict(torch_instance: Any, dst_dir: str, file_name: str,
+                          is_jit: bool = False) -> None:
+    """Save ``torch_instance.state_dict()`` (or the scripted module) to ``dst_dir/file_name``
+    (any fsspec URL)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(dst_dir)
+    fs.makedirs(path, exist_ok=True)
+    if is_jit:
+        data = _scripted(torch_instance)
+    else:
+        buf = io.BytesIO()
+        torch.save(torch_instance.state_dict(), buf)
+        data = buf.getvalue()
+    fs.pipe_file(f"{path.rstrip('/')}/{file_name}", data)
+
+
+def load_torch_state_dict(torch_instance: Any, src_dir: str, map_location: Any = None,
+                          file_name: str = "dense.pt") -> None:
+    """Load a state dict saved by :func:`dump_torch_state_dict` into ``torch_instance``.
+
+    ``src_dir`` may name the file itself or the directory holding ``file_name``.
+    """
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(src_dir)
+    if fs.isdir(path):
+        path = f"{path.rstrip('/')}/{file_name}"
+    state = torch.load(io.BytesIO(fs.cat_file(path)), map_location=map_location,
+                       weights_only=True)
+    torch_instance.load_state_dict(state)

@@ -1,0 +1,132 @@
+"""The NN worker's connections to the rest of the job, and the loop they run on.
+
+NN workers find embedding workers from ``embedding_workers=[...]`` or the environment
+(``PERSIA_EMBEDDING_WORKERS``, comma-separated ``host:port``) and the embedding servers
+from a worker's ``servers`` RPC. Every call runs on one :class:`~stream_persia.aio.
+LoopThread` owned by the context, so the synchronous training loop never blocks on the
+network except where it must wait for a result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from stream_persia.aio import LoopThread
+from stream_persia.errors import ConfigError, PeerUnavailable
+from stream_persia.rpc import RpcClient
+
+__all__ = ["Cluster", "worker_addresses_from_env"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def worker_addresses_from_env() -> list[str]:
+    """``PERSIA_EMBEDDING_WORKERS`` as a list of ``host:port``."""
+    raw = os.environ.get("PERSIA_EMBEDDING_WORKERS", "")
+    return [a.strip() for a in raw.split(",") if a.strip()]
+
+
+class Cluster:
+    """Clients for every embedding worker and embedding server, on one loop thread.
+
+    Args:
+        worker_addresses: embedding workers (default: env ``PERSIA_EMBEDDING_WORKERS``).
+        rpc_timeout_ms: default timeout of one call.
+        ready_timeout_s: how long :meth:`start` waits for every role to answer.
+        name: loop thread name.
+
+    Raises:
+        ConfigError: no embedding worker address anywhere.
+    """
+
+    def __init__(self, worker_addresses: list[str] | None = None, *,
+                 rpc_timeout_ms: float = 30_000, ready_timeout_s: float = 300.0,
+                 name: str = "nn-worker-rpc"):
+        addresses = list(worker_addresses) if worker_addresses else worker_addresses_from_env()
+        if not addresses:
+            raise ConfigError("no embedding workers to talk to", field="PERSIA_EMBEDDING_WORKERS",
+                              hint="set PERSIA_EMBEDDING_WORKERS=host:port[,host:port...] or "
+                                   "pass embedding_workers=[...] to the context")
+        self.worker_addresses = addresses
+        self.server_addresses: list[str] = []
+        self.rpc_timeout_ms = rpc_timeout_ms
+        self.ready_timeout_s = ready_timeout_s
+        self.loop = LoopThread(name=name)
+        self.workers: list[RpcClient] = []
+        self.servers: list[RpcClient] = []
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop thread and wait for its result."""
+        return self.loop.run(coro, timeout)
+
+    def start(self, *, need_servers: bool = True) -> None:
+        """Connect to every worker (and server), waiting until each answers ``health``.
+
+        Raises:
+            PeerUnavailable: a role did not answer within ``ready_timeout_s`` (names it).
+        """
+        self.run(self._start(need_servers))
+
+    async def _start(self, need_servers: bool) -> None:
+        self.workers = [RpcClient(a, timeout_ms=self.rpc_timeout_ms,
+                                  name=f"embedding worker {i}")
+                        for i, a in enumerate(self.worker_addresses)]
+        await self._wait_ready(self.workers, "embedding workers")
+        if not need_servers:
+            return
+        lists = await asyncio.gather(*(w.call("servers") for w in self.workers))
+        servers = list(lists[0])
+        for i, other in enumerate(lists[1:], start=1):
+            if list(other) != servers:
+                raise ConfigError(
+                    f"embedding workers disagree on the embedding servers: worker 0 uses "
+                    f"{servers}, worker {i} uses {list(other)}", field="embedding_servers",
+                    hint="start every embedding worker with the same --embedding-servers")
+        self.server_addresses = servers
+        self.servers = [RpcClient(a, timeout_ms=self.rpc_timeout_ms,
+                                  name=f"embedding server {i}") for i, a in enumerate(servers)]
+        await self._wait_ready(self.servers, "embedding servers")
+
+    async def _wait_ready(self, clients: list[RpcClient], what: str) -> None:
+        results = await asyncio.gather(
+            *(c.wait_ready(self.ready_timeout_s, probe="health") for c in clients),
+            return_exceptions=True)
+        failed = [(c, r) for c, r in zip(clients, results, strict=True)
+                  if isinstance(r, BaseException)]
+        if failed:
+            first = failed[0][1]
+            names = ", ".join(c.peer for c, _ in failed)
+            raise PeerUnavailable(f"{len(failed)} of {len(clients)} {what} not ready within "
+                                  f"{self.ready_timeout_s:g} s ({names}): {first}",
+                                  hint="is every role of the job running, and are the "
+                                       "addresses right?") from first
+
+    async def call_servers(self, method: str, params: Any = None,
+                           timeout_ms: float | None = None) -> list[Any]:
+        """Call ``method`` on every embedding server; results in server order."""
+        return list(await asyncio.gather(*(s.call(method, params, timeout_ms)
+                                           for s in self.servers)))
+
+    async def call_workers(self, method: str, params: Any = None,
+                           timeout_ms: float | None = None) -> list[Any]:
+        """Call ``method`` on every embedding worker; results in worker order."""
+        return list(await asyncio.gather(*(w.call(method, params, timeout_ms)
+                                           for w in self.workers)))
+
+    async def _close(self) -> None:
+        for c in [*self.workers, *self.servers]:
+            await c.close()
+
+    def close(self) -> None:
+        """Close every client and stop the loop thread. Idempotent."""
+        try:
+            self.loop.run(self._close(), timeout=30)
+        except Exception as e:  # the loop may already be gone; closing must not raise
+            log.debug("closing RPC clients: %r", e)
+        finally:
+            self.loop.close()

@@ -1,0 +1,399 @@
+"""``TrainCtx``: PERSIA's training context, the NN side of the hybrid algorithm.
+
+Per step (``forward`` then ``backward``):
+
+1. The batch arrives from the :class:`~stream_persia.data.DataLoader` with its embeddings,
+   already looked up by the embedding worker under a staleness permit.
+2. ``forward`` builds leaf tensors for the embeddings and runs the model (under
+   ``torch.autocast`` with ``mixed_precision`` on CUDA).
+3. ``backward(loss)`` scales the loss (GradScaler, CUDA mixed precision), runs autograd
+   (DDP all-reduces the dense gradients across ranks), checks the embedding gradients for
+   NaN/Inf every ``embedding_gradient_check_frequency`` steps, steps the dense optimizer,
+   then sends the (unscaled, float32) embedding gradients to the worker that served the
+   batch, asynchronously. The permit comes back with the worker's reply, which arrives
+   only after every embedding server applied the update.
+
+A non-finite check skips the step on every rank (the flag is all-reduced, so DDP ranks
+stay identical): no dense update, no embedding update (the batch is released with empty
+gradients), and with mixed precision the loss scale shrinks by
+``grad_scalar_update_factor``. PERSIA checked only at its first step; here the check runs
+at steps 0, k, 2k, ... With mixed precision, a step the GradScaler skips (dense overflow)
+sends no embedding gradients either. Errors of asynchronous pushes surface from the next
+``forward``/``backward``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from stream_persia.distributed import DistributedBaseOption, get_default_distributed_option
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import Optimizer
+from stream_persia.env import get_rank, get_world_size
+from stream_persia.errors import Misuse
+from stream_persia.nn.batch import PersiaTrainingBatch
+from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
+from stream_persia.nn.loader import HELD, PUSHING, StreamPrefetcher, Ticket
+
+__all__ = ["TrainCtx"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainCtx(EmbeddingCtx):
+    """Train a model whose sparse part lives on the embedding servers.
+
+    Args:
+        embedding_optimizer: ``stream_persia.embedding.optim`` SGD/Adagrad/Adam, applied on
+            the embedding servers (sent to every server on enter).
+        dense_optimizer: the ``torch.optim`` optimizer of the dense model.
+        grad_scalar_update_factor: the loss scale is divided by this when a checked step
+            finds non-finite embedding gradients (mixed precision).
+        backward_buffer_size, backward_workers_size, grad_update_buffer_size: PERSIA's
+            tuning knobs of its gradient-sending threads; accepted for compatibility. Here
+            gradients go out on the context's event loop, bounded by the staleness.
+        lookup_emb_directly: accepted for compatibility (evaluation lookups are always
+            direct ``lookup_batch`` calls).
+        mixed_precision: torch.amp autocast (float16) + GradScaler; CUDA only. PERSIA's
+            default True is kept: on CPU it is ignored with a log line.
+        distributed_option: :class:`~stream_persia.distributed.DDPOption`, used when
+            ``WORLD_SIZE > 1`` (default: DDP, nccl on CUDA, gloo on CPU).
+        model, embedding_config, device_id, embedding_workers, ready_timeout_s,
+            rpc_timeout_ms, threadpool_worker_size: see :class:`EmbeddingCtx`.
+
+    Raises:
+        Misuse: wrong argument types, no model.
+    """
+
+    def __init__(self, embedding_optimizer: Optimizer, dense_optimizer: torch.optim.Optimizer,
+                 grad_scalar_update_factor: float = 4, backward_buffer_size: int = 10,
+                 backward_workers_size: int = 8, grad_update_buffer_size: int = 60,
+                 lookup_emb_directly: bool = True, mixed_precision: bool = True,
+                 distributed_option: DistributedBaseOption | None = None, *,
+                 model: torch.nn.Module | None = None,
+                 embedding_config: EmbeddingConfig | None = None,
+                 threadpool_worker_size: int = 10, device_id: int | None = None,
+                 embedding_workers: list[str] | None = None, ready_timeout_s: float = 300.0,
+                 rpc_timeout_ms: float = 30_000):
+        super().__init__(PreprocessMode.TRAIN, model=model, embedding_config=embedding_config,
+                         threadpool_worker_size=threadpool_worker_size, device_id=device_id,
+                         embedding_workers=embedding_workers, ready_timeout_s=ready_timeout_s,
+                         rpc_timeout_ms=rpc_timeout_ms)
+        if not isinstance(embedding_optimizer, Optimizer):
+            raise Misuse(f"embedding_optimizer must be a stream_persia.embedding.optim "
+                         f"optimizer (SGD, Adagrad, Adam), got {embedding_optimizer!r}",
+                         field="embedding_optimizer")
+        if not isinstance(dense_optimizer, torch.optim.Optimizer):
+            raise Misuse(f"dense_optimizer must be a torch.optim.Optimizer, got "
+                         f"{type(dense_optimizer).__name__}", field="dense_optimizer")
+        if model is None:
+            raise Misuse("TrainCtx needs the dense model", field="model",
+                         hint="TrainCtx(embedding_optimizer, dense_optimizer, model=model)")
+        if not grad_scalar_update_factor > 1:
+            raise Misuse(f"grad_scalar_update_factor must be > 1, got "
+                         f"{grad_scalar_update_factor!r}", field="grad_scalar_update_factor")
+        if distributed_option is not None and not isinstance(distributed_option,
+                                                             DistributedBaseOption):
+            raise Misuse(f"distributed_option must be a DDPOption, got {distributed_option!r}",
+                         field="distributed_option")
+        self.embedding_optimizer = embedding_optimizer
+        self.dense_optimizer = dense_optimizer
+        self.grad_scalar_update_factor = float(grad_scalar_update_factor)
+        self.backward_buffer_size = backward_buffer_size
+        self.backward_workers_size = backward_workers_size
+        self.grad_update_buffer_size = grad_update_buffer_size
+        self.lookup_emb_directly = lookup_emb_directly
+        self.mixed_precision = bool(mixed_precision) and self.device.type == "cuda"
+        if mixed_precision and self.device.type != "cuda":
+            log.info("mixed_precision needs CUDA; training in float32 on the CPU")
+        self.distributed_option = distributed_option
+        self.raw_model = model
+        self.grad_scaler = torch.amp.GradScaler("cuda") if self.mixed_precision else None
+        self.rank = 0
+        self.world_size = 1
+        self._dist_created = False
+        self._current: PersiaTrainingBatch | None = None
+        self._current_leaves: list[tuple[str, torch.Tensor]] | None = None
+        self._errors: list[BaseException] = []
+        self._prefetchers: list[StreamPrefetcher] = []
+        self._warned_unreleased = False
+        self.steps = 0
+        self.nonfinite_steps = 0
+        self.overflow_steps = 0
+        self.pushed = 0
+        self.worker_skipped_slots = 0
+        self.dropped_updates = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def _enter(self) -> None:
+        self.rank, self.world_size = get_rank(), get_world_size()
+        super()._enter()
+        try:
+            if self.world_size > 1:
+                option = self.distributed_option or get_default_distributed_option(
+                    self.device_id)
+                self._dist_created = option.init_process_group(
+                    self.rank, self.world_size, self.device_id,
+                    timeout_s=max(self._ready_timeout_s, 60.0))
+                # DDP broadcasts rank 0's parameters: every rank starts identical.
+                self.model = option.convert2distributed_model(self.raw_model, self.device_id)
+            elif self.distributed_option is not None:
+                log.info("WORLD_SIZE is 1: distributed_option %r is not used",
+                         self.distributed_option)
+        except BaseException:
+            super()._exit(False)
+            raise
+
+    def _configure_servers(self) -> None:
+        params: dict[str, Any] = {"optimizer": self.embedding_optimizer.to_dict()}
+        if self.embedding_config is not None:
+            params["embedding_config"] = self.embedding_config.to_dict()
+        # Rank 0 only: DDP's initial broadcast keeps other ranks from training before it.
+        if self.rank == 0:
+            cluster = self._cluster()
+            cluster.run(cluster.call_servers("configure", params))
+
+    def _exit(self, clean: bool) -> None:
+        try:
+            if self.cluster is not None:
+                self._quiesce(strict=False)
+        except Exception as e:
+            if clean:
+                raise
+            log.warning("could not hand prefetched batches back on exit: %r", e)
+        finally:
+            self.model = self.raw_model
+            if self._dist_created:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                self._dist_created = False
+            super()._exit(clean)
+        if clean:
+            self._raise_async_errors()
+
+    # ------------------------------------------------------------------ training
+    def _prepared(self, batch: PersiaTrainingBatch, leaves: list | None) -> None:
+        self._raise_async_errors()
+        self._current = batch
+        self._current_leaves = leaves
+
+    def _autocast(self) -> Any:
+        return torch.autocast(self.device.type, dtype=torch.float16,
+                              enabled=self.mixed_precision)
+
+    def backward(self, loss: torch.Tensor, embedding_gradient_check_frequency: int = 20
+                 ) -> torch.Tensor:
+        """Update the dense model and send the embedding gradients; returns the scaled loss.
+
+        Args:
+            loss: the loss of the batch given to the last :meth:`forward`.
+            embedding_gradient_check_frequency: check the embedding gradients for NaN/Inf
+                at every k-th step (steps 0, k, 2k, ...); 0 never checks (the embedding
+                workers still drop non-finite slot gradients and count them).
+
+        Raises:
+            Misuse: no forward before, the batch was not served for training, or backward
+                was already called for it.
+            PersiaError: an earlier asynchronous gradient push failed.
+        """
+        self._raise_async_errors()
+        freq = embedding_gradient_check_frequency
+        if isinstance(freq, bool) or not isinstance(freq, int) or freq < 0:
+            raise Misuse(f"embedding_gradient_check_frequency must be an int >= 0, got "
+                         f"{freq!r}", field="embedding_gradient_check_frequency")
+        batch, leaves = self._current, self._current_leaves
+        if batch is None:
+            raise Misuse("backward() without a forward() of a training batch",
+                         hint="call ctx.forward(batch) first, once per batch")
+        ticket = batch.ticket
+        if leaves is None or ticket is None:
+            raise Misuse("this batch was looked up for evaluation (IterableDataset or "
+                         "get_embedding_from_data): its embedding gradients cannot be "
+                         "applied", hint="train from DataLoader(StreamingDataset(...))")
+        if ticket.state != HELD:
+            raise Misuse(f"backward() was already called for batch {ticket.batch_id}")
+        self._current = self._current_leaves = None
+
+        scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
+        scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
+        scaled.backward()
+        grads = [(name, leaf.grad) for name, leaf in leaves]
+        finite = True
+        if freq and self.steps % freq == 0:
+            flags = [torch.isfinite(g).all() for _, g in grads if g is not None]
+            finite = bool(torch.stack(flags).all()) if flags else True
+            finite = self._all_ranks_agree(finite)
+        self.steps += 1
+        opt = self.dense_optimizer
+        if not finite:
+            self.nonfinite_steps += 1
+            if self.grad_scaler is not None:
+                self.grad_scaler.update(scale / self.grad_scalar_update_factor)
+            opt.zero_grad()
+            self._push(ticket, {name: None for name, _ in grads})
+            return scaled
+        overflow = False
+        if self.grad_scaler is not None and _has_grads(opt):
+            # (GradScaler asserts when no parameter of the optimizer has a gradient.)
+            self.grad_scaler.step(opt)
+            self.grad_scaler.update()
+            # The scaler shrinks its scale exactly when it skipped the step (dense Inf/NaN).
+            overflow = float(self.grad_scaler.get_scale()) < scale
+        elif self.grad_scaler is None:
+            opt.step()
+        opt.zero_grad()
+        if overflow:
+            self.overflow_steps += 1
+            self._push(ticket, {name: None for name, _ in grads})
+        else:
+            self._push(ticket, {name: _grad_array(g, scale) for name, g in grads})
+        return scaled
+
+    def _push(self, ticket: Ticket, grads: dict[str, np.ndarray | None]) -> None:
+        ticket.state = PUSHING
+        cluster = self._cluster()
+        cluster.loop.submit(self._push_async(ticket, grads))
+
+    async def _push_async(self, ticket: Ticket, grads: dict[str, np.ndarray | None]) -> None:
+        try:
+            reply = await self._cluster().workers[ticket.worker].call(
+                "push_gradients", {"batch_id": ticket.batch_id, "grads": grads})
+            self.pushed += 1
+            self.worker_skipped_slots += len(reply.get("skipped_slots") or ())
+            self.dropped_updates += int(reply.get("dropped") or 0)
+        except Exception as e:
+            self._errors.append(e)
+        finally:
+            ticket.release()
+
+    def _raise_async_errors(self) -> None:
+        if self._errors:
+            err = self._errors.pop(0)
+            self._errors.clear()
+            raise err
+
+    def release_untrained(self, batch: PersiaTrainingBatch) -> None:
+        """Release a served batch without gradients (its backward was never called)."""
+        ticket = batch.ticket
+        if ticket is None or ticket.state != HELD:
+            return
+        if not self._warned_unreleased:
+            self._warned_unreleased = True
+            log.warning("batch %d was taken from the DataLoader but backward() was not "
+                        "called for it: released without embedding update", ticket.batch_id)
+        if self._current is batch:
+            self._current = self._current_leaves = None
+        self._push(ticket, {s.name: None for s in batch.id_type_feature_embeddings})
+
+    # ------------------------------------------------------------------ coordination
+    def _all_ranks_agree(self, flag: bool) -> bool:
+        """True only when ``flag`` is True on every rank (an all-reduce with world > 1)."""
+        if self.world_size <= 1:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        """Wait for every NN rank (no-op with one)."""
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def register_prefetcher(self, prefetcher: StreamPrefetcher) -> None:
+        self._prefetchers.append(prefetcher)
+
+    def _quiesce(self, *, strict: bool = True, timeout_s: float | None = None
+                 ) -> list[StreamPrefetcher]:
+        """Stop prefetching, return untrained batches, wait for every pending push.
+
+        Returns the prefetchers that were running (for :meth:`_resume`).
+
+        Raises:
+            Misuse: with ``strict``, a batch was forwarded but its backward not called.
+        """
+        cluster = self._cluster()
+        if strict and self._current is not None and self._current.ticket is not None \
+                and self._current.ticket.state == HELD:
+            raise Misuse("a batch was forwarded but backward() was not called for it",
+                         hint="dump checkpoints between steps, after backward()")
+        running = [p for p in self._prefetchers if p.running]
+        timeout = timeout_s if timeout_s is not None else self._rpc_timeout_ms / 1000 + 30
+        for p in self._prefetchers:
+            left = cluster.run(p.pause())
+            left += [b for b in p.taken if b.ticket is not None and b.ticket.state == HELD]
+            if left:
+                cluster.run(p.give_back(left))
+            cluster.run(p.wait_idle(timeout))
+        self._current = self._current_leaves = None
+        return running
+
+    def _resume(self, prefetchers: list[StreamPrefetcher]) -> None:
+        cluster = self._cluster()
+        for p in prefetchers:
+            cluster.run(p.start())
+
+    def stats(self) -> dict[str, int]:
+        """Counters: steps, skipped steps (non-finite, overflow), pushes, worker-side drops."""
+        return {"steps": self.steps, "nonfinite_steps": self.nonfinite_steps,
+                "overflow_steps": self.overflow_steps, "pushed": self.pushed,
+                "worker_skipped_slots": self.worker_skipped_slots,
+                "dropped_updates": self.dropped_updates,
+                "served": sum(p.served for p in self._prefetchers),
+                "returned": sum(p.returned for p in self._prefetchers)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def dump_checkpoint(self, dst_dir: str, dense_model_filename: str = "dense.pt",
+                        jit_dense_model_filename: str = "jit_dense.pt",
+                        opt_filename: str = "opt.pt", blocking: bool = True,
+                        with_jit_model: bool = False) -> None:
+        """Write a consistent checkpoint (DESIGN §7); every rank calls it at the same step.
+
+        The cut: prefetched batches go back to their workers, pending pushes finish, then
+        rank 0 writes the dense model, the optimizer, every server's shard and the stream
+        offsets, and publishes the checkpoint atomically. ``blocking=False`` is accepted
+        but the checkpoint is always written before this returns (the cut needs it).
+        """
+        from stream_persia.nn import checkpointing
+
+        checkpointing.dump_checkpoint(self, dst_dir, dense_filename=dense_model_filename,
+                                      jit_dense_filename=jit_dense_model_filename,
+                                      opt_filename=opt_filename, with_jit_model=with_jit_model)
+
+    def load_checkpoint(self, src_dir: str, map_location: str | None = None,
+                        dense_model_filename: str = "dense.pt", opt_filename: str = "opt.pt",
+                        blocking: bool = True) -> None:
+        """Restore dense model, optimizer, embeddings and (Kafka) stream position."""
+        from stream_persia.nn import checkpointing
+
+        checkpointing.load_checkpoint(self, src_dir, map_location=map_location,
+                                      dense_filename=dense_model_filename,
+                                      opt_filename=opt_filename)
+
+    def wait_servers_ready(self) -> None:
+        """Wait until every embedding server answers (entering the context already did)."""
+        cluster = self._cluster()
+        cluster.run(cluster._wait_ready(cluster.servers, "embedding servers"))
+
+
+def _has_grads(opt: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for group in opt.param_groups for p in group["params"])
+
+
+def _grad_array(g: torch.Tensor | None, scale: float) -> np.ndarray | None:
+    """A slot's gradient as float32 numpy on the host, with the loss scale divided out."""
+    if g is None:
+        return None
+    g = g.detach()
+    if scale != 1.0:
+        g = g.float() * (1.0 / scale)
+    return g.to("cpu", torch.float32).contiguous().numpy()

@@ -1,0 +1,206 @@
+"""Helpers of the API tests (a uniquely named module, so test files can import it):
+a real uvicorn server on a free loopback port, real embedding servers and workers on
+loopback sockets in the same event loop, and checkpoints written with the checkpoint
+library from a job that trained a little."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+import uvicorn
+
+from api import ApiSettings, create_app
+from api.server import bind_socket
+from stream_persia.checkpoint import JIT_FILENAME, CheckpointWriter
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import SGD
+from stream_persia.embedding_server import EmbeddingServer
+from stream_persia.rpc import RpcClient
+from stream_persia.testing.samples import SCHEMA, make_batch
+from stream_persia.worker.service import EmbeddingWorker
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class TwoHeads(torch.nn.Module):
+    """PERSIA-signature model over testing.samples.SCHEMA (dense 3, user 8, item 8, raw
+    tags 3x4) with two heads, like a multi-task model."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = torch.nn.Linear(3 + 8 + 8 + 12, 16)
+        self.click = torch.nn.Linear(16, 1)
+        self.buy = torch.nn.Linear(16, 2)
+
+    def forward(self, non_id: list[torch.Tensor], emb: list[torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+        parts = [non_id[0]] + [e.reshape(e.shape[0], -1) for e in emb]
+        h = torch.relu(self.body(torch.cat(parts, dim=1)))
+        return {"click": torch.sigmoid(self.click(h)).squeeze(1), "buy": self.buy(h)}
+
+
+class Click(torch.nn.Module):
+    """One-head PERSIA-signature model over testing.samples.SCHEMA, for training."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear = torch.nn.Linear(3 + 8 + 8 + 12, 1)
+
+    def forward(self, non_id: list[torch.Tensor], emb: list[torch.Tensor]) -> torch.Tensor:
+        parts = [non_id[0]] + [e.reshape(e.shape[0], -1) for e in emb]
+        return torch.sigmoid(self.linear(torch.cat(parts, dim=1)))
+
+
+@dataclass
+class Job:
+    servers: list[EmbeddingServer]
+    workers: list[EmbeddingWorker]
+    clients: list[RpcClient] = field(default_factory=list)
+
+    @property
+    def server_addresses(self) -> tuple[str, ...]:
+        return tuple(s.address for s in self.servers)
+
+    @property
+    def worker_addresses(self) -> tuple[str, ...]:
+        return tuple(w.address for w in self.workers)
+
+    def client(self, address: str) -> RpcClient:
+        c = RpcClient(address, timeout_ms=5000)
+        self.clients.append(c)
+        return c
+
+    async def train(self, n_batches: int, seed: int = 0) -> None:
+        """Ingest, serve and apply random gradients for ``n_batches`` batches."""
+        worker = self.client(self.workers[0].address)
+        rng = np.random.default_rng(seed)
+        for i in range(n_batches):
+            await worker.call("ingest", {"batch": make_batch(i, seed=seed).to_wire()})
+            served = await worker.call("next_batch", {"timeout_ms": 2000})
+            grads = {e["name"]: rng.normal(size=e["emb"].shape).astype(np.float32)
+                     for e in served["embeddings"]}
+            await worker.call("push_gradients", {"batch_id": served["batch_id"],
+                                                 "grads": grads})
+
+
+async def start_job(n_servers: int = 2, n_workers: int = 1, **worker_kw: Any) -> Job:
+    servers = [EmbeddingServer(100_000, SGD(lr=0.5), EmbeddingConfig((-0.5, 0.5)),
+                               replica_index=i, replica_size=n_servers) for i in range(n_servers)]
+    for s in servers:
+        await s.start()
+    workers = [EmbeddingWorker(SCHEMA, [s.address for s in servers], replica_index=i,
+                               replica_size=n_workers, **worker_kw) for i in range(n_workers)]
+    for w in workers:
+        await w.start()
+    return Job(servers, workers)
+
+
+async def stop_job(job: Job) -> None:
+    for c in job.clients:
+        await c.close()
+    for w in job.workers:
+        await w.stop()
+    for s in job.servers:
+        await s.stop()
+
+
+async def write_checkpoint(job: Job, dst: str, model: torch.nn.Module, *, step: int = 1,
+                           jit: bool = True, heads: list[str] | None = None) -> str:
+    """A checkpoint of ``job``'s servers and ``model`` at ``dst`` (direct stream)."""
+    clients = [job.client(a) for a in job.server_addresses]
+    with CheckpointWriter(dst) as w:
+        w.write_torch("dense.pt", model.state_dict())
+        if jit:
+            buf = io.BytesIO()
+            with warnings.catch_warnings():   # TorchScript is deprecated upstream
+                warnings.simplefilter("ignore", DeprecationWarning)
+                torch.jit.save(torch.jit.script(model), buf)
+            w.write_bytes(JIT_FILENAME, buf.getvalue())
+        await w.dump_embeddings(clients)
+        w.commit(job="test", step=step, offsets={}, stream="direct",
+                 extra={"heads": heads} if heads else None)
+    return dst
+
+
+class LiveApi:
+    """``create_app(settings)`` served by uvicorn on 127.0.0.1:<free port> in this loop."""
+
+    def __init__(self, settings: ApiSettings, **app_kw: Any):
+        self.app = create_app(settings, **app_kw)
+        self.settings = settings
+        self.server: uvicorn.Server | None = None
+        self.task: asyncio.Task | None = None
+        self.url = ""
+        self.client: httpx.AsyncClient | None = None
+
+    async def __aenter__(self) -> LiveApi:
+        sock = bind_socket("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(self.app, lifespan="on", log_level="warning", http="httptools",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.server.capture_signals = contextlib.nullcontext   # the test owns the signals
+        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        async with asyncio.timeout(30):
+            while not self.server.started:
+                if self.task.done():
+                    self.task.result()    # raises the startup error
+                    raise RuntimeError("uvicorn exited during startup")
+                await asyncio.sleep(0.01)
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=30)
+        return self
+
+    @property
+    def state(self) -> Any:
+        return self.app.state
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+        if self.server is not None and self.task is not None:
+            self.server.should_exit = True
+            await asyncio.wait_for(self.task, 30)
+
+
+def settings_for(job: Job | None = None, **kw: Any) -> ApiSettings:
+    base: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "token": TOKEN, "schema": SCHEMA}
+    if job is not None:
+        base["embedding_workers"] = job.worker_addresses
+        base["embedding_servers"] = job.server_addresses
+    base.update(kw)
+    return ApiSettings(**base)
+
+
+@contextlib.contextmanager
+def threaded_job_and_api(tmp_dir: str, **settings_kw: Any):
+    """For synchronous tests: a trained job and the API serving a checkpoint of it, all on
+    a background loop thread. Yields ``(url, job)``."""
+    from stream_persia.aio import LoopThread
+
+    lt = LoopThread(name="api-test")
+    job = lt.run(start_job(), timeout=60)
+    try:
+        lt.run(job.train(4), timeout=60)
+        ckpt = lt.run(write_checkpoint(job, f"{tmp_dir}/ckpts/served", TwoHeads()), timeout=60)
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="local",
+                                checkpoint_dir=f"{tmp_dir}/ckpts", **settings_kw)
+        api = LiveApi(settings)
+        lt.run(api.__aenter__(), timeout=60)
+        try:
+            yield api.url, job
+        finally:
+            lt.run(api.__aexit__(None, None, None), timeout=60)
+    finally:
+        lt.run(stop_job(job), timeout=60)
+        lt.close()

@@ -1,0 +1,146 @@
+"""Checkpoints over HTTP when no NN rank is attached: the API takes the cut itself.
+
+Started with 202, followed to ``done``, listed with its manifest, restored into a job
+with another number of embedding servers; refused (the job fails, nothing is published)
+while a batch is in flight without an NN rank reporting to the mailbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+from api_helpers import AUTH, LiveApi, TwoHeads, settings_for, start_job, stop_job, write_checkpoint
+
+from stream_persia.checkpoint import read_manifest, verify
+from stream_persia.testing.samples import SCHEMA, make_batch
+
+
+async def wait_done(api: LiveApi, ident: str, timeout_s: float = 30) -> dict:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            r = await api.client.get(f"/v1/checkpoints/{ident}", headers=AUTH)
+            assert r.status_code == 200, r.text
+            info = r.json()
+            if info["state"] in ("done", "failed"):
+                return info
+            await asyncio.sleep(0.05)
+
+
+def rows_of(job) -> dict[int, np.ndarray]:
+    """Every row of every server, by id (for comparing jobs with different shard counts)."""
+    out = {}
+    for s in job.servers:
+        for chunk in s.store.dump():
+            for i, w in zip(chunk["ids"].tolist(), chunk["weights"], strict=True):
+                out[i] = w
+    return out
+
+
+async def test_api_cut_list_inspect_restore(job, tmp_path):
+    root = str(tmp_path / "ckpts")
+    await job.train(5)
+    # A checkpoint from train.py (dense model included) is the base the API cut carries.
+    await write_checkpoint(job, f"{root}/base", TwoHeads(seed=4), step=5)
+    await job.train(3, seed=2)
+    want_rows = rows_of(job)
+    async with LiveApi(settings_for(job, checkpoint_dir=root, embeddings="local")) as api:
+        r = await api.client.post("/v1/checkpoints", headers=AUTH)
+        assert r.status_code == 202, r.text
+        accepted = r.json()
+        assert r.headers["location"] == accepted["status_url"]
+        ident = accepted["id"]
+        info = await wait_done(api, ident)
+        assert info["state"] == "done", info
+        assert info["by"] == "api" and info["dst"] == f"{root}/{ident}"
+        manifest = info["manifest"]
+        assert manifest["extra"]["dense_from"] == "base" and manifest["step"] == 5
+        assert manifest["stream"] == "direct"
+        assert sum(manifest["files"][f]["rows"] for f in manifest["embedding_files"]) == len(
+            want_rows)
+        verify(info["dst"])
+        assert {"dense.pt", "jit_dense.pt"} <= set(read_manifest(info["dst"]).files)
+        # Listed with its manifest, after the older one.
+        listed = (await api.client.get("/v1/checkpoints", headers=AUTH)).json()["checkpoints"]
+        assert [c["id"] for c in listed] == ["base", ident]
+        assert listed[1]["manifest"]["embedding_files"] == manifest["embedding_files"]
+        assert (await api.client.get("/v1/status", headers=AUTH)).json()[
+            "last_checkpoint"]["id"] == ident
+        assert (await api.client.get("/v1/checkpoints/nope", headers=AUTH)).status_code == 404
+        r = await api.client.post("/v1/checkpoints/nope/restore", headers=AUTH)
+        assert r.status_code == 404
+
+    # The job moves on, then is restored: into 3 servers instead of 2.
+    await job.train(2, seed=3)
+    other = await start_job(n_servers=3)
+    try:
+        await other.train(1, seed=9)      # rows that the restore must replace
+        async with LiveApi(settings_for(other, checkpoint_dir=root,
+                                        embeddings="local")) as api:
+            r = await api.client.post(f"/v1/checkpoints/{ident}/restore", headers=AUTH,
+                                      json={"reload_model": True})
+            assert r.status_code == 200, r.text
+            result = r.json()
+            assert result["rows"] == len(want_rows) and result["model_reloaded"]
+            assert result["workers_reset"] == 0    # a direct stream cannot be replayed
+            got = rows_of(other)
+            assert got.keys() == want_rows.keys()
+            for k, w in want_rows.items():
+                np.testing.assert_array_equal(got[k], w)
+            assert (await api.client.get("/v1/model")).json()["version"] == ident
+            r = await api.client.post("/v1/predict", json={
+                "id_type_features": {"user": [[1, 2]], "item": [3], "tags": [[4]]},
+                "non_id_type_features": {"dense": [[0.1, 0.2, 0.3]]}})
+            assert r.status_code == 200 and r.json()["model_version"] == ident
+    finally:
+        await stop_job(other)
+
+
+async def test_api_cut_refuses_batches_in_flight(job, tmp_path):
+    root = str(tmp_path / "ckpts")
+    worker = job.client(job.workers[0].address)
+    await worker.call("ingest", {"batch": make_batch(0).to_wire()})
+    served = await worker.call("next_batch", {"timeout_ms": 2000})
+    async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+        r = await api.client.post("/v1/checkpoints", headers=AUTH)
+        assert r.status_code == 202
+        info = await wait_done(api, r.json()["id"])
+        assert info["state"] == "failed"
+        assert "in flight" in info["error"] and info["manifest"] is None
+        assert not os.path.exists(info["dst"])
+        listed = (await api.client.get("/v1/checkpoints", headers=AUTH)).json()["checkpoints"]
+        assert [c["state"] for c in listed] == ["failed"]
+        # Restoring refuses too while the batch is out.
+        await write_checkpoint(job, f"{root}/ok", TwoHeads())
+        r = await api.client.post("/v1/checkpoints/ok/restore", headers=AUTH)
+        assert r.status_code == 409, r.text
+        assert "in flight" in r.json()["error"]["message"]
+    await worker.call("push_gradients", {"batch_id": served["batch_id"],
+                                         "grads": dict.fromkeys(SCHEMA.slots)})
+
+
+async def test_named_checkpoints_stay_inside_the_directory(job, tmp_path):
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+        r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": "before-x"})
+        assert r.status_code == 202 and r.json()["dst"] == f"{root}/before-x"
+        assert (await wait_done(api, "before-x"))["state"] == "done"
+        r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": "before-x"})
+        assert r.status_code == 409 and r.json()["error"]["field"] == "id"
+        for bad in ("../escape", "/abs", ".hidden", "a/b", ""):
+            r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": bad})
+            assert r.status_code == 422, bad
+            assert r.json()["error"]["field"] == "body.id"
+        r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"dst": "/tmp/x"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "body.dst"
+    assert sorted(os.listdir(root)) == ["before-x"]
+
+
+async def test_checkpoint_routes_without_a_directory(job):
+    async with LiveApi(settings_for(job)) as api:
+        r = await api.client.post("/v1/checkpoints", headers=AUTH)
+        assert r.status_code == 409 and r.json()["error"]["field"] == "checkpoint_dir"
+        assert (await api.client.get("/v1/checkpoints", headers=AUTH)).json() == {
+            "checkpoints": []}

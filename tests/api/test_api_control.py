@@ -1,0 +1,149 @@
+"""Health, readiness, metrics and job control against real embedding servers and workers."""
+
+from __future__ import annotations
+
+import numpy as np
+from api_helpers import AUTH, LiveApi, settings_for
+from prometheus_client.parser import text_string_to_metric_families
+
+from stream_persia.testing.samples import make_batch
+
+
+async def test_health_readiness_and_a_role_going_away(job):
+    async with LiveApi(settings_for(job)) as api:
+        assert (await api.client.get("/healthz")).json() == {"status": "ok"}
+        r = await api.client.get("/readyz")
+        assert r.status_code == 200, r.text
+        ready = r.json()
+        assert ready["ready"] and ready["problems"] == []
+        assert sorted((x["role"], x["index"]) for x in ready["roles"]) == [
+            ("embedding-server", 0), ("embedding-server", 1), ("embedding-worker", 0)]
+        await job.servers[1].stop()
+        r = await api.client.get("/readyz")
+        assert r.status_code == 503
+        assert len(r.json()["problems"]) == 1
+        assert job.servers[1].address in r.json()["problems"][0]
+        assert (await api.client.get("/healthz")).status_code == 200
+        # A route that needs the dead server names it, with 503 (retry later).
+        r = await api.client.get("/v1/embeddings/sizes", headers=AUTH)
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["peer"] == f"embedding-server-1 {job.servers[1].address}"
+        assert r.headers["retry-after"] == "1"
+
+
+async def test_status_aggregates_every_role(job):
+    await job.train(3)
+    worker = job.client(job.workers[0].address)
+    await worker.call("ingest", {"batch": make_batch(10).to_wire()})
+    served = await worker.call("next_batch", {"timeout_ms": 2000})   # one batch in flight
+    async with LiveApi(settings_for(job)) as api:
+        r = await api.client.get("/v1/status", headers=AUTH)
+        assert r.status_code == 200, r.text
+        status = r.json()
+        rows = [len(s.store) for s in job.servers]
+        assert [s["rows"] for s in status["servers"]] == rows
+        assert status["rows_total"] == sum(rows) > 0
+        assert status["servers"][0]["stats"]["lookups"] > 0
+        assert status["staleness_in_flight"] == 1
+        assert status["workers"][0]["inflight"] == 1
+        assert status["workers"][0]["healthy"] and status["workers"][0]["ingest_paused"] is False
+        assert status["training"]["batches_applied"] == 3
+        assert len(status["roles"]) == 3 and all(x["healthy"] for x in status["roles"])
+        assert status["last_checkpoint"] is None and status["model"] is None
+    await worker.call("push_gradients", {"batch_id": served["batch_id"],
+                                         "grads": dict.fromkeys(("user", "item", "tags"))})
+
+
+async def test_pause_resume_clear_sizes(job):
+    await job.train(2)
+    async with LiveApi(settings_for(job)) as api:
+        r = await api.client.post("/v1/ingest/pause", headers=AUTH)
+        assert r.json() == {"ingest_paused": True, "workers": 1}
+        assert job.workers[0].ingest_paused.is_set()
+        st = (await api.client.get("/v1/status", headers=AUTH)).json()
+        assert st["ingest_paused"] is True
+        assert (await api.client.post("/v1/ingest/resume", headers=AUTH)).json()[
+            "ingest_paused"] is False
+        assert not job.workers[0].ingest_paused.is_set()
+
+        sizes = (await api.client.get("/v1/embeddings/sizes", headers=AUTH)).json()
+        assert sizes["servers"] == [len(s.store) for s in job.servers]
+        assert sizes["total"] == sum(sizes["servers"]) > 0
+        r = await api.client.post("/v1/embeddings/clear", headers=AUTH)
+        assert r.json() == {"applied": True, "servers": 2}
+        assert [len(s.store) for s in job.servers] == [0, 0]
+        assert (await api.client.get("/v1/embeddings/sizes", headers=AUTH)).json()[
+            "total"] == 0
+
+
+async def test_configure_checks_everything_before_changing_any_server(job):
+    async with LiveApi(settings_for(job)) as api:
+        before = [s.store.embedding_config for s in job.servers]
+        bad = [
+            ({"admit_probability": 2}, "body.admit_probability"),
+            ({"emb_initialization": [1, -1]}, "body.emb_initialization"),
+            ({"optimizer": {"name": "sgd"}}, "body.optimizer"),
+            ({"optimizer": {"name": "adagrad", "lr": -1}}, "body.optimizer.lr"),
+            ({"optimizer": {"name": "rmsprop", "lr": 1}}, "body.optimizer.name"),
+            ({"weight_bound": "big"}, "body.weight_bound"),
+            ({"surprise": 1}, "body.surprise"),
+            ({}, "body"),
+        ]
+        for body, field in bad:
+            r = await api.client.post("/v1/embeddings/configure", json=body, headers=AUTH)
+            assert r.status_code == 422, (body, r.text)
+            assert r.json()["error"]["field"] == field, (body, r.json())
+        assert [s.store.embedding_config for s in job.servers] == before
+
+        r = await api.client.post("/v1/embeddings/configure", headers=AUTH, json={
+            "emb_initialization": [-0.1, 0.1], "admit_probability": 0.5,
+            "optimizer": {"name": "adagrad", "lr": 0.05}})
+        assert r.status_code == 200, r.text
+        for s in job.servers:
+            assert s.store.embedding_config.admit_probability == 0.5
+            assert s.store.embedding_config.emb_initialization == (-0.1, 0.1)
+            assert s.store.optimizer.name == "adagrad" and s.store.optimizer.lr == 0.05
+
+
+async def test_metrics_cover_routes_and_every_role(job):
+    await job.train(2)
+    async with LiveApi(settings_for(job)) as api:
+        for _ in range(3):
+            await api.client.get("/v1/status", headers=AUTH)
+        await api.client.get("/v1/checkpoints/nope", headers=AUTH)
+        text = (await api.client.get("/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    requests = families["persia_api_requests"].samples
+    status_calls = [s for s in requests if s.labels.get("route") == "/v1/status"
+                    and s.name.endswith("_total")]
+    assert status_calls and status_calls[0].value == 3
+    assert status_calls[0].labels["status"] == "200"
+    # Templates, never raw paths.
+    assert any(s.labels.get("route") == "/v1/checkpoints/{checkpoint_id}" for s in requests)
+    assert not any("nope" in str(s.labels) for s in requests)
+    latency = families["persia_api_request_seconds"].samples
+    assert any(s.name.endswith("_count") and s.labels.get("route") == "/v1/status"
+               for s in latency)
+    # Role metrics, labelled by role and replica; servers merged into one family.
+    applied = families["persia_embedding_worker_batches_applied"].samples
+    assert [(s.labels["role"], s.labels["replica"], s.value) for s in applied
+            if s.name.endswith("_total")] == [("embedding-worker", "0", 2.0)]
+    server_lookups = {s.labels["replica"] for s in
+                      families["persia_embedding_server_store_lookups"].samples}
+    assert server_lookups == {"0", "1"}
+    up = {(s.labels["role"], s.labels["replica"]): s.value
+          for s in families["persia_api_role_up"].samples}
+    assert up[("embedding-server", "1")] == 1.0
+
+
+async def test_metrics_survive_a_dead_role(job):
+    async with LiveApi(settings_for(job)) as api:
+        await job.workers[0].stop()
+        r = await api.client.get("/metrics")
+        assert r.status_code == 200
+        fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+        up = {(s.labels["role"], s.labels["replica"]): s.value
+              for s in fams["persia_api_role_up"].samples}
+        assert up[("embedding-worker", "0")] == 0.0 and up[("embedding-server", "0")] == 1.0
+        assert np.isfinite(sum(s.value for s in fams["persia_api_requests_in_flight"].samples))

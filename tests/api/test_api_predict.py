@@ -1,0 +1,225 @@
+"""Online inference: JSON and msgpack, both embedding sources, validation, micro-batching."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from api_helpers import AUTH, LiveApi, TwoHeads, settings_for, write_checkpoint
+
+from stream_persia import wire
+from stream_persia.embedding.data import IDTypeFeature, NonIDTypeFeature, PersiaBatch
+from stream_persia.nn.batch import from_served
+from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
+from stream_persia.testing.samples import make_batch
+
+
+def json_body(batch: PersiaBatch) -> dict:
+    """The JSON form of a batch: slot -> per-sample id lists, name -> rows."""
+    return {"id_type_features": {f.name: [x.tolist() for x in f.data]
+                                 for f in batch.id_type_features},
+            "non_id_type_features": {f.name: f.data.tolist()
+                                     for f in batch.non_id_type_features}}
+
+
+async def reference(job, model, batch: PersiaBatch) -> dict[str, np.ndarray]:
+    """What offline evaluation computes: the worker's eval lookup, the context's feature
+    preparation, the model."""
+    served = await job.client(job.workers[0].address).call(
+        "lookup_batch", {"batch": batch.to_wire(), "mode": "eval"})
+    ctx = EmbeddingCtx(PreprocessMode.INFERENCE, model=model)
+    non_id, emb, _ = ctx.prepare_features(from_served(served))
+    with torch.no_grad():
+        out = model(non_id, emb)
+    return {k: v.numpy() for k, v in out.items()}
+
+
+@pytest.fixture
+async def trained(job, tmp_path):
+    await job.train(6)
+    model = TwoHeads(seed=1).eval()
+    ckpt = await write_checkpoint(job, str(tmp_path / "ckpt-a"), model)
+    return job, model, ckpt
+
+
+def unseen_batch(i: int, size: int) -> PersiaBatch:
+    """Ids partly outside the trained vocabulary (0..49)."""
+    return make_batch(100 + i, batch_size=size, vocab=80, requires_grad=False)
+
+
+@pytest.mark.parametrize("source", ["local", "workers"])
+async def test_predictions_match_offline_evaluation(trained, source):
+    job, model, ckpt = trained
+    async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings=source)) as api:
+        info = (await api.client.get("/v1/model")).json()
+        assert info["version"] == "ckpt-a" and info["embeddings"] == source
+        assert info["kind"] == "torchscript"
+        for i, size in enumerate((1, 7, 33)):
+            batch = unseen_batch(i, size)
+            want = await reference(job, model, batch)
+            r = await api.client.post("/v1/predict", json=json_body(batch))
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert got["model_version"] == "ckpt-a" and got["rows"] == size
+            assert got["heads"] == ["click", "buy"]
+            click = np.array([p["click"] for p in got["predictions"]])
+            buy = np.array([p["buy"] for p in got["predictions"]])
+            np.testing.assert_allclose(click, want["click"], atol=1e-6, rtol=0)
+            np.testing.assert_allclose(buy, want["buy"], atol=1e-6, rtol=0)
+            # The same batch as msgpack, answered in msgpack.
+            r = await api.client.post("/v1/predict", content=batch.to_bytes(), headers={
+                "content-type": "application/msgpack", "accept": "application/msgpack"})
+            assert r.status_code == 200, r.text
+            packed = wire.unpack(r.content)
+            np.testing.assert_allclose(packed["outputs"]["buy"], want["buy"], atol=1e-6)
+            assert packed["missing_ids"] == got["missing_ids"]
+
+
+async def test_missing_ids_are_counted_per_request_even_when_batched(trained):
+    job, model, ckpt = trained
+    async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local",
+                                    batch_wait_ms=20)) as api:
+        known = {"id_type_features": {"user": [[1, 2]], "item": [3], "tags": [[4]]},
+                 "non_id_type_features": {"dense": [[0.0, 0.0, 0.0]]}}
+        unknown = {"id_type_features": {"user": [[10**12, 10**12 + 1, 10**12]],
+                                        "item": [10**13], "tags": [[10**14, 5]]},
+                   "non_id_type_features": {"dense": [[1.0, 0.0, 0.0]]}}
+        rs = await asyncio.gather(*(api.client.post("/v1/predict", json=b)
+                                    for b in [known, unknown] * 8))
+        assert [r.status_code for r in rs] == [200] * 16
+        # Distinct absent ids per request: user 2 (repeat counted once), item 1, tags 1.
+        assert [r.json()["missing_ids"] for r in rs] == [0, 4] * 8
+        stats = api.state.predictor.batcher.stats
+        assert stats["requests"] >= 16 and stats["batches"] < stats["requests"]
+
+
+async def test_concurrent_requests_share_forward_passes_and_keep_their_answers(trained):
+    job, model, ckpt = trained
+    async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local",
+                                    batch_wait_ms=20)) as api:
+        batches = [unseen_batch(i, 1 + i % 4) for i in range(24)]
+        alone = []
+        for b in batches:   # one at a time: each is its own forward pass
+            alone.append((await api.client.post("/v1/predict", json=json_body(b))).json())
+        before = dict(api.state.predictor.batcher.stats)
+        together = await asyncio.gather(*(api.client.post("/v1/predict", json=json_body(b))
+                                          for b in batches))
+        stats = api.state.predictor.batcher.stats
+        assert stats["requests"] - before["requests"] == 24
+        assert stats["batches"] - before["batches"] < 24
+        for a, t in zip(alone, together, strict=True):
+            t = t.json()
+            assert t["rows"] == a["rows"] and t["missing_ids"] == a["missing_ids"]
+            for pa, pt in zip(a["predictions"], t["predictions"], strict=True):
+                assert pt["click"] == pytest.approx(pa["click"], abs=1e-6)
+                np.testing.assert_allclose(pt["buy"], pa["buy"], atol=1e-6)
+
+
+async def test_bad_requests_are_422_naming_the_field(trained):
+    job, model, ckpt = trained
+    async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local",
+                                    max_rows_per_request=8)) as api:
+        dense = {"dense": [[0.0, 0.0, 0.0]]}
+        ok = {"user": [[1]], "item": [2], "tags": [[3]]}
+        cases = [
+            ({"id_type_features": {**ok, "usr": [[1]]}, "non_id_type_features": dense},
+             "id_type_features.usr"),
+            ({"id_type_features": {**ok, "user": [[1.5]]}, "non_id_type_features": dense},
+             "id_type_features.user[0]"),
+            ({"id_type_features": {**ok, "user": [["7"]]}, "non_id_type_features": dense},
+             "id_type_features.user[0]"),
+            ({"id_type_features": {**ok, "user": [[-1]]}, "non_id_type_features": dense},
+             "id_type_features.user"),
+            ({"id_type_features": {**ok, "user": [[2**64]]}, "non_id_type_features": dense},
+             "id_type_features.user"),
+            ({"id_type_features": {**ok, "user": [True]}, "non_id_type_features": dense},
+             "id_type_features.user[0]"),
+            ({"id_type_features": {**ok, "item": [1, 2]}, "non_id_type_features": dense},
+             "id_type_features.item"),
+            ({"id_type_features": ok, "non_id_type_features": {"dense": [["a", 1, 2]]}},
+             "non_id_type_features.dense"),
+            ({"id_type_features": ok, "non_id_type_features": {"dense": [[1, 2], [3]]}},
+             "non_id_type_features.dense"),
+            ({"id_type_features": ok, "non_id_type_features": {"dense": [[0.0, 0.0]]}},
+             "non_id_type_features"),
+            ({"id_type_features": ok}, "non_id_type_features"),
+            ({"id_type_features": {}}, "id_type_features"),
+            ({"id_type_features": ok, "labels": {}}, "labels"),
+            ([1, 2], "body"),
+        ]
+        for body, field in cases:
+            r = await api.client.post("/v1/predict", json=body)
+            assert r.status_code == 422, (body, r.text)
+            assert r.json()["error"]["field"] == field, (body, r.json())
+        r = await api.client.post("/v1/predict", content=b"{not json",
+                                  headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "body"
+        r = await api.client.post("/v1/predict", content=b'{"a": NaN}',
+                                  headers={"content-type": "application/json"})
+        assert r.status_code == 422
+        r = await api.client.post("/v1/predict", content=b"\x93\x01",
+                                  headers={"content-type": "application/msgpack"})
+        assert r.status_code == 422
+        r = await api.client.post("/v1/predict", content=b"x",
+                                  headers={"content-type": "text/plain"})
+        assert r.status_code == 415
+        # Rows over the limit: 413, in both encodings.
+        many = {"id_type_features": {"user": [[1]] * 9}}
+        r = await api.client.post("/v1/predict", json=many)
+        assert r.status_code == 413 and r.json()["error"]["field"] == "id_type_features.user"
+        big = make_batch(0, batch_size=9, requires_grad=False)
+        r = await api.client.post("/v1/predict", content=big.to_bytes(),
+                                  headers={"content-type": "application/msgpack"})
+        assert r.status_code == 413
+        # Unknown slot in a msgpack batch.
+        odd = PersiaBatch([IDTypeFeature("color", [np.array([1], np.uint64)])],
+                          [NonIDTypeFeature(np.zeros((1, 3), np.float32), "dense")],
+                          requires_grad=False)
+        r = await api.client.post("/v1/predict", content=odd.to_bytes(),
+                                  headers={"content-type": "application/msgpack"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "id_type_features.color"
+
+
+async def test_one_bad_request_does_not_fail_its_micro_batch(trained):
+    job, model, ckpt = trained
+    async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local",
+                                    batch_wait_ms=30)) as api:
+        good = json_body(unseen_batch(0, 2))
+        bad = json_body(unseen_batch(1, 2))
+        bad["non_id_type_features"]["dense"] = [[0.0] * 5, [0.0] * 5]   # wrong width
+        rs = await asyncio.gather(*(api.client.post("/v1/predict", json=b)
+                                    for b in [good, bad, good, good]))
+        assert [r.status_code for r in rs] == [200, 422, 200, 200]
+
+
+async def test_model_class_and_state_dict(trained, tmp_path):
+    job, model, _ = trained
+    ckpt = await write_checkpoint(job, str(tmp_path / "sd"), model, jit=False,
+                                  heads=["click", "buy"])
+    async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local",
+                                    model_class="api_helpers:TwoHeads")) as api:
+        batch = unseen_batch(5, 3)
+        r = await api.client.post("/v1/predict", json=json_body(batch))
+        assert r.status_code == 200, r.text
+        want = await reference(job, model, batch)
+        got = np.array([p["click"] for p in r.json()["predictions"]])
+        np.testing.assert_allclose(got, want["click"], atol=1e-6)
+        assert (await api.client.get("/v1/model")).json()["kind"] == "state_dict"
+    async with LiveApi(settings_for(job, embeddings="local")) as api:   # no class: 422
+        r = await api.client.post("/v1/model/reload", json={"checkpoint": ckpt}, headers=AUTH)
+        assert r.status_code == 422 and "jit_dense.pt" in r.json()["error"]["message"]
+        assert (await api.client.get("/readyz")).status_code == 200   # no model was asked for
+
+
+async def test_readiness_waits_for_the_configured_model(trained, tmp_path):
+    job, model, ckpt = trained
+    async with LiveApi(settings_for(job, embeddings="local", checkpoint_dir=str(tmp_path))) as api:
+        assert (await api.client.get("/v1/model")).status_code == 503
+        r = await api.client.post("/v1/model/reload", json={"checkpoint": "nope"}, headers=AUTH)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "checkpoint"
+        r = await api.client.post("/v1/model/reload", json={"checkpoint": "ckpt-a"},
+                                  headers=AUTH)   # an id under the checkpoint directory
+        assert r.status_code == 200 and r.json()["version"] == "ckpt-a"
+        assert (await api.client.get("/readyz")).json()["model"]["version"] == "ckpt-a"

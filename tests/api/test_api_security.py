@@ -1,0 +1,115 @@
+"""Authentication, the loopback rule, and request size limits, against a live server."""
+
+from __future__ import annotations
+
+import pytest
+from api_helpers import AUTH, TOKEN, LiveApi, settings_for
+
+from api import ApiSettings, create_app
+from api.settings import is_loopback
+from stream_persia.config import GlobalConfig
+from stream_persia.errors import ConfigError
+
+CONTROL_ROUTES = [("GET", "/v1/status"), ("POST", "/v1/ingest/pause"),
+                  ("POST", "/v1/ingest/resume"), ("GET", "/v1/embeddings/sizes"),
+                  ("POST", "/v1/embeddings/clear"), ("GET", "/v1/checkpoints"),
+                  ("POST", "/v1/checkpoints"), ("POST", "/v1/model/reload")]
+
+
+async def test_control_routes_need_the_token():
+    async with LiveApi(settings_for()) as api:
+        for method, path in CONTROL_ROUTES:
+            r = await api.client.request(method, path)
+            assert r.status_code == 401, (path, r.text)
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert r.json()["error"]["kind"] == "unauthorized"
+            r = await api.client.request(method, path,
+                                         headers={"Authorization": "Bearer nope"})
+            assert r.status_code == 403, (path, r.text)
+            assert r.json()["error"]["kind"] == "forbidden"
+            r = await api.client.request(method, path, headers={"Authorization": f"Basic {TOKEN}"})
+            assert r.status_code == 401, path
+        # With the token the route runs (no roles configured: a 409 naming what is missing,
+        # or an answer), never an auth error.
+        r = await api.client.get("/v1/embeddings/sizes", headers=AUTH)
+        assert r.status_code == 409
+        assert r.json()["error"]["field"] == "PERSIA_EMBEDDING_SERVERS"
+        assert (await api.client.get("/v1/status", headers=AUTH)).status_code == 200
+        # Probes and metrics never need it.
+        for path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
+            assert (await api.client.get(path)).status_code == 200, path
+
+
+async def test_predict_token_is_optional_and_configurable():
+    async with LiveApi(settings_for()) as api:   # open by default: 503 (no model), not 401
+        r = await api.client.post("/v1/predict", json={"id_type_features": {"user": [1]}})
+        assert r.status_code == 503 and r.json()["error"]["kind"] == "not_ready"
+    async with LiveApi(settings_for(predict_requires_token=True)) as api:
+        body = {"id_type_features": {"user": [1]}}
+        assert (await api.client.post("/v1/predict", json=body)).status_code == 401
+        r = await api.client.post("/v1/predict", json=body,
+                                  headers={"Authorization": "Bearer x"})
+        assert r.status_code == 403
+        assert (await api.client.post("/v1/predict", json=body,
+                                      headers=AUTH)).status_code == 503
+
+
+def test_no_token_refuses_a_public_address_but_allows_loopback():
+    for host in ("0.0.0.0", "10.1.2.3", "::", "api.example.com"):
+        with pytest.raises(ConfigError) as err:
+            create_app(ApiSettings(host=host))
+        assert "PERSIA_API_TOKEN" in str(err.value)
+    for host in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost"):
+        assert is_loopback(host)
+        create_app(ApiSettings(host=host))
+    create_app(ApiSettings(host="0.0.0.0", token="t"))
+
+
+async def test_without_a_token_loopback_control_is_open():
+    async with LiveApi(settings_for(token=None)) as api:
+        assert (await api.client.get("/v1/status")).status_code == 200
+
+
+def test_token_from_env_file_and_config(tmp_path, monkeypatch):
+    monkeypatch.delenv("PERSIA_API_TOKEN", raising=False)
+    monkeypatch.delenv("PERSIA_API_TOKEN_FILE", raising=False)
+    monkeypatch.delenv("PERSIA_EMBEDDING_CONFIG", raising=False)
+    assert ApiSettings.from_env().token is None
+    secret = tmp_path / "token"
+    secret.write_text("from-file\n")
+    monkeypatch.setenv("PERSIA_API_TOKEN_FILE", str(secret))
+    assert ApiSettings.from_env().token == "from-file"
+    monkeypatch.setenv("PERSIA_API_TOKEN", "inline")
+    with pytest.raises(ConfigError, match="both"):
+        ApiSettings.from_env()
+    monkeypatch.delenv("PERSIA_API_TOKEN_FILE")
+    assert ApiSettings.from_env().token == "inline"
+    monkeypatch.delenv("PERSIA_API_TOKEN")
+    gc = GlobalConfig.from_dict({"api": {"token_file": str(secret), "host": "0.0.0.0"}})
+    settings = ApiSettings.from_env(gc)
+    assert settings.token == "from-file" and settings.host == "0.0.0.0"
+    settings.check_bind()
+    (tmp_path / "empty").write_text("  \n")
+    monkeypatch.setenv("PERSIA_API_TOKEN_FILE", str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="empty"):
+        ApiSettings.from_env()
+
+
+async def test_body_size_limit_is_413_declared_or_streamed():
+    async with LiveApi(settings_for(max_body_bytes=2048)) as api:
+        big = b'{"id_type_features": {"user": [' + b"1," * 3000 + b"1]}}"
+        r = await api.client.post("/v1/predict", content=big,
+                                  headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert r.json()["error"]["kind"] == "too_large"
+
+        async def chunks():   # no Content-Length: counted as it arrives
+            for _ in range(10):
+                yield b" " * 1000
+
+        r = await api.client.post("/v1/embeddings/configure", content=chunks(),
+                                  headers={"content-type": "application/json", **AUTH})
+        assert r.status_code == 413
+        assert r.json()["error"]["field"] == "body"
+        # The server is fine afterwards.
+        assert (await api.client.get("/healthz")).status_code == 200

@@ -1,0 +1,48 @@
+"""Training script run by ``stream-persia launch nn-worker`` in the DDP test (one per rank).
+
+Trains from the stream until it runs dry, then writes this rank's dense state dict and
+counters to ``OUT_DIR/rank<r>.pt`` / ``.json``. Usage: ``ddp_train.py OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from nn_helpers import SumModel
+
+from stream_persia.ctx import TrainCtx
+from stream_persia.data import DataLoader, StreamingDataset
+from stream_persia.distributed import DDPOption
+from stream_persia.embedding.optim import Adagrad
+from stream_persia.env import get_rank, get_world_size
+from stream_persia.utils import setup_seed
+
+
+def main(out_dir: str) -> None:
+    rank = get_rank()
+    # Different seeds per rank: DDP's initial broadcast must make the models identical.
+    setup_seed(100 + rank)
+    torch.set_num_threads(1)
+    model = SumModel(13, hidden=8)
+    dense_optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    steps = 0
+    with TrainCtx(Adagrad(lr=0.05), dense_optimizer, model=model, mixed_precision=False,
+                  distributed_option=DDPOption(backend="gloo"), ready_timeout_s=60) as ctx:
+        assert ctx.world_size == get_world_size() == 2, ctx.world_size
+        loader = DataLoader(StreamingDataset(4), embedding_staleness=4, timeout_ms=1500)
+        for batch in loader:
+            output, labels = ctx.forward(batch)
+            loss = torch.nn.functional.binary_cross_entropy(output, labels[0])
+            ctx.backward(loss)
+            steps += 1
+        stats = ctx.stats()
+    out = Path(out_dir)
+    torch.save(model.state_dict(), out / f"rank{rank}.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps({"steps": steps, **stats}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

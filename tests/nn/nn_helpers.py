@@ -1,0 +1,125 @@
+"""Helpers for the NN-side tests: a job in this process, a learnable stream, a model.
+
+The job's embedding servers and workers run on a loop thread of this process.
+
+Real sockets on loopback, ports from the OS; batches go in through ``DataCtx``
+(broker-less ingest RPC), exactly as a data loader sends them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from stream_persia.aio import LoopThread
+from stream_persia.config import EmbeddingSchema
+from stream_persia.data_ctx import DataCtx
+from stream_persia.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
+from stream_persia.embedding_server import EmbeddingServer
+from stream_persia.worker.service import EmbeddingWorker
+
+# Three summation slots with one id per sample: the label is a logistic function of hidden
+# per-id weights, so an embedding model can learn it (AUC well above 0.5).
+LEARNABLE_SCHEMA = EmbeddingSchema.from_dict({
+    "feature_index_prefix_bit": 8,
+    "slots_config": {"a": {"dim": 4}, "b": {"dim": 4}, "c": {"dim": 4}},
+})
+LEARNABLE_SLOTS = ("a", "b", "c")
+
+
+class LocalJob:
+    """Embedding servers and workers running on one loop thread of this process."""
+
+    def __init__(self, schema: EmbeddingSchema, *, servers: int = 1, workers: int = 1,
+                 capacity: int = 100_000, ready_buffer_batches: int = 16):
+        self.loop = LoopThread(name="test-job")
+        self.servers: list[EmbeddingServer] = []
+        self.workers: list[EmbeddingWorker] = []
+        self.loop.run(self._start(schema, servers, workers, capacity, ready_buffer_batches),
+                      timeout=30)
+
+    async def _start(self, schema, n_servers, n_workers, capacity, ready) -> None:
+        for i in range(n_servers):
+            s = EmbeddingServer(capacity, replica_index=i, replica_size=n_servers)
+            await s.start()
+            self.servers.append(s)
+        for i in range(n_workers):
+            w = EmbeddingWorker(schema, [s.address for s in self.servers], replica_index=i,
+                                replica_size=n_workers, ready_buffer_batches=ready)
+            await w.start()
+            self.workers.append(w)
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        return [w.address for w in self.workers]
+
+    def feed(self, batches, *, background: bool = True) -> threading.Thread | None:
+        """Send ``batches`` through DataCtx (in a thread: ingest waits while buffers fill)."""
+        batches = list(batches)
+
+        def send() -> None:
+            with DataCtx(embedding_workers=self.worker_addresses) as dc:
+                for b in batches:
+                    dc.send_data(b)
+
+        if not background:
+            send()
+            return None
+        t = threading.Thread(target=send, name="test-feed", daemon=True)
+        t.start()
+        return t
+
+    def rows(self) -> int:
+        return sum(len(s.store) for s in self.servers)
+
+    async def _stop(self) -> None:
+        for w in self.workers:
+            await w.stop()
+        for s in self.servers:
+            await s.stop()
+
+    def close(self) -> None:
+        try:
+            self.loop.run(self._stop(), timeout=30)
+        finally:
+            self.loop.close()
+
+
+def learnable_batches(n: int, batch_size: int = 256, *, seed: int = 0, vocab: int = 50,
+                      requires_grad: bool = True) -> list[PersiaBatch]:
+    """Batches whose label is Bernoulli(sigmoid(sum of hidden per-id weights))."""
+    weights = np.random.default_rng(12345).normal(0, 1.5, size=(len(LEARNABLE_SLOTS), vocab))
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(0, vocab, size=(len(LEARNABLE_SLOTS), batch_size))
+        logit = weights[np.arange(len(LEARNABLE_SLOTS))[:, None], ids].sum(0)
+        label = (rng.random(batch_size) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+        feats = [IDTypeFeature(s, [np.array([i], np.uint64) for i in ids[k]])
+                 for k, s in enumerate(LEARNABLE_SLOTS)]
+        dense = np.ones((batch_size, 1), np.float32)
+        out.append(PersiaBatch(feats, non_id_type_features=[NonIDTypeFeature(dense, "one")],
+                               labels=[Label(label[:, None], "click")],
+                               requires_grad=requires_grad))
+    return out
+
+
+class SumModel(torch.nn.Module):
+    """PERSIA's forward signature: concatenate every input, then an MLP."""
+
+    def __init__(self, in_dim: int, hidden: int = 0):
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        if hidden:
+            layers += [torch.nn.Linear(in_dim, hidden), torch.nn.ReLU()]
+            in_dim = hidden
+        layers.append(torch.nn.Linear(in_dim, 1))
+        self.mlp = torch.nn.Sequential(*layers)
+
+    def forward(self, non_id_type_feature_tensors, id_type_feature_embedding_tensors):
+        parts = [t.float() for t in non_id_type_feature_tensors]
+        for e in id_type_feature_embedding_tensors:
+            parts.append(e.sum(1) if e.dim() == 3 else e)
+        return torch.sigmoid(self.mlp(torch.cat(parts, dim=1)))

@@ -1,0 +1,161 @@
+"""Checkpoints from TrainCtx: the cut returns prefetched batches and waits for pushes, the
+files restore the dense model, optimizer, step and embeddings (into any server count), and
+with Kafka the stream resumes at the first batch after the cut.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from nn_helpers import SumModel
+
+from stream_persia.checkpoint import read_manifest, verify
+from stream_persia.config import GlobalConfig, KafkaConfig
+from stream_persia.ctx import DataCtx, TrainCtx, eval_ctx
+from stream_persia.data import DataLoader, StreamingDataset
+from stream_persia.embedding.optim import Adagrad
+from stream_persia.errors import Misuse
+from stream_persia.local import RoleProcess
+from stream_persia.testing.samples import EMBEDDING_YAML, SCHEMA, make_batch
+
+IN_DIM = 3 + 8 + 8 + 4
+
+
+def _ctx(job, model, opt):
+    return TrainCtx(Adagrad(lr=0.1), opt, model=model, embedding_workers=job.worker_addresses,
+                    mixed_precision=False, ready_timeout_s=10)
+
+
+def _step(ctx, tb):
+    output, labels = ctx.forward(tb)
+    ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+
+
+def _eval_embeddings(job, batch):
+    with eval_ctx(embedding_workers=job.worker_addresses) as ctx:
+        tb = ctx.get_embedding_from_data(batch)
+        return [s.emb.numpy().copy() for s in tb.id_type_feature_embeddings]
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
+def test_checkpoint_cut_and_restore(job_factory, tmp_path):
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(12)], background=False)
+    model = SumModel(IN_DIM, hidden=4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    probe = make_batch(0, requires_grad=False)
+    ck = str(tmp_path / "ck")
+    metas = []
+    with _ctx(job, model, opt) as ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=4, reproducible=True,
+                             max_batches=12, timeout_ms=3000):
+            metas.append(tb.meta)
+            _step(ctx, tb)
+            if len(metas) == 5:
+                ctx.dump_checkpoint(ck, with_jit_model=True)
+                assert len(job.workers[0].inflight) == 0     # nothing in flight at the cut
+                saved_dense = {k: v.clone() for k, v in model.state_dict().items()}
+                saved_opt_steps = opt.state_dict()["state"][0]["step"].item()
+                saved_rows = ctx.get_embedding_size()
+        assert ctx.stats()["returned"] > 0, "the cut returned prefetched batches"
+        # Training went on from exactly where the cut was: every batch once, in order.
+        assert metas == [f"batch-{i}".encode() for i in range(12)]
+        after_emb = _eval_embeddings(job, probe)
+
+        manifest = read_manifest(ck)
+        verify(ck)
+        assert manifest.step == 5 and manifest.stream == "direct" and manifest.offsets == {}
+        assert {"dense.pt", "opt.pt", "jit_dense.pt"} <= set(manifest.files)
+        assert manifest.rows == sum(saved_rows)
+        scripted = torch.jit.load(str(tmp_path / "ck" / "jit_dense.pt"))
+        assert isinstance(scripted, torch.jit.ScriptModule)
+
+        ctx.load_checkpoint(ck)
+        assert ctx.steps == 5
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, saved_dense[k]), k
+        assert opt.state_dict()["state"][0]["step"].item() == saved_opt_steps
+        assert ctx.get_embedding_size() == saved_rows
+        restored_emb = _eval_embeddings(job, probe)
+        assert any(not np.array_equal(a, b) for a, b in zip(after_emb, restored_emb,
+                                                            strict=True)), \
+            "the restore brought back the rows of the cut, not the latest ones"
+
+
+def test_embeddings_reload_into_more_servers(job_factory, tmp_path):
+    one = job_factory(SCHEMA)
+    one.feed([make_batch(i) for i in range(3)], background=False)
+    model = SumModel(IN_DIM)
+    with _ctx(one, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        for tb in DataLoader(StreamingDataset(), max_batches=3):
+            _step(ctx, tb)
+        ctx.dump_embedding(str(tmp_path / "emb"))
+        sizes = ctx.get_embedding_size()
+    probe = make_batch(1, requires_grad=False)
+    expected = _eval_embeddings(one, probe)
+
+    two = job_factory(SCHEMA, servers=2)
+    with eval_ctx(embedding_workers=two.worker_addresses) as ctx:
+        ctx.load_embedding(str(tmp_path / "emb"), blocking=False)
+        ctx.wait_for_load_embedding()
+        assert sum(ctx.get_embedding_size()) == sum(sizes)
+        assert all(n > 0 for n in ctx.get_embedding_size())
+    for a, b in zip(expected, _eval_embeddings(two, probe), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_checkpoint_between_forward_and_backward_is_refused(job_factory, tmp_path):
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(0)], background=False)
+    model = SumModel(IN_DIM)
+    with _ctx(job, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        for tb in DataLoader(StreamingDataset(), max_batches=1):
+            ctx.forward(tb)
+            with pytest.raises(Misuse, match="backward"):
+                ctx.dump_checkpoint(str(tmp_path / "ck"))
+            _step(ctx, tb)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_kafka_checkpoint_replays_the_stream_from_the_cut(job_factory, kafka_broker,
+                                                          kafka_topic, tmp_path):
+    """Exactly once across a restore: offsets of the cut in the manifest, reset_stream."""
+    topic = kafka_topic(1)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+    job = job_factory(SCHEMA, workers=0)
+    (tmp_path / "embedding_config.yml").write_text(EMBEDDING_YAML)
+    worker = RoleProcess("embedding-worker", [
+        "--embedding-config", str(tmp_path / "embedding_config.yml"),
+        "--embedding-servers", job.servers[0].address, "--kafka", kafka_broker.bootstrap_servers,
+        "--topic", topic, "--num-partitions", "1"], log_path=tmp_path / "worker.log")
+    ck = str(tmp_path / "ck")
+    with worker:
+        config = GlobalConfig(kafka=KafkaConfig(samples_topic=topic))
+        with DataCtx(kafka_bootstrap_servers=kafka_broker.bootstrap_servers,
+                     global_config=config) as dc:
+            for i in range(20):
+                dc.send_data(make_batch(i))
+        model = SumModel(IN_DIM)
+        with _ctx(SimpleNamespace(worker_addresses=[worker.address]), model,
+                  torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            metas = []
+            for tb in DataLoader(StreamingDataset(), embedding_staleness=4, reproducible=True,
+                                 max_batches=14, timeout_ms=20_000):
+                metas.append(tb.meta)
+                _step(ctx, tb)
+                if len(metas) == 8:
+                    ctx.dump_checkpoint(ck)
+            manifest = read_manifest(ck)
+            assert manifest.stream == "kafka"
+            assert manifest.offsets == {topic: {"0": 8}}, "the cut is after the 8th batch"
+            ctx.load_checkpoint(ck)
+            replayed = []
+            for tb in DataLoader(StreamingDataset(), embedding_staleness=4, reproducible=True,
+                                 max_batches=6, timeout_ms=20_000):
+                replayed.append(tb.meta)
+                _step(ctx, tb)
+    assert metas == [f"batch-{i}".encode() for i in range(14)]
+    assert replayed == metas[8:14], "training resumes at the first batch after the cut"

@@ -1,0 +1,84 @@
+"""Two NN ranks with DDP (gloo, two CPU processes via ``stream-persia launch nn-worker``).
+
+Both ranks pull from the same embedding worker; their dense parameters must be identical
+after training, both take the same number of steps (they agree to stop when the stream
+runs dry), and no batch is left in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from nn_helpers import LEARNABLE_SCHEMA, learnable_batches
+
+from stream_persia.errors import ConfigError
+from stream_persia.launch import nn_worker_command
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_two_ranks_keep_identical_dense_parameters(job_factory, tmp_path):
+    job = job_factory(LEARNABLE_SCHEMA)
+    fed = 41     # odd: one rank would get one batch more without the stop agreement
+    feeder = job.feed(learnable_batches(fed, 64))
+    env = {**os.environ, "PERSIA_EMBEDDING_WORKERS": ",".join(job.worker_addresses),
+           "PERSIA_NN_WORKER_ENTRY": str(HERE / "ddp_train.py"),
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "stream_persia.cli", "launch", "nn-worker",
+         "--nproc-per-node", "2", "--nnodes", "1", "--node-rank", "0", "--", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    feeder.join(10)
+    stats = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    dense = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert stats[0]["steps"] == stats[1]["steps"] >= 10
+    assert dense[0].keys() == dense[1].keys()
+    for k in dense[0]:
+        assert torch.equal(dense[0][k], dense[1][k]), k
+    worker = job.workers[0]
+    assert len(worker.inflight) == 0
+    trained = stats[0]["steps"] + stats[1]["steps"]
+    assert trained + len(worker.ready) == fed, "every batch trained once or back in line"
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = {"entry": str(HERE / "ddp_train.py"), "nproc_per_node": 2, "nnodes": 1,
+            "node_rank": 0, "master_addr": "127.0.0.1", "master_port": 0, "script_args": []}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_launcher_builds_a_torchrun_command():
+    cmd = nn_worker_command(_args(script_args=["out"]))
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in cmd and "--nnodes=1" in cmd and "--node-rank=0" in cmd
+    assert any(a.startswith("--master-port=") and int(a.split("=")[1]) > 0 for a in cmd)
+    assert cmd[-2:] == [str(HERE / "ddp_train.py"), "out"]
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"entry": None}, "PERSIA_NN_WORKER_ENTRY"),
+    ({"entry": "/no/such/train.py"}, "PERSIA_NN_WORKER_ENTRY"),
+    ({"nnodes": 2, "node_rank": 1}, "--master-port"),
+    ({"nnodes": 2, "node_rank": 2, "master_port": 29500}, "--node-rank"),
+    ({"nproc_per_node": 0}, "--nproc-per-node"),
+])
+def test_launcher_refuses_bad_settings(kw, field):
+    with pytest.raises(ConfigError) as err:
+        nn_worker_command(_args(**kw))
+    assert err.value.field == field
+
+
+def test_launcher_takes_the_entry_from_the_environment(monkeypatch):
+    from stream_persia.cli import build_parser
+
+    monkeypatch.setenv("PERSIA_NN_WORKER_ENTRY", "/somewhere/train.py")
+    args = build_parser().parse_args(["launch", "nn-worker", "--nproc-per-node", "3"])
+    assert args.entry == "/somewhere/train.py" and args.nproc_per_node == 3

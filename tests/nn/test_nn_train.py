@@ -1,0 +1,307 @@
+"""TrainCtx against a real job in this process: gradients reach the servers, the staleness
+bound holds, the finite check honours its frequency, runs repeat, hybrid ≈ synchronous.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from nn_helpers import LEARNABLE_SCHEMA, SumModel, learnable_batches
+
+from stream_persia.ctx import InferCtx, TrainCtx, eval_ctx
+from stream_persia.data import DataLoader, IterableDataset, StreamingDataset
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import SGD, Adagrad
+from stream_persia.errors import Misuse, PeerUnavailable
+from stream_persia.testing.samples import SCHEMA, make_batch
+from stream_persia.utils import roc_auc, setup_seed
+
+LR = 0.5
+
+
+def train_ctx(job, model, *, emb_opt=None, dense_lr=0.01, **kw) -> TrainCtx:
+    return TrainCtx(emb_opt or Adagrad(lr=0.1), torch.optim.Adam(model.parameters(), lr=dense_lr),
+                    model=model, embedding_workers=job.worker_addresses, mixed_precision=False,
+                    embedding_config=EmbeddingConfig((-0.01, 0.01)), ready_timeout_s=10, **kw)
+
+
+def bce(output, labels):
+    return torch.nn.functional.binary_cross_entropy(output, labels[0])
+
+
+def server_rows(job, slot, ids):
+    pref = SCHEMA.prefix_ids(slot, np.asarray(ids, dtype=np.uint64))
+    return job.servers[0].store.lookup(pref, SCHEMA.slot(slot).dim, train=False)
+
+
+class TwoSlotLoss(torch.nn.Module):
+    """Output = sum of the 'user' (sum slot) and 'tags' (raw slot) embeddings: every id
+    occurrence then gets gradient 1 in every element."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list = []
+
+    def forward(self, non_id_type_feature_tensors, id_type_feature_embedding_tensors):
+        self.seen = [t.shape for t in id_type_feature_embedding_tensors]
+        user, _item, tags = id_type_feature_embedding_tensors
+        self.mask = tags.mask
+        return user.sum() + tags.sum()
+
+
+def test_forward_shapes_and_gradients_reach_the_owning_rows(job_factory):
+    job = job_factory(SCHEMA)
+    batch = make_batch(0, batch_size=16)
+    job.feed([batch], background=False)
+    model = TwoSlotLoss()
+    with TrainCtx(SGD(lr=LR), torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                  embedding_workers=job.worker_addresses, mixed_precision=False) as ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=1):
+            non_id, emb, labels = ctx.prepare_features(tb)
+            assert [t.shape for t in non_id] == [(16, 3)] and labels[0].shape == (16, 1)
+            assert [tuple(e.shape) for e in emb] == [(16, 8), (16, 8), (16, 3, 4)]
+            assert all(e.requires_grad for e in emb)
+            feats = {f.name: f for f in batch.id_type_features}
+            before = {s: (np.unique(feats[s].values), server_rows(job, s, np.unique(
+                feats[s].values))) for s in ("user", "item", "tags")}
+            output, _ = ctx.forward(tb)
+            assert output.dim() == 0
+            assert model.mask.shape == (16, 3) and model.mask.dtype == torch.bool
+            assert torch.equal(tb.masks["tags"], model.mask)
+            lengths = np.diff(feats["tags"].offsets)
+            assert model.mask.sum(1).tolist() == np.minimum(lengths, 3).tolist()
+            scaled = ctx.backward(output)
+            assert scaled is output            # no loss scaling on the CPU
+        assert ctx.stats()["pushed"] == 1
+    # SGD on the server: every occurrence of an id took -LR from each element.
+    counts = {"user": np.concatenate(feats["user"].data),
+              "tags": np.concatenate([s[:3] for s in feats["tags"].data])}
+    for slot, occurrences in counts.items():
+        ids, rows = before[slot]
+        n = (occurrences[None, :] == ids[:, None]).sum(1)
+        np.testing.assert_allclose(server_rows(job, slot, ids), rows - LR * n[:, None],
+                                   atol=1e-5)
+    ids, rows = before["item"]      # unused by the model: no gradient, no update
+    np.testing.assert_array_equal(server_rows(job, "item", ids), rows)
+
+
+def test_backward_misuse_is_refused(job_factory):
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(2)], background=False)
+    model = SumModel(3 + 8 + 8 + 4)
+    with train_ctx(job, model) as ctx:
+        with pytest.raises(Misuse, match="without a forward"):
+            ctx.backward(torch.zeros(()))
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=1):
+            output, labels = ctx.forward(tb)
+            ctx.backward(bce(output, labels))
+            with pytest.raises(Misuse):
+                ctx.backward(bce(output, labels))
+        # An evaluation lookup cannot be trained on.
+        tb = ctx.get_embedding_from_data(make_batch(5))
+        output, labels = ctx.forward(tb)
+        with pytest.raises(Misuse, match="evaluation"):
+            ctx.backward(bce(output, labels))
+
+
+def _poison(t):
+    return _PoisonGrad.apply(t)
+
+
+class _PoisonGrad(torch.autograd.Function):
+    """Identity forward; NaN gradient backward (only the embedding gradient is poisoned)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+class PoisonModel(SumModel):
+    def __init__(self):
+        super().__init__(3 + 8 + 8 + 4)
+        self.poison = False
+
+    def forward(self, non_id, emb):
+        if self.poison:
+            emb = [_poison(emb[0]), *emb[1:]]
+        return super().forward(non_id, emb)
+
+
+@pytest.mark.parametrize("frequency,expected", [(3, 2), (1, 6), (0, 0)])
+def test_finite_check_runs_every_k_steps(job_factory, frequency, expected):
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(6)])
+    model = PoisonModel()
+    model.poison = True
+    with train_ctx(job, model) as ctx:
+        changed = []
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=2, max_batches=6):
+            before = [p.detach().clone() for p in model.parameters()]
+            output, labels = ctx.forward(tb)
+            ctx.backward(bce(output, labels), embedding_gradient_check_frequency=frequency)
+            changed.append(any(not torch.equal(a, b) for a, b in
+                               zip(before, model.parameters(), strict=True)))
+        stats = ctx.stats()
+    # Checked steps (0, k, 2k, ...) are skipped whole: no dense step, no embedding update.
+    assert stats["nonfinite_steps"] == expected
+    assert changed == [not (frequency and i % frequency == 0) for i in range(6)]
+    # Unchecked poisoned steps still reach the worker, which drops the NaN slot and counts it.
+    assert stats["worker_skipped_slots"] == 6 - expected
+    assert stats["pushed"] == 6
+
+
+def test_staleness_bounds_batches_in_flight(job_factory):
+    job = job_factory(SCHEMA)
+    worker = job.workers[0]
+    for staleness in (1, 4):
+        job.feed([make_batch(i) for i in range(30)])
+        model = SumModel(3 + 8 + 8 + 4)
+        peak = 0
+        with train_ctx(job, model) as ctx:
+            for tb in DataLoader(StreamingDataset(), embedding_staleness=staleness,
+                                 max_batches=30):
+                time.sleep(0.002)   # let the prefetcher run ahead as far as it may
+                peak = max(peak, len(worker.inflight))
+                output, labels = ctx.forward(tb)
+                ctx.backward(bce(output, labels))
+        assert 1 <= peak <= staleness, (staleness, peak)
+        if staleness > 1:
+            assert peak > 1, "the prefetcher never ran ahead"
+        assert len(worker.inflight) == 0
+
+
+def test_stopping_gives_prefetched_batches_back_in_order(job_factory):
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(10)], background=False)
+    model = SumModel(3 + 8 + 8 + 4)
+    metas = []
+    with train_ctx(job, model) as ctx:
+        for max_batches in (3, 7):
+            loader = DataLoader(StreamingDataset(), embedding_staleness=5, reproducible=True,
+                                max_batches=max_batches)
+            for tb in loader:
+                metas.append(tb.meta)
+                output, labels = ctx.forward(tb)
+                ctx.backward(bce(output, labels))
+            assert len(job.workers[0].inflight) == 0
+        assert ctx.stats()["returned"] > 0
+    assert metas == [f"batch-{i}".encode() for i in range(10)]
+
+
+def test_a_batch_without_backward_is_released(job_factory):
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(4)], background=False)
+    model = SumModel(3 + 8 + 8 + 4)
+    with train_ctx(job, model):
+        # With staleness 1 this would wait forever if the skipped batches kept their permit.
+        seen = [tb.meta for tb in DataLoader(StreamingDataset(), embedding_staleness=1,
+                                             max_batches=4, timeout_ms=5000)]
+    assert len(seen) == 4 and len(job.workers[0].inflight) == 0
+
+
+def _train(job, batches, staleness, seed=0, *, reproducible=False):
+    setup_seed(seed)
+    model = SumModel(13)
+    with train_ctx(job, model) as ctx:
+        ctx.clear_embeddings()
+        feeder = job.feed(batches)
+        loader = DataLoader(StreamingDataset(10), embedding_staleness=staleness,
+                            reproducible=reproducible, max_batches=len(batches))
+        for tb in loader:
+            output, labels = ctx.forward(tb)
+            ctx.backward(bce(output, labels))
+        feeder.join(10)
+        assert ctx.stats()["steps"] == len(batches)
+    return model
+
+
+def _auc(job, model) -> float:
+    scores, ys = [], []
+    model.eval()
+    with eval_ctx(model=model, embedding_workers=job.worker_addresses) as ctx, torch.no_grad():
+        rows = ctx.get_embedding_size()
+        data = IterableDataset(iterable=learnable_batches(20, seed=99, requires_grad=False))
+        for tb in DataLoader(data, forward_buffer_size=4):
+            output, labels = ctx.forward(tb)
+            scores.append(output.numpy().ravel())
+            ys.append(labels[0].numpy().ravel())
+        assert ctx.get_embedding_size() == rows, "evaluation lookups must not insert"
+    return roc_auc(np.concatenate(ys), np.concatenate(scores))
+
+
+def test_hybrid_reaches_the_synchronous_auc(job_factory):
+    job = job_factory(LEARNABLE_SCHEMA)
+    batches = learnable_batches(200)
+    sync_auc = _auc(job, _train(job, batches, staleness=1))
+    hybrid_auc = _auc(job, _train(job, batches, staleness=8))
+    assert sync_auc > 0.85, "the stream is learnable: the model should learn it"
+    assert abs(hybrid_auc - sync_auc) < 0.005, (sync_auc, hybrid_auc)
+
+
+def test_reproducible_synchronous_runs_are_identical(job_factory):
+    job = job_factory(LEARNABLE_SCHEMA)
+    batches = learnable_batches(30, 64, seed=5)
+    runs = []
+    for _ in range(2):
+        model = _train(job, batches, staleness=1, seed=3, reproducible=True)
+        ids = np.arange(50, dtype=np.uint64)
+        rows = job.servers[0].store.lookup(LEARNABLE_SCHEMA.prefix_ids("a", ids), 4,
+                                           train=False)
+        runs.append(({k: v.clone() for k, v in model.state_dict().items()}, rows))
+    (dense_a, rows_a), (dense_b, rows_b) = runs
+    assert all(torch.equal(dense_a[k], dense_b[k]) for k in dense_a)
+    np.testing.assert_array_equal(rows_a, rows_b)
+    assert np.abs(rows_a).max() > 0.05, "the embeddings trained"
+
+
+def test_inference_ctx_needs_no_labels_and_never_inserts(job_factory):
+    job = job_factory(SCHEMA)
+    model = SumModel(3 + 8 + 8 + 4)
+    batch = make_batch(3, requires_grad=False)
+    with InferCtx(job.worker_addresses, model=model) as ctx:
+        tb = ctx.get_embedding_from_bytes(batch.to_bytes())
+        assert tb.labels is None and tb.missing > 0
+        with torch.no_grad():
+            output, labels = ctx.forward(tb)
+        assert labels is None and output.shape == (16, 1)
+    assert job.rows() == 0
+    with eval_ctx(model=model, embedding_workers=job.worker_addresses) as ctx:
+        with pytest.raises(Exception, match="labels"):
+            ctx.forward(ctx.get_embedding_from_data(batch))
+
+
+def test_async_push_failure_surfaces_on_the_next_call(job_factory):
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(3)], background=False)
+    model = SumModel(3 + 8 + 8 + 4)
+    ctx = train_ctx(job, model)
+    ctx.__enter__()
+    try:
+        loader = iter(DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=3))
+        tb = next(loader)
+        output, labels = ctx.forward(tb)
+        job.loop.run(job.servers[0].stop(), timeout=10)   # the update cannot be applied
+        ctx.backward(bce(output, labels))
+        deadline = time.monotonic() + 20
+        with pytest.raises(PeerUnavailable) as err:
+            while time.monotonic() < deadline:
+                ctx.forward(tb)
+                time.sleep(0.05)
+        assert "embedding-server-0" in str(err.value)
+        ctx.forward(tb)      # surfaced once; the context is usable for what still works
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def test_feed_thread_is_not_left_behind():
+    # The helpers' feeder threads are daemons; a test suite must not leave other threads.
+    assert all(t.daemon or t is threading.main_thread() for t in threading.enumerate())

@@ -1,0 +1,210 @@
+"""The launcher and the broker-less path, with every role a real child process.
+
+``stream-persia launch <role>`` as users run it: flags checked before anything starts,
+PERSIA's ``embedding-parameter-server`` alias, Prometheus metrics over HTTP, SIGTERM
+draining to exit code 0, and broker-less ingest (``DataCtx(embedding_workers=...)`` from
+this process, and the ``data-loader`` role running a user script) pulled back by a test
+NN client. One broker-less job (a server and two workers) serves the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from collections import Counter
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from stream_persia.data_ctx import DataCtx
+from stream_persia.errors import PeerUnavailable
+from stream_persia.local import RoleProcess
+from stream_persia.rpc import RpcClient
+from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
+
+SLOTS = ("user", "item", "tags")
+
+
+def free_port() -> int:
+    """A port nothing listens on now. ``--metrics-port 0`` would work but is not reported
+    anywhere a test can read it, so the test asks the OS for a port first."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stream_persia.cli", "launch", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """GET /metrics; samples by name (labels dropped, the last value wins)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("embedding-server", "--replica-index", "3", "--replica-size", "2"),
+     "--replica-index 3 must be in [0, --replica-size=2)"),
+    (("embedding-parameter-server", "--replica-size", "0"), "--replica-size"),
+    (("embedding-worker", "--embedding-servers", "127.0.0.1:7000,nonsense"),
+     "--embedding-servers: 'nonsense' is not host:port"),
+])
+def test_bad_flags_exit_nonzero_naming_the_flag(args, message):
+    result = launch(*args)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_busy_ports_are_reported_not_raised():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        for flag in ("--port", "--metrics-port"):
+            result = launch("embedding-server", flag, port)
+            assert result.returncode != 0
+            assert f"{flag} {port}: cannot listen" in result.stderr
+            assert "Traceback" not in result.stderr
+
+
+async def test_parameter_server_alias_serves_rpc_and_http_metrics_and_drains():
+    port = free_port()
+    role = RoleProcess("embedding-parameter-server",
+                       ["--replica-index", "1", "--replica-size", "2", "--metrics-port", str(port)])
+    try:
+        await asyncio.to_thread(role.start().wait_ready, 30)
+        async with RpcClient(role.address, timeout_ms=5000) as client:
+            health = await client.call("health")
+            assert (health["role"], health["replica_index"], health["replica_size"]) == (
+                "embedding-server", 1, 2)
+            await client.call("size")
+        metrics = await asyncio.to_thread(scrape, port)
+        assert metrics['persia_embedding_server_requests_total'] >= 1
+        assert "persia_embedding_server_store_lookups" in metrics
+    finally:
+        code = await asyncio.to_thread(role.stop)
+    assert code == 0, role.log_tail()
+
+
+# ------------------------------------------------------------------ broker-less job
+@pytest.fixture(scope="module")
+def direct_job(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("direct-job")
+    (tmp / "embedding_config.yml").write_text(EMBEDDING_YAML)
+    metrics_port = free_port()
+    server = RoleProcess("embedding-server", ["--capacity", "100000"],
+                         log_path=tmp / "server.log")
+    procs = [server]
+    try:
+        server.start().wait_ready(30)
+        workers = [RoleProcess("embedding-worker", [
+            "--replica-index", str(i), "--replica-size", "2",
+            "--embedding-config", str(tmp / "embedding_config.yml"),
+            "--embedding-servers", server.address,
+            *(["--metrics-port", str(metrics_port)] if i == 0 else []),
+        ], name=f"embedding-worker-{i}", log_path=tmp / f"worker-{i}.log") for i in range(2)]
+        procs += workers
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.wait_ready(60)
+        yield {"server": server, "workers": workers, "tmp": tmp, "metrics_port": metrics_port}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+async def pull_all(addresses: list[str], want: int, timeout_s: float = 20.0) -> list:
+    """Pull ``want`` batches from the workers, releasing each; then check none is left."""
+    clients = [RpcClient(a, timeout_ms=10_000) for a in addresses]
+    got: list[tuple[int, dict]] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        turn = 0
+        while len(got) < want:
+            assert time.monotonic() < deadline, f"only {len(got)} of {want} batches served"
+            w = turn % len(clients)
+            turn += 1
+            served = await clients[w].call("next_batch", {"timeout_ms": 100})
+            if served is not None:
+                got.append((w, served))
+                await clients[w].call("push_gradients", {"batch_id": served["batch_id"],
+                                                         "grads": dict.fromkeys(SLOTS)})
+        for c in clients:
+            assert await c.call("next_batch", {"timeout_ms": 200}) is None
+    finally:
+        for c in clients:
+            await c.close()
+    return got
+
+
+def send_direct(addresses: list[str], batches) -> int:
+    with DataCtx(embedding_workers=addresses) as ctx:
+        assert ctx.mode == "direct"
+        for b in batches:
+            ctx.send_data(b)
+        return ctx.sent
+
+
+async def test_data_ctx_sends_straight_to_worker_processes(direct_job):
+    addresses = [w.address for w in direct_job["workers"]]
+    batches = [make_batch(i, seed=11) for i in range(10)]
+    assert await asyncio.to_thread(send_direct, addresses, batches) == 10
+    got = await pull_all(addresses, 10)
+    assert Counter(s["meta"] for _, s in got) == Counter(b.meta for b in batches)
+    assert Counter(w for w, _ in got) == {0: 5, 1: 5}, "round-robin over the workers"
+    for _, served in got:
+        assert {e["name"] for e in served["embeddings"]} == set(SLOTS)
+
+    metrics = await asyncio.to_thread(scrape, direct_job["metrics_port"])
+    assert metrics["persia_embedding_worker_batches_served_total"] >= 5
+    assert metrics["persia_embedding_worker_buffer_ready"] == 0
+
+
+async def test_data_loader_role_runs_a_user_script(direct_job):
+    script = direct_job["tmp"] / "loader.py"
+    script.write_text(textwrap.dedent("""\
+        from stream_persia.ctx import DataCtx
+        from stream_persia.testing.samples import make_batch
+
+        with DataCtx() as ctx:  # workers from --embedding-workers (PERSIA_EMBEDDING_WORKERS)
+            for i in range(100, 106):
+                ctx.send_data(make_batch(i))
+    """))
+    addresses = [w.address for w in direct_job["workers"]]
+    loader = RoleProcess("data-loader", [str(script), "--embedding-workers", ",".join(addresses)],
+                         log_path=direct_job["tmp"] / "loader.log")
+    loader.start()
+    code = await asyncio.to_thread(loader.proc.wait, 60)
+    assert code == 0, loader.log_tail()
+    got = await pull_all(addresses, 6)
+    assert sorted(s["meta"] for _, s in got) == sorted(f"batch-{i}".encode()
+                                                      for i in range(100, 106))
+
+
+async def test_sigterm_drains_roles_to_exit_code_zero(direct_job):
+    worker = direct_job["workers"][0]
+    async with RpcClient(worker.address, timeout_ms=10_000) as client:
+        # An NN worker waiting for data while the job stops gets an answer, not a hang.
+        waiting = asyncio.ensure_future(client.call("next_batch", {"timeout_ms": 1500}))
+        await asyncio.sleep(0.2)
+        codes = await asyncio.to_thread(
+            lambda: [p.stop(grace_s=15) for p in [*direct_job["workers"],
+                                                   direct_job["server"]]])
+        try:
+            assert await asyncio.wait_for(waiting, 10) is None
+        except PeerUnavailable as e:
+            assert "shutting down" in str(e) or "closed" in str(e)
+    assert codes == [0, 0, 0], [p.log_tail() for p in direct_job["workers"]]
