@@ -103,7 +103,8 @@ def create_app(settings: ApiSettings | None = None, *, checkpoints_factory=None)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
-    for module in (health, control, checkpoints, predict):
+    # Inference first: routes are matched in order and /v1/predict is the hot one.
+    for module in (predict, health, control, checkpoints):
         app.include_router(module.router)
     return app
 

@@ -11,8 +11,12 @@ consumed before it applied, none after it, offsets pointing at the first batch a
 - **No NN rank attached**: nothing is training, so the API takes the cut itself. It checks
   that no batch is in flight on any worker, has every server dump its shard, checks again
   that nothing trained meanwhile (no batch in flight, no update applied, no row admitted
-  or evicted), and commits with the workers' frontier offsets. The dense files of the newest checkpoint under the
-  checkpoint directory are carried over (``extra.dense_from``), so the result also serves.
+  or evicted), and commits with the workers' frontier offsets. When the newest
+  checkpoint under the checkpoint directory is at the very same stream position (a Kafka
+  stream whose offsets did not move since), its dense files are carried over
+  (``extra.dense_from``) and the result serves too; otherwise nothing proves which dense
+  state matches these embeddings, and the checkpoint holds the embeddings alone
+  (``extra.embeddings_only``).
   If training starts meanwhile the attempt fails (nothing is published) and can be retried.
 
 Restore loads the embedding rows into every server (any server count) and resets every
@@ -298,13 +302,21 @@ class Checkpoints:
                              "not consistent; nothing was published",
                              hint="retry; an NN rank that trains must report to the "
                                   "checkpoint mailbox")
-            carried = await asyncio.to_thread(_carry_dense, writer, base)
             offsets, stream = await self._offsets(after)
-            step = max([base.step if base is not None else 0]
-                       + ([int(hb["step"])] if hb and isinstance(hb.get("step"), int) else []))
+            # The dense model of the newest checkpoint belongs to this cut only if nothing
+            # was trained since: provable for a Kafka stream (same offsets), never for a
+            # direct one. Otherwise the checkpoint holds the embeddings alone.
+            same = (base is not None and stream == "kafka" and base.stream == "kafka"
+                    and base.offsets == offsets)
+            carried = await asyncio.to_thread(_carry_dense, writer, base) if same else None
+            if carried is not None:
+                step = base.step
+            else:
+                step = int(hb["step"]) if hb and isinstance(hb.get("step"), int) else (
+                    base.step if base is not None else 0)
             job.progress = {"phase": "committing"}
-            extra = {"id": job.id, "by": "api",
-                     "dense_from": carried}
+            extra = {"id": job.id, "by": "api", "dense_from": carried,
+                     "embeddings_only": carried is None}
             manifest = await asyncio.to_thread(
                 lambda: writer.commit(job=self.job_name, step=step, offsets=offsets,
                                       stream=stream, config_digest=self.config_digest,

@@ -55,9 +55,8 @@ class DenseModel:
     head_names: list[str] | None = None
     loaded_at: float = field(default_factory=time.time)
 
-    @property
-    def version(self) -> str:
-        return checkpoint_id(self.manifest)
+    def __post_init__(self) -> None:
+        self.version = checkpoint_id(self.manifest)   # resolved once: it is on every answer
 
     def forward(self, non_id: list[torch.Tensor], embeddings: list[torch.Tensor],
                 batch_size: int) -> dict[str, np.ndarray]:

@@ -7,8 +7,10 @@ the reference once when it starts, so requests already running finish on the old
 queued ones run on the new one, and none is dropped; each response names the version
 that produced it.
 
-Forward passes run on one dedicated thread (torch releases the GIL), one micro-batch at a
-time, so the event loop keeps accepting requests, which queue up into the next batch. A
+Forward passes of big micro-batches run on one dedicated thread (torch releases the GIL),
+one at a time, so the event loop keeps accepting requests, which queue up into the next
+batch; tiny ones (``inline_max_rows``) run on the loop, where they cost less than the
+hand-off to a thread. A
 micro-batch whose merged forward is rejected as bad input is re-run request by request,
 so one bad request never fails the others.
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from api.batcher import Job, MicroBatcher
 from api.embeddings import LocalTable, cat_slots, non_id_tensors, served_tensors
@@ -83,6 +86,7 @@ class Predictor:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="predict")
         self._rr = itertools.count()
         self._last_error: str | None = None
+        self._retry: asyncio.Task | None = None
         self.batcher = MicroBatcher(self._run, max_rows=settings.max_batch_rows,
                                     max_wait_s=settings.batch_wait_ms / 1000.0)
 
@@ -93,11 +97,36 @@ class Predictor:
         return self.settings.model_checkpoint is not None
 
     async def start(self) -> None:
+        """Start the micro-batcher and load the configured model. A model that cannot be
+        loaded yet (say, its checkpoint is still being written) does not stop the API: it
+        stays unready (``/readyz`` says why) and the load is retried with backoff."""
+        torch.set_num_threads(self.settings.torch_threads)
         await self.batcher.start()
         if self.settings.model_checkpoint is not None:
-            await self.reload(self.settings.model_checkpoint)
+            try:
+                await self.reload(self.settings.model_checkpoint)
+            except PersiaError as e:
+                log.error("cannot serve %s yet: %s; retrying in the background",
+                          self.settings.model_checkpoint, e)
+                self._retry = asyncio.create_task(self._retry_load(), name="model-retry")
+
+    async def _retry_load(self, first_s: float = 1.0, max_s: float = 60.0) -> None:
+        delay = first_s
+        while self._served is None:
+            await asyncio.sleep(delay)
+            if self._served is not None:   # a manual reload won
+                return
+            try:
+                await self.reload(self.settings.model_checkpoint)
+            except PersiaError as e:
+                log.warning("cannot serve %s yet: %s", self.settings.model_checkpoint, e)
+                delay = min(max_s, delay * 2)
 
     async def stop(self) -> None:
+        task, self._retry = self._retry, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         await self.batcher.stop()
         self._pool.shutdown(wait=True)
 
@@ -202,8 +231,14 @@ class Predictor:
         assert served is not None
         loop = asyncio.get_running_loop()
         self.metrics.batch_requests.observe(len(jobs))
-        self.metrics.batch_rows.observe(sum(j.rows for j in jobs))
-        results = await loop.run_in_executor(self._pool, self._compute_safe, served, jobs)
+        rows = sum(j.rows for j in jobs)
+        self.metrics.batch_rows.observe(rows)
+        if rows <= self.settings.inline_max_rows:
+            # Small enough (well under a millisecond) to run on the loop: handing it to the
+            # thread costs more than that in wake-ups and GIL hand-offs.
+            results = self._compute_safe(served, jobs)
+        else:
+            results = await loop.run_in_executor(self._pool, self._compute_safe, served, jobs)
         for job, result in zip(jobs, results, strict=True):
             if job.future.done():
                 continue
@@ -248,13 +283,17 @@ class Predictor:
 
 
 def predictions_json(p: Prediction) -> list[dict[str, Any]]:
-    """Per sample: head → a float (one value per sample) or nested lists."""
+    """Per sample: head → a float (one value per sample) or nested lists. JSON has no NaN
+    or infinity, so a model output that is not finite becomes null."""
     names = list(p.heads)
     cols = []
     for a in p.heads.values():
         if a.ndim == 1 or (a.ndim == 2 and a.shape[1] == 1):
-            cols.append(a.reshape(p.rows).tolist())
-        else:
-            cols.append(a.tolist())
+            a = a.reshape(p.rows)
+        finite = np.isfinite(a)
+        if not finite.all():
+            a = a.astype(object)
+            a[~finite] = None
+        cols.append(a.tolist())
     return [dict(zip(names, vals, strict=True)) for vals in zip(*cols, strict=True)]
 

@@ -12,17 +12,20 @@ bookkeeping per row at full load) and for loops that run without the GIL:
 - ``table``: open addressing with linear probing, load <= 1/2, slots of (32-bit hash, entry)
   so that probing past other keys and rehashing never touch the entries; deletion shifts
   the cluster back (no tombstones, so probes stay short under constant eviction);
-- one arena per dim: rows ``[weights(dim) | optimizer state]`` float32 in 64-byte aligned
-  blocks of about 1 MiB (memory grows by a block, never by doubling), free rows threaded
-  through their first word.
+- one arena per dim: rows ``[weights(dim) | optimizer state]`` float32 in blocks of about
+  2 MiB (memory grows by a block, never by doubling), free rows threaded through their
+  first word.
 
-The store is bound by memory latency, so the batched loops prefetch a few ids ahead (table
-slot, then entry, then row and LRU neighbours). The optimizer kernels are C with
-``fp-contract=off`` so that they perform the same float32 operations as the numpy
-reference in ``optim.py``. Every batched loop runs with the GIL released. A store is not
-thread-safe: a second call while one is running raises Misuse instead of corrupting it.
+Large buffers are mapped directly and, past the first block, on transparent huge pages. The
+store is bound by memory latency, so the batched loops prefetch a few ids ahead (table
+slot, then entry, then row and LRU neighbours) and eviction prefetches the next victims.
+The optimizer kernels are C compiled without floating-point contraction so that they
+perform the same float32 operations as the numpy reference in ``optim.py``. Every batched
+loop runs with the GIL released. A store is not thread-safe: a second call while one is
+running raises Misuse instead of corrupting it.
 """
 
+cimport cython
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
@@ -41,12 +44,18 @@ cdef extern from *:
     #if defined(__SSE2__)
     #include <emmintrin.h>
     #endif
-    #if defined(__GNUC__) && !defined(__clang__)
-    #define SP_KERNEL static __attribute__((optimize("no-math-errno", "fp-contract=off")))
+    /* No fused multiply-add in the kernels (with -march flags that allow it): the stores
+       must round every float32 operation as numpy does. */
+    #if defined(__clang__)
+    #pragma STDC FP_CONTRACT OFF
+    #define SP_KERNEL static
+    #elif defined(__GNUC__)
+    #define SP_KERNEL static __attribute__((optimize("fp-contract=off")))
     #else
     #define SP_KERNEL static
     #endif
     #define SP_NONE32 0xFFFFFFFFu
+    #define SP_PREFETCH_W(p) __builtin_prefetch((p), 1)
 
     typedef struct { int kind; int shared; float lr, momentum, wd, b1, b2, c1, c2, eps, g2m,
                      bound; } SpOpt;
@@ -130,16 +139,36 @@ cdef extern from *:
     static inline uint32_t sp_nonfinite_bits(const float *x, int64_t n) {
         const uint32_t *b = (const uint32_t *)x;
         uint32_t acc = 0;
-        for (int64_t i = 0; i < n; i++) acc |= (b[i] & 0x7f800000u) + 0x00800000u;
+        int64_t i = 0;
+    #if defined(__SSE2__)
+        const __m128i e = _mm_set1_epi32(0x7f800000), one = _mm_set1_epi32(0x00800000);
+        __m128i v = _mm_setzero_si128();
+        for (; i + 4 <= n; i += 4)
+            v = _mm_or_si128(v, _mm_add_epi32(
+                _mm_and_si128(_mm_loadu_si128((const __m128i *)(b + i)), e), one));
+        acc = (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(v));
+        acc = acc ? 0x80000000u : 0;
+    #endif
+        for (; i < n; i++) acc |= (b[i] & 0x7f800000u) + 0x00800000u;
         return acc & 0x80000000u;
     }
 
     static inline void sp_add(float *restrict acc, const float *restrict g, int d) {
-        for (int j = 0; j < d; j++) acc[j] = acc[j] + g[j];
+        int j = 0;
+    #if defined(__SSE2__)
+        for (; j + 4 <= d; j += 4)
+            _mm_storeu_ps(acc + j, _mm_add_ps(_mm_loadu_ps(acc + j), _mm_loadu_ps(g + j)));
+    #endif
+        for (; j < d; j++) acc[j] = acc[j] + g[j];
     }
     /* acc = 0 + g: the first gradient of an id, summed from +0.0 like the numpy twin. */
     static inline void sp_first(float *restrict acc, const float *restrict g, int d) {
-        for (int j = 0; j < d; j++) acc[j] = 0.0f + g[j];
+        int j = 0;
+    #if defined(__SSE2__)
+        for (; j + 4 <= d; j += 4)
+            _mm_storeu_ps(acc + j, _mm_add_ps(_mm_setzero_ps(), _mm_loadu_ps(g + j)));
+    #endif
+        for (; j < d; j++) acc[j] = 0.0f + g[j];
     }
 
     /* One optimizer step and the clamp: the float32 twin of Optimizer.step in optim.py. */
@@ -166,7 +195,7 @@ cdef extern from *:
             } else {
                 j = 0;
     #if defined(__SSE2__)
-                /* GCC keeps sqrtf scalar (errno); SSE does the same IEEE operations. */
+                /* GCC keeps sqrtf scalar (errno); SSE performs the same IEEE operations. */
                 const __m128 lr = _mm_set1_ps(o->lr), eps = _mm_set1_ps(o->eps),
                              g2m = _mm_set1_ps(o->g2m);
                 for (; j + 4 <= d; j += 4) {
@@ -232,6 +261,7 @@ cdef extern from *:
     void sp_first(float *acc, const float *g, int d) nogil
     void sp_apply(const SpOpt *o, float *w, float *s, float *g, int d) nogil
     void sp_prefetch "__builtin_prefetch"(const void *p) nogil
+    void sp_prefetch_w "SP_PREFETCH_W"(const void *p) nogil
     uint32_t NONE32 "SP_NONE32"
 
 cdef struct Entry:    # 32 bytes, 64-byte aligned array: one cache line per entry
@@ -265,8 +295,8 @@ cdef struct Pipe:      # prefetch pipeline over a batch of ids (see _stage)
     int64_t n
     int lines         # cache lines of each row to prefetch
     bint links        # prefetch the LRU neighbours too
-    uint32_t h[64]    # RING
-    int32_t e[64]
+    uint32_t h[128]    # RING
+    int32_t e[128]
 
 cdef enum:
     OK = 0
@@ -275,10 +305,10 @@ cdef enum:
     E_NONFINITE = 3
     MIN_TABLE_BITS = 10
     BLOCK_BYTES = 1 << 21
-    RING = 64         # prefetch distances, in ids (< RING)
-    PF_SLOT = 32
-    PF_ENTRY = 16
-    PF_ROW = 8
+    RING = 128        # prefetch distances, in ids (< RING)
+    PF_SLOT = 64
+    PF_ENTRY = 32
+    PF_ROW = 12
     FREE_ARENA = 0xFFFF
 
 cdef inline float* row_ptr(const Arena *a, uint32_t r) noexcept nogil:
@@ -309,6 +339,7 @@ cdef SpOpt make_opt(opt, cfg) except *:
     return o
 
 
+@cython.final
 cdef class CEmbeddingStore:
     """LRU embedding store in Cython; see ``PyEmbeddingStore`` for the full contract.
 
@@ -600,6 +631,8 @@ cdef class CEmbeddingStore:
         cdef Entry *x = &self.entries[e]
         cdef Entry *y
         cdef Arena *a = &self.arenas[x.arena]
+        cdef float *row
+        cdef int k
         self._table_remove(x.key, e)
         self._unlink(e)
         (<uint32_t*>row_ptr(a, x.row))[0] = a.free_head
@@ -614,8 +647,11 @@ cdef class CEmbeddingStore:
         # and three ahead for the entry.
         if self.tail >= 0 and self.entries[self.tail].prev >= 0:
             y = &self.entries[self.entries[self.tail].prev]
-            sp_prefetch(&self.table[sp_hash32(y.key) >> (32 - self.tbits)])
-            sp_prefetch(row_ptr(&self.arenas[y.arena], y.row))
+            sp_prefetch_w(&self.table[sp_hash32(y.key) >> (32 - self.tbits)])
+            a = &self.arenas[y.arena]
+            row = row_ptr(a, y.row)
+            for k in range(0, a.stride, 16):  # the row is rewritten if the next id has its dim
+                sp_prefetch_w(row + k)
             if y.prev >= 0:
                 sp_prefetch(&self.entries[y.prev])
 
@@ -994,13 +1030,17 @@ cdef class CEmbeddingStore:
                 mv, kv, wv = members, ids, weights
                 if a.width:
                     sv = state
-                with nogil:
-                    for k in range(m):
-                        row = row_ptr(a, self.entries[mv[k]].row)
-                        kv[k] = self.entries[mv[k]].key
-                        memcpy(&wv[k, 0], row, sizeof(float) * a.dim)
-                        if a.width:
-                            memcpy(&sv[k, 0], row + a.dim, sizeof(float) * a.width)
+                self._enter()
+                try:
+                    with nogil:
+                        for k in range(m):
+                            row = row_ptr(a, self.entries[mv[k]].row)
+                            kv[k] = self.entries[mv[k]].key
+                            memcpy(&wv[k, 0], row, sizeof(float) * a.dim)
+                            if a.width:
+                                memcpy(&sv[k, 0], row + a.dim, sizeof(float) * a.width)
+                finally:
+                    self.busy = False
                 yield {"dim": a.dim, "ids": ids, "weights": weights, "state": state,
                        "state_kind": self._opt_obj.state_kind}
                 if self.version != version:

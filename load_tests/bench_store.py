@@ -117,9 +117,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds (medians are reported)")
-    ap.add_argument("--batches", type=int, default=6,
+    ap.add_argument("--batches", type=int, default=10,
                     help="batches per round for the Cython store and torch")
-    ap.add_argument("--twin-batches", type=int, default=1,
+    ap.add_argument("--twin-batches", type=int, default=2,
                     help="batches per round for the Python twin")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

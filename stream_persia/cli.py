@@ -162,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     from stream_persia.checkpoint import command as checkpoint_command
 
     checkpoint_command.add_parser(sub)
+
+    from stream_persia import run
+
+    rp = sub.add_parser("run", help="run every role of a topology on this machine, end to end",
+                        description=run.__doc__.split("\n\n")[0])
+    run.add_arguments(rp)
+    rp.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "warning"))
     return parser
 
 
@@ -205,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
             from stream_persia.checkpoint import command as checkpoint_command
 
             return checkpoint_command.run(args)
+        if args.command == "run":
+            from stream_persia import run
+
+            return run.main(args)
     except PersiaError as e:
         print(f"stream-persia: {e}", file=sys.stderr)
         return 2

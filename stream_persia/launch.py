@@ -261,7 +261,6 @@ def nn_worker(args: argparse.Namespace) -> int:
 def api(args: argparse.Namespace) -> int:
     """``launch api``: the HTTP control plane and inference service (uvicorn; SIGTERM
     drains in-flight requests and exits 0)."""
-    from api.server import serve
     from api.settings import ApiSettings
 
     gc = load_global_config(args.global_config) if args.global_config else None
@@ -274,6 +273,9 @@ def api(args: argparse.Namespace) -> int:
         model_class=args.model_class, embeddings=args.embeddings,
         predict_requires_token=True if args.predict_auth else None,
         batch_wait_ms=args.batch_wait_ms, max_batch_rows=args.max_batch_rows)
+    settings.check_bind()   # before importing the app: a refusal should be quick
+    from api.server import serve
+
     return serve(settings, ready_file=args.ready_file, log_level=str(args.log_level).lower())
 
 

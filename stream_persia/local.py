@@ -33,11 +33,14 @@ class RoleProcess:
 
     def __init__(self, role: str, args: list[str] | tuple[str, ...] = (), *,
                  env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
-                 name: str | None = None):
+                 name: str | None = None, listens: bool = True):
         self.role = role
         self.name = name or role
         self.args = list(args)
         self.env = dict(env or {})
+        # Roles that serve RPC report their address through a ready file; the NN worker
+        # and data loaders listen on nothing and take no --ready-file.
+        self.listens = listens
         self._dir = tempfile.mkdtemp(prefix=f"persia-{self.name}-")
         self.ready_file = Path(self._dir) / "ready"
         self.log_path = Path(log_path) if log_path else Path(self._dir) / "log"
@@ -47,8 +50,9 @@ class RoleProcess:
     def start(self) -> RoleProcess:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         self.ready_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "stream_persia.cli", "launch", self.role, *self.args,
-               "--ready-file", str(self.ready_file)]
+        cmd = [sys.executable, "-m", "stream_persia.cli", "launch", self.role, *self.args]
+        if self.listens:
+            cmd += ["--ready-file", str(self.ready_file)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)

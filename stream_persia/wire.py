@@ -46,7 +46,7 @@ import numpy as np
 from stream_persia.errors import ConfigError, WireError
 
 __all__ = ["FORMAT_VERSION", "SUPPORTED_VERSIONS", "MAGIC", "HEADER_SIZE", "WireLimits",
-           "DEFAULT_LIMITS", "SUPPORTED_DTYPES", "pack", "unpack"]
+           "DEFAULT_LIMITS", "SUPPORTED_DTYPES", "pack", "pack_parts", "unpack"]
 
 FORMAT_VERSION: int = 1
 SUPPORTED_VERSIONS = (1,)
@@ -122,6 +122,22 @@ def pack(obj: Any, limits: WireLimits = DEFAULT_LIMITS) -> bytes:
         WireError: ``obj`` holds an unsupported type or a non-str key, or the frame would
             break ``limits`` (so every frame pack() returns is accepted by unpack()).
     """
+    return b"".join(pack_parts(obj, limits, copy_below=1 << 62))
+
+
+def pack_parts(obj: Any, limits: WireLimits = DEFAULT_LIMITS, *,
+               copy_below: int = 8192) -> list[bytes | memoryview]:
+    """:func:`pack` as a list of pieces whose concatenation is the frame, for
+    scatter-gather writes (``transport.writelines``, ``socket.sendmsg``).
+
+    The data of every array of ``copy_below`` bytes or more is a ``memoryview`` of the
+    array itself (of a little-endian C-ordered copy when the array is neither), so the
+    caller must not modify such an array until the pieces are written. Everything else
+    is joined into as few ``bytes`` as possible.
+
+    Raises:
+        WireError: as :func:`pack`.
+    """
     arrays: list[tuple[int, np.ndarray]] = []
     cursor = [0]
 
@@ -151,16 +167,26 @@ def pack(obj: Any, limits: WireLimits = DEFAULT_LIMITS) -> bytes:
         raise WireError(f"frame of {total} bytes exceeds max_frame_bytes "
                         f"{limits.max_frame_bytes}", field="max_frame_bytes",
                         hint="split the batch or raise the limit on both ends")
-    pieces: list[Any] = [_HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body)), body,
-                         bytes(data_start - HEADER_SIZE - len(body))]
+    # Array data is referenced, not copied: large arrays become their own pieces, and
+    # only the header, the body, padding and small arrays are joined into one bytes.
+    pieces: list[bytes | memoryview] = []
+    small: list[Any] = [_HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body)), body,
+                        bytes(data_start - HEADER_SIZE - len(body))]
     pos = 0
     for off, arr in arrays:
         if off > pos:
-            pieces.append(bytes(off - pos))
+            small.append(bytes(off - pos))
         raw = memoryview(arr.reshape(-1).view(np.uint8))
-        pieces.append(raw)
         pos = off + raw.nbytes
-    return b"".join(pieces)
+        if raw.nbytes < copy_below:
+            small.append(raw)
+        else:
+            pieces.append(b"".join(small))
+            pieces.append(raw)
+            small = []
+    if small:
+        pieces.append(b"".join(small))
+    return pieces
 
 
 def _array_ext(a: np.ndarray, arrays: list, cursor: list[int],
@@ -319,7 +345,6 @@ for _b, _kn in {0xC4: (2, 1), 0xC5: (2, 2), 0xC6: (2, 4), 0xC7: (3, 1), 0xC8: (3
     _TABLE[_b] = _kn
 _TABLE_T = tuple(_TABLE)
 del _TABLE, _b, _kn
-_STR_KINDS = (1, 8)
 
 
 def _scan(body: Any, limits: WireLimits) -> None:
@@ -329,21 +354,24 @@ def _scan(body: Any, limits: WireLimits) -> None:
     end = len(b)
     pos = 0
     objects = 0
-    # remaining items per open container; for a map both keys and values count, and an
-    # even remainder means the next item is a key
-    rem = [1]
-    is_map = [False]
+    # The innermost open container is kept in locals (this loop runs for every value of
+    # every frame): r = items it has left (for a map keys and values both count, and an
+    # even remainder means the next item is a key), m = whether it is a map. Enclosing
+    # containers wait on the stack. The root is a pseudo-container of one item.
+    r, m = 1, False
+    stack: list[tuple[int, bool]] = []
     max_depth, max_len = limits.max_depth, limits.max_container_len
     max_objects = limits.max_objects
     max_ext = 10 + 8 * limits.max_array_ndim
     table = _TABLE_T
-    while rem:
-        if rem[-1] == 0:
-            rem.pop()
-            is_map.pop()
+    while True:
+        if r == 0:
+            if not stack:
+                break
+            r, m = stack.pop()
             continue
-        key = is_map[-1] and not rem[-1] & 1
-        rem[-1] -= 1
+        key = m and not r & 1
+        r -= 1
         if pos >= end:
             raise WireError(f"truncated body: value expected at offset {pos} of {end}")
         objects += 1
@@ -351,14 +379,14 @@ def _scan(body: Any, limits: WireLimits) -> None:
             raise WireError(f"body holds more than max_objects {max_objects} values",
                             field="max_objects", hint="send bulk data as numpy arrays")
         kind, n = table[b[pos]]
-        if key and kind not in _STR_KINDS:
+        if kind == 8:  # fixstr: the most common value (every map key)
+            pos += 1 + n
+            continue
+        if key and kind != 1:
             raise WireError(f"map key at body offset {pos} is not a str "
                             f"(msgpack type byte 0x{b[pos]:02x})", hint="maps need str keys")
         if kind == 0:
             pos += n
-            continue
-        if kind == 8:
-            pos += 1 + n
             continue
         if kind == 7:
             raise WireError(f"invalid msgpack type byte 0xc1 at body offset {pos}")
@@ -366,7 +394,7 @@ def _scan(body: Any, limits: WireLimits) -> None:
             _check_ext_type(b, pos + 1, pos)
             pos += 2 + n
             continue
-        if kind in (9, 10):
+        if kind == 9 or kind == 10:
             count = n
             pos += 1
         else:
@@ -374,7 +402,7 @@ def _scan(body: Any, limits: WireLimits) -> None:
                 raise WireError(f"truncated body: length field at offset {pos}")
             count = int.from_bytes(b[pos + 1:pos + 1 + n], "big")  # msgpack is big-endian
             pos += 1 + n
-            if kind in (1, 2):  # str, bin: skip the payload
+            if kind == 1 or kind == 2:  # str, bin: skip the payload
                 pos += count
                 continue
             if kind == 3:  # ext: type byte, then count data bytes
@@ -390,14 +418,14 @@ def _scan(body: Any, limits: WireLimits) -> None:
         if count > max_len:
             raise WireError(f"container of {count} entries exceeds max_container_len "
                             f"{max_len}", field="max_container_len")
-        if len(rem) > max_depth:
+        if len(stack) >= max_depth:
             raise WireError(f"nesting deeper than max_depth {max_depth}", field="max_depth")
-        items = count * 2 if kind in (6, 10) else count
+        items = count * 2 if kind == 6 or kind == 10 else count
         if items > end - pos:
             raise WireError(f"container at body offset {pos} declares {count} entries but "
                             f"only {end - pos} bytes follow")
-        rem.append(items)
-        is_map.append(kind in (6, 10))
+        stack.append((r, m))
+        r, m = items, kind == 6 or kind == 10
     if pos != end:
         raise WireError(f"body has {end - pos} bytes after its value"
                         if pos < end else f"truncated body: needs {pos} bytes, has {end}")

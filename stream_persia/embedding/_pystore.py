@@ -37,7 +37,7 @@ __all__ = ["PyEmbeddingStore", "mix64", "initial_rows", "admit_uniform"]
 
 _MASK = (1 << 64) - 1
 _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-MAX_CAPACITY = 2**31 - 2  # entry indices are int32 in the Cython store
+MAX_CAPACITY = 2**30  # the Cython store's hash table has at most 2**31 slots
 MAX_DIM = 1 << 16
 DUMP_CHUNK_ROWS = 65536
 
@@ -118,7 +118,7 @@ def check_dim(dim: Any) -> int:
 
 
 def check_grads(grads: Any, n: int) -> np.ndarray:
-    """float32 (n, dim) with finite values; returns it C-contiguous."""
+    """float32 (n, dim); returns it C-contiguous (finiteness is checked by update)."""
     if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.ndim != 2 \
             or grads.shape[0] != n:
         got = (f"{grads.dtype} array of shape {grads.shape}" if isinstance(grads, np.ndarray)

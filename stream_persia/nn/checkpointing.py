@@ -155,7 +155,8 @@ def dump_checkpoint(ctx: Any, dst_dir: str, *, dense_filename: str = "dense.pt",
                               stream=stream, config_digest=_config_digest(),
                               extra={"world_size": getattr(ctx, "world_size", 1),
                                      "dense_filename": dense_filename,
-                                     "opt_filename": opt_filename if train else None})
+                                     "opt_filename": opt_filename if train else None,
+                                     **_heads(model)})
             if stream == "kafka":
                 for topic_offsets in offsets.values():
                     cluster.run(cluster.call_workers("commit_offsets",
@@ -283,3 +284,12 @@ def load_torch_state_dict(torch_instance: Any, src_dir: str, map_location: Any =
     state = torch.load(io.BytesIO(fs.cat_file(path)), map_location=map_location,
                        weights_only=True)
     torch_instance.load_state_dict(state)
+
+
+def _heads(model: Any) -> dict[str, list[str]]:
+    """Names of the model's outputs for serving, from a ``tasks`` list of str if it has
+    one (e.g. ``["click", "buy"]``); the API names unnamed heads ``output``/``head_i``."""
+    tasks = getattr(getattr(model, "module", model), "tasks", None)
+    if isinstance(tasks, (list, tuple)) and tasks and all(isinstance(t, str) for t in tasks):
+        return {"heads": list(tasks)}
+    return {}

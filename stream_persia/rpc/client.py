@@ -22,8 +22,7 @@ from stream_persia.errors import (
     error_from_dict,
 )
 from stream_persia.rpc import framing
-from stream_persia.rpc.framing import wire
-from stream_persia.rpc.server import STREAM_LIMIT_BYTES, set_nodelay
+from stream_persia.rpc.framing import FrameProtocol, wire
 
 __all__ = ["RpcClient", "parse_address"]
 
@@ -50,11 +49,10 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class _Conn:
-    __slots__ = ("reader", "writer", "pending", "reader_task", "alive")
+    __slots__ = ("proto", "pending", "reader_task", "alive")
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.reader = reader
-        self.writer = writer
+    def __init__(self, proto: FrameProtocol):
+        self.proto = proto
         self.pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
         self.reader_task: asyncio.Task[None] | None = None
         self.alive = True
@@ -129,8 +127,9 @@ class RpcClient:
         self._counters["calls"] += 1
         phase = ["connecting"]
         try:
-            parts = framing.encode(framing.request_body(req_id, method, params), self._limits,
-                                   f"request {method!r} to {self.peer}")
+            # Arrays in params are sent from their own memory, not copied.
+            parts = framing.encode_parts(framing.request_body(req_id, method, params),
+                                         self._limits, f"request {method!r} to {self.peer}")
             return await run_until(self._call(req_id, method, parts, deadline, phase), deadline)
         except RemoteTimeout:
             self._counters["errors"] += 1
@@ -149,18 +148,18 @@ class RpcClient:
             self._counters["errors"] += 1
             raise
 
-    async def _call(self, req_id: int, method: str, parts: list[bytes], deadline: float,
-                    phase: list[str]) -> Any:
+    async def _call(self, req_id: int, method: str, parts: list[bytes | memoryview],
+                    deadline: float, phase: list[str]) -> Any:
         conn = self._conn
-        if conn is None or not conn.alive or conn.writer.is_closing():
+        if conn is None or not conn.alive or conn.proto.is_closing():
             conn = await self._connected(deadline)
         phase[0] = "sending"
         fut = asyncio.get_running_loop().create_future()
         conn.pending[req_id] = (fut, method)
         try:
             try:
-                framing.write(conn.writer, parts)
-                await conn.writer.drain()
+                conn.proto.write(parts)
+                await conn.proto.drain()
             except (ConnectionError, RuntimeError):  # RuntimeError: uvloop, transport closed
                 if fut.done():  # the reader already failed it with the precise cause
                     return fut.result()
@@ -209,8 +208,9 @@ class RpcClient:
             if delay > 0:
                 await asyncio.sleep(delay)
             try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(self.host, self.port, limit=STREAM_LIMIT_BYTES),
+                _, proto = await asyncio.wait_for(
+                    loop.create_connection(lambda: FrameProtocol(self._limits), self.host,
+                                           self.port),
                     self._connect_timeout_s)
             except ConnectionRefusedError:
                 raise self._connect_failed(PeerUnavailable(
@@ -225,8 +225,7 @@ class RpcClient:
                 raise self._connect_failed(PeerUnavailable(
                     f"{self.peer} could not be reached: {exc}",
                     hint="check the host name and the network")) from None
-            set_nodelay(writer)
-            conn = _Conn(reader, writer)
+            conn = _Conn(proto)
             conn.reader_task = loop.create_task(self._read_loop(conn),
                                                 name=f"reader {self.peer}")
             self._conn = conn
@@ -251,7 +250,7 @@ class RpcClient:
         failure: Failure
         try:
             while True:
-                body = await framing.read_frame(conn.reader, self._limits, peer)
+                body = await conn.proto.read_frame()
                 reply = framing.parse_reply(wire.unpack(body, self._limits), peer)
                 if reply.id is None:  # the server rejected a frame and closes the connection
                     rejected = error_from_dict(reply.error or {})
@@ -302,7 +301,7 @@ class RpcClient:
     def _drop(self, conn: _Conn, failure: Failure) -> None:
         """Fail every call pending on ``conn`` and forget it; the next call reconnects."""
         conn.alive = False
-        conn.writer.close()
+        conn.proto.close()
         pending, conn.pending = conn.pending, {}
         for fut, method in pending.values():
             if not fut.done():
@@ -328,7 +327,7 @@ class RpcClient:
         while True:
             try:
                 conn = self._conn
-                if conn is None or not conn.alive or conn.writer.is_closing():
+                if conn is None or not conn.alive or conn.proto.is_closing():
                     await run_until(self._connected(deadline), deadline)
                 if probe is not None:
                     remaining_ms = max(1.0, (deadline - loop.time()) * 1000)
@@ -373,7 +372,7 @@ class RpcClient:
             conn.reader_task.cancel()
             await asyncio.gather(conn.reader_task, return_exceptions=True)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.writer.wait_closed(), 1.0)
+                await asyncio.wait_for(conn.proto.wait_closed(), 1.0)
 
     async def __aenter__(self) -> RpcClient:
         return self

@@ -7,7 +7,6 @@ import bisect
 import contextlib
 import inspect
 import logging
-import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -25,20 +24,6 @@ Handler = Callable[[Any], Awaitable[Any]]
 #: upper bounds (seconds) of the latency histogram kept per method
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0)
-
-# StreamReader buffer: large enough that a big frame arrives without pausing the transport
-# every 128 KiB (asyncio's default limit is 64 KiB and pauses at twice that).
-STREAM_LIMIT_BYTES = 1 << 20
-
-
-def set_nodelay(writer: asyncio.StreamWriter) -> None:
-    """Disable Nagle: replies are single frames that must leave at once."""
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return
-    with contextlib.suppress(OSError, AttributeError):  # not TCP (e.g. a unix socket)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
 
 def _is_async_callable(obj: Any) -> bool:
     return inspect.iscoroutinefunction(obj) or (
@@ -74,16 +59,13 @@ class _MethodStats:
 
 
 class _Conn:
-    """One accepted connection: its streams, its reader task and its handler tasks."""
+    """One accepted connection: its protocol, its reader task and its handler tasks."""
 
-    __slots__ = ("reader", "writer", "peer", "slots", "tasks", "reader_task", "reading")
+    __slots__ = ("proto", "peer", "slots", "tasks", "reader_task", "reading")
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 max_in_flight: int):
-        self.reader = reader
-        self.writer = writer
-        addr = writer.get_extra_info("peername")
-        self.peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+    def __init__(self, proto: framing.FrameProtocol, max_in_flight: int):
+        self.proto = proto
+        self.peer = proto.peer
         # Backpressure: the reader takes a slot before reading the next request, so at most
         # max_in_flight requests run per connection and a flooding peer is stopped by TCP.
         self.slots = asyncio.Semaphore(max_in_flight)
@@ -142,9 +124,9 @@ class RpcServer:
         """Bind and start accepting connections."""
         if self._server is not None:
             raise Misuse(f"RpcServer {self.name!r} is already started")
-        self._server = await asyncio.start_server(
-            self._accept, self._host, self._port, limit=STREAM_LIMIT_BYTES,
-            reuse_address=True)
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: framing.FrameProtocol(self._limits, self._accept), self._host,
+            self._port, reuse_address=True)
         sockname = self._server.sockets[0].getsockname()
         self._port = sockname[1]
         log.info("%s: serving %d methods on %s", self.name, len(self._handlers), self.address)
@@ -197,13 +179,13 @@ class RpcServer:
                     task.cancel()
                 await asyncio.gather(*late, return_exceptions=True)
         for conn in conns:
-            conn.writer.close()
-        closing = [c.writer.wait_closed() for c in conns]
+            conn.proto.close()
+        closing = [c.proto.wait_closed() for c in conns]
         try:
             await asyncio.wait_for(asyncio.gather(*closing, return_exceptions=True), 2.0)
         except asyncio.TimeoutError:  # a peer that stopped reading cannot be flushed to
             for conn in conns:
-                conn.writer.transport.abort()
+                conn.proto.abort()
         self._conns.clear()
         await self._server.wait_closed()
         log.info("%s: stopped", self.name)
@@ -223,13 +205,12 @@ class RpcServer:
 
     # -- connections -----------------------------------------------------------------
 
-    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _accept(self, proto: framing.FrameProtocol) -> None:
         # A plain callback (not a coroutine) so the reader task is ours to own and cancel.
         if self._stopping:
-            writer.close()
+            proto.close()
             return
-        set_nodelay(writer)
-        conn = _Conn(reader, writer, self._max_in_flight)
+        conn = _Conn(proto, self._max_in_flight)
         self._conns.add(conn)
         self._counters["connections_total"] += 1
         conn.reader_task = asyncio.get_running_loop().create_task(
@@ -246,7 +227,7 @@ class RpcServer:
             pass  # stop(): in-flight requests are drained by stop() itself
         except Exception:  # a bug here must not take the server down
             log.exception("%s: connection from %s failed", self.name, conn.peer)
-            conn.writer.close()
+            conn.proto.close()
         finally:
             conn.reading = False
             if not conn.tasks and not self._stopping:
@@ -255,7 +236,7 @@ class RpcServer:
     async def _read_one(self, conn: _Conn) -> bool:
         """Read and dispatch one request; False when the connection is done."""
         try:
-            body = await framing.read_frame(conn.reader, self._limits, conn.peer)
+            body = await conn.proto.read_frame()
         except (asyncio.IncompleteReadError, OSError):
             return False  # the peer went away (or reset); any partial frame is moot
         except framing.Unidentifiable as exc:
@@ -292,7 +273,7 @@ class RpcServer:
             self._close(conn)
 
     def _close(self, conn: _Conn) -> None:
-        conn.writer.close()
+        conn.proto.close()
         self._conns.discard(conn)
 
     def _reject(self, conn: _Conn, exc: WireError) -> None:
@@ -300,14 +281,14 @@ class RpcServer:
         self._counters["frames_rejected"] += 1
         log.warning("%s: closing connection from %s: %s", self.name, conn.peer, exc)
         self._reply_now(conn, framing.error_reply(None, exc))
-        conn.writer.close()
+        conn.proto.close()
 
     # -- requests --------------------------------------------------------------------
 
     def _reply_now(self, conn: _Conn, msg: dict[str, Any]) -> None:
         """Queue a small reply without waiting for the transport to drain."""
-        if not conn.writer.is_closing():
-            framing.write(conn.writer, framing.encode(msg, self._limits, "error reply"))
+        if not conn.proto.is_closing():
+            conn.proto.write(framing.encode_parts(msg, self._limits, "error reply"))
 
     async def _serve(self, conn: _Conn, req: framing.Request, handler: Handler) -> None:
         stats = self._stats[req.method]
@@ -315,12 +296,14 @@ class RpcServer:
         stats.in_flight += 1
         t0 = time.perf_counter()
         err: PersiaError | None = None
-        parts: list[bytes] = []
+        parts: list[bytes | memoryview] = []
         try:
             result = await handler(req.params)
             try:
-                parts = framing.encode({"id": req.id, "r": result}, self._limits,
-                                       f"{self.name} cannot send the reply to {req.method!r}")
+                # Arrays of the result are sent from their own memory, not copied.
+                parts = framing.encode_parts(
+                    {"id": req.id, "r": result}, self._limits,
+                    f"{self.name} cannot send the reply to {req.method!r}")
             except WireError as exc:
                 log.error("%s", exc)
                 err = exc
@@ -344,10 +327,10 @@ class RpcServer:
                                 hint="the traceback is in that server's log")
         stats.observe(time.perf_counter() - t0, err is not None)
         if err is not None:
-            parts = framing.encode(framing.error_reply(req.id, err), self._limits,
-                                   "error reply")
-        if conn.writer.is_closing():
+            parts = framing.encode_parts(framing.error_reply(req.id, err), self._limits,
+                                         "error reply")
+        if conn.proto.is_closing():
             return  # the caller is gone; it already saw PeerUnavailable
-        framing.write(conn.writer, parts)
+        conn.proto.write(parts)
         with contextlib.suppress(ConnectionError):
-            await conn.writer.drain()
+            await conn.proto.drain()

@@ -88,10 +88,6 @@ class EmbeddingWorker:
                  max_inflight_batches: int = 64, rpc_timeout_ms: int = 10_000,
                  ingest_timeout_ms: int = 30_000):
         self.schema = schema
-        # Slots share ids only inside a feature group of several slots, or with prefixing
-        # off; otherwise a batch's slots are looked up as separate groups, unmerged.
-        self._disjoint_slots = schema.feature_index_prefix_bit > 0 and all(
-            len(members) == 1 for members in schema.feature_groups.values())
         self.replica_index = replica_index
         self.replica_size = replica_size
         self.router = ShardRouter(embedding_servers, timeout_ms=rpc_timeout_ms)
@@ -187,19 +183,12 @@ class EmbeddingWorker:
     # ----------------------------------------------------------------- serving
     async def _embed(self, pb: PendingBatch, mode: str) -> list[dict]:
         t0 = time.perf_counter()
-        if self._disjoint_slots:
-            # One lookup group per slot: no two slots can share an id, so merging them per
-            # dim would only sort the whole batch's ids and copy each slot's rows back out
-            # (~1.5 ms of a 1024 x 26-slot batch, load_tests/bench_ingest.py).
-            plans = list(pb.plans.values())
-            rows, missing = await self.router.lookup([(p.dim, p.lookup_ids) for p in plans],
-                                                     mode)
-            pooled = {p.name: pooling.pool(p, r) for p, r in zip(plans, rows, strict=True)}
-        else:
-            merged = pooling.merge_lookups(pb.plans)
-            rows, missing = await self.router.lookup(
-                [(m.dim, m.ids) for m in merged.values()], mode)
-            pooled = pooling.pool_batch(pb.plans, merged, dict(zip(merged, rows, strict=True)))
+        # One lookup group per dim. Slots under distinct prefixes merge without a sort
+        # and pool from views of the one reply array (pooling.merge_lookups).
+        merged = pooling.merge_lookups(pb.plans)
+        rows, missing = await self.router.lookup(
+            [(m.dim, m.ids) for m in merged.values()], mode)
+        pooled = pooling.pool_batch(pb.plans, merged, dict(zip(merged, rows, strict=True)))
         self.m_lookup_s.observe(time.perf_counter() - t0)
         out = []
         for name, o in pooled.items():

@@ -22,13 +22,12 @@ from api_helpers import AUTH, Click, LiveApi, settings_for, start_job, stop_job
 
 from api.checkpoints import Checkpoints
 from api.mailbox import CheckpointMailbox, MailboxClient, NnCheckpointPoller
-from stream_persia.checkpoint import load_torch
+from stream_persia.checkpoint import load_torch, read_manifest
 from stream_persia.config import KafkaConfig
 from stream_persia.ctx import TrainCtx
 from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding.optim import SGD
 from stream_persia.kafka import BatchProducer, DeadLetterWriter, SampleConsumer
-from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcClient, RpcServer
 from stream_persia.testing.samples import make_batch
 from stream_persia.worker.ingest import KafkaIngest
@@ -45,18 +44,9 @@ async def attach_kafka(worker, bootstrap: str, topic: str) -> None:
                       dlq_topic=f"{topic}.dlq", job_name="apitest")
 
     def make(start_offsets):
-        # Work-around: KafkaIngest registers its metrics callback on the worker's registry
-        # in __init__, so the second one (reset_stream) clashes with the first
-        # (DuplicateTimeseries). Until the worker fixes that, later ones get a scratch one.
-        real = worker.metrics
-        if worker.kafka is not None:
-            worker.metrics = RoleMetrics("embedding_worker_reset")
-        try:
-            return KafkaIngest(worker, SampleConsumer.from_config(cfg, replica_index=0,
-                                                                  replica_size=1),
-                               DeadLetterWriter.from_config(cfg), start_offsets=start_offsets)
-        finally:
-            worker.metrics = real
+        return KafkaIngest(worker, SampleConsumer.from_config(cfg, replica_index=0,
+                                                              replica_size=1),
+                           DeadLetterWriter.from_config(cfg), start_offsets=start_offsets)
 
     worker.kafka_factory = make
     worker.kafka = make(None)
@@ -64,7 +54,8 @@ async def attach_kafka(worker, bootstrap: str, topic: str) -> None:
 
 
 def train(worker: str, metas: list, *, mailbox: str | None = None, dense_from: str | None = None,
-          step_delay_s: float = 0.0, idle_timeout_ms: int = 3000) -> dict:
+          step_delay_s: float = 0.0, idle_timeout_ms: int = 3000,
+          final_dst: str | None = None) -> dict:
     model = Click(seed=7)
     if dense_from is not None:
         model.load_state_dict(load_torch(dense_from, "dense.pt"))
@@ -89,6 +80,8 @@ def train(worker: str, metas: list, *, mailbox: str | None = None, dense_from: s
                         break
         if poller is not None:
             poller.close()
+        if final_dst is not None:      # train.py's own checkpoint at the end of its run
+            ctx.dump_checkpoint(final_dst, with_jit_model=True)
     return {"taken": taken, "dense": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
@@ -126,6 +119,9 @@ async def test_http_checkpoint_while_training_restores_exactly_once(kafka_topic,
                     await asyncio.sleep(0.01)
                 status = (await api.client.get("/v1/status", headers=AUTH)).json()
                 assert status["training"]["nn_attached"] is True
+                assert status["training"]["step"] >= 1
+                assert set(status["consumer_lag"]) == {"0", "1"}     # per partition
+                assert status["workers"][0]["kafka"]["topic"] == topic
                 r = await api.client.post("/v1/checkpoints", headers=AUTH)
                 assert r.status_code == 202, r.text
                 ident = r.json()["id"]
@@ -164,7 +160,23 @@ async def test_http_checkpoint_while_training_restores_exactly_once(kafka_topic,
             assert restored["offsets"] == manifest["offsets"][topic]
             assert restored["rows"] == sum(len(s.store) for s in job.servers) > 0
             result_b = await asyncio.get_running_loop().run_in_executor(None, lambda: train(
-                job.worker_addresses[0], metas_b, dense_from=f"{root}/{ident}"))
+                job.worker_addresses[0], metas_b, dense_from=f"{root}/{ident}",
+                final_dst=f"{root}/final"))
+            # Nothing trains any more: a checkpoint over HTTP is taken by the API, at the
+            # same stream position as train.py's last one, whose dense model it carries.
+            r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": "rest"})
+            assert r.status_code == 202, r.text
+            async with asyncio.timeout(30):
+                while (info := (await api.client.get("/v1/checkpoints/rest",
+                                                     headers=AUTH)).json())["state"] in (
+                        "pending", "running"):
+                    await asyncio.sleep(0.05)
+            assert info["state"] == "done" and info["by"] == "api", info
+            final = read_manifest(f"{root}/final")
+            assert info["manifest"]["extra"]["dense_from"] == "final"
+            assert info["manifest"]["offsets"] == final.offsets
+            assert info["manifest"]["step"] == final.step
+            assert info["manifest"]["jit_filename"] == "jit_dense.pt"
     finally:
         await stop_job(job)
 

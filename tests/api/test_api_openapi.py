@@ -74,10 +74,11 @@ _scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
             | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6))
 _json = st.recursive(_scalars, lambda c: st.lists(c, max_size=4)
                      | st.dictionaries(st.text(max_size=6), c, max_size=4), max_leaves=16)
-_id = st.integers(-3, 2**64 + 3) | st.floats(allow_nan=False) | st.text(max_size=2) | st.none()
+_finite = st.floats(allow_nan=False, allow_infinity=False)   # JSON has no NaN/Infinity
+_id = st.integers(-3, 2**64 + 3) | _finite | st.text(max_size=2) | st.none()
 _ids = st.lists(_id | st.lists(_id, max_size=4), max_size=5) | _scalars
-_rows = st.lists(st.lists(st.floats(width=32) | st.integers(-5, 5) | st.text(max_size=1),
-                          max_size=4) | st.floats(), max_size=5) | _scalars
+_rows = st.lists(st.lists(_finite | st.integers(-5, 5) | st.text(max_size=1),
+                          max_size=4) | _finite, max_size=5) | _scalars
 _predict = st.fixed_dictionaries(
     {"id_type_features": st.dictionaries(st.sampled_from(["user", "item", "tags", "usr"]),
                                          _ids, max_size=4)},

@@ -223,3 +223,20 @@ async def test_readiness_waits_for_the_configured_model(trained, tmp_path):
                                   headers=AUTH)   # an id under the checkpoint directory
         assert r.status_code == 200 and r.json()["version"] == "ckpt-a"
         assert (await api.client.get("/readyz")).json()["model"]["version"] == "ckpt-a"
+
+
+async def test_a_model_that_is_not_there_yet_is_retried(trained, tmp_path):
+    job, model, _ = trained
+    later = str(tmp_path / "later")
+    async with LiveApi(settings_for(job, model_checkpoint=later, embeddings="local")) as api:
+        r = await api.client.get("/readyz")
+        assert r.status_code == 503
+        assert any("no model loaded" in p and "later" in p for p in r.json()["problems"])
+        r = await api.client.post("/v1/predict", json=json_body(unseen_batch(0, 1)))
+        assert r.status_code == 503 and r.json()["error"]["kind"] == "not_ready"
+        await write_checkpoint(job, later, model)
+        async with asyncio.timeout(20):
+            while (await api.client.get("/readyz")).status_code != 200:
+                await asyncio.sleep(0.2)
+        r = await api.client.post("/v1/predict", json=json_body(unseen_batch(0, 1)))
+        assert r.status_code == 200 and r.json()["model_version"] == "later"

@@ -275,7 +275,7 @@ def test_bad_input_names_the_field(impl, call, field, text):
     assert text in str(info.value)
 
 
-@pytest.mark.parametrize("capacity", [0, -1, 2**31, 1.5, True])
+@pytest.mark.parametrize("capacity", [0, -1, 2**30 + 1, 1.5, True])
 def test_capacity_is_validated(impl, capacity):
     with pytest.raises(BadInput) as info:
         impl(capacity, SGD(0.1))
@@ -412,7 +412,8 @@ def _apply(s, step):
         elif kind == "load":
             chunk = {"dim": dim, "ids": ids, "weights": np.full((len(ids), dim), 0.5, np.float32)}
             if arg:
-                chunk.update(state=np.tile(s.optimizer.initial_state(dim), (len(ids), 1)) + 1,
+                state = s.optimizer.initial_state(dim) * 0.5 + 0.25
+                chunk.update(state=np.tile(state, (len(ids), 1)),
                              state_kind=s.optimizer.state_kind)
             s.load([chunk])
         else:

@@ -250,3 +250,43 @@ def test_setup_seed_repeats_torch_and_numpy():
     utils.setup_seed(7)
     b = (torch.rand(3), np.random.rand(3))
     assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+# ---------------------------------------------------------------------------- served batches
+def _served_frame() -> dict:
+    from stream_persia import wire
+
+    served = {"batch_id": 7, "requires_grad": True, "meta": b"m", "batch_size": 2,
+              "non_id_type_features": [{"name": "d", "data": np.ones((2, 3), np.float32)}],
+              "labels": [{"name": "y", "data": np.array([[1.0], [0.0]], np.float32)}],
+              "embeddings": [
+                  {"name": "s", "kind": "sum", "emb": np.full((2, 4), 2.0, np.float32)},
+                  {"name": "r", "kind": "raw", "emb": np.arange(12, dtype=np.float32).reshape(3, 4),
+                   "index": np.array([[1, 2], [2, 0]], np.int64),
+                   "mask": np.array([[True, True], [True, False]])}]}
+    return wire.unpack(wire.pack(served))      # arrays come back as read-only frame views
+
+
+def test_served_batches_become_writable_tensor_copies():
+    from stream_persia.nn.batch import from_served
+
+    served = _served_frame()
+    assert not served["embeddings"][0]["emb"].flags.writeable
+    tb = from_served(served, worker_index=1)
+    assert (tb.batch_id, tb.worker_index, tb.requires_grad, tb.meta) == (7, 1, True, b"m")
+    s, r = tb.id_type_feature_embeddings
+    assert s.kind == "sum" and not s.is_raw_embedding() and s.emb.shape == (2, 4)
+    assert r.is_raw_embedding() and r.index.dtype == torch.int64 and r.mask.dtype == torch.bool
+    s.emb += 1      # writable, and a copy: the frame is untouched
+    assert served["embeddings"][0]["emb"][0, 0] == 2.0
+    assert tb.non_id_type_feature_names == ["d"] and tb.label_names == ["y"]
+
+
+def test_served_batch_with_an_unknown_kind_names_the_field():
+    from stream_persia.nn.batch import from_served
+
+    served = dict(_served_frame())
+    served["embeddings"] = [{"name": "s", "kind": "pooled", "emb": np.zeros((2, 4), np.float32)}]
+    with pytest.raises(BadInput) as err:
+        from_served(served)
+    assert err.value.field == "embeddings[0].kind"

@@ -79,27 +79,25 @@ def job(kafka_broker, tmp_path_factory):
     kafka_broker.create_topic(f"{topic}.dlq", 1)
     (tmp / "embedding_config.yml").write_text(EMBEDDING_YAML)
     (tmp / "global_config.yml").write_text(GLOBAL_YAML)
-    procs: list[RoleProcess] = []
+    job = KafkaJob(kafka_broker.bootstrap_servers, topic, [], [])
     try:
-        servers = [RoleProcess("embedding-server", _server_args(i), name=f"embedding-server-{i}",
-                               log_path=tmp / f"server-{i}.log") for i in range(2)]
-        procs += servers
-        addresses = [s.start().wait_ready(30) for s in servers]
-        workers = [RoleProcess("embedding-worker", [
+        job.servers = [RoleProcess("embedding-server", _server_args(i),
+                                   name=f"embedding-server-{i}") for i in range(2)]
+        addresses = [s.start().wait_ready(30) for s in job.servers]
+        job.workers = [RoleProcess("embedding-worker", [
             "--replica-index", str(i), "--replica-size", "2",
             "--embedding-config", str(tmp / "embedding_config.yml"),
             "--global-config", str(tmp / "global_config.yml"),
             "--embedding-servers", ",".join(addresses),
             "--kafka", kafka_broker.bootstrap_servers, "--topic", topic, "--num-partitions", "4",
-        ], name=f"embedding-worker-{i}", log_path=tmp / f"worker-{i}.log") for i in range(2)]
-        procs += workers
-        for w in workers:
+        ], name=f"embedding-worker-{i}") for i in range(2)]
+        for w in job.workers:
             w.start()
-        for w in workers:
+        for w in job.workers:
             w.wait_ready(60)
-        yield KafkaJob(kafka_broker.bootstrap_servers, topic, servers, workers)
-    finally:
-        for p in reversed(procs):
+        yield job
+    finally:  # the job's current processes: a restarted server replaced its predecessor
+        for p in [*job.workers, *job.servers]:
             p.stop()
 
 
@@ -459,18 +457,19 @@ async def test_killed_server_is_a_clear_error_and_the_batch_is_served_after_rest
 
     await eventually(ready_one, "the batch reaches worker 0")
     job.servers[1].kill()
-
-    with pytest.raises(RemoteError) as err:
-        await worker.call("next_batch", {"timeout_ms": 2000})
-    assert isinstance(err.value, PeerUnavailable), repr(err.value)
-    assert "embedding-server-1" in str(err.value) and job.servers[1].address in str(err.value)
-    status = await worker.call("status")
-    assert (status["ready"], status["inflight"]) == (1, 0), "the batch went back to the head"
-    # Still failing while the server is away (not lost, not skipped).
-    with pytest.raises(PeerUnavailable):
-        await worker.call("next_batch", {"timeout_ms": 2000})
-
-    await asyncio.to_thread(job.restart_server, 1)
+    try:
+        with pytest.raises(RemoteError) as err:
+            await worker.call("next_batch", {"timeout_ms": 2000})
+        assert isinstance(err.value, PeerUnavailable), repr(err.value)
+        assert "embedding-server-1" in str(err.value)
+        assert job.servers[1].address in str(err.value)
+        status = await worker.call("status")
+        assert (status["ready"], status["inflight"]) == (1, 0), "the batch went back first"
+        # Still failing while the server is away (not lost, not skipped).
+        with pytest.raises(PeerUnavailable):
+            await worker.call("next_batch", {"timeout_ms": 2000})
+    finally:  # later tests need the server whatever happened here
+        await asyncio.to_thread(job.restart_server, 1)
     await configure(rpc.servers[1])  # a fresh process: empty store, default optimizer
     served = await worker.call("next_batch", {"timeout_ms": 5000})
     assert served is not None and served["meta"] == batch.meta

@@ -7,7 +7,7 @@ the held-out AUC next to the Bayes-optimal AUC. It answers "can this model learn
 stream at this size?" without the distributed pipeline, so a failing gate in
 ``stream-persia run`` can be told apart from a stream that is simply too hard.
 
-    python check_standalone.py --samples 1500000
+    python check_standalone.py --samples 1000000
 """
 
 from __future__ import annotations
@@ -22,60 +22,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import roc_auc  # noqa: E402
-from generator import ClickStream, _mix64  # noqa: E402
+from generator import ClickStream  # noqa: E402
 from model import DNN  # noqa: E402
+from standalone import RowTable  # noqa: E402
 
-
-class RowTable:
-    """Embedding rows in one hashed table with a per-row optimizer (server semantics)."""
-
-    def __init__(self, rows: int, dim: int, optimizer: str, lr: float,
-                 init: tuple[float, float] = (-0.01, 0.01), seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
-        self.rows = rows
-        self.w = torch.rand(rows, dim, generator=g) * (init[1] - init[0]) + init[0]
-        self.optimizer, self.lr = optimizer, lr
-        if optimizer == "adam":
-            self.m = torch.zeros(rows, dim)
-            self.v = torch.zeros(rows, dim)
-            self.t = torch.zeros(rows, 1)
-        else:
-            self.acc = torch.full((rows, dim), 1e-2 if optimizer == "adagrad" else 0.0)
-
-    def index(self, ids: np.ndarray) -> torch.Tensor:
-        with np.errstate(over="ignore"):
-            h = _mix64(ids.astype(np.uint64)) % np.uint64(self.rows)
-        return torch.from_numpy(h.astype(np.int64))
-
-    def step(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        uniq, inv = torch.unique(rows.reshape(-1), return_inverse=True)
-        g = torch.zeros(len(uniq), grads.shape[-1]).index_add_(
-            0, inv, grads.reshape(-1, grads.shape[-1]))
-        if self.optimizer == "adam":
-            b1, b2 = 0.9, 0.999
-            m = self.m[uniq].mul_(b1).add_(g, alpha=1 - b1)
-            v = self.v[uniq].mul_(b2).addcmul_(g, g, value=1 - b2)
-            t = self.t[uniq] + 1
-            mh = m / (1 - b1 ** t)
-            vh = v / (1 - b2 ** t)
-            self.w[uniq] -= self.lr * mh / (vh.sqrt() + 1e-8)
-            self.m[uniq], self.v[uniq], self.t[uniq] = m, v, t
-        else:  # PERSIA's Adagrad: step with the accumulator before adding g^2
-            acc = self.acc[uniq]
-            self.w[uniq] -= self.lr * g / (acc + 1e-10).sqrt()
-            self.acc[uniq] = acc + g * g
+from stream_persia.utils import roc_auc  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--samples", type=int, default=1_500_000)
+    ap.add_argument("--samples", type=int, default=1_000_000)
     ap.add_argument("--eval-samples", type=int, default=200_000)
     ap.add_argument("--batch-size", type=int, default=1024)
-    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=8)
     ap.add_argument("--rows", type=int, default=1 << 22, help="hashed table rows")
-    ap.add_argument("--emb-optimizer", choices=("adam", "adagrad", "adagrad0"), default="adam")
-    ap.add_argument("--emb-lr", type=float, default=1e-2)
+    ap.add_argument("--emb-optimizer", choices=("adam", "adagrad"), default="adam")
+    ap.add_argument("--emb-lr", type=float, default=2e-3)
     ap.add_argument("--dense-lr", type=float, default=1e-3)
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)

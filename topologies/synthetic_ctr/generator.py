@@ -1,70 +1,59 @@
 """A seeded click stream of any size, labelled by a hidden ground-truth model.
 
-Every sample is a pure function of ``(seed, index)`` (counter-based hashing, no state), so
-any range of the stream can be generated anywhere, in any chunking, by any number of data
-loaders, and always comes out the same. Everything is vectorised numpy.
+Every sample is a pure function of ``(seed, index)`` (``topologies/streamgen.py``), so
+any range of the stream comes out the same in any chunking and in any data loader.
+Everything is vectorised numpy (~200k samples/s on one core).
 
 Sample ``i``:
 
-- **ids**: one id per slot. Slot ``s`` draws a popularity rank ``r`` in ``[0, vocab)``
-  from a bounded power law with exponent ``zipf_s[s]`` (continuous inverse CDF, floored:
-  ``P(r) = ((r+2)**(1-a) - (r+1)**(1-a)) / ((V+1)**(1-a) - 1)``), and the id is a 64-bit
-  hash of ``(seed, slot, rank)``: ids look random and never collide across slots.
+- **ids**: one per slot. Slot ``s`` draws a popularity rank ``r`` in ``[0, vocab)`` from
+  a bounded power law with exponent ``zipf_s[s]`` (1.1..1.2), and the id is a 64-bit hash
+  of ``(seed, slot, rank)``: ids look random and never collide across slots.
 - **dense**: ``num_dense`` standard normal values.
-- **label**: ``Bernoulli(p)`` with ``p = sigmoid(logit)`` and
-  ``logit = bias + sum_s w_s(rank_s) + f(dense)``. The per-id weight is
-  ``w_s(r) = amp_s * z(seed, s, r) * sqrt(P(r) / (P(r) + popularity_floor))`` with ``z`` a
-  standard normal derived from a hash, so no table of millions of weights is stored.
-  The last factor keeps the signal in ids seen often enough to be learnt: an id drawn
-  less often than once per ``1 / popularity_floor`` samples carries a shrinking weight
-  (rare ids can never be learnt from a finite stream, and a benchmark whose optimum needs
-  them would measure the stream size, not the trainer). ``f`` is a small fixed
-  non-linear function of the dense features.
+- **label**: ``Bernoulli(p)``, ``p = sigmoid(bias + sum_s w_s(rank_s) + f(dense))``. The
+  weight of an id is ``w_s(r) = amp_s * z(seed, s, r) * sqrt(P(r) / (P(r) + floor))``,
+  ``z`` a standard normal derived from a hash (no table of millions of weights exists)
+  and ``P(r)`` the id's draw probability. The last factor puts the signal in ids drawn
+  at least about once per ``1 / floor`` samples: a rare id cannot be learnt from a
+  finite stream, so a benchmark whose optimum needed rare ids would measure the stream
+  size rather than the trainer. ``f`` is a fixed non-linear function of the dense
+  features (linear terms, a saturation, one interaction).
 
-The generator returns ``p`` with every sample, so the Bayes-optimal AUC of any split is
-known exactly: :func:`bayes_auc` (the AUC of ``p`` against the sampled labels).
+The true ``p`` comes with every sample, so the Bayes-optimal AUC of a split is known
+exactly: the AUC of ``p`` against the sampled labels.
+
+Defaults (see the README): click rate ~0.27, Bayes AUC 0.862 on the 200k eval samples,
+~3.8M distinct ids in the first 1M samples.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ClickStream", "Samples", "EVAL_OFFSET", "slot_names", "bayes_auc"]
+_TOPOLOGIES = str(Path(__file__).resolve().parents[1])
+if _TOPOLOGIES not in sys.path:
+    sys.path.insert(0, _TOPOLOGIES)
+
+from streamgen import hashed, key, normal, unit, zipf_probability, zipf_rank  # noqa: E402
+
+from stream_persia.embedding.data import (  # noqa: E402
+    IDTypeFeatureWithSingleID,
+    Label,
+    NonIDTypeFeature,
+    PersiaBatch,
+)
+
+__all__ = ["ClickStream", "Samples", "EVAL_OFFSET", "slot_names", "to_persia_batch"]
 
 #: Eval samples are indices ``EVAL_OFFSET + k``: disjoint from any training range.
 EVAL_OFFSET = 1 << 48
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser: a bijective, well-mixed uint64 -> uint64 hash."""
-    x = x + _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * _M1
-    x = (x ^ (x >> np.uint64(27))) * _M2
-    return x ^ (x >> np.uint64(31))
-
-
-def _key(*parts: int) -> np.uint64:
-    """A stream key from small integers (hashed in sequence)."""
-    k = np.zeros(1, np.uint64)
-    for p in parts:
-        k = _mix64(k ^ np.uint64(p & 0xFFFFFFFFFFFFFFFF))
-    return k[0]
-
-
-def _unit(h: np.ndarray) -> np.ndarray:
-    """uint64 hash -> float64 uniform in (0, 1) (never exactly 0 or 1)."""
-    return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
-
-
-def _normal(h1: np.ndarray, h2: np.ndarray) -> np.ndarray:
-    """Box-Muller: two uint64 hashes -> one standard normal."""
-    return np.sqrt(-2.0 * np.log(_unit(h1))) * np.cos(2.0 * np.pi * _unit(h2))
+# Quantities hashed under their own key: key(seed, quantity, column).
+_RANK, _WEIGHT_A, _WEIGHT_B, _ID, _DENSE_A, _DENSE_B, _LABEL = range(1, 8)
 
 
 def slot_names(num_slots: int) -> list[str]:
@@ -95,7 +84,7 @@ class Samples:
 
 
 def _default_amps(num_slots: int) -> tuple[float, ...]:
-    # A spread like real CTR data: a few strong slots, many weak ones, a few pure noise.
+    # Like real CTR data: a few strong slots, many weak ones, some pure noise.
     pattern = (0.72, 0.56, 0.48, 0.4, 0.32, 0.28, 0.24, 0.2, 0.16, 0.0)
     return tuple(pattern[i % len(pattern)] for i in range(num_slots))
 
@@ -113,10 +102,10 @@ class ClickStream:
         vocab_size: distinct values per slot.
         num_dense: dense (non-ID) features.
         seed: selects the stream and its hidden model.
-        zipf_s: power-law exponent per slot (default spread over 1.1..1.2).
-        amps: weight scale per slot (default a spread from 0.9 down to 0).
-        popularity_floor: ids with draw probability well below this carry little weight.
-        bias: intercept of the hidden logit (sets the click rate, ~0.2 by default).
+        zipf_s: power-law exponent per slot (default: spread over 1.1..1.2).
+        amps: weight scale per slot (default: a spread from 0.72 down to 0).
+        popularity_floor: ids drawn with probability well below this carry little weight.
+        bias: intercept of the hidden logit (sets the click rate).
     """
 
     num_slots: int = 26
@@ -127,7 +116,7 @@ class ClickStream:
     amps: tuple[float, ...] = ()
     popularity_floor: float = 1e-3
     bias: float = -1.8
-    _norm: np.ndarray = field(init=False, repr=False, compare=False)
+    _keys: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.vocab_size < 1 or self.num_dense < 0:
@@ -142,35 +131,34 @@ class ClickStream:
             raise ValueError(f"zipf_s values must be > 1, got {zs}")
         object.__setattr__(self, "zipf_s", tuple(float(s) for s in zs))
         object.__setattr__(self, "amps", tuple(float(a) for a in amps))
-        one_minus = 1.0 - np.asarray(self.zipf_s)
-        object.__setattr__(self, "_norm", (self.vocab_size + 1.0) ** one_minus - 1.0)
+        keys = {(q, c): key(self.seed, q, c) for q in range(1, 8)
+                for c in range(max(self.num_slots, self.num_dense, 1))}
+        object.__setattr__(self, "_keys", keys)
 
     @property
     def slots(self) -> list[str]:
         return slot_names(self.num_slots)
 
+    def _k(self, quantity: int, column: int = 0) -> np.uint64:
+        return self._keys[(quantity, column)]
+
     # ------------------------------------------------------------- hidden model
     def rank_probability(self, slot: int, rank: np.ndarray) -> np.ndarray:
         """Exact probability that slot ``slot`` draws popularity rank ``rank``."""
-        a = 1.0 - self.zipf_s[slot]
-        r = np.asarray(rank, dtype=np.float64)
-        return ((r + 2.0) ** a - (r + 1.0) ** a) / self._norm[slot]
+        return zipf_probability(rank, self.zipf_s[slot], self.vocab_size)
 
     def id_weight(self, slot: int, rank: np.ndarray) -> np.ndarray:
         """The hidden model's weight of each rank of one slot."""
-        rank = np.asarray(rank, dtype=np.uint64)
-        k1, k2 = _key(self.seed, 2, slot), _key(self.seed, 3, slot)
-        z = _normal(_mix64(rank ^ k1), _mix64(rank ^ k2))
+        z = normal(hashed(rank, self._k(_WEIGHT_A, slot)), hashed(rank, self._k(_WEIGHT_B, slot)))
         pr = self.rank_probability(slot, rank)
         return self.amps[slot] * z * np.sqrt(pr / (pr + self.popularity_floor))
 
     def dense_logit(self, dense: np.ndarray) -> np.ndarray:
-        """The hidden model's dense part: linear terms, a saturation and one interaction."""
+        """The hidden model's dense part."""
         d = np.asarray(dense, dtype=np.float64)
         out = np.zeros(len(d))
-        coef = (0.6, -0.5, 0.4, 0.3)
-        for j in range(min(self.num_dense, len(coef))):
-            out += coef[j] * d[:, j]
+        for j, c in enumerate((0.6, -0.5, 0.4, 0.3)[:self.num_dense]):
+            out += c * d[:, j]
         if self.num_dense >= 3:
             out += 0.8 * np.tanh(2.0 * d[:, 2])
         if self.num_dense >= 2:
@@ -179,59 +167,60 @@ class ClickStream:
 
     # ------------------------------------------------------------- sampling
     def ranks(self, index: np.ndarray) -> np.ndarray:
-        """(n, num_slots) int64 popularity ranks of samples ``index``."""
-        idx = np.asarray(index, dtype=np.uint64)
-        out = np.empty((len(idx), self.num_slots), np.int64)
+        """(n, num_slots) int64 popularity ranks of the samples at ``index``."""
+        out = np.empty((len(index), self.num_slots), np.int64)
         for s in range(self.num_slots):
-            u = _unit(_mix64(idx ^ _key(self.seed, 1, s)))
-            a = 1.0 - self.zipf_s[s]
-            x = (1.0 + u * self._norm[s]) ** (1.0 / a)
-            out[:, s] = np.minimum(np.floor(x).astype(np.int64) - 1, self.vocab_size - 1)
+            u = unit(hashed(index, self._k(_RANK, s)))
+            out[:, s] = zipf_rank(u, self.zipf_s[s], self.vocab_size)
         return out
 
     def ids_of(self, ranks: np.ndarray) -> np.ndarray:
         """uint64 ids of (n, num_slots) ranks: a hash of (seed, slot, rank)."""
-        r = np.asarray(ranks).astype(np.uint64)
-        out = np.empty(r.shape, np.uint64)
+        out = np.empty(ranks.shape, np.uint64)
         for s in range(self.num_slots):
-            out[:, s] = _mix64(r[:, s] ^ _key(self.seed, 4, s))
+            out[:, s] = hashed(ranks[:, s], self._k(_ID, s))
         return out
 
     def samples(self, start: int, n: int) -> Samples:
         """Samples ``start .. start + n - 1`` (the same whatever the chunking)."""
         if start < 0 or n < 0:
             raise ValueError(f"start and n must be >= 0, got {start}, {n}")
-        index = np.arange(start, start + n, dtype=np.int64)
-        return self.samples_at(index)
+        return self.samples_at(np.arange(start, start + n, dtype=np.int64))
 
     def samples_at(self, index: np.ndarray) -> Samples:
         """The samples at arbitrary indices."""
         index = np.asarray(index, dtype=np.int64)
-        idx = index.astype(np.uint64)
-        with np.errstate(over="ignore"):
-            ranks = self.ranks(index)
-            logit = np.full(len(idx), self.bias)
-            for s in range(self.num_slots):
-                if self.amps[s]:
-                    logit += self.id_weight(s, ranks[:, s])
-            dense = np.empty((len(idx), self.num_dense), np.float32)
-            for j in range(self.num_dense):
-                dense[:, j] = _normal(_mix64(idx ^ _key(self.seed, 5, j)),
-                                      _mix64(idx ^ _key(self.seed, 6, j)))
-            logit += self.dense_logit(dense)
-            p = 1.0 / (1.0 + np.exp(-logit))
-            label = (_unit(_mix64(idx ^ _key(self.seed, 7))) < p).astype(np.float32)
-            ids = self.ids_of(ranks)
-        return Samples(index=index, ids=ids, dense=dense, label=label, p=p)
+        ranks = self.ranks(index)
+        logit = np.full(len(index), self.bias)
+        for s in range(self.num_slots):
+            if self.amps[s]:
+                logit += self.id_weight(s, ranks[:, s])
+        dense = np.empty((len(index), self.num_dense), np.float32)
+        for j in range(self.num_dense):
+            dense[:, j] = normal(hashed(index, self._k(_DENSE_A, j)),
+                                 hashed(index, self._k(_DENSE_B, j)))
+        logit += self.dense_logit(dense)
+        p = 1.0 / (1.0 + np.exp(-logit))
+        label = (unit(hashed(index, self._k(_LABEL))) < p).astype(np.float32)
+        return Samples(index=index, ids=self.ids_of(ranks), dense=dense, label=label, p=p)
 
     def eval_samples(self, n: int, start: int = 0) -> Samples:
         """The held-out split: never overlaps any training range."""
         return self.samples(EVAL_OFFSET + start, n)
 
 
-def bayes_auc(samples: Samples) -> float:
-    """AUC of the true probability against the sampled labels: the best any model can do
-    on exactly these samples (in expectation over the labels)."""
-    from common import roc_auc  # topologies/common.py, on sys.path in every entry script
+def to_persia_batch(samples: Samples, slots: list[str], *, requires_grad: bool = True,
+                    with_labels: bool = True) -> PersiaBatch:
+    """One ``PersiaBatch``: a single-id feature per slot, the dense features, the label.
 
-    return roc_auc(samples.label, samples.p)
+    ``meta`` carries the first sample index (8 bytes, little endian), so that a batch can
+    be traced back to its place in the stream.
+    """
+    if len(slots) != samples.ids.shape[1]:
+        raise ValueError(f"{len(slots)} slot names for {samples.ids.shape[1]} id columns")
+    ids = [IDTypeFeatureWithSingleID(name, np.ascontiguousarray(samples.ids[:, k]))
+           for k, name in enumerate(slots)]
+    labels = [Label(samples.label.reshape(-1, 1), "click")] if with_labels else None
+    meta = int(samples.index[0]).to_bytes(8, "little") if len(samples) else None
+    return PersiaBatch(ids, non_id_type_features=[NonIDTypeFeature(samples.dense, "dense")],
+                       labels=labels, requires_grad=requires_grad, meta=meta)

@@ -22,7 +22,10 @@ class DNN(nn.Module):
         hidden: widths of the hidden layers.
     """
 
-    def __init__(self, num_slots: int = 26, embedding_dim: int = 16, num_dense: int = 4,
+    #: head names for serving (recorded in checkpoints, used by the HTTP API)
+    tasks: list[str] = ["click"]
+
+    def __init__(self, num_slots: int = 26, embedding_dim: int = 8, num_dense: int = 4,
                  hidden: tuple[int, ...] = (256, 128)):
         super().__init__()
         self.num_slots = num_slots

@@ -1,0 +1,363 @@
+"""``stream-persia run TOPOLOGY``: every role of a job on this machine, end to end.
+
+Starts the embedding servers, embedding workers, the HTTP API, the NN worker ranks
+(torchrun) and the data loaders as separate processes; by default the data loaders hand
+batches to the workers directly (broker-less), with ``--kafka BOOTSTRAP`` they go through
+a fresh samples topic (replayable: exactly-once restore needs it). While it runs it prints
+progress (samples/s, loss, buffers); Ctrl-C asks the job for a checkpoint through the API
+and then stops every role. At the end the API serves the final checkpoint, a few eval
+samples are predicted over HTTP, and a report (``report.json`` + ``report.png``) is
+written into the output directory::
+
+    stream-persia run topologies/synthetic_ctr                 # the main job
+    stream-persia run topologies/adult_income --embedding-staleness 8 --nn-workers 2
+    stream-persia run topologies/synthetic_ctr --kafka 127.0.0.1:9092 --samples 2e5
+
+Exit status: 0 done (gates passed), 1 a role failed, 2 bad flags or topology,
+3 an accuracy gate failed, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stream_persia.errors import ConfigError, PersiaError
+from stream_persia.local import RoleProcess
+from stream_persia.run_report import build_report, plot_report, print_report, served_metrics
+from stream_persia.topology import Topology, load_topology
+
+__all__ = ["add_arguments", "main"]
+
+# run flag -> environment variable read by the topology scripts (topologies/common.py)
+SETTINGS_ENV = {
+    "samples": "STREAM_PERSIA_SAMPLES", "epochs": "STREAM_PERSIA_EPOCHS",
+    "batch_size": "STREAM_PERSIA_BATCH_SIZE", "eval_samples": "STREAM_PERSIA_EVAL_SAMPLES",
+    "embedding_staleness": "EMBEDDING_STALENESS", "seed": "STREAM_PERSIA_SEED",
+    "data": "STREAM_PERSIA_DATA",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("topology", help="a topology directory (with topology.yml)")
+    p.add_argument("--kafka", default=None,
+                   help="Kafka bootstrap servers: stream through Kafka (default: broker-less)")
+    p.add_argument("--topic", default=None,
+                   help="with --kafka: an existing samples topic (default: a fresh topic "
+                        "<job>.<run>.samples, created with the admin client)")
+    p.add_argument("--partitions", type=int, default=None,
+                   help="partitions of a topic created here (default: 4 × workers)")
+    for flag in ("samples", "epochs", "batch-size", "eval-samples", "seed"):
+        p.add_argument(f"--{flag}", default=None, help=f"override run.{flag.replace('-', '_')}")
+    p.add_argument("--embedding-staleness", default=None,
+                   help="batches an NN rank may hold unapplied (1: synchronous)")
+    p.add_argument("--data", "--data-dir", "--data-file", dest="data", default=None,
+                   help="dataset location for topologies that read one")
+    p.add_argument("--embedding-servers", type=int, default=None, help="replicas")
+    p.add_argument("--embedding-workers", type=int, default=None, help="replicas")
+    p.add_argument("--nn-workers", type=int, default=None, help="NN ranks (this machine)")
+    p.add_argument("--data-loaders", type=int, default=None, help="replicas")
+    p.add_argument("--output-dir", default=None,
+                   help="where logs, metrics, the checkpoint and the report go "
+                        "(default: runs/<job>-<time>)")
+    p.add_argument("--no-api", action="store_true", help="do not start the HTTP API")
+    p.add_argument("--predict-samples", type=int, default=2048,
+                   help="eval samples predicted through the API at the end (0: none)")
+    p.add_argument("--no-gates", action="store_true", help="report gates but exit 0")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
+
+
+class Job:
+    """The processes of one run, started in dependency order and stopped in reverse."""
+
+    def __init__(self, topo: Topology, args: argparse.Namespace, out: Path):
+        self.topo, self.args, self.out = topo, args, out
+        self.logs = out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.roles: list[RoleProcess] = []
+        self.nn: RoleProcess | None = None
+        self.loaders: list[RoleProcess] = []
+        self.api: RoleProcess | None = None
+        self.api_token = secrets.token_urlsafe(24)
+        self.env = self._env()
+
+    def _env(self) -> dict[str, str]:
+        a, topo = self.args, self.topo
+        env = {"PERSIA_EMBEDDING_CONFIG": str(topo.path(topo.embedding_config)),
+               "PERSIA_GLOBAL_CONFIG": str(self._global_config()),
+               "PERSIA_OUTPUT_DIR": str(self.out),
+               "PERSIA_CKPT_DIR": str(self.out / "checkpoint"),
+               "PERSIA_CHECKPOINT_DIR": str(self.out / "checkpoints"),
+               "PERSIA_API_TOKEN": self.api_token,
+               "PYTHONPATH": os.pathsep.join(
+                   [str(topo.directory)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+        for key, var in SETTINGS_ENV.items():
+            value = getattr(a, key, None)
+            if value is None and key == "data" and topo.data.get("default"):
+                default = Path(str(topo.data["default"]))
+                if default.exists():
+                    value = str(default.resolve())
+                elif topo.data.get("required"):
+                    raise ConfigError(
+                        f"{topo.name} needs its dataset: {default} does not exist",
+                        field="--data", hint=f"pass {topo.data.get('flag', '--data')} PATH "
+                                             "(see the topology's README for where to get it)")
+            if value is not None:
+                env[var] = str(value)
+        return env
+
+    def _global_config(self) -> Path:
+        """The topology's global config, with this run's Kafka topic when streaming."""
+        src = self.topo.path(self.topo.global_config)
+        if not self.args.kafka:
+            return src
+        data = yaml.safe_load(src.read_text()) or {}
+        kafka = dict(data.get("kafka") or {})
+        kafka["bootstrap_servers"] = self.args.kafka
+        kafka["samples_topic"] = self.topic
+        kafka.pop("dlq_topic", None)
+        data["kafka"] = kafka
+        dst = self.out / "global_config.yml"
+        dst.write_text(yaml.safe_dump(data, sort_keys=False))
+        return dst
+
+    @property
+    def topic(self) -> str:
+        if self.args.topic:
+            return self.args.topic
+        return f"{self.topo.name}.{self.out.name}.samples"
+
+    def _role(self, role: str, args: list[str], name: str, env: dict | None = None
+              ) -> RoleProcess:
+        proc = RoleProcess(role, args, env={**self.env, **(env or {})},
+                           log_path=self.logs / f"{name}.log", name=name,
+                           listens=role not in ("nn-worker", "data-loader"))
+        self.roles.append(proc)
+        return proc.start()
+
+    def start(self) -> None:
+        topo, a = self.topo, self.args
+        n_servers = a.embedding_servers or topo.embedding_servers
+        n_workers = a.embedding_workers or topo.embedding_workers
+        servers = [self._role("embedding-server",
+                              ["--replica-index", str(i), "--replica-size", str(n_servers)],
+                              f"embedding-server-{i}") for i in range(n_servers)]
+        server_addrs = [s.wait_ready() for s in servers]
+        self.env["PERSIA_EMBEDDING_SERVERS"] = ",".join(server_addrs)
+        if a.kafka:
+            ensure_topic(a.kafka, self.topic, a.partitions or 4 * n_workers,
+                         create=a.topic is None)
+        kafka_args = ["--kafka", a.kafka] if a.kafka else []
+        workers = [self._role("embedding-worker",
+                              ["--replica-index", str(i), "--replica-size", str(n_workers),
+                               *kafka_args], f"embedding-worker-{i}")
+                   for i in range(n_workers)]
+        self.env["PERSIA_EMBEDDING_WORKERS"] = ",".join(w.wait_ready() for w in workers)
+        if topo.api and not a.no_api:
+            env = {}
+            if topo.serving.get("model"):
+                env["PERSIA_API_MODEL_CLASS"] = str(topo.serving["model"])
+            self.api = self._role("api", [], "api", env)
+            self.api.wait_ready()
+        nproc = a.nn_workers or topo.nproc_per_node
+        self.nn = self._role("nn-worker", [str(topo.path(topo.nn_worker_entry)),
+                                           "--nproc-per-node", str(nproc)], "nn-worker")
+        n_loaders = a.data_loaders or topo.data_loaders
+        loader_env = {} if a.kafka else {"KAFKA_BOOTSTRAP_SERVERS": ""}
+        self.loaders = [self._role("data-loader",
+                                   [str(topo.path(topo.data_loader_entry)),
+                                    "--replica-index", str(i), "--replica-size", str(n_loaders),
+                                    *kafka_args], f"data-loader-{i}", loader_env)
+                        for i in range(n_loaders)]
+
+    def failed_role(self) -> RoleProcess | None:
+        """A role that exited with an error, or a server/worker/API that exited at all."""
+        for r in self.roles:
+            code = r.proc.poll() if r.proc else None
+            if code is None:
+                continue
+            if r is self.nn or r in self.loaders:
+                if code != 0:
+                    return r
+            else:
+                return r
+        return None
+
+    def stop(self) -> None:
+        for r in reversed(self.roles):
+            r.stop(grace_s=15)
+
+
+def ensure_topic(bootstrap: str, topic: str, partitions: int, *, create: bool) -> None:
+    """Check the samples topic exists (creating it with the admin client if asked)."""
+    from stream_persia import aio
+    from stream_persia.kafka import topic_partitions
+
+    async def go() -> int:
+        found = await topic_partitions(bootstrap, topic)
+        if found or not create:
+            return found
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(topic, partitions, 1)])
+        finally:
+            await admin.close()
+        return await topic_partitions(bootstrap, topic)
+
+    try:
+        found = aio.run(go())
+    except PersiaError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"cannot create topic {topic!r} on {bootstrap}: {e!r}",
+                          field="--topic", hint="create it yourself and pass --topic") from e
+    if not found:
+        raise ConfigError(f"topic {topic!r} does not exist on {bootstrap}", field="--topic")
+
+
+def _read_metrics(out: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _progress_line(metrics: dict[str, Any], t0: float) -> str:
+    train = metrics.get("train") or {}
+    curve = metrics.get("loss_curve") or []
+    loss = f"{curve[-1][1]:.4f}" if curve else "-"
+    evals = metrics.get("eval_curve") or []
+    auc = ""
+    if evals:
+        auc = " auc " + " ".join(f"{k}={v:.4f}" for k, v in evals[-1][1].items())
+    return (f"[{time.monotonic() - t0:6.0f}s] samples {train.get('samples', 0):>9} "
+            f"{train.get('samples_per_s', 0):>8.0f}/s loss {loss}{auc}")
+
+
+def _wait(job: Job, t0: float, deadline: float) -> None:
+    tty = sys.stderr.isatty()
+    last_print = 0.0
+    while job.nn is not None and job.nn.proc.poll() is None:
+        bad = job.failed_role()
+        if bad is not None:
+            raise RuntimeError(f"{bad.name} exited with {bad.proc.returncode}; the last lines "
+                               f"of {bad.log_path}:\n{bad.log_tail(3000)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the job did not finish within {job.args.timeout_s:.0f} s")
+        now = time.monotonic()
+        if tty or now - last_print >= 10:
+            line = _progress_line(_read_metrics(job.out), t0)
+            print(f"\r{line}" if tty else line, end="" if tty else "\n", file=sys.stderr,
+                  flush=True)
+            last_print = now
+        time.sleep(1.0)
+    if tty:
+        print(file=sys.stderr)
+    if job.nn.proc.returncode != 0:
+        raise RuntimeError(f"the NN worker exited with {job.nn.proc.returncode}; the last "
+                           f"lines of {job.nn.log_path}:\n{job.nn.log_tail(4000)}")
+
+
+def _checkpoint_on_interrupt(job: Job) -> str | None:
+    """Ask the job for a consistent checkpoint over the API (bounded wait)."""
+    if job.api is None or job.api.address is None:
+        return None
+    import httpx
+
+    base = f"http://{job.api.address}"
+    headers = {"Authorization": f"Bearer {job.api_token}"}
+    try:
+        r = httpx.post(f"{base}/v1/checkpoints", headers=headers, json={}, timeout=10)
+        r.raise_for_status()
+        ckpt_id = r.json()["id"]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            s = httpx.get(f"{base}/v1/checkpoints/{ckpt_id}", headers=headers, timeout=10)
+            state = s.json().get("state") if s.status_code == 200 else None
+            if state in ("done", "failed"):
+                return ckpt_id if state == "done" else None
+            time.sleep(0.5)
+    except Exception as e:  # best effort: stopping must not hang on a broken API
+        print(f"stream-persia run: checkpoint on interrupt failed: {e!r}", file=sys.stderr)
+    return None
+
+
+def _serving_inputs(topo: Topology, env: dict[str, str], n: int):
+    """Labelled eval batches from the topology's ``eval_data.py`` (None if it has none)."""
+    path = topo.directory / "eval_data.py"
+    if n <= 0 or not path.is_file():
+        return None
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    sys.path.insert(0, str(topo.directory))
+    try:
+        spec = importlib.util.spec_from_file_location(f"_eval_data_{topo.name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return list(module.eval_batches(n))
+    finally:
+        sys.path.remove(str(topo.directory))
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def main(args: argparse.Namespace) -> int:
+    topo = load_topology(args.topology)
+    out = Path(args.output_dir or Path("runs") / f"{topo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    job = Job(topo, args, out)
+    t0 = time.monotonic()
+    mode = f"Kafka {args.kafka} topic {job.topic}" if args.kafka else "broker-less stream"
+    print(f"stream-persia run {topo.name}: {mode}; output in {out}", file=sys.stderr)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        job.start()
+        print(f"roles up after {time.monotonic() - t0:.1f}s: "
+              f"servers {job.env['PERSIA_EMBEDDING_SERVERS']}, "
+              f"workers {job.env['PERSIA_EMBEDDING_WORKERS']}"
+              + (f", API http://{job.api.address}" if job.api else ""), file=sys.stderr)
+        _wait(job, t0, t0 + args.timeout_s)
+        metrics = _read_metrics(out)
+        served = None
+        if job.api is not None and metrics.get("checkpoint"):
+            served = served_metrics(job.api.address, job.api_token, metrics["checkpoint"],
+                                    _serving_inputs(topo, job.env, args.predict_samples),
+                                    list(topo.tasks))
+        report = build_report(topo, metrics, served, out, time.monotonic() - t0, mode)
+    except KeyboardInterrupt:
+        print("\nstream-persia run: interrupted; checkpointing before stopping...",
+              file=sys.stderr)
+        ckpt = _checkpoint_on_interrupt(job)
+        print(f"stream-persia run: checkpoint {ckpt or 'not taken'}", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError) as e:
+        print(f"stream-persia run: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        job.stop()
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    plot_report(_read_metrics(out), out / "report.png", topo.name)
+    print_report(report)
+    failed = [g for g in report["gates"] if not g["passed"]]
+    if failed and not args.no_gates:
+        print(f"stream-persia run: accuracy gate(s) failed: {failed}", file=sys.stderr)
+        return 3
+    return 0

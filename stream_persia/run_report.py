@@ -1,0 +1,149 @@
+"""The end of ``stream-persia run``: predictions served over HTTP, the report and its plot.
+
+``report.json`` (what scripts read)::
+
+    {"topology", "mode", "seconds", "samples", "samples_per_s",
+     "auc": {task: float}, "bayes_auc": {task: float}, "bayes_lift": {task: float},
+     "served_auc": {task: float}, "served": {"rows", "model_version", "missing_ids",
+     "examples": [{head: p, "label": {task: y}}, ...]},
+     "checkpoint": path, "gates": [{"metric", "min", "value", "passed"}], "plot": path}
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stream_persia.topology import Topology
+from stream_persia.utils import roc_auc
+
+__all__ = ["served_metrics", "build_report", "plot_report", "print_report"]
+
+
+def served_metrics(api_address: str, token: str, checkpoint: str, batches: list | None,
+                   tasks: list[str]) -> dict[str, Any]:
+    """Serve ``checkpoint`` from the API and predict ``batches`` (labelled) over HTTP."""
+    import httpx
+
+    base = f"http://{api_address}"
+    auth = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=base, timeout=60) as client:
+        r = client.post("/v1/model/reload", json={"checkpoint": checkpoint}, headers=auth)
+        if r.status_code != 200:
+            return {"error": f"reload failed: HTTP {r.status_code} {r.text[:300]}"}
+        model = r.json()
+        if not batches:
+            return {"model_version": model.get("version"), "rows": 0}
+        preds: dict[str, list[float]] = {t: [] for t in tasks}
+        labels: dict[str, list[float]] = {t: [] for t in tasks}
+        missing, rows, examples = 0, 0, []
+        for batch in batches:
+            r = client.post("/v1/predict", content=batch.to_bytes(),
+                            headers={**auth, "Content-Type": "application/msgpack"})
+            if r.status_code != 200:
+                return {"error": f"predict failed: HTTP {r.status_code} {r.text[:300]}"}
+            body = r.json()
+            heads = body["heads"]
+            missing += int(body.get("missing_ids", 0))
+            rows += int(body["rows"])
+            batch_labels = [np.asarray(lb.data, dtype=np.float64).reshape(batch.batch_size, -1)
+                            for lb in (batch.labels or [])]
+            for i, p in enumerate(body["predictions"]):
+                for t, task in enumerate(tasks):
+                    head = heads[t] if t < len(heads) else None
+                    value = p.get(head) if head is not None else None
+                    if isinstance(value, list):
+                        value = np.asarray(value, dtype=np.float64).ravel()[0]
+                    preds[task].append(float("nan") if value is None else float(value))
+                    labels[task].append(float(batch_labels[t][i, 0]) if t < len(batch_labels)
+                                        else float("nan"))
+                if len(examples) < 5:
+                    examples.append({**p, "label": {task: labels[task][-1] for task in tasks}})
+    served_auc = {}
+    for task in tasks:
+        y, s = np.asarray(labels[task]), np.asarray(preds[task])
+        ok = np.isfinite(y) & np.isfinite(s)
+        if ok.any() and 0 < y[ok].sum() < ok.sum():
+            served_auc[task] = float(roc_auc(y[ok], s[ok]))
+    return {"model_version": model.get("version"), "rows": rows, "missing_ids": missing,
+            "served_auc": served_auc, "examples": examples}
+
+
+def build_report(topo: Topology, metrics: dict[str, Any], served: dict[str, Any] | None,
+                 out: Path, seconds: float, mode: str) -> dict[str, Any]:
+    train = metrics.get("train") or {}
+    report: dict[str, Any] = {
+        "topology": topo.name, "mode": mode, "seconds": round(seconds, 1),
+        "samples": train.get("samples", 0), "samples_per_s": train.get("samples_per_s", 0.0),
+        "auc": metrics.get("auc") or {}, "bayes_auc": metrics.get("bayes_auc") or {},
+        "bayes_lift": metrics.get("bayes_lift") or {},
+        "served_auc": (served or {}).get("served_auc", {}),
+        "served": {k: v for k, v in (served or {}).items() if k != "served_auc"},
+        "checkpoint": metrics.get("checkpoint"), "plot": str(out / "report.png"),
+        "output_dir": str(out),
+    }
+    gates = []
+    for gate in topo.gates:
+        passed, value = gate.check({**metrics, **report})
+        gates.append({"metric": gate.metric, "min": gate.min, "value": value,
+                      "passed": passed})
+    report["gates"] = gates
+    return report
+
+
+def plot_report(metrics: dict[str, Any], path: Path, title: str) -> None:
+    """Loss and eval AUC over the samples seen, as a PNG (headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loss = metrics.get("loss_curve") or []
+    evals = metrics.get("eval_curve") or []
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    if loss:
+        x, y = zip(*loss, strict=True)
+        ax1.plot(x, y)
+    ax1.set(title="training loss", xlabel="samples", ylabel="loss")
+    for task in sorted({t for _, aucs in evals for t in aucs}):
+        pts = [(s, a[task]) for s, a in evals if task in a]
+        ax2.plot(*zip(*pts, strict=True), marker="o", label=f"{task} AUC")
+    for task, b in (metrics.get("bayes_auc") or {}).items():
+        ax2.axhline(b, linestyle="--", color="grey", label=f"{task} Bayes-optimal")
+    ax2.set(title="eval AUC", xlabel="samples", ylabel="AUC")
+    if evals:
+        ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def print_report(report: dict[str, Any], file: Any = None) -> None:
+    f = file or sys.stdout
+
+    def fmt(d: dict[str, float]) -> str:
+        return ", ".join(f"{k} {v:.4f}" for k, v in d.items()) or "-"
+
+    print(f"\n== {report['topology']} ({report['mode']}) ==", file=f)
+    print(f"samples trained   {report['samples']} in {report['seconds']:.0f}s "
+          f"({report['samples_per_s']:.0f} samples/s while training)", file=f)
+    print(f"test AUC          {fmt(report['auc'])}", file=f)
+    if report["bayes_auc"]:
+        print(f"Bayes-optimal AUC {fmt(report['bayes_auc'])}   share of lift "
+              f"{fmt(report['bayes_lift'])}", file=f)
+    served = report.get("served") or {}
+    if report["served_auc"] or served:
+        print(f"served AUC        {fmt(report['served_auc'])} over {served.get('rows', 0)} "
+              f"rows from model {served.get('model_version')}"
+              + (f" ({served['error']})" if served.get("error") else ""), file=f)
+        for ex in served.get("examples", [])[:3]:
+            print(f"  predicted {ex}", file=f)
+    print(f"checkpoint        {report['checkpoint']}", file=f)
+    for g in report["gates"]:
+        print(f"gate              {g['metric']} >= {g['min']}: {g['value']} "
+              f"{'PASS' if g['passed'] else 'FAIL'}", file=f)
+    print(f"report            {report['output_dir']}/report.json, {report['plot']}", file=f)

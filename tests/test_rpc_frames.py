@@ -1,0 +1,151 @@
+"""Frame transport of the RPC layer: scatter-gather packing and the buffered receive path.
+
+Real sockets on loopback, once on the standard loop and once on uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import numpy as np
+import pytest
+
+from stream_persia import wire
+from stream_persia.rpc import RpcClient, RpcServer, framing, parse_address
+
+uvloop = pytest.importorskip("uvloop")
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request):
+    def _run(coro, timeout: float = 20.0):
+        loop = uvloop.new_event_loop() if request.param == "uvloop" else asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(asyncio.wait_for(coro, timeout))
+        finally:
+            loop.close()
+    return _run
+
+
+async def echo(params):
+    return params
+
+
+def test_pack_parts_join_to_pack_and_reference_large_arrays():
+    big = np.arange(1 << 14, dtype=np.float32).reshape(-1, 16)       # 64 KiB
+    obj = {"small": np.arange(5, dtype=np.int8), "big": big, "n": [1, "x", None],
+           "strided": big[:, ::2], "be": np.arange(3000, dtype=">u8"), "empty": big[:0]}
+    parts = wire.pack_parts(obj)
+    assert b"".join(parts) == wire.pack(obj)
+    views = [p for p in parts if isinstance(p, memoryview)]
+    # big and the big-endian array (24 KB) are referenced; the strided one is a C copy
+    assert any(np.shares_memory(np.frombuffer(v, np.uint8), big) for v in views)
+    assert all(isinstance(p, bytes) for p in wire.pack_parts(obj, copy_below=1 << 30))
+    back = wire.unpack(b"".join(parts))
+    np.testing.assert_array_equal(back["strided"], big[:, ::2])
+    np.testing.assert_array_equal(back["be"], np.arange(3000))
+
+
+def test_encode_parts_prefixes_the_total_length():
+    parts = framing.encode_parts({"id": 1, "r": np.zeros(1 << 16)}, wire.DEFAULT_LIMITS, "x")
+    frame = b"".join(parts)
+    assert struct.unpack(">I", frame[:4])[0] == len(frame) - 4
+    assert wire.unpack(frame[4:])["r"].shape == (1 << 16,)
+
+
+def frame(msg) -> bytes:
+    body = wire.pack(msg)
+    return struct.pack(">I", len(body)) + body
+
+
+def test_frames_split_at_any_byte_boundary_are_reassembled(run):
+    """Requests trickle in one odd-sized chunk at a time, small and large interleaved."""
+    rng = np.random.default_rng(0)
+    payloads = [rng.standard_normal(n).astype(np.float32) for n in (3, 100_000, 7, 40_000, 1)]
+    stream = b"".join(frame({"id": i, "m": "echo", "p": p}) for i, p in enumerate(payloads))
+
+    async def body():
+        async with RpcServer({"echo": echo}) as server:
+            reader, writer = await asyncio.open_connection(*parse_address(server.address))
+            pos, sizes = 0, [1, 2, 3, 5, 8, 13, 70_001, 4, 65_536, 131_071]
+            for i in range(len(stream)):
+                if pos >= len(stream):
+                    break
+                n = sizes[i % len(sizes)]
+                writer.write(stream[pos:pos + n])
+                await writer.drain()
+                await asyncio.sleep(0)
+                pos += n
+            replies = {}
+            for _ in payloads:
+                (n,) = struct.unpack(">I", await reader.readexactly(4))
+                reply = wire.unpack(await reader.readexactly(n))
+                replies[reply["id"]] = reply["r"]
+            writer.close()
+            await writer.wait_closed()
+        for i, p in enumerate(payloads):
+            np.testing.assert_array_equal(replies[i], p)
+
+    run(body())
+
+
+def test_decoded_arrays_stay_valid_across_later_frames(run):
+    async def body():
+        async with RpcServer({"echo": echo}) as server, RpcClient(server.address) as client:
+            first = await client.call("echo", np.full(200_000, 1.0))
+            small = await client.call("echo", np.arange(4))
+            second = await client.call("echo", np.full(200_000, 2.0))
+        assert (first == 1.0).all() and (second == 2.0).all() and small.tolist() == [0, 1, 2, 3]
+        assert not first.flags.writeable  # wire arrays are read-only views
+
+    run(body())
+
+
+def test_a_peer_that_floods_requests_is_held_back_by_a_bounded_queue(run):
+    """The handler blocks; the server must stop reading rather than queue every frame."""
+    release = None
+    seen = {"max_queued": 0}
+
+    async def blocked(params):
+        await release.wait()
+        return params
+
+    async def body():
+        nonlocal release
+        release = asyncio.Event()
+        async with RpcServer({"b": blocked}, max_in_flight_per_conn=1) as server:
+            async with RpcClient(server.address) as client:
+                calls = [asyncio.ensure_future(client.call("b", i, timeout_ms=15_000))
+                         for i in range(3000)]
+                for _ in range(50):
+                    await asyncio.sleep(0.01)
+                    for conn in server._conns:
+                        seen["max_queued"] = max(seen["max_queued"], len(conn.proto._frames))
+                release.set()
+                assert await asyncio.gather(*calls) == list(range(3000))
+
+    run(body())
+    assert 0 < seen["max_queued"] <= framing._QUEUE_MAX_FRAMES + 64  # one scratch read more
+
+
+def test_eof_mid_frame_is_a_dropped_connection_and_clean_eof_is_not_an_error(run):
+    async def body():
+        async with RpcServer({"echo": echo}) as server:
+            host, port = parse_address(server.address)
+            for payload in (frame({"id": 1, "m": "echo", "p": 1}),
+                            struct.pack(">I", 1 << 20) + b"x" * 70_000):  # large, cut short
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(payload)
+                writer.write_eof()
+                data = await asyncio.wait_for(reader.read(), 5)
+                writer.close()
+                await writer.wait_closed()
+                if payload[4:5] != b"x":
+                    assert wire.unpack(data[4:]) == {"id": 1, "r": 1}
+                else:
+                    assert data == b""
+            async with RpcClient(server.address) as client:
+                assert await client.call("echo", "alive") == "alive"
+
+    run(body())

@@ -1,0 +1,77 @@
+"""Counter-based randomness for the generated streams (vectorised numpy, no state).
+
+A generated sample is a pure function of ``(seed, index)``: every random quantity is a
+hash of the sample index under a key that names the quantity. So any range of a stream
+can be produced anywhere, in any chunking, by any number of data loaders, identically.
+
+- :func:`mix64`: SplitMix64's finaliser, a bijective well-mixed ``uint64 -> uint64``.
+- :func:`key`: a key from small integers (seed, quantity, column...).
+- :func:`unit`, :func:`normal`: uniform in (0, 1) and standard normal from hashes.
+- :func:`zipf_rank`, :func:`zipf_probability`: a bounded power law over ``[0, vocab)``
+  (continuous inverse CDF on ``[1, vocab + 1)``, floored), and the exact probability of
+  each rank under it: ``P(r) = ((r+2)**(1-a) - (r+1)**(1-a)) / ((V+1)**(1-a) - 1)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["mix64", "key", "hashed", "unit", "normal", "zipf_rank", "zipf_probability"]
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_MASK = (1 << 64) - 1
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function of ``x + golden``: bijective on uint64."""
+    x = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = x + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _M1
+        x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def key(*parts: int) -> np.uint64:
+    """A key from integers, hashed in sequence (order matters)."""
+    k = np.zeros(1, np.uint64)
+    for p in parts:
+        k = mix64(k ^ np.uint64(int(p) & _MASK))
+    return k[0]
+
+
+def hashed(index: np.ndarray, k: np.uint64) -> np.ndarray:
+    """The hash of every index under key ``k``."""
+    return mix64(np.asarray(index).astype(np.uint64) ^ k)
+
+
+def unit(h: np.ndarray) -> np.ndarray:
+    """uint64 hashes -> float64 uniform in (0, 1), never exactly 0 or 1."""
+    return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+def normal(h1: np.ndarray, h2: np.ndarray) -> np.ndarray:
+    """Box-Muller: two independent hashes -> one standard normal."""
+    return np.sqrt(-2.0 * np.log(unit(h1))) * np.cos(2.0 * np.pi * unit(h2))
+
+
+def _norm(s: float, vocab: int) -> float:
+    return (vocab + 1.0) ** (1.0 - s) - 1.0
+
+
+def zipf_rank(u: np.ndarray, s: float, vocab: int) -> np.ndarray:
+    """Ranks in ``[0, vocab)`` from uniforms ``u``, power law with exponent ``s > 1``."""
+    if s <= 1.0:
+        raise ValueError(f"the Zipf exponent must be > 1, got {s}")
+    a = 1.0 - s
+    x = (1.0 + np.asarray(u) * _norm(s, vocab)) ** (1.0 / a)
+    return np.minimum(np.floor(x).astype(np.int64) - 1, vocab - 1)
+
+
+def zipf_probability(rank: np.ndarray, s: float, vocab: int) -> np.ndarray:
+    """Exact probability of each rank under :func:`zipf_rank`."""
+    a = 1.0 - s
+    r = np.asarray(rank, dtype=np.float64)
+    return ((r + 2.0) ** a - (r + 1.0) ** a) / _norm(s, vocab)
