@@ -17,10 +17,11 @@ worker and times the pipeline. Throughput is steady state: from the arrival of b
 ``--warmup`` to the last one. Figures are medians over ``--repeats``.
 
 Next to the measured ratio it prints the CPU milliseconds each process (worker, server,
-this client, the broker) spent per batch, read from ``/proc``, and the ratio a machine
-with a free core per process would reach (the busiest process sets the pace). On a small
-shared machine the four processes compete for the cores and the measured ratio is far
-below that estimate; the CPU figures are what to compare across changes::
+this client, the broker) spent per batch, read from ``/proc`` (with the part spent in the
+kernel: socket copies, page faults), and the ratio a machine with a free core per process
+would reach (the busiest process sets the pace). On a small shared machine the four
+processes compete for the cores and the measured ratio is far below that estimate; the
+CPU figures are what to compare across changes::
 
     python load_tests/bench_ingest.py [--batches 64] [--repeats 3] [--json out.json]
 """

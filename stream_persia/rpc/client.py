@@ -22,7 +22,8 @@ from stream_persia.errors import (
     error_from_dict,
 )
 from stream_persia.rpc import framing
-from stream_persia.rpc.framing import FrameProtocol, wire
+from stream_persia.rpc.framing import wire
+from stream_persia.rpc.transport import FrameProtocol
 
 __all__ = ["RpcClient", "parse_address"]
 
@@ -110,6 +111,10 @@ class RpcClient:
 
     async def call(self, method: str, params: Any = None, timeout_ms: float | None = None) -> Any:
         """Call ``method`` on the peer and return its result.
+
+        numpy arrays in ``params`` are sent from their own memory, not copied: do not
+        modify them until the call returns. Arrays in the result are read-only views of
+        the reply frame.
 
         Raises:
             PeerUnavailable: the peer cannot be reached, or the connection dropped while

@@ -14,6 +14,7 @@ from typing import Any
 from stream_persia.errors import InternalError, Misuse, PeerUnavailable, PersiaError, WireError
 from stream_persia.rpc import framing
 from stream_persia.rpc.framing import wire
+from stream_persia.rpc.transport import FrameProtocol
 
 __all__ = ["RpcServer"]
 
@@ -63,7 +64,7 @@ class _Conn:
 
     __slots__ = ("proto", "peer", "slots", "tasks", "reader_task", "reading")
 
-    def __init__(self, proto: framing.FrameProtocol, max_in_flight: int):
+    def __init__(self, proto: FrameProtocol, max_in_flight: int):
         self.proto = proto
         self.peer = proto.peer
         # Backpressure: the reader takes a slot before reading the next request, so at most
@@ -79,6 +80,8 @@ class RpcServer:
 
     Requests on one connection run concurrently, at most ``max_in_flight_per_conn`` at a
     time; past that the server stops reading from that connection until one finishes.
+    numpy arrays in a handler's result are sent from their own memory, not copied: a
+    handler must not modify an array it returned (e.g. a buffer it reuses) afterwards.
 
     Args:
         handlers: method name → coroutine function taking the decoded params.
@@ -125,7 +128,7 @@ class RpcServer:
         if self._server is not None:
             raise Misuse(f"RpcServer {self.name!r} is already started")
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: framing.FrameProtocol(self._limits, self._accept), self._host,
+            lambda: FrameProtocol(self._limits, self._accept), self._host,
             self._port, reuse_address=True)
         sockname = self._server.sockets[0].getsockname()
         self._port = sockname[1]
@@ -205,7 +208,7 @@ class RpcServer:
 
     # -- connections -----------------------------------------------------------------
 
-    def _accept(self, proto: framing.FrameProtocol) -> None:
+    def _accept(self, proto: FrameProtocol) -> None:
         # A plain callback (not a coroutine) so the reader task is ours to own and cancel.
         if self._stopping:
             proto.close()

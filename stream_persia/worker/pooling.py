@@ -525,7 +525,8 @@ def _merge_disjoint(dim: int, group: list[SlotPlan]) -> MergedLookup | None:
     range order is sorted and distinct already, so nothing is sorted again (a unique over
     a 1024 x 26-slot batch's 80k ids costs ~4 ms). None when ranges overlap."""
     runs = sorted((p for p in group if len(p.lookup_ids)), key=lambda p: int(p.lookup_ids[0]))
-    if any(int(a.lookup_ids[-1]) >= int(b.lookup_ids[0]) for a, b in zip(runs, runs[1:])):
+    if any(int(a.lookup_ids[-1]) >= int(b.lookup_ids[0])
+           for a, b in zip(runs, runs[1:], strict=False)):
         return None
     slices, start = dict.fromkeys((p.name for p in group), slice(0, 0)), 0
     for p in runs:

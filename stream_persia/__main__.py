@@ -1,0 +1,7 @@
+"""``python -m stream_persia ...`` is the ``stream-persia`` console script."""
+
+import sys
+
+from stream_persia.cli import main
+
+sys.exit(main())
