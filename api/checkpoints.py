@@ -4,10 +4,12 @@ Starting one returns at once with an id; a background task owned by :class:`Chec
 takes it in one of two ways, both giving the consistent cut of DESIGN §7 (every batch
 consumed before it applied, none after it, offsets pointing at the first batch after it):
 
-- **NN ranks attached** (a heartbeat in the checkpoint mailbox, :mod:`api.mailbox`): the
-  request goes to the mailbox; NN rank 0 picks it up at its next step boundary and every
-  rank runs ``dump_checkpoint(dst)`` there, exactly as a checkpoint taken from
-  ``train.py``. The API follows the progress the rank reports.
+- **NN ranks attached** (a recent heartbeat in the checkpoint mailbox on embedding worker
+  0, :mod:`stream_persia.worker.mailbox`): the request goes to the mailbox; ``TrainCtx``
+  picks it up after its next ``backward`` and every rank runs ``dump_checkpoint(dst)``
+  at that same step, exactly as a checkpoint taken from ``train.py``. The API follows
+  the progress rank 0 reports. When the ranks stop training before taking it (their
+  context exits, or no step ends within the pickup time), the API takes it as below.
 - **No NN rank attached**: nothing is training, so the API takes the cut itself. It checks
   that no batch is in flight on any worker, has every server dump its shard, checks again
   that nothing trained meanwhile (no batch in flight, no update applied, no row admitted
@@ -215,6 +217,8 @@ class Checkpoints:
             if hb is not None and hb.get("attached"):
                 job.by = "nn"
                 await asyncio.wait_for(self._through_nn(job), self.timeout_s)
+                if job.state == "failed" and job.step is None:
+                    await self._after_nn_left(job)
             else:
                 job.by = "api"
                 await asyncio.wait_for(self._direct(job, hb), self.timeout_s)
@@ -250,6 +254,21 @@ class Checkpoints:
                 job.error = rec.get("error")
                 return
             await asyncio.sleep(POLL_S)
+
+    async def _after_nn_left(self, job: CheckpointJob) -> None:
+        """The NN ranks never took the request (they stopped training, or no step ended
+        within the pickup time): take the cut here, which is safe whenever nothing is in
+        flight (:meth:`_direct` checks)."""
+        why = job.error
+        log.info("checkpoint %s: the NN ranks did not take it (%s); the API takes it",
+                 job.id, why)
+        job.by, job.state, job.error = "api", "running", None
+        try:
+            await self._direct(job, await self.training())
+        except PersiaError as e:
+            job.state = "failed"
+            job.error = (f"the NN ranks did not take it ({why}), and the API could not "
+                         f"either: {e.message}")
 
     async def _frontiers(self) -> list[dict[str, Any]]:
         workers = self.roles.workers

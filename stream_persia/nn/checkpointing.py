@@ -30,11 +30,18 @@ import logging
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from stream_persia.checkpoint import CheckpointWriter, load_embeddings, load_torch, read_manifest
+from stream_persia.checkpoint import (
+    CheckpointWriter,
+    Manifest,
+    load_embeddings,
+    load_torch,
+    read_manifest,
+)
 from stream_persia.errors import Misuse
 
 __all__ = ["dump_checkpoint", "dump_embedding", "dump_torch_state_dict", "load_checkpoint",
@@ -129,42 +136,92 @@ async def _stream_position(cluster: Any) -> tuple[str, dict[str, dict[str, int]]
 
 def dump_checkpoint(ctx: Any, dst_dir: str, *, dense_filename: str = "dense.pt",
                     jit_dense_filename: str = "jit_dense.pt", opt_filename: str | None = None,
-                    with_jit_model: bool = False) -> None:
-    """Write a checkpoint of ``ctx``'s job at ``dst_dir`` (see the module docstring)."""
+                    with_jit_model: bool | str = False,
+                    progress: Callable[..., None] | None = None,
+                    extra: dict[str, Any] | None = None) -> Manifest | None:
+    """Write a checkpoint of ``ctx``'s job at ``dst_dir`` (see the module docstring).
+
+    Args:
+        with_jit_model: also write the TorchScript model; ``"if_possible"`` skips it
+            (with a warning) when the model cannot be scripted.
+        progress: rank 0 calls ``progress(phase, **details)`` as the checkpoint advances
+            (the checkpoint mailbox reports it to the API).
+        extra: more entries for the manifest's ``extra`` (e.g. the API's id and ``by``).
+
+    Returns:
+        The committed manifest on rank 0, None on the other ranks.
+    """
     train = _is_train(ctx)
     cluster = ctx._cluster()
     resume = ctx._quiesce() if train else []
+    manifest = None
     try:
         _barrier(ctx)
+        failure: Exception | None = None
         if _rank(ctx) == 0:
-            if train:
-                stream, offsets = cluster.run(_stream_position(cluster))
-            else:   # no training here: the workers' position means nothing for this model
-                stream, offsets = "direct", {}
-            model = _dense_model(ctx)
-            with CheckpointWriter(dst_dir) as writer:
-                writer.write_torch(dense_filename, model.state_dict())
-                if train and opt_filename:
-                    writer.write_torch(opt_filename, ctx.dense_optimizer.state_dict())
-                    if ctx.grad_scaler is not None:
-                        writer.write_torch(GRAD_SCALER_FILENAME, ctx.grad_scaler.state_dict())
-                if with_jit_model:
-                    writer.write_bytes(jit_dense_filename, _scripted(model))
-                cluster.run(writer.dump_embeddings(cluster.servers))
-                writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0), offsets=offsets,
-                              stream=stream, config_digest=_config_digest(),
-                              extra={"world_size": getattr(ctx, "world_size", 1),
-                                     "dense_filename": dense_filename,
-                                     "opt_filename": opt_filename if train else None,
-                                     **_heads(model)})
-            if stream == "kafka":
-                for topic_offsets in offsets.values():
-                    cluster.run(cluster.call_workers("commit_offsets",
-                                                     {"offsets": topic_offsets}))
+            try:
+                manifest = _write(ctx, cluster, dst_dir, train=train,
+                                  dense_filename=dense_filename,
+                                  jit_dense_filename=jit_dense_filename,
+                                  opt_filename=opt_filename, with_jit_model=with_jit_model,
+                                  note=progress or (lambda phase, **details: None),
+                                  extra=extra or {})
+            except Exception as e:
+                failure = e
+        # Every rank reaches this barrier, even when rank 0 failed to write: the ranks
+        # stay in step and training can go on after a failed checkpoint.
         _barrier(ctx)
+        if failure is not None:
+            raise failure
     finally:
         if train:
             ctx._resume(resume)
+    return manifest
+
+
+def _write(ctx: Any, cluster: Any, dst_dir: str, *, train: bool, dense_filename: str,
+           jit_dense_filename: str, opt_filename: str | None, with_jit_model: bool | str,
+           note: Callable[..., None], extra: dict[str, Any]) -> Manifest:
+    """Rank 0's part of :func:`dump_checkpoint`, once every rank is quiet."""
+    note("reading the stream position")
+    if train:
+        stream, offsets = cluster.run(_stream_position(cluster))
+    else:   # no training here: the workers' position means nothing for this model
+        stream, offsets = "direct", {}
+    model = _dense_model(ctx)
+    jit = None
+    if with_jit_model:
+        note("scripting the dense model")
+        try:
+            jit = _scripted(model)
+        except Exception as e:
+            if with_jit_model != "if_possible":
+                raise
+            log.warning("the checkpoint has no TorchScript model (%s: %s); serving it needs "
+                        "the model class", type(e).__name__, e)
+    with CheckpointWriter(dst_dir) as writer:
+        note("writing the dense model")
+        writer.write_torch(dense_filename, model.state_dict())
+        if train and opt_filename:
+            writer.write_torch(opt_filename, ctx.dense_optimizer.state_dict())
+            if ctx.grad_scaler is not None:
+                writer.write_torch(GRAD_SCALER_FILENAME, ctx.grad_scaler.state_dict())
+        if jit is not None:
+            writer.write_bytes(jit_dense_filename, jit)
+        note("dumping embeddings", servers=len(cluster.servers))
+        cluster.run(writer.dump_embeddings(cluster.servers))
+        note("committing")
+        manifest = writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0),
+                                 offsets=offsets, stream=stream,
+                                 config_digest=_config_digest(),
+                                 extra={"world_size": getattr(ctx, "world_size", 1),
+                                        "dense_filename": dense_filename,
+                                        "opt_filename": opt_filename if train else None,
+                                        **_heads(model), **extra})
+    if stream == "kafka":
+        for topic_offsets in offsets.values():
+            cluster.run(cluster.call_workers("commit_offsets", {"offsets": topic_offsets}))
+    return manifest
 
 
 def load_checkpoint(ctx: Any, src_dir: str, *, map_location: Any = None,

@@ -20,6 +20,11 @@ gradients), and with mixed precision the loss scale shrinks by
 at steps 0, k, 2k, ... With mixed precision, a step the GradScaler skips (dense overflow)
 sends no embedding gradients either. Errors of asynchronous pushes surface from the next
 ``forward``/``backward``.
+
+After each ``backward`` the rank looks at the checkpoint mailbox
+(:mod:`stream_persia.worker.mailbox`): a checkpoint started over HTTP is taken right there,
+at the same step on every rank, exactly as ``dump_checkpoint`` from the training script.
+Rank 0's heartbeats go out in the background, so a step never waits for the mailbox.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from stream_persia.errors import Misuse
 from stream_persia.nn.batch import PersiaTrainingBatch
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
 from stream_persia.nn.loader import HELD, PUSHING, StreamPrefetcher, Ticket
+from stream_persia.worker.mailbox import NnCheckpointPoller
 
 __all__ = ["TrainCtx"]
 
@@ -64,6 +70,10 @@ class TrainCtx(EmbeddingCtx):
             ``WORLD_SIZE > 1`` (default: DDP, nccl on CUDA, gloo on CPU).
         model, embedding_config, device_id, embedding_workers, ready_timeout_s,
             rpc_timeout_ms, threadpool_worker_size: see :class:`EmbeddingCtx`.
+        checkpoint_poll_steps: checkpoints started over HTTP (``POST /v1/checkpoints``)
+            reach the ranks through the checkpoint mailbox on embedding worker 0, which
+            rank 0 polls in the background after each ``backward``; with several ranks
+            they agree on it every this many steps. 0 turns the mailbox off.
 
     Raises:
         Misuse: wrong argument types, no model.
@@ -78,7 +88,7 @@ class TrainCtx(EmbeddingCtx):
                  embedding_config: EmbeddingConfig | None = None,
                  threadpool_worker_size: int = 10, device_id: int | None = None,
                  embedding_workers: list[str] | None = None, ready_timeout_s: float = 300.0,
-                 rpc_timeout_ms: float = 30_000):
+                 rpc_timeout_ms: float = 30_000, checkpoint_poll_steps: int = 10):
         super().__init__(PreprocessMode.TRAIN, model=model, embedding_config=embedding_config,
                          threadpool_worker_size=threadpool_worker_size, device_id=device_id,
                          embedding_workers=embedding_workers, ready_timeout_s=ready_timeout_s,
@@ -96,6 +106,10 @@ class TrainCtx(EmbeddingCtx):
         if not grad_scalar_update_factor > 1:
             raise Misuse(f"grad_scalar_update_factor must be > 1, got "
                          f"{grad_scalar_update_factor!r}", field="grad_scalar_update_factor")
+        if isinstance(checkpoint_poll_steps, bool) or not isinstance(
+                checkpoint_poll_steps, int) or checkpoint_poll_steps < 0:
+            raise Misuse(f"checkpoint_poll_steps must be an int >= 0, got "
+                         f"{checkpoint_poll_steps!r}", field="checkpoint_poll_steps")
         if distributed_option is not None and not isinstance(distributed_option,
                                                              DistributedBaseOption):
             raise Misuse(f"distributed_option must be a DDPOption, got {distributed_option!r}",
@@ -121,6 +135,8 @@ class TrainCtx(EmbeddingCtx):
         self._errors: list[BaseException] = []
         self._prefetchers: list[StreamPrefetcher] = []
         self._warned_unreleased = False
+        self.checkpoint_poll_steps = checkpoint_poll_steps
+        self.checkpoint_poller: NnCheckpointPoller | None = None
         self.steps = 0
         self.nonfinite_steps = 0
         self.overflow_steps = 0
@@ -144,6 +160,10 @@ class TrainCtx(EmbeddingCtx):
             elif self.distributed_option is not None:
                 log.info("WORLD_SIZE is 1: distributed_option %r is not used",
                          self.distributed_option)
+            if self.checkpoint_poll_steps:
+                self.checkpoint_poller = NnCheckpointPoller(
+                    self, every_steps=self.checkpoint_poll_steps)
+                self.checkpoint_poller.attach()
         except BaseException:
             super()._exit(False)
             raise
@@ -158,9 +178,18 @@ class TrainCtx(EmbeddingCtx):
             cluster.run(cluster.call_servers("configure", params))
 
     def _exit(self, clean: bool) -> None:
+        poller, self.checkpoint_poller = self.checkpoint_poller, None
         try:
             if self.cluster is not None:
-                self._quiesce(strict=False)
+                quiet = False
+                try:
+                    self._quiesce(strict=False)
+                    quiet = True
+                finally:
+                    # Nothing in flight now: a pending HTTP checkpoint is served (clean
+                    # exit) or failed, and the API takes the next ones itself.
+                    if poller is not None:
+                        poller.detach(clean and quiet)
         except Exception as e:
             if clean:
                 raise
@@ -237,6 +266,7 @@ class TrainCtx(EmbeddingCtx):
                 self.grad_scaler.update(scale / self.grad_scalar_update_factor)
             opt.zero_grad()
             self._push(ticket, {name: None for name, _ in grads})
+            self._step_boundary()
             return scaled
         overflow = False
         if self.grad_scaler is not None and _has_grads(opt):
@@ -253,7 +283,21 @@ class TrainCtx(EmbeddingCtx):
             self._push(ticket, {name: None for name, _ in grads})
         else:
             self._push(ticket, {name: _grad_array(g, scale) for name, g in grads})
+        self._step_boundary()
         return scaled
+
+    def _step_boundary(self) -> None:
+        # Checkpoints requested over HTTP (POST /v1/checkpoints) are taken here, at the
+        # same step on every rank; otherwise this costs a clock read (a broadcast every
+        # checkpoint_poll_steps steps with several ranks).
+        if self.checkpoint_poller is not None:
+            self.checkpoint_poller.step_boundary()
+
+    def _stream_ended(self) -> None:
+        """Every rank agreed that the stream ran dry: serve a checkpoint requested over
+        HTTP now rather than when the context exits (the script may evaluate first)."""
+        if self.checkpoint_poller is not None:
+            self.checkpoint_poller.serve_pending()
 
     def _push(self, ticket: Ticket, grads: dict[str, np.ndarray | None]) -> None:
         ticket.state = PUSHING

@@ -134,11 +134,10 @@ def segment_sum(table: np.ndarray, index: np.ndarray, starts: np.ndarray,
     if n_out == 0 or len(index) == 0:
         return np.zeros((n_out, dim), dtype=np.float32)
     if impl == "torch":
-        table = _torch_readable(table)
         torch = _torch()
         return torch.nn.functional.embedding_bag(
-            torch.from_numpy(index), torch.from_numpy(table), torch.from_numpy(starts),
-            mode="sum").numpy()
+            torch.from_numpy(_torch_readable(index)), torch.from_numpy(_torch_readable(table)),
+            torch.from_numpy(_torch_readable(starts)), mode="sum").numpy()
     out = np.zeros((n_out, dim), dtype=np.float32)
     ends = np.empty_like(starts)
     ends[:-1] = starts[1:]

@@ -12,8 +12,9 @@ RPC methods (params → result):
 
 - ``health`` → ``{"ok", "role", "replica_index", ...}``
 - ``ingest {"batch": PersiaBatch wire dict, "timeout_ms"?}`` → ``{"batch_id"}`` —
-  broker-less ingest; waits while the ready buffer is full (``Backpressure`` after the
-  timeout); bad batches are refused with ``BadInput`` naming the field (nothing stored).
+  broker-less ingest; waits while ingest is paused or the ready buffer is full
+  (``Backpressure`` after the timeout); bad batches are refused with ``BadInput`` naming
+  the field (nothing stored).
 - ``next_batch {"timeout_ms"}`` → a training batch (below) or None when none arrived.
 - ``push_gradients {"batch_id", "grads": {slot: f32 grad | None}}`` → ``{"applied", "dropped",
   "skipped_slots"}``; replies only after every server applied the update.
@@ -28,8 +29,15 @@ RPC methods (params → result):
 - ``reset_stream {"offsets": {partition: offset}}``: drop buffered and in-flight batches
   and consume again from ``offsets`` (restore). ``commit_offsets {"offsets"}``: record
   checkpoint offsets in the consumer group, for lag monitors.
-- ``status`` → buffers, counters, frontier offsets; ``pause_ingest`` / ``resume_ingest``;
-  ``servers`` → embedding server addresses; ``metrics`` → Prometheus text.
+- ``status`` → buffers, counters, frontier offsets; ``pause_ingest`` / ``resume_ingest``
+  (a paused worker takes no batch from Kafka, and ``ingest`` waits); ``servers`` →
+  embedding server addresses; ``metrics`` → Prometheus text.
+- Replica 0 only, the checkpoint mailbox (:mod:`stream_persia.worker.mailbox`: how a
+  checkpoint started over HTTP reaches the NN ranks): ``nn_heartbeat {"rank",
+  "world_size", "step"}`` → ``{"checkpoint": {"id", "dst"} | None}``, ``nn_detach
+  {"rank", "reason"?}``, ``checkpoint_request {"id", "dst", "ttl_s"?}`` → record,
+  ``checkpoint_report {"id", "state", "step"?, "progress"?, "manifest"?, "error"?}``,
+  ``checkpoint_status {"id"}`` → record | None, ``nn_status`` → last heartbeat | None.
 
 A served batch: ``{"batch_id", "requires_grad", "meta", "batch_size",
 "non_id_type_features": [{"name", "data"}], "labels": [{"name", "data"}],
@@ -40,6 +48,7 @@ A served batch: ``{"batch_id", "requires_grad", "meta", "batch_size",
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -47,12 +56,13 @@ from typing import Any
 
 from stream_persia.config import EmbeddingSchema
 from stream_persia.embedding.data import PersiaBatch
-from stream_persia.errors import BadInput
+from stream_persia.errors import Backpressure, BadInput
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
 from stream_persia.worker import pooling
 from stream_persia.worker.buffer import BoundedBuffer
 from stream_persia.worker.frontier import Frontier
+from stream_persia.worker.mailbox import CheckpointMailbox
 from stream_persia.worker.router import ShardRouter
 
 log = logging.getLogger(__name__)
@@ -99,6 +109,8 @@ class EmbeddingWorker:
         self.frontier = Frontier()
         self.ingest_timeout_ms = ingest_timeout_ms
         self.ingest_paused = asyncio.Event()    # set = paused (control plane)
+        self._ingest_resumed = asyncio.Event()  # set (then replaced) by resume_ingest
+        self.mailbox = CheckpointMailbox() if replica_index == 0 else None
         self._seq = 0
         self.kafka: Any = None                  # KafkaIngest when consuming a topic
         # Builds a fresh KafkaIngest from start offsets (reset_stream after a restore).
@@ -128,6 +140,8 @@ class EmbeddingWorker:
             "servers": self._servers, "metrics": self._metrics,
             "return_batches": self._return_batches, "frontier": self._frontier,
             "reset_stream": self._reset_stream, "commit_offsets": self._commit_offsets,
+            # Replica 0 holds the checkpoint mailbox (checkpoints started over HTTP).
+            **(self.mailbox.handlers() if self.mailbox is not None else {}),
         }, host=host, port=port, name=f"embedding-worker-{replica_index}")
 
     # ----------------------------------------------------------------- lifecycle
@@ -176,9 +190,26 @@ class EmbeddingWorker:
         except BadInput as e:
             self.reject(type(e).__name__)
             raise
-        await self.ready.put(pb, timeout=float(timeout_ms) / 1000.0)
+        deadline = time.monotonic() + float(timeout_ms) / 1000.0
+        if self.ingest_paused.is_set():
+            await self._wait_ingest_resumed(deadline, timeout_ms)
+        await self.ready.put(pb, timeout=max(0.0, deadline - time.monotonic()))
         self.m_ingested.inc()
         return {"batch_id": pb.batch_id}
+
+    async def _wait_ingest_resumed(self, deadline: float, timeout_ms: float) -> None:
+        """Wait while ingest is paused (``pause_ingest``), until ``deadline``."""
+        while self.ingest_paused.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Backpressure(f"ingest is paused on embedding worker {self.replica_index}"
+                                   f" and was not resumed within timeout_ms={timeout_ms}",
+                                   field="timeout_ms",
+                                   hint="resume it (resume_ingest, POST /v1/ingest/resume) "
+                                        "or retry later")
+            # Capped so that a flag cleared without resume_ingest is seen soon too.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ingest_resumed.wait(), min(left, 0.25))
 
     # ----------------------------------------------------------------- serving
     async def _embed(self, pb: PendingBatch, mode: str) -> list[dict]:
@@ -313,6 +344,9 @@ class EmbeddingWorker:
 
     async def _resume(self, params: Any) -> None:
         self.ingest_paused.clear()
+        # Wake the waiting ingest calls; later ones wait on a fresh event.
+        resumed, self._ingest_resumed = self._ingest_resumed, asyncio.Event()
+        resumed.set()
 
     async def _servers(self, params: Any) -> list[str]:
         return self.router.addresses

@@ -1,8 +1,9 @@
 """A checkpoint started over HTTP while training runs (Kafka stream, ``TrainCtx``) restores
 to a job that continues with no sample lost or repeated.
 
-The NN rank polls the checkpoint mailbox between steps (``NnCheckpointPoller``) and takes
-the cut with ``dump_checkpoint`` at its next step boundary. The job then trains on and
+The request reaches the NN rank through the checkpoint mailbox on embedding worker 0,
+which ``TrainCtx`` polls after every ``backward``; the rank takes the cut with
+``dump_checkpoint`` at its next step boundary (``by: nn``). The job then trains on and
 dies; a new job with a different number of embedding servers is restored over HTTP
 (servers load, the worker replays the topic from the manifest's offsets) and a new NN
 rank, starting from the checkpoint's dense model, trains until the stream is drained.
@@ -13,22 +14,24 @@ steps before the cut.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from api_helpers import AUTH, Click, LiveApi, settings_for, start_job, stop_job
 
-from api.checkpoints import Checkpoints
-from api.mailbox import CheckpointMailbox, MailboxClient, NnCheckpointPoller
 from stream_persia.checkpoint import load_torch, read_manifest
 from stream_persia.config import KafkaConfig
 from stream_persia.ctx import TrainCtx
 from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding.optim import SGD
 from stream_persia.kafka import BatchProducer, DeadLetterWriter, SampleConsumer
-from stream_persia.rpc import RpcClient, RpcServer
+from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import make_batch
 from stream_persia.worker.ingest import KafkaIngest
 
@@ -53,9 +56,9 @@ async def attach_kafka(worker, bootstrap: str, topic: str) -> None:
     await worker.kafka.start()
 
 
-def train(worker: str, metas: list, *, mailbox: str | None = None, dense_from: str | None = None,
+def train(worker: str, metas: list, *, dense_from: str | None = None,
           step_delay_s: float = 0.0, idle_timeout_ms: int = 3000,
-          final_dst: str | None = None) -> dict:
+          final_dst: str | None = None, stop_after_cut: bool = False) -> dict:
     model = Click(seed=7)
     if dense_from is not None:
         model.load_state_dict(load_torch(dense_from, "dense.pt"))
@@ -63,23 +66,19 @@ def train(worker: str, metas: list, *, mailbox: str | None = None, dense_from: s
     taken, after = None, None
     with TrainCtx(SGD(lr=0.1), opt, model=model, embedding_workers=[worker],
                   mixed_precision=False, ready_timeout_s=10) as ctx:
-        poller = NnCheckpointPoller(ctx, mailbox) if mailbox else None
         for tb in DataLoader(StreamingDataset(), embedding_staleness=2,
                              timeout_ms=idle_timeout_ms):
             metas.append(tb.meta)
             output, labels = ctx.forward(tb)
+            # A checkpoint started over HTTP is taken inside backward, after this step.
             ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
             time.sleep(step_delay_s)
-            if poller is not None:
-                ident = poller.step_boundary()
-                if ident is not None:
-                    taken, after = ident, 0
-                elif after is not None:
-                    after += 1
-                    if after == AFTER_CUT:
-                        break
-        if poller is not None:
-            poller.close()
+            if after is not None:
+                after += 1
+                if after == AFTER_CUT:
+                    break
+            elif ctx.checkpoint_poller.taken and stop_after_cut:
+                taken, after = ctx.checkpoint_poller.taken[0], 0
         if final_dst is not None:      # train.py's own checkpoint at the end of its run
             ctx.dump_checkpoint(final_dst, with_jit_model=True)
     return {"taken": taken, "dense": {k: v.clone() for k, v in model.state_dict().items()}}
@@ -97,29 +96,21 @@ async def test_http_checkpoint_while_training_restores_exactly_once(kafka_topic,
 
     # ---- first run: train, checkpoint over HTTP mid-way, train on, die
     job = await start_job(n_servers=2)
-    mailbox = RpcServer(CheckpointMailbox().handlers(), name="mailbox")
-    await mailbox.start()
-    mailbox_client = RpcClient(mailbox.address, timeout_ms=5000)
-
-    def checkpoints(settings, roles, predictor):
-        return Checkpoints(settings, roles, predictor,
-                           mailbox=MailboxClient(mailbox_client.call))
-
     metas_a: list[bytes] = []
     try:
         await attach_kafka(job.workers[0], bootstrap, topic)
-        async with LiveApi(settings_for(job, checkpoint_dir=root),
-                           checkpoints_factory=checkpoints) as api:
+        async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
             loop = asyncio.get_running_loop()
             run_a = loop.run_in_executor(None, lambda: train(
-                job.worker_addresses[0], metas_a, mailbox=mailbox.address,
-                step_delay_s=0.02))
+                job.worker_addresses[0], metas_a, step_delay_s=0.08, stop_after_cut=True))
             async with asyncio.timeout(60):
                 while len(metas_a) < 8:
                     await asyncio.sleep(0.01)
-                status = (await api.client.get("/v1/status", headers=AUTH)).json()
+                # Rank 0's heartbeats (every ~0.5 s, in the background) carry its step.
+                while not (status := (await api.client.get("/v1/status", headers=AUTH)
+                                      ).json())["training"]["step"]:
+                    await asyncio.sleep(0.05)
                 assert status["training"]["nn_attached"] is True
-                assert status["training"]["step"] >= 1
                 assert set(status["consumer_lag"]) == {"0", "1"}     # per partition
                 assert status["workers"][0]["kafka"]["topic"] == topic
                 r = await api.client.post("/v1/checkpoints", headers=AUTH)
@@ -140,10 +131,8 @@ async def test_http_checkpoint_while_training_restores_exactly_once(kafka_topic,
             assert 8 <= cut < N_BATCHES - AFTER_CUT
             assert len(metas_a) == cut + AFTER_CUT     # it trained on past the cut
             listed = (await api.client.get("/v1/checkpoints", headers=AUTH)).json()
-            assert [c["id"] for c in listed["checkpoints"]] == [ident]
+            assert [(c["id"], c["by"]) for c in listed["checkpoints"]] == [(ident, "nn")]
     finally:
-        await mailbox_client.close()
-        await mailbox.stop()
         await stop_job(job)
 
     # ---- second run: 3 servers, restored over HTTP, trains until the stream is drained
@@ -186,3 +175,62 @@ async def test_http_checkpoint_while_training_restores_exactly_once(kafka_topic,
     assert any(not torch.equal(result_b["dense"][k], v)
                for k, v in load_torch(f"{root}/{ident}", "dense.pt").items())
     assert np.isfinite([v.sum().item() for v in result_b["dense"].values()]).all()
+
+
+async def test_http_checkpoint_reaches_two_ddp_ranks_at_the_same_step(tmp_path):
+    """Two NN ranks (DDP, gloo; ``launch nn-worker``) take the checkpoint at one step."""
+    here = Path(__file__).resolve().parent
+    n = 60
+    root = str(tmp_path / "ckpts")
+    job = await start_job(n_servers=2)
+    proc = feeding = None
+    try:
+        async def feed() -> None:   # ingest waits while the ready buffer is full
+            async with RpcClient(job.workers[0].address, timeout_ms=70_000) as worker:
+                for i in range(n):
+                    await worker.call("ingest", {"batch": make_batch(i).to_wire(),
+                                                 "timeout_ms": 60_000})
+
+        feeding = asyncio.create_task(feed())
+        env = {**os.environ, "PERSIA_EMBEDDING_WORKERS": ",".join(job.worker_addresses),
+               "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+        async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "stream_persia.cli", "launch", "nn-worker",
+                "--nproc-per-node", "2", "--nnodes", "1", "--node-rank", "0",
+                str(here / "ddp_checkpoint_train.py"), "--", str(tmp_path), env=env,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            async with asyncio.timeout(60):
+                while not ((status := (await api.client.get("/v1/status", headers=AUTH)
+                                       ).json())["training"] or {}).get("step"):
+                    assert proc.returncode is None, (await proc.stdout.read())[-4000:]
+                    await asyncio.sleep(0.05)
+                assert status["training"]["nn_attached"] is True
+                r = await api.client.post("/v1/checkpoints", headers=AUTH)
+                assert r.status_code == 202, r.text
+                ident = r.json()["id"]
+                while (info := (await api.client.get(f"/v1/checkpoints/{ident}",
+                                                     headers=AUTH)).json())["state"] not in (
+                        "done", "failed"):
+                    await asyncio.sleep(0.05)
+                output = await proc.stdout.read()
+                assert await proc.wait() == 0, output[-4000:].decode(errors="replace")
+            await feeding
+        assert info["state"] == "done" and info["by"] == "nn", info
+        ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+        assert ranks[0]["taken"] == ranks[1]["taken"] == [ident]
+        assert ranks[0]["taken_at"] == ranks[1]["taken_at"] == info["manifest"]["step"]
+        assert ranks[0]["steps"] == ranks[1]["steps"]
+        # Every batch trained once, or handed back when the ranks agreed to stop.
+        assert ranks[0]["steps"] + ranks[1]["steps"] + len(job.workers[0].ready) == n
+        assert len(job.workers[0].inflight) == 0
+        assert info["manifest"]["extra"]["world_size"] == 2
+        dense = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+        assert all(torch.equal(dense[0][k], dense[1][k]) for k in dense[0])
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        if feeding is not None and not feeding.done():
+            feeding.cancel()
+        await stop_job(job)

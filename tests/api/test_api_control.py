@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
+import pytest
 from api_helpers import AUTH, LiveApi, settings_for
 from prometheus_client.parser import text_string_to_metric_families
 
+from stream_persia.errors import Backpressure, BadInput
 from stream_persia.testing.samples import make_batch
 
 
@@ -75,6 +79,29 @@ async def test_pause_resume_clear_sizes(job):
         assert [len(s.store) for s in job.servers] == [0, 0]
         assert (await api.client.get("/v1/embeddings/sizes", headers=AUTH)).json()[
             "total"] == 0
+
+
+async def test_paused_ingest_holds_broker_less_batches_until_resumed(job):
+    worker = job.client(job.workers[0].address)
+    async with LiveApi(settings_for(job)) as api:
+        assert (await api.client.post("/v1/ingest/pause", headers=AUTH)).status_code == 200
+        with pytest.raises(Backpressure) as err:
+            await worker.call("ingest", {"batch": make_batch(0).to_wire(), "timeout_ms": 150})
+        assert err.value.field == "timeout_ms" and "paused" in err.value.message
+        waiting = asyncio.ensure_future(worker.call(
+            "ingest", {"batch": make_batch(1).to_wire(), "timeout_ms": 10_000}))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and len(job.workers[0].ready) == 0
+        # A bad batch is refused at once, paused or not.
+        with pytest.raises(BadInput):
+            await worker.call("ingest", {"batch": {"id_type_features": 3}, "timeout_ms": 10_000})
+        assert (await api.client.post("/v1/ingest/resume", headers=AUTH)).status_code == 200
+        assert "batch_id" in await asyncio.wait_for(waiting, 2)
+        assert len(job.workers[0].ready) == 1
+        served = await worker.call("next_batch", {"timeout_ms": 2000})
+        assert served["meta"] == make_batch(1).meta
+        await worker.call("push_gradients", {"batch_id": served["batch_id"],
+                                             "grads": dict.fromkeys(("user", "item", "tags"))})
 
 
 async def test_configure_checks_everything_before_changing_any_server(job):

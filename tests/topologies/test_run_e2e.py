@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ADULT = ROOT.parent / "shared" / "data" / "adult"
 
 
-def run(topology: str, out: Path, *flags: str, timeout: float = 300) -> dict:
+def run(topology: str, out: Path, *flags: str, timeout: float = 420) -> dict:
     cmd = [sys.executable, "-m", "stream_persia.cli", "run", f"topologies/{topology}",
            "--output-dir", str(out), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -46,6 +46,7 @@ def check_report(report: dict, tasks: list[str], samples: int, *, learned: bool 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_synthetic_ctr_broker_less(tmp_path):
     report = run("synthetic_ctr", tmp_path, "--samples", "30000", "--eval-samples", "8000",
                  "--predict-samples", "1024", "--no-gates")
@@ -56,6 +57,7 @@ def test_synthetic_ctr_broker_less(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_synthetic_ctr_through_kafka(tmp_path, kafka_broker, kafka_topic):
     topic = kafka_topic(4)
     report = run("synthetic_ctr", tmp_path, "--samples", "16384", "--eval-samples", "4000",
@@ -70,6 +72,7 @@ def test_synthetic_ctr_through_kafka(tmp_path, kafka_broker, kafka_topic):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_taobao_ple_two_tasks(tmp_path):
     report = run("taobao_ple", tmp_path, "--samples", "20000", "--eval-samples", "8000",
                  "--predict-samples", "2048", "--no-gates")
@@ -81,6 +84,7 @@ def test_taobao_ple_two_tasks(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)   # two whole runs of 5 epochs; ~40 s alone, longer on a busy machine
 @pytest.mark.skipif(not ADULT.is_dir(), reason=f"the UCI Adult data is not at {ADULT}; "
                     "it runs wherever ../shared/data/adult exists (see "
                     "topologies/adult_income/README.md)")

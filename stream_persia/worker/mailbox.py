@@ -1,0 +1,410 @@
+"""The checkpoint mailbox: how a checkpoint started over HTTP reaches the NN ranks.
+
+NN ranks are clients (they call embedding workers; nothing calls them), so a request to
+checkpoint waits in a mailbox that NN rank 0 polls between steps. The mailbox is a set of
+RPC handlers mounted on embedding worker replica 0, which every NN rank already talks to
+(:meth:`CheckpointMailbox.handlers`); the API reaches it through :class:`MailboxClient`,
+and ``TrainCtx`` polls it through :class:`NnCheckpointPoller` after every ``backward``.
+
+RPC methods (params → result):
+
+- ``nn_heartbeat {"rank", "world_size", "step"}`` → ``{"checkpoint": {"id", "dst"} |
+  None}``: NN rank 0 calls it at step boundaries (at most every ~0.5 s). The reply carries
+  the pending request, again on every call until the rank reports it ``running`` (so a
+  lost reply loses nothing). Rank 0 then tells the other ranks (a broadcast), and every
+  rank calls ``dump_checkpoint(dst)`` at the same step: the consistent cut of DESIGN §7.
+- ``nn_detach {"rank", "step"?, "reason"?}`` → None: the NN ranks stop training (their
+  context exits). The last heartbeat is marked detached, and a request not yet finished
+  fails with the reason (the API then takes the cut itself: nothing trains any more).
+- ``checkpoint_request {"id", "dst", "ttl_s"?}`` → the record: queue a request (API).
+  Misuse while another one is pending or running. A request nobody picks up within
+  ``ttl_s`` (default 60) fails.
+- ``checkpoint_report {"id", "state": "running"|"done"|"failed", "step"?, "progress"?,
+  "manifest"?, "error"?}`` → None: NN rank 0 reports progress and the outcome.
+- ``checkpoint_status {"id"}`` → the record or None; ``nn_status`` → ``{"rank",
+  "world_size", "step", "age_s", "detached"}`` of the last heartbeat, or None.
+
+A record: ``{"id", "dst", "state", "step", "progress", "manifest", "error",
+"requested_at", "updated_at"}`` with ``state`` one of pending, running, done, failed;
+``step`` stays None until the NN ranks take the request (so a failed record with no step
+was never picked up).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from typing import Any
+
+from stream_persia.errors import BadInput, Misuse, PersiaError
+
+__all__ = ["CheckpointMailbox", "MailboxClient", "NnCheckpointPoller", "TERMINAL"]
+
+log = logging.getLogger(__name__)
+
+TERMINAL = ("done", "failed")
+_STATES = ("pending", "running", "done", "failed")
+_HISTORY = 32
+
+
+def _str(params: Any, key: str) -> str:
+    value = params.get(key) if isinstance(params, dict) else None
+    if not isinstance(value, str) or not value:
+        raise BadInput(f"{key!r} must be a non-empty string, got {value!r}", field=key)
+    return value
+
+
+def _count(params: dict, key: str) -> int:
+    v = params.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise BadInput(f"{key!r} must be an int >= 0, got {v!r}", field=key)
+    return v
+
+
+class CheckpointMailbox:
+    """Server side: pending checkpoint requests and the NN ranks' heartbeats."""
+
+    def __init__(self, clock: Any = time.time):
+        self._clock = clock
+        self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._expires: dict[str, float] = {}
+        self._heartbeat: dict[str, Any] | None = None
+
+    def handlers(self) -> dict[str, Any]:
+        """RPC method name → coroutine, to merge into an ``RpcServer``'s handlers."""
+        return {"nn_heartbeat": self.nn_heartbeat, "nn_detach": self.nn_detach,
+                "checkpoint_request": self.request, "checkpoint_report": self.report,
+                "checkpoint_status": self.status, "nn_status": self.nn_status}
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for ident, deadline in list(self._expires.items()):
+            rec = self._records.get(ident)
+            if rec is None or rec["state"] != "pending":
+                self._expires.pop(ident, None)
+            elif now > deadline:
+                rec.update(state="failed", updated_at=now,
+                           error="no NN rank picked the request up in time")
+                self._expires.pop(ident, None)
+
+    def _active(self) -> dict[str, Any] | None:
+        self._expire()
+        return next((r for r in self._records.values() if r["state"] not in TERMINAL), None)
+
+    async def request(self, params: Any) -> dict[str, Any]:
+        ident, dst = _str(params, "id"), _str(params, "dst")
+        ttl = params.get("ttl_s", 60.0)
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+            raise BadInput(f"ttl_s must be a number > 0, got {ttl!r}", field="ttl_s")
+        active = self._active()
+        if active is not None and active["id"] != ident:
+            raise Misuse(f"checkpoint {active['id']} is {active['state']}; one at a time",
+                         hint="wait for it to finish")
+        if active is not None:
+            return dict(active)
+        now = self._clock()
+        rec = {"id": ident, "dst": dst, "state": "pending", "step": None, "progress": {},
+               "manifest": None, "error": None, "requested_at": now, "updated_at": now}
+        self._records[ident] = rec
+        self._expires[ident] = now + float(ttl)
+        while len(self._records) > _HISTORY:
+            self._records.popitem(last=False)
+        return dict(rec)
+
+    async def nn_heartbeat(self, params: Any) -> dict[str, Any]:
+        if not isinstance(params, dict):
+            raise BadInput("nn_heartbeat takes {'rank', 'world_size', 'step'}", field="params")
+        rank, world, step = (_count(params, k) for k in ("rank", "world_size", "step"))
+        self._heartbeat = {"rank": rank, "world_size": world, "step": step,
+                           "at": self._clock(), "detached": False}
+        active = self._active()
+        if active is None or active["state"] != "pending":
+            return {"checkpoint": None}
+        return {"checkpoint": {"id": active["id"], "dst": active["dst"]}}
+
+    async def nn_detach(self, params: Any) -> None:
+        if not isinstance(params, dict):
+            raise BadInput("nn_detach takes {'rank', 'reason'?}", field="params")
+        _count(params, "rank")
+        reason = params.get("reason") or "the NN ranks stopped training"
+        if not isinstance(reason, str):
+            raise BadInput(f"reason must be a string, got {reason!r}", field="reason")
+        if self._heartbeat is not None:
+            self._heartbeat["detached"] = True
+            if "step" in params:
+                self._heartbeat["step"] = _count(params, "step")
+        active = self._active()
+        if active is not None:
+            when = "before taking it" if active["state"] == "pending" else "while taking it"
+            active.update(state="failed", updated_at=self._clock(),
+                          error=f"{reason} {when}")
+
+    async def report(self, params: Any) -> None:
+        ident = _str(params, "id")
+        rec = self._records.get(ident)
+        if rec is None:
+            raise BadInput(f"no checkpoint request {ident!r}", field="id")
+        state = params.get("state")
+        if state not in _STATES[1:]:
+            raise BadInput(f"state must be running, done or failed, got {state!r}",
+                           field="state")
+        if rec["state"] in TERMINAL:
+            raise Misuse(f"checkpoint {ident} is already {rec['state']}")
+        rec["state"] = state
+        rec["updated_at"] = self._clock()
+        for key in ("step", "progress", "manifest", "error"):
+            if key in params:
+                rec[key] = params[key]
+
+    async def status(self, params: Any) -> dict[str, Any] | None:
+        self._expire()
+        rec = self._records.get(_str(params, "id"))
+        return dict(rec) if rec is not None else None
+
+    async def nn_status(self, params: Any) -> dict[str, Any] | None:
+        hb = self._heartbeat
+        if hb is None:
+            return None
+        return {"rank": hb["rank"], "world_size": hb["world_size"], "step": hb["step"],
+                "age_s": max(0.0, self._clock() - hb["at"]), "detached": hb["detached"]}
+
+
+class MailboxClient:
+    """API side: the mailbox as reached over one ``RpcClient``-like ``call``.
+
+    Args:
+        call: ``async call(method, params)``, e.g. ``Roles.call`` bound to worker 0.
+        attached_within_s: an NN rank counts as attached when its last heartbeat is
+            at most this old.
+    """
+
+    def __init__(self, call: Any, *, attached_within_s: float = 10.0):
+        self._call = call
+        self.attached_within_s = attached_within_s
+        self.supported: bool | None = None   # None: not probed yet
+
+    async def nn_status(self) -> dict[str, Any] | None:
+        """The last heartbeat (with ``attached``), or None without a mailbox or heartbeat."""
+        try:
+            hb = await self._call("nn_status", None)
+        except Misuse:          # the peer has no mailbox: RpcServer answers unknown methods
+            self.supported = False
+            return None
+        self.supported = True
+        if not isinstance(hb, dict):
+            return None
+        return {**hb, "attached": not hb.get("detached") and
+                float(hb.get("age_s", 1e9)) <= self.attached_within_s}
+
+    async def request(self, ident: str, dst: str, ttl_s: float) -> dict[str, Any]:
+        return await self._call("checkpoint_request", {"id": ident, "dst": dst, "ttl_s": ttl_s})
+
+    async def status(self, ident: str) -> dict[str, Any] | None:
+        return await self._call("checkpoint_status", {"id": ident})
+
+
+class NnCheckpointPoller:
+    """NN side: take checkpoints requested over HTTP at a step boundary (built into
+    ``TrainCtx``).
+
+    :meth:`step_boundary` runs after every ``backward`` on every rank. Rank 0 sends
+    ``nn_heartbeat`` in the background (at most every ``min_interval_s``; the training
+    thread never waits for it) and remembers the request its reply offers. With one rank
+    the offer is looked at after every step; with several, every ``every_steps`` steps
+    rank 0 broadcasts it so that all ranks agree. Then every rank runs the checkpoint at
+    that same step (``dump_checkpoint``: the consistent cut) and rank 0 reports progress
+    and the outcome. :meth:`detach` (context exit) serves a request still pending when
+    the exit is clean and tells the mailbox the ranks are gone, so the API never waits
+    for a rank that stopped training.
+
+    Args:
+        ctx: an entered ``TrainCtx``.
+        every_steps: with several ranks, how often (in steps) they agree on a request.
+        min_interval_s: the least time between two heartbeats of rank 0.
+        dump_kwargs: for :func:`stream_persia.nn.checkpointing.dump_checkpoint` (default:
+            the TorchScript model too when the model can be scripted, so the API can serve
+            the checkpoint without the model class).
+    """
+
+    def __init__(self, ctx: Any, *, every_steps: int = 10, min_interval_s: float = 0.5,
+                 dump_kwargs: dict[str, Any] | None = None):
+        self.ctx = ctx
+        self.every_steps = max(1, int(every_steps))
+        self.min_interval_s = float(min_interval_s)
+        self.dump_kwargs = dict(dump_kwargs) if dump_kwargs is not None else {
+            "with_jit_model": "if_possible"}
+        self.enabled = True            # rank 0: False once worker 0 turned out mailbox-less
+        self.taken: list[str] = []     # ids of the checkpoints taken here, in order
+        self._offer: dict[str, Any] | None = None    # written by the loop thread
+        self._sent = -math.inf
+        self._inflight: Any = None     # the heartbeat future in flight, if any
+
+    @property
+    def _rank0(self) -> bool:
+        return getattr(self.ctx, "rank", 0) == 0
+
+    # ------------------------------------------------------------------ heartbeats
+    def attach(self) -> None:
+        """Tell the mailbox (rank 0, in the background) that the ranks are training."""
+        if self._rank0:
+            self._send_heartbeat()
+
+    def _send_heartbeat(self) -> None:
+        self._sent = time.monotonic()
+        cluster = self.ctx._cluster()
+        params = {"rank": 0, "world_size": int(getattr(self.ctx, "world_size", 1)),
+                  "step": int(self.ctx.steps)}
+        self._inflight = cluster.loop.submit(self._heartbeat(cluster, params))
+
+    async def _heartbeat(self, cluster: Any, params: dict[str, Any]) -> None:
+        try:
+            reply = await cluster.workers[0].call("nn_heartbeat", params)
+        except Misuse as e:
+            if "no RPC method" in e.message:
+                self.enabled = False
+                log.warning("embedding worker 0 has no checkpoint mailbox (%s): checkpoints "
+                            "started over HTTP cannot reach this job's NN ranks", e.message)
+            else:
+                log.debug("checkpoint mailbox heartbeat failed: %r", e)
+            return
+        except PersiaError as e:   # training reports a worker that is really gone
+            log.debug("checkpoint mailbox heartbeat failed: %r", e)
+            return
+        offer = reply.get("checkpoint") if isinstance(reply, dict) else None
+        # A reply sent before our "running" report may offer a request taken already.
+        if isinstance(offer, dict) and offer.get("id") not in self.taken:
+            self._offer = offer
+        else:
+            self._offer = None
+
+    def _wait_heartbeat(self, timeout_s: float = 5.0) -> None:
+        fut = self._inflight
+        if fut is not None:
+            try:
+                fut.result(timeout_s)
+            except Exception as e:
+                log.debug("checkpoint mailbox heartbeat: %r", e)
+
+    def _call(self, method: str, params: Any, timeout_s: float = 10.0) -> Any:
+        cluster = self.ctx._cluster()
+        return cluster.run(cluster.workers[0].call(method, params, timeout_s * 1000))
+
+    def _report(self, params: dict[str, Any], *, wait: bool) -> None:
+        """Rank 0's report to the mailbox; never raises (the API times out instead)."""
+        try:
+            if wait:
+                self._call("checkpoint_report", params)
+            else:
+                cluster = self.ctx._cluster()
+                cluster.loop.submit(self._report_quietly(cluster, params))
+        except Exception as e:
+            log.warning("could not report checkpoint %s to the mailbox: %r", params["id"], e)
+
+    @staticmethod
+    async def _report_quietly(cluster: Any, params: dict[str, Any]) -> None:
+        try:
+            await cluster.workers[0].call("checkpoint_report", params)
+        except PersiaError as e:
+            log.debug("checkpoint progress report failed: %r", e)
+
+    # ------------------------------------------------------------------ polling
+    def _agree(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
+        if getattr(self.ctx, "world_size", 1) <= 1:
+            return request
+        import torch.distributed as dist
+
+        box = [request]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def step_boundary(self) -> str | None:
+        """Poll; returns the id of a checkpoint taken now (every rank calls this)."""
+        multi = getattr(self.ctx, "world_size", 1) > 1
+        if multi and self.ctx.steps % self.every_steps:
+            return None
+        request = None
+        if self._rank0:
+            if self.enabled and time.monotonic() - self._sent >= self.min_interval_s and (
+                    self._inflight is None or self._inflight.done()):
+                self._send_heartbeat()
+            request = self._offer
+        if multi:
+            request = self._agree(request)
+        return self._take(request) if request is not None else None
+
+    def _take(self, request: dict[str, Any]) -> str:
+        from stream_persia.nn import checkpointing
+
+        ident, dst = request["id"], request["dst"]
+        self.taken.append(ident)
+        self._offer = None
+        step = int(self.ctx.steps)
+        rank0 = self._rank0
+        if rank0:
+            self._report({"id": ident, "state": "running", "step": step,
+                          "progress": {"phase": "quiescing"}}, wait=True)
+            log.info("taking checkpoint %s requested over HTTP at step %d into %s",
+                     ident, step, dst)
+
+        def progress(phase: str, **extra: Any) -> None:
+            self._report({"id": ident, "state": "running",
+                          "progress": {"phase": phase, **extra}}, wait=False)
+
+        try:
+            manifest = checkpointing.dump_checkpoint(
+                self.ctx, dst, opt_filename="opt.pt", progress=progress if rank0 else None,
+                extra={"id": ident, "by": "nn"}, **self.dump_kwargs)
+        except (PersiaError, OSError) as e:
+            # The cut's collectives completed (checkpointing reaches its last barrier on
+            # every rank), so training goes on; the API reports the failure.
+            log.error("checkpoint %s requested over HTTP failed: %s", ident, e)
+            if rank0:
+                self._report({"id": ident, "state": "failed",
+                              "error": f"{type(e).__name__}: {e}"}, wait=True)
+            return ident
+        except BaseException as e:
+            if rank0:
+                self._report({"id": ident, "state": "failed",
+                              "error": f"{type(e).__name__}: {e}"}, wait=True)
+            raise
+        if rank0:
+            self._report({"id": ident, "state": "done", "step": step,
+                          "progress": {"phase": "committed"},
+                          "manifest": manifest.to_dict() if manifest is not None else None},
+                         wait=True)
+        return ident
+
+    def serve_pending(self) -> str | None:
+        """Ask the mailbox now (waiting for the reply) and take a pending request; every
+        rank calls this at the same point (the stream ended, the context exits)."""
+        request = None
+        if self._rank0 and self.enabled:
+            self._wait_heartbeat()
+            self._sent = time.monotonic()
+            try:
+                reply = self._call("nn_heartbeat", {
+                    "rank": 0, "world_size": int(getattr(self.ctx, "world_size", 1)),
+                    "step": int(self.ctx.steps)}, timeout_s=5)
+                request = reply.get("checkpoint") if isinstance(reply, dict) else None
+            except PersiaError as e:
+                log.debug("checkpoint mailbox heartbeat: %r", e)
+        request = self._agree(request)
+        if request is None or request.get("id") in self.taken:
+            return None
+        return self._take(request)
+
+    def detach(self, clean: bool) -> None:
+        """The context exits: serve a pending request (clean exit), then say goodbye."""
+        if clean:
+            self.serve_pending()
+        if self._rank0 and self.enabled:
+            self._wait_heartbeat()
+            reason = ("the NN ranks finished training" if clean
+                      else "the NN ranks stopped on an error")
+            try:
+                self._call("nn_detach", {"rank": 0, "step": int(self.ctx.steps),
+                                         "reason": reason}, timeout_s=5)
+            except PersiaError as e:
+                log.debug("checkpoint mailbox detach: %r", e)

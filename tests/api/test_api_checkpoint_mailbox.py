@@ -1,0 +1,158 @@
+"""The checkpoint mailbox (on embedding worker 0) between the API and the NN ranks.
+
+The mailbox's rules on their own (with a settable clock), then the two ways a request can
+still be pending when the NN ranks stop training: a clean exit of ``TrainCtx`` serves it
+(``by: nn``), an exit on an error fails it over to the API, which takes the cut itself once
+nothing is in flight (``by: api``). Either way the API never waits for a rank that left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from api_helpers import AUTH, Click, LiveApi, settings_for
+
+from stream_persia.checkpoint import read_manifest
+from stream_persia.ctx import TrainCtx
+from stream_persia.data import DataLoader, StreamingDataset
+from stream_persia.embedding.optim import SGD
+from stream_persia.errors import BadInput, Misuse
+from stream_persia.testing.samples import make_batch
+from stream_persia.worker.mailbox import CheckpointMailbox
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_request_is_offered_until_taken_then_reported():
+    clock = Clock()
+    box = CheckpointMailbox(clock)
+    assert await box.nn_status(None) is None
+    hb = {"rank": 0, "world_size": 2, "step": 7}
+    assert await box.nn_heartbeat(hb) == {"checkpoint": None}
+    clock.now += 1.5
+    assert await box.nn_status(None) == {"rank": 0, "world_size": 2, "step": 7, "age_s": 1.5,
+                                         "detached": False}
+    rec = await box.request({"id": "a", "dst": "/c/a"})
+    assert rec["state"] == "pending" and rec["step"] is None
+    assert (await box.request({"id": "a", "dst": "/c/a"}))["id"] == "a"   # idempotent
+    with pytest.raises(Misuse):
+        await box.request({"id": "b", "dst": "/c/b"})
+    offer = {"checkpoint": {"id": "a", "dst": "/c/a"}}
+    assert await box.nn_heartbeat(hb) == offer
+    assert await box.nn_heartbeat(hb) == offer       # again, until the rank says running
+    await box.report({"id": "a", "state": "running", "step": 7, "progress": {"phase": "x"}})
+    assert await box.nn_heartbeat(hb) == {"checkpoint": None}
+    await box.report({"id": "a", "state": "done", "manifest": {"step": 7}})
+    rec = await box.status({"id": "a"})
+    assert (rec["state"], rec["step"], rec["manifest"]) == ("done", 7, {"step": 7})
+    with pytest.raises(Misuse):
+        await box.report({"id": "a", "state": "failed"})
+    with pytest.raises(BadInput) as err:
+        await box.report({"id": "a", "state": "pending"})
+    assert err.value.field == "state"
+    with pytest.raises(BadInput) as err:
+        await box.nn_heartbeat({"rank": 0, "world_size": 1, "step": -1})
+    assert err.value.field == "step"
+
+
+async def test_a_request_nobody_takes_fails_and_a_detach_fails_the_pending_one():
+    clock = Clock()
+    box = CheckpointMailbox(clock)
+    await box.request({"id": "a", "dst": "/c/a", "ttl_s": 5})
+    clock.now += 6
+    rec = await box.status({"id": "a"})
+    assert rec["state"] == "failed" and rec["step"] is None and "in time" in rec["error"]
+    await box.nn_heartbeat({"rank": 0, "world_size": 1, "step": 3})
+    await box.request({"id": "b", "dst": "/c/b"})
+    await box.nn_detach({"rank": 0, "step": 4, "reason": "the NN ranks finished training"})
+    rec = await box.status({"id": "b"})
+    assert rec["state"] == "failed" and rec["step"] is None
+    assert rec["error"] == "the NN ranks finished training before taking it"
+    assert (await box.nn_status(None))["detached"] is True
+    assert (await box.nn_status(None))["step"] == 4
+
+
+def _train_then_hold(worker: str, ended: threading.Event, leave: threading.Event,
+                     how: str) -> TrainCtx:
+    """Train until the stream runs dry, then hold the context open until ``leave``; then
+    leave it cleanly (``exit``), after the stream-end hook (``stream_end``: what the
+    DataLoader calls when every rank agrees the stream ran dry) or on an error."""
+    model = Click(seed=3)
+    ctx = TrainCtx(SGD(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+                   embedding_workers=[worker], mixed_precision=False, ready_timeout_s=10)
+    try:
+        with ctx:
+            for tb in DataLoader(StreamingDataset(), embedding_staleness=2, timeout_ms=300):
+                output, labels = ctx.forward(tb)
+                ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+            ctx.poller_seen = ctx.checkpoint_poller
+            ended.set()
+            assert leave.wait(30)
+            if how == "stream_end":
+                ctx._stream_ended()
+                ctx.taken_inside = list(ctx.checkpoint_poller.taken)
+            if how == "error":
+                raise RuntimeError("the training script failed")
+    except RuntimeError as e:
+        assert how == "error" and "script failed" in str(e)
+    return ctx
+
+
+@pytest.mark.parametrize("how", ["exit", "stream_end", "error"])
+async def test_a_request_pending_when_training_stops_is_served_or_failed_over(
+        job, tmp_path, how):
+    n = 6
+    worker = job.client(job.workers[0].address)
+    for i in range(n):
+        await worker.call("ingest", {"batch": make_batch(i).to_wire()})
+    root = str(tmp_path / "ckpts")
+    ended, leave = threading.Event(), threading.Event()
+    async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+        run = asyncio.get_running_loop().run_in_executor(
+            None, _train_then_hold, job.workers[0].address, ended, leave, how)
+        try:
+            async with asyncio.timeout(30):
+                while not ended.is_set():
+                    await asyncio.sleep(0.02)
+                # The loop ended, but the context is open: the rank still counts as attached.
+                r = await api.client.post("/v1/checkpoints", headers=AUTH)
+                assert r.status_code == 202, r.text
+                ident = r.json()["id"]
+                while await job.workers[0].mailbox.status({"id": ident}) is None:
+                    await asyncio.sleep(0.02)
+                info = (await api.client.get(f"/v1/checkpoints/{ident}", headers=AUTH)).json()
+                assert info["by"] == "nn" and info["state"] in ("pending", "running")
+        finally:
+            leave.set()
+        ctx = await asyncio.wait_for(run, 30)
+        async with asyncio.timeout(30):
+            while (info := (await api.client.get(f"/v1/checkpoints/{ident}",
+                                                 headers=AUTH)).json())["state"] not in (
+                    "done", "failed"):
+                await asyncio.sleep(0.05)
+        assert info["state"] == "done", info
+        manifest = read_manifest(f"{root}/{ident}")
+        assert manifest.step == n and manifest.stream == "direct"
+        if how != "error":      # taken by the rank, dense model included
+            assert info["by"] == "nn" and ctx.poller_seen.taken == [ident]
+            assert manifest.dense_filename == "dense.pt" and manifest.jit_filename
+            assert manifest.extra["by"] == "nn" and manifest.extra["id"] == ident
+            if how == "stream_end":
+                assert ctx.taken_inside == [ident]
+        else:           # the rank left on an error: the API took the cut
+            assert info["by"] == "api" and ctx.poller_seen.taken == []
+            assert manifest.extra["embeddings_only"] is True
+        status = (await api.client.get("/v1/status", headers=AUTH)).json()
+        assert not status["training"]["nn_attached"]      # the rank said goodbye
+        assert status["workers"][0]["inflight"] == 0

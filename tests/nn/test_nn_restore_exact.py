@@ -1,0 +1,133 @@
+"""Restore equals uninterrupted (DESIGN §7), with every role a real process.
+
+Deterministic mode (one partition, staleness 1, reproducible): an uninterrupted run trains
+N batches. A second run trains from the same stream, checkpoints after batch k, keeps
+going, and then every process (embedding server, embedding worker, NN worker) is killed
+with SIGKILL. Fresh processes restore the checkpoint and finish. The final dense
+parameters and every embedding row (weights and optimizer state) equal the uninterrupted
+run's within 1e-6, and every batch was trained exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stream_persia import aio
+from stream_persia.config import GlobalConfig, KafkaConfig
+from stream_persia.ctx import DataCtx
+from stream_persia.embedding_server import read_shard_file
+from stream_persia.local import RoleProcess
+from stream_persia.rpc import RpcClient
+from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
+
+HERE = Path(__file__).resolve().parent
+N, K = 12, 5
+
+
+class Job:
+    """One embedding server and one embedding worker (Kafka ingest) as processes."""
+
+    def __init__(self, tmp: Path, name: str, bootstrap: str, topic: str):
+        cfg = tmp / "embedding_config.yml"
+        cfg.write_text(EMBEDDING_YAML)
+        self.server = RoleProcess("embedding-server", [], log_path=tmp / f"{name}-server.log",
+                                  name=f"{name}-server").start()
+        server = self.server.wait_ready()
+        self.worker = RoleProcess("embedding-worker", [
+            "--embedding-config", str(cfg), "--embedding-servers", server, "--kafka",
+            bootstrap, "--topic", topic, "--num-partitions", "1"],
+            log_path=tmp / f"{name}-worker.log", name=f"{name}-worker").start()
+        self.worker.wait_ready()
+
+    def nn(self, out: Path, *flags: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(HERE / "restore_train.py"),
+                                 self.worker.address, str(out), "--batches", *flags],
+                                start_new_session=True)
+
+    def embedding_rows(self, dump_dir: Path) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Every row of the server: id -> (weights, optimizer state)."""
+        async def dump():
+            async with RpcClient(self.server.address) as c:
+                return await c.call("dump", {"dir": str(dump_dir)})
+
+        info = aio.run(dump())
+        rows = {}
+        for chunk in read_shard_file(str(dump_dir), info["file"]):
+            for i, x in enumerate(chunk["ids"].tolist()):
+                rows[x] = (chunk["weights"][i].copy(), chunk["state"][i].copy())
+        return rows
+
+    def kill(self) -> None:
+        self.worker.kill()
+        self.server.kill()
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 120) -> None:
+    assert proc.wait(timeout) == 0, "NN worker failed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_restore_equals_uninterrupted(tmp_path, kafka_broker, kafka_topic):
+    topic = kafka_topic(1)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+    with DataCtx(kafka_bootstrap_servers=kafka_broker.bootstrap_servers,
+                 global_config=GlobalConfig(kafka=KafkaConfig(samples_topic=topic)),
+                 max_inflight=1) as dc:
+        for i in range(N):
+            dc.send_data(make_batch(i, seed=3))
+
+    # 1. Uninterrupted: N batches.
+    full = Job(tmp_path, "full", kafka_broker.bootstrap_servers, topic)
+    try:
+        _finish(full.nn(tmp_path / "full", str(N)))
+        full_rows = full.embedding_rows(tmp_path / "full-dump")
+    finally:
+        full.worker.stop()
+        full.server.stop()
+
+    # 2. Checkpoint after batch K, train on, then kill every process.
+    ck = tmp_path / "ck"
+    part = Job(tmp_path, "part", kafka_broker.bootstrap_servers, topic)
+    nn = part.nn(tmp_path / "part", str(N + 100), "--checkpoint-at", str(K), "--ckpt", str(ck))
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "part" / "checkpointed").exists():
+        assert nn.poll() is None and time.monotonic() < deadline, "no checkpoint was taken"
+        time.sleep(0.05)
+    while len(json.loads((tmp_path / "part" / "metas.json").read_text())) < K + 2:
+        time.sleep(0.05)          # trained past the cut: that work must not survive
+    nn.kill()
+    nn.wait()
+    part.kill()
+
+    # 3. Fresh processes restore the checkpoint and finish the N batches.
+    rest = Job(tmp_path, "rest", kafka_broker.bootstrap_servers, topic)
+    try:
+        _finish(rest.nn(tmp_path / "rest", str(N - K), "--restore", str(ck)))
+        rest_rows = rest.embedding_rows(tmp_path / "rest-dump")
+    finally:
+        rest.worker.stop()
+        rest.server.stop()
+
+    full_metas = json.loads((tmp_path / "full" / "metas.json").read_text())
+    part_metas = json.loads((tmp_path / "part" / "metas.json").read_text())[:K]
+    rest_metas = json.loads((tmp_path / "rest" / "metas.json").read_text())
+    assert full_metas == [f"batch-{i}" for i in range(N)]
+    assert part_metas + rest_metas == full_metas, "every batch trained exactly once"
+
+    dense_full = torch.load(tmp_path / "full" / "dense.pt")
+    dense_rest = torch.load(tmp_path / "rest" / "dense.pt")
+    for name, value in dense_full.items():
+        torch.testing.assert_close(dense_rest[name], value, atol=1e-6, rtol=0)
+    assert set(rest_rows) == set(full_rows) and len(full_rows) > 100
+    for x, (w, s) in full_rows.items():
+        np.testing.assert_allclose(rest_rows[x][0], w, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(rest_rows[x][1], s, atol=1e-6, rtol=0)
