@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 import stream_persia
+from api.auth import document_security
 from api.checkpoints import Checkpoints
 from api.errors import install_error_handlers
 from api.limits import BodySizeLimit
@@ -106,7 +107,21 @@ def create_app(settings: ApiSettings | None = None, *, checkpoints_factory=None)
     # Inference first: routes are matched in order and /v1/predict is the hot one.
     for module in (predict, health, control, checkpoints):
         app.include_router(module.router)
+    _document_security(app, settings)
     return app
+
+
+def _document_security(app: FastAPI, settings: ApiSettings) -> None:
+    """Generate the OpenAPI document with the authentication this instance enforces."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = document_security(generate(), settings.token,
+                                                   settings.predict_requires_token)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]   # FastAPI's documented hook
 
 
 def _env_global_config() -> bool:

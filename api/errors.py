@@ -5,12 +5,14 @@ error                             status  why
 ================================  ======  =========================================
 BadInput (WireError, ConfigError)  422    the request is wrong; ``field`` names where
 request validation (pydantic)      422    same body; ``field`` is the dotted location
+body not JSON / not UTF-8          422    ``field`` is ``body`` (FastAPI would say 400)
 BodyTooLarge / too many rows       413    limits of :class:`~api.settings.ApiSettings`
 Misuse                             409    the job is not in a state that allows it
 PeerUnavailable, RemoteTimeout     503    a role is down or slow: retry later
 Backpressure, NotReady             503    a buffer is full / no model yet: retry later
 other RemoteError                  502    a role answered with a failure
 InternalError, anything else       500    a bug (logged with its traceback)
+method not allowed                 405    ``Allow`` lists every method of the path
 ================================  ======  =========================================
 
 Body: ``{"error": {"kind", "type", "message", "field", "hint", "peer"}}`` (see
@@ -20,12 +22,14 @@ Body: ``{"error": {"kind", "type", "message", "field", "hint", "peer"}}`` (see
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from stream_persia.errors import (
     Backpressure,
@@ -94,6 +98,25 @@ def _loc(loc: Any) -> str:
     return ".".join(str(p) for p in loc) if isinstance(loc, (list, tuple)) else str(loc)
 
 
+def _leaf_routes(app: FastAPI) -> Iterable[Any]:
+    try:   # FastAPI >= 0.16x keeps included routers as branches; this walks their leaves
+        from fastapi.routing import iter_route_contexts
+    except ImportError:
+        return app.router.routes
+    return iter_route_contexts(app.router.routes)
+
+
+def _allowed_methods(request: Request) -> str | None:
+    """Every method of every route whose path matches: Starlette's 405 names only the first
+    matching route's methods (``/v1/checkpoints`` has a GET and a POST route)."""
+    methods: set[str] = set()
+    for route in _leaf_routes(request.app):
+        match, _ = route.matches(dict(request.scope))
+        if match != Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods)) or None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the mapping above on ``app``."""
 
@@ -115,12 +138,23 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        status, headers = err.status_code, err.headers
+        if status == 400:
+            # FastAPI's body reader: the body is not text (UnicodeDecodeError) or otherwise
+            # unreadable. The request is wrong like any other invalid body: 422, as documented.
+            body = error_body("bad_input", f"body: {err.detail} (it must be UTF-8 JSON)",
+                              type_="RequestValidationError", field="body",
+                              hint="send a UTF-8 JSON body matching the schema in /docs")
+            return JSONResponse(body, status_code=422)
+        if status == 405 and False:
+            allow = _allowed_methods(request)
+            if allow:
+                headers = {**(headers or {}), "Allow": allow}
         kinds = {401: "unauthorized", 403: "forbidden", 404: "not_found",
                  405: "method_not_allowed", 413: "too_large"}
-        body = error_body(kinds.get(err.status_code, "http"), str(err.detail),
-                          type_="HTTPException",
-                          field="body" if err.status_code in (413, 415) else None)
-        return JSONResponse(body, status_code=err.status_code, headers=err.headers)
+        body = error_body(kinds.get(status, "http"), str(err.detail), type_="HTTPException",
+                          field="body" if status in (413, 415) else None)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception) -> JSONResponse:

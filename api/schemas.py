@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 __all__ = [
     "ErrorInfo", "ErrorBody", "Liveness", "RoleHealth", "ModelInfo", "Readiness",
@@ -14,6 +14,11 @@ __all__ = [
     "CheckpointInfo", "CheckpointList", "RestoreRequest", "RestoreResult", "ERRORS",
     "CHECKPOINT_ID_PATTERN",
 ]
+
+
+#: a JSON number for a float field: ints are taken (1 -> 1.0), but not ``false`` or ``"1"``,
+#: which pydantic's lax mode would coerce (request bodies are checked strictly).
+Number = Annotated[float, Field(strict=True)]
 
 
 def _example(example: dict[str, Any]) -> ConfigDict:
@@ -50,6 +55,7 @@ def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 ERRORS = {
     "control": _responses(401, 403, 409, 422, 502, 503),
     "public": _responses(422),
+    "auth": _responses(401, 403),
     "predict": _responses(401, 403, 409, 413, 415, 422, 502, 503),
     "checkpoint": _responses(401, 403, 404, 409, 422, 502, 503),
 }
@@ -169,9 +175,9 @@ class EmbeddingConfigRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"emb_initialization": [-0.01, 0.01], "admit_probability": 1.0, "weight_bound": 10.0},
         {"optimizer": {"name": "adagrad", "lr": 0.01}}]})
-    emb_initialization: tuple[float, float] | None = None
-    admit_probability: float | None = Field(None, ge=0.0, le=1.0)
-    weight_bound: float | None = Field(None, gt=0.0)
+    emb_initialization: tuple[Number, Number] | None = None
+    admit_probability: Number | None = Field(None, ge=0.0, le=1.0)
+    weight_bound: Number | None = Field(None, gt=0.0)
     optimizer: OptimizerSpec | None = None
 
 
@@ -277,7 +283,7 @@ class CheckpointList(BaseModel):
 class RestoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"reload_model": True}]})
-    reload_model: bool = Field(True, description="also serve this checkpoint's dense model")
+    reload_model: StrictBool = Field(True, description="also serve this checkpoint's dense model")
 
 
 class RestoreResult(BaseModel):

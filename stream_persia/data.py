@@ -171,6 +171,7 @@ class DataLoader:
                 if not ctx._all_ranks_agree(batch is not None):
                     if batch is None:
                         log.info("no batch for %d ms: the DataLoader stops", self.timeout_ms)
+                    ctx._stream_ended()   # serve a pending HTTP checkpoint request now
                     break
                 count += 1
                 yield batch

@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
-from api.auth import require_predict_token, require_token
+from api.auth import PREDICT_AUTH_MARK, require_predict_token, require_token
 from api.errors import NotReady
 from api.features import JSON_TYPES, MSGPACK_TYPES, parse_json, parse_msgpack
 from api.predictor import Prediction, predictions_json
-from api.schemas import ERRORS, ModelInfo, PredictRequest, PredictResponse, ReloadRequest
+from api.schemas import ERRORS, ErrorBody, ModelInfo, PredictRequest, PredictResponse, ReloadRequest
 from stream_persia import wire
 
 router = APIRouter(prefix="/v1", tags=["inference"])
@@ -41,7 +41,7 @@ def _response(request: Request, p: Prediction) -> Response:
 @router.post(
     "/predict", response_model=PredictResponse, summary="Score samples with the served model",
     dependencies=[Depends(require_predict_token)], responses=ERRORS["predict"],
-    openapi_extra={"requestBody": {"required": True, "content": {
+    openapi_extra={PREDICT_AUTH_MARK: True, "requestBody": {"required": True, "content": {
         "application/json": {"schema": _REQUEST_SCHEMA},
         "application/msgpack": {"schema": {"type": "string", "format": "binary",
                                            "description": _MSGPACK_NOTE}}}}})
@@ -72,7 +72,9 @@ async def predict(request: Request) -> Response:
 
 @router.get("/model", response_model=ModelInfo, summary="The model being served",
             dependencies=[Depends(require_predict_token)],
-            responses={503: {"description": "no model loaded"}} | ERRORS["public"])
+            openapi_extra={PREDICT_AUTH_MARK: True},
+            responses={503: {"model": ErrorBody, "description": "no model loaded"}}
+            | ERRORS["auth"] | ERRORS["public"])
 async def model_info(request: Request) -> ModelInfo:
     """Version (checkpoint id), path, training step, kind and heads of the served model."""
     info = request.app.state.predictor.info()

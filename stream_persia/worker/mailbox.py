@@ -237,6 +237,7 @@ class NnCheckpointPoller:
             "with_jit_model": "if_possible"}
         self.enabled = True            # rank 0: False once worker 0 turned out mailbox-less
         self.taken: list[str] = []     # ids of the checkpoints taken here, in order
+        self._seen: set[str] = set()   # ids claimed or refused: a late offer is ignored
         self._offer: dict[str, Any] | None = None    # written by the loop thread
         self._sent = -math.inf
         self._inflight: Any = None     # the heartbeat future in flight, if any
@@ -274,7 +275,7 @@ class NnCheckpointPoller:
             return
         offer = reply.get("checkpoint") if isinstance(reply, dict) else None
         # A reply sent before our "running" report may offer a request taken already.
-        if isinstance(offer, dict) and offer.get("id") not in self.taken:
+        if isinstance(offer, dict) and offer.get("id") not in self._seen:
             self._offer = offer
         else:
             self._offer = None
@@ -329,22 +330,36 @@ class NnCheckpointPoller:
             if self.enabled and time.monotonic() - self._sent >= self.min_interval_s and (
                     self._inflight is None or self._inflight.done()):
                 self._send_heartbeat()
-            request = self._offer
+            if self._offer is not None:
+                request = self._claim(self._offer)
         if multi:
             request = self._agree(request)
         return self._take(request) if request is not None else None
+
+    def _claim(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        """Rank 0: report the request running, which makes it ours; None when the mailbox
+        refuses (it expired meanwhile, and the API may be taking it itself)."""
+        ident = request["id"]
+        self._seen.add(ident)
+        self._offer = None
+        try:
+            self._call("checkpoint_report", {"id": ident, "state": "running",
+                                             "step": int(self.ctx.steps),
+                                             "progress": {"phase": "quiescing"}})
+        except PersiaError as e:
+            log.warning("checkpoint %s requested over HTTP is not taken: %s", ident, e)
+            return None
+        return request
 
     def _take(self, request: dict[str, Any]) -> str:
         from stream_persia.nn import checkpointing
 
         ident, dst = request["id"], request["dst"]
         self.taken.append(ident)
-        self._offer = None
+        self._seen.add(ident)
         step = int(self.ctx.steps)
         rank0 = self._rank0
         if rank0:
-            self._report({"id": ident, "state": "running", "step": step,
-                          "progress": {"phase": "quiescing"}}, wait=True)
             log.info("taking checkpoint %s requested over HTTP at step %d into %s",
                      ident, step, dst)
 
@@ -387,13 +402,13 @@ class NnCheckpointPoller:
                 reply = self._call("nn_heartbeat", {
                     "rank": 0, "world_size": int(getattr(self.ctx, "world_size", 1)),
                     "step": int(self.ctx.steps)}, timeout_s=5)
-                request = reply.get("checkpoint") if isinstance(reply, dict) else None
+                offer = reply.get("checkpoint") if isinstance(reply, dict) else None
+                if isinstance(offer, dict) and offer.get("id") not in self._seen:
+                    request = self._claim(offer)
             except PersiaError as e:
                 log.debug("checkpoint mailbox heartbeat: %r", e)
         request = self._agree(request)
-        if request is None or request.get("id") in self.taken:
-            return None
-        return self._take(request)
+        return self._take(request) if request is not None else None
 
     def detach(self, clean: bool) -> None:
         """The context exits: serve a pending request (clean exit), then say goodbye."""

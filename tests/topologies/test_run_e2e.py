@@ -103,3 +103,29 @@ def test_bad_topology_is_exit_2(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "topology.yml" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_taobao_ple_through_kafka(tmp_path, kafka_broker, kafka_topic):
+    topic = kafka_topic(4)
+    report = run("taobao_ple", tmp_path, "--samples", "8192", "--eval-samples", "4000",
+                 "--predict-samples", "1024", "--no-gates",
+                 "--kafka", kafka_broker.bootstrap_servers, "--topic", topic)
+    check_report(report, ["click", "buy"], 8192, learned=False)
+    manifest = json.loads((Path(report["checkpoint"]) / "manifest.json").read_text())
+    assert manifest["stream"] == "kafka" and manifest["offsets"][topic]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.skipif(not ADULT.is_dir(), reason=f"the UCI Adult data is not at {ADULT}")
+def test_adult_income_through_kafka(tmp_path, kafka_broker, kafka_topic):
+    topic = kafka_topic(4)
+    report = run("adult_income", tmp_path, "--samples", "8192", "--epochs", "1",
+                 "--predict-samples", "1024", "--no-gates",
+                 "--kafka", kafka_broker.bootstrap_servers, "--topic", topic)
+    check_report(report, ["income"], 8192)
+    manifest = json.loads((Path(report["checkpoint"]) / "manifest.json").read_text())
+    assert manifest["stream"] == "kafka"
+    assert sum(manifest["offsets"][topic].values()) == 64      # 8192 / 128 batches
