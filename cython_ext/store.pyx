@@ -21,7 +21,7 @@ store is bound by memory latency, so the batched loops prefetch a few ids ahead 
 slot, then entry, then row and LRU neighbours) and eviction prefetches the next victims.
 Table slots are 8 per cache line and a probe often runs past the home slot's line (to the
 empty slot ending a miss, or through the shift back after a deletion), so both fetch the
-following line too: that took a third of the eviction's time (measured).
+following line too (about 5% more lookups per second in load_tests/bench_store.py).
 The optimizer kernels are C compiled without floating-point contraction so that they
 perform the same float32 operations as the numpy reference in ``optim.py``. Every batched
 loop runs with the GIL released. A store is not thread-safe: a second call while one is
@@ -314,12 +314,6 @@ cdef enum:
     PF_ROW = 12
     FREE_ARENA = 0xFFFF
 
-cdef int G_MODE = 0
-
-def _tune(int mode):
-    global G_MODE
-    G_MODE = mode
-
 cdef inline float* row_ptr(const Arena *a, uint32_t r) noexcept nogil:
     return a.blocks[r >> a.shift] + <size_t>(r & ((<uint32_t>1 << a.shift) - 1)) * a.stride
 
@@ -572,7 +566,7 @@ cdef class CEmbeddingStore:
             p.h[j & (RING - 1)] = h
             s = h >> sh
             sp_prefetch(&self.table[s])
-            if (G_MODE == 0 and (s & 7)) or (G_MODE == 2 and (s & 7) >= 4) or (G_MODE == 3 and p.links and (s & 7)):
+            if s & 7:  # the probe (to an empty slot, on a miss) may run into the next line
                 sp_prefetch(&self.table[(s + 7) & ((<uint32_t>1 << self.tbits) - 1)])
         j = i + PF_ENTRY
         if 0 <= j < p.n:
