@@ -146,7 +146,7 @@ def install_error_handlers(app: FastAPI) -> None:
                               type_="RequestValidationError", field="body",
                               hint="send a UTF-8 JSON body matching the schema in /docs")
             return JSONResponse(body, status_code=422)
-        if status == 405 and False:
+        if status == 405:
             allow = _allowed_methods(request)
             if allow:
                 headers = {**(headers or {}), "Allow": allow}

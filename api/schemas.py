@@ -19,6 +19,8 @@ __all__ = [
 #: a JSON number for a float field: ints are taken (1 -> 1.0), but not ``false`` or ``"1"``,
 #: which pydantic's lax mode would coerce (request bodies are checked strictly).
 Number = Annotated[float, Field(strict=True)]
+#: a Number the embedding tables (float32) can hold
+Float32 = Annotated[float, Field(strict=True, ge=-3.4e38, le=3.4e38)]
 
 
 def _example(example: dict[str, Any]) -> ConfigDict:
@@ -175,9 +177,9 @@ class EmbeddingConfigRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"emb_initialization": [-0.01, 0.01], "admit_probability": 1.0, "weight_bound": 10.0},
         {"optimizer": {"name": "adagrad", "lr": 0.01}}]})
-    emb_initialization: tuple[Number, Number] | None = None
+    emb_initialization: tuple[Float32, Float32] | None = None
     admit_probability: Number | None = Field(None, ge=0.0, le=1.0)
-    weight_bound: Number | None = Field(None, gt=0.0)
+    weight_bound: Float32 | None = Field(None, gt=0.0)
     optimizer: OptimizerSpec | None = None
 
 
