@@ -129,3 +129,39 @@ def test_adult_income_through_kafka(tmp_path, kafka_broker, kafka_topic):
     manifest = json.loads((Path(report["checkpoint"]) / "manifest.json").read_text())
     assert manifest["stream"] == "kafka"
     assert sum(manifest["offsets"][topic].values()) == 64      # 8192 / 128 batches
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_checkpoints_then_stops(tmp_path):
+    """SIGINT while training: a consistent checkpoint is taken over the API, then every
+    role stops and the run exits 130."""
+    import os
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "stream_persia.cli", "run", "topologies/synthetic_ctr",
+           "--samples", "2000000", "--eval-samples", "2000", "--output-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:          # wait until training is under way
+            assert proc.poll() is None and time.monotonic() < deadline, "run ended early"
+            try:
+                if json.loads((tmp_path / "metrics.json").read_text())["train"]["samples"]:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out
+    manifests = list((tmp_path / "checkpoints").glob("*/manifest.json"))
+    assert len(manifests) == 1, out
+    manifest = json.loads(manifests[0].read_text())
+    assert manifest["extra"]["by"] == "nn" and manifest["embedding_files"], manifest
+    assert "dense.pt" in manifest["files"]
