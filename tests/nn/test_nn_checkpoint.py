@@ -59,7 +59,7 @@ def test_checkpoint_cut_and_restore(job_factory, tmp_path):
                 # Let the prefetcher get ahead (staleness 4), so the cut has served but
                 # untrained batches to give back; on a busy machine it may lag.
                 deadline = time.monotonic() + 10
-                while not job.workers[0].inflight and time.monotonic() < deadline:
+                while ctx.stats()["served"] <= len(metas) and time.monotonic() < deadline:
                     time.sleep(0.01)
                 ctx.dump_checkpoint(ck, with_jit_model=True)
                 # (Nothing was in flight at the cut: rank 0 refuses to commit otherwise.
