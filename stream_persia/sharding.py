@@ -22,7 +22,7 @@ import numpy as np
 
 from stream_persia.errors import BadInput, Misuse
 
-__all__ = ["stable_hash64", "shard_of", "split_by_shard", "ShardSplit", "static_partitions"]
+__all__ = ["mix64_inplace", "stable_hash64", "shard_of", "split_by_shard", "ShardSplit", "static_partitions"]
 
 _INCREMENT = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -52,12 +52,14 @@ def _check_num_shards(num_shards: int) -> int:
     return n
 
 
-def stable_hash64(ids: np.ndarray) -> np.ndarray:
-    """SplitMix64 mix of each id: a new uint64 array of the same shape. Fixed forever."""
-    z = _as_uint64(ids)
-    tmp = np.empty_like(z, dtype=np.uint64)
+def mix64_inplace(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser applied in place to a uint64 array the caller owns; returns it.
+
+    The one implementation of the mixer: the shard hash, the hash stack of the embedding
+    worker and the pure-Python store's initialisation all use it.
+    """
+    tmp = np.empty_like(z)
     with np.errstate(over="ignore"):  # uint64 arithmetic is meant to wrap modulo 2**64
-        z = np.add(z, _INCREMENT, dtype=np.uint64)  # a copy: the input is never modified
         np.right_shift(z, _S30, out=tmp)
         z ^= tmp
         z *= _MUL1
@@ -67,6 +69,13 @@ def stable_hash64(ids: np.ndarray) -> np.ndarray:
         np.right_shift(z, _S31, out=tmp)
         z ^= tmp
     return z
+
+
+def stable_hash64(ids: np.ndarray) -> np.ndarray:
+    """SplitMix64 mix of each id: a new uint64 array of the same shape. Fixed forever."""
+    with np.errstate(over="ignore"):
+        z = np.add(_as_uint64(ids), _INCREMENT, dtype=np.uint64)  # a copy: input untouched
+    return mix64_inplace(z)
 
 
 def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:

@@ -32,6 +32,7 @@ import numpy as np
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Optimizer, as_optimizer
 from stream_persia.errors import BadInput, Misuse
+from stream_persia.sharding import stable_hash64
 
 __all__ = ["PyEmbeddingStore", "mix64", "initial_rows", "admit_uniform"]
 
@@ -43,11 +44,8 @@ DUMP_CHUNK_ROWS = 65536
 
 
 def mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
-    z = np.asarray(z, np.uint64) + np.uint64(_GOLDEN)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
-    return z ^ (z >> np.uint64(31))
+    """splitmix64 of a uint64 array (wrapping arithmetic): the shard hash's function."""
+    return stable_hash64(z)
 
 
 def _mix64_int(z: int) -> int:

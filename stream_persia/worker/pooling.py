@@ -47,7 +47,9 @@ from typing import Any
 
 import numpy as np
 
+from stream_persia.config.embedding import apply_index_prefix
 from stream_persia.errors import BadInput, ConfigError, Misuse
+from stream_persia.sharding import mix64_inplace
 
 __all__ = [
     "SEGMENT_SUM_IMPLEMENTATION", "BatchGradients", "MergedLookup", "SlotOutput", "SlotPlan",
@@ -77,27 +79,14 @@ if SEGMENT_SUM_IMPLEMENTATION == "torch":
 
 # splitmix64's increment and finaliser constants. Fixed forever: changing them moves every
 # hash-stacked id to another bucket and invalidates checkpoints that used hash stacks.
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)   # SplitMix64's increment: one seed per round
 
 
 # ---------------------------------------------------------------------------- id transforms
 def prefix_ids(ids: np.ndarray, prefix_bits: int, index_prefix: int) -> np.ndarray:
-    """PERSIA's slot prefix: ``id % (2**(64-b) - 1) + index_prefix`` on uint64.
-
-    ``index_prefix`` is the slot's ``(group_index + 1) << (64 - b)``. With ``b == 0`` (or a
-    zero prefix, as :func:`stream_persia.config.embedding.apply_index_prefix` does) the ids
-    come back unchanged.
-    """
-    if prefix_bits == 0 or index_prefix == 0:
-        return ids
-    modulus = np.uint64((1 << (64 - prefix_bits)) - 1)
-    # uint64 division is ~30x slower than a max, and ids below the modulus (any id space
-    # of fewer than 2**(64-b) - 1 values) are left unchanged by it.
-    if len(ids) and ids.max() >= modulus:
-        ids = np.remainder(ids, modulus)
-    return ids + np.uint64(index_prefix)
+    """PERSIA's slot prefix (``id % (2**(64-b) - 1) + index_prefix``): the worker's argument
+    order for :func:`stream_persia.config.embedding.apply_index_prefix`."""
+    return apply_index_prefix(ids, index_prefix, prefix_bits)
 
 
 def hash_stack(ids: np.ndarray, rounds: int, embedding_size: int) -> np.ndarray:
@@ -110,12 +99,7 @@ def hash_stack(ids: np.ndarray, rounds: int, embedding_size: int) -> np.ndarray:
     """
     ids = np.asarray(ids, dtype=np.uint64)
     seeds = _GAMMA * np.arange(1, rounds + 1, dtype=np.uint64)
-    z = ids[:, None] + seeds  # uint64 array arithmetic wraps silently, as intended
-    z ^= z >> np.uint64(30)
-    z *= _MIX1
-    z ^= z >> np.uint64(27)
-    z *= _MIX2
-    z ^= z >> np.uint64(31)
+    z = mix64_inplace(ids[:, None] + seeds)  # uint64 arithmetic wraps, as intended
     z %= np.uint64(embedding_size)
     z += np.arange(rounds, dtype=np.uint64) * np.uint64(embedding_size)
     return z
