@@ -56,16 +56,21 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="index of this replica (env REPLICA_INDEX; default 0)")
     p.add_argument("--replica-size", type=int, default=_env_int("REPLICA_SIZE", 1),
                    help="number of replicas of this role (env REPLICA_SIZE; default 1)")
-    p.add_argument("--embedding-config", default=os.environ.get("PERSIA_EMBEDDING_CONFIG"),
-                   help="embedding_config.yml (env PERSIA_EMBEDDING_CONFIG)")
-    p.add_argument("--global-config", default=os.environ.get("PERSIA_GLOBAL_CONFIG"),
-                   help="global_config.yml (env PERSIA_GLOBAL_CONFIG)")
+    _add_configs(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="RPC port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (default: off)")
     p.add_argument("--ready-file", default=None,
                    help="write host:port here once listening (used by `run` and tests)")
+
+
+def _add_configs(p: argparse.ArgumentParser) -> None:
+    """The config paths and log level every role takes (PERSIA's variables)."""
+    p.add_argument("--embedding-config", default=os.environ.get("PERSIA_EMBEDDING_CONFIG"),
+                   help="embedding_config.yml (env PERSIA_EMBEDDING_CONFIG)")
+    p.add_argument("--global-config", default=os.environ.get("PERSIA_GLOBAL_CONFIG"),
+                   help="global_config.yml (env PERSIA_GLOBAL_CONFIG)")
     p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
 
 
@@ -148,11 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rendezvous port (env MASTER_PORT; one node: a free port)")
     nw.add_argument("--embedding-workers", default=os.environ.get("PERSIA_EMBEDDING_WORKERS"),
                     help="host:port of the embedding workers (env PERSIA_EMBEDDING_WORKERS)")
-    nw.add_argument("--embedding-config", default=os.environ.get("PERSIA_EMBEDDING_CONFIG"),
-                    help="embedding_config.yml (env PERSIA_EMBEDDING_CONFIG)")
-    nw.add_argument("--global-config", default=os.environ.get("PERSIA_GLOBAL_CONFIG"),
-                    help="global_config.yml (env PERSIA_GLOBAL_CONFIG)")
-    nw.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
+    _add_configs(nw)
 
     from stream_persia import produce
 

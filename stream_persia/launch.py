@@ -173,14 +173,18 @@ def embedding_worker(args: argparse.Namespace) -> int:
     return aio.run(main())
 
 
+def entry_script(entry: str | None, what: str, env: str) -> Path:
+    """The user script a role runs (a flag, else PERSIA's environment variable ``env``)."""
+    if not entry:
+        raise ConfigError(f"no {what} script: pass it as an argument or set {env}", field=env)
+    path = Path(entry)
+    if not path.is_file():
+        raise ConfigError(f"{what} script {path} does not exist", field=env)
+    return path
+
+
 def data_loader(args: argparse.Namespace) -> int:
-    if not args.entry:
-        raise ConfigError("no data loader script: pass it as an argument or set "
-                          "PERSIA_DATALOADER_ENTRY", field="PERSIA_DATALOADER_ENTRY")
-    entry = Path(args.entry)
-    if not entry.is_file():
-        raise ConfigError(f"data loader script {entry} does not exist",
-                          field="PERSIA_DATALOADER_ENTRY")
+    entry = entry_script(args.entry, "data loader", "PERSIA_DATALOADER_ENTRY")
     # The script builds DataCtx(), which reads these (PERSIA's variable names first).
     os.environ["REPLICA_INDEX"] = str(args.replica_index)
     os.environ["REPLICA_SIZE"] = str(args.replica_size)
@@ -200,13 +204,7 @@ def data_loader(args: argparse.Namespace) -> int:
 
 def nn_worker_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line that ``launch nn-worker`` runs (static rendezvous)."""
-    if not args.entry:
-        raise ConfigError("no NN worker script: pass it as an argument or set "
-                          "PERSIA_NN_WORKER_ENTRY", field="PERSIA_NN_WORKER_ENTRY")
-    entry = Path(args.entry)
-    if not entry.is_file():
-        raise ConfigError(f"NN worker script {entry} does not exist",
-                          field="PERSIA_NN_WORKER_ENTRY")
+    entry = entry_script(args.entry, "NN worker", "PERSIA_NN_WORKER_ENTRY")
     for name, value, lo in (("--nproc-per-node", args.nproc_per_node, 1),
                             ("--nnodes", args.nnodes, 1), ("--node-rank", args.node_rank, 0)):
         if value < lo:
