@@ -9,6 +9,7 @@ owner.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +50,7 @@ class RoleProcess:
 
     def start(self) -> RoleProcess:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        Path(self._dir).mkdir(parents=True, exist_ok=True)   # again after a stop()
         self.ready_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "stream_persia.cli", "launch", self.role, *self.args]
         if self.listens:
@@ -98,7 +100,15 @@ class RoleProcess:
                 self.proc.wait()
             except ProcessLookupError:
                 pass
+        self._cleanup()
         return self.proc.returncode
+
+    def _cleanup(self) -> None:
+        """Remove the temp dir, keeping it only when it holds the log of a failed role."""
+        log_inside = self.log_path.parent == Path(self._dir)
+        if log_inside and self.proc is not None and self.proc.returncode not in (0, None):
+            return
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> RoleProcess:
         self.start()
