@@ -177,16 +177,26 @@ class EmbeddingWorker:
     def reject(self, reason: str) -> None:
         self.m_rejected.labels(reason).inc()
 
-    async def _ingest(self, params: Any) -> dict:
-        if not isinstance(params, dict) or not isinstance(params.get("batch"), dict):
-            raise BadInput("ingest needs {'batch': <PersiaBatch wire dict>}", field="batch")
-        timeout_ms = params.get("timeout_ms", self.ingest_timeout_ms)
-        if not isinstance(timeout_ms, (int, float)) or timeout_ms < 0:
-            raise BadInput(f"timeout_ms must be a number >= 0, got {timeout_ms!r}",
+    @staticmethod
+    def _timeout_ms(params: Any, default: float) -> float:
+        value = params.get("timeout_ms", default) if isinstance(params, dict) else default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise BadInput(f"timeout_ms must be a number >= 0, got {value!r}",
                            field="timeout_ms")
+        return float(value)
+
+    @staticmethod
+    def _batch_param(params: Any, method: str) -> PersiaBatch:
+        """The (fully validated) batch of an ``ingest`` or ``lookup_batch`` request."""
+        if not isinstance(params, dict) or not isinstance(params.get("batch"), dict):
+            raise BadInput(f"{method} needs {{'batch': <PersiaBatch wire dict>}}",
+                           field="batch")
+        return PersiaBatch.from_wire(params["batch"])
+
+    async def _ingest(self, params: Any) -> dict:
+        timeout_ms = self._timeout_ms(params, self.ingest_timeout_ms)
         try:
-            batch = PersiaBatch.from_wire(params["batch"])
-            pb = self.prepare(batch)
+            pb = self.prepare(self._batch_param(params, "ingest"))
         except BadInput as e:
             self.reject(type(e).__name__)
             raise
@@ -243,10 +253,7 @@ class EmbeddingWorker:
         }
 
     async def _next_batch(self, params: Any) -> dict | None:
-        timeout_ms = (params or {}).get("timeout_ms", 1000) if isinstance(params, dict) else 1000
-        if not isinstance(timeout_ms, (int, float)) or timeout_ms < 0:
-            raise BadInput(f"timeout_ms must be a number >= 0, got {timeout_ms!r}",
-                           field="timeout_ms")
+        timeout_ms = self._timeout_ms(params, 1000)
         deadline = time.monotonic() + timeout_ms / 1000.0
         # Room for one more in-flight batch first, so a batch is never taken off the ready
         # buffer only to wait there.
@@ -275,13 +282,10 @@ class EmbeddingWorker:
         return self._served(pb, embeddings)
 
     async def _lookup_batch(self, params: Any) -> dict:
-        if not isinstance(params, dict) or not isinstance(params.get("batch"), dict):
-            raise BadInput("lookup_batch needs {'batch': <PersiaBatch wire dict>}",
-                           field="batch")
+        batch = self._batch_param(params, "lookup_batch")
         mode = params.get("mode", "eval")
         if mode not in ("eval", "infer"):
             raise BadInput(f"mode must be 'eval' or 'infer', got {mode!r}", field="mode")
-        batch = PersiaBatch.from_wire(params["batch"])
         plans = pooling.plan_batch(batch.id_type_features, self.schema, requires_grad=False)
         pb = PendingBatch(-1, batch, plans)
         served = self._served(pb, await self._embed(pb, mode))

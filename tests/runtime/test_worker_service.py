@@ -162,3 +162,12 @@ async def test_ready_buffer_is_bounded_and_ingest_waits(job):
                                              "grads": dict.fromkeys(("user", "item", "tags"))})
     assert metas == [b"batch-0", b"batch-1", b"batch-2", b"batch-4"]
     assert await client.call("next_batch", {"timeout_ms": 50}) is None
+
+
+async def test_timeout_must_be_a_number_not_a_bool(job):
+    servers, worker, client = job
+    for method, params in (("next_batch", {"timeout_ms": True}),
+                           ("ingest", {"batch": make_batch(0).to_wire(), "timeout_ms": "1"})):
+        with pytest.raises(BadInput) as err:
+            await client.call(method, params)
+        assert err.value.field == "timeout_ms"
