@@ -11,7 +11,10 @@ RPC methods (params → result):
 - ``health`` → ``{"ok", "role", "replica_index", "replica_size", "rows", "implementation"}``
 - ``lookup {"mode": "train"|"eval"|"infer", "groups": [{"dim", "ids"}]}`` →
   ``{"rows": [float32 (n, dim)], "missing": int}`` (one entry per group, in order;
-  ``missing`` counts ids absent from the store; eval/infer never insert or refresh)
+  ``missing`` counts ids absent from the store; eval/infer never insert or refresh). A
+  group with ``"index"`` (int32) and ``"offsets"`` (int64) is a pooled lookup
+  (:mod:`stream_persia.segments`): its entry is the ``(len(offsets) - 1, dim)`` segment
+  sums of the rows instead of the rows.
 - ``update {"groups": [{"dim", "ids", "grads"}]}`` → ``{"applied": int, "dropped": int}``
 - ``size`` → int, ``clear`` → None, ``stats`` → dict
 - ``configure {"optimizer": dict | None, "embedding_config": dict | None}`` → None
@@ -38,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from stream_persia import wire
+from stream_persia import segments, wire
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding import optim as optim_mod
 from stream_persia.embedding.store import IMPLEMENTATION, EmbeddingStore
@@ -82,6 +85,17 @@ def _dim(group: dict, where: str) -> int:
         raise BadInput(f"{where}.dim must be an int in [1, 65536], got {dim!r}",
                        field=f"{where}.dim")
     return dim
+
+
+def _lookup_group(group: Any, where: str
+                  ) -> tuple[int, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """(dim, ids, (index, offsets) of a pooled lookup or None), validated."""
+    dim, ids = _dim(group, where), _ids(group, where)
+    if "index" not in group and "offsets" not in group:
+        return dim, ids, None
+    index, offsets = group.get("index"), group.get("offsets")
+    segments.check_pooled(len(ids), index, offsets, where)
+    return dim, ids, (index, offsets)
 
 
 class EmbeddingServer:
@@ -148,16 +162,16 @@ class EmbeddingServer:
         if mode not in MODES:
             raise BadInput(f"mode must be one of {MODES}, got {mode!r}", field="mode")
         groups = _require(params, "groups", list)
-        checked = [(_dim(g, f"groups[{i}]"), _ids(g, f"groups[{i}]"))
-                   for i, g in enumerate(groups)]
+        checked = [_lookup_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
         train = mode == "train"
 
         def run() -> dict:
             rows, missing = [], 0
-            for dim, ids in checked:
+            for dim, ids, pooled in checked:
                 if not train:
                     missing += int(ids.size - np.count_nonzero(self.store.contains(ids)))
-                rows.append(self.store.lookup(ids, dim, train))
+                found = self.store.lookup(ids, dim, train)
+                rows.append(found if pooled is None else segments.pool(found, *pooled))
             return {"rows": rows, "missing": missing}
 
         return await self._run(run)

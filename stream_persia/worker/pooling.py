@@ -1,6 +1,9 @@
 """The embedding worker's pure logic: lookup planning, pooling and gradient reduction.
 
-No I/O here. The worker's async layer calls, per batch::
+The embedding worker plans batches with :mod:`stream_persia.worker.batchplan`, which sends
+plain summation slots to the servers as pooled lookups and uses this module for raw and
+hash-stacked slots; the API's local store pools whole batches with it. No I/O here. Per
+batch::
 
     plans = plan_batch(batch.id_type_features, schema)       # per slot: what to look up
     merged = merge_lookups(plans)                            # one id array per dim
@@ -53,8 +56,9 @@ from stream_persia.sharding import mix64_inplace
 
 __all__ = [
     "SEGMENT_SUM_IMPLEMENTATION", "BatchGradients", "MergedLookup", "SlotOutput", "SlotPlan",
-    "hash_stack", "is_finite", "merge_lookups", "plan_batch", "plan_slot", "pool",
-    "pool_batch", "prefix_ids", "reduce_batch_gradients", "reduce_gradients", "segment_sum",
+    "hash_stack", "is_finite", "merge_gradients", "merge_lookups", "plan_batch", "plan_slot",
+    "pool", "pool_batch", "prefix_ids", "reduce_batch_gradients", "reduce_gradients",
+    "segment_sum",
 ]
 
 _IMPLEMENTATIONS = ("torch", "numpy")
@@ -603,8 +607,8 @@ class BatchGradients:
     """A batch's gradients ready for the servers.
 
     Attributes:
-        by_dim: dim -> (ids uint64 ``(m,)`` sorted and distinct, rows float32 ``(m, dim)``),
-            summed across slots that share ids.
+        by_dim: dim -> (ids uint64 ``(m,)`` distinct, rows float32 ``(m, dim)``), summed
+            across slots that share ids.
         skipped: slots whose gradient held NaN or infinity and was dropped.
     """
 
@@ -633,6 +637,12 @@ def reduce_batch_gradients(plans: Mapping[str, SlotPlan],
             skipped.append(name)
         elif len(reduced[0]):
             parts.setdefault(plan.dim, []).append(reduced)
+    return BatchGradients(merge_gradients(parts), tuple(skipped))
+
+
+def merge_gradients(parts: Mapping[int, list[tuple[np.ndarray, np.ndarray]]]
+                    ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per dim, one (distinct ids, summed rows) out of several slots' reduced gradients."""
     by_dim = {}
     for dim, items in parts.items():
         if len(items) == 1:
@@ -648,4 +658,4 @@ def reduce_batch_gradients(plans: Mapping[str, SlotPlan],
         else:
             order, starts = _group(inverse, len(ids))
             by_dim[dim] = (ids, segment_sum(rows, order, starts))
-    return BatchGradients(by_dim, tuple(skipped))
+    return by_dim

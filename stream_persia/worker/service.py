@@ -2,8 +2,9 @@
 
 Batches enter from the Kafka ingest loop (:mod:`stream_persia.worker.ingest`) or, with no
 broker, from data loaders calling ``ingest`` over RPC. Each is decoded, validated against
-the embedding schema and *planned* (prefixed, de-duplicated ids per slot) ahead of time,
-then waits in a bounded ready buffer. Embedding lookups happen when an NN worker pulls
+the embedding schema and *planned* ahead of time (:mod:`stream_persia.worker.batchplan`:
+prefixed ids, de-duplicated per dim; summation slots are pooled on the servers), then
+waits in a bounded ready buffer. Embedding lookups happen when an NN worker pulls
 the batch: the NN side holds a staleness permit per pulled batch, so the number of batches
 looked up but not yet applied is bounded by ``embedding_staleness`` (PERSIA's semantics;
 with 1 the job is fully synchronous and deterministic).
@@ -59,7 +60,7 @@ from stream_persia.embedding.data import PersiaBatch
 from stream_persia.errors import Backpressure, BadInput
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
-from stream_persia.worker import pooling
+from stream_persia.worker.batchplan import BatchPlan, plan_batch, reduce_gradients
 from stream_persia.worker.buffer import BoundedBuffer
 from stream_persia.worker.frontier import Frontier
 from stream_persia.worker.mailbox import CheckpointMailbox
@@ -76,7 +77,7 @@ class PendingBatch:
 
     batch_id: int
     batch: PersiaBatch
-    plans: dict[str, pooling.SlotPlan]
+    plan: BatchPlan
     source: tuple[int, int] | None = None       # (partition, offset) when from Kafka
     received_s: float = field(default_factory=time.monotonic)
     missing: int = 0                             # ids absent from the servers (eval/infer)
@@ -168,11 +169,11 @@ class EmbeddingWorker:
         Raises:
             BadInput: unknown slot, malformed ids, disagreeing batch sizes (names the field).
         """
-        plans = pooling.plan_batch(batch.id_type_features, self.schema,
-                                   requires_grad=batch.requires_grad)
+        plan = plan_batch(batch.id_type_features, self.schema,
+                          requires_grad=batch.requires_grad)
         batch_id = self._seq * self.replica_size + self.replica_index
         self._seq += 1
-        return PendingBatch(batch_id, batch, plans, source)
+        return PendingBatch(batch_id, batch, plan, source)
 
     def reject(self, reason: str) -> None:
         self.m_rejected.labels(reason).inc()
@@ -224,16 +225,15 @@ class EmbeddingWorker:
     # ----------------------------------------------------------------- serving
     async def _embed(self, pb: PendingBatch, mode: str) -> list[dict]:
         t0 = time.perf_counter()
-        # One lookup group per dim. Slots under distinct prefixes merge without a sort
-        # and pool from views of the one reply array (pooling.merge_lookups).
-        merged = pooling.merge_lookups(pb.plans)
-        rows, missing = await self.router.lookup(
-            [(m.dim, m.ids) for m in merged.values()], mode)
-        pooled = pooling.pool_batch(pb.plans, merged, dict(zip(merged, rows, strict=True)))
+        # Per dim, one pooled lookup of the summation slots (the servers pool them) and
+        # one classic lookup of the raw and hash-stacked slots (batchplan).
+        merged, groups = pb.plan.lookup_groups()
+        results, missing = await self.router.lookup(groups, mode)
+        pooled = pb.plan.outputs(merged, results)
         self.m_lookup_s.observe(time.perf_counter() - t0)
         out = []
         for name, o in pooled.items():
-            if pb.plans[name].summation:
+            if pb.plan.is_summation(name):
                 out.append({"name": name, "kind": "sum", "emb": o.embeddings})
             else:
                 out.append({"name": name, "kind": "raw", "emb": o.embeddings,
@@ -286,8 +286,8 @@ class EmbeddingWorker:
         mode = params.get("mode", "eval")
         if mode not in ("eval", "infer"):
             raise BadInput(f"mode must be 'eval' or 'infer', got {mode!r}", field="mode")
-        plans = pooling.plan_batch(batch.id_type_features, self.schema, requires_grad=False)
-        pb = PendingBatch(-1, batch, plans)
+        pb = PendingBatch(-1, batch, plan_batch(batch.id_type_features, self.schema,
+                                                requires_grad=False))
         served = self._served(pb, await self._embed(pb, mode))
         served["missing"] = pb.missing
         return served
@@ -304,8 +304,8 @@ class EmbeddingWorker:
         grads = params.get("grads")
         if not isinstance(grads, dict):
             raise BadInput("grads must be a map of slot name -> gradient (None: no gradient)",
-                           field="grads", hint=f"slots: {sorted(pb.plans)}")
-        reduced = pooling.reduce_batch_gradients(pb.plans, grads)
+                           field="grads", hint=f"slots: {sorted(pb.plan.names)}")
+        reduced = reduce_gradients(pb.plan, grads)
         for name in reduced.skipped:
             self.m_nonfinite.labels(name).inc()
         groups = [(dim, ids, rows) for dim, (ids, rows) in reduced.by_dim.items()]

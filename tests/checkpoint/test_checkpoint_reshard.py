@@ -4,6 +4,11 @@ The issue's test: a checkpoint from 2 servers loads into 3 and evaluation gives 
 predictions. Rows are trained through a real embedding worker (Adagrad on the servers),
 and predictions come from the worker's eval ``lookup_batch`` plus a small torch model whose
 weights travel in the checkpoint as ``dense.pt``.
+
+Every row and optimizer state is restored bit for bit. Predictions agree to float32
+rounding, not bit for bit: summation slots are pooled on the servers, and the worker adds
+the servers' partial sums, so the order of the additions depends on how many servers own
+a sample's ids (stream_persia.worker.batchplan).
 """
 
 from __future__ import annotations
@@ -137,7 +142,7 @@ async def test_checkpoint_from_2_servers_loads_into_3_with_same_predictions(tmp_
             restored.load_state_dict(ck.load_torch(dst, manifest.dense_filename))
             got = await predictions(client3, restored)
             for a, b in zip(got, expected, strict=True):
-                np.testing.assert_array_equal(a, b)
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
             # The servers still train after a restore: updates land on the new owners.
             await asyncio.wait_for(train(client3, 1), 30)
             assert_each_id_on_its_owner(servers3)

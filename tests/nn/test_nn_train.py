@@ -189,6 +189,12 @@ def test_stopping_gives_prefetched_batches_back_in_order(job_factory):
             loader = DataLoader(StreamingDataset(), embedding_staleness=5, reproducible=True,
                                 max_batches=max_batches)
             for tb in loader:
+                # Give the prefetcher time to run ahead (on a loaded machine it may not
+                # have pulled a batch past max_batches before the loop stops otherwise).
+                deadline = time.monotonic() + 2.0
+                while (len(job.workers[0].inflight) < min(5, 10 - len(metas))
+                       and time.monotonic() < deadline):
+                    time.sleep(0.005)
                 metas.append(tb.meta)
                 output, labels = ctx.forward(tb)
                 ctx.backward(bce(output, labels))

@@ -1,0 +1,241 @@
+"""Segment kernels of the pooled lookup path: de-duplication, pooling, gradient scatter.
+
+A batch's summation slots of one dim form one *pooled lookup*: every id occurrence of every
+(slot, sample) pair, in slot-major then sample order, becomes
+
+- ``ids``: the distinct ids, in first-occurrence order (:func:`factorize`);
+- ``index``: int32, for every occurrence, its id's position in ``ids``;
+- ``offsets``: int64 ``(k + 1,)``; segment s (one slot of one sample) is the occurrences
+  ``index[offsets[s]:offsets[s+1]]``.
+
+The embedding server looks ``ids`` up and returns ``(k, dim)`` pooled sums
+(:func:`pool`) instead of ``(len(ids), dim)`` rows: about 1.7 MB instead of 5 MB for a
+1,024 x 26-slot batch of dim 16. With several servers the worker splits the lookup by owner
+(:func:`split`) and adds the servers' partial sums. Gradients go the other way: the
+``(k, dim)`` segment gradient reaches every occurrence and is summed per distinct id
+(:func:`scatter`), in occurrence order, as the classic path in
+:mod:`stream_persia.worker.pooling` does.
+
+Each function is a Cython loop (``cython_ext/segments.pyx``, the GIL released) with a numpy
+twin here that gives the same result bit for bit (every sum starts from 0.0 and adds its
+terms in occurrence order); ``STREAM_PERSIA_PURE_PYTHON=1`` or an unbuilt extension selects
+the twins. Arguments are validated before either runs: a malformed index or offsets raises
+:class:`~stream_persia.errors.BadInput` naming ``field``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from stream_persia.errors import BadInput
+
+__all__ = ["IMPLEMENTATION", "Split", "factorize", "pool", "scatter", "split",
+           "check_pooled"]
+
+try:
+    from stream_persia import _segments as _c
+except ImportError:  # a source checkout that was never built: the twins run
+    _c = None
+
+IMPLEMENTATION = ("python" if _c is None or os.environ.get("STREAM_PERSIA_PURE_PYTHON") == "1"
+                  else "cython")
+
+_E_INDEX, _E_OFFSETS, _E_OWNER = 1, 2, 3
+
+
+def _raise(status: int, at: int, field: str, n_ids: int) -> None:
+    """BadInput for a kernel's error code, worded and named as :func:`check_pooled`."""
+    if status == _E_INDEX:
+        raise BadInput(f"{field}.index must lie in [0, {n_ids}) (one entry per id occurrence "
+                       f"into ids); position {at} does not", field=f"{field}.index")
+    if status == _E_OWNER:
+        raise BadInput(f"{field}: the owner of distinct id {at} is out of range",
+                       field=f"{field}.owner")
+    raise BadInput(f"{field}.offsets must be nondecreasing from 0 to len(index)",
+                   field=f"{field}.offsets")
+
+
+def _check_types(index: object, offsets: object, field: str) -> None:
+    if not (isinstance(index, np.ndarray) and index.dtype == np.int32 and index.ndim == 1):
+        got = f"{index.dtype} {index.shape}" if isinstance(index, np.ndarray) else type(index).__name__
+        raise BadInput(f"{field}.index must be a 1-D int32 array, got {got}",
+                       field=f"{field}.index")
+    if not (isinstance(offsets, np.ndarray) and offsets.dtype == np.int64 and offsets.ndim == 1
+            and len(offsets) >= 1):
+        got = (f"{offsets.dtype} {offsets.shape}" if isinstance(offsets, np.ndarray)
+               else type(offsets).__name__)
+        raise BadInput(f"{field}.offsets must be a non-empty 1-D int64 array, got {got}",
+                       field=f"{field}.offsets")
+
+
+def check_pooled(n_ids: int, index: object, offsets: object, field: str) -> None:
+    """Validate a pooled lookup's ``index`` (int32 1-D, each in [0, n_ids)) and
+    ``offsets`` (int64 1-D, nondecreasing, 0 .. len(index)); BadInput names ``field``."""
+    _check_types(index, offsets, field)
+    if offsets[0] != 0 or offsets[-1] != len(index) or bool((np.diff(offsets) < 0).any()):
+        raise BadInput(f"{field}.offsets must be nondecreasing from 0 to len(index)="
+                       f"{len(index)}", field=f"{field}.offsets")
+    if len(index) and (int(index.min()) < 0 or int(index.max()) >= n_ids):
+        raise BadInput(f"{field}.index must lie in [0, {n_ids}) (one entry per id occurrence "
+                       f"into ids)", field=f"{field}.index")
+
+
+# ---------------------------------------------------------------------------- factorize
+def factorize(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct ``keys`` (uint64, first-occurrence order) and the int32 position of every
+    key among them: ``uniq[inverse] == keys``. One hash pass (~5 ns per key), against a
+    sort for ``np.unique``."""
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    if IMPLEMENTATION == "cython":
+        return _c.factorize(keys)
+    return _factorize_numpy(keys)
+
+
+def _factorize_numpy(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if len(keys) == 0:
+        return keys.copy(), np.zeros(0, dtype=np.int32)
+    sorted_uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")          # sorted position -> appearance rank
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return sorted_uniq[order], rank[inverse.ravel()].astype(np.int32)
+
+
+# ---------------------------------------------------------------------------- pool
+def pool(rows: np.ndarray, index: np.ndarray, offsets: np.ndarray,
+         field: str = "pooled") -> np.ndarray:
+    """float32 ``(len(offsets) - 1, dim)``: row s sums ``rows[index[offsets[s]:offsets[s+1]]]``
+    (zeros for an empty segment)."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    _check_types(index, offsets, field)
+    out = np.zeros((len(offsets) - 1, rows.shape[1]), dtype=np.float32)
+    if IMPLEMENTATION == "cython":
+        at = np.zeros(1, dtype=np.int64)
+        status = _c.c_pool(rows, index, offsets, out, at)
+        if status:
+            _raise(status, int(at[0]), field, len(rows))
+        return out
+    check_pooled(len(rows), index, offsets, field)
+    _add_segments(out, rows, index, offsets, np.ones(len(offsets) - 1, dtype=bool))
+    return out
+
+
+def _add_segments(out: np.ndarray, rows: np.ndarray, index: np.ndarray, offsets: np.ndarray,
+                  active: np.ndarray) -> None:
+    """The twins' loop, vectorised by position within the segment: pass t adds the t-th
+    term of every segment that has one, so each sum runs in occurrence order from 0.0."""
+    lengths = np.diff(offsets)
+    segs = np.flatnonzero(active & (lengths > 0))
+    t = 0
+    while len(segs):
+        out[segs] += rows[index[offsets[segs] + t]]
+        t += 1
+        segs = segs[lengths[segs] > t]
+
+
+# ---------------------------------------------------------------------------- scatter
+def scatter(grads: np.ndarray, index: np.ndarray, offsets: np.ndarray, n_ids: int,
+            active: np.ndarray | None = None, field: str = "gradients"
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """Segment gradients summed per distinct id.
+
+    Args:
+        grads: float32 ``(k, dim)``, the gradient of every segment's pooled sum.
+        index, offsets: the pooled lookup (``k = len(offsets) - 1``).
+        n_ids: the number of distinct ids.
+        active: bool ``(k,)``; False segments contribute nothing (frozen or skipped slots).
+
+    Returns:
+        ``(out, touched)``: float32 ``(n_ids, dim)`` sums (each in occurrence order) and
+        bool ``(n_ids,)``, True where an active segment reached the id.
+    """
+    grads = np.ascontiguousarray(grads, dtype=np.float32)
+    _check_types(index, offsets, field)
+    k = len(offsets) - 1
+    active = np.ones(k, dtype=bool) if active is None else np.asarray(active, dtype=bool)
+    if grads.ndim != 2 or grads.shape[0] != k:
+        raise BadInput(f"{field}: grads must be (segments={k}, dim), got {grads.shape}",
+                       field=f"{field}.grads")
+    if active.shape != (k,):
+        raise BadInput(f"{field}: active must be ({k},), got {active.shape}",
+                       field=f"{field}.active")
+    out = np.zeros((n_ids, grads.shape[1]), dtype=np.float32)
+    if IMPLEMENTATION == "cython":
+        touched = np.zeros(n_ids, dtype=np.uint8)
+        at = np.zeros(1, dtype=np.int64)
+        status = _c.c_scatter(grads, index, offsets, active.view(np.uint8), out, touched, at)
+        if status:
+            _raise(status, int(at[0]), field, n_ids)
+        return out, touched.view(bool)
+    check_pooled(n_ids, index, offsets, field)
+    lengths = np.diff(offsets)
+    seg_of = np.repeat(np.arange(k), lengths)
+    live = active[seg_of]
+    ids, segs = index[live], seg_of[live]
+    order = np.argsort(ids, kind="stable")              # per id, occurrence order
+    ids, segs = ids[order], segs[order]
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if len(ids) else ids
+    counts = np.diff(np.r_[starts, len(ids)])
+    t = 0
+    group = np.arange(len(starts))
+    while len(group):                                   # t-th contribution of each id
+        out[ids[starts[group]]] += grads[segs[starts[group] + t]]
+        t += 1
+        group = group[counts[group] > t]
+    touched = np.zeros(n_ids, dtype=bool)
+    touched[ids] = True
+    return out, touched
+
+
+# ---------------------------------------------------------------------------- split
+@dataclass(frozen=True, eq=False)
+class Split:
+    """One part's share of a pooled lookup: ``positions`` of its ids among the lookup's
+    distinct ids (int64, in order), and its own ``index`` (int32, into those ids) and
+    ``offsets`` (int64, one segment per segment of the whole lookup)."""
+
+    positions: np.ndarray
+    index: np.ndarray
+    offsets: np.ndarray
+
+
+def split(index: np.ndarray, offsets: np.ndarray, owner: np.ndarray, parts: int
+          ) -> list[Split]:
+    """Split a pooled lookup by the part owning each distinct id (``owner`` int64, one per
+    distinct id, in [0, parts)). Pooling each part and adding the parts' sums gives the
+    whole lookup's sums (up to float rounding: the order of the additions changes)."""
+    owner = np.ascontiguousarray(owner, dtype=np.int64)
+    _check_types(index, offsets, "split")
+    if IMPLEMENTATION == "cython":
+        k, n, m = len(offsets) - 1, len(index), len(owner)
+        id_order = np.empty(m, dtype=np.int64)
+        id_starts = np.empty(parts + 1, dtype=np.int64)
+        local_index = np.empty(n, dtype=np.int32)
+        index_starts = np.empty(parts + 1, dtype=np.int64)
+        part_offsets = np.empty((parts, k + 1), dtype=np.int64)
+        at = np.zeros(1, dtype=np.int64)
+        status = _c.c_split(index, offsets, owner, parts, id_order, id_starts, local_index,
+                            index_starts, part_offsets, at)
+        if status:
+            _raise(status, int(at[0]), "split", m)
+        return [Split(id_order[id_starts[p]:id_starts[p + 1]],
+                      local_index[index_starts[p]:index_starts[p + 1]], part_offsets[p])
+                for p in range(parts)]
+    check_pooled(len(owner), index, offsets, "split")
+    if len(owner) and (int(owner.min()) < 0 or int(owner.max()) >= parts):
+        raise BadInput(f"split: owners must lie in [0, {parts})", field="split.owner")
+    local = np.zeros(len(owner), dtype=np.int32)
+    seg_of = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    out = []
+    for p in range(parts):
+        mine = owner == p
+        local[mine] = np.arange(int(mine.sum()), dtype=np.int32)
+        occ = mine[index]
+        counts = np.bincount(seg_of[occ], minlength=len(offsets) - 1)
+        offs = np.zeros(len(offsets), dtype=np.int64)
+        np.cumsum(counts, out=offs[1:])
+        out.append(Split(np.flatnonzero(mine).astype(np.int64), local[index[occ]], offs))
+    return out

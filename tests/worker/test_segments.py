@@ -1,0 +1,328 @@
+"""Segment kernels of the pooled lookup path (stream_persia.segments).
+
+The Cython loops and their numpy twins agree bit for bit on random lookups; both match
+naive per-occurrence references (Python loops, torch's ``embedding_bag``); both refuse
+malformed lookups with BadInput naming the field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stream_persia import segments
+from stream_persia.errors import BadInput
+
+IMPLS = ["cython", "python"]
+HAS_C = segments._c is not None
+needs_c = pytest.mark.skipif(not HAS_C, reason="stream_persia._segments is not built")
+SETTINGS = settings(max_examples=50, deadline=None)
+
+
+@contextlib.contextmanager
+def implementation(name):
+    before = segments.IMPLEMENTATION
+    segments.IMPLEMENTATION = name
+    try:
+        yield
+    finally:
+        segments.IMPLEMENTATION = before
+
+
+def both(fn, *args, **kwargs):
+    """(Cython result, twin result) of ``fn``."""
+    with implementation("cython"):
+        c = fn(*args, **kwargs)
+    with implementation("python"):
+        p = fn(*args, **kwargs)
+    return c, p
+
+
+def assert_same(a, b):
+    """Same dtype, shape and bits (NaN-safe, -0.0 told apart from 0.0)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+    assert a.tobytes() == b.tobytes()
+
+
+def random_rows(seed, n, dim):
+    """float32 rows over several magnitudes, so that a change of summation order shows."""
+    rng = np.random.default_rng(seed)
+    scale = 10.0 ** rng.integers(-3, 4, size=(n, 1))
+    return (rng.normal(size=(n, dim)) * scale).astype(np.float32)
+
+
+@st.composite
+def lookups(draw, max_ids=12, max_segments=10, max_len=6):
+    """A pooled lookup: (n_ids, index int32, offsets int64, dim, seed); empty lookups,
+    empty segments, duplicates within a segment and ids shared across segments all come
+    up (few ids, many occurrences)."""
+    n_ids = draw(st.integers(0, max_ids))
+    k = draw(st.integers(0, max_segments))
+    lengths = draw(st.lists(st.integers(0, max_len if n_ids else 0), min_size=k, max_size=k))
+    n = sum(lengths)
+    index = draw(st.lists(st.integers(0, max(n_ids - 1, 0)), min_size=n, max_size=n))
+    offsets = np.zeros(k + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    dim = draw(st.integers(1, 5))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return n_ids, np.array(index, dtype=np.int32), offsets, dim, seed
+
+
+KEYS = st.lists(st.one_of(st.integers(0, 8), st.integers(0, 2**64 - 1),
+                          st.sampled_from([0, 1, 2**63, 2**64 - 1, 2**32])), max_size=60)
+
+
+# ---- naive references: one occurrence at a time, in occurrence order, from 0.0
+def naive_pool(rows, index, offsets):
+    out = np.zeros((len(offsets) - 1, rows.shape[1]), dtype=np.float32)
+    for s in range(len(offsets) - 1):
+        acc = np.zeros(rows.shape[1], dtype=np.float32)
+        for j in range(offsets[s], offsets[s + 1]):
+            acc = acc + rows[index[j]]
+        out[s] = acc
+    return out
+
+
+def naive_scatter(grads, index, offsets, n_ids, active):
+    out = np.zeros((n_ids, grads.shape[1]), dtype=np.float32)
+    touched = np.zeros(n_ids, dtype=bool)
+    for s in range(len(offsets) - 1):
+        if not active[s]:
+            continue
+        for j in range(offsets[s], offsets[s + 1]):
+            out[index[j]] = out[index[j]] + grads[s]
+            touched[index[j]] = True
+    return out, touched
+
+
+def test_the_suite_states_which_implementation_runs():
+    if os.environ.get("STREAM_PERSIA_PURE_PYTHON") == "1" or not HAS_C:
+        assert segments.IMPLEMENTATION == "python"
+    else:
+        assert segments.IMPLEMENTATION == "cython"
+
+
+# ---------------------------------------------------------------------------- Cython == twin
+@needs_c
+@SETTINGS
+@given(KEYS)
+def test_factorize_cython_equals_twin(keys):
+    keys = np.array(keys, dtype=np.uint64)
+    (cu, ci), (pu, pi) = both(segments.factorize, keys)
+    assert_same(cu, pu)
+    assert_same(ci, pi)
+
+
+@needs_c
+@SETTINGS
+@given(lookups())
+def test_pool_cython_equals_twin(lookup):
+    n_ids, index, offsets, dim, seed = lookup
+    rows = random_rows(seed, n_ids, dim)
+    c, p = both(segments.pool, rows, index, offsets)
+    assert_same(c, p)
+
+
+@needs_c
+@SETTINGS
+@given(lookups(), st.data())
+def test_scatter_cython_equals_twin(lookup, data):
+    n_ids, index, offsets, dim, seed = lookup
+    k = len(offsets) - 1
+    grads = random_rows(seed, k, dim)
+    active = np.array(data.draw(st.lists(st.booleans(), min_size=k, max_size=k)), dtype=bool)
+    for mask in (None, active):
+        (co, ct), (po, pt) = both(segments.scatter, grads, index, offsets, n_ids, mask)
+        assert_same(co, po)
+        assert_same(ct, pt)
+
+
+@needs_c
+@SETTINGS
+@given(lookups(), st.integers(1, 4), st.data())
+def test_split_cython_equals_twin(lookup, parts, data):
+    n_ids, index, offsets, _, _ = lookup
+    owner = np.array(data.draw(st.lists(st.integers(0, parts - 1), min_size=n_ids,
+                                        max_size=n_ids)), dtype=np.int64)
+    c, p = both(segments.split, index, offsets, owner, parts)
+    assert len(c) == len(p) == parts
+    for a, b in zip(c, p, strict=True):
+        assert_same(a.positions, b.positions)
+        assert_same(a.index, b.index)
+        assert_same(a.offsets, b.offsets)
+
+
+# ---------------------------------------------------------------------------- semantics
+@pytest.mark.parametrize("impl", IMPLS)
+@SETTINGS
+@given(keys=KEYS)
+def test_factorize_gives_distinct_ids_in_first_occurrence_order(impl, keys):
+    keys = np.array(keys, dtype=np.uint64)
+    with implementation(impl):
+        uniq, inverse = segments.factorize(keys)
+    assert uniq.dtype == np.uint64 and inverse.dtype == np.int32
+    assert uniq.tolist() == list(dict.fromkeys(keys.tolist()))
+    np.testing.assert_array_equal(uniq[inverse], keys)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@SETTINGS
+@given(lookup=lookups())
+def test_pool_is_the_per_segment_sum_in_occurrence_order(impl, lookup):
+    n_ids, index, offsets, dim, seed = lookup
+    rows = random_rows(seed, n_ids, dim)
+    with implementation(impl):
+        got = segments.pool(rows, index, offsets)
+    assert_same(got, naive_pool(rows, index, offsets))
+    if len(offsets) > 1 and len(index):
+        bag = torch.nn.functional.embedding_bag(
+            torch.from_numpy(index.astype(np.int64)), torch.from_numpy(rows),
+            torch.from_numpy(offsets[:-1].copy()), mode="sum").numpy()
+        assert_same(got, bag)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@SETTINGS
+@given(lookup=lookups(), data=st.data())
+def test_scatter_sums_per_id_in_occurrence_order(impl, lookup, data):
+    n_ids, index, offsets, dim, seed = lookup
+    k = len(offsets) - 1
+    grads = random_rows(seed, k, dim)
+    active = np.array(data.draw(st.lists(st.booleans(), min_size=k, max_size=k)), dtype=bool)
+    with implementation(impl):
+        out, touched = segments.scatter(grads, index, offsets, n_ids, active)
+    want, reached = naive_scatter(grads, index, offsets, n_ids, active)
+    assert_same(out, want)
+    assert touched.dtype == bool
+    np.testing.assert_array_equal(touched, reached)
+    assert not out[~touched].any(), "an id no active segment reached has a gradient"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@SETTINGS
+@given(lookup=lookups(), parts=st.integers(1, 4), data=st.data())
+def test_split_parts_add_up_to_the_whole(impl, lookup, parts, data):
+    n_ids, index, offsets, dim, seed = lookup
+    k = len(offsets) - 1
+    owner = np.array(data.draw(st.lists(st.integers(0, parts - 1), min_size=n_ids,
+                                        max_size=n_ids)), dtype=np.int64)
+    rows = random_rows(seed, n_ids, dim)
+    with implementation(impl):
+        split = segments.split(index, offsets, owner, parts)
+        whole = segments.pool(rows, index, offsets)
+        total = np.zeros_like(whole)
+        for part in split:
+            total += segments.pool(rows[part.positions], part.index, part.offsets)
+        bound = segments.pool(np.abs(rows), index, offsets)
+    assert len(split) == parts
+    np.testing.assert_array_less(np.abs(total - whole), 1e-6 * bound + 1e-30)
+    # The parts' ids are disjoint, cover every id, and each part holds what it owns.
+    every = np.concatenate([part.positions for part in split])
+    np.testing.assert_array_equal(np.sort(every), np.arange(n_ids))
+    for p, part in enumerate(split):
+        assert part.positions.dtype == np.int64 and part.index.dtype == np.int32
+        assert part.offsets.dtype == np.int64 and part.offsets.shape == (k + 1,)
+        assert (np.diff(part.positions) > 0).all(), "positions keep the lookup's order"
+        assert (owner[part.positions] == p).all()
+        for s in range(k):
+            mine = [u for u in index[offsets[s]:offsets[s + 1]] if owner[u] == p]
+            got = part.positions[part.index[part.offsets[s]:part.offsets[s + 1]]]
+            assert got.tolist() == mine
+
+
+def test_empty_lookup_and_empty_segments():
+    rows = np.arange(6, dtype=np.float32).reshape(3, 2)
+    index = np.array([2, 2, 0], dtype=np.int32)
+    offsets = np.array([0, 0, 2, 2, 3, 3], dtype=np.int64)
+    for impl in IMPLS if HAS_C else ["python"]:
+        with implementation(impl):
+            np.testing.assert_array_equal(segments.pool(rows, index, offsets),
+                                          [[0, 0], [8, 10], [0, 0], [0, 1], [0, 0]])
+            empty = segments.pool(np.zeros((0, 4), np.float32), np.zeros(0, np.int32),
+                                  np.zeros(1, np.int64))
+            assert empty.shape == (0, 4) and empty.dtype == np.float32
+            uniq, inverse = segments.factorize(np.zeros(0, np.uint64))
+            assert uniq.shape == inverse.shape == (0,)
+            out, touched = segments.scatter(np.zeros((0, 3), np.float32), np.zeros(0, np.int32),
+                                            np.zeros(1, np.int64), 2)
+            assert out.shape == (2, 3) and not out.any() and not touched.any()
+            parts = segments.split(np.zeros(0, np.int32), np.zeros(3, np.int64),
+                                   np.zeros(0, np.int64), 2)
+            assert [p.offsets.tolist() for p in parts] == [[0, 0, 0], [0, 0, 0]]
+
+
+# ---------------------------------------------------------------------------- bad input
+I32, I64 = np.int32, np.int64
+GOOD_INDEX, GOOD_OFFSETS = np.array([0, 2, 1], I32), np.array([0, 2, 3], I64)
+BAD_LOOKUPS = [  # (index, offsets, the field's suffix)
+    pytest.param(GOOD_INDEX.astype(I64), GOOD_OFFSETS, "index", id="int64-index"),
+    pytest.param(GOOD_INDEX, GOOD_OFFSETS.astype(I32), "offsets", id="int32-offsets"),
+    pytest.param(GOOD_INDEX, np.array([], I64), "offsets", id="no-offsets"),
+    pytest.param(GOOD_INDEX, np.array([1, 2, 3], I64), "offsets", id="offsets-not-from-0"),
+    pytest.param(GOOD_INDEX, np.array([0, 3, 2, 3], I64), "offsets", id="offsets-decrease"),
+    pytest.param(GOOD_INDEX, np.array([0, 2, 2], I64), "offsets", id="offsets-short-of-end"),
+    pytest.param(GOOD_INDEX, np.array([0, 2, 4], I64), "offsets", id="offsets-past-end"),
+    pytest.param(np.array([0, -1, 1], I32), GOOD_OFFSETS, "index", id="negative-index"),
+    pytest.param(np.array([0, 3, 1], I32), GOOD_OFFSETS, "index", id="index-past-ids"),
+]
+
+
+def call_kernel(kernel, index, offsets):
+    """Run ``kernel`` on a lookup over 3 ids; returns the field its errors must name."""
+    k = max(len(offsets) - 1, 0)
+    if kernel == "pool":
+        segments.pool(np.ones((3, 2), np.float32), index, offsets, field="groups[0]")
+    elif kernel == "scatter":
+        segments.scatter(np.ones((k, 2), np.float32), index, offsets, 3)
+    elif kernel == "split":
+        segments.split(index, offsets, np.zeros(3, I64), 2)
+    else:
+        segments.check_pooled(3, index, offsets, "groups[1]")
+
+
+FIELDS = {"pool": "groups[0]", "scatter": "gradients", "split": "split",
+          "check_pooled": "groups[1]"}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kernel", list(FIELDS))
+@pytest.mark.parametrize("index, offsets, suffix", BAD_LOOKUPS)
+def test_malformed_lookups_are_refused_naming_the_field(impl, kernel, index, offsets, suffix,
+                                                        monkeypatch):
+    if impl == "cython" and not HAS_C:
+        pytest.skip("stream_persia._segments is not built")
+    monkeypatch.setattr(segments, "IMPLEMENTATION", impl)
+    with pytest.raises(BadInput) as err:
+        call_kernel(kernel, index, offsets)
+    assert err.value.field == f"{FIELDS[kernel]}.{suffix}", str(err.value)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("owner", [[0, -1, 1], [0, 2, 1], [0, 1, 5]])
+def test_split_refuses_an_owner_out_of_range(impl, owner, monkeypatch):
+    if impl == "cython" and not HAS_C:
+        pytest.skip("stream_persia._segments is not built")
+    monkeypatch.setattr(segments, "IMPLEMENTATION", impl)
+    with pytest.raises(BadInput) as err:
+        segments.split(GOOD_INDEX, GOOD_OFFSETS, np.array(owner, I64), 2)
+    assert err.value.field.startswith("split")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("grads_rows, active_len", [(1, 3), (3, 1)], ids=["grads", "active"])
+def test_scatter_refuses_gradients_or_mask_not_one_per_segment(impl, grads_rows, active_len,
+                                                               monkeypatch):
+    # The Cython loop reads grads[s] and active[s] for every segment s without bounds
+    # checks: a short array must be refused before it runs, not read past its end.
+    if impl == "cython" and not HAS_C:
+        pytest.skip("stream_persia._segments is not built")
+    monkeypatch.setattr(segments, "IMPLEMENTATION", impl)
+    with pytest.raises(BadInput):
+        segments.scatter(np.ones((grads_rows, 2), np.float32), np.array([0, 1, 2], I32),
+                         np.array([0, 1, 2, 3], I64), 3, np.ones(active_len, bool))
