@@ -12,6 +12,11 @@ Baseline, same invocation, same work: per slot, prefix the ids, ``torch.unique``
 rows, and ``backward`` a gradient to get one gradient row per unique id: what a worker
 written directly in torch autograd would do, one lookup per slot.
 
+The third line is the worker's path since summation slots are pooled on the servers
+(``stream_persia.worker.batchplan``): plan (one hash de-duplication per dim), assemble the
+outputs from the servers' sums, reduce the gradients. What moved to the server, pooling
+the fetched rows (``segments.pool``), is timed on its own line.
+
 Run: ``python load_tests/bench_pooling.py [--batch 1024] [--slots 26] [--repeat 30]``.
 Figures are machine-dependent; read the ratios.
 """
@@ -26,7 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from stream_persia.worker import pooling
+from stream_persia import segments
+from stream_persia.worker import batchplan, pooling
 from stream_persia.worker.pooling import (
     merge_lookups,
     plan_batch,
@@ -103,6 +109,25 @@ def ours(schema, features, rows_by_dim):
     return reduce_batch_gradients(plans, grads)
 
 
+def fetch_pooled(plan):
+    """What the servers would answer a batch plan with: random rows for the classic
+    lookups, and pooled sums of random rows for the pooled ones."""
+    rng = np.random.default_rng(0)
+    merged, groups = plan.lookup_groups()
+    rows = [rng.standard_normal((len(g[1]), g[0])).astype(np.float32) for g in groups]
+    results = [r if len(g) == 2 else segments.pool(r, g[2], g[3])
+               for g, r in zip(groups, rows, strict=True)]
+    return merged, groups, rows, results
+
+
+def ours_pooled(schema, features, results):
+    plan = batchplan.plan_batch(features, schema)
+    merged, _ = plan.lookup_groups()
+    outputs = plan.outputs(merged, results)
+    grads = {n: np.ones_like(o.embeddings) for n, o in outputs.items()}
+    return batchplan.reduce_gradients(plan, grads)
+
+
 def baseline(schema, features):
     result = []
     for f in features:
@@ -174,6 +199,25 @@ def main() -> None:
               f"{base / t:5.2f}x")
         for name, fn in stages.items():
             print(f"    {name:40s} {timed(fn, args.repeat) * 1e3:8.2f} ms")
+
+    pooling.SEGMENT_SUM_IMPLEMENTATION = "torch"
+    plan = batchplan.plan_batch(features, schema)
+    merged, groups, fetched, results = fetch_pooled(plan)
+    outputs = plan.outputs(merged, results)
+    grads = {n: np.ones_like(o.embeddings) for n, o in outputs.items()}
+    t = timed(lambda: ours_pooled(schema, features, results), args.repeat)
+    print(f"{'stream-persia, pooled on the servers':44s} {1 / t:9.1f} batches/s "
+          f"{base / t:5.2f}x")
+    pooled_stages = {
+        "plan_batch (batchplan)": lambda: batchplan.plan_batch(features, schema),
+        "outputs": lambda: plan.outputs(merged, results),
+        "reduce_gradients": lambda: batchplan.reduce_gradients(plan, grads),
+        "(on the server) segments.pool": lambda: [
+            segments.pool(r, g[2], g[3]) for g, r in zip(groups, fetched, strict=True)
+            if len(g) == 4],
+    }
+    for name, fn in pooled_stages.items():
+        print(f"    {name:40s} {timed(fn, args.repeat) * 1e3:8.2f} ms")
 
 
 if __name__ == "__main__":

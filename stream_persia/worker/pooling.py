@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from stream_persia import segments
 from stream_persia.config.embedding import apply_index_prefix
 from stream_persia.errors import BadInput, ConfigError, Misuse
 from stream_persia.sharding import mix64_inplace
@@ -648,14 +649,13 @@ def merge_gradients(parts: Mapping[int, list[tuple[np.ndarray, np.ndarray]]]
         if len(items) == 1:
             by_dim[dim] = items[0]
             continue
-        ids, index = _unique_concat([i for i, _ in items])
-        inverse = np.concatenate(index)
+        ids = np.concatenate([i for i, _ in items])
         rows = np.concatenate([r for _, r in items])
-        if len(ids) == len(inverse):  # no id in two slots: a permutation, nothing to add
-            out = np.empty_like(rows)
-            out[inverse] = rows
-            by_dim[dim] = (ids, out)
-        else:
-            order, starts = _group(inverse, len(ids))
-            by_dim[dim] = (ids, segment_sum(rows, order, starts))
+        distinct, inverse = segments.factorize(ids)   # a hash pass, no sort
+        if len(distinct) == len(ids):  # no id in two slots: nothing to add
+            by_dim[dim] = (ids, rows)
+        else:  # each id's rows added in slot order
+            sums, _ = segments.scatter(rows, inverse, np.arange(len(ids) + 1, dtype=np.int64),
+                                       len(distinct))
+            by_dim[dim] = (distinct, sums)
     return by_dim
