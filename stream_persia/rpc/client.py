@@ -1,4 +1,5 @@
-"""RPC client: many concurrent calls pipelined over one lazily (re)connected TCP connection."""
+"""RPC client: many concurrent calls pipelined over one lazily (re)connected TCP connection
+(a Unix socket when the server is on this host: :mod:`stream_persia.rpc.local`)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from stream_persia.errors import (
     WireError,
     error_from_dict,
 )
-from stream_persia.rpc import framing
+from stream_persia.rpc import framing, local
 from stream_persia.rpc.framing import wire
 from stream_persia.rpc.transport import FrameProtocol
 
@@ -213,10 +214,9 @@ class RpcClient:
             if delay > 0:
                 await asyncio.sleep(delay)
             try:
-                _, proto = await asyncio.wait_for(
-                    loop.create_connection(lambda: FrameProtocol(self._limits), self.host,
-                                           self.port),
-                    self._connect_timeout_s)
+                pair = await asyncio.wait_for(
+                    self._open(), self._connect_timeout_s)
+                proto = pair[1]
             except ConnectionRefusedError:
                 raise self._connect_failed(PeerUnavailable(
                     f"{self.peer} refused the connection (nothing listening on that port)",
@@ -241,6 +241,16 @@ class RpcClient:
             return conn
         finally:
             self._connecting = None
+
+    async def _open(self) -> tuple[Any, Any]:
+        """A Unix socket to a same-host server (rpc/local.py), else TCP."""
+        def factory() -> FrameProtocol:
+            return FrameProtocol(self._limits)
+        pair = await local.open_connection(factory, self.host, self.port)
+        if pair is None:
+            pair = await asyncio.get_running_loop().create_connection(factory, self.host,
+                                                                      self.port)
+        return pair
 
     def _connect_failed(self, err: PeerUnavailable) -> PeerUnavailable:
         self._counters["connect_failures"] += 1

@@ -1,4 +1,5 @@
-"""RPC server: serves ``async def handler(params)`` coroutines over framed TCP."""
+"""RPC server: serves ``async def handler(params)`` coroutines over framed TCP (and, for
+clients on the same host, a Unix socket: :mod:`stream_persia.rpc.local`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from stream_persia.errors import InternalError, Misuse, PeerUnavailable, PersiaError, WireError
-from stream_persia.rpc import framing
+from stream_persia.rpc import framing, local
 from stream_persia.rpc.framing import wire
 from stream_persia.rpc.transport import FrameProtocol
 
@@ -115,6 +116,7 @@ class RpcServer:
         self.name = name
         self._max_in_flight = max_in_flight_per_conn
         self._server: asyncio.AbstractServer | None = None
+        self._unix: asyncio.AbstractServer | None = None
         self._conns: set[_Conn] = set()
         self._stopping = False
         self._stopped: asyncio.Event | None = None
@@ -132,6 +134,9 @@ class RpcServer:
             self._port, reuse_address=True)
         sockname = self._server.sockets[0].getsockname()
         self._port = sockname[1]
+        # Same-host clients connect through a Unix socket instead (rpc/local.py).
+        self._unix = await local.listen(lambda: FrameProtocol(self._limits, self._accept),
+                                        self._host, self._port)
         log.info("%s: serving %d methods on %s", self.name, len(self._handlers), self.address)
 
     @property
@@ -167,6 +172,8 @@ class RpcServer:
     async def _shutdown(self, drain_timeout_s: float) -> None:
         assert self._server is not None
         self._server.close()
+        if self._unix is not None:
+            self._unix.close()
         conns = list(self._conns)
         readers = [c.reader_task for c in conns if c.reader_task is not None]
         for task in readers:
@@ -191,6 +198,8 @@ class RpcServer:
                 conn.proto.abort()
         self._conns.clear()
         await self._server.wait_closed()
+        if self._unix is not None:
+            await self._unix.wait_closed()
         log.info("%s: stopped", self.name)
 
     async def __aenter__(self) -> RpcServer:

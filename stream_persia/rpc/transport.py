@@ -88,7 +88,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._gathers = (type(transport).__module__.startswith("uvloop")
                          or sys.version_info >= (3, 12))
         addr = transport.get_extra_info("peername")
-        self.peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        if isinstance(addr, tuple):
+            self.peer = f"{addr[0]}:{addr[1]}"
+        else:  # a Unix socket (rpc/local.py): the accepting side sees no name
+            name = transport.get_extra_info("sockname")
+            self.peer = f"unix:{str(addr or name or '').lstrip(chr(0))}"
         set_nodelay(transport)
         if self._on_connect is not None:
             self._on_connect(self)

@@ -1,0 +1,92 @@
+"""Unix-socket shortcut for RPC peers on the same host.
+
+Every RPC server bound to a loopback or wildcard address also listens on a Linux abstract
+Unix socket named after its TCP port (``\\0stream-persia-rpc-<port>``), and a client of a
+loopback address (``127.x.x.x``, ``localhost``, ``::1``) connects there first, falling back
+to TCP when nothing listens. Nothing changes for users: addresses stay ``host:port``.
+
+Why: co-located roles (an embedding worker and its server, a worker and the NN process)
+exchange megabytes per batch, and a Unix socket moves them for about 40% of the CPU of
+TCP loopback (0.19 against 0.47-0.55 ms per 1.7 MB, sender plus receiver, on the 2-core
+development machine), which load_tests/bench_ingest.py sees directly.
+
+Abstract sockets live in the network namespace, as loopback ports do, so the name is as
+unique as the port; no file is created or left behind. A server bound to one non-loopback
+address does not take the name: a loopback server on the same port may hold it.
+``STREAM_PERSIA_RPC_UNIX=0`` turns the shortcut off for servers and clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["enabled", "is_loopback", "listen", "name_for", "open_connection"]
+
+
+def enabled() -> bool:
+    """Whether the shortcut may be used here: Linux, and not switched off."""
+    return (sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
+            and os.environ.get("STREAM_PERSIA_RPC_UNIX", "1") != "0")
+
+
+def name_for(port: int) -> str:
+    """The abstract socket name of the RPC server on TCP ``port``."""
+    return f"\0stream-persia-rpc-{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _serves_loopback(host: str) -> bool:
+    return is_loopback(host) or host in ("", "0.0.0.0", "::")
+
+
+async def listen(factory: Callable[[], asyncio.BaseProtocol], host: str, port: int
+                 ) -> asyncio.AbstractServer | None:
+    """Start the Unix-socket twin of the TCP server on ``host:port``; None when the
+    shortcut is off, the host is not local, or the name is taken."""
+    if not (enabled() and _serves_loopback(host)):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(name_for(port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        log.debug("no unix socket for port %d: %s", port, exc)
+        return None
+    return await asyncio.get_running_loop().create_unix_server(factory, sock=sock)
+
+
+async def open_connection(factory: Callable[[], asyncio.BaseProtocol], host: str, port: int
+                          ) -> tuple[Any, Any] | None:
+    """Connect to the Unix-socket twin of ``host:port``; None when the shortcut is off,
+    the host is not loopback, or nothing listens there (the caller uses TCP)."""
+    if not (enabled() and is_loopback(host)):
+        return None
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, name_for(port))
+    except OSError:
+        sock.close()
+        return None
+    return await loop.create_unix_connection(factory, sock=sock)

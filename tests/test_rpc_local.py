@@ -1,0 +1,115 @@
+"""The Unix-socket shortcut for same-host RPC peers (stream_persia/rpc/local.py)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import numpy as np
+import pytest
+
+from stream_persia.errors import PeerUnavailable
+from stream_persia.rpc import RpcClient, RpcServer, local
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="abstract Unix sockets exist on Linux only")
+
+
+async def echo(params):
+    return params
+
+
+def transport_of(client: RpcClient) -> str:
+    """"unix" or "tcp": the family of the client's socket (asyncio's or uvloop's)."""
+    family = client._conn.proto.transport.get_extra_info("socket").family
+    return {socket.AF_UNIX: "unix", socket.AF_INET: "tcp", socket.AF_INET6: "tcp"}[family]
+
+
+@pytest.mark.parametrize("host, expected", [
+    ("127.0.0.1", True), ("127.1.2.3", True), ("localhost", True), ("::1", True),
+    ("10.0.0.1", False), ("example.com", False), ("0.0.0.0", False)])
+def test_loopback_hosts(host, expected):
+    assert local.is_loopback(host) is expected
+
+
+async def test_a_loopback_client_talks_over_a_unix_socket():
+    server = RpcServer({"echo": echo}, host="127.0.0.1", port=0)
+    await server.start()
+    try:
+        async with RpcClient(server.address) as client:
+            big = np.arange(1 << 20, dtype=np.float32)
+            assert np.array_equal(await client.call("echo", big), big)
+            assert transport_of(client) == "unix"
+            assert client._conn.proto.transport.get_extra_info("peername") == \
+                local.name_for(server.port).encode()
+    finally:
+        await server.stop()
+
+
+async def test_switched_off_it_uses_tcp(monkeypatch):
+    monkeypatch.setenv("STREAM_PERSIA_RPC_UNIX", "0")
+    server = RpcServer({"echo": echo}, host="127.0.0.1", port=0)
+    await server.start()
+    try:
+        assert server._unix is None
+        async with RpcClient(server.address) as client:
+            assert await client.call("echo", 7) == 7
+            assert transport_of(client) == "tcp"
+    finally:
+        await server.stop()
+
+
+async def test_a_name_held_by_something_else_falls_back_to_tcp():
+    server = RpcServer({"echo": echo}, host="127.0.0.1", port=0)
+    await server.start()
+    port = server.port
+    await server.stop()
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squatter.bind(local.name_for(port))          # bound, never listening: connects fail
+    try:
+        server = RpcServer({"echo": echo}, host="127.0.0.1", port=port)
+        await server.start()
+        try:
+            assert server._unix is None, "the server must not take a name in use"
+            async with RpcClient(server.address) as client:
+                assert await client.call("echo", "x") == "x"
+                assert transport_of(client) == "tcp"
+        finally:
+            await server.stop()
+    finally:
+        squatter.close()
+
+
+async def test_the_name_is_released_on_stop_and_a_stopped_peer_is_named():
+    server = RpcServer({"echo": echo}, host="127.0.0.1", port=0)
+    await server.start()
+    port = server.port
+    async with RpcClient(server.address, timeout_ms=2000) as client:
+        assert await client.call("echo", 1) == 1
+        await server.stop()
+        with pytest.raises(PeerUnavailable) as err:
+            await client.call("echo", 2)
+        assert f"127.0.0.1:{port}" in str(err.value)
+    again = RpcServer({"echo": echo}, host="127.0.0.1", port=port)
+    await again.start()
+    try:
+        assert again._unix is not None
+    finally:
+        await again.stop()
+
+
+def test_the_roles_event_loop_uses_it_too():
+    """Roles run on aio.run's loop (uvloop where installed), not pytest's."""
+    from stream_persia import aio
+
+    async def main() -> str:
+        server = RpcServer({"echo": echo}, host="127.0.0.1", port=0)
+        await server.start()
+        try:
+            async with RpcClient(server.address) as client:
+                assert await client.call("echo", [1, 2]) == [1, 2]
+                return transport_of(client)
+        finally:
+            await server.stop()
+
+    assert aio.run(main()) == "unix"
