@@ -228,5 +228,7 @@ def _reduce_group(group: PooledGroup, grads: Mapping[str, np.ndarray | None],
         seg *= group.scale[:, None]
     sums, touched = segments.scatter(seg, group.index, group.offsets, len(group.ids), active)
     if touched.all():
-        return group.ids, sums
+        return (group.ids, sums) if len(group.ids) else None
+    if not touched.any():  # the slots with gradients had no ids in this batch
+        return None
     return group.ids[touched], sums[touched]

@@ -477,3 +477,16 @@ async def test_empty_pooled_groups_and_segments_give_zero_sums(n):
     assert none.shape == (0, 4)
     assert not sums[0].any()
     np.testing.assert_allclose(sums[1], rows[0][1] + rows[0][0] + rows[0][1], rtol=1e-6)
+
+
+def test_slots_with_gradients_but_no_ids_send_no_empty_update():
+    """Found by hypothesis in CI: a dim whose slots with gradients have no ids in the batch
+    (here: every sample empty) must not appear in the update at all, as in the classic
+    path; an empty group would be an RPC to every server for nothing."""
+    feats = [IDTypeFeature.from_csr(name, np.zeros(0, dtype=np.uint64),
+                                    np.zeros(4, dtype=np.int64)) for name in SLOTS]
+    plan = batchplan.plan_batch(feats, MIXED)
+    plans = pooling.plan_batch(feats, MIXED)
+    grads = random_gradients(0, plans)
+    got = batchplan.reduce_gradients(plan, grads)
+    assert got.by_dim == {} == pooling.reduce_batch_gradients(plans, grads).by_dim
