@@ -89,6 +89,19 @@ cdef int _check_offsets(const int64_t[::1] offsets, Py_ssize_t n) noexcept nogil
     return OK
 
 
+cdef int _check_lookup(const int32_t[::1] index, const int64_t[::1] offsets, Py_ssize_t m,
+                       int64_t[::1] at) noexcept nogil:
+    """A pooled lookup's offsets (see _check_offsets) and every index in [0, m)."""
+    cdef Py_ssize_t j, n = index.shape[0]
+    if _check_offsets(offsets, n) != OK:
+        return E_OFFSETS
+    for j in range(n):
+        if index[j] < 0 or index[j] >= m:
+            at[0] = j
+            return E_INDEX
+    return OK
+
+
 def c_pool(const float[:, ::1] rows, const int32_t[::1] index, const int64_t[::1] offsets,
            float[:, ::1] out, int64_t[::1] at):
     """``out[s] += sum(rows[index[offsets[s]:offsets[s+1]]])``; ``out`` zeroed by the
@@ -100,13 +113,7 @@ def c_pool(const float[:, ::1] rows, const int32_t[::1] index, const int64_t[::1
     cdef const float *src
     cdef int status = OK
     with nogil:
-        status = _check_offsets(offsets, n)
-        if status == OK:
-            for j in range(n):
-                if index[j] < 0 or index[j] >= m:
-                    at[0] = j
-                    status = E_INDEX
-                    break
+        status = _check_lookup(index, offsets, m, at)
         if status == OK:
             for s in range(k):
                 acc = &out[s, 0]
@@ -131,13 +138,7 @@ def c_scatter(const float[:, ::1] grads, const int32_t[::1] index,
     cdef const float *g
     cdef int status = OK
     with nogil:
-        status = _check_offsets(offsets, n)
-        if status == OK:
-            for j in range(n):
-                if index[j] < 0 or index[j] >= m:
-                    at[0] = j
-                    status = E_INDEX
-                    break
+        status = _check_lookup(index, offsets, m, at)
         if status == OK:
             for s in range(k):
                 if not active[s]:
@@ -179,7 +180,7 @@ def c_split(const int32_t[::1] index, const int64_t[::1] offsets, const int64_t[
     with nogil:
         memset(ucount, 0, sizeof(int64_t) * parts)
         memset(ocount, 0, sizeof(int64_t) * parts)
-        status = _check_offsets(offsets, n)
+        status = _check_lookup(index, offsets, m, at)
         if status == OK:
             for u in range(m):
                 p = owner[u]
@@ -191,10 +192,6 @@ def c_split(const int32_t[::1] index, const int64_t[::1] offsets, const int64_t[
                 ucount[p] += 1
         if status == OK:
             for j in range(n):
-                if index[j] < 0 or index[j] >= m:
-                    at[0] = j
-                    status = E_INDEX
-                    break
                 ocount[owner[index[j]]] += 1
         if status == OK:
             id_starts[0] = 0
