@@ -1,5 +1,8 @@
 """RPC throughput: sequential vs pipelined small calls, and a 1 MiB array echo.
 
+Clients on this host reach the server over a Unix socket (``stream_persia/rpc/local.py``);
+the last line compares that with TCP loopback, measured the same way.
+
 Runs the server in a child process (so client and server do not share one event loop)
 and the client on plain asyncio and on uvloop, then prints every figure as a ratio to the
 baseline measured in the same invocation: sequential small calls on plain asyncio, and
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -112,6 +116,14 @@ def main() -> None:
         results = {"asyncio": measure(address, False, args.seconds, args.concurrency)}
         if aio.uvloop_available():
             results["uvloop"] = measure(address, True, args.seconds, args.concurrency)
+        # The same-host Unix socket (stream_persia/rpc/local.py) against plain TCP loopback:
+        # the client reads the switch when it connects.
+        os.environ["STREAM_PERSIA_RPC_UNIX"] = "0"
+        try:
+            results["tcp only"] = measure(address, aio.uvloop_available(), args.seconds,
+                                          args.concurrency)
+        finally:
+            del os.environ["STREAM_PERSIA_RPC_UNIX"]
         copy = memcpy_rate(args.seconds / 2)
     finally:
         proc.stdin.close()
@@ -128,6 +140,9 @@ def main() -> None:
               f"pipelined x{args.concurrency} {pipe:9,.0f}/s ({pipe / base:4.2f}x baseline, "
               f"{pipe / seq:4.2f}x sequential)  "
               f"1 MiB echo {echo / 2**20:7.1f} MiB/s ({echo / copy:.3f}x memcpy)")
+    fast = results["uvloop" if "uvloop" in results else "asyncio"]["1 MiB echo bytes/s"]
+    print(f"1 MiB echo over the same-host Unix socket: {fast / results['tcp only']['1 MiB echo bytes/s']:.2f}x "
+          "TCP loopback (STREAM_PERSIA_RPC_UNIX=0)")
 
 
 if __name__ == "__main__":

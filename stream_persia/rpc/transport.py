@@ -25,6 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from stream_persia import wire
+from stream_persia.rpc import local
 from stream_persia.rpc.framing import HEADER, Unidentifiable, check_length
 
 __all__ = ["FrameProtocol", "set_nodelay", "write_frame"]
@@ -94,6 +95,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             name = transport.get_extra_info("sockname")
             self.peer = f"unix:{str(addr or name or '').lstrip(chr(0))}"
         set_nodelay(transport)
+        local.widen_buffers(transport)
         if self._on_connect is not None:
             self._on_connect(self)
 
