@@ -108,7 +108,7 @@ def c_pool(const float[:, ::1] rows, const int32_t[::1] index, const int64_t[::1
     caller. Returns an error code (index errors: the position in ``at[0]``)."""
     cdef Py_ssize_t k = offsets.shape[0] - 1, s, j, d, n = index.shape[0]
     cdef Py_ssize_t dim = rows.shape[1]
-    cdef int32_t m = <int32_t>rows.shape[0], r
+    cdef int32_t m = <int32_t>rows.shape[0]
     cdef float *acc
     cdef const float *src
     cdef int status = OK

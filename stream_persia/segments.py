@@ -119,16 +119,16 @@ def pool(rows: np.ndarray, index: np.ndarray, offsets: np.ndarray,
             _raise(status, int(at[0]), field, len(rows))
         return out
     check_pooled(len(rows), index, offsets, field)
-    _add_segments(out, rows, index, offsets, np.ones(len(offsets) - 1, dtype=bool))
+    _add_segments(out, rows, index, offsets)
     return out
 
 
-def _add_segments(out: np.ndarray, rows: np.ndarray, index: np.ndarray, offsets: np.ndarray,
-                  active: np.ndarray) -> None:
+def _add_segments(out: np.ndarray, rows: np.ndarray, index: np.ndarray,
+                  offsets: np.ndarray) -> None:
     """The twins' loop, vectorised by position within the segment: pass t adds the t-th
     term of every segment that has one, so each sum runs in occurrence order from 0.0."""
     lengths = np.diff(offsets)
-    segs = np.flatnonzero(active & (lengths > 0))
+    segs = np.flatnonzero(lengths > 0)
     t = 0
     while len(segs):
         out[segs] += rows[index[offsets[segs] + t]]
