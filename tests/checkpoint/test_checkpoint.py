@@ -8,7 +8,6 @@ compared with the original by dumping every store.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import uuid
@@ -21,29 +20,12 @@ import torch
 from stream_persia import checkpoint as ck
 from stream_persia.checkpoint import CheckpointWriter, Manifest
 from stream_persia.checkpoint import writer as writer_mod
-from stream_persia.embedding import EmbeddingConfig
-from stream_persia.embedding.optim import Adagrad
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.errors import BadInput, Misuse
+from stream_persia.testing.servers import running_servers
 from stream_persia.worker.router import ShardRouter
 
 DIMS = (8, 4)
 OFFSETS = {"samples": {"0": 17, "1": 5}}
-
-
-@contextlib.asynccontextmanager
-async def running_servers(n: int, capacity: int = 10_000):
-    servers = [EmbeddingServer(capacity, Adagrad(lr=0.1), EmbeddingConfig((-0.5, 0.5)),
-                               replica_index=i, replica_size=n) for i in range(n)]
-    for s in servers:
-        await s.start()
-    router = ShardRouter([s.address for s in servers], timeout_ms=5000)
-    try:
-        yield servers, router
-    finally:
-        await router.close()
-        for s in servers:
-            await s.stop()
 
 
 async def train_rows(router: ShardRouter, seed: int = 0, rounds: int = 3) -> None:

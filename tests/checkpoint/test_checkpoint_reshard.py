@@ -22,35 +22,26 @@ import torch
 
 from stream_persia import checkpoint as ck
 from stream_persia.checkpoint import CheckpointWriter
-from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Adagrad
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.rpc import RpcClient
 from stream_persia.sharding import shard_of
 from stream_persia.testing.samples import SCHEMA, make_batch
-from stream_persia.worker.router import ShardRouter
+from stream_persia.testing.servers import running_servers
 from stream_persia.worker.service import EmbeddingWorker
 
 
 @contextlib.asynccontextmanager
 async def cluster(n: int):
     """n embedding servers and one embedding worker over them, in this process."""
-    servers = [EmbeddingServer(10_000, Adagrad(lr=0.05), EmbeddingConfig((-0.5, 0.5)),
-                               replica_index=i, replica_size=n) for i in range(n)]
-    for s in servers:
-        await s.start()
-    worker = EmbeddingWorker(SCHEMA, [s.address for s in servers])
-    await worker.start()
-    client = RpcClient(worker.address, timeout_ms=5000)
-    router = ShardRouter([s.address for s in servers], timeout_ms=5000)
-    try:
-        yield servers, client, router
-    finally:
-        await client.close()
-        await router.close()
-        await worker.stop()
-        for s in servers:
-            await s.stop()
+    async with running_servers(n, Adagrad(lr=0.05)) as (servers, router):
+        worker = EmbeddingWorker(SCHEMA, [s.address for s in servers])
+        await worker.start()
+        client = RpcClient(worker.address, timeout_ms=5000)
+        try:
+            yield servers, client, router
+        finally:
+            await client.close()
+            await worker.stop()
 
 
 async def train(client: RpcClient, batches: int) -> None:

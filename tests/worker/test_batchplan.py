@@ -19,16 +19,14 @@ from hypothesis import strategies as st
 
 from stream_persia import segments
 from stream_persia.config import EmbeddingSchema
-from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.data import IDTypeFeature
 from stream_persia.embedding.optim import SGD
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.errors import BadInput, Misuse
 from stream_persia.rpc import RpcClient
 from stream_persia.sharding import mix64_inplace
 from stream_persia.testing.samples import SCHEMA, make_batch
+from stream_persia.testing.servers import running_servers
 from stream_persia.worker import batchplan, pooling
-from stream_persia.worker.router import ShardRouter
 
 SETTINGS = settings(max_examples=25, deadline=None)
 SEGMENT_IMPLS = ["cython", "python"] if segments._c is not None else ["python"]
@@ -368,28 +366,13 @@ def test_pooled_sums_of_the_wrong_shape_are_refused_naming_the_dim():
 
 
 # ---------------------------------------------------------------------------- real sockets
-@contextlib.asynccontextmanager
-async def servers(n):
-    started = [EmbeddingServer(10_000, SGD(lr=0.1), EmbeddingConfig((-0.5, 0.5)),
-                               replica_index=i, replica_size=n) for i in range(n)]
-    for s in started:
-        await s.start()
-    router = ShardRouter([s.address for s in started], timeout_ms=5000)
-    try:
-        yield started, router
-    finally:
-        await router.close()
-        for s in started:
-            await s.stop()
-
-
 async def pooled_lookup_matches_pooled_rows(n):
     feats = features(n, SLOTS, 16, vocab=40)
     plan = batchplan.plan_batch(feats, MIXED)
     merged, groups = plan.lookup_groups()
     pooled = [g for g in groups if len(g) == 4]
     n_ids = sum(len(g[1]) for g in groups)
-    async with servers(n) as (started, router):
+    async with running_servers(n, SGD(lr=0.1)) as (started, router):
         got, missing = await router.lookup(groups, "eval")
         assert missing == n_ids
         for g, sums in zip(groups, got, strict=True):
@@ -443,7 +426,7 @@ async def test_a_server_refuses_malformed_pooled_groups_and_keeps_serving():
         (good_index, good_offsets.astype(np.int32), "groups[0].offsets"),
         (good_index, None, "groups[0].offsets"),
     ]
-    async with servers(1) as (started, _):
+    async with running_servers(1, SGD(lr=0.1)) as (started, _):
         async with RpcClient(started[0].address, timeout_ms=5000) as client:
             for index, offsets, field in bad:
                 group = {"dim": 4, "ids": ids, "index": index}
@@ -468,7 +451,7 @@ async def test_empty_pooled_groups_and_segments_give_zero_sums(n):
               (4, np.array([5, 6], np.uint64), np.array([1, 0, 1], np.int32),
                np.array([0, 0, 3], np.int64)),
               (4, np.zeros(0, np.uint64))]
-    async with servers(n) as (_, router):
+    async with running_servers(n, SGD(lr=0.1)) as (_, router):
         await asyncio.wait_for(router.lookup(groups[1:2], "train"), 5)
         (empty, sums, none), missing = await asyncio.wait_for(router.lookup(groups, "eval"), 5)
         rows, _ = await asyncio.wait_for(router.lookup([(4, groups[1][1])], "eval"), 5)
