@@ -100,11 +100,12 @@ def freeze_startup_heap(young_threshold: int = 20_000) -> None:
     young objects less often.
 
     A role's steady state allocates short-lived containers per batch (msgpack maps, Kafka
-    records, futures). With the default thresholds each full collection re-scanned the
-    modules imported at start-up (torch alone is several hundred thousand objects): it
-    took about a third of an embedding worker's CPU in load_tests/bench_ingest.py
-    (py-spy). Frozen objects are never collected, which is right for module state; cycles
-    made later are still found.
+    records, futures). With the default thresholds each full collection re-scans the
+    modules imported at start-up (torch alone is several hundred thousand objects): in one
+    py-spy profile of load_tests/bench_ingest.py the collector was in about a third of the
+    embedding worker's active samples, and it is absent once the heap is frozen (the
+    benchmark's per-batch CPU did not move beyond its noise). Frozen objects are never
+    collected, which is right for module state; cycles made later are still found.
     """
     _gc.collect()
     _gc.freeze()

@@ -214,9 +214,7 @@ class RpcClient:
             if delay > 0:
                 await asyncio.sleep(delay)
             try:
-                pair = await asyncio.wait_for(
-                    self._open(), self._connect_timeout_s)
-                proto = pair[1]
+                _, proto = await asyncio.wait_for(self._open(), self._connect_timeout_s)
             except ConnectionRefusedError:
                 raise self._connect_failed(PeerUnavailable(
                     f"{self.peer} refused the connection (nothing listening on that port)",

@@ -138,7 +138,7 @@ def plan_batch(id_features: Iterable[Any], schema: Any, requires_grad: bool = Tr
             raise BadInput(f"ID feature {name!r} appears twice in one batch",
                            field=f"id_type_features.{name}")
         slot = schema.slot(name)
-        values, offsets = pooling._check_csr(name, feature.values, feature.offsets)
+        values, offsets = pooling.check_csr(name, feature.values, feature.offsets)
         size = len(offsets) - 1
         if not names:
             batch_size, first = size, name
@@ -216,7 +216,7 @@ def _reduce_group(group: PooledGroup, grads: Mapping[str, np.ndarray | None],
         grad = grads[name]
         if grad is None:
             continue
-        grad = pooling._float32(name, "gradients", grad, (b, group.dim))
+        grad = pooling.as_float32(name, "gradients", grad, (b, group.dim))
         if not pooling.is_finite(grad):
             skipped.add(name)
             continue

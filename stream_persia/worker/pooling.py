@@ -57,9 +57,9 @@ from stream_persia.sharding import mix64_inplace
 
 __all__ = [
     "SEGMENT_SUM_IMPLEMENTATION", "BatchGradients", "MergedLookup", "SlotOutput", "SlotPlan",
-    "hash_stack", "is_finite", "merge_gradients", "merge_lookups", "plan_batch", "plan_slot",
-    "pool", "pool_batch", "prefix_ids", "reduce_batch_gradients", "reduce_gradients",
-    "segment_sum",
+    "as_float32", "check_csr", "hash_stack", "is_finite", "merge_gradients", "merge_lookups",
+    "plan_batch", "plan_slot", "pool", "pool_batch", "prefix_ids", "reduce_batch_gradients",
+    "reduce_gradients", "segment_sum",
 ]
 
 _IMPLEMENTATIONS = ("torch", "numpy")
@@ -236,7 +236,7 @@ class SlotPlan:
         return (rows, self.dim)
 
 
-def _check_csr(name: str, values: Any, offsets: Any) -> tuple[np.ndarray, np.ndarray]:
+def check_csr(name: str, values: Any, offsets: Any) -> tuple[np.ndarray, np.ndarray]:
     field = f"id_type_features.{name}"
     if not isinstance(values, np.ndarray) or values.dtype != np.uint64 or values.ndim != 1:
         got = (f"{values.dtype} array of shape {values.shape}"
@@ -267,7 +267,7 @@ def plan_slot(values: np.ndarray, offsets: np.ndarray, slot: Any, prefix_bits: i
         requires_grad: False skips the gradient maps (inference, evaluation).
     """
     name = slot.name
-    values, offsets = _check_csr(name, values, offsets)
+    values, offsets = check_csr(name, values, offsets)
     rounds = int(slot.hash_stack_config.hash_stack_rounds)
     size = int(slot.hash_stack_config.embedding_size)
     if rounds > 0 and size <= 0:
@@ -413,7 +413,7 @@ class SlotOutput:
     mask: np.ndarray | None = None
 
 
-def _float32(plan_name: str, what: str, a: Any, shape: tuple[int, int]) -> np.ndarray:
+def as_float32(plan_name: str, what: str, a: Any, shape: tuple[int, int]) -> np.ndarray:
     """Accept a float16/32/64 array of exactly ``shape``; return it as float32."""
     if (not isinstance(a, np.ndarray) or a.dtype.kind != "f" or a.itemsize > 8
             or a.shape != shape):
@@ -426,7 +426,7 @@ def _float32(plan_name: str, what: str, a: Any, shape: tuple[int, int]) -> np.nd
 
 def pool(plan: SlotPlan, rows: np.ndarray) -> SlotOutput:
     """Pool one slot from its looked-up rows (float32 ``(len(plan.lookup_ids), dim)``)."""
-    rows = _float32(plan.name, "embeddings", rows, (len(plan.lookup_ids), plan.dim))
+    rows = as_float32(plan.name, "embeddings", rows, (len(plan.lookup_ids), plan.dim))
     if plan.pool_index is not None:
         rows = segment_sum(rows, plan.pool_index, plan.pool_starts)
     if plan.summation:
@@ -460,7 +460,7 @@ def reduce_gradients(plan: SlotPlan, grad: np.ndarray) -> tuple[np.ndarray, np.n
     if not plan.requires_grad:
         raise Misuse(f"slot {plan.name!r} was planned with requires_grad=False",
                      hint="plan the batch with requires_grad=True to reduce gradients")
-    grad = _float32(plan.name, "gradients", grad, plan.grad_shape)
+    grad = as_float32(plan.name, "gradients", grad, plan.grad_shape)
     if not is_finite(grad):
         return None
     if plan.summation:
