@@ -31,8 +31,8 @@ from stream_persia.config import EmbeddingSchema
 from stream_persia.embedding.data import IDTypeFeature, PersiaBatch
 from stream_persia.embedding.optim import SGD
 from stream_persia.embedding.store import EmbeddingStore
-from stream_persia.embedding_server import read_shard_file
 from stream_persia.errors import BadInput
+from stream_persia.shard_files import read_shard_file
 from stream_persia.worker import pooling
 
 __all__ = ["LocalTable", "as_tensor", "served_tensors", "concat_features", "non_id_tensors",

@@ -30,11 +30,12 @@ running raises Misuse instead of corrupting it.
 
 cimport cython
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 
 import numpy as np
 
+from stream_persia import segments as _segments
 from stream_persia.embedding import _pystore as _py
 from stream_persia.embedding.optim import as_optimizer
 from stream_persia.errors import BadInput, Misuse
@@ -313,6 +314,8 @@ cdef enum:
     PF_ENTRY = 32
     PF_ROW = 12
     FREE_ARENA = 0xFFFF
+    E_SEG_INDEX = 1   # stream_persia.segments' codes for a malformed index or offsets
+    E_SEG_OFFSETS = 2
 
 cdef inline float* row_ptr(const Arena *a, uint32_t r) noexcept nogil:
     return a.blocks[r >> a.shift] + <size_t>(r & ((<uint32_t>1 << a.shift) - 1)) * a.stride
@@ -340,6 +343,23 @@ cdef SpOpt make_opt(opt, cfg) except *:
         o.c1, o.c2 = np.float32(1.0 - opt.betas[0]), np.float32(1.0 - opt.betas[1])
         o.eps = np.float32(opt.eps)
     return o
+
+
+cdef int _check_segments(const int32_t[::1] index, const int64_t[::1] offsets, int64_t n,
+                         int64_t *at) noexcept nogil:
+    """A pooled lookup's ``offsets`` (0 .. len(index), nondecreasing) and ``index`` (each
+    in [0, n)); codes and positions as ``stream_persia.segments.raise_for`` expects."""
+    cdef int64_t s, j, k = offsets.shape[0] - 1, m = index.shape[0]
+    if k < 0 or offsets[0] != 0 or offsets[k] != m:
+        return E_SEG_OFFSETS
+    for s in range(k):
+        if offsets[s + 1] < offsets[s]:
+            return E_SEG_OFFSETS
+    for j in range(m):
+        if index[j] < 0 or index[j] >= n:
+            at[0] = j
+            return E_SEG_INDEX
+    return OK
 
 
 @cython.final
@@ -754,64 +774,167 @@ cdef class CEmbeddingStore:
         self.n_lookups += n
         if tr:
             self.version += 1
+        cdef float *zero = <float*>calloc(d, sizeof(float))
+        if zero == NULL:
+            raise MemoryError()
         try:
             with nogil:
-                status = self._lookup(&keys[0], n, ai, &o[0, 0], d, tr, &i)
+                status = self._lookup(&keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
         finally:
             self.busy = False
+            free(zero)
         if status != OK:
             self._raise(status, i, ids, d, "lookup")
         return out
 
-    cdef int _lookup(self, const uint64_t *keys, int64_t n, int ai, float *out, int dim,
-                     bint train, int64_t *at) noexcept nogil:
-        cdef int64_t i
-        cdef int32_t e
-        cdef uint64_t key
+    def lookup_pooled(self, ids, dim, index, offsets, train=True):
+        """Segment sums of the rows of ``ids``; see ``PyEmbeddingStore.lookup_pooled``.
+
+        The rows are added where they lie in the store, each as it is looked up, so the
+        ``(len(ids), dim)`` rows are never copied out. A training lookup that could evict
+        (more ids than free capacity) copies them first instead, as ``lookup`` does: an
+        admission may evict a row that an earlier id of the same call returned."""
+        ids = _py.check_ids(ids)
+        cdef int d = _py.check_dim(dim)
+        _segments.check_types(index, offsets, "lookup_pooled")
+        cdef bint tr = bool(train)
+        cdef int ai = self._arena_index(d, tr)
+        cdef int64_t n = ids.shape[0], k = offsets.shape[0] - 1
+        cdef const int32_t[::1] ix = index
+        cdef const int64_t[::1] off = offsets
+        cdef int64_t i = 0
+        cdef int status = _check_segments(ix, off, n, &i)
+        if status != OK:
+            _segments.raise_for(status, i, "lookup_pooled", n)
+        if tr and <int64_t>self.count + n > self.capacity_:
+            return _segments.pool(self.lookup(ids, d, True), index, offsets, "lookup_pooled")
+        out = np.zeros((k, d), np.float32)
+        if n == 0:
+            return out
+        cdef const uint64_t[::1] keys = ids
+        cdef float[:, ::1] o = out
+        cdef const int32_t *ixp = &ix[0] if ix.shape[0] else NULL
+        cdef float *zero = <float*>calloc(d, sizeof(float))
+        if zero == NULL:
+            raise MemoryError()
+        self._enter()
+        try:
+            if self.rbuf_cap < n:
+                sp_free(self.rbuf, sizeof(float*) * self.rbuf_cap)
+                self.rbuf = <float**>sp_alloc(sizeof(float*) * n, False)
+                self.rbuf_cap = n if self.rbuf != NULL else 0
+                if self.rbuf == NULL:
+                    raise MemoryError()
+            self.n_lookups += n
+            if tr:
+                self.version += 1
+            with nogil:
+                status = self._lookup_pooled(&keys[0], n, ai, d, tr, ixp, &off[0], k,
+                                             &o[0, 0], &i, zero)
+        finally:
+            self.busy = False
+            free(zero)
+        if status != OK:
+            self._raise(status, i, ids, d, "lookup")
+        return out
+
+    cdef inline float *_row_of(self, Pipe *pipe, int64_t i, int ai, Arena *a, bint train,
+                               const float *zero, int *status) noexcept nogil:
+        """The row of id ``i`` of the pipeline's keys, for reading: refreshed (train), or
+        admitted and initialised (a train miss that passes admission), or ``zero`` (a miss
+        that stores nothing). NULL with ``status`` set on an error."""
+        cdef uint64_t key = pipe.keys[i]
+        cdef int32_t e = self._resolve(pipe, i)
         cdef Entry *x
-        cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
-        cdef double admit = self.admit_p, u
-        cdef float *dst
+        cdef double u
         cdef float *row
+        cdef int dim
+        if e >= 0:
+            x = &self.entries[e]
+            if x.arena != ai:
+                status[0] = E_DIM
+                return NULL
+            if train:
+                self._touch(e)
+            return row_ptr(a, x.row)
+        self.n_misses += 1
+        if not train:
+            return <float*>zero
+        u = 0.0
+        if self.admit_p < 1.0:
+            u = <double>(sp_mix64(key ^ sp_mix64(self.draws)) >> 11) * (
+                1.0 / 9007199254740992.0)
+        self.draws += 1
+        if not u < self.admit_p:
+            return <float*>zero
+        e = self._insert(key, ai)
+        if e < 0:
+            status[0] = E_NOMEM
+            return NULL
+        self.n_admissions += 1
+        dim = a.dim
+        row = row_ptr(a, self.entries[e].row)
+        sp_init_row(row, dim, key, self.init_lo, self.init_span)
+        memcpy(row + dim, a.init_state, sizeof(float) * a.width)
+        return row
+
+    cdef int _lookup(self, const uint64_t *keys, int64_t n, int ai, float *out, int dim,
+                     bint train, int64_t *at, const float *zero) noexcept nogil:
+        """Copy the row of each of ``keys`` to ``out`` (zeros for a miss)."""
+        cdef int64_t i
+        cdef int status = OK
+        cdef const float *row
+        cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
         cdef Pipe pipe
         pipe.keys, pipe.n, pipe.lines, pipe.links = keys, n, (dim + 15) // 16, train
         for i in range(-PF_SLOT, n):
             self._stage(&pipe, i)
             if i < 0:
                 continue
-            key = keys[i]
-            dst = out + i * dim
-            e = self._resolve(&pipe, i)
-            if e >= 0:
-                x = &self.entries[e]
-                if x.arena != ai:
-                    at[0] = i
-                    return E_DIM
-                if train:
-                    self._touch(e)
-                memcpy(dst, row_ptr(a, x.row), sizeof(float) * dim)
-                continue
-            self.n_misses += 1
-            if not train:
-                memset(dst, 0, sizeof(float) * dim)
-                continue
-            u = 0.0
-            if admit < 1.0:
-                u = <double>(sp_mix64(key ^ sp_mix64(self.draws)) >> 11) * (
-                    1.0 / 9007199254740992.0)
-            self.draws += 1
-            if not u < admit:
-                memset(dst, 0, sizeof(float) * dim)
-                continue
-            e = self._insert(key, ai)
-            if e < 0:
+            row = self._row_of(&pipe, i, ai, a, train, zero, &status)
+            if row == NULL:
                 at[0] = i
-                return E_NOMEM
-            self.n_admissions += 1
-            row = row_ptr(a, self.entries[e].row)
-            sp_init_row(row, dim, key, self.init_lo, self.init_span)
-            memcpy(row + dim, a.init_state, sizeof(float) * a.width)
-            memcpy(dst, row, sizeof(float) * dim)
+                return status
+            memcpy(out + i * dim, row, sizeof(float) * dim)
+        return OK
+
+    cdef int _lookup_pooled(self, const uint64_t *keys, int64_t n, int ai, int dim,
+                            bint train, const int32_t *index, const int64_t *offsets,
+                            int64_t k, float *out, int64_t *at,
+                            const float *zero) noexcept nogil:
+        """Add each occurrence's row to its segment of ``out`` (zeroed), the occurrences
+        in order, looking the ids up in order as they are first needed (and the ones no
+        occurrence names at the end): the store sees exactly ``_lookup``'s sequence, and a
+        worker's ids (in first-occurrence order) are added while their row is in cache.
+        A later id's admission must not evict an earlier row: the caller ensures it."""
+        cdef int64_t s, j, i = 0, want
+        cdef int status = OK
+        cdef float *acc
+        cdef float **rows = self.rbuf
+        cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
+        cdef Pipe pipe
+        pipe.keys, pipe.n, pipe.lines, pipe.links = keys, n, (dim + 15) // 16, train
+        for i in range(-PF_SLOT, 0):
+            self._stage(&pipe, i)
+        i = 0
+        for s in range(k):
+            acc = out + s * dim
+            for j in range(offsets[s], offsets[s + 1]):
+                want = index[j]
+                while i <= want:
+                    self._stage(&pipe, i)
+                    rows[i] = self._row_of(&pipe, i, ai, a, train, zero, &status)
+                    if rows[i] == NULL:
+                        at[0] = i
+                        return status
+                    i += 1
+                sp_add(acc, rows[want], dim)  # acc + row in order, as segments.pool adds
+        while i < n:
+            self._stage(&pipe, i)
+            if self._row_of(&pipe, i, ai, a, train, zero, &status) == NULL:
+                at[0] = i
+                return status
+            i += 1
         return OK
 
     def update(self, ids, grads):

@@ -102,7 +102,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from stream_persia.checkpoint import read_manifest
 from stream_persia.checkpoint._common import Location
-from stream_persia.embedding_server import read_shard_file
+from stream_persia.shard_files import read_shard_file
 from stream_persia.testing.samples import SCHEMA
 
 ckpt, port = sys.argv[1], int(sys.argv[2])

@@ -19,45 +19,46 @@ RPC methods (params → result):
 - ``size`` → int, ``clear`` → None, ``stats`` → dict
 - ``configure {"optimizer": dict | None, "embedding_config": dict | None}`` → None
 - ``dump {"dir": url}`` → ``{"file", "rows", "bytes", "sha256"}`` — the shard as one file
-- ``load {"dir": url, "files": [...]}`` → ``{"rows": int}`` — reads every listed shard
-  file and keeps the rows this shard owns, so a checkpoint written by S servers loads
-  into S' servers.
+- ``load {"dir": url, "files": [...], "expected"?: {file: {"sha256"?, "bytes"?, "rows"?}}}``
+  → ``{"rows": int}`` — replaces the shard's rows with the rows it owns in every listed
+  shard file, so a checkpoint written by S servers loads into S' servers; all or nothing.
+  ``expected``, when given, has an entry for every listed file (the manifest's ``files``
+  entry: hex sha256, size in bytes, rows in the file) and nothing else.
 
-Shard file format (``embedding-shard-<i>-of-<n>.bin``): a sequence of records, each a
-4-byte big-endian length followed by a ``wire.pack``-ed store chunk (see
-``EmbeddingStore.dump``), oldest rows first so loading reproduces LRU order.
+The shard file format and the all-or-nothing load procedure (its checks, errors and
+memory peak) are described in :mod:`stream_persia.shard_files`.
+
+After a successful load the store's counters (lookups, misses, admissions, evictions,
+updates, dropped_updates) and admission draws start from zero, as in a freshly started
+server (evictions count those of the load itself); the server's request counters go on.
+Every handler must reach the store as ``self.store`` on the store thread, never through a
+reference taken before its turn on that thread: a load queued ahead of it swaps the store.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import io
 import logging
-import struct
-from collections.abc import Iterator
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from stream_persia import segments, wire
+from stream_persia import segments
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding import optim as optim_mod
 from stream_persia.embedding.store import IMPLEMENTATION, EmbeddingStore
 from stream_persia.errors import BadInput
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
-from stream_persia.sharding import shard_of
+from stream_persia.shard_files import shard_file_name, stage_shard_files, write_shard_file
 
 log = logging.getLogger(__name__)
 
-_LEN = struct.Struct(">I")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_EXPECTED_KEYS = ("sha256", "bytes", "rows")
 MODES = ("train", "eval", "infer")
-
-
-def shard_file_name(replica_index: int, replica_size: int) -> str:
-    return f"embedding-shard-{replica_index:05d}-of-{replica_size:05d}.bin"
 
 
 def _require(params: Any, key: str, kind: type | tuple[type, ...]) -> Any:
@@ -170,8 +171,8 @@ class EmbeddingServer:
             for dim, ids, pooled in checked:
                 if not train:
                     missing += int(ids.size - np.count_nonzero(self.store.contains(ids)))
-                found = self.store.lookup(ids, dim, train)
-                rows.append(found if pooled is None else segments.pool(found, *pooled))
+                rows.append(self.store.lookup(ids, dim, train) if pooled is None
+                            else self.store.lookup_pooled(ids, dim, *pooled, train))
             return {"rows": rows, "missing": missing}
 
         return await self._run(run)
@@ -206,7 +207,7 @@ class EmbeddingServer:
 
     async def _clear(self, params: Any) -> None:
         self._req.labels("clear").inc()
-        await self._run(self.store.clear)
+        await self._run(lambda: self.store.clear())   # the store in force on its turn
 
     async def _stats(self, params: Any) -> dict:
         return self.store.stats()
@@ -234,96 +235,73 @@ class EmbeddingServer:
         self._req.labels("dump").inc()
         directory = _require(params, "dir", str)
         name = shard_file_name(self.replica_index, self.replica_size)
-        return await self._run(write_shard_file, self.store.dump(), directory, name)
+        # dump() is called on the store thread: a load queued ahead of it swaps the store.
+        return await self._run(
+            lambda: write_shard_file(self.store.dump(), directory, name))
 
     async def _load(self, params: Any) -> dict:
         self._req.labels("load").inc()
-        directory = _require(params, "dir", str)
-        files = _require(params, "files", list)
-        if not all(isinstance(f, str) for f in files):
-            raise BadInput("files must be a list of shard file names", field="files")
+        directory, files, expected = _load_params(params)
 
         def run() -> dict:
-            self.store.clear()
-            kept = 0
-            for f in files:
-                for chunk in read_shard_file(directory, f):
-                    chunk = _owned_rows(chunk, self.replica_index, self.replica_size)
-                    if len(chunk["ids"]):
-                        self.store.load([chunk])
-                        kept += len(chunk["ids"])
+            old = self.store
+            staging = EmbeddingStore(old.capacity, old.optimizer, old.embedding_config)
+            kept = stage_shard_files(staging, directory, files, expected,
+                                     self.replica_index, self.replica_size,
+                                     held_rows=len(old))
+            self.store = staging   # the swap; the old table goes with its last reference
             return {"rows": kept}
 
         return await self._run(run)
 
 
-def _owned_rows(chunk: dict, replica_index: int, replica_size: int) -> dict:
-    ids = chunk["ids"]
-    keep = shard_of(ids, replica_size) == replica_index
-    if keep.all():
-        return chunk
-    n = ids.shape[0]
-    return {k: (v[keep] if isinstance(v, np.ndarray) and v.ndim >= 1 and v.shape[0] == n
-                else v) for k, v in chunk.items()}
-
-
-def write_shard_file(chunks: Iterator[dict], directory: str, name: str) -> dict:
-    """Stream store chunks into ``directory/name`` atomically (temp file + rename)."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(directory)
-    fs.makedirs(root, exist_ok=True)
-    final = f"{root.rstrip('/')}/{name}"
-    tmp = f"{final}.tmp"
-    digest = hashlib.sha256()
-    rows = size = 0
-    with fs.open(tmp, "wb") as f:
-        for chunk in chunks:
-            body = wire.pack(chunk)
-            head = _LEN.pack(len(body))
-            for part in (head, body):
-                f.write(part)
-                digest.update(part)
-            rows += len(chunk["ids"])
-            size += len(head) + len(body)
-    fs.mv(tmp, final)
-    return {"file": name, "rows": rows, "bytes": size, "sha256": digest.hexdigest()}
-
-
-def read_shard_file(directory: str, name: str) -> Iterator[dict]:
-    """Yield the chunks of one shard file (limits of the wire format apply per chunk)."""
-    import fsspec
-
-    if "/" in name or name.startswith("."):
-        raise BadInput(f"shard file name {name!r} must be a plain file name", field="files")
-    fs, root = fsspec.core.url_to_fs(directory)
-    path = f"{root.rstrip('/')}/{name}"
-    if not fs.exists(path):
-        raise BadInput(f"shard file {path} does not exist", field="files")
-    with _open_for_read(fs, path) as f:
-        while True:
-            head = f.read(_LEN.size)
-            if not head:
-                return
-            if len(head) != _LEN.size:
-                raise BadInput(f"shard file {path} is truncated", field="files")
-            (n,) = _LEN.unpack(head)
-            if n > wire.DEFAULT_LIMITS.max_frame_bytes:
-                raise BadInput(f"shard file {path} has a record of {n} bytes", field="files")
-            body = f.read(n)
-            if len(body) != n:
-                raise BadInput(f"shard file {path} is truncated", field="files")
-            chunk = wire.unpack(body)
-            if not isinstance(chunk, dict) or not isinstance(chunk.get("ids"), np.ndarray):
-                raise BadInput(f"shard file {path} holds a record that is not a store chunk",
-                               field="files")
-            yield chunk
-
-
-def _open_for_read(fs: Any, path: str) -> Any:
-    # fsspec's memory filesystem hands every opener the same file object (one shared
-    # position), so servers of one process loading the same shard concurrently would
-    # interleave their reads; its bytes are in memory already, so read a private copy.
-    if "memory" in fs.protocol:
-        return io.BytesIO(fs.cat_file(path))
-    return fs.open(path, "rb")
+def _load_params(params: Any) -> tuple[str, list[str], dict[str, dict[str, Any]]]:
+    """(dir, files, expected: file → checks, {} when not given) of a load request."""
+    directory = _require(params, "dir", str)
+    files = _require(params, "files", list)
+    unknown = sorted(map(str, set(params) - {"dir", "files", "expected"}))
+    if unknown:
+        raise BadInput(f"unknown load field(s) {unknown}", field=unknown[0],
+                       hint="dir, files, expected")
+    seen: set[str] = set()
+    for i, name in enumerate(files):
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name \
+                or name.startswith("."):
+            raise BadInput(f"files[{i}] must be a plain shard file name, got {name!r}",
+                           field=f"files[{i}]", hint="no '/', not starting with '.'")
+        if name in seen:
+            raise BadInput(f"files[{i}] {name!r} is listed twice", field=f"files[{i}]")
+        seen.add(name)
+    expected = params.get("expected")
+    if expected is None:
+        return directory, files, {}
+    if not isinstance(expected, dict):
+        raise BadInput(f"expected must map file name -> {{sha256, bytes, rows}}, got "
+                       f"{type(expected).__name__}", field="expected")
+    for name in expected:
+        if name not in seen:
+            raise BadInput(f"expected has an entry for {name!r}, which files does not list",
+                           field=f"expected.{name}")
+    for name in files:
+        entry = expected.get(name)
+        where = f"expected.{name}"
+        if entry is None:
+            raise BadInput(f"expected has no entry for {name!r}", field=where,
+                           hint="give every listed file an entry, or leave expected out")
+        if not isinstance(entry, dict) or not entry:
+            raise BadInput(f"{where} must be a non-empty map with keys from "
+                           f"{list(_EXPECTED_KEYS)}, got {entry!r}", field=where)
+        for key, value in entry.items():
+            if key not in _EXPECTED_KEYS:
+                raise BadInput(f"{where} has unknown key {key!r}", field=f"{where}.{key}",
+                               hint=", ".join(_EXPECTED_KEYS))
+            if key == "sha256":
+                ok = isinstance(value, str) and _SHA256.fullmatch(value) is not None
+                accepted = "64 lowercase hex digits"
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+                accepted = "an int >= 0"
+            if not ok:
+                raise BadInput(f"{where}.{key} must be {accepted}, got {value!r}",
+                               field=f"{where}.{key}")
+    return directory, files, expected

@@ -8,6 +8,9 @@ A batch's summation slots of one dim form one *pooled lookup*: every id occurren
 - ``offsets``: int64 ``(k + 1,)``; segment s (one slot of one sample) is the occurrences
   ``index[offsets[s]:offsets[s+1]]``.
 
+:func:`pooled_lookup` builds all three from the slots' CSR ids in one pass (prefixing,
+concatenation, de-duplication, offsets); :func:`factorize` is its de-duplication alone.
+
 The embedding server looks ``ids`` up and returns ``(k, dim)`` pooled sums
 (:func:`pool`) instead of ``(len(ids), dim)`` rows: about 1.7 MB instead of 5 MB for a
 1,024 x 26-slot batch of dim 16. With several servers the worker splits the lookup by owner
@@ -26,14 +29,15 @@ the twins. Arguments are validated before either runs: a malformed index or offs
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from stream_persia.errors import BadInput
+from stream_persia.errors import BadInput, Misuse
 
-__all__ = ["IMPLEMENTATION", "Split", "factorize", "pool", "scatter", "split",
-           "check_pooled"]
+__all__ = ["IMPLEMENTATION", "Split", "factorize", "pooled_lookup", "pool", "scatter", "split",
+           "check_pooled", "check_types", "raise_for"]
 
 try:
     from stream_persia import _segments as _c
@@ -43,10 +47,10 @@ except ImportError:  # a source checkout that was never built: the twins run
 IMPLEMENTATION = ("python" if _c is None or os.environ.get("STREAM_PERSIA_PURE_PYTHON") == "1"
                   else "cython")
 
-_E_INDEX, _E_OFFSETS, _E_OWNER = 1, 2, 3
+_E_INDEX, _E_OFFSETS, _E_OWNER, _E_VALUES = 1, 2, 3, 4
 
 
-def _raise(status: int, at: int, field: str, n_ids: int) -> None:
+def raise_for(status: int, at: int, field: str, n_ids: int) -> None:
     """BadInput for a kernel's error code, worded and named as :func:`check_pooled`."""
     if status == _E_INDEX:
         raise BadInput(f"{field}.index must lie in [0, {n_ids}) (one entry per id occurrence "
@@ -58,7 +62,9 @@ def _raise(status: int, at: int, field: str, n_ids: int) -> None:
                    field=f"{field}.offsets")
 
 
-def _check_types(index: object, offsets: object, field: str) -> None:
+def check_types(index: object, offsets: object, field: str) -> None:
+    """``index`` is 1-D int32 and ``offsets`` non-empty 1-D int64 (their values are
+    :func:`check_pooled`'s or a kernel's to check); BadInput names ``field``."""
     if not (isinstance(index, np.ndarray) and index.dtype == np.int32 and index.ndim == 1):
         got = f"{index.dtype} {index.shape}" if isinstance(index, np.ndarray) else type(index).__name__
         raise BadInput(f"{field}.index must be a 1-D int32 array, got {got}",
@@ -74,7 +80,7 @@ def _check_types(index: object, offsets: object, field: str) -> None:
 def check_pooled(n_ids: int, index: object, offsets: object, field: str) -> None:
     """Validate a pooled lookup's ``index`` (int32 1-D, each in [0, n_ids)) and
     ``offsets`` (int64 1-D, nondecreasing, 0 .. len(index)); BadInput names ``field``."""
-    _check_types(index, offsets, field)
+    check_types(index, offsets, field)
     if offsets[0] != 0 or offsets[-1] != len(index) or bool((np.diff(offsets) < 0).any()):
         raise BadInput(f"{field}.offsets must be nondecreasing from 0 to len(index)="
                        f"{len(index)}", field=f"{field}.offsets")
@@ -104,19 +110,119 @@ def _factorize_numpy(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sorted_uniq[order], rank[inverse.ravel()].astype(np.int32)
 
 
+# ---------------------------------------------------------------------------- pooled lookup
+def pooled_lookup(values: Sequence[np.ndarray], offsets: Sequence[np.ndarray],
+                  index_prefixes: Sequence[int], prefix_bits: int,
+                  sqrt_scaling: Sequence[bool] | None = None, field: str = "slots"
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The pooled lookup of the summation slots of one dim, from their CSR ids.
+
+    Slot i's ids ``values[i]`` (1-D uint64; sample b is
+    ``values[i][offsets[i][b]:offsets[i][b+1]]``, ``offsets[i]`` 1-D int64 and as long for
+    every slot) are prefixed as :func:`stream_persia.config.embedding.apply_index_prefix`
+    does with ``index_prefixes[i]`` and ``prefix_bits``, the slots are concatenated, and
+    segment ``i * batch + b`` is slot i of sample b. One pass, against a prefix, a
+    concatenation and a :func:`factorize` per batch.
+
+    Returns:
+        ``(ids, index, offsets, scale)``: the distinct prefixed ids (uint64,
+        first-occurrence order), every id's int32 position among them, the int64 segment
+        bounds, and, when ``sqrt_scaling`` has a True, float32 ``1/sqrt(n)`` per segment
+        of the slots it names (0 for an empty sample, 1 for the other slots), else None.
+
+    Raises:
+        BadInput: values or offsets of the wrong type or shape, or offsets that do not run
+            nondecreasing from 0 to ``len(values[i])``, naming ``field[i]``.
+    """
+    k = len(values)
+    flags = [False] * k if sqrt_scaling is None else [bool(x) for x in sqrt_scaling]
+    if not len(offsets) == len(index_prefixes) == len(flags) == k:
+        raise Misuse(f"pooled_lookup: {k} values, {len(offsets)} offsets, "
+                     f"{len(index_prefixes)} index prefixes and {len(flags)} sqrt flags; "
+                     "give one of each per slot")
+    if not 0 <= prefix_bits < 64:
+        raise Misuse(f"pooled_lookup: prefix_bits must lie in [0, 64), got {prefix_bits}")
+    prefixes = np.array(index_prefixes, dtype=np.uint64)
+    scaled = any(flags)
+    if IMPLEMENTATION == "cython":
+        at = np.zeros(1, dtype=np.int64)
+        status, ids, index, segs, scale = _c.c_pooled_lookup(
+            values if isinstance(values, list) else list(values),
+            offsets if isinstance(offsets, list) else list(offsets),
+            int(prefix_bits), prefixes, np.array(flags, dtype=np.uint8), scaled, at)
+        if status:
+            _raise_slot(status, int(at[0]), field)
+        return ids, index, segs, scale
+    _check_slots(values, offsets, field)
+    keys = [_prefixed(v, int(p), prefix_bits) for v, p in zip(values, prefixes, strict=True)]
+    ids, index = _factorize_numpy(np.concatenate(keys) if k else np.zeros(0, np.uint64))
+    batch = len(offsets[0]) - 1 if k else 0
+    segs = np.empty(k * batch + 1, dtype=np.int64)
+    base = 0
+    for i, (v, off) in enumerate(zip(values, offsets, strict=True)):
+        np.add(off[:-1], base, out=segs[i * batch:(i + 1) * batch])
+        base += len(v)
+    segs[-1] = base
+    scale = None
+    if scaled:
+        scale = np.ones(k * batch, dtype=np.float32)
+        for i, (off, sqrt) in enumerate(zip(offsets, flags, strict=True)):
+            if sqrt:
+                counts = off[1:] - off[:-1]
+                with np.errstate(divide="ignore"):
+                    scale[i * batch:(i + 1) * batch] = np.where(
+                        counts > 0, 1.0 / np.sqrt(counts), 0.0)
+    return ids, index, segs, scale
+
+
+def _prefixed(values: np.ndarray, index_prefix: int, prefix_bits: int) -> np.ndarray:
+    """The twin of the kernel's prefixing: apply_index_prefix, vectorised."""
+    if prefix_bits == 0 or index_prefix == 0:
+        return values
+    modulus = np.uint64((1 << (64 - prefix_bits)) - 1)
+    if len(values) and values.max() >= modulus:
+        out = np.remainder(values, modulus)
+        out += np.uint64(index_prefix)
+        return out
+    return values + np.uint64(index_prefix)
+
+
+def _check_slots(values: Sequence[object], offsets: Sequence[object], field: str) -> None:
+    """The twin of the kernel's checks, in its order: every slot's types and lengths, then
+    every slot's offsets."""
+    for i, (v, off) in enumerate(zip(values, offsets, strict=True)):
+        if not (isinstance(v, np.ndarray) and v.dtype == np.uint64 and v.ndim == 1):
+            _raise_slot(_E_VALUES, i, field)
+        if not (isinstance(off, np.ndarray) and off.dtype == np.int64 and off.ndim == 1
+                and len(off) >= 1 and len(off) == len(offsets[0])):
+            _raise_slot(_E_OFFSETS, i, field)
+    for i, (v, off) in enumerate(zip(values, offsets, strict=True)):
+        if off[0] != 0 or off[-1] != len(v) or bool((off[1:] < off[:-1]).any()):
+            _raise_slot(_E_OFFSETS, i, field)
+
+
+def _raise_slot(status: int, at: int, field: str) -> None:
+    if status == _E_VALUES:
+        raise BadInput(f"{field}[{at}].values must be a 1-D uint64 array",
+                       field=f"{field}[{at}].values", hint="np.asarray(ids, dtype=np.uint64)")
+    raise BadInput(f"{field}[{at}].offsets must be a 1-D int64 array as long as every "
+                   f"slot's (batch size + 1), nondecreasing from 0 to len(values)",
+                   field=f"{field}[{at}].offsets")
+
+
 # ---------------------------------------------------------------------------- pool
 def pool(rows: np.ndarray, index: np.ndarray, offsets: np.ndarray,
          field: str = "pooled") -> np.ndarray:
     """float32 ``(len(offsets) - 1, dim)``: row s sums ``rows[index[offsets[s]:offsets[s+1]]]``
     (zeros for an empty segment)."""
     rows = np.ascontiguousarray(rows, dtype=np.float32)
-    _check_types(index, offsets, field)
+    check_types(index, offsets, field)
     out = np.zeros((len(offsets) - 1, rows.shape[1]), dtype=np.float32)
     if IMPLEMENTATION == "cython":
         at = np.zeros(1, dtype=np.int64)
         status = _c.c_pool(rows, index, offsets, out, at)
         if status:
-            _raise(status, int(at[0]), field, len(rows))
+            raise_for(status, int(at[0]), field, len(rows))
         return out
     check_pooled(len(rows), index, offsets, field)
     _add_segments(out, rows, index, offsets)
@@ -153,7 +259,7 @@ def scatter(grads: np.ndarray, index: np.ndarray, offsets: np.ndarray, n_ids: in
         bool ``(n_ids,)``, True where an active segment reached the id.
     """
     grads = np.ascontiguousarray(grads, dtype=np.float32)
-    _check_types(index, offsets, field)
+    check_types(index, offsets, field)
     k = len(offsets) - 1
     active = np.ones(k, dtype=bool) if active is None else np.asarray(active, dtype=bool)
     if grads.ndim != 2 or grads.shape[0] != k:
@@ -168,7 +274,7 @@ def scatter(grads: np.ndarray, index: np.ndarray, offsets: np.ndarray, n_ids: in
         at = np.zeros(1, dtype=np.int64)
         status = _c.c_scatter(grads, index, offsets, active.view(np.uint8), out, touched, at)
         if status:
-            _raise(status, int(at[0]), field, n_ids)
+            raise_for(status, int(at[0]), field, n_ids)
         return out, touched.view(bool)
     check_pooled(n_ids, index, offsets, field)
     lengths = np.diff(offsets)
@@ -208,7 +314,7 @@ def split(index: np.ndarray, offsets: np.ndarray, owner: np.ndarray, parts: int
     distinct id, in [0, parts)). Pooling each part and adding the parts' sums gives the
     whole lookup's sums (up to float rounding: the order of the additions changes)."""
     owner = np.ascontiguousarray(owner, dtype=np.int64)
-    _check_types(index, offsets, "split")
+    check_types(index, offsets, "split")
     if IMPLEMENTATION == "cython":
         k, n, m = len(offsets) - 1, len(index), len(owner)
         id_order = np.empty(m, dtype=np.int64)
@@ -220,7 +326,7 @@ def split(index: np.ndarray, offsets: np.ndarray, owner: np.ndarray, parts: int
         status = _c.c_split(index, offsets, owner, parts, id_order, id_starts, local_index,
                             index_starts, part_offsets, at)
         if status:
-            _raise(status, int(at[0]), "split", m)
+            raise_for(status, int(at[0]), "split", m)
         return [Split(id_order[id_starts[p]:id_starts[p + 1]],
                       local_index[index_starts[p]:index_starts[p + 1]], part_offsets[p])
                 for p in range(parts)]

@@ -109,31 +109,44 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
 
     Every server reads every shard file and keeps the rows it owns
     (``shard_of(id, len(server_clients))``), so a checkpoint written by S servers loads into
-    S' servers. Each server is cleared first: afterwards the servers hold exactly the
-    checkpoint's rows (with their optimizer state and recency order).
+    S' servers. Each server's rows are replaced: afterwards the servers hold exactly the
+    checkpoint's rows (with their optimizer state and recency order). The servers check
+    every file against the manifest's size, sha256 and row count as they read it, and a
+    server swaps its table only once all of them passed (the ``load`` procedure in
+    :mod:`stream_persia.shard_files`): a server that fails keeps what it held.
 
     Args:
         src: the checkpoint directory.
         server_clients: an ``RpcClient`` per embedding server, in replica order.
         timeout_ms: per-server limit for the load.
-        verify_checksums: hash the shard files before loading (reads them once more).
+        verify_checksums: also hash the shard files here before any server reads them
+            (reads them once more; the servers check the sha256 either way).
 
     Returns:
         Rows loaded over all servers.
 
     Raises:
-        BadInput: not a checkpoint, or a shard file is missing, truncated or corrupt.
+        BadInput: not a checkpoint, or a shard file is missing, truncated or corrupt
+            (each server checks every record, so all of them refuse it and keep their
+            rows), or a server ran out of memory.
         Misuse: the clients are not every server of one job in replica order.
-        RemoteError: a server failed (servers that had loaded keep their rows: load again).
+        RemoteError: a server failed.
+
+        A server that fails keeps its previous rows, but one that failed alone (out of
+        memory, a crash) leaves the others holding the checkpoint's: load again.
     """
     manifest = read_manifest(src)
     loc = Location(src)
-    for name in manifest.embedding_files:   # cheap checks before any server is cleared
+    for name in manifest.embedding_files:   # cheap checks before any server reads
         _check_file(loc, name, manifest.files[name], checksum=verify_checksums)
     await check_server_set(server_clients, timeout_ms)
+    expected = {name: {k: v for k, v in manifest.files[name].items()
+                       if k in ("sha256", "bytes", "rows")}
+                for name in manifest.embedding_files}
     replies = await asyncio.gather(*(
-        c.call("load", {"dir": loc.url, "files": manifest.embedding_files},
-               timeout_ms=timeout_ms) for c in server_clients))
+        c.call("load", {"dir": loc.url, "files": manifest.embedding_files,
+                        "expected": expected}, timeout_ms=timeout_ms)
+        for c in server_clients))
     loaded = sum(int(r["rows"]) for r in replies)
     if loaded != manifest.rows:
         raise InternalError(f"servers loaded {loaded} rows from {loc.url} but it holds "

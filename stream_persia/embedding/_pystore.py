@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from stream_persia import segments
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Optimizer, as_optimizer
 from stream_persia.errors import BadInput, Misuse
@@ -299,6 +300,18 @@ class PyEmbeddingStore:
             for a, r in deferred:
                 a.free.append(r)
         return out
+
+    def lookup_pooled(self, ids: np.ndarray, dim: int, index: np.ndarray,
+                      offsets: np.ndarray, train: bool = True) -> np.ndarray:
+        """Segment sums of the rows of ``ids``: float32 ``(len(offsets) - 1, dim)`` whose
+        row s adds ``lookup(ids, dim, train)[index[offsets[s]:offsets[s+1]]]`` in order
+        from 0.0 (zeros for an empty segment), with the same effects on the store as
+        ``lookup``; a pooled lookup of :mod:`stream_persia.segments`. ``index`` (int32)
+        and ``offsets`` (int64) are checked before the store is touched: a malformed one
+        is a BadInput naming ``lookup_pooled.index`` or ``lookup_pooled.offsets``."""
+        ids, dim = check_ids(ids), check_dim(dim)
+        segments.check_pooled(len(ids), index, offsets, "lookup_pooled")
+        return segments.pool(self.lookup(ids, dim, train), index, offsets, "lookup_pooled")
 
     def update(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Apply the optimizer with ``grads`` (float32 (n, dim)) to the rows of ``ids``.

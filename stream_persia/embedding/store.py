@@ -9,6 +9,10 @@ bit-identical results; :data:`IMPLEMENTATION` says which one this process uses.
 Interface (see ``_pystore.PyEmbeddingStore`` for the full contract):
 
 - ``lookup(ids: uint64 (n,), dim: int, train: bool = True) -> float32 (n, dim)``
+- ``lookup_pooled(ids, dim, index: int32, offsets: int64, train=True) -> float32 (k, dim)``:
+  the segment sums of a pooled lookup (:mod:`stream_persia.segments`), equal bit for bit
+  to ``segments.pool(lookup(ids, dim, train), index, offsets)``; the Cython store adds the
+  rows where they lie instead of copying them out (what embedding servers answer)
 - ``update(ids: uint64 (n,), grads: float32 (n, dim)) -> None``
 - ``contains(ids) -> bool (n,)``, ``len(store)``, ``clear()``, ``stats() -> dict``,
   ``memory_bytes() -> int``

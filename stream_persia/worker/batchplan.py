@@ -129,7 +129,7 @@ def plan_batch(id_features: Iterable[Any], schema: Any, requires_grad: bool = Tr
     """
     names: list[str] = []
     classic: dict[str, pooling.SlotPlan] = {}
-    parts: dict[int, list[tuple[str, np.ndarray, np.ndarray, bool]]] = {}
+    parts: dict[int, list[tuple[str, np.ndarray, np.ndarray, bool, int]]] = {}
     batch_size, first = -1, ""
     bits = schema.feature_index_prefix_bit
     for feature in id_features:
@@ -148,36 +148,20 @@ def plan_batch(id_features: Iterable[Any], schema: Any, requires_grad: bool = Tr
                            hint="every feature of a batch holds the same samples")
         names.append(name)
         if slot.embedding_summation and int(slot.hash_stack_config.hash_stack_rounds) == 0:
-            keys = pooling.prefix_ids(values, bits, slot.index_prefix)
             parts.setdefault(int(slot.dim), []).append(
-                (name, keys, offsets, bool(slot.sqrt_scaling)))
+                (name, values, offsets, bool(slot.sqrt_scaling), slot.index_prefix))
         else:
             classic[name] = pooling.plan_slot(values, offsets, slot, bits, requires_grad)
-    pooled = {dim: _pooled_group(dim, items, batch_size) for dim, items in parts.items()}
+    pooled = {dim: _pooled_group(dim, items, batch_size, bits) for dim, items in parts.items()}
     return BatchPlan(tuple(names), pooled, classic, requires_grad)
 
 
-def _pooled_group(dim: int, items: list[tuple[str, np.ndarray, np.ndarray, bool]],
-                  batch: int) -> PooledGroup:
-    keys = items[0][1] if len(items) == 1 else np.concatenate([k for _, k, _, _ in items])
-    ids, index = segments.factorize(keys)
-    offsets = np.empty(len(items) * batch + 1, dtype=np.int64)
-    base = 0
-    for i, (_, k, off, _) in enumerate(items):
-        np.add(off[:-1], base, out=offsets[i * batch:(i + 1) * batch])
-        base += len(k)
-    offsets[-1] = base
-    scale = None
-    if any(sqrt for _, _, _, sqrt in items):
-        scale = np.ones(len(items) * batch, dtype=np.float32)
-        for i, (_, _, off, sqrt) in enumerate(items):
-            if sqrt:
-                counts = off[1:] - off[:-1]
-                with np.errstate(divide="ignore"):
-                    scale[i * batch:(i + 1) * batch] = np.where(
-                        counts > 0, 1.0 / np.sqrt(counts), 0.0)
-    return PooledGroup(dim, tuple(name for name, _, _, _ in items), batch, ids, index,
-                       offsets, scale)
+def _pooled_group(dim: int, items: list[tuple[str, np.ndarray, np.ndarray, bool, int]],
+                  batch: int, prefix_bits: int) -> PooledGroup:
+    names, values, offsets, sqrt, prefixes = zip(*items, strict=True)
+    ids, index, segs, scale = segments.pooled_lookup(
+        list(values), list(offsets), prefixes, prefix_bits, sqrt)
+    return PooledGroup(dim, names, batch, ids, index, segs, scale)
 
 
 def reduce_gradients(plan: BatchPlan, grads: Mapping[str, np.ndarray | None]

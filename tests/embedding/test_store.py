@@ -338,6 +338,39 @@ def test_load_validates_chunks(impl):
         s.load([{"dim": 3, "ids": u64(1), "weights": np.ones((1, 3), np.float32)}])
 
 
+_W, _S = np.ones((2, 2), np.float32), np.zeros((2, 2), np.float32)
+
+
+@pytest.mark.parametrize("chunk, field", [
+    (None, "chunk"),
+    ({"dim": True, "ids": u64(7, 8), "weights": _W}, "dim"),
+    ({"dim": "2", "ids": u64(7, 8), "weights": _W}, "dim"),
+    ({"dim": 2, "ids": np.array([7, 8]), "weights": _W}, "ids"),
+    ({"dim": 2, "ids": u64(7, 8)[None], "weights": _W}, "ids"),
+    ({"dim": 2, "ids": u64(7, 8), "weights": _W.astype(">f4")}, "weights"),
+    ({"dim": 2, "ids": u64(7, 8), "weights": _W[:, :, None]}, "weights"),
+    ({"dim": 2, "ids": u64(7, 8), "weights": _W.tolist()}, "weights"),
+    ({"dim": 2, "ids": u64(7, 8), "weights": _W, "state": _S}, "state_kind"),
+    ({"dim": 2, "ids": u64(7, 8), "weights": _W, "state": _S[:, :1],
+      "state_kind": "adagrad"}, "state"),
+    ({"dim": 2, "ids": u64(7, 8), "weights": _W, "state": _S.astype(np.float64),
+      "state_kind": "adagrad"}, "state"),
+])
+def test_a_bad_chunk_is_refused_whole_and_changes_nothing(impl, chunk, field):
+    s = impl(10, Adagrad())
+    put(s, [1, 2], [[1.0, 2.0], [3.0, 4.0]])
+    good = {"dim": 2, "ids": u64(3), "weights": np.ones((1, 2), np.float32)}
+    before = [(c["ids"].tolist(), c["weights"].tolist(), c["state"].tolist()) for c in s.dump()]
+    with pytest.raises(BadInput) as info:
+        s.load([good, chunk])   # the good chunk before it is in; nothing of the bad one
+    assert info.value.field == field
+    good_rows = [(c["ids"].tolist(), c["weights"].tolist(), c["state"].tolist())
+                 for c in s.dump()]
+    initial = before[0][2][0]   # the rows were put without state too
+    assert good_rows == [(before[0][0] + [3], before[0][1] + [[1.0, 1.0]],
+                          before[0][2] + [initial])]
+
+
 def test_changing_the_store_during_dump_is_misuse(impl):
     s = impl(10, SGD(0.1))
     s.lookup(np.arange(5, dtype=np.uint64), 2)
@@ -393,7 +426,20 @@ op = st.one_of(
     st.tuples(st.just("load"), st.lists(st.integers(0, 40), max_size=8),
               st.sampled_from([3, 5]), st.booleans()),
     st.tuples(st.just("clear"), st.just([]), st.just(3), st.just(0)),
+    # a pooled lookup: (train, seed of its random index and offsets)
+    st.tuples(st.just("pooled"), st.lists(st.integers(0, 40), max_size=30),
+              st.sampled_from([3, 5]), st.tuples(st.booleans(), st.integers(0, 2**31))),
 )
+
+
+def _segments_for(n, seed):
+    """A random pooled lookup over n ids: occurrences in random order (not only first-
+    occurrence order), some ids never named, empty segments."""
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(0, 3 * n + 2)) if n else 0
+    index = rng.integers(0, max(n, 1), m).astype(np.int32) if n else np.zeros(0, np.int32)
+    cuts = np.sort(rng.integers(0, m + 1, int(rng.integers(0, 6))))
+    return index, np.concatenate([[0], cuts, [m]]).astype(np.int64)
 
 
 def _key(i, dim):
@@ -406,6 +452,8 @@ def _apply(s, step):
     try:
         if kind == "lookup":
             return s.lookup(ids, dim, arg).tobytes()
+        if kind == "pooled":
+            return s.lookup_pooled(ids, dim, *_segments_for(len(ids), arg[1]), arg[0]).tobytes()
         if kind == "update":
             rng = np.random.default_rng(arg)
             s.update(ids, rng.standard_normal((len(ids), dim)).astype(np.float32))
@@ -454,3 +502,78 @@ def test_long_random_sequence_agrees():
             p.update(ids, grads)
         assert c.stats() == p.stats()
         assert _dump_bytes(c) == _dump_bytes(p)
+
+
+# --- pooled lookups ---------------------------------------------------------------------------
+
+def _first_occurrence_plan(rng, slots, batch, vocab):
+    """A worker's pooled lookup (stream_persia.worker.batchplan): distinct ids in first-
+    occurrence order, every occurrence's index, one segment per (slot, sample)."""
+    from stream_persia import segments
+
+    lens = rng.integers(0, 4, slots * batch)
+    keys = rng.integers(0, vocab, int(lens.sum())).astype(np.uint64)
+    ids, index = segments.factorize(keys)
+    return ids, index, np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_pooled_lookup_equals_lookup_then_pool_bit_for_bit(impl, train):
+    from stream_persia import segments
+
+    rng = np.random.default_rng(3)
+    cfg = EmbeddingConfig(admit_probability=0.7)
+    a, b = impl(10_000, Adagrad(), cfg), impl(10_000, Adagrad(), cfg)
+    for step in range(6):
+        ids, index, offsets = _first_occurrence_plan(rng, 5, 64, 400)
+        if step % 2:  # also occurrences out of first-occurrence order
+            index = rng.permutation(index).astype(np.int32)
+        got = a.lookup_pooled(ids, 8, index, offsets, train)
+        want = segments.pool(b.lookup(ids, 8, train), index, offsets)
+        assert got.dtype == np.float32 and got.shape == (len(offsets) - 1, 8)
+        assert got.tobytes() == want.tobytes()
+        assert a.stats() == b.stats() and len(a) == len(b)
+    assert _dump_bytes(a) == _dump_bytes(b)  # same rows, same LRU order
+
+
+def test_pooled_lookup_that_evicts_within_the_call(impl):
+    """More new ids than free capacity: rows admitted early in the call are evicted by
+    later ones, and every sum still holds the row each id had when it was looked up."""
+    from stream_persia import segments
+
+    a, b = impl(50, SGD(0.1)), impl(50, SGD(0.1))
+    ids = np.arange(1, 121, dtype=np.uint64)
+    index = np.concatenate([np.arange(120), np.arange(120)[::-1]]).astype(np.int32)
+    offsets = np.array([0, 60, 120, 180, 240], np.int64)
+    got = a.lookup_pooled(ids, 4, index, offsets)
+    assert got.tobytes() == segments.pool(b.lookup(ids, 4), index, offsets).tobytes()
+    assert len(a) == 50 and a.stats()["evictions"] == 70
+    assert _dump_bytes(a) == _dump_bytes(b)
+
+
+@pytest.mark.parametrize("index, offsets, field", [
+    (np.array([0, 3], np.int32), np.array([0, 2], np.int64), "lookup_pooled.index"),
+    (np.array([0, -1], np.int32), np.array([0, 2], np.int64), "lookup_pooled.index"),
+    (np.array([0, 1], np.int32), np.array([0, 1], np.int64), "lookup_pooled.offsets"),
+    (np.array([0, 1], np.int32), np.array([0, 2, 1, 2], np.int64), "lookup_pooled.offsets"),
+    (np.array([0, 1], np.int64), np.array([0, 2], np.int64), "lookup_pooled.index"),
+    (np.array([0, 1], np.int32), np.array([0, 2], np.int32), "lookup_pooled.offsets"),
+    (np.array([0, 1], np.int32), np.zeros(0, np.int64), "lookup_pooled.offsets"),
+])
+def test_bad_pooled_lookup_is_refused_before_the_store_changes(impl, index, offsets, field):
+    s = impl(100, SGD(0.1))
+    s.lookup(u64(1, 2), 4)
+    before = (s.stats(), _dump_bytes(s))
+    with pytest.raises(BadInput) as err:
+        s.lookup_pooled(u64(2, 3, 1), 4, index, offsets)
+    assert err.value.field == field
+    assert (s.stats(), _dump_bytes(s)) == before  # id 3 not admitted, id 2 not refreshed
+
+
+def test_pooled_lookup_of_another_dim_is_refused_at_that_id(impl):
+    s = impl(100, SGD(0.1))
+    s.lookup(u64(7), 4)
+    with pytest.raises(BadInput, match="7"):
+        s.lookup_pooled(u64(1, 7), 8, np.array([0, 1], np.int32), np.array([0, 2], np.int64))
+    with pytest.raises(BadInput, match="7"):  # ids that no occurrence names are looked up too
+        s.lookup_pooled(u64(1, 7), 8, np.zeros(0, np.int32), np.array([0], np.int64), False)

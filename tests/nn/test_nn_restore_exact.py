@@ -23,9 +23,9 @@ import torch
 from stream_persia import aio
 from stream_persia.config import GlobalConfig, KafkaConfig
 from stream_persia.ctx import DataCtx
-from stream_persia.embedding_server import read_shard_file
 from stream_persia.local import RoleProcess
 from stream_persia.rpc import RpcClient
+from stream_persia.shard_files import read_shard_file
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 
 HERE = Path(__file__).resolve().parent

@@ -309,6 +309,102 @@ def test_a_feature_group_matches_the_classic_path_up_to_rounding(seed, batch_siz
                            pooling.reduce_batch_gradients(plans, grads), exact=False)
 
 
+# Three feature groups over two dims: summation slots share a prefix with each other (a, b;
+# d, e) and with classic slots (r, h), whose plans sit between theirs in the batch.
+GROUPED = {"slots_config": {
+    "a": {"dim": 4}, "b": {"dim": 4, "sqrt_scaling": True}, "c": {"dim": 4},
+    "d": {"dim": 8, "sqrt_scaling": True}, "e": {"dim": 8},
+    "r": {"dim": 4, "embedding_summation": False, "sample_fixed_size": 2},
+    "h": {"dim": 8, "hash_stack_config": {"hash_stack_rounds": 2, "embedding_size": 5}}},
+    "feature_groups": {"abr": ["a", "b", "r"], "deh": ["d", "e", "h"]}}
+
+
+def grouped_features(seed, names, batch_size, bits):
+    """Features whose ids repeat within and across slots, with empty samples and empty
+    slots, and ids at, around and far above the prefix modulus (high bits set)."""
+    rng = np.random.default_rng(seed)
+    modulus = (1 << (64 - bits)) - 1 if bits else 2**64 - 1
+    edges = np.array([modulus - 1, modulus, min(modulus + 1, 2**64 - 1), 2**64 - 1],
+                     dtype=np.uint64)
+    out = []
+    for name in names:
+        high = 0 if rng.random() < 0.2 else 5                 # sometimes an empty slot
+        offsets = np.zeros(batch_size + 1, dtype=np.int64)
+        np.cumsum(rng.integers(0, high + 1, size=batch_size), out=offsets[1:])
+        n = int(offsets[-1])
+        values = rng.integers(0, 6, size=n).astype(np.uint64)
+        wide = rng.random(n) < 0.3
+        values[wide] = rng.integers(0, 2**64, size=int(wide.sum()), dtype=np.uint64)
+        edge = rng.random(n) < 0.15
+        values[edge] = rng.choice(edges, size=int(edge.sum()))
+        out.append(IDTypeFeature.from_csr(name, values, offsets))
+    return out
+
+
+def old_pooled_groups(feats, schema):
+    """The pooled groups as plan_batch built them before segments.pooled_lookup: per slot
+    pooling.prefix_ids, then per dim np.concatenate, de-duplication in first-occurrence
+    order (a dict here) and a loop over the slots for the offsets and the sqrt scale."""
+    bits = schema.feature_index_prefix_bit
+    parts = {}
+    for f in feats:
+        slot = schema.slot(f.name)
+        if slot.embedding_summation and slot.hash_stack_config.hash_stack_rounds == 0:
+            keys = pooling.prefix_ids(f.values, bits, slot.index_prefix)
+            parts.setdefault(slot.dim, []).append((f.name, keys, f.offsets, slot.sqrt_scaling))
+    groups = {}
+    for dim, items in parts.items():
+        batch = len(items[0][2]) - 1
+        flat = np.concatenate([k for _, k, _, _ in items]).tolist()
+        position = {}
+        for key in flat:
+            position.setdefault(key, len(position))
+        offsets = np.empty(len(items) * batch + 1, dtype=np.int64)
+        base = 0
+        for i, (_, k, off, _) in enumerate(items):
+            np.add(off[:-1], base, out=offsets[i * batch:(i + 1) * batch])
+            base += len(k)
+        offsets[-1] = base
+        scale = None
+        if any(sqrt for _, _, _, sqrt in items):
+            scale = np.ones(len(items) * batch, dtype=np.float32)
+            for i, (_, _, off, sqrt) in enumerate(items):
+                if sqrt:
+                    counts = off[1:] - off[:-1]
+                    with np.errstate(divide="ignore"):
+                        scale[i * batch:(i + 1) * batch] = np.where(
+                            counts > 0, 1.0 / np.sqrt(counts), 0.0)
+        groups[dim] = (tuple(name for name, _, _, _ in items), batch,
+                       np.array(list(position), dtype=np.uint64),
+                       np.array([position[key] for key in flat], dtype=np.int32),
+                       offsets, scale)
+    return groups
+
+
+@pytest.mark.parametrize("segment_impl", SEGMENT_IMPLS)
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), order=st.permutations(list(GROUPED["slots_config"])),
+       keep=st.integers(1, len(GROUPED["slots_config"])), batch_size=st.integers(0, 9),
+       bits=st.sampled_from([0, 2, 8, 32]))
+def test_pooled_groups_equal_the_old_formulation(segment_impl, seed, order, keep, batch_size,
+                                                 bits):
+    schema = EmbeddingSchema.from_dict({**GROUPED, "feature_index_prefix_bit": bits})
+    feats = grouped_features(seed, order[:keep], batch_size, bits)
+    with implementations(segment_impl):
+        plan = batchplan.plan_batch(feats, schema)
+    want = old_pooled_groups(feats, schema)
+    assert list(plan.pooled) == list(want)
+    for dim, (names, batch, ids, index, offsets, scale) in want.items():
+        group = plan.pooled[dim]
+        assert (group.dim, group.names, group.batch_size) == (dim, names, batch)
+        assert_same(group.ids, ids)
+        assert_same(group.index, index)
+        assert_same(group.offsets, offsets)
+        assert (group.scale is None) == (scale is None)
+        if scale is not None:
+            assert_same(group.scale, scale)
+
+
 # ---------------------------------------------------------------------------- errors
 def test_bad_batches_are_refused_naming_the_feature():
     user, item = features(0, ["user", "item"], 4)

@@ -1,8 +1,9 @@
 """Segment kernels of the pooled lookup path (stream_persia.segments).
 
 The Cython loops and their numpy twins agree bit for bit on random lookups; both match
-naive per-occurrence references (Python loops, torch's ``embedding_bag``); both refuse
-malformed lookups with BadInput naming the field.
+naive per-occurrence references (Python loops, torch's ``embedding_bag``, and for
+pooled_lookup the per-slot prefix / concatenate / de-duplicate formulation it replaced);
+both refuse malformed lookups with BadInput naming the field.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream_persia import segments
-from stream_persia.errors import BadInput
+from stream_persia.config.embedding import apply_index_prefix
+from stream_persia.errors import BadInput, Misuse
 
 IMPLS = ["cython", "python"]
 HAS_C = segments._c is not None
@@ -326,3 +328,184 @@ def test_scatter_refuses_gradients_or_mask_not_one_per_segment(impl, grads_rows,
     with pytest.raises(BadInput):
         segments.scatter(np.ones((grads_rows, 2), np.float32), np.array([0, 1, 2], I32),
                          np.array([0, 1, 2, 3], I64), 3, np.ones(active_len, bool))
+
+
+# ---------------------------------------------------------------------------- pooled_lookup
+def old_pooled_lookup(values, offsets, prefixes, bits, sqrt):
+    """The pooled lookup as batchplan built it before pooled_lookup: apply_index_prefix per
+    slot, np.concatenate, de-duplication in first-occurrence order (a dict here), a loop
+    over the slots for the offsets and the sqrt scale."""
+    keys = [apply_index_prefix(v, p, bits) for v, p in zip(values, prefixes, strict=True)]
+    flat = (np.concatenate(keys) if keys else np.zeros(0, np.uint64)).tolist()
+    first = {key: None for key in flat}
+    position = {key: i for i, key in enumerate(first)}
+    ids = np.array(list(first), dtype=np.uint64)
+    index = np.array([position[key] for key in flat], dtype=np.int32)
+    batch = len(offsets[0]) - 1 if offsets else 0
+    bounds = np.empty(len(values) * batch + 1, dtype=np.int64)
+    base = 0
+    for i, (k, off) in enumerate(zip(keys, offsets, strict=True)):
+        np.add(off[:-1], base, out=bounds[i * batch:(i + 1) * batch])
+        base += len(k)
+    bounds[-1] = base
+    scale = None
+    if any(sqrt):
+        scale = np.ones(len(values) * batch, dtype=np.float32)
+        for i, (off, s) in enumerate(zip(offsets, sqrt, strict=True)):
+            if s:
+                counts = off[1:] - off[:-1]
+                with np.errstate(divide="ignore"):
+                    scale[i * batch:(i + 1) * batch] = np.where(
+                        counts > 0, 1.0 / np.sqrt(counts), 0.0)
+    return ids, index, bounds, scale
+
+
+def assert_same_lookup(got, want):
+    for a, b in zip(got[:3], want[:3], strict=True):
+        assert_same(a, b)
+    assert (got[3] is None) == (want[3] is None)
+    if want[3] is not None:
+        assert_same(got[3], want[3])
+
+
+@st.composite
+def csr_slots(draw, max_slots=4, max_batch=6, max_len=4):
+    """The slots of one dim: (values, offsets, index_prefixes, prefix_bits, sqrt). Empty
+    batches, samples and slots, ids repeated within and across slots, slots sharing a
+    prefix (a feature group) or unprefixed (prefix 0), prefixes that wrap past 2**64, ids
+    at, around and far above the prefix modulus (the division) all come up; values and
+    offsets are sometimes strided or unaligned views."""
+    bits = draw(st.sampled_from([0, 1, 3, 8, 32, 63]))
+    k = draw(st.integers(0, max_slots))
+    batch = draw(st.integers(0, max_batch))
+    special = [0, 1, 2**32, 2**63, 2**64 - 1]
+    if bits:
+        modulus = (1 << (64 - bits)) - 1
+        special += [x for x in (modulus - 1, modulus, modulus + 1, 2 * modulus + 5)
+                    if x < 2**64]
+        group = [(g + 1) << (64 - bits) for g in range(min(3, (1 << bits) - 1))]
+    else:
+        group = []
+    ids = st.one_of(st.integers(0, 6), st.integers(0, 2**64 - 1), st.sampled_from(special))
+    prefixes = st.one_of(st.sampled_from([0, *group]), st.integers(0, 2**64 - 1))
+    values, offsets = [], []
+    for _ in range(k):
+        empty = draw(st.integers(0, 3)) == 0
+        lengths = draw(st.lists(st.integers(0, 0 if empty else max_len),
+                                min_size=batch, max_size=batch))
+        off = np.zeros(batch + 1, dtype=np.int64)
+        np.cumsum(lengths, out=off[1:])
+        v = np.array(draw(st.lists(ids, min_size=int(off[-1]), max_size=int(off[-1]))),
+                     dtype=np.uint64)
+        layout = draw(st.sampled_from(["contiguous", "strided", "unaligned"]))
+        if layout == "strided":
+            v = np.repeat(v, 2)[::2]
+            off = np.repeat(off, 3)[::3]
+        elif layout == "unaligned":
+            raw = np.zeros(8 * len(v) + 1, dtype=np.uint8)
+            raw[1:] = v.view(np.uint8)
+            v = raw[1:].view(np.uint64) if len(v) else v
+        values.append(v)
+        offsets.append(off)
+    index_prefixes = draw(st.lists(prefixes, min_size=k, max_size=k))
+    sqrt = draw(st.lists(st.booleans(), min_size=k, max_size=k))
+    return values, offsets, index_prefixes, bits, sqrt
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@SETTINGS
+@given(slots=csr_slots())
+def test_pooled_lookup_equals_the_old_formulation(impl, slots):
+    if impl == "cython" and not HAS_C:
+        pytest.skip("stream_persia._segments is not built")
+    values, offsets, prefixes, bits, sqrt = slots
+    want = old_pooled_lookup(values, offsets, prefixes, bits, sqrt)
+    with implementation(impl):
+        assert_same_lookup(segments.pooled_lookup(values, offsets, prefixes, bits, sqrt), want)
+        if not any(sqrt):   # no flags at all: no scale either
+            got = segments.pooled_lookup(values, offsets, prefixes, bits)
+            assert_same_lookup(got, want)
+
+
+@needs_c
+@SETTINGS
+@given(slots=csr_slots(max_slots=6, max_batch=40, max_len=8))
+def test_pooled_lookup_cython_equals_twin(slots):
+    c, p = both(segments.pooled_lookup, *slots)
+    assert_same_lookup(c, p)
+
+
+def test_pooled_lookup_of_a_large_batch_equals_the_old_formulation():
+    # Past the kernel's prefetch chunk and the hash table's smallest size, with ids above
+    # the modulus in every slot and two slots sharing a prefix.
+    rng = np.random.default_rng(7)
+    bits, batch = 8, 300
+    values, offsets = [], []
+    for _ in range(5):
+        off = np.zeros(batch + 1, dtype=np.int64)
+        np.cumsum(rng.integers(0, 6, size=batch), out=off[1:])
+        v = rng.integers(0, 500, size=int(off[-1])).astype(np.uint64)
+        v[::7] |= np.uint64(0xFF00_0000_0000_0000)
+        values.append(v)
+        offsets.append(off)
+    prefixes = [1 << 56, 1 << 56, 2 << 56, 0, 3 << 56]
+    sqrt = [False, True, False, True, False]
+    want = old_pooled_lookup(values, offsets, prefixes, bits, sqrt)
+    for impl in IMPLS if HAS_C else ["python"]:
+        with implementation(impl):
+            assert_same_lookup(segments.pooled_lookup(values, offsets, prefixes, bits, sqrt),
+                               want)
+
+
+U64 = np.uint64
+GOOD_VALUES, GOOD_CSR = np.array([5, 6, 7], U64), np.array([0, 2, 3], I64)
+BAD_SLOTS = [  # (values, offsets, the field's suffix); slot 1 is the bad one
+    pytest.param(GOOD_VALUES.astype(I64), GOOD_CSR, "values", id="int64-values"),
+    pytest.param(GOOD_VALUES.reshape(3, 1), GOOD_CSR, "values", id="2-D-values"),
+    pytest.param([5, 6, 7], GOOD_CSR, "values", id="list-values"),
+    pytest.param(GOOD_VALUES.astype(">u8"), GOOD_CSR, "values", id="big-endian-values"),
+    pytest.param(np.zeros(3, "M8[s]"), GOOD_CSR, "values", id="datetime-values"),
+    pytest.param(GOOD_VALUES, GOOD_CSR.astype(I32), "offsets", id="int32-offsets"),
+    pytest.param(GOOD_VALUES, [0, 2, 3], "offsets", id="list-offsets"),
+    pytest.param(GOOD_VALUES, np.array([0, 1, 2, 3], I64), "offsets", id="more-samples"),
+    pytest.param(GOOD_VALUES, np.array([1, 2, 3], I64), "offsets", id="not-from-0"),
+    pytest.param(GOOD_VALUES, np.array([0, 4, 3], I64), "offsets", id="decrease"),
+    pytest.param(GOOD_VALUES, np.array([0, 1, 2], I64), "offsets", id="short-of-end"),
+    pytest.param(GOOD_VALUES, np.array([0, 2, 4], I64), "offsets", id="past-end"),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("values, offsets, suffix", BAD_SLOTS)
+def test_pooled_lookup_refuses_malformed_slots_naming_the_slot(impl, values, offsets, suffix,
+                                                                monkeypatch):
+    if impl == "cython" and not HAS_C:
+        pytest.skip("stream_persia._segments is not built")
+    monkeypatch.setattr(segments, "IMPLEMENTATION", impl)
+    with pytest.raises(BadInput) as err:
+        segments.pooled_lookup([GOOD_VALUES, values], [GOOD_CSR, offsets], [0, 1 << 56], 8,
+                               field="user")
+    assert err.value.field == f"user[1].{suffix}", str(err.value)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pooled_lookup_checks_every_slot_s_types_before_any_offsets(impl, monkeypatch):
+    # Both implementations name the same slot when several are malformed.
+    if impl == "cython" and not HAS_C:
+        pytest.skip("stream_persia._segments is not built")
+    monkeypatch.setattr(segments, "IMPLEMENTATION", impl)
+    with pytest.raises(BadInput) as err:
+        segments.pooled_lookup([GOOD_VALUES, GOOD_VALUES.astype(I64)],
+                               [np.array([0, 3, 3], I64), GOOD_CSR], [0, 0], 8)
+    assert err.value.field == "slots[1].values"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pooled_lookup_misuse(impl, monkeypatch):
+    monkeypatch.setattr(segments, "IMPLEMENTATION", impl if HAS_C else "python")
+    with pytest.raises(Misuse):
+        segments.pooled_lookup([GOOD_VALUES], [GOOD_CSR], [0, 0], 8)
+    with pytest.raises(Misuse):
+        segments.pooled_lookup([GOOD_VALUES], [GOOD_CSR], [0], 8, [True, False])
+    with pytest.raises(Misuse):
+        segments.pooled_lookup([GOOD_VALUES], [GOOD_CSR], [0], 64)
