@@ -284,8 +284,10 @@ class Checkpoints:
 
     async def _updates(self) -> list[Any]:
         stats = await self.roles.fanout(self.roles.servers, "stats")
-        # Training changes these; inference lookups (eval/infer) never do.
-        return [(s.get("updates"), s.get("admissions"), s.get("evictions")) for s in stats]
+        # Training changes these, and a load (its own counts are not in them: "loads" tells
+        # it); inference lookups (eval/infer) never do.
+        return [(s.get("updates"), s.get("admissions"), s.get("evictions"), s.get("loads"))
+                for s in stats]
 
     async def _offsets(self, fronts: list[dict[str, Any]]) -> tuple[dict, str]:
         if not any(f.get("stream") == "kafka" for f in fronts):

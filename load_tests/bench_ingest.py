@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -335,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     # every distinct id up; RPC, pooling, serving, the client and the broker only add. With
     # the cores shared perfectly, no pipeline on this machine beats this ratio.
     lookup_ms = store_lookup_ms(args, tmp / "embedding_config.yml")
+    shutil.rmtree(tmp, ignore_errors=True)  # kept only when a run fails (the roles' logs)
     floor_ms = base_cpu + lookup_ms
     cores = os.cpu_count() or 1
     floor_ratio = cores * (1000 * args.batch_size / base) / floor_ms

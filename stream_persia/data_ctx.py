@@ -4,7 +4,7 @@ Two paths behind one interface, chosen once when the context is built (:attr:`Da
 
 - ``"kafka"``: batches are encoded (``PersiaBatch.to_bytes``) and produced to the samples
   topic by an idempotent ``acks=all`` producer (compression from
-  ``kafka.compression_type``; only ``gzip`` works without extra packages). The stream is
+  ``kafka.compression_type``: none, gzip, snappy, lz4 or zstd). The stream is
   durable, so embedding workers can replay it from a checkpoint: **replay and
   exactly-once training need this path.**
 - ``"direct"`` (broker-less, PERSIA's own path): batches go straight to the embedding

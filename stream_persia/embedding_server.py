@@ -16,7 +16,12 @@ RPC methods (params → result):
   (:mod:`stream_persia.segments`): its entry is the ``(len(offsets) - 1, dim)`` segment
   sums of the rows instead of the rows.
 - ``update {"groups": [{"dim", "ids", "grads"}]}`` → ``{"applied": int, "dropped": int}``
-- ``size`` → int, ``clear`` → None, ``stats`` → dict
+- ``size`` → int, ``clear`` → None
+- ``stats`` → ``{"rows", "capacity", "lookups", "misses", "admissions", "evictions",
+  "updates", "dropped_updates", "loads"}``: the store's levels (``rows``, ``capacity``) and
+  this server's counters (:data:`COUNTERS`, continuous across loads; ``loads`` counts the
+  successful ``load`` requests); the metrics export each as the gauge
+  ``persia_embedding_server_store_<key>``
 - ``configure {"optimizer": dict | None, "embedding_config": dict | None}`` → None
 - ``dump {"dir": url}`` → ``{"file", "rows", "bytes", "sha256"}`` — the shard as one file
 - ``load {"dir": url, "files": [...], "expected"?: {file: {"sha256"?, "bytes"?, "rows"?}}}``
@@ -28,9 +33,12 @@ RPC methods (params → result):
 The shard file format and the all-or-nothing load procedure (its checks, errors and
 memory peak) are described in :mod:`stream_persia.shard_files`.
 
-After a successful load the store's counters (lookups, misses, admissions, evictions,
-updates, dropped_updates) and admission draws start from zero, as in a freshly started
-server (evictions count those of the load itself); the server's request counters go on.
+A successful load swaps in a new store, whose own counters and admission draws start
+from zero; the counters the server reports (``stats``, the metrics) go on from where they
+were, so they never drop: the old store's counts are carried over. They describe the
+serving traffic (lookups and updates), so what the load itself counts (the evictions of a
+checkpoint larger than the capacity) is left out; ``loads`` says that the rows changed.
+``rows`` is a level and is the loaded table's. A failed load changes no counter.
 Every handler must reach the store as ``self.store`` on the store thread, never through a
 reference taken before its turn on that thread: a load queued ahead of it swaps the store.
 """
@@ -41,7 +49,7 @@ import asyncio
 import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -59,6 +67,16 @@ log = logging.getLogger(__name__)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _EXPECTED_KEYS = ("sha256", "bytes", "rows")
 MODES = ("train", "eval", "infer")
+#: The store statistics that only grow; the others (``rows``, ``capacity``) are levels.
+COUNTERS = ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates")
+
+
+class _Serving(NamedTuple):
+    """The store in force with what its counters are reported with, swapped as one."""
+
+    store: Any
+    carried: dict[str, int]   # added to the store's own counters (see _load; may be < 0)
+    loads: int                # successful loads so far
 
 
 def _require(params: Any, key: str, kind: type | tuple[type, ...]) -> Any:
@@ -117,8 +135,9 @@ class EmbeddingServer:
                            field="replica_index")
         self.replica_index = replica_index
         self.replica_size = replica_size
-        self.store = EmbeddingStore(capacity, optimizer or optim_mod.Adagrad(),
-                                    embedding_config or EmbeddingConfig())
+        self._serving = _Serving(EmbeddingStore(capacity, optimizer or optim_mod.Adagrad(),
+                                                embedding_config or EmbeddingConfig()),
+                                 dict.fromkeys(COUNTERS, 0), 0)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"store-{replica_index}")
         self.metrics = RoleMetrics("embedding_server", replica_index)
         self.metrics.add_callback("store", self._store_stats)
@@ -147,8 +166,24 @@ class EmbeddingServer:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    @property
+    def store(self) -> Any:
+        """The EmbeddingStore in force (a successful load replaces it)."""
+        return self._serving.store
+
+    def store_stats(self) -> dict[str, int]:
+        """The store's statistics with this server's counters (see the module docstring):
+        ``rows`` and ``capacity`` of the store in force, every counter continuous across
+        loads, and ``loads``."""
+        serving = self._serving   # one read: a load swaps store and carried counts together
+        stats = serving.store.stats()
+        for key in COUNTERS:
+            stats[key] += serving.carried[key]
+        stats["loads"] = serving.loads
+        return stats
+
     def _store_stats(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.store.stats().items()}
+        return {k: float(v) for k, v in self.store_stats().items()}
 
     # ----------------------------------------------------------------- handlers
     async def _health(self, params: Any) -> dict:
@@ -210,7 +245,7 @@ class EmbeddingServer:
         await self._run(lambda: self.store.clear())   # the store in force on its turn
 
     async def _stats(self, params: Any) -> dict:
-        return self.store.stats()
+        return self.store_stats()
 
     async def _metrics(self, params: Any) -> bytes:
         return self.metrics.render()
@@ -244,12 +279,18 @@ class EmbeddingServer:
         directory, files, expected = _load_params(params)
 
         def run() -> dict:
-            old = self.store
+            serving = self._serving
+            old = serving.store
             staging = EmbeddingStore(old.capacity, old.optimizer, old.embedding_config)
             kept = stage_shard_files(staging, directory, files, expected,
                                      self.replica_index, self.replica_size,
                                      held_rows=len(old))
-            self.store = staging   # the swap; the old table goes with its last reference
+            # The reported counters go on from the old store's; the staging store's own
+            # counts so far are the load's, not traffic, and are subtracted.
+            was, own = old.stats(), staging.stats()
+            carried = {k: serving.carried[k] + was[k] - own[k] for k in COUNTERS}
+            # The swap; the old table goes with its last reference.
+            self._serving = _Serving(staging, carried, serving.loads + 1)
             return {"rows": kept}
 
         return await self._run(run)

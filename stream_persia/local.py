@@ -86,6 +86,7 @@ class RoleProcess:
         if self.alive():
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        self._cleanup(killed=True)   # a killed role is often replaced, never stopped
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM, wait up to ``grace_s``, then SIGKILL; returns the exit code."""
@@ -103,10 +104,12 @@ class RoleProcess:
         self._cleanup()
         return self.proc.returncode
 
-    def _cleanup(self) -> None:
-        """Remove the temp dir, keeping it only when it holds the log of a failed role."""
+    def _cleanup(self, killed: bool = False) -> None:
+        """Remove the temp dir, keeping it only when it holds the log of a role that
+        failed (not one killed on purpose)."""
         log_inside = self.log_path.parent == Path(self._dir)
-        if log_inside and self.proc is not None and self.proc.returncode not in (0, None):
+        if (log_inside and not killed and self.proc is not None
+                and self.proc.returncode not in (0, None)):
             return
         shutil.rmtree(self._dir, ignore_errors=True)
 

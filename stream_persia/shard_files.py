@@ -10,7 +10,9 @@ nothing. The files are streamed into a fresh staging store built with the server
 capacity, optimizer and embedding config (:func:`stage_shard_files`), which replaces the
 serving store only after every listed file has been read to its end and passed every
 check; on any failure the staging store is dropped and the server holds exactly what it
-held before (rows, LRU order, optimizer state, store counters). The checks, in order:
+held before (rows, LRU order, optimizer state, counters). On success the server's
+reported counters go on from where they were, leaving out what the load itself counted
+(see :mod:`stream_persia.embedding_server`). The checks, in order:
 
 1. the request (checked by the server before any file is touched): plain, distinct file
    names; a well-formed ``expected``;

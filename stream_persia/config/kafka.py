@@ -37,7 +37,6 @@ COMPRESSION_TYPES = ("none", "gzip", "snappy", "lz4", "zstd")
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 # OAUTHBEARER needs a token-provider object, which a YAML file cannot hold.
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI")
-_CODEC_PACKAGES = {"snappy": "python-snappy", "lz4": "lz4", "zstd": "zstandard"}
 _TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _STATIC = ("stream-persia assigns partitions statically by replica index (partition p goes "
            "to embedding worker p mod W) and commits offsets only with checkpoints, so there "
@@ -64,8 +63,8 @@ class KafkaConfig:
             ``<samples_topic>.dlq``.
         num_partitions: expected partitions of the samples topic; None = read from the
             broker's metadata (topics are never created by stream-persia).
-        compression_type: none|gzip|snappy|lz4|zstd (all but none and gzip need their
-            codec package installed, checked here).
+        compression_type: none|gzip|snappy|lz4|zstd (snappy, lz4 and zstd come from
+            ``cramjam``, a dependency; its presence is checked here).
         security_protocol: PLAINTEXT|SSL|SASL_PLAINTEXT|SASL_SSL.
         sasl_mechanism: PLAIN|SCRAM-SHA-256|SCRAM-SHA-512|GSSAPI (SASL_* only; default
             PLAIN).
@@ -135,10 +134,11 @@ class KafkaConfig:
         except ImportError:  # aiokafka is a dependency; without it nothing produces anyway
             return
         if not getattr(codec, f"has_{self.compression_type}")():
-            package = _CODEC_PACKAGES[self.compression_type]
+            # aiokafka's snappy, lz4 and zstd all come from cramjam, a dependency.
             raise error("compression_type", f"{self.compression_type!r} needs the "
-                        f"{package!r} package, which is not installed",
-                        f"pip install {package}, or use gzip or none")
+                        "'cramjam' package, which is not installed",
+                        "pip install cramjam (stream-persia depends on it), or use gzip "
+                        "or none")
 
     def _check_security(self) -> None:
         sasl = self.security_protocol.startswith("SASL_")

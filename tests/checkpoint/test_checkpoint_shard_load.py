@@ -4,7 +4,8 @@ Two embedding servers run in this process on real loopback sockets. They write a
 checkpoint, train on (so they hold rows the checkpoint lacks), and are then asked over RPC
 to load a damaged copy of it: every damage fails with a BadInput naming the file, and
 afterwards each server holds exactly what it held before — the same rows in the same LRU
-order with the same optimizer state, the same ``size``, ``stats`` and eval lookups.
+order with the same optimizer state, the same ``size``, ``stats`` and eval lookups. A
+good load replaces the rows, and the counters ``stats`` reports go on across it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import struct
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia import embedding_server, shard_files
 from stream_persia.checkpoint import CheckpointWriter, Manifest
-from stream_persia.embedding.optim import Adam
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import Adagrad, Adam
+from stream_persia.embedding.store import EmbeddingStore
 from stream_persia.errors import BadInput
 from stream_persia.shard_files import read_shard_file, write_shard_file
 from stream_persia.testing.servers import running_servers
@@ -362,3 +366,105 @@ async def test_a_file_that_grew_is_refused_where_the_storage_gives_no_size(clust
                                                 "expected": expected_of(manifest)})
     assert re.search(re.escape(manifest.embedding_files[1]) + r" has \d+ bytes but \d+ were "
                      r"expected", err.message), err.message
+
+
+# ----------------------------------------------------------------- counters across loads
+def traffic_ops(seed: int, n: int = 150) -> list[tuple]:
+    """Serving traffic as (method, mode, dim, ids, grads): per dim a training lookup, an
+    eval lookup that partly misses, and an update of which some ids are not stored."""
+    rng = np.random.default_rng(seed)
+    ops: list[tuple] = []
+    for k, dim in enumerate(DIMS):
+        ids = rng.choice(5_000, size=n, replace=False).astype(np.uint64) + np.uint64(
+            (k + 1) << 40)
+        ops.append(("lookup", "train", dim, ids, None))
+        ops.append(("lookup", "eval", dim, ids + np.uint64(2_500), None))
+        upd = np.concatenate([ids[:100], ids[:20] + np.uint64(1 << 30)])
+        ops.append(("update", None, dim, upd,
+                    rng.normal(size=(upd.size, dim)).astype(np.float32)))
+    return ops
+
+
+async def serve(client, ops: list[tuple]) -> None:
+    for method, mode, dim, ids, grads in ops:
+        if method == "lookup":
+            await client.call("lookup", {"mode": mode, "groups": [{"dim": dim, "ids": ids}]})
+        else:
+            await client.call("update", {"groups": [{"dim": dim, "ids": ids, "grads": grads}]})
+
+
+def counted(store, ops: list[tuple]) -> dict[str, int]:
+    """What ``ops`` add to ``store``'s counters, replayed on it directly."""
+    before = store.stats()
+    for method, mode, dim, ids, grads in ops:
+        if method == "lookup":
+            store.lookup(ids, dim, mode == "train")
+        else:
+            store.update(ids, grads)
+    after = store.stats()
+    return {k: after[k] - before[k] for k in embedding_server.COUNTERS}
+
+
+def exported(text: bytes) -> dict[str, float]:
+    """The store gauges of a ``metrics`` reply, by key."""
+    prefix = "persia_embedding_server_store_"
+    return {f.name[len(prefix):]: f.samples[0].value
+            for f in text_string_to_metric_families(text.decode())
+            if f.name.startswith(prefix)}
+
+
+async def test_counters_go_on_across_loads_and_leave_out_the_loads_own(tmp_path):
+    """``stats`` (and the metrics) count the serving traffic before and after each load,
+    exactly: a load neither resets them nor adds its own evictions; ``rows`` is the loaded
+    table's; a failed load changes nothing."""
+    cap, opt, cfg = 200, Adagrad(lr=0.1), EmbeddingConfig((-0.5, 0.5))
+    ref = EmbeddingStore(cap, opt, cfg)      # the subject's traffic, replayed on a store
+    want = dict.fromkeys(embedding_server.COUNTERS, 0)
+
+    async def check(client, rows: int, loads: int) -> dict:
+        stats = await client.call("stats", None)
+        assert stats == {**want, "rows": rows, "capacity": cap, "loads": loads}
+        assert exported(await client.call("metrics", None)) == {
+            k: float(v) for k, v in stats.items()}
+        return stats
+
+    def add(counts: dict[str, int]) -> None:
+        for k, v in counts.items():
+            want[k] += v
+
+    async with running_servers(1) as (_, big_router), \
+            running_servers(1, capacity=cap) as ([subject], router):
+        # A checkpoint larger than the subject's capacity: loading it evicts.
+        await serve(big_router.clients[0], traffic_ops(1, n=150))
+        big = await big_router.clients[0].call("dump", {"dir": str(tmp_path / "big")})
+        assert big["rows"] == 300 > cap
+
+        c = router.clients[0]
+        ops = traffic_ops(2)
+        await serve(c, ops)
+        add(counted(ref, ops))
+        assert want["evictions"] > 0 and want["dropped_updates"] > 0 and want["misses"] > 0
+        own = await c.call("dump", {"dir": str(tmp_path / "own")})
+        ops = traffic_ops(3)
+        await serve(c, ops)
+        add(counted(ref, ops))
+        await check(c, len(ref), 0)
+
+        for loads, (d, info) in enumerate([(tmp_path / "own", own), (tmp_path / "big", big)],
+                                          start=1):
+            reply = await c.call("load", {"dir": str(d), "files": [info["file"]]})
+            assert reply == {"rows": info["rows"]}
+            ref = EmbeddingStore(cap, opt, cfg)   # the loaded table, then the same traffic
+            ref.load(read_shard_file(str(d), info["file"]))
+            assert len(subject.store) == len(ref) == min(info["rows"], cap)
+            assert subject.store.stats()["evictions"] == info["rows"] - len(ref)
+            await check(c, len(ref), loads)       # unchanged by the load
+            ops = traffic_ops(3 + loads)
+            await serve(c, ops)
+            add(counted(ref, ops))
+            stats = await check(c, len(ref), loads)
+
+        # A failed load (a missing file) leaves every counter and the rows alone.
+        with pytest.raises(BadInput, match="does not exist"):
+            await c.call("load", {"dir": str(tmp_path / "big"), "files": ["nope.bin"]})
+        assert await check(c, len(ref), 2) == stats

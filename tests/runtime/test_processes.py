@@ -187,7 +187,10 @@ async def test_data_loader_role_runs_a_user_script(direct_job):
     loader = RoleProcess("data-loader", [str(script), "--embedding-workers", ",".join(addresses)],
                          log_path=direct_job["tmp"] / "loader.log")
     loader.start()
-    code = await asyncio.to_thread(loader.proc.wait, 60)
+    try:
+        code = await asyncio.to_thread(loader.proc.wait, 60)
+    finally:
+        loader.stop()  # removes its temp dir
     assert code == 0, loader.log_tail()
     got = await pull_all(addresses, 6)
     assert sorted(s["meta"] for _, s in got) == sorted(f"batch-{i}".encode()
