@@ -49,6 +49,23 @@ cdef inline uint64_t _mix64(uint64_t z) noexcept nogil:
     return z ^ (z >> 31)
 
 
+cdef inline int32_t _intern(int32_t *table, uint64_t mask, uint64_t h, uint64_t key,
+                            uint64_t *uniq, int32_t *m) noexcept nogil:
+    """The position of ``key`` among ``uniq[:m]``, appending it if new; ``table`` is the
+    open-addressing index of ``uniq`` (-1 when empty, linear probing from slot ``h``)."""
+    cdef int32_t e
+    while True:
+        e = table[h]
+        if e < 0:
+            table[h] = m[0]
+            uniq[m[0]] = key
+            m[0] += 1
+            return m[0] - 1
+        if uniq[e] == key:
+            return e
+        h = (h + 1) & mask
+
+
 def factorize(const uint64_t[::1] keys):
     """(distinct keys in first-occurrence order, int32 position of every key among them)."""
     cdef Py_ssize_t n = keys.shape[0], i
@@ -59,12 +76,12 @@ def factorize(const uint64_t[::1] keys):
     if n >= 1 << 31:
         raise ValueError(f"factorize: {n} keys exceed int32 positions")
     cdef int bits = max(4, int(2 * n - 1).bit_length())     # load <= 1/2
-    cdef uint64_t mask = (<uint64_t>1 << bits) - 1, h, k
+    cdef uint64_t mask = (<uint64_t>1 << bits) - 1, k
     cdef int shift = 64 - bits
     cdef uint64_t[::1] u = uniq
     cdef int32_t[::1] inv = inverse
     cdef int32_t *table = <int32_t*>malloc(sizeof(int32_t) << bits)
-    cdef int32_t m = 0, e
+    cdef int32_t m = 0
     if table == NULL:
         raise MemoryError("factorize: out of memory")
     with nogil:
@@ -73,19 +90,7 @@ def factorize(const uint64_t[::1] keys):
             if i + PF < n:
                 sg_prefetch(&table[_mix64(keys[i + PF]) >> shift])
             k = keys[i]
-            h = _mix64(k) >> shift
-            while True:
-                e = table[h]
-                if e < 0:
-                    table[h] = m
-                    u[m] = k
-                    inv[i] = m
-                    m += 1
-                    break
-                if u[e] == k:
-                    inv[i] = e
-                    break
-                h = (h + 1) & mask
+            inv[i] = _intern(table, mask, _mix64(k) >> shift, k, &u[0], &m)
     free(table)
     return uniq[:m], inverse
 
@@ -323,14 +328,14 @@ def c_pooled_lookup(list values, list offsets, int prefix_bits,
     cdef Py_ssize_t held = 0     # buffers acquired (released in the finally)
     cdef int status = OK
     cdef int bits, shift
-    cdef uint64_t mask, h, key
+    cdef uint64_t mask, key
     cdef uint64_t kbuf[CHUNK]
     cdef uint64_t hbuf[CHUNK]
     cdef const char *p
     cdef Py_ssize_t stride, c0, c, t
     cdef uint64_t prefix
     cdef int32_t *table = NULL
-    cdef int32_t m = 0, e
+    cdef int32_t m = 0
     cdef const Slot *slot
     cdef int64_t count
     cdef uint64_t[::1] u
@@ -425,20 +430,7 @@ def c_pooled_lookup(list values, list offsets, int prefix_bits,
                         hbuf[t] = _mix64(key) >> shift
                         sg_prefetch(&table[hbuf[t]])
                     for t in range(c):
-                        key = kbuf[t]
-                        h = hbuf[t]
-                        while True:
-                            e = table[h]
-                            if e < 0:
-                                table[h] = m
-                                u[m] = key
-                                inv[j] = m
-                                m += 1
-                                break
-                            if u[e] == key:
-                                inv[j] = e
-                                break
-                            h = (h + 1) & mask
+                        inv[j] = _intern(table, mask, hbuf[t], kbuf[t], &u[0], &m)
                         j += 1
                     c0 += c
         return OK, ids[:m], index, bounds, scale

@@ -314,8 +314,6 @@ cdef enum:
     PF_ENTRY = 32
     PF_ROW = 12
     FREE_ARENA = 0xFFFF
-    E_SEG_INDEX = 1   # stream_persia.segments' codes for a malformed index or offsets
-    E_SEG_OFFSETS = 2
 
 cdef inline float* row_ptr(const Arena *a, uint32_t r) noexcept nogil:
     return a.blocks[r >> a.shift] + <size_t>(r & ((<uint32_t>1 << a.shift) - 1)) * a.stride
@@ -343,23 +341,6 @@ cdef SpOpt make_opt(opt, cfg) except *:
         o.c1, o.c2 = np.float32(1.0 - opt.betas[0]), np.float32(1.0 - opt.betas[1])
         o.eps = np.float32(opt.eps)
     return o
-
-
-cdef int _check_segments(const int32_t[::1] index, const int64_t[::1] offsets, int64_t n,
-                         int64_t *at) noexcept nogil:
-    """A pooled lookup's ``offsets`` (0 .. len(index), nondecreasing) and ``index`` (each
-    in [0, n)); codes and positions as ``stream_persia.segments.raise_for`` expects."""
-    cdef int64_t s, j, k = offsets.shape[0] - 1, m = index.shape[0]
-    if k < 0 or offsets[0] != 0 or offsets[k] != m:
-        return E_SEG_OFFSETS
-    for s in range(k):
-        if offsets[s + 1] < offsets[s]:
-            return E_SEG_OFFSETS
-    for j in range(m):
-        if index[j] < 0 or index[j] >= n:
-            at[0] = j
-            return E_SEG_INDEX
-    return OK
 
 
 @cython.final
@@ -796,16 +777,14 @@ cdef class CEmbeddingStore:
         admission may evict a row that an earlier id of the same call returned."""
         ids = _py.check_ids(ids)
         cdef int d = _py.check_dim(dim)
-        _segments.check_types(index, offsets, "lookup_pooled")
+        _segments.check_pooled(ids.shape[0], index, offsets, "lookup_pooled")
         cdef bint tr = bool(train)
         cdef int ai = self._arena_index(d, tr)
         cdef int64_t n = ids.shape[0], k = offsets.shape[0] - 1
         cdef const int32_t[::1] ix = index
         cdef const int64_t[::1] off = offsets
         cdef int64_t i = 0
-        cdef int status = _check_segments(ix, off, n, &i)
-        if status != OK:
-            _segments.raise_for(status, i, "lookup_pooled", n)
+        cdef int status = OK
         if tr and <int64_t>self.count + n > self.capacity_:
             return _segments.pool(self.lookup(ids, d, True), index, offsets, "lookup_pooled")
         out = np.zeros((k, d), np.float32)
