@@ -15,7 +15,8 @@ vocabulary), 13 dense features, MLP 512-256-1, batch 1,024, BCE loss, Adam for t
 part, Adagrad for the embeddings. Timing starts after ``--warmup`` batches and ends when the
 last measured batch's embedding update has been applied.
 
-Run: ``python load_tests/bench_train.py [--batches 60] [--warmup 10] [--vocab 100000]``.
+Run: ``python load_tests/bench_train.py [--batches 60] [--warmup 10] [--vocab 100000]
+[--json out.json]``.
 Prints one JSON object: ``samples_per_s`` and ``vs_torch_baseline`` (of the hybrid run,
 staleness 8; best of ``--repeat`` interleaved runs), the baseline's samples/s, and every
 run's figures. Target (the training issue): ``vs_torch_baseline >= 0.5`` on 2 cores.
@@ -34,6 +35,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -201,6 +203,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs of each configuration, interleaved; the best counts (other "
                              "load on the machine only ever slows a run down)")
+    parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     if args.batches <= args.warmup:
         raise SystemExit("--batches must exceed --warmup")
@@ -245,7 +248,8 @@ def main() -> None:
              "all_samples_per_s": [round(x, 1) for x in wall[k]]}
             for st, k in ((int(k.split("_")[1]), k) for k in names[1:])]
     headline = next((r for r in runs if r["embedding_staleness"] == 8), runs[-1])
-    print(json.dumps({
+    shutil.rmtree(tmp, ignore_errors=True)  # kept only when a run fails (the roles' logs)
+    result = json.dumps({
         "benchmark": "train_pipeline", "python": sys.version.split()[0],
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -259,7 +263,10 @@ def main() -> None:
         "baseline_all_samples_per_s": [round(x, 1) for x in wall["baseline"]],
         "baseline_cpu_us_per_sample": round(lean["baseline"] * 1e6, 1),
         "runs": runs, "target_vs_torch_baseline": 0.5,
-    }, indent=2))
+    }, indent=2)
+    print(result)
+    if args.json:
+        Path(args.json).write_text(result + "\n")
 
 
 if __name__ == "__main__":
