@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from api.mailbox import TERMINAL, MailboxClient
+from api.mailbox import REPORT_TIMEOUT_S, TERMINAL, MailboxClient
 from api.roles import SERVER, WORKER, Roles
 from api.settings import ApiSettings
 from stream_persia.checkpoint import (
@@ -50,7 +50,7 @@ from stream_persia.checkpoint import (
     read_manifest,
 )
 from stream_persia.checkpoint._common import Location
-from stream_persia.errors import BadInput, Misuse, PersiaError
+from stream_persia.errors import BadInput, ConfigError, Misuse, PersiaError
 
 __all__ = ["Checkpoints", "CheckpointJob", "new_checkpoint_id"]
 
@@ -107,11 +107,24 @@ class Checkpoints:
         roles: clients of the workers (mailbox on replica 0) and servers.
         predictor: reloaded after a restore when asked.
         mailbox: override of the mailbox client (default: worker replica 0).
+        timeout_s: the longest a checkpoint may take, either way.
+        pickup_ttl_s: how long NN rank 0 has to take a request from the mailbox.
+        report_timeout_s: once NN rank 0 took it, the longest it may go without reporting
+            (it sends keepalives well within this) before the checkpoint fails as lost.
+
+    Raises:
+        ConfigError: a time limit is not a number of seconds > 0.
     """
 
     def __init__(self, settings: ApiSettings, roles: Roles, predictor: Any = None, *,
                  mailbox: MailboxClient | None = None, timeout_s: float = 3600.0,
-                 pickup_ttl_s: float = 60.0):
+                 pickup_ttl_s: float = 60.0, report_timeout_s: float = REPORT_TIMEOUT_S):
+        for name, value in (("timeout_s", timeout_s), ("pickup_ttl_s", pickup_ttl_s),
+                            ("report_timeout_s", report_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 < value < float("inf")):
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}",
+                                  field=name)
         self.settings = settings
         self.roles = roles
         self.predictor = predictor
@@ -121,6 +134,7 @@ class Checkpoints:
         self.mailbox = mailbox
         self.timeout_s = timeout_s
         self.pickup_ttl_s = pickup_ttl_s
+        self.report_timeout_s = report_timeout_s
         self.jobs: dict[str, CheckpointJob] = {}
         gc = settings.global_config
         self.job_name = gc.kafka.job_name if gc is not None else "persia"
@@ -240,7 +254,7 @@ class Checkpoints:
     async def _through_nn(self, job: CheckpointJob) -> None:
         assert self.mailbox is not None
         job.progress = {"phase": "waiting for NN rank 0 at its next step boundary"}
-        await self.mailbox.request(job.id, job.dst, self.pickup_ttl_s)
+        await self.mailbox.request(job.id, job.dst, self.pickup_ttl_s, self.report_timeout_s)
         while True:
             rec = await self.mailbox.status(job.id)
             if rec is None:

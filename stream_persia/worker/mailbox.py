@@ -8,30 +8,53 @@ and ``TrainCtx`` polls it through :class:`NnCheckpointPoller` after every ``back
 
 RPC methods (params → result):
 
-- ``nn_heartbeat {"rank", "world_size", "step"}`` → ``{"checkpoint": {"id", "dst"} |
-  None}``: NN rank 0 calls it at step boundaries (at most every ~0.5 s). The reply carries
-  the pending request, again on every call until the rank reports it ``running`` (so a
-  lost reply loses nothing). Rank 0 then tells the other ranks (a broadcast), and every
-  rank calls ``dump_checkpoint(dst)`` at the same step: the consistent cut of DESIGN §7.
+- ``nn_heartbeat {"rank", "world_size", "step"}`` → ``{"checkpoint": {"id", "dst",
+  "report_every_s"} | None}``: NN rank 0 calls it at step boundaries (at most every
+  ~0.5 s). The reply carries the pending request, again on every call until the rank
+  reports it ``running`` (so a lost reply loses nothing). Rank 0 then tells the other
+  ranks (a broadcast), and every rank calls ``dump_checkpoint(dst)`` at the same step:
+  the consistent cut of DESIGN §7.
 - ``nn_detach {"rank", "step"?, "reason"?}`` → None: the NN ranks stop training (their
   context exits). The last heartbeat is marked detached, and a request not yet finished
   fails with the reason (the API then takes the cut itself: nothing trains any more).
-- ``checkpoint_request {"id", "dst", "ttl_s"?}`` → the record: queue a request (API).
-  Misuse while another one is pending or running. A request nobody picks up within
-  ``ttl_s`` (default 60) fails.
+- ``checkpoint_request {"id", "dst", "ttl_s"?, "report_timeout_s"?}`` → the record: queue
+  a request (API). Misuse while another one is pending or running. A request nobody picks
+  up within ``ttl_s`` (default 60) fails; so does one taken (running) whose rank 0 has
+  not reported for ``report_timeout_s`` (default 30; liveness, below).
 - ``checkpoint_report {"id", "state": "running"|"done"|"failed", "step"?, "progress"?,
-  "manifest"?, "error"?}`` → None: NN rank 0 reports progress and the outcome.
+  "manifest"?, "error"?}`` → None: NN rank 0 reports progress and the outcome. A report of
+  ``running`` with nothing else is a keepalive (the progress stays).
 - ``checkpoint_status {"id"}`` → the record or None; ``nn_status`` → ``{"rank",
   "world_size", "step", "age_s", "detached"}`` of the last heartbeat, or None.
 
 A record: ``{"id", "dst", "state", "step", "progress", "manifest", "error",
-"requested_at", "updated_at"}`` with ``state`` one of pending, running, done, failed;
+"requested_at", "updated_at", "report_timeout_s"}`` with ``state`` one of pending, running,
+done, failed; ``updated_at`` is the time of the last report (or of the request), and
 ``step`` stays None until the NN ranks take the request (so a failed record with no step
 was never picked up).
+
+Liveness of a checkpoint being taken. NN rank 0 can die inside ``dump_checkpoint`` (SIGKILL,
+the OOM killer) after reporting ``running``; nothing else would then end the record, and
+the API would wait for its own timeout (an hour). So while a checkpoint runs, rank 0 sends
+a keepalive report every ``report_every_s`` (a sixth of the request's ``report_timeout_s``,
+given in the offer) from its RPC loop thread, independent of the dump, which can spend
+minutes in one phase (a large dense model, many embedding shards). A running record whose
+last report is older than ``report_timeout_s`` fails ("NN rank 0 stopped reporting while
+taking checkpoint ..."), the last heartbeat is marked detached (the API then reports no NN
+rank attached, and takes the next checkpoint itself), and a new request is accepted at
+once. This deadline was chosen over watching rank 0's RPC connection close (instant on a
+killed process): a client may reconnect or use several connections (TCP or the Unix
+socket), so a closed connection does not prove death, while a host that vanishes or a
+network partition closes nothing; the deadline covers every case with one rule, and needs
+no change to the RPC layer. It proves rank 0's process and its link to worker 0 are alive,
+not that the dump advances: a rank 0 stuck in a collective (another rank died) keeps the
+record running until the API's own timeout. A rank 0 that was only stalled and reports
+later is refused (Misuse: already failed); its next heartbeat attaches it again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -40,13 +63,18 @@ from typing import Any
 
 from stream_persia.errors import BadInput, Misuse, PersiaError
 
-__all__ = ["CheckpointMailbox", "MailboxClient", "NnCheckpointPoller", "TERMINAL"]
+__all__ = ["CheckpointMailbox", "MailboxClient", "NnCheckpointPoller", "REPORT_TIMEOUT_S",
+           "TERMINAL"]
 
 log = logging.getLogger(__name__)
 
 TERMINAL = ("done", "failed")
 _STATES = ("pending", "running", "done", "failed")
 _HISTORY = 32
+#: default of ``checkpoint_request``'s ``report_timeout_s`` (seconds)
+REPORT_TIMEOUT_S = 30.0
+#: rank 0's keepalive interval, as a fraction of ``report_timeout_s``
+_KEEPALIVES_PER_TIMEOUT = 6
 
 
 def _str(params: Any, key: str) -> str:
@@ -54,6 +82,13 @@ def _str(params: Any, key: str) -> str:
     if not isinstance(value, str) or not value:
         raise BadInput(f"{key!r} must be a non-empty string, got {value!r}", field=key)
     return value
+
+
+def _positive(params: dict, key: str, default: float) -> float:
+    v = params.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == math.inf:
+        raise BadInput(f"{key} must be a number of seconds > 0, got {v!r}", field=key)
+    return float(v)
 
 
 def _count(params: dict, key: str) -> int:
@@ -88,6 +123,20 @@ class CheckpointMailbox:
                 rec.update(state="failed", updated_at=now,
                            error="no NN rank picked the request up in time")
                 self._expires.pop(ident, None)
+        for rec in self._records.values():
+            if rec["state"] == "running" and now - rec["updated_at"] > rec["report_timeout_s"]:
+                self._lost(rec, now)
+
+    def _lost(self, rec: dict[str, Any], now: float) -> None:
+        """Rank 0 took ``rec`` and went silent past its limit: it is presumed dead."""
+        rec.update(state="failed", updated_at=now, error=(
+            f"NN rank 0 stopped reporting while taking checkpoint {rec['id']} (last report "
+            f"{now - rec['updated_at']:.1f} s ago, at step {rec['step']}; the limit is "
+            f"report_timeout_s={rec['report_timeout_s']:g}): it was killed or lost its "
+            f"link to embedding worker 0, and the checkpoint may be incomplete"))
+        log.warning("checkpoint %s failed: %s", rec["id"], rec["error"])
+        if self._heartbeat is not None:
+            self._heartbeat["detached"] = True
 
     def _active(self) -> dict[str, Any] | None:
         self._expire()
@@ -98,6 +147,7 @@ class CheckpointMailbox:
         ttl = params.get("ttl_s", 60.0)
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
             raise BadInput(f"ttl_s must be a number > 0, got {ttl!r}", field="ttl_s")
+        report_timeout_s = _positive(params, "report_timeout_s", REPORT_TIMEOUT_S)
         active = self._active()
         if active is not None and active["id"] != ident:
             raise Misuse(f"checkpoint {active['id']} is {active['state']}; one at a time",
@@ -106,7 +156,8 @@ class CheckpointMailbox:
             return dict(active)
         now = self._clock()
         rec = {"id": ident, "dst": dst, "state": "pending", "step": None, "progress": {},
-               "manifest": None, "error": None, "requested_at": now, "updated_at": now}
+               "manifest": None, "error": None, "requested_at": now, "updated_at": now,
+               "report_timeout_s": report_timeout_s}
         self._records[ident] = rec
         self._expires[ident] = now + float(ttl)
         while len(self._records) > _HISTORY:
@@ -122,7 +173,9 @@ class CheckpointMailbox:
         active = self._active()
         if active is None or active["state"] != "pending":
             return {"checkpoint": None}
-        return {"checkpoint": {"id": active["id"], "dst": active["dst"]}}
+        return {"checkpoint": {
+            "id": active["id"], "dst": active["dst"],
+            "report_every_s": active["report_timeout_s"] / _KEEPALIVES_PER_TIMEOUT}}
 
     async def nn_detach(self, params: Any) -> None:
         if not isinstance(params, dict):
@@ -164,6 +217,7 @@ class CheckpointMailbox:
         return dict(rec) if rec is not None else None
 
     async def nn_status(self, params: Any) -> dict[str, Any] | None:
+        self._expire()     # a rank 0 lost while taking a checkpoint shows as detached
         hb = self._heartbeat
         if hb is None:
             return None
@@ -198,8 +252,10 @@ class MailboxClient:
         return {**hb, "attached": not hb.get("detached") and
                 float(hb.get("age_s", 1e9)) <= self.attached_within_s}
 
-    async def request(self, ident: str, dst: str, ttl_s: float) -> dict[str, Any]:
-        return await self._call("checkpoint_request", {"id": ident, "dst": dst, "ttl_s": ttl_s})
+    async def request(self, ident: str, dst: str, ttl_s: float,
+                      report_timeout_s: float = REPORT_TIMEOUT_S) -> dict[str, Any]:
+        return await self._call("checkpoint_request", {"id": ident, "dst": dst, "ttl_s": ttl_s,
+                                                       "report_timeout_s": report_timeout_s})
 
     async def status(self, ident: str) -> dict[str, Any] | None:
         return await self._call("checkpoint_status", {"id": ident})
@@ -217,7 +273,9 @@ class NnCheckpointPoller:
     that same step (``dump_checkpoint``: the consistent cut) and rank 0 reports progress
     and the outcome. :meth:`detach` (context exit) serves a request still pending when
     the exit is clean and tells the mailbox the ranks are gone, so the API never waits
-    for a rank that stopped training.
+    for a rank that stopped training. From the claim until the outcome, rank 0's loop
+    thread sends a keepalive report every ``report_every_s`` of the offer, so the mailbox
+    tells a slow dump from a dead rank 0 (module docstring, liveness).
 
     Args:
         ctx: an entered ``TrainCtx``.
@@ -241,6 +299,7 @@ class NnCheckpointPoller:
         self._offer: dict[str, Any] | None = None    # written by the loop thread
         self._sent = -math.inf
         self._inflight: Any = None     # the heartbeat future in flight, if any
+        self._keepalive: Any = None    # rank 0: the keepalive future while a checkpoint runs
 
     @property
     def _rank0(self) -> bool:
@@ -310,6 +369,29 @@ class NnCheckpointPoller:
         except PersiaError as e:
             log.debug("checkpoint progress report failed: %r", e)
 
+    def _start_keepalive(self, ident: str, every_s: float) -> None:
+        cluster = self.ctx._cluster()
+        self._keepalive = cluster.loop.submit(self._keep_alive(cluster, ident, every_s))
+
+    def _stop_keepalive(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
+
+    @staticmethod
+    async def _keep_alive(cluster: Any, ident: str, every_s: float) -> None:
+        """Report ``running`` (nothing else) every ``every_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await cluster.workers[0].call("checkpoint_report",
+                                              {"id": ident, "state": "running"})
+            except Misuse as e:    # the record ended (the mailbox gave up on us): stop
+                log.warning("checkpoint %s: keepalive refused: %s", ident, e.message)
+                return
+            except PersiaError as e:   # the next one may get through; the limit decides
+                log.debug("checkpoint %s keepalive failed: %r", ident, e)
+
     # ------------------------------------------------------------------ polling
     def _agree(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
         if getattr(self.ctx, "world_size", 1) <= 1:
@@ -332,9 +414,12 @@ class NnCheckpointPoller:
                 self._send_heartbeat()
             if self._offer is not None:
                 request = self._claim(self._offer)
-        if multi:
-            request = self._agree(request)
-        return self._take(request) if request is not None else None
+        try:
+            if multi:
+                request = self._agree(request)
+            return self._take(request) if request is not None else None
+        finally:
+            self._stop_keepalive()
 
     def _claim(self, request: dict[str, Any]) -> dict[str, Any] | None:
         """Rank 0: report the request running, which makes it ours; None when the mailbox
@@ -349,6 +434,10 @@ class NnCheckpointPoller:
         except PersiaError as e:
             log.warning("checkpoint %s requested over HTTP is not taken: %s", ident, e)
             return None
+        every_s = request.get("report_every_s")
+        if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or every_s <= 0:
+            every_s = REPORT_TIMEOUT_S / _KEEPALIVES_PER_TIMEOUT   # an older mailbox
+        self._start_keepalive(ident, float(every_s))
         return request
 
     def _take(self, request: dict[str, Any]) -> str:
@@ -368,9 +457,12 @@ class NnCheckpointPoller:
                           "progress": {"phase": phase, **extra}}, wait=False)
 
         try:
-            manifest = checkpointing.dump_checkpoint(
-                self.ctx, dst, opt_filename="opt.pt", progress=progress if rank0 else None,
-                extra={"id": ident, "by": "nn"}, **self.dump_kwargs)
+            try:
+                manifest = checkpointing.dump_checkpoint(
+                    self.ctx, dst, opt_filename="opt.pt", progress=progress if rank0 else None,
+                    extra={"id": ident, "by": "nn"}, **self.dump_kwargs)
+            finally:   # before the outcome, which a late keepalive would only contradict
+                self._stop_keepalive()
         except (PersiaError, OSError) as e:
             # The cut's collectives completed (checkpointing reaches its last barrier on
             # every rank), so training goes on; the API reports the failure.
@@ -407,8 +499,11 @@ class NnCheckpointPoller:
                     request = self._claim(offer)
             except PersiaError as e:
                 log.debug("checkpoint mailbox heartbeat: %r", e)
-        request = self._agree(request)
-        return self._take(request) if request is not None else None
+        try:
+            request = self._agree(request)
+            return self._take(request) if request is not None else None
+        finally:
+            self._stop_keepalive()
 
     def detach(self, clean: bool) -> None:
         """The context exits: serve a pending request (clean exit), then say goodbye."""

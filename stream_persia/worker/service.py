@@ -35,8 +35,9 @@ RPC methods (params → result):
   embedding server addresses; ``metrics`` → Prometheus text.
 - Replica 0 only, the checkpoint mailbox (:mod:`stream_persia.worker.mailbox`: how a
   checkpoint started over HTTP reaches the NN ranks): ``nn_heartbeat {"rank",
-  "world_size", "step"}`` → ``{"checkpoint": {"id", "dst"} | None}``, ``nn_detach
-  {"rank", "reason"?}``, ``checkpoint_request {"id", "dst", "ttl_s"?}`` → record,
+  "world_size", "step"}`` → ``{"checkpoint": {"id", "dst", "report_every_s"} | None}``,
+  ``nn_detach {"rank", "reason"?}``, ``checkpoint_request {"id", "dst", "ttl_s"?,
+  "report_timeout_s"?}`` → record,
   ``checkpoint_report {"id", "state", "step"?, "progress"?, "manifest"?, "error"?}``,
   ``checkpoint_status {"id"}`` → record | None, ``nn_status`` → last heartbeat | None.
 

@@ -15,11 +15,12 @@ import pytest
 import torch
 from api_helpers import AUTH, Click, LiveApi, settings_for
 
+from api.checkpoints import Checkpoints
 from stream_persia.checkpoint import read_manifest
 from stream_persia.ctx import TrainCtx
 from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding.optim import SGD
-from stream_persia.errors import BadInput, Misuse
+from stream_persia.errors import BadInput, ConfigError, Misuse
 from stream_persia.testing.samples import make_batch
 from stream_persia.worker.mailbox import CheckpointMailbox
 
@@ -48,7 +49,7 @@ async def test_a_request_is_offered_until_taken_then_reported():
     assert (await box.request({"id": "a", "dst": "/c/a"}))["id"] == "a"   # idempotent
     with pytest.raises(Misuse):
         await box.request({"id": "b", "dst": "/c/b"})
-    offer = {"checkpoint": {"id": "a", "dst": "/c/a"}}
+    offer = {"checkpoint": {"id": "a", "dst": "/c/a", "report_every_s": 5.0}}
     assert await box.nn_heartbeat(hb) == offer
     assert await box.nn_heartbeat(hb) == offer       # again, until the rank says running
     await box.report({"id": "a", "state": "running", "step": 7, "progress": {"phase": "x"}})
@@ -81,6 +82,55 @@ async def test_a_request_nobody_takes_fails_and_a_detach_fails_the_pending_one()
     assert rec["error"] == "the NN ranks finished training before taking it"
     assert (await box.nn_status(None))["detached"] is True
     assert (await box.nn_status(None))["step"] == 4
+
+
+async def test_a_taken_request_whose_rank_0_goes_silent_fails_and_frees_the_mailbox():
+    clock = Clock()
+    box = CheckpointMailbox(clock)
+    hb = {"rank": 0, "world_size": 1, "step": 9}
+    await box.nn_heartbeat(hb)
+    await box.request({"id": "a", "dst": "/c/a", "report_timeout_s": 2})
+    assert (await box.nn_heartbeat(hb))["checkpoint"]["report_every_s"] == pytest.approx(2 / 6)
+    await box.report({"id": "a", "state": "running", "step": 9,
+                      "progress": {"phase": "dumping embeddings"}})
+    # A slow dump that keeps reporting (keepalives: "running", nothing else) stays running
+    # for far longer than the limit, and keeps its progress.
+    for _ in range(10):
+        clock.now += 1.5
+        await box.report({"id": "a", "state": "running"})
+        rec = await box.status({"id": "a"})
+        assert rec["state"] == "running" and rec["progress"] == {"phase": "dumping embeddings"}
+    assert (await box.nn_status(None))["detached"] is False
+    # Then rank 0 dies: no report for longer than the limit.
+    clock.now += 2.5
+    rec = await box.status({"id": "a"})
+    assert rec["state"] == "failed" and rec["step"] == 9
+    assert rec["error"].startswith("NN rank 0 stopped reporting while taking checkpoint a "
+                                   "(last report 2.5 s ago, at step 9; the limit is "
+                                   "report_timeout_s=2)")
+    assert (await box.nn_status(None))["detached"] is True
+    with pytest.raises(Misuse):     # a stalled rank 0 that comes back is told so
+        await box.report({"id": "a", "state": "done"})
+    # The mailbox is free for the next one, and a rank that heartbeats is attached again.
+    assert (await box.request({"id": "b", "dst": "/c/b"}))["state"] == "pending"
+    await box.nn_heartbeat(hb)
+    assert (await box.nn_status(None))["detached"] is False
+    # The default limit applies without report_timeout_s; a pending request never expires
+    # by it (the pickup ttl_s does that).
+    clock.now += 59
+    assert (await box.status({"id": "b"}))["state"] == "pending"
+    assert (await box.status({"id": "b"}))["report_timeout_s"] == 30.0
+    for bad in (0, -1, True, "5", float("inf")):
+        with pytest.raises(BadInput) as err:
+            await box.request({"id": "c", "dst": "/c/c", "report_timeout_s": bad})
+        assert err.value.field == "report_timeout_s"
+
+
+def test_the_api_refuses_a_report_limit_that_is_not_seconds():
+    for bad in (0, -2.0, None, float("inf")):
+        with pytest.raises(ConfigError) as err:
+            Checkpoints(settings_for(), roles=None, report_timeout_s=bad)
+        assert err.value.field == "report_timeout_s"
 
 
 def _train_then_hold(worker: str, ended: threading.Event, leave: threading.Event,

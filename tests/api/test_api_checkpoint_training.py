@@ -25,6 +25,7 @@ import pytest
 import torch
 from api_helpers import AUTH, Click, LiveApi, settings_for, start_job, stop_job
 
+from api.checkpoints import Checkpoints
 from stream_persia.checkpoint import load_torch, read_manifest
 from stream_persia.config import KafkaConfig
 from stream_persia.ctx import TrainCtx
@@ -233,4 +234,88 @@ async def test_http_checkpoint_reaches_two_ddp_ranks_at_the_same_step(tmp_path):
             await proc.wait()
         if feeding is not None and not feeding.done():
             feeding.cancel()
+        await stop_job(job)
+
+
+async def test_a_checkpoint_whose_nn_rank_is_killed_while_taking_it_fails_in_seconds(
+        tmp_path):
+    """NN rank 0 takes the checkpoint, is slow to save its dense model (it keeps reporting,
+    so the checkpoint stays running past the report limit), then is killed: the checkpoint
+    fails within the limit naming what happened, and the next one is taken by the API."""
+    here = Path(__file__).resolve().parent
+    root = str(tmp_path / "ckpts")
+    limit_s = 2.0
+    job = await start_job(n_servers=2)
+    proc = feeding = None
+
+    async def feed() -> None:   # ingest waits while the ready buffer is full
+        async with RpcClient(job.workers[0].address, timeout_ms=130_000) as worker:
+            for i in range(400):
+                await worker.call("ingest", {"batch": make_batch(i).to_wire(),
+                                             "timeout_ms": 120_000})
+
+    def ckpts(settings, roles, predictor) -> Checkpoints:
+        return Checkpoints(settings, roles, predictor, report_timeout_s=limit_s)
+
+    try:
+        feeding = asyncio.create_task(feed())
+        env = {**os.environ, "PERSIA_EMBEDDING_WORKERS": ",".join(job.worker_addresses)}
+        async with LiveApi(settings_for(job, checkpoint_dir=root),
+                           checkpoints_factory=ckpts) as api:
+            async def info_of(ident: str) -> dict:
+                return (await api.client.get(f"/v1/checkpoints/{ident}", headers=AUTH)).json()
+
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(here / "slow_checkpoint_train.py"), str(tmp_path), "600",
+                env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            async with asyncio.timeout(60):
+                while not ((await api.client.get("/v1/status", headers=AUTH)
+                            ).json()["training"] or {}).get("step"):
+                    assert proc.returncode is None, (await proc.stdout.read())[-4000:]
+                    await asyncio.sleep(0.05)
+                r = await api.client.post("/v1/checkpoints", headers=AUTH)
+                assert r.status_code == 202, r.text
+                ident = r.json()["id"]
+                while not (tmp_path / "in_dump").exists():
+                    assert proc.returncode is None, (await proc.stdout.read())[-4000:]
+                    await asyncio.sleep(0.05)
+            # Slow but alive: rank 0's keepalives hold it running well past the limit.
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 3 * limit_s
+            while loop.time() < until:
+                info = await info_of(ident)
+                assert info["state"] == "running" and info["by"] == "nn", info
+                await asyncio.sleep(0.1)
+            assert info["progress"]["phase"] == "writing the dense model"
+
+            proc.kill()
+            await proc.wait()
+            killed = loop.time()
+            async with asyncio.timeout(30):
+                while (info := await info_of(ident))["state"] == "running":
+                    await asyncio.sleep(0.05)
+            waited_s = loop.time() - killed
+            assert info["state"] == "failed", info
+            assert info["error"].startswith(
+                f"NN rank 0 stopped reporting while taking checkpoint {ident} (last report "
+                ), info
+            assert f"at step {info['step']};" in info["error"] and info["step"] > 0
+            assert waited_s < limit_s + 2, waited_s
+            status = (await api.client.get("/v1/status", headers=AUTH)).json()
+            assert status["training"]["nn_attached"] is False
+            # Nothing trains any more, and the mailbox is free: the API takes the next one.
+            r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": "after"})
+            assert r.status_code == 202, r.text
+            async with asyncio.timeout(30):
+                while (info := await info_of("after"))["state"] in ("pending", "running"):
+                    await asyncio.sleep(0.05)
+            assert info["state"] == "done" and info["by"] == "api", info
+            assert read_manifest(f"{root}/after").extra["embeddings_only"] is True
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        if feeding is not None:
+            feeding.cancel()
+            await asyncio.gather(feeding, return_exceptions=True)
         await stop_job(job)
