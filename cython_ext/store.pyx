@@ -751,14 +751,15 @@ cdef class CEmbeddingStore:
         cdef float[:, ::1] o = out
         cdef int64_t i = 0
         cdef int status = OK
+        cdef float *zero = NULL   # the row of a miss that stores nothing
         self._enter()
-        self.n_lookups += n
-        if tr:
-            self.version += 1
-        cdef float *zero = <float*>calloc(d, sizeof(float))
-        if zero == NULL:
-            raise MemoryError()
         try:
+            zero = <float*>calloc(d, sizeof(float))
+            if zero == NULL:
+                raise MemoryError()
+            self.n_lookups += n
+            if tr:
+                self.version += 1
             with nogil:
                 status = self._lookup(&keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
         finally:
@@ -793,11 +794,12 @@ cdef class CEmbeddingStore:
         cdef const uint64_t[::1] keys = ids
         cdef float[:, ::1] o = out
         cdef const int32_t *ixp = &ix[0] if ix.shape[0] else NULL
-        cdef float *zero = <float*>calloc(d, sizeof(float))
-        if zero == NULL:
-            raise MemoryError()
+        cdef float *zero = NULL
         self._enter()
         try:
+            zero = <float*>calloc(d, sizeof(float))
+            if zero == NULL:
+                raise MemoryError()
             if self.rbuf_cap < n:
                 sp_free(self.rbuf, sizeof(float*) * self.rbuf_cap)
                 self.rbuf = <float**>sp_alloc(sizeof(float*) * n, False)
