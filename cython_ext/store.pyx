@@ -30,7 +30,7 @@ running raises Misuse instead of corrupting it.
 
 cimport cython
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
 import numpy as np
@@ -362,9 +362,10 @@ cdef class CEmbeddingStore:
     cdef SpOpt opt
     cdef float init_lo, init_span
     cdef double admit_p
-    cdef float *gbuf         # update scratch: summed gradients, row pointers
-    cdef float **rbuf
-    cdef int64_t gbuf_cap, rbuf_cap
+    cdef float *gbuf         # scratch (see _scratch): update's summed gradients,
+    cdef float **rbuf        # row pointers (update, lookup_pooled),
+    cdef float *zbuf         # and the all-zero row a miss reads as
+    cdef size_t gbuf_bytes, rbuf_bytes, zbuf_bytes
     cdef uint32_t stamp
     cdef int64_t n_lookups, n_misses, n_admissions, n_evictions, n_updates, n_dropped
     cdef uint64_t draws
@@ -382,8 +383,9 @@ cdef class CEmbeddingStore:
 
     def __dealloc__(self):
         self._free_all()
-        sp_free(self.gbuf, sizeof(float) * self.gbuf_cap)
-        sp_free(self.rbuf, sizeof(float*) * self.rbuf_cap)
+        sp_free(self.gbuf, self.gbuf_bytes)
+        sp_free(self.rbuf, self.rbuf_bytes)
+        sp_free(self.zbuf, self.zbuf_bytes)
 
     # --- memory ----------------------------------------------------------------------------
 
@@ -519,6 +521,25 @@ cdef class CEmbeddingStore:
             a.nblocks += 1
         a.used += 1
         return a.used - 1
+
+    cdef void *_scratch(self, void **buf, size_t *have, size_t need) except NULL:
+        """``buf`` (of ``have`` bytes) grown to at least ``need`` bytes; its contents are
+        not kept. MemoryError when it cannot grow."""
+        if have[0] < need:
+            sp_free(buf[0], have[0])
+            buf[0] = sp_alloc(need, False)
+            have[0] = need if buf[0] != NULL else 0
+            if buf[0] == NULL:
+                raise MemoryError()
+        return buf[0]
+
+    cdef const float *_zeros(self, int dim) except NULL:
+        """An all-zero row of ``dim`` floats: what a lookup miss that stores nothing reads."""
+        cdef size_t need = sizeof(float) * dim
+        if self.zbuf_bytes < need:
+            self._scratch(<void**>&self.zbuf, &self.zbuf_bytes, need)
+            memset(self.zbuf, 0, need)
+        return self.zbuf
 
     # --- hash table, LRU list, prefetching -------------------------------------------------
 
@@ -751,12 +772,10 @@ cdef class CEmbeddingStore:
         cdef float[:, ::1] o = out
         cdef int64_t i = 0
         cdef int status = OK
-        cdef float *zero = NULL   # the row of a miss that stores nothing
+        cdef const float *zero
         self._enter()
         try:
-            zero = <float*>calloc(d, sizeof(float))
-            if zero == NULL:
-                raise MemoryError()
+            zero = self._zeros(d)   # scratch grows only under the busy guard
             self.n_lookups += n
             if tr:
                 self.version += 1
@@ -764,7 +783,6 @@ cdef class CEmbeddingStore:
                 status = self._lookup(&keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
         finally:
             self.busy = False
-            free(zero)
         if status != OK:
             self._raise(status, i, ids, d, "lookup")
         return out
@@ -794,18 +812,11 @@ cdef class CEmbeddingStore:
         cdef const uint64_t[::1] keys = ids
         cdef float[:, ::1] o = out
         cdef const int32_t *ixp = &ix[0] if ix.shape[0] else NULL
-        cdef float *zero = NULL
+        cdef const float *zero
         self._enter()
         try:
-            zero = <float*>calloc(d, sizeof(float))
-            if zero == NULL:
-                raise MemoryError()
-            if self.rbuf_cap < n:
-                sp_free(self.rbuf, sizeof(float*) * self.rbuf_cap)
-                self.rbuf = <float**>sp_alloc(sizeof(float*) * n, False)
-                self.rbuf_cap = n if self.rbuf != NULL else 0
-                if self.rbuf == NULL:
-                    raise MemoryError()
+            zero = self._zeros(d)
+            self._scratch(<void**>&self.rbuf, &self.rbuf_bytes, sizeof(float*) * n)
             self.n_lookups += n
             if tr:
                 self.version += 1
@@ -814,7 +825,6 @@ cdef class CEmbeddingStore:
                                              &o[0, 0], &i, zero)
         finally:
             self.busy = False
-            free(zero)
         if status != OK:
             self._raise(status, i, ids, d, "lookup")
         return out
@@ -922,7 +932,7 @@ cdef class CEmbeddingStore:
         """Apply the optimizer to the rows of ``ids``; see ``PyEmbeddingStore.update``."""
         ids = _py.check_ids(ids)
         grads = _py.check_grads(grads, len(ids))
-        cdef int64_t n = ids.shape[0], i = 0, nd
+        cdef int64_t n = ids.shape[0], i = 0
         cdef int dim = grads.shape[1]
         if n == 0:
             return
@@ -932,17 +942,8 @@ cdef class CEmbeddingStore:
         cdef int status = OK
         self._enter()
         try:
-            nd = n * dim
-            if self.gbuf_cap < nd:
-                sp_free(self.gbuf, sizeof(float) * self.gbuf_cap)
-                self.gbuf = <float*>sp_alloc(sizeof(float) * nd, False)
-                self.gbuf_cap = nd if self.gbuf != NULL else 0
-            if self.rbuf_cap < n:
-                sp_free(self.rbuf, sizeof(float*) * self.rbuf_cap)
-                self.rbuf = <float**>sp_alloc(sizeof(float*) * n, False)
-                self.rbuf_cap = n if self.rbuf != NULL else 0
-            if self.gbuf == NULL or self.rbuf == NULL:
-                raise MemoryError()
+            self._scratch(<void**>&self.gbuf, &self.gbuf_bytes, sizeof(float) * n * dim)
+            self._scratch(<void**>&self.rbuf, &self.rbuf_bytes, sizeof(float*) * n)
             self.stamp += 1
             if self.stamp == 0:  # wrapped (after 2**32 updates): forget every old stamp
                 for i in range(self.eused):

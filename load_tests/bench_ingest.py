@@ -25,9 +25,9 @@ only ~5 MiB per partition, so a round is spread over ``--partitions`` with at mo
 batches of ~0.9 MB each per partition), times the baseline reading it, then resumes the
 worker and times the pipeline. Throughput is steady state: from the arrival of batch
 ``--warmup`` to the last one. Figures are medians over ``--repeats``, leaving out the first
-round: the server's table is empty then and grows through it (page faults on new rows, about
-twice the server's steady CPU per batch), which is start-up, not steady state; it is still
-printed and kept in the JSON.
+round: the server's table is empty then and grows through it (page faults on new rows:
+13–15 ms of server CPU per batch against ~5 ms after), which is start-up, not steady state;
+it is still printed and kept in the JSON.
 
 Next to the measured ratio it prints the CPU milliseconds each process (worker, server,
 this client, the broker) spent per batch, read from ``/proc`` (with the part spent in the

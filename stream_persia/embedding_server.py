@@ -60,7 +60,12 @@ from stream_persia.embedding.store import IMPLEMENTATION, EmbeddingStore
 from stream_persia.errors import BadInput
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
-from stream_persia.shard_files import shard_file_name, stage_shard_files, write_shard_file
+from stream_persia.shard_files import (
+    is_plain_file_name,
+    shard_file_name,
+    stage_shard_files,
+    write_shard_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -308,8 +313,7 @@ def _load_params(params: Any) -> tuple[str, list[str], dict[str, dict[str, Any]]
                        hint="dir, files, expected")
     seen: set[str] = set()
     for i, name in enumerate(files):
-        if not isinstance(name, str) or not name or "/" in name or "\\" in name \
-                or name.startswith("."):
+        if not is_plain_file_name(name):
             raise BadInput(f"files[{i}] must be a plain shard file name, got {name!r}",
                            field=f"files[{i}]", hint="no '/', not starting with '.'")
         if name in seen:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stream_persia.config.embedding import apply_index_prefix
 from stream_persia.errors import BadInput, Misuse
 
 __all__ = ["IMPLEMENTATION", "Split", "factorize", "pooled_lookup", "pool", "scatter", "split",
@@ -154,7 +155,8 @@ def pooled_lookup(values: Sequence[np.ndarray], offsets: Sequence[np.ndarray],
             _raise_slot(status, int(at[0]), field)
         return ids, index, segs, scale
     _check_slots(values, offsets, field)
-    keys = [_prefixed(v, int(p), prefix_bits) for v, p in zip(values, prefixes, strict=True)]
+    keys = [apply_index_prefix(v, int(p), prefix_bits)
+            for v, p in zip(values, prefixes, strict=True)]
     ids, index = _factorize_numpy(np.concatenate(keys) if k else np.zeros(0, np.uint64))
     batch = len(offsets[0]) - 1 if k else 0
     segs = np.empty(k * batch + 1, dtype=np.int64)
@@ -173,18 +175,6 @@ def pooled_lookup(values: Sequence[np.ndarray], offsets: Sequence[np.ndarray],
                     scale[i * batch:(i + 1) * batch] = np.where(
                         counts > 0, 1.0 / np.sqrt(counts), 0.0)
     return ids, index, segs, scale
-
-
-def _prefixed(values: np.ndarray, index_prefix: int, prefix_bits: int) -> np.ndarray:
-    """The twin of the kernel's prefixing: apply_index_prefix, vectorised."""
-    if prefix_bits == 0 or index_prefix == 0:
-        return values
-    modulus = np.uint64((1 << (64 - prefix_bits)) - 1)
-    if len(values) and values.max() >= modulus:
-        out = np.remainder(values, modulus)
-        out += np.uint64(index_prefix)
-        return out
-    return values + np.uint64(index_prefix)
 
 
 def _check_slots(values: Sequence[object], offsets: Sequence[object], field: str) -> None:

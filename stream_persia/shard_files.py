@@ -59,13 +59,21 @@ from stream_persia.embedding._pystore import check_chunk
 from stream_persia.errors import BadInput, RemoteError, WireError
 from stream_persia.sharding import shard_of
 
-__all__ = ["shard_file_name", "stage_shard_files", "write_shard_file", "read_shard_file"]
+__all__ = ["is_plain_file_name", "read_shard_file", "shard_file_name", "stage_shard_files",
+           "write_shard_file"]
 
 _LEN = struct.Struct(">I")
 
 
 def shard_file_name(replica_index: int, replica_size: int) -> str:
     return f"embedding-shard-{replica_index:05d}-of-{replica_size:05d}.bin"
+
+
+def is_plain_file_name(name: object) -> bool:
+    """Whether ``name`` can only name a file inside the checkpoint directory: a non-empty
+    string with no path separator, not starting with '.'."""
+    return (isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name
+            and not name.startswith("."))
 
 
 def stage_shard_files(staging: Any, directory: str, files: list[str],
@@ -124,11 +132,9 @@ def _owned_chunk(chunk: Any, optimizer: Any, replica_index: int,
 
 def write_shard_file(chunks: Iterator[dict], directory: str, name: str) -> dict:
     """Stream store chunks into ``directory/name`` atomically (temp file + rename)."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(directory)
+    fs, root = _filesystem(directory)
     fs.makedirs(root, exist_ok=True)
-    final = f"{root.rstrip('/')}/{name}"
+    final = _join(root, name)
     tmp = f"{final}.tmp"
     digest = hashlib.sha256()
     rows = size = 0
@@ -160,7 +166,7 @@ def read_shard_file(directory: str, name: str, *, expected: dict[str, Any] | Non
             a truncated or corrupt file, or one that differs from ``expected``.
         RemoteError: reading failed otherwise (the storage, not the file).
     """
-    if not name or "/" in name or "\\" in name or name.startswith("."):
+    if not is_plain_file_name(name):
         raise BadInput(f"shard file name {name!r} must be a plain file name", field=field)
     fs, root = _filesystem(directory)
     path = _join(root, name)

@@ -144,9 +144,7 @@ class CheckpointMailbox:
 
     async def request(self, params: Any) -> dict[str, Any]:
         ident, dst = _str(params, "id"), _str(params, "dst")
-        ttl = params.get("ttl_s", 60.0)
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
-            raise BadInput(f"ttl_s must be a number > 0, got {ttl!r}", field="ttl_s")
+        ttl = _positive(params, "ttl_s", 60.0)
         report_timeout_s = _positive(params, "report_timeout_s", REPORT_TIMEOUT_S)
         active = self._active()
         if active is not None and active["id"] != ident:
@@ -159,7 +157,7 @@ class CheckpointMailbox:
                "manifest": None, "error": None, "requested_at": now, "updated_at": now,
                "report_timeout_s": report_timeout_s}
         self._records[ident] = rec
-        self._expires[ident] = now + float(ttl)
+        self._expires[ident] = now + ttl
         while len(self._records) > _HISTORY:
             self._records.popitem(last=False)
         return dict(rec)

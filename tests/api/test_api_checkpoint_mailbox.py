@@ -124,6 +124,9 @@ async def test_a_taken_request_whose_rank_0_goes_silent_fails_and_frees_the_mail
         with pytest.raises(BadInput) as err:
             await box.request({"id": "c", "dst": "/c/c", "report_timeout_s": bad})
         assert err.value.field == "report_timeout_s"
+        with pytest.raises(BadInput) as err:  # the pickup time is checked the same way
+            await box.request({"id": "c", "dst": "/c/c", "ttl_s": bad})
+        assert err.value.field == "ttl_s"
 
 
 def test_the_api_refuses_a_report_limit_that_is_not_seconds():
