@@ -428,8 +428,12 @@ class BatchProducer(_ProducerUser):
         await super().close()
         self._raise_delivery_error()
 
+    #: The keys of :meth:`stats` that only grow; ``in_flight``, ``in_flight_bytes`` and
+    #: ``peak_in_flight`` (a high-water mark) are levels.
+    COUNTERS = frozenset({"sent", "acked", "failed", "bytes", "waits", "timeouts"})
+
     def stats(self) -> dict[str, float]:
-        """Counters for metrics (``RoleMetrics.add_callback``)."""
+        """Counts and levels for metrics (``RoleMetrics.add_callback``; see :attr:`COUNTERS`)."""
         return {**self._counts, "in_flight": self.in_flight,
                 "in_flight_bytes": self.in_flight_bytes, "peak_in_flight": self.peak_in_flight}
 
@@ -509,6 +513,9 @@ class DeadLetterWriter(_ProducerUser):
         log.warning("dead-lettered %s/%s@%s to %r: %s", topic, partition, offset,
                     self.topic, reason)
         return True
+
+    #: The keys of :meth:`stats` that only grow (all of them).
+    COUNTERS = frozenset({"written", "failed"})
 
     def stats(self) -> dict[str, float]:
         return {"written": self.written, "failed": self.failed}
@@ -738,8 +745,12 @@ class SampleConsumer:
             return dict.fromkeys(self._tps)
         return {p: await consumer.committed(tp) for p, tp in self._tps.items()}
 
+    #: The keys of :meth:`stats` that only grow; ``partitions`` is a level.
+    COUNTERS = frozenset({"records", "bytes", "commits", "commit_failures", "commits_skipped",
+                          "offsets_lost"})
+
     def stats(self) -> dict[str, float]:
-        """Counters for metrics (``RoleMetrics.add_callback``)."""
+        """Counts and levels for metrics (``RoleMetrics.add_callback``; see :attr:`COUNTERS`)."""
         return {**self._counts, "partitions": len(self._tps)}
 
     async def stop(self) -> None:

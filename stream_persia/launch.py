@@ -118,9 +118,10 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 KEEP_FREED_ENV = "STREAM_PERSIA_KEEP_FREED_MB"
 
 
-def keep_freed_memory(keep_mb: int | None = None) -> bool:
+def keep_freed_memory(keep_mb: int | None = None) -> int:
     """Keep freed heap memory in the process for reuse instead of returning it to the
-    system at once (glibc only; elsewhere a no-op). Returns whether it took effect.
+    system at once (glibc only; elsewhere a no-op). Returns the bytes of free heap now kept,
+    0 where nothing took effect (disabled, not glibc, or mallopt refused).
 
     Every batch allocates buffers of a megabyte or more (Kafka records, RPC frames, pooled
     embeddings) and frees them a moment later. glibc serves blocks that large with a
@@ -145,16 +146,16 @@ def keep_freed_memory(keep_mb: int | None = None) -> bool:
         raise ConfigError(f"{KEEP_FREED_ENV} must be in [0, {1 << 20}] MiB, got {keep_mb}",
                           field=KEEP_FREED_ENV)
     if keep_mb == 0 or not sys.platform.startswith("linux"):
-        return False
+        return 0
     import ctypes
 
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (e.g. musl has no mallopt)
-        return False
+        return 0
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    return bool(mallopt(_M_TRIM_THRESHOLD, keep_mb << 20)
-                and mallopt(_M_MMAP_THRESHOLD, 32 << 20))
+    took = mallopt(_M_TRIM_THRESHOLD, keep_mb << 20) and mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+    return keep_mb << 20 if took else 0
 
 
 async def _serve(role: Any, args: argparse.Namespace,
@@ -166,7 +167,10 @@ async def _serve(role: Any, args: argparse.Namespace,
                           f"({e.strerror or e})", field="--port",
                           hint="pick a free port, or 0 for any") from None
     freeze_startup_heap()
-    keep_freed_memory()
+    # Exported so that a deployment (and the tests) can see what the role runs with.
+    role.metrics.gauge("malloc_keep_freed_bytes",
+                       f"free heap kept for reuse ({KEEP_FREED_ENV}; 0: glibc's defaults)"
+                       ).set(keep_freed_memory())
     try:
         serve_metrics(args.metrics_port, args.host, role.metrics.render)
         write_ready_file(args.ready_file, role.address)

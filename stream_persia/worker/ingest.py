@@ -48,8 +48,14 @@ class KafkaIngest:
         self.backpressure_pauses = 0
         self._task: asyncio.Task | None = None
 
+    #: The keys of :meth:`stats` that only grow (``consumer_partitions`` is a level).
+    COUNTERS = frozenset({*(f"consumer_{k}" for k in SampleConsumer.COUNTERS),
+                          *(f"dlq_{k}" for k in DeadLetterWriter.COUNTERS),
+                          "backpressure_pauses"})
+
     def stats(self) -> dict[str, float]:
-        """Counters for the worker's metrics (the worker registers them once)."""
+        """Counts and levels for the worker's metrics (the worker registers them once, and
+        carries the counts of a replaced ingest over); :attr:`COUNTERS` are the counts."""
         stats = {f"consumer_{k}": v for k, v in self.consumer.stats().items()}
         stats.update({f"dlq_{k}": v for k, v in self.dead_letters.stats().items()})
         stats["backpressure_pauses"] = self.backpressure_pauses

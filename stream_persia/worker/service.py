@@ -64,6 +64,7 @@ from stream_persia.rpc import RpcServer
 from stream_persia.worker.batchplan import BatchPlan, plan_batch, reduce_gradients
 from stream_persia.worker.buffer import BoundedBuffer
 from stream_persia.worker.frontier import Frontier
+from stream_persia.worker.ingest import KafkaIngest
 from stream_persia.worker.mailbox import CheckpointMailbox
 from stream_persia.worker.router import ShardRouter
 
@@ -129,9 +130,11 @@ class EmbeddingWorker:
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
         self.m_update_s = m.histogram("update_seconds", "gradient apply latency",
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
-        # One collector for the Kafka counters, whichever KafkaIngest is current
-        # (reset_stream replaces it).
-        m.add_callback("kafka", lambda: self.kafka.stats() if self.kafka is not None else {})
+        # One collector for the Kafka counters, whichever KafkaIngest is current:
+        # reset_stream replaces it, and the counts of the ones it retired are carried so
+        # the exported counters never drop (they read 0 in broker-less mode).
+        self._kafka_retired = dict.fromkeys(KafkaIngest.COUNTERS, 0.0)
+        m.add_callback("kafka", self._kafka_stats, counters=KafkaIngest.COUNTERS)
         m.add_callback("buffer", lambda: {"ready": len(self.ready),
                                           "inflight": len(self.inflight),
                                           "pending": self.frontier.pending()})
@@ -145,6 +148,14 @@ class EmbeddingWorker:
             # Replica 0 holds the checkpoint mailbox (checkpoints started over HTTP).
             **(self.mailbox.handlers() if self.mailbox is not None else {}),
         }, host=host, port=port, name=f"embedding-worker-{replica_index}")
+
+    def _kafka_stats(self) -> dict[str, float]:
+        """The current ingest's statistics, its counts added to those of retired ones."""
+        stats = dict(self._kafka_retired)
+        if self.kafka is not None:
+            for key, value in self.kafka.stats().items():
+                stats[key] = stats.get(key, 0.0) + value
+        return stats
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -401,6 +412,9 @@ class EmbeddingWorker:
                            hint="run with --kafka for exactly-once restore")
         if self.kafka is not None:
             await self.kafka.stop()
+            retired = self.kafka.stats()
+            for key in KafkaIngest.COUNTERS:
+                self._kafka_retired[key] += retired.get(key, 0)
             self.kafka = None
         for _ in range(len(self.inflight)):
             self._inflight_room.release()

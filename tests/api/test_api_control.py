@@ -156,9 +156,11 @@ async def test_metrics_cover_routes_and_every_role(job):
     applied = families["persia_embedding_worker_batches_applied"].samples
     assert [(s.labels["role"], s.labels["replica"], s.value) for s in applied
             if s.name.endswith("_total")] == [("embedding-worker", "0", 2.0)]
-    server_lookups = {s.labels["replica"] for s in
-                      families["persia_embedding_server_store_lookups"].samples}
-    assert server_lookups == {"0", "1"}
+    lookups = families["persia_embedding_server_store_lookups"]
+    assert lookups.type == "counter"
+    assert {(s.name, s.labels["replica"]) for s in lookups.samples} == {
+        ("persia_embedding_server_store_lookups_total", "0"),
+        ("persia_embedding_server_store_lookups_total", "1")}
     up = {(s.labels["role"], s.labels["replica"]): s.value
           for s in families["persia_api_role_up"].samples}
     assert up[("embedding-server", "1")] == 1.0

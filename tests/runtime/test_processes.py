@@ -10,6 +10,7 @@ NN client. One broker-less job (a server and two workers) serves the whole modul
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia.data_ctx import DataCtx
 from stream_persia.errors import PeerUnavailable
+from stream_persia.launch import KEEP_FREED_ENV
 from stream_persia.local import RoleProcess
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
@@ -43,13 +45,17 @@ def launch(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def scrape(port: int) -> dict[str, float]:
-    """GET /metrics; samples by name (labels dropped, the last value wins)."""
+def scrape_text(port: int) -> str:
+    """GET /metrics: the Prometheus text exposition."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/plain")
-        text = resp.read().decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text)
+        return resp.read().decode()
+
+
+def scrape(port: int) -> dict[str, float]:
+    """GET /metrics; samples by name (labels dropped, the last value wins)."""
+    return {s.name: s.value for fam in text_string_to_metric_families(scrape_text(port))
             for s in fam.samples}
 
 
@@ -92,7 +98,7 @@ async def test_parameter_server_alias_serves_rpc_and_http_metrics_and_drains():
             await client.call("size")
         metrics = await asyncio.to_thread(scrape, port)
         assert metrics['persia_embedding_server_requests_total'] >= 1
-        assert "persia_embedding_server_store_lookups" in metrics
+        assert "persia_embedding_server_store_lookups_total" in metrics
     finally:
         code = await asyncio.to_thread(role.stop)
     assert code == 0, role.log_tail()
@@ -103,9 +109,12 @@ async def test_parameter_server_alias_serves_rpc_and_http_metrics_and_drains():
 def direct_job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("direct-job")
     (tmp / "embedding_config.yml").write_text(EMBEDDING_YAML)
-    metrics_port = free_port()
-    server = RoleProcess("embedding-server", ["--capacity", "100000"],
-                         log_path=tmp / "server.log")
+    metrics_port, server_metrics_port = free_port(), free_port()
+    # The server keeps 64 MiB of freed memory, worker 0 glibc's defaults (the metric
+    # malloc_keep_freed_bytes says which each applied).
+    server = RoleProcess("embedding-server", ["--capacity", "100000",
+                                              "--metrics-port", str(server_metrics_port)],
+                         env={KEEP_FREED_ENV: "64"}, log_path=tmp / "server.log")
     procs = [server]
     try:
         server.start().wait_ready(30)
@@ -114,13 +123,15 @@ def direct_job(tmp_path_factory):
             "--embedding-config", str(tmp / "embedding_config.yml"),
             "--embedding-servers", server.address,
             *(["--metrics-port", str(metrics_port)] if i == 0 else []),
-        ], name=f"embedding-worker-{i}", log_path=tmp / f"worker-{i}.log") for i in range(2)]
+        ], name=f"embedding-worker-{i}", env={KEEP_FREED_ENV: "0"} if i == 0 else None,
+            log_path=tmp / f"worker-{i}.log") for i in range(2)]
         procs += workers
         for w in workers:
             w.start()
         for w in workers:
             w.wait_ready(60)
-        yield {"server": server, "workers": workers, "tmp": tmp, "metrics_port": metrics_port}
+        yield {"server": server, "workers": workers, "tmp": tmp, "metrics_port": metrics_port,
+               "server_metrics_port": server_metrics_port}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -171,6 +182,28 @@ async def test_data_ctx_sends_straight_to_worker_processes(direct_job):
     metrics = await asyncio.to_thread(scrape, direct_job["metrics_port"])
     assert metrics["persia_embedding_worker_batches_served_total"] >= 5
     assert metrics["persia_embedding_worker_buffer_ready"] == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+async def test_launched_roles_report_the_freed_memory_they_keep(direct_job):
+    """``launch`` applies STREAM_PERSIA_KEEP_FREED_MB in the role's process and says so."""
+    server = await asyncio.to_thread(scrape, direct_job["server_metrics_port"])
+    assert server["persia_embedding_server_malloc_keep_freed_bytes"] == 64 << 20
+    worker = await asyncio.to_thread(scrape, direct_job["metrics_port"])
+    assert worker["persia_embedding_worker_malloc_keep_freed_bytes"] == 0
+
+
+async def test_counts_are_scraped_as_counters_and_levels_as_gauges(direct_job):
+    server = await asyncio.to_thread(scrape_text, direct_job["server_metrics_port"])
+    worker = await asyncio.to_thread(scrape_text, direct_job["metrics_port"])
+    for text, counter, gauge in (
+            (server, "persia_embedding_server_store_lookups", "persia_embedding_server_store_rows"),
+            (worker, "persia_embedding_worker_kafka_consumer_records",
+             "persia_embedding_worker_buffer_ready")):
+        assert f"# TYPE {counter}_total counter\n" in text
+        assert re.search(rf"^{counter}_total \S+$", text, re.M)
+        assert not re.search(rf"^{counter} ", text, re.M), "a count is no gauge any more"
+        assert f"# TYPE {gauge} gauge\n" in text
 
 
 async def test_data_loader_role_runs_a_user_script(direct_job):
