@@ -20,7 +20,8 @@ RPC methods (params → result):
 - ``stats`` → ``{"rows", "capacity", "lookups", "misses", "admissions", "evictions",
   "updates", "dropped_updates", "loads"}``: the store's levels (``rows``, ``capacity``) and
   this server's counters (:data:`COUNTERS`, continuous across loads; ``loads`` counts the
-  successful ``load`` requests); the metrics export each as the gauge
+  loads swapped in); the metrics export the counters as the Prometheus counters
+  ``persia_embedding_server_store_<key>_total`` and the levels as the gauges
   ``persia_embedding_server_store_<key>``
 - ``configure {"optimizer": dict | None, "embedding_config": dict | None}`` → None
 - ``dump {"dir": url}`` → ``{"file", "rows", "bytes", "sha256"}`` — the shard as one file
@@ -28,7 +29,16 @@ RPC methods (params → result):
   → ``{"rows": int}`` — replaces the shard's rows with the rows it owns in every listed
   shard file, so a checkpoint written by S servers loads into S' servers; all or nothing.
   ``expected``, when given, has an entry for every listed file (the manifest's ``files``
-  entry: hex sha256, size in bytes, rows in the file) and nothing else.
+  entry: hex sha256, size in bytes, rows in the file) and nothing else. With
+  ``"stage": true`` the checked table is kept aside instead of swapped in, and the reply
+  carries a ``"token"`` for the second phase:
+- ``commit_load {"token"}`` → ``{"rows": int}`` swaps the staged table in (it cannot fail
+  for want of memory: the table is already built); ``abort_load {"token"}`` → ``{"aborted":
+  bool}`` drops it. A server holds at most one staged table: a newer stage replaces it, and
+  it is dropped if not committed within ``stage_ttl_s``. A restore across servers
+  (:func:`stream_persia.checkpoint.load_embeddings`) stages on every server and commits only
+  once all of them staged, so one server failing alone (out of memory, a crash) leaves
+  every server with what it held.
 
 The shard file format and the all-or-nothing load procedure (its checks, errors and
 memory peak) are described in :mod:`stream_persia.shard_files`.
@@ -38,7 +48,8 @@ from zero; the counters the server reports (``stats``, the metrics) go on from w
 were, so they never drop: the old store's counts are carried over. They describe the
 serving traffic (lookups and updates), so what the load itself counts (the evictions of a
 checkpoint larger than the capacity) is left out; ``loads`` says that the rows changed.
-``rows`` is a level and is the loaded table's. A failed load changes no counter.
+``rows`` is a level and is the loaded table's. A failed load changes no counter, nor does a
+staged one until it is committed.
 Every handler must reach the store as ``self.store`` on the store thread, never through a
 reference taken before its turn on that thread: a load queued ahead of it swaps the store.
 """
@@ -46,8 +57,10 @@ reference taken before its turn on that thread: a load queued ahead of it swaps 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -61,7 +74,7 @@ from stream_persia.errors import BadInput
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
 from stream_persia.shard_files import (
-    is_plain_file_name,
+    check_load_request,
     shard_file_name,
     stage_shard_files,
     write_shard_file,
@@ -69,8 +82,6 @@ from stream_persia.shard_files import (
 
 log = logging.getLogger(__name__)
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_EXPECTED_KEYS = ("sha256", "bytes", "rows")
 MODES = ("train", "eval", "infer")
 #: The store statistics that only grow; the others (``rows``, ``capacity``) are levels.
 COUNTERS = ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates")
@@ -82,6 +93,14 @@ class _Serving(NamedTuple):
     store: Any
     carried: dict[str, int]   # added to the store's own counters (see _load; may be < 0)
     loads: int                # successful loads so far
+
+
+class _Staged(NamedTuple):
+    """A checked table waiting for ``commit_load`` (see ``load`` with ``stage``)."""
+
+    token: str
+    store: Any
+    rows: int
 
 
 def _require(params: Any, key: str, kind: type | tuple[type, ...]) -> Any:
@@ -132,27 +151,36 @@ class EmbeddingServer:
         optimizer: embedding optimizer applied in place on update.
         embedding_config: initialisation, admission and weight bound.
         replica_index / replica_size: which shard of how many this is.
+        stage_ttl_s: how long a staged load (``load`` with ``stage``) waits for its
+            ``commit_load`` before it is dropped and its memory freed.
     """
 
     def __init__(self, capacity: int, optimizer: Any = None,
                  embedding_config: EmbeddingConfig | None = None, *, replica_index: int = 0,
-                 replica_size: int = 1, host: str = "127.0.0.1", port: int = 0):
+                 replica_size: int = 1, host: str = "127.0.0.1", port: int = 0,
+                 stage_ttl_s: float = 600.0):
         if not (0 <= replica_index < replica_size):
             raise BadInput(f"replica_index {replica_index} is not in [0, {replica_size})",
                            field="replica_index")
+        if not (isinstance(stage_ttl_s, (int, float)) and 0 < stage_ttl_s < float("inf")):
+            raise BadInput(f"stage_ttl_s must be a positive number of seconds, got "
+                           f"{stage_ttl_s!r}", field="stage_ttl_s")
         self.replica_index = replica_index
         self.replica_size = replica_size
+        self.stage_ttl_s = float(stage_ttl_s)
+        self._staged: _Staged | None = None   # read and replaced on the store thread only
         self._serving = _Serving(EmbeddingStore(capacity, optimizer or optim_mod.Adagrad(),
                                                 embedding_config or EmbeddingConfig()),
                                  dict.fromkeys(COUNTERS, 0), 0)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"store-{replica_index}")
         self.metrics = RoleMetrics("embedding_server", replica_index)
-        self.metrics.add_callback("store", self._store_stats)
+        self.metrics.add_callback("store", self._store_stats, counters={*COUNTERS, "loads"})
         self._req = self.metrics.counter("requests_total", "RPC requests", ("method",))
         self.rpc = RpcServer({
             "health": self._health, "lookup": self._lookup, "update": self._update,
             "size": self._size, "clear": self._clear, "stats": self._stats,
             "configure": self._configure, "dump": self._dump, "load": self._load,
+            "commit_load": self._commit_load, "abort_load": self._abort_load,
             "metrics": self._metrics,
         }, host=host, port=port, name=f"embedding-server-{replica_index}")
 
@@ -165,6 +193,7 @@ class EmbeddingServer:
     async def stop(self) -> None:
         await self.rpc.stop()
         self._pool.shutdown(wait=True)
+        self._staged = None
 
     @property
     def address(self) -> str:
@@ -283,72 +312,79 @@ class EmbeddingServer:
 
     async def _load(self, params: Any) -> dict:
         self._req.labels("load").inc()
-        directory, files, expected = _load_params(params)
+        directory, files, expected, stage = check_load_request(params)
 
         def run() -> dict:
-            serving = self._serving
-            old = serving.store
+            old = self._serving.store
             staging = EmbeddingStore(old.capacity, old.optimizer, old.embedding_config)
+            self._drop_staged("replaced by a newer load")  # its memory, first
             kept = stage_shard_files(staging, directory, files, expected,
                                      self.replica_index, self.replica_size,
                                      held_rows=len(old))
-            # The reported counters go on from the old store's; the staging store's own
-            # counts so far are the load's, not traffic, and are subtracted.
-            was, own = old.stats(), staging.stats()
-            carried = {k: serving.carried[k] + was[k] - own[k] for k in COUNTERS}
-            # The swap; the old table goes with its last reference.
-            self._serving = _Serving(staging, carried, serving.loads + 1)
-            return {"rows": kept}
+            if not stage:
+                self._swap_in(staging)
+                return {"rows": kept}
+            token = secrets.token_hex(8)
+            self._staged = _Staged(token, staging, kept)
+            return {"rows": kept, "token": token}
+
+        reply = await self._run(run)
+        if stage:   # dropped after the ttl unless committed, aborted or replaced by then
+            asyncio.get_running_loop().call_later(self.stage_ttl_s, self._expire,
+                                                  reply["token"])
+        return reply
+
+    def _expire(self, token: str) -> None:
+        with contextlib.suppress(RuntimeError):   # the server stopped: nothing to free
+            self._pool.submit(self._drop_staged,
+                              f"not committed within stage_ttl_s={self.stage_ttl_s:g} s", token)
+
+    def _drop_staged(self, why: str, token: str | None = None) -> bool:
+        """Forget the staged load (only if it is ``token``, when given); store thread."""
+        staged = self._staged
+        if staged is None or (token is not None and staged.token != token):
+            return False
+        self._staged = None
+        log.warning("embedding server %d: dropped the staged load %s (%d rows): %s",
+                    self.replica_index, staged.token, staged.rows, why)
+        return True
+
+    def _swap_in(self, staging: Any) -> None:
+        """Serve ``staging`` from now on (store thread). The reported counters go on from
+        the old store's; the staging store's own counts are the load's, not traffic, and
+        are subtracted. The old table goes with its last reference."""
+        serving = self._serving
+        was, own = serving.store.stats(), staging.stats()
+        carried = {k: serving.carried[k] + was[k] - own[k] for k in COUNTERS}
+        self._serving = _Serving(staging, carried, serving.loads + 1)
+
+    async def _commit_load(self, params: Any) -> dict:
+        self._req.labels("commit_load").inc()
+        token = _token(params)
+
+        def run() -> dict:
+            staged = self._staged
+            if staged is None or staged.token != token:
+                raise BadInput(f"no staged load {token!r} on embedding server "
+                               f"{self.replica_index}: it was committed or aborted, replaced "
+                               f"by a newer one, dropped after stage_ttl_s="
+                               f"{self.stage_ttl_s:g} s, or the server restarted",
+                               field="token", hint="load again")
+            self._staged = None
+            self._swap_in(staged.store)
+            return {"rows": staged.rows}
 
         return await self._run(run)
 
+    async def _abort_load(self, params: Any) -> dict:
+        self._req.labels("abort_load").inc()
+        token = _token(params)
+        return {"aborted": await self._run(self._drop_staged, "aborted", token)}
 
-def _load_params(params: Any) -> tuple[str, list[str], dict[str, dict[str, Any]]]:
-    """(dir, files, expected: file → checks, {} when not given) of a load request."""
-    directory = _require(params, "dir", str)
-    files = _require(params, "files", list)
-    unknown = sorted(map(str, set(params) - {"dir", "files", "expected"}))
-    if unknown:
-        raise BadInput(f"unknown load field(s) {unknown}", field=unknown[0],
-                       hint="dir, files, expected")
-    seen: set[str] = set()
-    for i, name in enumerate(files):
-        if not is_plain_file_name(name):
-            raise BadInput(f"files[{i}] must be a plain shard file name, got {name!r}",
-                           field=f"files[{i}]", hint="no '/', not starting with '.'")
-        if name in seen:
-            raise BadInput(f"files[{i}] {name!r} is listed twice", field=f"files[{i}]")
-        seen.add(name)
-    expected = params.get("expected")
-    if expected is None:
-        return directory, files, {}
-    if not isinstance(expected, dict):
-        raise BadInput(f"expected must map file name -> {{sha256, bytes, rows}}, got "
-                       f"{type(expected).__name__}", field="expected")
-    for name in expected:
-        if name not in seen:
-            raise BadInput(f"expected has an entry for {name!r}, which files does not list",
-                           field=f"expected.{name}")
-    for name in files:
-        entry = expected.get(name)
-        where = f"expected.{name}"
-        if entry is None:
-            raise BadInput(f"expected has no entry for {name!r}", field=where,
-                           hint="give every listed file an entry, or leave expected out")
-        if not isinstance(entry, dict) or not entry:
-            raise BadInput(f"{where} must be a non-empty map with keys from "
-                           f"{list(_EXPECTED_KEYS)}, got {entry!r}", field=where)
-        for key, value in entry.items():
-            if key not in _EXPECTED_KEYS:
-                raise BadInput(f"{where} has unknown key {key!r}", field=f"{where}.{key}",
-                               hint=", ".join(_EXPECTED_KEYS))
-            if key == "sha256":
-                ok = isinstance(value, str) and _SHA256.fullmatch(value) is not None
-                accepted = "64 lowercase hex digits"
-            else:
-                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-                accepted = "an int >= 0"
-            if not ok:
-                raise BadInput(f"{where}.{key} must be {accepted}, got {value!r}",
-                               field=f"{where}.{key}")
-    return directory, files, expected
+
+def _token(params: Any) -> str:
+    token = _require(params, "token", str)
+    if not re.fullmatch(r"[0-9a-f]{16}", token):
+        raise BadInput(f"token must be the 16 hex digits a staged load returned, got "
+                       f"{token[:40]!r}", field="token")
+    return token

@@ -28,7 +28,10 @@ reported counters go on from where they were, leaving out what the load itself c
 A failure is a BadInput whose message names the file (and record) and the reason, with
 ``field`` ``files[i]``; running out of memory halfway is one too (its hint says what to do).
 An I/O error other than a missing or unreadable file is a RemoteError. Either way the
-server is unchanged. Values are not checked for finiteness: a dump round-trips whatever
+server is unchanged. A server may also keep the checked staging store aside until told to
+swap it in (``load`` with ``stage``, then ``commit_load``): that is how
+:func:`stream_persia.checkpoint.load_embeddings` makes a restore all or nothing across
+servers, not only per server. Values are not checked for finiteness: a dump round-trips whatever
 the store held; bit rot inside the float data is caught only by ``expected`` sha256, which
 :func:`stream_persia.checkpoint.load_embeddings` always passes.
 
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 import struct
 from collections.abc import Iterator
 from typing import Any
@@ -59,10 +63,14 @@ from stream_persia.embedding._pystore import check_chunk
 from stream_persia.errors import BadInput, RemoteError, WireError
 from stream_persia.sharding import shard_of
 
-__all__ = ["is_plain_file_name", "read_shard_file", "shard_file_name", "stage_shard_files",
-           "write_shard_file"]
+__all__ = ["check_load_request", "is_plain_file_name", "read_shard_file", "shard_file_name",
+           "stage_shard_files", "write_shard_file"]
 
 _LEN = struct.Struct(">I")
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_EXPECTED_KEYS = ("sha256", "bytes", "rows")
 
 
 def shard_file_name(replica_index: int, replica_size: int) -> str:
@@ -222,6 +230,70 @@ def read_shard_file(directory: str, name: str, *, expected: dict[str, Any] | Non
     if "rows" in expected and rows != expected["rows"]:
         raise BadInput(f"shard file {path} holds {rows} rows but {expected['rows']} were "
                        f"expected", field=field)
+
+
+def check_load_request(params: Any
+                       ) -> tuple[str, list[str], dict[str, dict[str, Any]], bool]:
+    """(dir, files, expected: file → checks ({} when not given), stage) of an embedding
+    server's ``load`` request, validated (BadInput naming the field)."""
+    directory = _field(params, "dir", str)
+    files = _field(params, "files", list)
+    unknown = sorted(map(str, set(params) - {"dir", "files", "expected", "stage"}))
+    if unknown:
+        raise BadInput(f"unknown load field(s) {unknown}", field=unknown[0],
+                       hint="dir, files, expected, stage")
+    stage = params.get("stage", False)
+    if not isinstance(stage, bool):
+        raise BadInput(f"stage must be true or false, got {stage!r}", field="stage")
+    seen: set[str] = set()
+    for i, name in enumerate(files):
+        if not is_plain_file_name(name):
+            raise BadInput(f"files[{i}] must be a plain shard file name, got {name!r}",
+                           field=f"files[{i}]", hint="no '/', not starting with '.'")
+        if name in seen:
+            raise BadInput(f"files[{i}] {name!r} is listed twice", field=f"files[{i}]")
+        seen.add(name)
+    expected = params.get("expected")
+    if expected is None:
+        return directory, files, {}, stage
+    if not isinstance(expected, dict):
+        raise BadInput(f"expected must map file name -> {{sha256, bytes, rows}}, got "
+                       f"{type(expected).__name__}", field="expected")
+    for name in expected:
+        if name not in seen:
+            raise BadInput(f"expected has an entry for {name!r}, which files does not list",
+                           field=f"expected.{name}")
+    for name in files:
+        entry = expected.get(name)
+        where = f"expected.{name}"
+        if entry is None:
+            raise BadInput(f"expected has no entry for {name!r}", field=where,
+                           hint="give every listed file an entry, or leave expected out")
+        if not isinstance(entry, dict) or not entry:
+            raise BadInput(f"{where} must be a non-empty map with keys from "
+                           f"{list(_EXPECTED_KEYS)}, got {entry!r}", field=where)
+        for key, value in entry.items():
+            if key not in _EXPECTED_KEYS:
+                raise BadInput(f"{where} has unknown key {key!r}", field=f"{where}.{key}",
+                               hint=", ".join(_EXPECTED_KEYS))
+            if key == "sha256":
+                ok = isinstance(value, str) and _SHA256.fullmatch(value) is not None
+                accepted = "64 lowercase hex digits"
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+                accepted = "an int >= 0"
+            if not ok:
+                raise BadInput(f"{where}.{key} must be {accepted}, got {value!r}",
+                               field=f"{where}.{key}")
+    return directory, files, expected, stage
+
+
+def _field(params: Any, key: str, kind: type) -> Any:
+    value = params.get(key) if isinstance(params, dict) else None
+    if not isinstance(value, kind):
+        raise BadInput(f"load request needs {key!r} as a {kind.__name__}, got "
+                       f"{type(value).__name__}", field=key)
+    return value
 
 
 def _filesystem(directory: str) -> tuple[Any, str]:

@@ -18,7 +18,7 @@ from stream_persia.checkpoint._common import (
     sha256_file,
 )
 from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest, check_file_name
-from stream_persia.errors import BadInput, InternalError
+from stream_persia.errors import BadInput, InternalError, RemoteError
 
 __all__ = ["read_manifest", "verify", "load_embeddings", "load_torch", "list_checkpoints",
            "latest_checkpoint"]
@@ -110,15 +110,21 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
     Every server reads every shard file and keeps the rows it owns
     (``shard_of(id, len(server_clients))``), so a checkpoint written by S servers loads into
     S' servers. Each server's rows are replaced: afterwards the servers hold exactly the
-    checkpoint's rows (with their optimizer state and recency order). The servers check
-    every file against the manifest's size, sha256 and row count as they read it, and a
-    server swaps its table only once all of them passed (the ``load`` procedure in
-    :mod:`stream_persia.shard_files`): a server that fails keeps what it held.
+    checkpoint's rows (with their optimizer state and recency order).
+
+    All or nothing across the servers, in two phases. First every server builds the new
+    table beside the one it serves, checking every file against the manifest's size,
+    sha256 and row count as it reads it (``load`` with ``stage``: see
+    :mod:`stream_persia.embedding_server` and :mod:`stream_persia.shard_files`). Only when
+    every server has staged its table, and the rows they kept add up to the checkpoint's,
+    are the tables swapped in (``commit_load``, which allocates nothing and so cannot run
+    out of memory). If any server fails to stage, the others drop what they staged and
+    every server keeps what it held.
 
     Args:
         src: the checkpoint directory.
         server_clients: an ``RpcClient`` per embedding server, in replica order.
-        timeout_ms: per-server limit for the load.
+        timeout_ms: per-server limit for each phase.
         verify_checksums: also hash the shard files here before any server reads them
             (reads them once more; the servers check the sha256 either way).
 
@@ -126,14 +132,12 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
         Rows loaded over all servers.
 
     Raises:
-        BadInput: not a checkpoint, or a shard file is missing, truncated or corrupt
-            (each server checks every record, so all of them refuse it and keep their
-            rows), or a server ran out of memory.
+        BadInput: not a checkpoint, a shard file is missing, truncated or corrupt, or a
+            server ran out of memory: no server changed.
         Misuse: the clients are not every server of one job in replica order.
-        RemoteError: a server failed.
-
-        A server that fails keeps its previous rows, but one that failed alone (out of
-        memory, a crash) leaves the others holding the checkpoint's: load again.
+        RemoteError: a server failed or could not be reached while staging (no server
+            changed), or while committing: then the error names the servers that did
+            and did not swap; load again.
     """
     manifest = read_manifest(src)
     loc = Location(src)
@@ -143,20 +147,53 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
     expected = {name: {k: v for k, v in manifest.files[name].items()
                        if k in ("sha256", "bytes", "rows")}
                 for name in manifest.embedding_files}
-    replies = await asyncio.gather(*(
+    staged = await asyncio.gather(*(
         c.call("load", {"dir": loc.url, "files": manifest.embedding_files,
-                        "expected": expected}, timeout_ms=timeout_ms)
-        for c in server_clients))
-    loaded = sum(int(r["rows"]) for r in replies)
-    if loaded != manifest.rows:
-        raise InternalError(f"servers loaded {loaded} rows from {loc.url} but it holds "
-                            f"{manifest.rows}: every row should have exactly one owner")
+                        "expected": expected, "stage": True}, timeout_ms=timeout_ms)
+        for c in server_clients), return_exceptions=True)
+    failed = [(i, r) for i, r in enumerate(staged) if isinstance(r, BaseException)]
+    loaded = sum(int(r["rows"]) for r in staged if not isinstance(r, BaseException))
+    if failed or loaded != manifest.rows:
+        await _abort(server_clients, staged, timeout_ms)
+        if failed:
+            i, error = failed[0]
+            if len(failed) > 1:
+                log.warning("restore of %s: %d servers failed to stage (replicas %s); "
+                            "raising replica %d's error", loc.url, len(failed),
+                            [k for k, _ in failed], i)
+            raise error
+        raise InternalError(f"servers staged {loaded} rows from {loc.url} but it holds "
+                            f"{manifest.rows}: every row should have exactly one owner; "
+                            "no server changed")
+    commits = await asyncio.gather(*(
+        c.call("commit_load", {"token": r["token"]}, timeout_ms=timeout_ms)
+        for c, r in zip(server_clients, staged, strict=True)), return_exceptions=True)
+    bad = [i for i, r in enumerate(commits) if isinstance(r, BaseException)]
+    if bad:
+        done = [i for i in range(len(commits)) if i not in bad]
+        raise RemoteError(f"restore of {loc.url}: embedding servers {bad} did not swap in "
+                          f"the staged checkpoint ({commits[bad[0]]}) while servers {done} "
+                          "did: they disagree until a restore succeeds",
+                          hint="load the checkpoint again") from commits[bad[0]]
     held = sum(await asyncio.gather(*(c.call("size", None) for c in server_clients)))
     if held < loaded:
         log.warning("embedding servers hold %d of the %d rows restored from %s: their "
                     "capacity is too small and the least recent rows were evicted",
                     held, loaded, loc.url)
     return loaded
+
+
+async def _abort(clients: Sequence[Any], staged: Sequence[Any], timeout_ms: float) -> None:
+    """Drop what the servers staged (best effort: a server that cannot be told drops it
+    after its ``stage_ttl_s``, or when it loads again)."""
+    tokens = [(c, r["token"]) for c, r in zip(clients, staged, strict=True)
+              if not isinstance(r, BaseException)]
+    results = await asyncio.gather(*(c.call("abort_load", {"token": t}, timeout_ms=timeout_ms)
+                                     for c, t in tokens), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            log.warning("could not abort a staged load (it is dropped after the server's "
+                        "stage_ttl_s): %s", r)
 
 
 def load_torch(src: str, name: str, map_location: Any = None, *,

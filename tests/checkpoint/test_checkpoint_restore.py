@@ -1,0 +1,174 @@
+"""A restore is all or nothing across the embedding servers (two-phase ``load``).
+
+Two embedding servers run in this process on real loopback sockets (the ``cluster`` of
+``test_checkpoint_shard_load``: a checkpoint written, then trained on). Each server checks
+every shard file by itself, so a damaged file is refused by all of them; what can fail on
+one server alone is its memory (or the server itself). ``load_embeddings`` therefore
+stages the new table on every server and swaps only once all of them staged: these tests
+make one server fail and check that the other one did not change either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import test_checkpoint_shard_load as shard_load
+
+from stream_persia import embedding_server
+from stream_persia.checkpoint import CheckpointWriter, load_embeddings
+from stream_persia.errors import BadInput, RemoteError
+from stream_persia.testing.servers import running_servers
+
+cluster = shard_load.cluster   # the fixture: 2 servers, a checkpoint, trained on since
+observe, probe_ids = shard_load.observe, shard_load.probe_ids
+
+
+async def stats(router) -> list[dict]:
+    return [await c.call("stats", None) for c in router.clients]
+
+
+async def views(servers, router, probe) -> list[dict]:
+    """What a user sees of each server (its eval lookups count in ``stats``: take those
+    first)."""
+    return [await observe(s, c, probe) for s, c in zip(servers, router.clients, strict=True)]
+
+
+def fail_on(replica: int, monkeypatch) -> None:
+    """Replica ``replica`` runs out of memory halfway through staging the checkpoint (as
+    ``shard_files.stage_shard_files`` reports it); the other stages it normally."""
+    real = embedding_server.stage_shard_files
+
+    def stage(staging, directory, files, expected, replica_index, replica_size, **kw):
+        kept = real(staging, directory, files, expected, replica_index, replica_size, **kw)
+        if replica_index == replica:   # after the work, as if the last row did not fit
+            raise BadInput(f"out of memory loading shard file {files[0]} into a new table "
+                           "beside the current one", field="files[0]")
+        return kept
+
+    monkeypatch.setattr(embedding_server, "stage_shard_files", stage)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+async def test_a_server_failing_alone_leaves_every_server_as_it_was(cluster, monkeypatch,
+                                                                    failing):
+    servers, router, d, manifest = cluster
+    probe = probe_ids(servers, d, manifest.embedding_files)
+    seen, counted = await views(servers, router, probe), await stats(router)
+    fail_on(failing, monkeypatch)
+    with pytest.raises(BadInput, match="out of memory") as err:
+        await load_embeddings(d, router.clients)
+    assert err.value.field == "files[0]"
+    assert await stats(router) == counted
+    assert await views(servers, router, probe) == seen
+    assert [s._staged for s in servers] == [None, None], "the staged table was dropped"
+
+
+async def test_a_restore_swaps_every_server_once(cluster):
+    servers, router, d, manifest = cluster
+    loads = [(await c.call("stats", None))["loads"] for c in router.clients]
+    assert await load_embeddings(d, router.clients) == manifest.rows
+    assert [(await c.call("stats", None))["loads"] for c in router.clients] == \
+        [n + 1 for n in loads]
+    assert sum([len(s.store) for s in servers]) == manifest.rows
+    assert [s._staged for s in servers] == [None, None]
+
+
+async def test_a_server_lost_before_its_commit_is_named(cluster):
+    """Stage succeeds everywhere, then replica 1 stops before it is told to commit: the
+    error says which servers swapped and which did not."""
+    servers, router, d, manifest = cluster
+
+    class StopsBeforeCommit:
+        def __init__(self, client, server):
+            self.client, self.server = client, server
+
+        async def call(self, method, params, **kw):
+            if method == "commit_load":
+                await self.server.stop()
+            return await self.client.call(method, params, **kw)
+
+    clients = [router.clients[0], StopsBeforeCommit(router.clients[1], servers[1])]
+    with pytest.raises(RemoteError, match=r"servers \[1\] did not swap .* while servers "
+                                          r"\[0\] did") as err:
+        await load_embeddings(d, clients, timeout_ms=2000)
+    assert "load the checkpoint again" in (err.value.hint or "")
+    assert (await router.clients[0].call("stats", None))["loads"] == 1
+
+
+async def test_a_staged_load_serves_nothing_until_committed(cluster):
+    servers, router, d, manifest = cluster
+    client, server = router.clients[0], servers[0]
+    probe = probe_ids(servers, d, manifest.embedding_files)
+    before = await observe(server, client, probe)
+    params = {"dir": d, "files": manifest.embedding_files, "stage": True}
+    first = await client.call("load", params)
+    assert set(first) == {"rows", "token"} and first["rows"] > 0
+    assert await observe(server, client, probe) == before
+    # a newer load replaces the staged table: the first token is gone
+    second = await client.call("load", params)
+    with pytest.raises(BadInput, match="no staged load") as err:
+        await client.call("commit_load", {"token": first["token"]})
+    assert err.value.field == "token"
+    assert await client.call("abort_load", {"token": first["token"]}) == {"aborted": False}
+    assert await observe(server, client, probe) == before
+    assert await client.call("commit_load", {"token": second["token"]}) == \
+        {"rows": second["rows"]}
+    assert len(server.store) == second["rows"]
+    assert await observe(server, client, probe) != before
+    with pytest.raises(BadInput, match="no staged load"):   # committed once only
+        await client.call("commit_load", {"token": second["token"]})
+
+
+async def test_an_aborted_load_changes_nothing(cluster):
+    servers, router, d, manifest = cluster
+    client, server = router.clients[1], servers[1]
+    probe = probe_ids(servers, d, manifest.embedding_files)
+    before = await observe(server, client, probe)
+    stats = await client.call("stats", None)
+    staged = await client.call("load", {"dir": d, "files": manifest.embedding_files,
+                                        "stage": True})
+    assert await client.call("abort_load", {"token": staged["token"]}) == {"aborted": True}
+    assert server._staged is None
+    assert await observe(server, client, probe) == before
+    stats_after = await client.call("stats", None)
+    assert stats_after["loads"] == stats["loads"]
+
+
+async def test_a_staged_load_is_dropped_after_its_ttl(tmp_path):
+    async with running_servers(1) as (servers, router):
+        await router.lookup([(8, np.arange(5, dtype=np.uint64))], "train")
+        with CheckpointWriter(str(tmp_path / "ck")) as w:
+            await w.dump_embeddings(router.clients)
+            manifest = w.commit(job="j", step=1, offsets={}, stream="direct")
+        servers[0].stage_ttl_s = 0.2
+        client = router.clients[0]
+        staged = await client.call("load", {"dir": str(tmp_path / "ck"),
+                                            "files": manifest.embedding_files, "stage": True})
+        assert servers[0]._staged is not None
+        await asyncio.sleep(0.6)
+        assert servers[0]._staged is None, "the staged table's memory was freed"
+        with pytest.raises(BadInput, match=r"stage_ttl_s=0.2 s"):
+            await client.call("commit_load", {"token": staged["token"]})
+
+
+@pytest.mark.parametrize("method, params, field", [
+    ("commit_load", {}, "token"),
+    ("commit_load", {"token": 7}, "token"),
+    ("commit_load", {"token": "../../etc"}, "token"),
+    ("abort_load", {"token": "ABCDEF0123456789"}, "token"),
+    ("load", {"dir": "/x", "files": [], "stage": "yes"}, "stage"),
+])
+async def test_bad_two_phase_requests_name_the_field(cluster, method, params, field):
+    _, router, _, _ = cluster
+    with pytest.raises(BadInput) as err:
+        await router.clients[0].call(method, params)
+    assert err.value.field == field
+
+
+def test_stage_ttl_must_be_positive():
+    for bad in (0, -1, float("inf"), "10"):
+        with pytest.raises(BadInput) as err:
+            embedding_server.EmbeddingServer(10, stage_ttl_s=bad)
+        assert err.value.field == "stage_ttl_s"
