@@ -1,0 +1,173 @@
+"""Kafka clients: addresses, topic names, static partition assignment, topic metadata and
+the idempotent producer every writer starts (see :mod:`stream_persia.kafka`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaConnectionError
+
+from stream_persia.errors import BadInput, ConfigError, PeerUnavailable
+from stream_persia.sharding import static_partitions
+
+DEFAULT_FETCH_MAX_WAIT_MS = 50
+DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024  # KafkaConfig.max_batch_bytes's default
+COMPRESSION_TYPES = (None, "gzip", "snappy", "lz4", "zstd")
+_REQUEST_OVERHEAD_BYTES = 64 * 1024  # record batch + request headers around one message
+_TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_MAX_REASON_BYTES = 4096
+H_REASON, H_KIND = "persia-reason", "persia-error-kind"
+H_TOPIC, H_PARTITION, H_OFFSET = ("persia-source-topic", "persia-source-partition",
+                                  "persia-source-offset")
+
+
+def partitions_for_replica(num_partitions: int, replica_index: int,
+                           replica_size: int) -> list[int]:
+    """Partitions owned by one embedding worker: every ``p`` with ``p % replica_size ==
+    replica_index`` (:func:`stream_persia.sharding.static_partitions`), checked as flags.
+
+    Raises:
+        ConfigError: naming ``--replica-index``/``--replica-size`` when they are out of
+            range, or when there are more replicas than partitions (a replica would idle).
+    """
+    _check_replica(replica_index, replica_size)
+    if num_partitions < 1:
+        raise ConfigError(f"kafka.samples_topic must have >= 1 partition, got {num_partitions}",
+                          field="kafka.samples_topic")
+    if replica_size > num_partitions:
+        raise ConfigError(
+            f"--replica-size {replica_size} exceeds the samples topic's {num_partitions} "
+            "partitions, so some embedding workers would get no data",
+            field="--replica-size",
+            hint=f"run at most {num_partitions} embedding workers or add partitions")
+    return static_partitions(num_partitions, replica_index, replica_size)
+
+
+def _check_replica(replica_index: int, replica_size: int) -> None:
+    if replica_size < 1:
+        raise ConfigError(f"--replica-size must be >= 1, got {replica_size}",
+                          field="--replica-size")
+    if not 0 <= replica_index < replica_size:
+        raise ConfigError(f"--replica-index must be in [0, {replica_size}), got "
+                          f"{replica_index}", field="--replica-index")
+
+
+def validate_topic(name: str, field_name: str = "kafka.samples_topic") -> str:
+    """Return ``name`` if Kafka accepts it as a topic name, else raise ConfigError."""
+    if not isinstance(name, str) or not _TOPIC_RE.match(name) or name in (".", ".."):
+        raise ConfigError(f"{field_name} = {name!r} is not a valid Kafka topic name",
+                          field=field_name,
+                          hint="use 1-249 characters from [A-Za-z0-9._-]")
+    return name
+
+
+def _bootstrap(servers: str | Iterable[str]) -> str | list[str]:
+    items = [servers] if isinstance(servers, str) else list(servers)
+    hosts = [h.strip() for item in items for h in str(item).split(",") if h.strip()]
+    if not hosts or not all(h.rpartition(":")[2].isdigit() for h in hosts):
+        raise ConfigError(f"kafka.bootstrap_servers = {servers!r} is not a host:port list",
+                          field="kafka.bootstrap_servers",
+                          hint="e.g. 'kafka-0:9092,kafka-1:9092'")
+    return hosts
+
+
+def _client_kwargs(bootstrap_servers: str | Iterable[str],
+                   security_kwargs: Mapping[str, Any] | None,
+                   client_id: str | None) -> dict[str, Any]:
+    kw = dict(security_kwargs or {})
+    kw["bootstrap_servers"] = _bootstrap(bootstrap_servers)
+    if client_id:
+        kw["client_id"] = client_id
+    return kw
+
+
+def _config_servers(kafka: Any, bootstrap_servers: str | None) -> str:
+    from stream_persia.config import resolve_bootstrap_servers
+
+    servers = resolve_bootstrap_servers(kafka, bootstrap_servers)
+    if servers is None:
+        raise ConfigError("no Kafka bootstrap servers are configured",
+                          field="kafka.bootstrap_servers",
+                          hint="set kafka.bootstrap_servers, KAFKA_BOOTSTRAP_SERVERS or --kafka")
+    return servers
+
+
+async def _start_client(client: AIOKafkaProducer | AIOKafkaConsumer, servers: Any) -> None:
+    try:
+        await client.start()
+    except KafkaConnectionError as e:
+        await client.stop()
+        raise PeerUnavailable(f"cannot reach Kafka at {servers}: {e}",
+                              field="kafka.bootstrap_servers") from e
+
+
+async def _partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+    # Metadata for *all* topics: asking for one by name makes brokers with auto-creation
+    # (the mock among them) create it. consumer.topics() fetches the same but drops the
+    # partitions, hence the client.
+    cluster = await consumer._client.fetch_all_metadata()
+    return cluster.partitions_for_topic(topic) or set()
+
+
+async def topic_partitions(bootstrap_servers: str | Iterable[str], topic: str, *,
+                           security_kwargs: Mapping[str, Any] | None = None) -> int:
+    """Number of partitions of ``topic`` (0 if it does not exist); never creates it."""
+    consumer = AIOKafkaConsumer(**_client_kwargs(bootstrap_servers, security_kwargs, None))
+    await _start_client(consumer, bootstrap_servers)
+    try:
+        return len(await _partitions_of(consumer, topic))
+    finally:
+        await consumer.stop()
+
+
+# ------------------------------------------------------------------------ producer
+
+async def create_producer(bootstrap_servers: str | Iterable[str], *,
+                          compression_type: str | None = None,
+                          max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                          linger_ms: int = 5,
+                          security_kwargs: Mapping[str, Any] | None = None,
+                          client_id: str | None = "stream-persia",
+                          **kwargs: Any) -> AIOKafkaProducer:
+    """Start an idempotent ``acks=all`` producer sized for ``max_message_bytes`` messages.
+
+    Raises:
+        ConfigError: a bad compression type, size or address (names the field).
+        PeerUnavailable: no broker answered.
+    """
+    if compression_type == "none":  # the config file's spelling
+        compression_type = None
+    if compression_type not in COMPRESSION_TYPES:
+        raise ConfigError(f"kafka.compression_type = {compression_type!r}",
+                          field="kafka.compression_type", hint=f"one of {COMPRESSION_TYPES}")
+    if compression_type not in (None, "gzip"):
+        from aiokafka import codec
+        if not codec.has_zstd():  # one library (cramjam) brings snappy, lz4 and zstd
+            raise ConfigError(f"kafka.compression_type = {compression_type!r} needs cramjam",
+                              field="kafka.compression_type",
+                              hint="pip install cramjam, or use 'gzip' or none")
+    if max_message_bytes < 1024:
+        raise ConfigError(f"kafka.max_batch_bytes = {max_message_bytes} is too small",
+                          field="kafka.max_batch_bytes", hint="at least 1024")
+    kw = _client_kwargs(bootstrap_servers, security_kwargs, client_id)
+    kw.update(acks="all", enable_idempotence=True, compression_type=compression_type,
+              linger_ms=linger_ms, max_request_size=max_message_bytes + _REQUEST_OVERHEAD_BYTES,
+              max_batch_size=min(max_message_bytes, 1024 * 1024))
+    kw.update(kwargs)
+    producer = AIOKafkaProducer(**kw)
+    await _start_client(producer, kw["bootstrap_servers"])
+    return producer
+
+
+def _encode_key(key: object) -> bytes | None:
+    if key is None or isinstance(key, bytes):
+        return key
+    if isinstance(key, (bytearray, memoryview)):
+        return bytes(key)
+    if isinstance(key, (str, int)):
+        return str(key).encode()
+    raise BadInput(f"batch key of type {type(key).__name__}", field="key",
+                   hint="bytes, str or int (the batch id)")
