@@ -6,6 +6,8 @@
 - :mod:`~stream_persia.nn.embedding_ctx`: ``EmbeddingCtx``, ``eval_ctx``, ``InferCtx``.
 - :mod:`~stream_persia.nn.train_ctx`: ``TrainCtx`` (backward, DDP, mixed precision).
 - :mod:`~stream_persia.nn.checkpointing`: consistent checkpoints from the NN side.
+- :mod:`~stream_persia.nn.checkpoint_poller`: checkpoints requested over HTTP, taken at a
+  step boundary.
 
 Users import these from :mod:`stream_persia.ctx` and :mod:`stream_persia.data`.
 """

@@ -41,9 +41,9 @@ from stream_persia.embedding.optim import Optimizer
 from stream_persia.env import get_rank, get_world_size
 from stream_persia.errors import Misuse
 from stream_persia.nn.batch import PersiaTrainingBatch
+from stream_persia.nn.checkpoint_poller import NnCheckpointPoller
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
 from stream_persia.nn.loader import HELD, PUSHING, StreamPrefetcher, Ticket
-from stream_persia.worker.mailbox import NnCheckpointPoller
 
 __all__ = ["TrainCtx"]
 

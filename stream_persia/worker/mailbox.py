@@ -4,7 +4,8 @@ NN ranks are clients (they call embedding workers; nothing calls them), so a req
 checkpoint waits in a mailbox that NN rank 0 polls between steps. The mailbox is a set of
 RPC handlers mounted on embedding worker replica 0, which every NN rank already talks to
 (:meth:`CheckpointMailbox.handlers`); the API reaches it through :class:`MailboxClient`,
-and ``TrainCtx`` polls it through :class:`NnCheckpointPoller` after every ``backward``.
+and ``TrainCtx`` polls it through
+:class:`stream_persia.nn.checkpoint_poller.NnCheckpointPoller` after every ``backward``.
 
 RPC methods (params → result):
 
@@ -54,17 +55,15 @@ later is refused (Misuse: already failed); its next heartbeat attaches it again.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
 from collections import OrderedDict
 from typing import Any
 
-from stream_persia.errors import BadInput, Misuse, PersiaError
+from stream_persia.errors import BadInput, Misuse
 
-__all__ = ["CheckpointMailbox", "MailboxClient", "NnCheckpointPoller", "REPORT_TIMEOUT_S",
-           "TERMINAL"]
+__all__ = ["CheckpointMailbox", "MailboxClient", "REPORT_TIMEOUT_S", "TERMINAL"]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ _HISTORY = 32
 #: default of ``checkpoint_request``'s ``report_timeout_s`` (seconds)
 REPORT_TIMEOUT_S = 30.0
 #: rank 0's keepalive interval, as a fraction of ``report_timeout_s``
-_KEEPALIVES_PER_TIMEOUT = 6
+KEEPALIVES_PER_TIMEOUT = 6
 
 
 def _str(params: Any, key: str) -> str:
@@ -173,7 +172,7 @@ class CheckpointMailbox:
             return {"checkpoint": None}
         return {"checkpoint": {
             "id": active["id"], "dst": active["dst"],
-            "report_every_s": active["report_timeout_s"] / _KEEPALIVES_PER_TIMEOUT}}
+            "report_every_s": active["report_timeout_s"] / KEEPALIVES_PER_TIMEOUT}}
 
     async def nn_detach(self, params: Any) -> None:
         if not isinstance(params, dict):
@@ -257,262 +256,3 @@ class MailboxClient:
 
     async def status(self, ident: str) -> dict[str, Any] | None:
         return await self._call("checkpoint_status", {"id": ident})
-
-
-class NnCheckpointPoller:
-    """NN side: take checkpoints requested over HTTP at a step boundary (built into
-    ``TrainCtx``).
-
-    :meth:`step_boundary` runs after every ``backward`` on every rank. Rank 0 sends
-    ``nn_heartbeat`` in the background (at most every ``min_interval_s``; the training
-    thread never waits for it) and remembers the request its reply offers. With one rank
-    the offer is looked at after every step; with several, every ``every_steps`` steps
-    rank 0 broadcasts it so that all ranks agree. Then every rank runs the checkpoint at
-    that same step (``dump_checkpoint``: the consistent cut) and rank 0 reports progress
-    and the outcome. :meth:`detach` (context exit) serves a request still pending when
-    the exit is clean and tells the mailbox the ranks are gone, so the API never waits
-    for a rank that stopped training. From the claim until the outcome, rank 0's loop
-    thread sends a keepalive report every ``report_every_s`` of the offer, so the mailbox
-    tells a slow dump from a dead rank 0 (module docstring, liveness).
-
-    Args:
-        ctx: an entered ``TrainCtx``.
-        every_steps: with several ranks, how often (in steps) they agree on a request.
-        min_interval_s: the least time between two heartbeats of rank 0.
-        dump_kwargs: for :func:`stream_persia.nn.checkpointing.dump_checkpoint` (default:
-            the TorchScript model too when the model can be scripted, so the API can serve
-            the checkpoint without the model class).
-    """
-
-    def __init__(self, ctx: Any, *, every_steps: int = 10, min_interval_s: float = 0.5,
-                 dump_kwargs: dict[str, Any] | None = None):
-        self.ctx = ctx
-        self.every_steps = max(1, int(every_steps))
-        self.min_interval_s = float(min_interval_s)
-        self.dump_kwargs = dict(dump_kwargs) if dump_kwargs is not None else {
-            "with_jit_model": "if_possible"}
-        self.enabled = True            # rank 0: False once worker 0 turned out mailbox-less
-        self.taken: list[str] = []     # ids of the checkpoints taken here, in order
-        self._seen: set[str] = set()   # ids claimed or refused: a late offer is ignored
-        self._offer: dict[str, Any] | None = None    # written by the loop thread
-        self._sent = -math.inf
-        self._inflight: Any = None     # the heartbeat future in flight, if any
-        self._keepalive: Any = None    # rank 0: the keepalive future while a checkpoint runs
-
-    @property
-    def _rank0(self) -> bool:
-        return getattr(self.ctx, "rank", 0) == 0
-
-    # ------------------------------------------------------------------ heartbeats
-    def attach(self) -> None:
-        """Tell the mailbox (rank 0, in the background) that the ranks are training."""
-        if self._rank0:
-            self._send_heartbeat()
-
-    def _send_heartbeat(self) -> None:
-        self._sent = time.monotonic()
-        cluster = self.ctx._cluster()
-        params = {"rank": 0, "world_size": int(getattr(self.ctx, "world_size", 1)),
-                  "step": int(self.ctx.steps)}
-        self._inflight = cluster.loop.submit(self._heartbeat(cluster, params))
-
-    async def _heartbeat(self, cluster: Any, params: dict[str, Any]) -> None:
-        try:
-            reply = await cluster.workers[0].call("nn_heartbeat", params)
-        except Misuse as e:
-            if "no RPC method" in e.message:
-                self.enabled = False
-                log.warning("embedding worker 0 has no checkpoint mailbox (%s): checkpoints "
-                            "started over HTTP cannot reach this job's NN ranks", e.message)
-            else:
-                log.debug("checkpoint mailbox heartbeat failed: %r", e)
-            return
-        except PersiaError as e:   # training reports a worker that is really gone
-            log.debug("checkpoint mailbox heartbeat failed: %r", e)
-            return
-        offer = reply.get("checkpoint") if isinstance(reply, dict) else None
-        # A reply sent before our "running" report may offer a request taken already.
-        if isinstance(offer, dict) and offer.get("id") not in self._seen:
-            self._offer = offer
-        else:
-            self._offer = None
-
-    def _wait_heartbeat(self, timeout_s: float = 5.0) -> None:
-        fut = self._inflight
-        if fut is not None:
-            try:
-                fut.result(timeout_s)
-            except Exception as e:
-                log.debug("checkpoint mailbox heartbeat: %r", e)
-
-    def _call(self, method: str, params: Any, timeout_s: float = 10.0) -> Any:
-        cluster = self.ctx._cluster()
-        return cluster.run(cluster.workers[0].call(method, params, timeout_s * 1000))
-
-    def _report(self, params: dict[str, Any], *, wait: bool) -> None:
-        """Rank 0's report to the mailbox; never raises (the API times out instead)."""
-        try:
-            if wait:
-                self._call("checkpoint_report", params)
-            else:
-                cluster = self.ctx._cluster()
-                cluster.loop.submit(self._report_quietly(cluster, params))
-        except Exception as e:
-            log.warning("could not report checkpoint %s to the mailbox: %r", params["id"], e)
-
-    @staticmethod
-    async def _report_quietly(cluster: Any, params: dict[str, Any]) -> None:
-        try:
-            await cluster.workers[0].call("checkpoint_report", params)
-        except PersiaError as e:
-            log.debug("checkpoint progress report failed: %r", e)
-
-    def _start_keepalive(self, ident: str, every_s: float) -> None:
-        cluster = self.ctx._cluster()
-        self._keepalive = cluster.loop.submit(self._keep_alive(cluster, ident, every_s))
-
-    def _stop_keepalive(self) -> None:
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-            self._keepalive = None
-
-    @staticmethod
-    async def _keep_alive(cluster: Any, ident: str, every_s: float) -> None:
-        """Report ``running`` (nothing else) every ``every_s`` until cancelled."""
-        while True:
-            await asyncio.sleep(every_s)
-            try:
-                await cluster.workers[0].call("checkpoint_report",
-                                              {"id": ident, "state": "running"})
-            except Misuse as e:    # the record ended (the mailbox gave up on us): stop
-                log.warning("checkpoint %s: keepalive refused: %s", ident, e.message)
-                return
-            except PersiaError as e:   # the next one may get through; the limit decides
-                log.debug("checkpoint %s keepalive failed: %r", ident, e)
-
-    # ------------------------------------------------------------------ polling
-    def _agree(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
-        if getattr(self.ctx, "world_size", 1) <= 1:
-            return request
-        import torch.distributed as dist
-
-        box = [request]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def step_boundary(self) -> str | None:
-        """Poll; returns the id of a checkpoint taken now (every rank calls this)."""
-        multi = getattr(self.ctx, "world_size", 1) > 1
-        if multi and self.ctx.steps % self.every_steps:
-            return None
-        request = None
-        if self._rank0:
-            if self.enabled and time.monotonic() - self._sent >= self.min_interval_s and (
-                    self._inflight is None or self._inflight.done()):
-                self._send_heartbeat()
-            if self._offer is not None:
-                request = self._claim(self._offer)
-        try:
-            if multi:
-                request = self._agree(request)
-            return self._take(request) if request is not None else None
-        finally:
-            self._stop_keepalive()
-
-    def _claim(self, request: dict[str, Any]) -> dict[str, Any] | None:
-        """Rank 0: report the request running, which makes it ours; None when the mailbox
-        refuses (it expired meanwhile, and the API may be taking it itself)."""
-        ident = request["id"]
-        self._seen.add(ident)
-        self._offer = None
-        try:
-            self._call("checkpoint_report", {"id": ident, "state": "running",
-                                             "step": int(self.ctx.steps),
-                                             "progress": {"phase": "quiescing"}})
-        except PersiaError as e:
-            log.warning("checkpoint %s requested over HTTP is not taken: %s", ident, e)
-            return None
-        every_s = request.get("report_every_s")
-        if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or every_s <= 0:
-            every_s = REPORT_TIMEOUT_S / _KEEPALIVES_PER_TIMEOUT   # an older mailbox
-        self._start_keepalive(ident, float(every_s))
-        return request
-
-    def _take(self, request: dict[str, Any]) -> str:
-        from stream_persia.nn import checkpointing
-
-        ident, dst = request["id"], request["dst"]
-        self.taken.append(ident)
-        self._seen.add(ident)
-        step = int(self.ctx.steps)
-        rank0 = self._rank0
-        if rank0:
-            log.info("taking checkpoint %s requested over HTTP at step %d into %s",
-                     ident, step, dst)
-
-        def progress(phase: str, **extra: Any) -> None:
-            self._report({"id": ident, "state": "running",
-                          "progress": {"phase": phase, **extra}}, wait=False)
-
-        try:
-            try:
-                manifest = checkpointing.dump_checkpoint(
-                    self.ctx, dst, opt_filename="opt.pt", progress=progress if rank0 else None,
-                    extra={"id": ident, "by": "nn"}, **self.dump_kwargs)
-            finally:   # before the outcome, which a late keepalive would only contradict
-                self._stop_keepalive()
-        except (PersiaError, OSError) as e:
-            # The cut's collectives completed (checkpointing reaches its last barrier on
-            # every rank), so training goes on; the API reports the failure.
-            log.error("checkpoint %s requested over HTTP failed: %s", ident, e)
-            if rank0:
-                self._report({"id": ident, "state": "failed",
-                              "error": f"{type(e).__name__}: {e}"}, wait=True)
-            return ident
-        except BaseException as e:
-            if rank0:
-                self._report({"id": ident, "state": "failed",
-                              "error": f"{type(e).__name__}: {e}"}, wait=True)
-            raise
-        if rank0:
-            self._report({"id": ident, "state": "done", "step": step,
-                          "progress": {"phase": "committed"},
-                          "manifest": manifest.to_dict() if manifest is not None else None},
-                         wait=True)
-        return ident
-
-    def serve_pending(self) -> str | None:
-        """Ask the mailbox now (waiting for the reply) and take a pending request; every
-        rank calls this at the same point (the stream ended, the context exits)."""
-        request = None
-        if self._rank0 and self.enabled:
-            self._wait_heartbeat()
-            self._sent = time.monotonic()
-            try:
-                reply = self._call("nn_heartbeat", {
-                    "rank": 0, "world_size": int(getattr(self.ctx, "world_size", 1)),
-                    "step": int(self.ctx.steps)}, timeout_s=5)
-                offer = reply.get("checkpoint") if isinstance(reply, dict) else None
-                if isinstance(offer, dict) and offer.get("id") not in self._seen:
-                    request = self._claim(offer)
-            except PersiaError as e:
-                log.debug("checkpoint mailbox heartbeat: %r", e)
-        try:
-            request = self._agree(request)
-            return self._take(request) if request is not None else None
-        finally:
-            self._stop_keepalive()
-
-    def detach(self, clean: bool) -> None:
-        """The context exits: serve a pending request (clean exit), then say goodbye."""
-        if clean:
-            self.serve_pending()
-        if self._rank0 and self.enabled:
-            self._wait_heartbeat()
-            reason = ("the NN ranks finished training" if clean
-                      else "the NN ranks stopped on an error")
-            try:
-                self._call("nn_detach", {"rank": 0, "step": int(self.ctx.steps),
-                                         "reason": reason}, timeout_s=5)
-            except PersiaError as e:
-                log.debug("checkpoint mailbox detach: %r", e)
