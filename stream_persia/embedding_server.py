@@ -70,7 +70,7 @@ from stream_persia import segments
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding import optim as optim_mod
 from stream_persia.embedding.store import IMPLEMENTATION, EmbeddingStore
-from stream_persia.errors import BadInput
+from stream_persia.errors import BadInput, require
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
 from stream_persia.shard_files import (
@@ -101,16 +101,6 @@ class _Staged(NamedTuple):
     token: str
     store: Any
     rows: int
-
-
-def _require(params: Any, key: str, kind: type | tuple[type, ...]) -> Any:
-    if not isinstance(params, dict) or key not in params:
-        raise BadInput(f"request is missing {key!r}", field=key)
-    value = params[key]
-    if not isinstance(value, kind):
-        raise BadInput(f"{key!r} has type {type(value).__name__}", field=key,
-                       hint=f"expected {kind}")
-    return value
 
 
 def _ids(group: dict, where: str) -> np.ndarray:
@@ -230,10 +220,10 @@ class EmbeddingServer:
 
     async def _lookup(self, params: Any) -> dict:
         self._req.labels("lookup").inc()
-        mode = _require(params, "mode", str)
+        mode = require(params, "mode", str)
         if mode not in MODES:
             raise BadInput(f"mode must be one of {MODES}, got {mode!r}", field="mode")
-        groups = _require(params, "groups", list)
+        groups = require(params, "groups", list)
         checked = [_lookup_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
         train = mode == "train"
 
@@ -250,7 +240,7 @@ class EmbeddingServer:
 
     async def _update(self, params: Any) -> dict:
         self._req.labels("update").inc()
-        groups = _require(params, "groups", list)
+        groups = require(params, "groups", list)
         checked = []
         for i, g in enumerate(groups):
             where = f"groups[{i}]"
@@ -304,7 +294,7 @@ class EmbeddingServer:
     # ----------------------------------------------------------------- checkpoints
     async def _dump(self, params: Any) -> dict:
         self._req.labels("dump").inc()
-        directory = _require(params, "dir", str)
+        directory = require(params, "dir", str)
         name = shard_file_name(self.replica_index, self.replica_size)
         # dump() is called on the store thread: a load queued ahead of it swaps the store.
         return await self._run(
@@ -383,7 +373,7 @@ class EmbeddingServer:
 
 
 def _token(params: Any) -> str:
-    token = _require(params, "token", str)
+    token = require(params, "token", str)
     if not re.fullmatch(r"[0-9a-f]{16}", token):
         raise BadInput(f"token must be the 16 hex digits a staged load returned, got "
                        f"{token[:40]!r}", field="token")

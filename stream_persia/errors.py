@@ -101,3 +101,15 @@ def error_from_dict(d: dict[str, Any]) -> PersiaError:
     """Rebuild an error sent as :meth:`PersiaError.to_dict` (e.g. in an RPC error reply)."""
     cls = _BY_KIND.get(str(d.get("kind")), RemoteError)
     return cls(str(d.get("message", "remote error")), field=d.get("field"), hint=d.get("hint"))
+
+
+def require(params: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+    """``params[key]`` of a request map, which must be present and of type ``kind``;
+    BadInput naming ``key`` otherwise."""
+    if not isinstance(params, dict) or key not in params:
+        raise BadInput(f"request is missing {key!r}", field=key)
+    value = params[key]
+    if not isinstance(value, kind):
+        raise BadInput(f"{key!r} has type {type(value).__name__}", field=key,
+                       hint=f"expected {kind}")
+    return value

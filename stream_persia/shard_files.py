@@ -60,7 +60,7 @@ import numpy as np
 
 from stream_persia import wire
 from stream_persia.embedding._pystore import check_chunk
-from stream_persia.errors import BadInput, RemoteError, WireError
+from stream_persia.errors import BadInput, RemoteError, WireError, require
 from stream_persia.sharding import shard_of
 
 __all__ = ["check_load_request", "is_plain_file_name", "read_shard_file", "shard_file_name",
@@ -236,8 +236,8 @@ def check_load_request(params: Any
                        ) -> tuple[str, list[str], dict[str, dict[str, Any]], bool]:
     """(dir, files, expected: file → checks ({} when not given), stage) of an embedding
     server's ``load`` request, validated (BadInput naming the field)."""
-    directory = _field(params, "dir", str)
-    files = _field(params, "files", list)
+    directory = require(params, "dir", str)
+    files = require(params, "files", list)
     unknown = sorted(map(str, set(params) - {"dir", "files", "expected", "stage"}))
     if unknown:
         raise BadInput(f"unknown load field(s) {unknown}", field=unknown[0],
@@ -286,14 +286,6 @@ def check_load_request(params: Any
                 raise BadInput(f"{where}.{key} must be {accepted}, got {value!r}",
                                field=f"{where}.{key}")
     return directory, files, expected, stage
-
-
-def _field(params: Any, key: str, kind: type) -> Any:
-    value = params.get(key) if isinstance(params, dict) else None
-    if not isinstance(value, kind):
-        raise BadInput(f"load request needs {key!r} as a {kind.__name__}, got "
-                       f"{type(value).__name__}", field=key)
-    return value
 
 
 def _filesystem(directory: str) -> tuple[Any, str]:

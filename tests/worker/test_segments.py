@@ -9,6 +9,8 @@ both refuse malformed lookups with BadInput naming the field.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import os
 
 import numpy as np
@@ -331,32 +333,25 @@ def test_scatter_refuses_gradients_or_mask_not_one_per_segment(impl, grads_rows,
 
 
 # ---------------------------------------------------------------------------- pooled_lookup
-def old_pooled_lookup(values, offsets, prefixes, bits, sqrt):
-    """The pooled lookup as batchplan built it before pooled_lookup: apply_index_prefix per
-    slot, np.concatenate, de-duplication in first-occurrence order (a dict here), a loop
-    over the slots for the offsets and the sqrt scale."""
+def reference_pooled_lookup(values, offsets, prefixes, bits, sqrt):
+    """The pooled lookup from its definition, independently of both implementations:
+    apply_index_prefix per slot, de-duplication in first-occurrence order (a dict), and
+    segment ``i * batch + b`` holding slot i's sample b, so the segment bounds are the
+    running sum of every (slot, sample) length in that order, and a sqrt slot's scale is
+    ``1/sqrt(length)`` (0 for an empty sample)."""
     keys = [apply_index_prefix(v, p, bits) for v, p in zip(values, prefixes, strict=True)]
     flat = (np.concatenate(keys) if keys else np.zeros(0, np.uint64)).tolist()
     first = {key: None for key in flat}
     position = {key: i for i, key in enumerate(first)}
     ids = np.array(list(first), dtype=np.uint64)
     index = np.array([position[key] for key in flat], dtype=np.int32)
-    batch = len(offsets[0]) - 1 if offsets else 0
-    bounds = np.empty(len(values) * batch + 1, dtype=np.int64)
-    base = 0
-    for i, (k, off) in enumerate(zip(keys, offsets, strict=True)):
-        np.add(off[:-1], base, out=bounds[i * batch:(i + 1) * batch])
-        base += len(k)
-    bounds[-1] = base
+    lengths = [int(off[b + 1] - off[b]) for off in offsets for b in range(len(off) - 1)]
+    bounds = np.array([0, *itertools.accumulate(lengths)], dtype=np.int64)
     scale = None
     if any(sqrt):
-        scale = np.ones(len(values) * batch, dtype=np.float32)
-        for i, (off, s) in enumerate(zip(offsets, sqrt, strict=True)):
-            if s:
-                counts = off[1:] - off[:-1]
-                with np.errstate(divide="ignore"):
-                    scale[i * batch:(i + 1) * batch] = np.where(
-                        counts > 0, 1.0 / np.sqrt(counts), 0.0)
+        batch = len(offsets[0]) - 1
+        scale = np.array([(1 / math.sqrt(n) if n else 0.0) if sqrt[j // batch] else 1.0
+                          for j, n in enumerate(lengths)], dtype=np.float32)
     return ids, index, bounds, scale
 
 
@@ -415,11 +410,11 @@ def csr_slots(draw, max_slots=4, max_batch=6, max_len=4):
 @pytest.mark.parametrize("impl", IMPLS)
 @SETTINGS
 @given(slots=csr_slots())
-def test_pooled_lookup_equals_the_old_formulation(impl, slots):
+def test_pooled_lookup_equals_the_reference(impl, slots):
     if impl == "cython" and not HAS_C:
         pytest.skip("stream_persia._segments is not built")
     values, offsets, prefixes, bits, sqrt = slots
-    want = old_pooled_lookup(values, offsets, prefixes, bits, sqrt)
+    want = reference_pooled_lookup(values, offsets, prefixes, bits, sqrt)
     with implementation(impl):
         assert_same_lookup(segments.pooled_lookup(values, offsets, prefixes, bits, sqrt), want)
         if not any(sqrt):   # no flags at all: no scale either
@@ -435,7 +430,7 @@ def test_pooled_lookup_cython_equals_twin(slots):
     assert_same_lookup(c, p)
 
 
-def test_pooled_lookup_of_a_large_batch_equals_the_old_formulation():
+def test_pooled_lookup_of_a_large_batch_equals_the_reference():
     # Past the kernel's prefetch chunk and the hash table's smallest size, with ids above
     # the modulus in every slot and two slots sharing a prefix.
     rng = np.random.default_rng(7)
@@ -450,7 +445,7 @@ def test_pooled_lookup_of_a_large_batch_equals_the_old_formulation():
         offsets.append(off)
     prefixes = [1 << 56, 1 << 56, 2 << 56, 0, 3 << 56]
     sqrt = [False, True, False, True, False]
-    want = old_pooled_lookup(values, offsets, prefixes, bits, sqrt)
+    want = reference_pooled_lookup(values, offsets, prefixes, bits, sqrt)
     for impl in IMPLS if HAS_C else ["python"]:
         with implementation(impl):
             assert_same_lookup(segments.pooled_lookup(values, offsets, prefixes, bits, sqrt),
