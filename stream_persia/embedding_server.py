@@ -38,7 +38,9 @@ RPC methods (params → result):
   it is dropped if not committed within ``stage_ttl_s``. A restore across servers
   (:func:`stream_persia.checkpoint.load_embeddings`) stages on every server and commits only
   once all of them staged, so one server failing alone (out of memory, a crash) leaves
-  every server with what it held.
+  every server with what it held; a server that loses its staged table after that (it
+  restarted, the table expired) is loaded again directly. ``stage_ttl_s`` is
+  ``embedding_parameter_server_config.restore_stage_ttl_s`` for a launched server.
 
 The shard file format and the all-or-nothing load procedure (its checks, errors and
 memory peak) are described in :mod:`stream_persia.shard_files`.

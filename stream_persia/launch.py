@@ -186,12 +186,13 @@ def embedding_server(args: argparse.Namespace) -> int:
     from stream_persia.embedding_server import EmbeddingServer
 
     gc = global_config(args)
-    capacity = args.capacity or gc.embedding_parameter_server_config.capacity
+    cfg = gc.embedding_parameter_server_config
+    capacity = args.capacity or cfg.capacity
 
     async def main() -> int:
         server = EmbeddingServer(capacity, replica_index=args.replica_index,
                                  replica_size=args.replica_size, host=args.host,
-                                 port=args.port)
+                                 port=args.port, stage_ttl_s=cfg.restore_stage_ttl_s)
         return await _serve(server, args)
 
     return aio.run(main())

@@ -18,12 +18,24 @@ from stream_persia.checkpoint._common import (
     sha256_file,
 )
 from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest, check_file_name
-from stream_persia.errors import BadInput, InternalError, RemoteError
+from stream_persia.errors import (
+    BadInput,
+    InternalError,
+    Misuse,
+    PeerUnavailable,
+    PersiaError,
+    RemoteError,
+    RemoteTimeout,
+)
 
 __all__ = ["read_manifest", "verify", "load_embeddings", "load_torch", "list_checkpoints",
            "latest_checkpoint"]
 
 log = logging.getLogger(__name__)
+
+# How long load_embeddings keeps loading a server whose commit failed while it cannot be
+# reached: long enough for a supervisor (Kubernetes, stream-persia run) to restart it.
+DEFAULT_ROLL_FORWARD_S = 120.0
 
 
 def read_manifest(src: str) -> Manifest:
@@ -104,7 +116,8 @@ def verify(src: str) -> None:
 
 async def load_embeddings(src: str, server_clients: Sequence[Any], *,
                           timeout_ms: float = DEFAULT_SHARD_TIMEOUT_MS,
-                          verify_checksums: bool = False) -> int:
+                          verify_checksums: bool = False,
+                          roll_forward_s: float = DEFAULT_ROLL_FORWARD_S) -> int:
     """Restore the embedding rows of a checkpoint into any number of embedding servers.
 
     Every server reads every shard file and keeps the rows it owns
@@ -121,12 +134,21 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
     out of memory). If any server fails to stage, the others drop what they staged and
     every server keeps what it held.
 
+    Once every server has staged, the restore goes forward: a server whose commit fails
+    (it died or restarted between the phases and lost what it staged, the reply was lost,
+    the staged table expired) is loaded again directly (``load`` without ``stage``; the
+    files were checked and the same load is idempotent), retried with backoff for up to
+    ``roll_forward_s`` while the server cannot be reached, so a server restarted by its
+    supervisor within that time ends with the checkpoint like the others.
+
     Args:
         src: the checkpoint directory.
         server_clients: an ``RpcClient`` per embedding server, in replica order.
         timeout_ms: per-server limit for each phase.
         verify_checksums: also hash the shard files here before any server reads them
             (reads them once more; the servers check the sha256 either way).
+        roll_forward_s: how long to keep loading a server whose commit failed while it
+            cannot be reached (0: one attempt).
 
     Returns:
         Rows loaded over all servers.
@@ -136,8 +158,9 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
             server ran out of memory: no server changed.
         Misuse: the clients are not every server of one job in replica order.
         RemoteError: a server failed or could not be reached while staging (no server
-            changed), or while committing: then the error names the servers that did
-            and did not swap; load again.
+            changed), or its commit failed and loading it again did not succeed within
+            ``roll_forward_s``: then the error names the servers that hold the checkpoint
+            and those that do not; load again.
     """
     manifest = read_manifest(src)
     loc = Location(src)
@@ -170,17 +193,64 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
         for c, r in zip(server_clients, staged, strict=True)), return_exceptions=True)
     bad = [i for i, r in enumerate(commits) if isinstance(r, BaseException)]
     if bad:
-        done = [i for i in range(len(commits)) if i not in bad]
-        raise RemoteError(f"restore of {loc.url}: embedding servers {bad} did not swap in "
-                          f"the staged checkpoint ({commits[bad[0]]}) while servers {done} "
-                          "did: they disagree until a restore succeeds",
-                          hint="load the checkpoint again") from commits[bad[0]]
+        request = {"dir": loc.url, "files": manifest.embedding_files, "expected": expected}
+        failures = await asyncio.gather(*(
+            _roll_forward(server_clients[i], i, len(server_clients), request,
+                          int(staged[i]["rows"]), commits[i], timeout_ms, roll_forward_s)
+            for i in bad))
+        still = [(i, e) for i, e in zip(bad, failures, strict=True) if e is not None]
+        if still:
+            lost = [i for i, _ in still]
+            done = [i for i in range(len(commits)) if i not in lost]
+            raise RemoteError(f"restore of {loc.url}: embedding servers {lost} did not take "
+                              f"the checkpoint ({still[0][1]}) while servers {done} did: "
+                              "they disagree until a restore succeeds",
+                              hint="load the checkpoint again") from still[0][1]
     held = sum(await asyncio.gather(*(c.call("size", None) for c in server_clients)))
     if held < loaded:
         log.warning("embedding servers hold %d of the %d rows restored from %s: their "
                     "capacity is too small and the least recent rows were evicted",
                     held, loaded, loc.url)
     return loaded
+
+
+async def _roll_forward(client: Any, replica: int, replicas: int, request: dict,
+                        rows: int, error: BaseException, timeout_ms: float,
+                        budget_s: float) -> BaseException | None:
+    """Bring replica ``replica``, whose commit failed with ``error``, to the checkpoint
+    the others committed: ``load`` it directly (``rows`` holds the rows it staged, which
+    the load must keep again). Retried with backoff while the server cannot be reached,
+    for up to ``budget_s``; None once it holds the checkpoint, else the last error."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_s
+    delay = 0.2
+    log.warning("restore of %s: embedding server %d did not commit its staged load (%s); "
+                "loading it again (retrying for up to %g s while it cannot be reached)",
+                request["dir"], replica, error, budget_s)
+    while True:
+        try:
+            # A server restarted at this address must still be this replica of this job.
+            health = await client.call("health", None, timeout_ms=timeout_ms)
+            if (health.get("replica_index"), health.get("replica_size")) != (replica, replicas):
+                return Misuse(f"the server now at replica {replica}'s address reports replica "
+                              f"{health.get('replica_index')} of {health.get('replica_size')}")
+            reply = await client.call("load", request, timeout_ms=timeout_ms)
+        except (PeerUnavailable, RemoteTimeout) as exc:
+            error = exc
+        except PersiaError as exc:   # refused: out of memory, a file changed since staging
+            return exc
+        else:
+            if int(reply["rows"]) != rows:
+                return InternalError(f"embedding server {replica} kept {reply['rows']} rows "
+                                     f"of the checkpoint on loading it again, {rows} when "
+                                     "it staged it")
+            log.info("restore of %s: embedding server %d loaded it again", request["dir"],
+                     replica)
+            return None
+        if loop.time() + delay > deadline:
+            return error
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
 
 
 async def _abort(clients: Sequence[Any], staged: Sequence[Any], timeout_ms: float) -> None:

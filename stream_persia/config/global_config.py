@@ -16,6 +16,7 @@ PERSIA's keys and documented defaults::
       incremental_buffer_size: 1000000
       incremental_dir: null
       incremental_channel_capacity: 1000
+      restore_stage_ttl_s: 600           # ours: a staged restore not committed is dropped
     embedding_worker_config:
       forward_buffer_size: 1000          # batches buffered from data loaders
       buffered_data_expired_sec: 1000    # a served batch whose gradients never come back
@@ -151,10 +152,15 @@ class CommonConfig(_Section):
 class EmbeddingParameterServerConfig(_Section):
     """``embedding_parameter_server_config`` (PERSIA's keys and defaults).
 
-    Only ``capacity`` changes behaviour here: the store is one LRU table per server, so
-    ``num_hashmap_internal_shards`` and ``full_amount_manager_buffer_size`` are accepted
-    for compatibility and validated. Incremental update is not implemented: enabling it
-    is an error; checkpoints (consistent with the Kafka offsets) replace it.
+    Of PERSIA's keys only ``capacity`` changes behaviour here: the store is one LRU table
+    per server, so ``num_hashmap_internal_shards`` and ``full_amount_manager_buffer_size``
+    are accepted for compatibility and validated. Incremental update is not implemented:
+    enabling it is an error; checkpoints (consistent with the Kafka offsets) replace it.
+
+    Ours: ``restore_stage_ttl_s``, how long a server keeps a checkpoint it staged for a
+    restore (a second table beside the served one, as much memory again) waiting for the
+    commit; after it the staged table is dropped, so a restore whose coordinator died does
+    not pin the memory (see :func:`stream_persia.checkpoint.load_embeddings`).
     """
 
     capacity: int = 1_000_000_000
@@ -164,6 +170,7 @@ class EmbeddingParameterServerConfig(_Section):
     incremental_buffer_size: int = 1_000_000
     incremental_dir: str | None = None
     incremental_channel_capacity: int = 1000
+    restore_stage_ttl_s: int = 600
 
     _REJECTED: ClassVar[dict[str, str]] = {
         "num_embedding_io_workers": "PERSIA ignored it in this section; the concurrency of "
@@ -184,6 +191,8 @@ class EmbeddingParameterServerConfig(_Section):
         check_int(self, "incremental_buffer_size", lo=1, hi=1 << 40)
         check_str(self, "incremental_dir", optional=True)
         check_int(self, "incremental_channel_capacity", lo=1, hi=1 << 30)
+        check_int(self, "restore_stage_ttl_s", lo=1, hi=7 * 86_400,
+                  hint="seconds a staged restore waits for its commit, e.g. 600")
         if self.enable_incremental_update:
             raise error("enable_incremental_update", "true is not supported: stream-persia "
                         "does not implement PERSIA's incremental update",

@@ -18,7 +18,7 @@ import test_checkpoint_shard_load as shard_load
 
 from stream_persia import embedding_server
 from stream_persia.checkpoint import CheckpointWriter, load_embeddings
-from stream_persia.errors import BadInput, RemoteError
+from stream_persia.errors import BadInput, PeerUnavailable, RemoteError
 from stream_persia.testing.servers import running_servers
 
 cluster = shard_load.cluster   # the fixture: 2 servers, a checkpoint, trained on since
@@ -75,26 +75,115 @@ async def test_a_restore_swaps_every_server_once(cluster):
     assert [s._staged for s in servers] == [None, None]
 
 
+class BeforeCommit:
+    """A client of replica ``server`` that runs ``act(server)`` when told to commit, then
+    passes the call on (or, with ``lose_reply``, makes it and reports the link lost)."""
+
+    def __init__(self, client, server, act=None, lose_reply=False):
+        self.client, self.server, self.act, self.lose_reply = client, server, act, lose_reply
+
+    async def call(self, method, params, **kw):
+        if method == "commit_load" and self.act is not None:
+            await self.act(self.server)
+        reply = await self.client.call(method, params, **kw)
+        if method == "commit_load" and self.lose_reply:
+            raise PeerUnavailable("the reply to commit_load was lost (test)")
+        return reply
+
+
+def rows(server) -> list:
+    return [(c["dim"], c["ids"].tolist(), c["weights"].tobytes(), c["state"].tobytes())
+            for c in server.store.dump()]
+
+
+def replacement(server, replica: int = 1) -> embedding_server.EmbeddingServer:
+    """A fresh, empty server at ``server``'s address, as a supervisor restarts it."""
+    host, port = server.address.rsplit(":", 1)
+    return embedding_server.EmbeddingServer(
+        10_000, server.store.optimizer, server.store.embedding_config,
+        replica_index=replica, replica_size=2, host=host, port=int(port))
+
+
 async def test_a_server_lost_before_its_commit_is_named(cluster):
-    """Stage succeeds everywhere, then replica 1 stops before it is told to commit: the
-    error says which servers swapped and which did not."""
+    """Stage succeeds everywhere, then replica 1 stops before it is told to commit and
+    does not come back within roll_forward_s: the error says which servers hold the
+    checkpoint and which do not."""
     servers, router, d, manifest = cluster
 
-    class StopsBeforeCommit:
-        def __init__(self, client, server):
-            self.client, self.server = client, server
+    async def stop(server):
+        await server.stop()
 
-        async def call(self, method, params, **kw):
-            if method == "commit_load":
-                await self.server.stop()
-            return await self.client.call(method, params, **kw)
-
-    clients = [router.clients[0], StopsBeforeCommit(router.clients[1], servers[1])]
-    with pytest.raises(RemoteError, match=r"servers \[1\] did not swap .* while servers "
+    clients = [router.clients[0], BeforeCommit(router.clients[1], servers[1], stop)]
+    with pytest.raises(RemoteError, match=r"servers \[1\] did not take .* while servers "
                                           r"\[0\] did") as err:
-        await load_embeddings(d, clients, timeout_ms=2000)
+        await load_embeddings(d, clients, timeout_ms=2000, roll_forward_s=0.5)
     assert "load the checkpoint again" in (err.value.hint or "")
     assert (await router.clients[0].call("stats", None))["loads"] == 1
+
+
+async def test_a_server_restarted_before_its_commit_is_loaded_again(cluster):
+    """Replica 1 dies between the phases (losing what it staged) and its supervisor starts
+    a fresh one at the same address a moment later: the restore goes forward, loading the
+    new server directly, and ends with both servers holding exactly the checkpoint (what a
+    clean restore then gives)."""
+    servers, router, d, manifest = cluster
+    new = replacement(servers[1])
+
+    async def crash_and_restart(server):
+        await server.stop()
+
+        async def restart():
+            await asyncio.sleep(0.6)   # the first retries find nobody listening
+            await new.start()
+        asyncio.get_running_loop().create_task(restart())
+
+    clients = [router.clients[0], BeforeCommit(router.clients[1], servers[1],
+                                               crash_and_restart)]
+    try:
+        assert await load_embeddings(d, clients, timeout_ms=2000, roll_forward_s=30) == \
+            manifest.rows
+        assert new.store_stats()["loads"] == 1 and new._staged is None
+        rolled = [rows(servers[0]), rows(new)]
+        assert len(servers[0].store) + len(new.store) == manifest.rows
+        assert await load_embeddings(d, router.clients) == manifest.rows   # a clean one
+        assert [rows(servers[0]), rows(new)] == rolled
+    finally:
+        await new.stop()
+
+
+async def test_a_lost_commit_reply_is_made_good_by_loading_again(cluster):
+    """The commit happened but its reply was lost: loading the same checkpoint again is
+    idempotent, so the restore succeeds and the server holds it once."""
+    servers, router, d, manifest = cluster
+    loads = [(await c.call("stats", None))["loads"] for c in router.clients]
+    clients = [router.clients[0], BeforeCommit(router.clients[1], servers[1], lose_reply=True)]
+    assert await load_embeddings(d, clients, timeout_ms=2000) == manifest.rows
+    assert [(await c.call("stats", None))["loads"] for c in router.clients] == \
+        [loads[0] + 1, loads[1] + 2]
+    rolled = [rows(s) for s in servers]
+    assert await load_embeddings(d, router.clients) == manifest.rows
+    assert [rows(s) for s in servers] == rolled
+
+
+async def test_a_different_replica_at_the_lost_servers_address_is_refused(cluster):
+    """What answers at replica 1's address after the crash is replica 0 of another
+    deployment: it is not loaded with replica 1's rows, and the error names the mix-up."""
+    servers, router, d, manifest = cluster
+    impostor = replacement(servers[1], replica=0)
+
+    async def crash_and_replace(server):
+        await server.stop()
+        await impostor.start()
+
+    clients = [router.clients[0], BeforeCommit(router.clients[1], servers[1],
+                                               crash_and_replace)]
+    try:
+        with pytest.raises(RemoteError, match=r"servers \[1\] did not take .*reports "
+                                              r"replica 0 of 2"):
+            await load_embeddings(d, clients, timeout_ms=2000, roll_forward_s=5)
+        assert impostor.store_stats()["loads"] == 0 and len(impostor.store) == 0
+    finally:
+        await impostor.stop()
 
 
 async def test_a_staged_load_serves_nothing_until_committed(cluster):

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia.data_ctx import DataCtx
-from stream_persia.errors import PeerUnavailable
+from stream_persia.errors import BadInput, PeerUnavailable
 from stream_persia.launch import KEEP_FREED_ENV
 from stream_persia.local import RoleProcess
 from stream_persia.rpc import RpcClient
@@ -85,10 +85,15 @@ def test_busy_ports_are_reported_not_raised():
             assert "Traceback" not in result.stderr
 
 
-async def test_parameter_server_alias_serves_rpc_and_http_metrics_and_drains():
+async def test_parameter_server_alias_serves_rpc_and_http_metrics_and_drains(tmp_path):
+    """Also: the global config's restore_stage_ttl_s reaches the server (a staged restore
+    is dropped after it)."""
     port = free_port()
+    (tmp_path / "global_config.yml").write_text(
+        "embedding_parameter_server_config:\n  restore_stage_ttl_s: 1\n")
     role = RoleProcess("embedding-parameter-server",
-                       ["--replica-index", "1", "--replica-size", "2", "--metrics-port", str(port)])
+                       ["--replica-index", "1", "--replica-size", "2", "--metrics-port", str(port),
+                        "--global-config", str(tmp_path / "global_config.yml")])
     try:
         await asyncio.to_thread(role.start().wait_ready, 30)
         async with RpcClient(role.address, timeout_ms=5000) as client:
@@ -96,6 +101,12 @@ async def test_parameter_server_alias_serves_rpc_and_http_metrics_and_drains():
             assert (health["role"], health["replica_index"], health["replica_size"]) == (
                 "embedding-server", 1, 2)
             await client.call("size")
+            shard = await client.call("dump", {"dir": str(tmp_path)})
+            staged = await client.call("load", {"dir": str(tmp_path), "files": [shard["file"]],
+                                                "stage": True})
+            await asyncio.sleep(1.5)
+            with pytest.raises(BadInput, match=r"dropped after stage_ttl_s=1 s"):
+                await client.call("commit_load", {"token": staged["token"]})
         metrics = await asyncio.to_thread(scrape, port)
         assert metrics['persia_embedding_server_requests_total'] >= 1
         assert "persia_embedding_server_store_lookups_total" in metrics
