@@ -49,8 +49,11 @@ socket), so a closed connection does not prove death, while a host that vanishes
 network partition closes nothing; the deadline covers every case with one rule, and needs
 no change to the RPC layer. It proves rank 0's process and its link to worker 0 are alive,
 not that the dump advances: a rank 0 stuck in a collective (another rank died) keeps the
-record running until the API's own timeout. A rank 0 that was only stalled and reports
-later is refused (Misuse: already failed); its next heartbeat attaches it again.
+record running until the process group's timeout (``max(ready_timeout_s, 60)`` s of
+``TrainCtx``, 300 by default) fails the collective. With gloo rank 0 then raises and
+reports failed; with NCCL's default error handling the process is torn down and its
+keepalives stop. A rank 0 that was only stalled and reports later is refused (Misuse:
+already failed); its next heartbeat attaches it again.
 """
 
 from __future__ import annotations
