@@ -237,6 +237,12 @@ class SlotPlan:
 
 
 def check_csr(name: str, values: Any, offsets: Any) -> tuple[np.ndarray, np.ndarray]:
+    """One slot's CSR ids checked: ``(values, offsets)`` as uint64 and int64 arrays.
+
+    Raises:
+        BadInput: values not 1-D uint64, or offsets not a nondecreasing 1-D integer array
+            from 0 to ``len(values)``; names ``id_type_features.<name>``.
+    """
     field = f"id_type_features.{name}"
     if not isinstance(values, np.ndarray) or values.dtype != np.uint64 or values.ndim != 1:
         got = (f"{values.dtype} array of shape {values.shape}"
@@ -255,7 +261,7 @@ def check_csr(name: str, values: Any, offsets: Any) -> tuple[np.ndarray, np.ndar
 
 
 def plan_slot(values: np.ndarray, offsets: np.ndarray, slot: Any, prefix_bits: int,
-              requires_grad: bool = True) -> SlotPlan:
+              requires_grad: bool = True, *, csr_checked: bool = False) -> SlotPlan:
     """Plan one slot of one batch from its CSR ids.
 
     Args:
@@ -265,9 +271,16 @@ def plan_slot(values: np.ndarray, offsets: np.ndarray, slot: Any, prefix_bits: i
             sqrt_scaling, hash_stack_config, index_prefix``).
         prefix_bits: the schema's ``feature_index_prefix_bit``.
         requires_grad: False skips the gradient maps (inference, evaluation).
+        csr_checked: True when ``values`` and ``offsets`` passed :func:`check_csr` (or the
+            stricter decode check of ``PersiaBatch.from_wire``) already, with int64
+            offsets: they are not checked again.
+
+    Raises:
+        BadInput: malformed ``values`` or ``offsets`` (see :func:`check_csr`).
     """
     name = slot.name
-    values, offsets = check_csr(name, values, offsets)
+    if not csr_checked:
+        values, offsets = check_csr(name, values, offsets)
     rounds = int(slot.hash_stack_config.hash_stack_rounds)
     size = int(slot.hash_stack_config.embedding_size)
     if rounds > 0 and size <= 0:

@@ -178,11 +178,15 @@ class EmbeddingWorker:
                 ) -> PendingBatch:
         """Validate a decoded batch against the schema and plan its lookups.
 
+        The ids' CSR is not checked again: ``PersiaBatch.from_wire`` / ``from_bytes``
+        checked it when decoding (a bad one raised there, named by its field, and Kafka
+        ingest dead-lettered it).
+
         Raises:
-            BadInput: unknown slot, malformed ids, disagreeing batch sizes (names the field).
+            BadInput: unknown slot, disagreeing batch sizes (names the field).
         """
         plan = plan_batch(batch.id_type_features, self.schema,
-                          requires_grad=batch.requires_grad)
+                          requires_grad=batch.requires_grad, csr_checked=True)
         batch_id = self._seq * self.replica_size + self.replica_index
         self._seq += 1
         return PendingBatch(batch_id, batch, plan, source)
@@ -299,7 +303,7 @@ class EmbeddingWorker:
         if mode not in ("eval", "infer"):
             raise BadInput(f"mode must be 'eval' or 'infer', got {mode!r}", field="mode")
         pb = PendingBatch(-1, batch, plan_batch(batch.id_type_features, self.schema,
-                                                requires_grad=False))
+                                                requires_grad=False, csr_checked=True))
         served = self._served(pb, await self._embed(pb, mode))
         served["missing"] = pb.missing
         return served

@@ -140,6 +140,26 @@ async def test_bad_batches_are_refused_with_the_field(job):
     assert reply["skipped_slots"] == ["user"]
 
 
+@pytest.mark.parametrize("offsets", [[0, 2, 1], [0, 1, 5], [1, 2, 3]])
+async def test_malformed_ids_are_refused_at_decode_naming_the_feature(job, offsets):
+    """The worker checks a batch's CSR ids once, when decoding it (planning trusts them
+    then): a bad one is still refused, named, counted, and never buffered."""
+    servers, worker, client = job
+    wire = make_batch(0, batch_size=2).to_wire()
+    tags = next(i for i, f in enumerate(wire["id_type_features"]) if f["name"] == "tags")
+    wire["id_type_features"][tags]["values"] = np.arange(3, dtype=np.uint64)
+    wire["id_type_features"][tags]["offsets"] = np.array(offsets, np.int64)
+    with pytest.raises(BadInput) as err:
+        await client.call("ingest", {"batch": wire})
+    assert err.value.field == f"batch.id_type_features[{tags}]"
+    assert "'tags': offsets must" in str(err.value)
+    assert 'reason="WireError"} 1.0' in worker.metrics.render().decode()
+    assert len(worker.ready) == 0
+    with pytest.raises(BadInput) as err:
+        await client.call("lookup_batch", {"batch": wire, "mode": "eval"})
+    assert err.value.field == f"batch.id_type_features[{tags}]"
+
+
 async def test_ready_buffer_is_bounded_and_ingest_waits(job):
     servers, worker, client = job
     for i in range(3):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import types
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from stream_persia import segments
 from stream_persia.config import EmbeddingSchema
-from stream_persia.embedding.data import IDTypeFeature
+from stream_persia.embedding.data import IDTypeFeature, PersiaBatch
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import BadInput, Misuse
 from stream_persia.rpc import RpcClient
@@ -425,6 +426,55 @@ def test_bad_batches_are_refused_naming_the_feature():
     with pytest.raises(BadInput) as err:
         batchplan.plan_batch([user, bad], MIXED)
     assert err.value.field == "id_type_features.item"
+
+
+# Malformed CSR ids (two samples unless the offsets say otherwise) and a word of the error.
+BAD_CSR = {
+    "signed ids": (np.array([1, 2, 3], np.int64), np.array([0, 1, 3]), "uint64"),
+    "2-D ids": (np.array([[1, 2, 3]], np.uint64), np.array([0, 1, 3]), "uint64"),
+    "ids as a list": ([1, 2, 3], np.array([0, 1, 3]), "uint64"),
+    "offsets short of len(ids)": (np.array([1, 2, 3], np.uint64), np.array([0, 1, 2]),
+                                  "offsets"),
+    "offsets not from 0": (np.array([1, 2, 3], np.uint64), np.array([1, 1, 3]), "offsets"),
+    "decreasing offsets": (np.array([1, 2, 3], np.uint64), np.array([0, 2, 1, 3]),
+                           "offsets"),
+    "float offsets": (np.array([1, 2, 3], np.uint64), np.array([0.0, 1.0, 3.0]), "offsets"),
+    "empty offsets": (np.array([], np.uint64), np.zeros(0, np.int64), "offsets"),
+}
+
+
+@pytest.mark.parametrize("slot", ["user", "tags", "clicks", "hashed"])
+@pytest.mark.parametrize("case", list(BAD_CSR))
+def test_every_public_planner_checks_raw_csr_ids(case, slot):
+    """The worker skips the check for batches it decoded (csr_checked=True); every planner
+    a caller hands arrays to still checks them, pooled and classic slots alike."""
+    values, offsets, word = BAD_CSR[case]
+    raw = types.SimpleNamespace(name=slot, values=values, offsets=offsets)
+    calls = {
+        "pooling.check_csr": lambda: pooling.check_csr(slot, values, offsets),
+        "pooling.plan_slot": lambda: pooling.plan_slot(values, offsets, MIXED.slot(slot),
+                                                       MIXED.feature_index_prefix_bit),
+        "pooling.plan_batch": lambda: pooling.plan_batch([raw], MIXED),
+        "batchplan.plan_batch": lambda: batchplan.plan_batch([raw], MIXED),
+    }
+    for what, call in calls.items():
+        with pytest.raises(BadInput, match=word) as err:
+            call()
+        assert err.value.field == f"id_type_features.{slot}", what
+
+
+def test_checked_features_plan_as_checked_ones():
+    """csr_checked=True skips the check only: decoded batches plan the same either way."""
+    for i in range(3):
+        batch = PersiaBatch.from_bytes(make_batch(i, batch_size=5 + i).to_bytes())
+        for requires_grad in (True, False):
+            trusted = batchplan.plan_batch(batch.id_type_features, SCHEMA, requires_grad,
+                                           csr_checked=True)
+            checked = batchplan.plan_batch(batch.id_type_features, SCHEMA, requires_grad)
+            assert trusted.names == checked.names
+            assert trusted.pooled.keys() == checked.pooled.keys()
+            assert trusted.classic.keys() == checked.classic.keys()
+            assert_outputs_equal(serve_as_one_server(trusted), serve_as_one_server(checked))
 
 
 def test_bad_gradients_are_refused_naming_the_slot():
