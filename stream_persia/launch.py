@@ -201,8 +201,6 @@ def embedding_server(args: argparse.Namespace) -> int:
 def embedding_worker(args: argparse.Namespace) -> int:
     import torch
 
-    from stream_persia.kafka import DeadLetterWriter, SampleConsumer
-    from stream_persia.worker.ingest import KafkaIngest
     from stream_persia.worker.service import EmbeddingWorker
 
     torch.set_num_threads(1)   # pooling kernels are small; leave the cores to the NN worker
@@ -225,6 +223,9 @@ def embedding_worker(args: argparse.Namespace) -> int:
                                  ready_buffer_batches=wc.ready_buffer_batches,
                                  rpc_timeout_ms=wc.rpc_timeout_ms)
         if bootstrap:
+            from stream_persia.kafka import DeadLetterWriter, SampleConsumer
+            from stream_persia.worker.ingest import KafkaIngest
+
             def make_ingest(start_offsets: dict[int, int] | None) -> KafkaIngest:
                 return KafkaIngest(
                     worker,
@@ -235,9 +236,7 @@ def embedding_worker(args: argparse.Namespace) -> int:
                     DeadLetterWriter.from_config(kafka_cfg, bootstrap_servers=bootstrap),
                     start_offsets=start_offsets)
 
-            worker.kafka_factory = make_ingest
-            worker.kafka = make_ingest(None)
-            await worker.kafka.start()
+            await worker.start_kafka_ingest(make_ingest)
         return await _serve(worker, args)
 
     return aio.run(main())

@@ -104,12 +104,13 @@ async def test_worker_kafka_counts_are_counters_that_go_on_across_reset_stream(
     try:
         await worker.start()
         async with RpcClient(worker.address, timeout_ms=5000) as client:
-            # Broker-less so far: the counters are there, at 0.
-            text = exposition(await client.call("metrics"))
-            assert text[records] == ("counter", 0.0)
-            worker.kafka_factory = make
-            worker.kafka = make(None)
-            await worker.kafka.start()
+            # Broker-less so far: no Kafka series at all (no consumer to count).
+            raw = (await client.call("metrics")).decode()
+            assert "persia_embedding_worker_batches_ingested" in raw
+            assert "persia_embedding_worker_kafka" not in raw
+            await worker.start_kafka_ingest(make)
+            with pytest.raises(Misuse, match="fed from Kafka already"):
+                await worker.start_kafka_ingest(make)
 
             async def consumed(n: int) -> dict:
                 async with asyncio.timeout(20):

@@ -53,20 +53,23 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stream_persia.config import EmbeddingSchema
 from stream_persia.embedding.data import PersiaBatch
-from stream_persia.errors import Backpressure, BadInput
+from stream_persia.errors import Backpressure, BadInput, Misuse
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
 from stream_persia.worker.batchplan import BatchPlan, plan_batch, reduce_gradients
 from stream_persia.worker.buffer import BoundedBuffer
 from stream_persia.worker.frontier import Frontier
-from stream_persia.worker.ingest import KafkaIngest
 from stream_persia.worker.mailbox import CheckpointMailbox
 from stream_persia.worker.router import ShardRouter
+
+if TYPE_CHECKING:  # imported by start_kafka_ingest: a broker-less worker never loads aiokafka
+    from stream_persia.worker.ingest import KafkaIngest
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +118,10 @@ class EmbeddingWorker:
         self._ingest_resumed = asyncio.Event()  # set (then replaced) by resume_ingest
         self.mailbox = CheckpointMailbox() if replica_index == 0 else None
         self._seq = 0
-        self.kafka: Any = None                  # KafkaIngest when consuming a topic
+        self.kafka: KafkaIngest | None = None   # the current ingest when consuming a topic
         # Builds a fresh KafkaIngest from start offsets (reset_stream after a restore).
-        self.kafka_factory: Any = None
+        self.kafka_factory: Callable[[dict[int, int] | None], KafkaIngest] | None = None
+        self._kafka_retired: dict[str, float] = {}
         m = self.metrics = RoleMetrics("embedding_worker", replica_index)
         self.m_ingested = m.counter("batches_ingested_total", "batches accepted")
         self.m_rejected = m.counter("batches_rejected_total", "batches refused or dead-lettered",
@@ -130,11 +134,6 @@ class EmbeddingWorker:
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
         self.m_update_s = m.histogram("update_seconds", "gradient apply latency",
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
-        # One collector for the Kafka counters, whichever KafkaIngest is current:
-        # reset_stream replaces it, and the counts of the ones it retired are carried so
-        # the exported counters never drop (they read 0 in broker-less mode).
-        self._kafka_retired = dict.fromkeys(KafkaIngest.COUNTERS, 0.0)
-        m.add_callback("kafka", self._kafka_stats, counters=KafkaIngest.COUNTERS)
         m.add_callback("buffer", lambda: {"ready": len(self.ready),
                                           "inflight": len(self.inflight),
                                           "pending": self.frontier.pending()})
@@ -158,6 +157,31 @@ class EmbeddingWorker:
         return stats
 
     # ----------------------------------------------------------------- lifecycle
+    async def start_kafka_ingest(
+            self, factory: Callable[[dict[int, int] | None], KafkaIngest]) -> None:
+        """Feed this worker from Kafka: ``factory(start_offsets)`` builds a
+        :class:`~stream_persia.worker.ingest.KafkaIngest` (``None``: the consumer group's
+        offsets), now and again on each ``reset_stream``. The worker stops it in
+        :meth:`stop`. Only a worker fed from Kafka exports the ``kafka_*`` metrics.
+
+        Raises:
+            Misuse: the worker is fed from Kafka already.
+        """
+        from stream_persia.worker.ingest import KafkaIngest
+
+        if self.kafka_factory is not None:
+            raise Misuse(f"embedding worker {self.replica_index} is fed from Kafka already",
+                         hint="call start_kafka_ingest once; reset_stream replays the topic")
+        ingest = factory(None)
+        self.kafka_factory = factory
+        # One collector for the Kafka counters, whichever KafkaIngest is current:
+        # reset_stream replaces it, and the counts of the ones it retired are carried so
+        # the exported counters never drop.
+        self._kafka_retired = dict.fromkeys(KafkaIngest.COUNTERS, 0.0)
+        self.metrics.add_callback("kafka", self._kafka_stats, counters=KafkaIngest.COUNTERS)
+        self.kafka = ingest
+        await ingest.start()
+
     async def start(self) -> None:
         await self.rpc.start()
         log.info("embedding worker %d/%d on %s, servers %s", self.replica_index,
@@ -417,7 +441,7 @@ class EmbeddingWorker:
         if self.kafka is not None:
             await self.kafka.stop()
             retired = self.kafka.stats()
-            for key in KafkaIngest.COUNTERS:
+            for key in self._kafka_retired:
                 self._kafka_retired[key] += retired.get(key, 0)
             self.kafka = None
         for _ in range(len(self.inflight)):

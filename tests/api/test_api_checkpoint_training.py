@@ -52,9 +52,7 @@ async def attach_kafka(worker, bootstrap: str, topic: str) -> None:
                                                               replica_size=1),
                            DeadLetterWriter.from_config(cfg), start_offsets=start_offsets)
 
-    worker.kafka_factory = make
-    worker.kafka = make(None)
-    await worker.kafka.start()
+    await worker.start_kafka_ingest(make)
 
 
 def train(worker: str, metas: list, *, dense_from: str | None = None,

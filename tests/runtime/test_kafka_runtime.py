@@ -13,6 +13,7 @@ the SIGTERM test come last because they change the processes.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections import Counter
@@ -326,6 +327,11 @@ async def test_every_batch_served_once_from_the_store_and_applied_on_its_shard(j
     assert len({s["batch_id"] for _, s in got}) == n, "worker batch ids are unique"
     await assert_idle(rpc)
     assert await frontier_total(rpc) - offsets_before == n
+    for w, client in enumerate(rpc.workers):  # a worker launched with --kafka counts them
+        text = (await client.call("metrics")).decode()
+        records = "persia_embedding_worker_kafka_consumer_records_total"
+        assert f"# TYPE {records} counter\n" in text
+        assert float(re.search(rf"^{records} (\S+)$", text, re.M)[1]) >= served_by[w]
 
 
 def _poisoned() -> list[tuple[bytes, str]]:

@@ -209,12 +209,15 @@ async def test_counts_are_scraped_as_counters_and_levels_as_gauges(direct_job):
     worker = await asyncio.to_thread(scrape_text, direct_job["metrics_port"])
     for text, counter, gauge in (
             (server, "persia_embedding_server_store_lookups", "persia_embedding_server_store_rows"),
-            (worker, "persia_embedding_worker_kafka_consumer_records",
+            (worker, "persia_embedding_worker_batches_ingested",
              "persia_embedding_worker_buffer_ready")):
         assert f"# TYPE {counter}_total counter\n" in text
         assert re.search(rf"^{counter}_total \S+$", text, re.M)
         assert not re.search(rf"^{counter} ", text, re.M), "a count is no gauge any more"
         assert f"# TYPE {gauge} gauge\n" in text
+    # Broker-less: the worker has no consumer, so no Kafka series (test_kafka_runtime
+    # scrapes them from workers launched with --kafka).
+    assert "persia_embedding_worker_kafka" not in worker
 
 
 async def test_data_loader_role_runs_a_user_script(direct_job):

@@ -9,6 +9,8 @@ bounded buffers.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -158,6 +160,27 @@ async def test_malformed_ids_are_refused_at_decode_naming_the_feature(job, offse
     with pytest.raises(BadInput) as err:
         await client.call("lookup_batch", {"batch": wire, "mode": "eval"})
     assert err.value.field == f"batch.id_type_features[{tags}]"
+
+
+async def test_a_broker_less_worker_exports_no_kafka_series(job):
+    servers, worker, client = job
+    await client.call("ingest", {"batch": make_batch(0).to_wire()})
+    text = (await client.call("metrics")).decode()
+    assert "persia_embedding_worker_batches_ingested_total 1.0" in text
+    assert "persia_embedding_worker_buffer_ready 1.0" in text
+    assert "_kafka_" not in text
+    assert (await client.call("frontier"))["stream"] == "direct"
+
+
+def test_the_worker_loads_kafka_code_only_to_consume_kafka():
+    """A broker-less worker imports neither the Kafka ingest nor aiokafka (~0.1 s)."""
+    code = ("import sys\n"
+            "from stream_persia.worker.service import EmbeddingWorker\n"
+            "print(sorted(m for m in ('aiokafka', 'stream_persia.kafka',\n"
+            "                         'stream_persia.worker.ingest') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "[]"
 
 
 async def test_ready_buffer_is_bounded_and_ingest_waits(job):
