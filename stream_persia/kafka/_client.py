@@ -18,7 +18,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024  # KafkaConfig.max_batch_bytes's default
 COMPRESSION_TYPES = (None, "gzip", "snappy", "lz4", "zstd")
 _REQUEST_OVERHEAD_BYTES = 64 * 1024  # record batch + request headers around one message
 _TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_MAX_REASON_BYTES = 4096
+MAX_REASON_BYTES = 4096
 H_REASON, H_KIND = "persia-reason", "persia-error-kind"
 H_TOPIC, H_PARTITION, H_OFFSET = ("persia-source-topic", "persia-source-partition",
                                   "persia-source-offset")
@@ -33,7 +33,7 @@ def partitions_for_replica(num_partitions: int, replica_index: int,
         ConfigError: naming ``--replica-index``/``--replica-size`` when they are out of
             range, or when there are more replicas than partitions (a replica would idle).
     """
-    _check_replica(replica_index, replica_size)
+    check_replica(replica_index, replica_size)
     if num_partitions < 1:
         raise ConfigError(f"kafka.samples_topic must have >= 1 partition, got {num_partitions}",
                           field="kafka.samples_topic")
@@ -46,7 +46,7 @@ def partitions_for_replica(num_partitions: int, replica_index: int,
     return static_partitions(num_partitions, replica_index, replica_size)
 
 
-def _check_replica(replica_index: int, replica_size: int) -> None:
+def check_replica(replica_index: int, replica_size: int) -> None:
     if replica_size < 1:
         raise ConfigError(f"--replica-size must be >= 1, got {replica_size}",
                           field="--replica-size")
@@ -74,9 +74,9 @@ def _bootstrap(servers: str | Iterable[str]) -> str | list[str]:
     return hosts
 
 
-def _client_kwargs(bootstrap_servers: str | Iterable[str],
-                   security_kwargs: Mapping[str, Any] | None,
-                   client_id: str | None) -> dict[str, Any]:
+def client_kwargs(bootstrap_servers: str | Iterable[str],
+                  security_kwargs: Mapping[str, Any] | None,
+                  client_id: str | None) -> dict[str, Any]:
     kw = dict(security_kwargs or {})
     kw["bootstrap_servers"] = _bootstrap(bootstrap_servers)
     if client_id:
@@ -84,7 +84,7 @@ def _client_kwargs(bootstrap_servers: str | Iterable[str],
     return kw
 
 
-def _config_servers(kafka: Any, bootstrap_servers: str | None) -> str:
+def config_servers(kafka: Any, bootstrap_servers: str | None) -> str:
     from stream_persia.config import resolve_bootstrap_servers
 
     servers = resolve_bootstrap_servers(kafka, bootstrap_servers)
@@ -95,7 +95,7 @@ def _config_servers(kafka: Any, bootstrap_servers: str | None) -> str:
     return servers
 
 
-async def _start_client(client: AIOKafkaProducer | AIOKafkaConsumer, servers: Any) -> None:
+async def start_client(client: AIOKafkaProducer | AIOKafkaConsumer, servers: Any) -> None:
     try:
         await client.start()
     except KafkaConnectionError as e:
@@ -104,7 +104,7 @@ async def _start_client(client: AIOKafkaProducer | AIOKafkaConsumer, servers: An
                               field="kafka.bootstrap_servers") from e
 
 
-async def _partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
     # Metadata for *all* topics: asking for one by name makes brokers with auto-creation
     # (the mock among them) create it. consumer.topics() fetches the same but drops the
     # partitions, hence the client.
@@ -115,10 +115,10 @@ async def _partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
 async def topic_partitions(bootstrap_servers: str | Iterable[str], topic: str, *,
                            security_kwargs: Mapping[str, Any] | None = None) -> int:
     """Number of partitions of ``topic`` (0 if it does not exist); never creates it."""
-    consumer = AIOKafkaConsumer(**_client_kwargs(bootstrap_servers, security_kwargs, None))
-    await _start_client(consumer, bootstrap_servers)
+    consumer = AIOKafkaConsumer(**client_kwargs(bootstrap_servers, security_kwargs, None))
+    await start_client(consumer, bootstrap_servers)
     try:
-        return len(await _partitions_of(consumer, topic))
+        return len(await partitions_of(consumer, topic))
     finally:
         await consumer.stop()
 
@@ -152,17 +152,17 @@ async def create_producer(bootstrap_servers: str | Iterable[str], *,
     if max_message_bytes < 1024:
         raise ConfigError(f"kafka.max_batch_bytes = {max_message_bytes} is too small",
                           field="kafka.max_batch_bytes", hint="at least 1024")
-    kw = _client_kwargs(bootstrap_servers, security_kwargs, client_id)
+    kw = client_kwargs(bootstrap_servers, security_kwargs, client_id)
     kw.update(acks="all", enable_idempotence=True, compression_type=compression_type,
               linger_ms=linger_ms, max_request_size=max_message_bytes + _REQUEST_OVERHEAD_BYTES,
               max_batch_size=min(max_message_bytes, 1024 * 1024))
     kw.update(kwargs)
     producer = AIOKafkaProducer(**kw)
-    await _start_client(producer, kw["bootstrap_servers"])
+    await start_client(producer, kw["bootstrap_servers"])
     return producer
 
 
-def _encode_key(key: object) -> bytes | None:
+def encode_key(key: object) -> bytes | None:
     if key is None or isinstance(key, bytes):
         return key
     if isinstance(key, (bytearray, memoryview)):

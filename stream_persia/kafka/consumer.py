@@ -16,12 +16,12 @@ from stream_persia.errors import BadInput, ConfigError, Misuse
 from stream_persia.kafka._client import (
     DEFAULT_FETCH_MAX_WAIT_MS,
     DEFAULT_MAX_MESSAGE_BYTES,
-    _check_replica,
-    _client_kwargs,
-    _config_servers,
-    _partitions_of,
-    _start_client,
+    check_replica,
+    client_kwargs,
+    config_servers,
     partitions_for_replica,
+    partitions_of,
+    start_client,
     validate_topic,
 )
 
@@ -54,7 +54,7 @@ class SampleConsumer:
                  client_id: str | None = None,
                  **consumer_kwargs: Any):
         self.topic = validate_topic(topic)
-        _check_replica(replica_index, replica_size)
+        check_replica(replica_index, replica_size)
         if auto_offset_reset not in ("earliest", "latest"):
             raise ConfigError(f"auto_offset_reset = {auto_offset_reset!r}",
                               field="auto_offset_reset", hint="'earliest' or 'latest'")
@@ -66,7 +66,7 @@ class SampleConsumer:
         self.auto_offset_reset = auto_offset_reset
         self.metadata_timeout_s = metadata_timeout_s
         self.expected_partitions = expected_partitions
-        self._kwargs = _client_kwargs(bootstrap_servers, security_kwargs, client_id)
+        self._kwargs = client_kwargs(bootstrap_servers, security_kwargs, client_id)
         self._kwargs.update(group_id=group_id, enable_auto_commit=False,
                             auto_offset_reset=auto_offset_reset,
                             fetch_max_wait_ms=fetch_max_wait_ms,
@@ -94,7 +94,7 @@ class SampleConsumer:
         kwargs.setdefault("max_message_bytes", kafka.max_batch_bytes)
         kwargs.setdefault("expected_partitions", kafka.num_partitions)
         kwargs.setdefault("security_kwargs", kafka.security_kwargs())
-        return cls(_config_servers(kafka, bootstrap_servers), kafka.samples_topic,
+        return cls(config_servers(kafka, bootstrap_servers), kafka.samples_topic,
                    replica_index=replica_index, replica_size=replica_size,
                    group_id=group_id, **kwargs)
 
@@ -137,7 +137,7 @@ class SampleConsumer:
         if self._consumer is not None:
             raise Misuse("SampleConsumer.start() called twice")
         consumer = AIOKafkaConsumer(**self._kwargs)
-        await _start_client(consumer, self._kwargs["bootstrap_servers"])
+        await start_client(consumer, self._kwargs["bootstrap_servers"])
         try:
             await self._assign_and_seek(consumer, dict(start_offsets or {}))
         except BaseException:
@@ -148,7 +148,7 @@ class SampleConsumer:
     async def _assign_and_seek(self, consumer: AIOKafkaConsumer,
                                start_offsets: dict[int, int]) -> None:
         deadline = time.monotonic() + self.metadata_timeout_s
-        while not (found := await _partitions_of(consumer, self.topic)):
+        while not (found := await partitions_of(consumer, self.topic)):
             if time.monotonic() > deadline:
                 raise ConfigError(f"topic {self.topic!r} does not exist",
                                   field="kafka.samples_topic",

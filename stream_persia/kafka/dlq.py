@@ -13,13 +13,13 @@ from aiokafka.errors import KafkaError
 
 from stream_persia.errors import BadInput
 from stream_persia.kafka._client import (
-    _MAX_REASON_BYTES,
     H_KIND,
     H_OFFSET,
     H_PARTITION,
     H_REASON,
     H_TOPIC,
-    _config_servers,
+    MAX_REASON_BYTES,
+    config_servers,
 )
 from stream_persia.kafka.producer import _ProducerUser
 
@@ -76,14 +76,14 @@ class DeadLetterWriter(_ProducerUser):
         kwargs.setdefault("security_kwargs", kafka.security_kwargs())
         kwargs.setdefault("max_message_bytes", kafka.max_batch_bytes)
         return cls(kafka.dlq_topic,
-                   bootstrap_servers=_config_servers(kafka, bootstrap_servers), **kwargs)
+                   bootstrap_servers=config_servers(kafka, bootstrap_servers), **kwargs)
 
     async def write(self, raw_value: bytes, reason: str, source: tuple[str, int, int], *,
                     key: bytes | None = None, kind: str | None = None) -> bool:
         """Dead-letter one message; ``source`` is its (topic, partition, offset)."""
         producer = self._live()
         topic, partition, offset = source
-        headers = [(H_REASON, reason.encode(errors="replace")[:_MAX_REASON_BYTES]),
+        headers = [(H_REASON, reason.encode(errors="replace")[:MAX_REASON_BYTES]),
                    (H_TOPIC, str(topic).encode()), (H_PARTITION, str(int(partition)).encode()),
                    (H_OFFSET, str(int(offset)).encode())]
         if kind:

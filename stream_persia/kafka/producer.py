@@ -23,9 +23,9 @@ from stream_persia.errors import (
 )
 from stream_persia.kafka._client import (
     DEFAULT_MAX_MESSAGE_BYTES,
-    _config_servers,
-    _encode_key,
+    config_servers,
     create_producer,
+    encode_key,
     validate_topic,
 )
 
@@ -117,7 +117,7 @@ class BatchProducer(_ProducerUser):
         kwargs.setdefault("max_message_bytes", kafka.max_batch_bytes)
         kwargs.setdefault("security_kwargs", kafka.security_kwargs())
         return cls(kafka.samples_topic,
-                   bootstrap_servers=_config_servers(kafka, bootstrap_servers), **kwargs)
+                   bootstrap_servers=config_servers(kafka, bootstrap_servers), **kwargs)
 
     def _has_room(self, size: int) -> bool:
         return self.in_flight == 0 or (self.in_flight < self.max_in_flight and
@@ -181,7 +181,7 @@ class BatchProducer(_ProducerUser):
                            f"{self.max_message_bytes}", field="batch",
                            hint="send smaller batches or raise kafka.max_batch_bytes "
                                 "(and the topic's max.message.bytes)")
-        key_bytes = _encode_key(key)
+        key_bytes = encode_key(key)
         size = len(value)
         await self._reserve(size, self.send_timeout_s if timeout_s is None else timeout_s)
         try:
