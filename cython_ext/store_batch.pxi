@@ -1,0 +1,182 @@
+# Included by store.pyx (see the note there): the guards of the public methods and the
+# batched loops behind lookup, lookup_pooled and update (run with the GIL released).
+
+cdef _enter(CEmbeddingStore self):
+    if self.busy:
+        raise Misuse("EmbeddingStore is not thread-safe: another call is running on it",
+                     hint="serialise calls (one event loop or one lock per store)")
+    self.busy = True
+
+
+cdef _raise(CEmbeddingStore self, int status, int64_t i, ids, int dim, str what):
+    if status == E_NOMEM:
+        raise MemoryError("embedding store: out of memory")
+    key = int(ids[i])
+    if status == E_NONFINITE:
+        raise _py.nonfinite_error(int(i), key)
+    e = _find(self, <uint64_t>key)
+    raise _py.dim_error(key, self.arenas[self.entries[e].arena].dim, dim, what)
+
+
+cdef inline float *_row_of(CEmbeddingStore self, Pipe *pipe, int64_t i, int ai, Arena *a,
+                           bint train, const float *zero, int *status) noexcept nogil:
+    """The row of id ``i`` of the pipeline's keys, for reading: refreshed (train), or
+    admitted and initialised (a train miss that passes admission), or ``zero`` (a miss
+    that stores nothing). NULL with ``status`` set on an error."""
+    cdef uint64_t key = pipe.keys[i]
+    cdef int32_t e = _resolve(self, pipe, i)
+    cdef Entry *x
+    cdef double u
+    cdef float *row
+    cdef int dim
+    if e >= 0:
+        x = &self.entries[e]
+        if x.arena != ai:
+            status[0] = E_DIM
+            return NULL
+        if train:
+            _touch(self, e)
+        return row_ptr(a, x.row)
+    self.n_misses += 1
+    if not train:
+        return <float*>zero
+    u = 0.0
+    if self.admit_p < 1.0:
+        u = <double>(sp_mix64(key ^ sp_mix64(self.draws)) >> 11) * (
+            1.0 / 9007199254740992.0)
+    self.draws += 1
+    if not u < self.admit_p:
+        return <float*>zero
+    e = _insert(self, key, ai)
+    if e < 0:
+        status[0] = E_NOMEM
+        return NULL
+    self.n_admissions += 1
+    dim = a.dim
+    row = row_ptr(a, self.entries[e].row)
+    sp_init_row(row, dim, key, self.init_lo, self.init_span)
+    memcpy(row + dim, a.init_state, sizeof(float) * a.width)
+    return row
+
+
+cdef int _lookup(CEmbeddingStore self, const uint64_t *keys, int64_t n, int ai, float *out, int dim,
+                 bint train, int64_t *at, const float *zero) noexcept nogil:
+    """Copy the row of each of ``keys`` to ``out`` (zeros for a miss)."""
+    cdef int64_t i
+    cdef int status = OK
+    cdef const float *row
+    cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
+    cdef Pipe pipe
+    pipe.keys, pipe.n, pipe.lines, pipe.links = keys, n, (dim + 15) // 16, train
+    for i in range(-PF_SLOT, n):
+        _stage(self, &pipe, i)
+        if i < 0:
+            continue
+        row = _row_of(self, &pipe, i, ai, a, train, zero, &status)
+        if row == NULL:
+            at[0] = i
+            return status
+        memcpy(out + i * dim, row, sizeof(float) * dim)
+    return OK
+
+
+cdef int _lookup_pooled(CEmbeddingStore self, const uint64_t *keys, int64_t n, int ai, int dim,
+                        bint train, const int32_t *index, const int64_t *offsets,
+                        int64_t k, float *out, int64_t *at,
+                        const float *zero) noexcept nogil:
+    """Add each occurrence's row to its segment of ``out`` (zeroed), the occurrences
+    in order, looking the ids up in order as they are first needed (and the ones no
+    occurrence names at the end): the store sees exactly ``_lookup``'s sequence, and a
+    worker's ids (in first-occurrence order) are added while their row is in cache.
+    A later id's admission must not evict an earlier row: the caller ensures it."""
+    cdef int64_t s, j, i = 0, want
+    cdef int status = OK
+    cdef float *acc
+    cdef float **rows = self.rbuf
+    cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
+    cdef Pipe pipe
+    pipe.keys, pipe.n, pipe.lines, pipe.links = keys, n, (dim + 15) // 16, train
+    for i in range(-PF_SLOT, 0):
+        _stage(self, &pipe, i)
+    i = 0
+    for s in range(k):
+        acc = out + s * dim
+        for j in range(offsets[s], offsets[s + 1]):
+            want = index[j]
+            while i <= want:
+                _stage(self, &pipe, i)
+                rows[i] = _row_of(self, &pipe, i, ai, a, train, zero, &status)
+                if rows[i] == NULL:
+                    at[0] = i
+                    return status
+                i += 1
+            sp_add(acc, rows[want], dim)  # acc + row in order, as segments.pool adds
+    while i < n:
+        _stage(self, &pipe, i)
+        if _row_of(self, &pipe, i, ai, a, train, zero, &status) == NULL:
+            at[0] = i
+            return status
+        i += 1
+    return OK
+
+
+cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int64_t n, int dim,
+                 int ai, int64_t *at) noexcept nogil:
+    cdef int64_t i
+    cdef int32_t e, u, nu = 0
+    cdef uint32_t stamp = self.stamp
+    cdef Entry *x
+    cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
+    cdef int64_t dropped = 0
+    cdef int lines = (dim + (self.arenas[ai].width if ai >= 0 else 0) + 15) // 16, j
+    cdef uint32_t bad = 0
+    # Pass 1: resolve ids, sum the gradients of each stored id (in call order, from 0),
+    # and check that every gradient is finite (on the same read of grads).
+    cdef Pipe p
+    p.keys, p.n, p.lines, p.links = keys, n, 0, False
+    for i in range(-PF_SLOT, n):
+        _stage(self, &p, i)
+        if i < 0:
+            continue
+        bad |= sp_nonfinite_bits(g + i * dim, dim)
+        e = _resolve(self, &p, i)
+        if e < 0:
+            dropped += 1
+            continue
+        x = &self.entries[e]
+        if x.arena != ai:
+            at[0] = i
+            return _first_nonfinite(self, g, n, dim, at, E_DIM)
+        if x.stamp != stamp:
+            x.stamp = stamp
+            x.pos = nu
+            self.rbuf[nu] = row_ptr(a, x.row)
+            sp_first(self.gbuf + <int64_t>nu * dim, g + i * dim, dim)
+            nu += 1
+        else:
+            sp_add(self.gbuf + <int64_t>x.pos * dim, g + i * dim, dim)
+    if bad:
+        return _first_nonfinite(self, g, n, dim, at, OK)
+    self.n_updates += n
+    self.n_dropped += dropped
+    self.version += 1
+    # Pass 2: one optimizer step per stored id.
+    for u in range(nu):
+        if u + PF_ROW < nu:
+            for j in range(lines):
+                sp_prefetch(self.rbuf[u + PF_ROW] + 16 * j)
+        sp_apply(&self.opt, self.rbuf[u], self.rbuf[u] + dim,
+                 self.gbuf + <int64_t>u * dim, dim)
+    return OK
+
+
+cdef int _first_nonfinite(CEmbeddingStore self, const float *g, int64_t n, int dim, int64_t *at,
+                          int otherwise) noexcept nogil:
+    """E_NONFINITE at the first non-finite row of grads, else ``otherwise`` (errors are
+    reported in the order the twin checks them)."""
+    cdef int64_t i
+    for i in range(n):
+        if sp_nonfinite_bits(g + i * dim, dim):
+            at[0] = i
+            return E_NONFINITE
+    return otherwise

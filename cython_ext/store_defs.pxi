@@ -1,0 +1,95 @@
+# Included by store.pyx (see the note there): the declarations of the C kernels in
+# store_kernels.h, the store's structs and constants, row addressing, and the optimizer's
+# parameters as the kernels read them.
+
+cdef extern from "store_kernels.h":
+    ctypedef struct SpOpt:
+        int kind
+        int shared
+        float lr, momentum, wd, b1, b2, c1, c2, eps, g2m, bound
+    uint64_t sp_mix64(uint64_t z) nogil
+    uint32_t sp_hash32(uint64_t key) nogil
+    void *sp_alloc(size_t n, int huge) nogil
+    void sp_free(void *p, size_t n) nogil
+    void sp_init_row(float *w, int d, uint64_t key, float lo, float span) nogil
+    uint32_t sp_nonfinite_bits(const float *x, int64_t n) nogil
+    void sp_add(float *acc, const float *g, int d) nogil
+    void sp_first(float *acc, const float *g, int d) nogil
+    void sp_apply(const SpOpt *o, float *w, float *s, float *g, int d) nogil
+    void sp_prefetch "__builtin_prefetch"(const void *p) nogil
+    void sp_prefetch_w "SP_PREFETCH_W"(const void *p) nogil
+    uint32_t NONE32 "SP_NONE32"
+
+cdef struct Entry:    # 32 bytes, 64-byte aligned array: one cache line per entry
+    uint64_t key
+    int32_t prev      # towards the most recently used end (head); -1 at the head
+    int32_t next      # towards the least recently used end (tail); free-list link when free
+    uint32_t row
+    uint16_t arena    # FREE_ARENA while the entry is free
+    uint16_t _pad
+    uint32_t stamp    # update() call that last saw this entry, and the entry's position
+    int32_t pos       # in that call's list of unique ids
+
+cdef struct Slot:
+    uint32_t h        # sp_hash32(key)
+    int32_t e         # entry index, -1 when empty
+
+cdef struct Arena:
+    int32_t dim
+    int32_t width     # optimizer state values per row
+    int32_t stride    # dim + width
+    int32_t shift     # log2(rows per block)
+    uint32_t used     # rows handed out (high-water mark)
+    uint32_t free_head
+    uint32_t nblocks
+    uint32_t blocks_cap
+    float **blocks
+    float *init_state
+
+cdef struct Pipe:      # prefetch pipeline over a batch of ids (see _stage)
+    const uint64_t *keys
+    int64_t n
+    int lines         # cache lines of each row to prefetch
+    bint links        # prefetch the LRU neighbours too
+    uint32_t h[128]    # RING
+    int32_t e[128]
+
+cdef enum:
+    OK = 0
+    E_NOMEM = 1
+    E_DIM = 2
+    E_NONFINITE = 3
+    MIN_TABLE_BITS = 10
+    BLOCK_BYTES = 1 << 21
+    RING = 128        # prefetch distances, in ids (< RING)
+    PF_SLOT = 64
+    PF_ENTRY = 32
+    PF_ROW = 12
+    FREE_ARENA = 0xFFFF
+
+cdef inline float* row_ptr(const Arena *a, uint32_t r) noexcept nogil:
+    return a.blocks[r >> a.shift] + <size_t>(r & ((<uint32_t>1 << a.shift) - 1)) * a.stride
+
+
+cdef inline size_t _block_bytes(const Arena *a) noexcept nogil:
+    return sizeof(float) * a.stride << a.shift
+
+
+cdef SpOpt make_opt(opt, cfg) except *:
+    cdef SpOpt o
+    memset(&o, 0, sizeof(SpOpt))
+    o.kind = {"sgd": 0, "adagrad": 1, "adam": 2}[opt.name]
+    o.lr = np.float32(opt.lr)
+    o.wd = np.float32(opt.weight_decay)
+    o.bound = np.float32(cfg.weight_bound)
+    if o.kind == 0:
+        o.momentum = np.float32(opt.momentum)
+    elif o.kind == 1:
+        o.eps = np.float32(opt.eps)
+        o.g2m = np.float32(opt.g_square_momentum)
+        o.shared = opt.vectorwise_shared
+    else:
+        o.b1, o.b2 = np.float32(opt.betas[0]), np.float32(opt.betas[1])
+        o.c1, o.c2 = np.float32(1.0 - opt.betas[0]), np.float32(1.0 - opt.betas[1])
+        o.eps = np.float32(opt.eps)
+    return o

@@ -1,0 +1,218 @@
+/* C kernels of the Cython embedding store: store.pyx declares them in store_defs.pxi
+   (`cdef extern from "store_kernels.h"`), and the generated store.c includes this header
+   once. Hashes, allocation of large buffers, row initialisation, gradient sums and the
+   optimizer step; everything is static. */
+#ifndef STREAM_PERSIA_STORE_KERNELS_H
+#define STREAM_PERSIA_STORE_KERNELS_H
+
+#include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+/* No fused multiply-add in the kernels (with -march flags that allow it): the stores
+   must round every float32 operation as numpy does. */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#define SP_KERNEL static
+#elif defined(__GNUC__)
+#define SP_KERNEL static __attribute__((optimize("fp-contract=off")))
+#else
+#define SP_KERNEL static
+#endif
+#define SP_NONE32 0xFFFFFFFFu
+#define SP_PREFETCH_W(p) __builtin_prefetch((p), 1)
+
+typedef struct { int kind; int shared; float lr, momentum, wd, b1, b2, c1, c2, eps, g2m,
+                 bound; } SpOpt;
+
+static inline uint64_t sp_mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+/* Top 32 bits of a multiplicative hash: the home slot is its top tbits bits. */
+static inline uint32_t sp_hash32(uint64_t key) {
+    return (uint32_t)((key * 0x9E3779B97F4A7C15ULL) >> 32);
+}
+#if defined(__linux__)
+#include <sys/mman.h>
+#define SP_MMAP 1
+#else
+#define SP_MMAP 0
+#endif
+#define SP_HUGE (1u << 21)
+#define SP_MAP_MIN (1u << 18)
+/* Large buffers are mapped directly rather than taken from malloc: freeing them then
+   returns the memory to the system at once (glibc's heap would keep it, and would
+   fragment around the numpy temporaries of the caller). With `huge`, they are 2 MiB
+   aligned and on transparent huge pages: the store is read at random, and with 4 KiB
+   pages nearly every access to a large store would also miss the TLB. */
+static void *sp_alloc(size_t n, int huge) {
+    void *p = NULL;
+#if SP_MMAP
+    if (n >= SP_MAP_MIN) {
+        size_t extra = huge ? SP_HUGE : 0;
+        char *m = mmap(NULL, n + extra, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) return NULL;
+        if (!extra) return m;
+        char *a = (char *)(((uintptr_t)m + SP_HUGE - 1) & ~(uintptr_t)(SP_HUGE - 1));
+        if (a > m) munmap(m, (size_t)(a - m));
+        if (a + n < m + n + extra) munmap(a + n, (size_t)(m + n + extra - (a + n)));
+#if defined(MADV_HUGEPAGE)
+        madvise(a, n, MADV_HUGEPAGE);
+#endif
+        return a;
+    }
+#endif
+    return posix_memalign(&p, 64, n) == 0 ? p : NULL;
+}
+static void sp_free(void *p, size_t n) {
+    if (p == NULL) return;
+#if SP_MMAP
+    if (n >= SP_MAP_MIN) { munmap(p, n); return; }
+#endif
+    free(p);
+}
+
+/* New row of `key`: see _pystore.initial_rows (two 24-bit draws per mix64). */
+SP_KERNEL void sp_init_row(float *w, int d, uint64_t key, float lo, float span) {
+    const uint64_t base = sp_mix64(key);
+    const float scale = 1.0f / 16777216.0f;
+    int j = 0;
+#if defined(__SSE2__)
+    const __m128 vscale = _mm_set1_ps(scale), vspan = _mm_set1_ps(span),
+                 vlo = _mm_set1_ps(lo);
+    for (; j + 4 <= d; j += 4) {
+        uint64_t h0 = sp_mix64(base + (uint64_t)(j >> 1));
+        uint64_t h1 = sp_mix64(base + (uint64_t)(j >> 1) + 1);
+        __m128i bits = _mm_set_epi32((int)((h1 >> 8) & 0xFFFFFFu), (int)(h1 >> 40),
+                                     (int)((h0 >> 8) & 0xFFFFFFu), (int)(h0 >> 40));
+        __m128 u = _mm_mul_ps(_mm_cvtepi32_ps(bits), vscale);
+        _mm_storeu_ps(w + j, _mm_add_ps(vlo, _mm_mul_ps(vspan, u)));
+    }
+#endif
+    for (; j < d; j += 2) {
+        uint64_t h = sp_mix64(base + (uint64_t)(j >> 1));
+        w[j] = lo + span * ((float)(h >> 40) * scale);
+        if (j + 1 < d) w[j + 1] = lo + span * ((float)((h >> 8) & 0xFFFFFFu) * scale);
+    }
+}
+
+/* Bit 31 is set if any of the n floats is NaN or inf (exponent bits all ones). */
+static inline uint32_t sp_nonfinite_bits(const float *x, int64_t n) {
+    const uint32_t *b = (const uint32_t *)x;
+    uint32_t acc = 0;
+    int64_t i = 0;
+#if defined(__SSE2__)
+    const __m128i e = _mm_set1_epi32(0x7f800000), one = _mm_set1_epi32(0x00800000);
+    __m128i v = _mm_setzero_si128();
+    for (; i + 4 <= n; i += 4)
+        v = _mm_or_si128(v, _mm_add_epi32(
+            _mm_and_si128(_mm_loadu_si128((const __m128i *)(b + i)), e), one));
+    acc = (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(v));
+    acc = acc ? 0x80000000u : 0;
+#endif
+    for (; i < n; i++) acc |= (b[i] & 0x7f800000u) + 0x00800000u;
+    return acc & 0x80000000u;
+}
+
+static inline void sp_add(float *restrict acc, const float *restrict g, int d) {
+    int j = 0;
+#if defined(__SSE2__)
+    for (; j + 4 <= d; j += 4)
+        _mm_storeu_ps(acc + j, _mm_add_ps(_mm_loadu_ps(acc + j), _mm_loadu_ps(g + j)));
+#endif
+    for (; j < d; j++) acc[j] = acc[j] + g[j];
+}
+/* acc = 0 + g: the first gradient of an id, summed from +0.0 like the numpy twin. */
+static inline void sp_first(float *restrict acc, const float *restrict g, int d) {
+    int j = 0;
+#if defined(__SSE2__)
+    for (; j + 4 <= d; j += 4)
+        _mm_storeu_ps(acc + j, _mm_add_ps(_mm_setzero_ps(), _mm_loadu_ps(g + j)));
+#endif
+    for (; j < d; j++) acc[j] = 0.0f + g[j];
+}
+
+/* One optimizer step and the clamp: the float32 twin of Optimizer.step in optim.py. */
+SP_KERNEL void sp_apply(const SpOpt *o, float *restrict w, float *restrict s,
+                        float *restrict g, int d) {
+    int j;
+    if (o->wd != 0.0f)
+        for (j = 0; j < d; j++) g[j] = g[j] + o->wd * w[j];
+    if (o->kind == 0) {
+        if (o->momentum > 0.0f) {
+            for (j = 0; j < d; j++) {
+                s[j] = o->momentum * s[j] + g[j];
+                w[j] = w[j] - o->lr * s[j];
+            }
+        } else {
+            for (j = 0; j < d; j++) w[j] = w[j] - o->lr * g[j];
+        }
+    } else if (o->kind == 1) {
+        if (o->shared) {
+            float sq = 0.0f, den = sqrtf(s[0] + o->eps);
+            for (j = 0; j < d; j++) sq = sq + g[j] * g[j];
+            for (j = 0; j < d; j++) w[j] = w[j] - o->lr * g[j] / den;
+            s[0] = o->g2m * s[0] + sq / (float)d;
+        } else {
+            j = 0;
+#if defined(__SSE2__)
+            /* GCC keeps sqrtf scalar (errno); SSE performs the same IEEE operations. */
+            const __m128 lr = _mm_set1_ps(o->lr), eps = _mm_set1_ps(o->eps),
+                         g2m = _mm_set1_ps(o->g2m);
+            for (; j + 4 <= d; j += 4) {
+                __m128 gj = _mm_loadu_ps(g + j), sj = _mm_loadu_ps(s + j);
+                __m128 step = _mm_div_ps(_mm_mul_ps(lr, gj), _mm_sqrt_ps(_mm_add_ps(sj, eps)));
+                _mm_storeu_ps(w + j, _mm_sub_ps(_mm_loadu_ps(w + j), step));
+                _mm_storeu_ps(s + j, _mm_add_ps(_mm_mul_ps(g2m, sj), _mm_mul_ps(gj, gj)));
+            }
+#endif
+            for (; j < d; j++) {
+                w[j] = w[j] - o->lr * g[j] / sqrtf(s[j] + o->eps);
+                s[j] = o->g2m * s[j] + g[j] * g[j];
+            }
+        }
+    } else {
+        float p1 = s[2 * d] * o->b1, p2 = s[2 * d + 1] * o->b2;
+        float *m = s, *v = s + d;
+        s[2 * d] = p1;
+        s[2 * d + 1] = p2;
+        p1 = 1.0f - p1;
+        p2 = 1.0f - p2;
+        j = 0;
+#if defined(__SSE2__)
+        const __m128 b1 = _mm_set1_ps(o->b1), b2 = _mm_set1_ps(o->b2),
+                     c1 = _mm_set1_ps(o->c1), c2 = _mm_set1_ps(o->c2),
+                     lr = _mm_set1_ps(o->lr), eps = _mm_set1_ps(o->eps),
+                     q1 = _mm_set1_ps(p1), q2 = _mm_set1_ps(p2);
+        for (; j + 4 <= d; j += 4) {
+            __m128 gj = _mm_loadu_ps(g + j);
+            __m128 mj = _mm_add_ps(_mm_mul_ps(b1, _mm_loadu_ps(m + j)), _mm_mul_ps(c1, gj));
+            __m128 vj = _mm_add_ps(_mm_mul_ps(b2, _mm_loadu_ps(v + j)),
+                                   _mm_mul_ps(c2, _mm_mul_ps(gj, gj)));
+            __m128 step = _mm_div_ps(_mm_mul_ps(lr, _mm_div_ps(mj, q1)),
+                                     _mm_add_ps(_mm_sqrt_ps(_mm_div_ps(vj, q2)), eps));
+            _mm_storeu_ps(m + j, mj);
+            _mm_storeu_ps(v + j, vj);
+            _mm_storeu_ps(w + j, _mm_sub_ps(_mm_loadu_ps(w + j), step));
+        }
+#endif
+        for (; j < d; j++) {
+            m[j] = o->b1 * m[j] + o->c1 * g[j];
+            v[j] = o->b2 * v[j] + o->c2 * (g[j] * g[j]);
+            w[j] = w[j] - o->lr * (m[j] / p1) / (sqrtf(v[j] / p2) + o->eps);
+        }
+    }
+    for (j = 0; j < d; j++) {
+        float x = w[j];
+        w[j] = x > o->bound ? o->bound : (x < -o->bound ? -o->bound : x);
+    }
+}
+
+#endif  /* STREAM_PERSIA_STORE_KERNELS_H */

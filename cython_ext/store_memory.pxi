@@ -1,0 +1,185 @@
+# Included by store.pyx (see the note there): the memory of a CEmbeddingStore (entries,
+# hash table, one arena of rows per dim, scratch buffers) and its configuration.
+
+cdef void _free_all(CEmbeddingStore self) noexcept:
+    cdef int a
+    cdef uint32_t b
+    for a in range(self.narenas):
+        for b in range(self.arenas[a].nblocks):
+            sp_free(self.arenas[a].blocks[b], _block_bytes(&self.arenas[a]))
+        free(self.arenas[a].blocks)
+        free(self.arenas[a].init_state)
+    free(self.arenas)
+    sp_free(self.entries, sizeof(Entry) * self.ecap)
+    sp_free(self.table, sizeof(Slot) << self.tbits)
+    self.arenas = NULL
+    self.entries = NULL
+    self.table = NULL
+    self.narenas = 0
+
+
+cdef _reset(CEmbeddingStore self):
+    _free_all(self)
+    self._dims = {}
+    self.ecap = self.eused = self.count = 0
+    self.efree = self.head = self.tail = -1
+    self.tbits = MIN_TABLE_BITS
+    self.table = <Slot*>sp_alloc(sizeof(Slot) << self.tbits, False)
+    if self.table == NULL:
+        raise MemoryError()
+    memset(self.table, 0xFF, sizeof(Slot) << self.tbits)
+
+
+cdef _set_config(CEmbeddingStore self, cfg):
+    self._cfg = cfg
+    self.opt = make_opt(self._opt_obj, cfg)
+    lo, hi = _py.init_bounds(cfg.emb_initialization)
+    self.init_lo = lo
+    self.init_span = hi - lo
+    self.admit_p = cfg.admit_probability
+
+
+cdef int _arena_index(CEmbeddingStore self, int dim, bint create) except -2:
+    idx = self._dims.get(dim)
+    if idx is not None:
+        return idx
+    if not create:
+        return -1
+    if self.narenas == 65535:
+        raise BadInput("too many distinct dims in one store", field="dim")
+    cdef Arena *grown = <Arena*>realloc(self.arenas, sizeof(Arena) * (self.narenas + 1))
+    if grown == NULL:
+        raise MemoryError()
+    self.arenas = grown
+    cdef Arena *a = &self.arenas[self.narenas]
+    memset(a, 0, sizeof(Arena))
+    a.dim = dim
+    a.free_head = NONE32
+    _set_arena_state(self, a)
+    self._dims[dim] = self.narenas
+    self.narenas += 1
+    return self.narenas - 1
+
+
+cdef _set_arena_state(CEmbeddingStore self, Arena *a):
+    """(Re)compute the state width and initial state of an arena; block geometry too
+    while it holds no block."""
+    init = self._opt_obj.initial_state(a.dim)
+    cdef const float[::1] src = init
+    cdef int width = len(init), shift = 4
+    cdef float *state = <float*>malloc(sizeof(float) * (width + 1))
+    if state == NULL:
+        raise MemoryError()
+    if width:
+        memcpy(state, &src[0], sizeof(float) * width)
+    free(a.init_state)
+    a.init_state = state
+    a.width = width
+    a.stride = a.dim + width
+    if a.nblocks == 0:
+        while (sizeof(float) * a.stride << (shift + 1)) <= BLOCK_BYTES and shift < 20:
+            shift += 1
+        a.shift = shift
+
+
+cdef bint _grow_entries(CEmbeddingStore self) noexcept nogil:
+    cdef int64_t cap = self.ecap + (self.ecap >> 1)
+    if cap < 1024:
+        cap = 1024
+    if cap > self.capacity_:
+        cap = self.capacity_
+    cdef Entry *e = <Entry*>sp_alloc(sizeof(Entry) * cap, cap >= 1 << 17)
+    if e == NULL:
+        return False
+    if self.eused:
+        memcpy(e, self.entries, sizeof(Entry) * self.eused)
+    sp_free(self.entries, sizeof(Entry) * self.ecap)
+    self.entries = e
+    self.ecap = <int32_t>cap
+    return True
+
+
+cdef bint _grow_table(CEmbeddingStore self) noexcept nogil:
+    cdef int bits = self.tbits + 1
+    cdef Slot *t = <Slot*>sp_alloc(sizeof(Slot) << bits, bits >= 20)
+    cdef uint32_t mask = (<uint32_t>1 << bits) - 1, i, k
+    if t == NULL:
+        return False
+    memset(t, 0xFF, sizeof(Slot) << bits)
+    for k in range(<uint32_t>1 << self.tbits):
+        if self.table[k].e >= 0:
+            i = self.table[k].h >> (32 - bits)
+            while t[i].e >= 0:
+                i = (i + 1) & mask
+            t[i] = self.table[k]
+    sp_free(self.table, sizeof(Slot) << self.tbits)
+    self.table = t
+    self.tbits = bits
+    return True
+
+
+cdef uint32_t _alloc_row(CEmbeddingStore self, Arena *a) noexcept nogil:
+    cdef uint32_t r = a.free_head
+    cdef float **blocks
+    cdef uint32_t cap
+    if r != NONE32:
+        a.free_head = (<uint32_t*>row_ptr(a, r))[0]
+        return r
+    if (a.used >> a.shift) == a.nblocks:
+        if a.nblocks == a.blocks_cap:
+            cap = a.blocks_cap * 2 if a.blocks_cap else 16
+            blocks = <float**>realloc(a.blocks, sizeof(float*) * cap)
+            if blocks == NULL:
+                return NONE32
+            a.blocks = blocks
+            a.blocks_cap = cap
+        # The first block of a dim stays on small pages: small stores stay small.
+        a.blocks[a.nblocks] = <float*>sp_alloc(_block_bytes(a), a.nblocks > 0)
+        if a.blocks[a.nblocks] == NULL:
+            return NONE32
+        a.nblocks += 1
+    a.used += 1
+    return a.used - 1
+
+
+cdef void *_scratch(CEmbeddingStore self, void **buf, size_t *have, size_t need) except NULL:
+    """``buf`` (of ``have`` bytes) grown to at least ``need`` bytes; its contents are
+    not kept. MemoryError when it cannot grow."""
+    if have[0] < need:
+        sp_free(buf[0], have[0])
+        buf[0] = sp_alloc(need, False)
+        have[0] = need if buf[0] != NULL else 0
+        if buf[0] == NULL:
+            raise MemoryError()
+    return buf[0]
+
+
+cdef const float *_zeros(CEmbeddingStore self, int dim) except NULL:
+    """An all-zero row of ``dim`` floats: what a lookup miss that stores nothing reads."""
+    cdef size_t need = sizeof(float) * dim
+    if self.zbuf_bytes < need:
+        _scratch(self, <void**>&self.zbuf, &self.zbuf_bytes, need)
+        memset(self.zbuf, 0, need)
+    return self.zbuf
+
+
+cdef _restate(CEmbeddingStore self, Arena *a):
+    """Re-layout an arena for a new state width: keep weights, reset state."""
+    cdef int old_stride = a.stride, dim = a.dim
+    cdef size_t old_bytes = _block_bytes(a)
+    cdef uint32_t b, r, rows = <uint32_t>1 << a.shift
+    cdef float *nb
+    cdef float *ob
+    cdef float *row
+    _set_arena_state(self, a)
+    for b in range(a.nblocks):
+        nb = <float*>sp_alloc(_block_bytes(a), b > 0)
+        if nb == NULL:
+            raise MemoryError()
+        ob = a.blocks[b]
+        for r in range(rows):
+            row = nb + <size_t>r * a.stride
+            memcpy(row, ob + <size_t>r * old_stride, sizeof(float) * dim)
+            memcpy(row + dim, a.init_state, sizeof(float) * a.width)
+        sp_free(ob, old_bytes)
+        a.blocks[b] = nb
