@@ -89,7 +89,7 @@ class IDTypeFeature:
         converted to int64)."""
         feature = object.__new__(IDTypeFeature)
         feature.name = _check_name(name, "IDTypeFeature")
-        feature.values, feature.offsets = _check_csr(feature.name, values, offsets, strict=False)
+        feature.values, feature.offsets = check_csr(feature.name, values, offsets)
         return feature
 
     @property
@@ -176,32 +176,50 @@ def _lil_to_csr(name: str, data: Any) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(data), offsets
 
 
-def _check_csr(name: str, values: Any, offsets: Any, *, strict: bool) -> tuple[np.ndarray,
-                                                                                 np.ndarray]:
+def check_csr(name: str, values: Any, offsets: Any, *, field: str | None = None,
+              int64_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """One ID feature's CSR ids checked: ``(values, offsets)``, the offsets as int64.
+
+    The one check of CSR ids: :meth:`IDTypeFeature.from_csr`, :meth:`PersiaBatch.from_wire`
+    and the embedding worker's planners (:func:`stream_persia.worker.pooling.check_csr`)
+    all call it. Arrays already of the right dtype are returned as given, not copied.
+
+    Args:
+        name: the feature's name, for the message.
+        values: must be a 1-D ``np.uint64`` array.
+        offsets: must be a non-empty 1-D integer array (int64 with ``int64_only``, as the
+            wire schema says) that starts at 0, never decreases and ends at ``len(values)``;
+            another integer dtype is converted to int64.
+        field: the error's field; ``name`` by default.
+
+    Raises:
+        BadInput: naming the feature, what was wrong and the value found.
+    """
+    field = name if field is None else field
     if not isinstance(values, np.ndarray) or values.dtype != _U64 or values.ndim != 1:
         raise BadInput(f"IDTypeFeature {name!r}: values must be a 1-D np.uint64 array, got "
-                       f"{_describe(values)}", field=name)
-    ok_dtype = (offsets.dtype == _I64 if strict else offsets.dtype.kind in "iu") \
-        if isinstance(offsets, np.ndarray) else False
-    if not ok_dtype or offsets.ndim != 1 or len(offsets) == 0:
+                       f"{_describe(values)}", field=field,
+                       hint="np.asarray(ids, dtype=np.uint64)")
+    if (not isinstance(offsets, np.ndarray) or offsets.ndim != 1 or len(offsets) == 0
+            or (offsets.dtype != _I64 and (int64_only or offsets.dtype.kind not in "iu"))):
+        empty = isinstance(offsets, np.ndarray) and offsets.size == 0
         raise BadInput(f"IDTypeFeature {name!r}: offsets must be a non-empty 1-D "
-                       f"{'int64' if strict else 'integer'} array, got {_describe(offsets)}",
-                       field=name)
-    if offsets.dtype != _I64:
-        if offsets.dtype.kind == "u" and len(offsets) and offsets.max() > np.iinfo(np.int64).max:
-            raise BadInput(f"IDTypeFeature {name!r}: offsets exceed int64", field=name)
-        offsets = offsets.astype(np.int64)
+                       f"{'int64' if int64_only else 'integer'} array, got "
+                       f"{'an empty array' if empty else _describe(offsets)}", field=field)
+    # Checked in their own dtype, so offsets past int64 are reported as given; offsets that
+    # pass lie in [0, len(values)] and convert to int64 exactly.
     if offsets[0] != 0 or offsets[-1] != len(values):
         raise BadInput(f"IDTypeFeature {name!r}: offsets must start at 0 and end at "
                        f"len(values)={len(values)}, got {int(offsets[0])} .. "
-                       f"{int(offsets[-1])}", field=name)
-    drops = np.flatnonzero(offsets[1:] < offsets[:-1])
-    if len(drops):
-        i = int(drops[0])
-        raise BadInput(f"IDTypeFeature {name!r}: offsets must not decrease, but "
-                       f"offsets[{i + 1}]={int(offsets[i + 1])} < offsets[{i}]="
-                       f"{int(offsets[i])}", field=name)
-    return values, offsets
+                       f"{int(offsets[-1])}", field=field)
+    if len(offsets) > 1:
+        drops = offsets[1:] < offsets[:-1]
+        i = int(drops.argmax())  # the first drop, if any: argmax stops there, any() does not
+        if drops[i]:
+            raise BadInput(f"IDTypeFeature {name!r}: offsets must not decrease, but "
+                           f"offsets[{i + 1}]={int(offsets[i + 1])} < offsets[{i}]="
+                           f"{int(offsets[i])}", field=field)
+    return values, offsets.astype(_I64, copy=False)
 
 
 class _NdarrayData:
@@ -448,8 +466,8 @@ def _batch_from_wire(cls: type[PersiaBatch], d: Any) -> PersiaBatch:
             else:
                 feature = object.__new__(IDTypeFeature)
                 feature.name = name
-                feature.values, feature.offsets = _check_csr(name, f["values"], f["offsets"],
-                                                             strict=True)
+                feature.values, feature.offsets = check_csr(name, f["values"], f["offsets"],
+                                                            int64_only=True)
                 ids.append(feature)
         except BadInput as e:
             raise _as_wire_error(e, path) from e

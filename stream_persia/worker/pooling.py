@@ -52,6 +52,7 @@ import numpy as np
 
 from stream_persia import segments
 from stream_persia.config.embedding import apply_index_prefix
+from stream_persia.embedding.data import check_csr as check_feature_csr
 from stream_persia.errors import BadInput, ConfigError, Misuse
 from stream_persia.sharding import mix64_inplace
 
@@ -239,25 +240,14 @@ class SlotPlan:
 def check_csr(name: str, values: Any, offsets: Any) -> tuple[np.ndarray, np.ndarray]:
     """One slot's CSR ids checked: ``(values, offsets)`` as uint64 and int64 arrays.
 
+    The check of :func:`stream_persia.embedding.data.check_csr` (offsets of any integer
+    dtype), naming the field ``id_type_features.<name>``.
+
     Raises:
         BadInput: values not 1-D uint64, or offsets not a nondecreasing 1-D integer array
-            from 0 to ``len(values)``; names ``id_type_features.<name>``.
+            from 0 to ``len(values)``.
     """
-    field = f"id_type_features.{name}"
-    if not isinstance(values, np.ndarray) or values.dtype != np.uint64 or values.ndim != 1:
-        got = (f"{values.dtype} array of shape {values.shape}"
-               if isinstance(values, np.ndarray) else type(values).__name__)
-        raise BadInput(f"slot {name!r}: ids must be a 1-D uint64 array, got {got}",
-                       field=field, hint="build features from np.uint64 arrays")
-    offsets = np.asarray(offsets)
-    if (offsets.ndim != 1 or len(offsets) == 0 or offsets.dtype.kind not in "iu"
-            or offsets[0] != 0 or offsets[-1] != len(values)
-            or (len(offsets) > 1 and bool((offsets[1:] < offsets[:-1]).any()))):
-        raise BadInput(
-            f"slot {name!r}: offsets must be a nondecreasing 1-D integer array from 0 to "
-            f"len(ids)={len(values)}, got shape {offsets.shape} dtype {offsets.dtype}",
-            field=field)
-    return values, offsets.astype(np.int64, copy=False)
+    return check_feature_csr(name, values, offsets, field=f"id_type_features.{name}")
 
 
 def plan_slot(values: np.ndarray, offsets: np.ndarray, slot: Any, prefix_bits: int,
@@ -271,8 +261,8 @@ def plan_slot(values: np.ndarray, offsets: np.ndarray, slot: Any, prefix_bits: i
             sqrt_scaling, hash_stack_config, index_prefix``).
         prefix_bits: the schema's ``feature_index_prefix_bit``.
         requires_grad: False skips the gradient maps (inference, evaluation).
-        csr_checked: True when ``values`` and ``offsets`` passed :func:`check_csr` (or the
-            stricter decode check of ``PersiaBatch.from_wire``) already, with int64
+        csr_checked: True when ``values`` and ``offsets`` passed :func:`check_csr` already
+            (``PersiaBatch.from_wire`` runs the same check when decoding), with int64
             offsets: they are not checked again.
 
     Raises:

@@ -116,7 +116,10 @@ def test_from_csr_keeps_arrays_and_converts_integer_offsets():
     (np.array([1, 2], np.int64), np.array([0, 2]), "np.uint64"),
     (np.array([1, 2], U64), np.array([0.0, 2.0]), "integer"),
     (np.array([1, 2], U64), np.array([], np.int64), "non-empty"),
-    (np.array([1, 2], U64), np.array([0, 2 ** 63], np.uint64), "exceed int64"),
+    (np.array([1, 2], U64), np.array([0, 2 ** 63], np.uint64),  # reported as given
+     r"end at len\(values\)=2, got 0 \.\. 9223372036854775808"),
+    (np.array([1, 2], U64), np.array([0, 2 ** 63, 2], np.uint64),
+     r"offsets\[2\]=2 < offsets\[1\]=9223372036854775808"),
 ])
 def test_from_csr_validation(values, offsets, match):
     with pytest.raises(BadInput, match=match):

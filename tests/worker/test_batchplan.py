@@ -439,6 +439,7 @@ BAD_CSR = {
     "decreasing offsets": (np.array([1, 2, 3], np.uint64), np.array([0, 2, 1, 3]),
                            "offsets"),
     "float offsets": (np.array([1, 2, 3], np.uint64), np.array([0.0, 1.0, 3.0]), "offsets"),
+    "offsets as a list": (np.array([1, 2, 3], np.uint64), [0, 1, 3], "offsets"),
     "empty offsets": (np.array([], np.uint64), np.zeros(0, np.int64), "offsets"),
 }
 
