@@ -84,7 +84,8 @@ def test_static_assignment_rejects_bad_flags_by_name(args, flag):
 
 def test_topic_names_are_validated():
     assert validate_topic("job.samples") == "job.samples"
-    for bad in ("", "a b", "x" * 250, "..", "ü"):
+    assert validate_topic("...") == "..."  # only "." and ".." are reserved
+    for bad in ("", "a b", "x" * 250, ".", "..", "ü", "job.samples\n", None):
         with pytest.raises(ConfigError):
             validate_topic(bad)
 

@@ -3,13 +3,13 @@ the idempotent producer every writer starts (see :mod:`stream_persia.kafka`)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaConnectionError
 
+from stream_persia.config.kafka import TOPIC_RE
 from stream_persia.errors import BadInput, ConfigError, PeerUnavailable
 from stream_persia.sharding import static_partitions
 
@@ -17,7 +17,6 @@ DEFAULT_FETCH_MAX_WAIT_MS = 50
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024  # KafkaConfig.max_batch_bytes's default
 COMPRESSION_TYPES = (None, "gzip", "snappy", "lz4", "zstd")
 _REQUEST_OVERHEAD_BYTES = 64 * 1024  # record batch + request headers around one message
-_TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 MAX_REASON_BYTES = 4096
 H_REASON, H_KIND = "persia-reason", "persia-error-kind"
 H_TOPIC, H_PARTITION, H_OFFSET = ("persia-source-topic", "persia-source-partition",
@@ -57,7 +56,7 @@ def check_replica(replica_index: int, replica_size: int) -> None:
 
 def validate_topic(name: str, field_name: str = "kafka.samples_topic") -> str:
     """Return ``name`` if Kafka accepts it as a topic name, else raise ConfigError."""
-    if not isinstance(name, str) or not _TOPIC_RE.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not TOPIC_RE.fullmatch(name):
         raise ConfigError(f"{field_name} = {name!r} is not a valid Kafka topic name",
                           field=field_name,
                           hint="use 1-249 characters from [A-Za-z0-9._-]")
