@@ -40,6 +40,7 @@ SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI")
 # The topic names Kafka accepts: 1-249 of these characters, but not "." or "..". Use it
 # with fullmatch (a "$" would let a trailing newline through); stream_persia.kafka does.
 TOPIC_RE = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9._-]{1,249}")
+TOPIC_HINT = "use 1-249 characters from a-z A-Z 0-9 . _ - (not . or .. alone)"
 _STATIC = ("stream-persia assigns partitions statically by replica index (partition p goes "
            "to embedding worker p mod W) and commits offsets only with checkpoints, so there "
            "is no consumer group to configure: remove it")
@@ -49,8 +50,7 @@ def _check_topic(obj: Any, name: str) -> None:
     check_str(obj, name)
     value = getattr(obj, name)
     if not TOPIC_RE.fullmatch(value):
-        raise error(name, f"{value!r} is not a valid Kafka topic name",
-                    "use 1-249 characters from a-z A-Z 0-9 . _ -")
+        raise error(name, f"{value!r} is not a valid Kafka topic name", TOPIC_HINT)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaConnectionError
 
-from stream_persia.config.kafka import TOPIC_RE
+from stream_persia.config.kafka import TOPIC_HINT, TOPIC_RE, resolve_bootstrap_servers
 from stream_persia.errors import BadInput, ConfigError, PeerUnavailable
 from stream_persia.sharding import static_partitions
 
@@ -59,7 +59,7 @@ def validate_topic(name: str, field_name: str = "kafka.samples_topic") -> str:
     if not isinstance(name, str) or not TOPIC_RE.fullmatch(name):
         raise ConfigError(f"{field_name} = {name!r} is not a valid Kafka topic name",
                           field=field_name,
-                          hint="use 1-249 characters from [A-Za-z0-9._-]")
+                          hint=TOPIC_HINT)
     return name
 
 
@@ -84,8 +84,6 @@ def client_kwargs(bootstrap_servers: str | Iterable[str],
 
 
 def config_servers(kafka: Any, bootstrap_servers: str | None) -> str:
-    from stream_persia.config import resolve_bootstrap_servers
-
     servers = resolve_bootstrap_servers(kafka, bootstrap_servers)
     if servers is None:
         raise ConfigError("no Kafka bootstrap servers are configured",
