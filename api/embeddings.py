@@ -144,7 +144,9 @@ class LocalTable:
             The embedding tensors of the concatenated batch (slot order) and, per batch,
             the number of its distinct ids absent from the table.
         """
-        plans = pooling.plan_batch(concat_features(batches), self.schema, requires_grad=False)
+        # IDTypeFeatures: their CSR was checked when they were decoded or concatenated.
+        plans = pooling.plan_batch(concat_features(batches), self.schema, requires_grad=False,
+                                   csr_checked=True)
         merged = pooling.merge_lookups(plans)
         rows, present = {}, {}
         for dim, m in merged.items():

@@ -375,17 +375,20 @@ def _raw_grad_map(inverse: np.ndarray, n_lookup: int, reps: int
     return order // reps, starts
 
 
-def plan_batch(id_features: Iterable[Any], schema: Any,
-               requires_grad: bool = True) -> dict[str, SlotPlan]:
+def plan_batch(id_features: Iterable[Any], schema: Any, requires_grad: bool = True, *,
+               csr_checked: bool = False) -> dict[str, SlotPlan]:
     """Plan every ID feature of a batch (``IDTypeFeature``-likes with ``name``,
-    ``values``, ``offsets``) against an ``EmbeddingSchema``; keyed by name, in order."""
+    ``values``, ``offsets``) against an ``EmbeddingSchema``; keyed by name, in order.
+    ``csr_checked``: as for :func:`plan_slot` (``IDTypeFeature`` checks its CSR when it
+    is built or decoded)."""
     plans: dict[str, SlotPlan] = {}
     for feature in id_features:
         if feature.name in plans:
             raise BadInput(f"ID feature {feature.name!r} appears twice in one batch",
                            field=f"id_type_features.{feature.name}")
         plan = plan_slot(feature.values, feature.offsets, schema.slot(feature.name),
-                         schema.feature_index_prefix_bit, requires_grad)
+                         schema.feature_index_prefix_bit, requires_grad,
+                         csr_checked=csr_checked)
         first = next(iter(plans.values()), None)
         if first is not None and plan.batch_size != first.batch_size:
             raise BadInput(f"ID feature {plan.name!r} has {plan.batch_size} samples but "

@@ -476,6 +476,16 @@ def test_checked_features_plan_as_checked_ones():
             assert trusted.pooled.keys() == checked.pooled.keys()
             assert trusted.classic.keys() == checked.classic.keys()
             assert_outputs_equal(serve_as_one_server(trusted), serve_as_one_server(checked))
+            # and the classic planner (the API's online embedding path passes csr_checked)
+            fast = pooling.plan_batch(batch.id_type_features, SCHEMA, requires_grad,
+                                      csr_checked=True)
+            slow = pooling.plan_batch(batch.id_type_features, SCHEMA, requires_grad)
+            assert list(fast) == list(slow)
+            for name in fast:
+                for attr in ("lookup_ids", "pool_index", "pool_starts", "scale", "index",
+                             "mask"):
+                    a, b = getattr(fast[name], attr), getattr(slow[name], attr)
+                    assert (a is None and b is None) or np.array_equal(a, b), (name, attr)
 
 
 def test_bad_gradients_are_refused_naming_the_slot():
