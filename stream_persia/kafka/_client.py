@@ -10,7 +10,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaConnectionError
 
 from stream_persia.config.kafka import TOPIC_HINT, TOPIC_RE, resolve_bootstrap_servers
-from stream_persia.errors import BadInput, ConfigError, PeerUnavailable
+from stream_persia.errors import BadInput, ConfigError, Misuse, PeerUnavailable
 from stream_persia.sharding import static_partitions
 
 DEFAULT_FETCH_MAX_WAIT_MS = 50
@@ -168,3 +168,51 @@ def encode_key(key: object) -> bytes | None:
         return str(key).encode()
     raise BadInput(f"batch key of type {type(key).__name__}", field="key",
                    hint="bytes, str or int (the batch id)")
+
+
+class ProducerUser:
+    """Owns an AIOKafkaProducer (or borrows one already started): the producer handling
+    that BatchProducer and DeadLetterWriter share."""
+
+    def __init__(self, topic: str, *, bootstrap_servers: str | Iterable[str] | None,
+                 producer: AIOKafkaProducer | None, send_timeout_s: float,
+                 producer_kwargs: dict[str, Any]):
+        self.topic = validate_topic(topic, "topic")
+        if (bootstrap_servers is None) == (producer is None):
+            raise Misuse("pass exactly one of bootstrap_servers and producer")
+        self.send_timeout_s = send_timeout_s
+        self._servers = bootstrap_servers
+        self._producer = producer
+        self._owns_producer = producer is None
+        self._producer_kwargs = producer_kwargs
+        self._closed = False
+
+    async def start(self) -> None:
+        if self._producer is None:
+            assert self._servers is not None
+            self._producer = await create_producer(self._servers, **self._producer_kwargs)
+
+    def _live(self) -> AIOKafkaProducer:
+        if self._closed or self._producer is None:
+            raise Misuse(f"{type(self).__name__} for {self.topic!r} is not started or closed",
+                         hint="await start() first (or use 'async with')")
+        return self._producer
+
+    async def close(self) -> None:
+        """Flush what was sent, then stop the producer if this object started it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._producer is None:
+            return
+        if self._owns_producer:
+            await self._producer.stop()  # aiokafka flushes pending batches first
+        else:
+            await self._producer.flush()
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -19,9 +19,9 @@ from stream_persia.kafka._client import (
     H_REASON,
     H_TOPIC,
     MAX_REASON_BYTES,
+    ProducerUser,
     config_servers,
 )
-from stream_persia.kafka.producer import _ProducerUser
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def parse_dead_letter(record: ConsumerRecord) -> DeadLetter:
                        f"stream-persia dead letter ({e!r})", field="headers") from e
 
 
-class DeadLetterWriter(_ProducerUser):
+class DeadLetterWriter(ProducerUser):
     """Sends undecodable or invalid samples to the dead-letter topic, with the reason.
 
     :meth:`write` never raises for broker trouble: it logs, counts and returns False, so

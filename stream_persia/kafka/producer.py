@@ -1,5 +1,4 @@
-"""Producers of the samples topic (:class:`BatchProducer`) and the producer ownership both
-writers share (see :mod:`stream_persia.kafka`)."""
+"""Producers of the samples topic (:class:`BatchProducer`; see :mod:`stream_persia.kafka`)."""
 
 from __future__ import annotations
 
@@ -17,69 +16,20 @@ from stream_persia.errors import (
     Backpressure,
     BadInput,
     ConfigError,
-    Misuse,
     RemoteError,
     RemoteTimeout,
 )
 from stream_persia.kafka._client import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    ProducerUser,
     config_servers,
-    create_producer,
     encode_key,
-    validate_topic,
 )
 
 log = logging.getLogger(__name__)
 
 
-class _ProducerUser:
-    """Owns an AIOKafkaProducer (or borrows one already started)."""
-
-    def __init__(self, topic: str, *, bootstrap_servers: str | Iterable[str] | None,
-                 producer: AIOKafkaProducer | None, send_timeout_s: float,
-                 producer_kwargs: dict[str, Any]):
-        self.topic = validate_topic(topic, "topic")
-        if (bootstrap_servers is None) == (producer is None):
-            raise Misuse("pass exactly one of bootstrap_servers and producer")
-        self.send_timeout_s = send_timeout_s
-        self._servers = bootstrap_servers
-        self._producer = producer
-        self._owns_producer = producer is None
-        self._producer_kwargs = producer_kwargs
-        self._closed = False
-
-    async def start(self) -> None:
-        if self._producer is None:
-            assert self._servers is not None
-            self._producer = await create_producer(self._servers, **self._producer_kwargs)
-
-    def _live(self) -> AIOKafkaProducer:
-        if self._closed or self._producer is None:
-            raise Misuse(f"{type(self).__name__} for {self.topic!r} is not started or closed",
-                         hint="await start() first (or use 'async with')")
-        return self._producer
-
-    async def close(self) -> None:
-        """Flush what was sent, then stop the producer if this object started it."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._producer is None:
-            return
-        if self._owns_producer:
-            await self._producer.stop()  # aiokafka flushes pending batches first
-        else:
-            await self._producer.flush()
-
-    async def __aenter__(self):
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-
-class BatchProducer(_ProducerUser):
+class BatchProducer(ProducerUser):
     """The data loader's Kafka sink: produces encoded batches with bounded in-flight sends.
 
     At most ``max_in_flight`` sends (and ``max_in_flight_bytes``, except that one message
