@@ -23,6 +23,8 @@ RPC methods (params → result):
   loads swapped in); the metrics export the counters as the Prometheus counters
   ``persia_embedding_server_store_<key>_total`` and the levels as the gauges
   ``persia_embedding_server_store_<key>``
+  The gauge ``persia_embedding_server_restore_staged_rows`` shows the rows of a staged
+  load waiting for its commit (a second table in memory; 0 when none).
 - ``configure {"optimizer": dict | None, "embedding_config": dict | None}`` → None
 - ``dump {"dir": url}`` → ``{"file", "rows", "bytes", "sha256"}`` — the shard as one file
 - ``load {"dir": url, "files": [...], "expected"?: {file: {"sha256"?, "bytes"?, "rows"?}}}``
@@ -167,6 +169,9 @@ class EmbeddingServer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"store-{replica_index}")
         self.metrics = RoleMetrics("embedding_server", replica_index)
         self.metrics.add_callback("store", self._store_stats, counters={*COUNTERS, "loads"})
+        # A staged restore holds a second table (as much memory again) until its commit.
+        self.metrics.add_callback("restore", lambda: {
+            "staged_rows": float(self._staged.rows if self._staged is not None else 0)})
         self._req = self.metrics.counter("requests_total", "RPC requests", ("method",))
         self.rpc = RpcServer({
             "health": self._health, "lookup": self._lookup, "update": self._update,

@@ -15,6 +15,7 @@ import asyncio
 import numpy as np
 import pytest
 import test_checkpoint_shard_load as shard_load
+from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia import embedding_server
 from stream_persia.checkpoint import CheckpointWriter, load_embeddings
@@ -89,6 +90,14 @@ class BeforeCommit:
         if method == "commit_load" and self.lose_reply:
             raise PeerUnavailable("the reply to commit_load was lost (test)")
         return reply
+
+
+def staged_rows(server) -> float:
+    """The server's exported persia_embedding_server_restore_staged_rows."""
+    for family in text_string_to_metric_families(server.metrics.render().decode()):
+        if family.name == "persia_embedding_server_restore_staged_rows":
+            return family.samples[0].value
+    raise AssertionError("no persia_embedding_server_restore_staged_rows metric")
 
 
 def rows(server) -> list:
@@ -192,8 +201,10 @@ async def test_a_staged_load_serves_nothing_until_committed(cluster):
     probe = probe_ids(servers, d, manifest.embedding_files)
     before = await observe(server, client, probe)
     params = {"dir": d, "files": manifest.embedding_files, "stage": True}
+    assert staged_rows(server) == 0
     first = await client.call("load", params)
     assert set(first) == {"rows", "token"} and first["rows"] > 0
+    assert staged_rows(server) == first["rows"]   # the second table shows in the metrics
     assert await observe(server, client, probe) == before
     # a newer load replaces the staged table: the first token is gone
     second = await client.call("load", params)
@@ -204,7 +215,7 @@ async def test_a_staged_load_serves_nothing_until_committed(cluster):
     assert await observe(server, client, probe) == before
     assert await client.call("commit_load", {"token": second["token"]}) == \
         {"rows": second["rows"]}
-    assert len(server.store) == second["rows"]
+    assert len(server.store) == second["rows"] and staged_rows(server) == 0
     assert await observe(server, client, probe) != before
     with pytest.raises(BadInput, match="no staged load"):   # committed once only
         await client.call("commit_load", {"token": second["token"]})
