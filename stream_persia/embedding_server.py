@@ -25,7 +25,15 @@ RPC methods (params → result):
   ``persia_embedding_server_store_<key>``
   The gauge ``persia_embedding_server_restore_staged_rows`` shows the rows of a staged
   load waiting for its commit (a second table in memory; 0 when none).
-- ``configure {"optimizer": dict | None, "embedding_config": dict | None}`` → None
+- ``configure {"optimizer": dict | None, "embedding_config": dict | None}`` → None; then
+  ``get_config`` → ``{"digest", "optimizer", "embedding_config"}`` (the store's whole
+  configuration and a digest of it), or None while this process was never configured.
+  Lookup and update replies carry ``"config"``: that digest, or None. A lookup or update
+  whose params carry ``"config"`` (the digest the caller expects) is refused with a
+  Misuse on field ``config`` by a server never configured: a server restarted mid-job
+  would otherwise apply the default optimizer and initialisation. The embedding workers
+  (:class:`stream_persia.worker.router.ShardRouter`) learn the digest from the replies
+  and configure such a server from what they learned before they retry.
 - ``dump {"dir": url}`` → ``{"file", "rows", "bytes", "sha256"}`` — the shard as one file
 - ``load {"dir": url, "files": [...], "expected"?: {file: {"sha256"?, "bytes"?, "rows"?}}}``
   → ``{"rows": int}`` — replaces the shard's rows with the rows it owns in every listed
@@ -62,6 +70,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import re
 import secrets
@@ -74,7 +84,7 @@ from stream_persia import segments
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding import optim as optim_mod
 from stream_persia.embedding.store import IMPLEMENTATION, EmbeddingStore
-from stream_persia.errors import BadInput, require
+from stream_persia.errors import BadInput, Misuse, require
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
 from stream_persia.shard_files import (
@@ -163,6 +173,7 @@ class EmbeddingServer:
         self.replica_size = replica_size
         self.stage_ttl_s = float(stage_ttl_s)
         self._staged: _Staged | None = None   # read and replaced on the store thread only
+        self._config_digest: str | None = None  # set by configure (see get_config)
         self._serving = _Serving(EmbeddingStore(capacity, optimizer or optim_mod.Adagrad(),
                                                 embedding_config or EmbeddingConfig()),
                                  dict.fromkeys(COUNTERS, 0), 0)
@@ -178,7 +189,7 @@ class EmbeddingServer:
             "size": self._size, "clear": self._clear, "stats": self._stats,
             "configure": self._configure, "dump": self._dump, "load": self._load,
             "commit_load": self._commit_load, "abort_load": self._abort_load,
-            "metrics": self._metrics,
+            "get_config": self._get_config, "metrics": self._metrics,
         }, host=host, port=port, name=f"embedding-server-{replica_index}")
 
     # ----------------------------------------------------------------- lifecycle
@@ -233,6 +244,7 @@ class EmbeddingServer:
         groups = require(params, "groups", list)
         checked = [_lookup_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
         train = mode == "train"
+        self._check_configured(params)
 
         def run() -> dict:
             rows, missing = [], 0
@@ -241,7 +253,7 @@ class EmbeddingServer:
                     missing += int(ids.size - np.count_nonzero(self.store.contains(ids)))
                 rows.append(self.store.lookup(ids, dim, train) if pooled is None
                             else self.store.lookup_pooled(ids, dim, *pooled, train))
-            return {"rows": rows, "missing": missing}
+            return {"rows": rows, "missing": missing, "config": self._config_digest}
 
         return await self._run(run)
 
@@ -259,6 +271,7 @@ class EmbeddingServer:
                                f"{getattr(grads, 'dtype', type(grads).__name__)} "
                                f"{getattr(grads, 'shape', '')}", field=f"{where}.grads")
             checked.append((ids, grads))
+        self._check_configured(params)
 
         def run() -> dict:
             before = self.store.stats()["dropped_updates"]
@@ -266,7 +279,7 @@ class EmbeddingServer:
                 self.store.update(ids, grads)
             dropped = self.store.stats()["dropped_updates"] - before
             return {"applied": sum(int(ids.size) for ids, _ in checked) - dropped,
-                    "dropped": dropped}
+                    "dropped": dropped, "config": self._config_digest}
 
         return await self._run(run)
 
@@ -295,8 +308,41 @@ class EmbeddingServer:
         cfg = params.get("embedding_config")
         optimizer = optim_mod.optimizer_from_dict(opt) if opt is not None else None
         emb_cfg = EmbeddingConfig.from_dict(cfg) if cfg is not None else None
-        await self._run(lambda: self.store.configure(optimizer=optimizer,
-                                                     embedding_config=emb_cfg))
+
+        def run() -> None:
+            self.store.configure(optimizer=optimizer, embedding_config=emb_cfg)
+            self._config_digest = self._config()["digest"]
+
+        await self._run(run)
+
+    def _config(self) -> dict:
+        """The store's whole configuration and its digest (store thread)."""
+        cfg = {"optimizer": self.store.optimizer.to_dict(),
+               "embedding_config": self.store.embedding_config.to_dict()}
+        text = json.dumps(cfg, sort_keys=True, default=repr).encode()
+        return {"digest": hashlib.sha256(text).hexdigest()[:16], **cfg}
+
+    async def _get_config(self, params: Any) -> dict | None:
+        self._req.labels("get_config").inc()
+        if self._config_digest is None:
+            return None
+        return await self._run(self._config)
+
+    def _check_configured(self, params: dict) -> None:
+        """Refuse traffic that expects a configuration this process never received."""
+        want = params.get("config")
+        if want is None:
+            return
+        if not isinstance(want, str) or not re.fullmatch(r"[0-9a-f]{16}", want):
+            raise BadInput(f"config must be the 16 hex digits of a configuration digest, got "
+                           f"{str(want)[:40]!r}", field="config")
+        if self._config_digest is None:
+            raise Misuse(f"embedding server {self.replica_index} was never configured (it "
+                         f"restarted?) but the caller expects configuration {want}: it "
+                         "would apply the default optimizer and initialisation",
+                         field="config", hint="configure it first (embedding workers do so "
+                                              "by themselves from the configuration they "
+                                              "learned)")
 
     # ----------------------------------------------------------------- checkpoints
     async def _dump(self, params: Any) -> dict:

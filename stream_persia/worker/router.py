@@ -5,22 +5,35 @@ a batch, all servers are called concurrently, and the replies are scattered back
 per-group arrays in the caller's id order, or, for pooled lookups, their partial sums are
 added. Splitting is one stable argsort per group, or one pass of
 :func:`stream_persia.segments.split` (no per-id Python work).
+
+A restarted server is configured again before it serves. The optimizer and
+EmbeddingConfig reach the servers once (``configure``, from the NN rank 0 or the API); a
+server process that restarts comes back with the defaults. So the router learns the job's
+configuration from the servers: every lookup and update reply carries the server's
+configuration digest, and on a digest it does not know yet the router fetches the
+configuration (``get_config``) from that server. From then on its requests carry the
+digest, a server that was never configured refuses them (a Misuse on field ``config``),
+and the router configures it with what it learned and retries. A job that never
+configures its servers sends no digest and is served as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from stream_persia import segments
-from stream_persia.errors import BadInput
+from stream_persia.errors import BadInput, Misuse
 from stream_persia.rpc import RpcClient
 from stream_persia.sharding import shard_of, split_by_shard
 
 __all__ = ["ShardRouter"]
+
+log = logging.getLogger(__name__)
 
 
 def _wire_group(group: tuple) -> dict:
@@ -45,6 +58,32 @@ class ShardRouter:
         self.addresses = list(addresses)
         self.clients = [RpcClient(a, timeout_ms=timeout_ms, name=f"embedding-server-{i}")
                         for i, a in enumerate(self.addresses)]
+        # The servers' configuration as last learned from them (see the module docstring).
+        self.config: dict | None = None
+
+    async def _call(self, s: int, method: str, params: dict) -> Any:
+        """``method`` (lookup or update) on server ``s``, expecting the configuration
+        learned so far; a server that lost it is configured again first."""
+        if self.config is not None:
+            params["config"] = self.config["digest"]
+        try:
+            reply = await self.clients[s].call(method, params)
+        except Misuse as e:
+            if e.field != "config" or self.config is None:
+                raise
+            log.warning("embedding server %d (%s) lost its configuration (restarted?): "
+                        "configuring it again with configuration %s", s, self.addresses[s],
+                        self.config["digest"])
+            await self.clients[s].call("configure", {
+                "optimizer": self.config["optimizer"],
+                "embedding_config": self.config["embedding_config"]})
+            reply = await self.clients[s].call(method, params)
+        digest = reply.get("config")
+        if digest is not None and (self.config is None or digest != self.config["digest"]):
+            learned = await self.clients[s].call("get_config", None)
+            if learned is not None and learned.get("digest") == digest:
+                self.config = learned
+        return reply
 
     @property
     def num_shards(self) -> int:
@@ -69,12 +108,12 @@ class ShardRouter:
         read-only views of its reply.
         """
         if self.num_shards == 1:  # nothing to split or scatter back
-            reply = await self.clients[0].call(
-                "lookup", {"mode": mode, "groups": [_wire_group(g) for g in groups]})
+            reply = await self._call(
+                0, "lookup", {"mode": mode, "groups": [_wire_group(g) for g in groups]})
             return list(reply["rows"]), int(reply["missing"])
         parts = [self._split(g) for g in groups]
         calls, plan = [], []
-        for s, client in enumerate(self.clients):
+        for s in range(self.num_shards):
             sub, where = [], []
             for gi, (group, part) in enumerate(zip(groups, parts, strict=True)):
                 if len(group) == 2:
@@ -88,7 +127,7 @@ class ShardRouter:
                                 "index": sp.index, "offsets": sp.offsets})
                     where.append((gi, None))
             if sub:
-                calls.append(client.call("lookup", {"mode": mode, "groups": sub}))
+                calls.append(self._call(s, "lookup", {"mode": mode, "groups": sub}))
                 plan.append(where)
         replies = await asyncio.gather(*calls)
         out = [np.zeros((len(g[1]) if len(g) == 2 else len(g[3]) - 1, g[0]), dtype=np.float32)
@@ -114,12 +153,12 @@ class ShardRouter:
                      ) -> tuple[int, int]:
         """Send ``[(dim, ids, grads)]`` to the owning servers; returns (applied, dropped)."""
         if self.num_shards == 1:
-            reply = await self.clients[0].call("update", {"groups": [
+            reply = await self._call(0, "update", {"groups": [
                 {"dim": d, "ids": i, "grads": np.ascontiguousarray(g)} for d, i, g in groups]})
             return int(reply["applied"]), int(reply["dropped"])
         splits = [split_by_shard(ids, self.num_shards) for _, ids, _ in groups]
         calls = []
-        for s, client in enumerate(self.clients):
+        for s in range(self.num_shards):
             sub = []
             for (dim, ids, grads), sp in zip(groups, splits, strict=True):
                 pos = sp.positions(s)
@@ -127,7 +166,7 @@ class ShardRouter:
                     sub.append({"dim": dim, "ids": ids[pos],
                                 "grads": np.ascontiguousarray(grads[pos])})
             if sub:
-                calls.append(client.call("update", {"groups": sub}))
+                calls.append(self._call(s, "update", {"groups": sub}))
         replies = await asyncio.gather(*calls)
         return (sum(int(r["applied"]) for r in replies),
                 sum(int(r["dropped"]) for r in replies))

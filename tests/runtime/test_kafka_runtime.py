@@ -476,10 +476,15 @@ async def test_killed_server_is_a_clear_error_and_the_batch_is_served_after_rest
             await worker.call("next_batch", {"timeout_ms": 2000})
     finally:  # later tests need the server whatever happened here
         await asyncio.to_thread(job.restart_server, 1)
-    await configure(rpc.servers[1])  # a fresh process: empty store, default optimizer
+    # A fresh process: empty store, default optimizer and initialisation. Nobody configures
+    # it by hand: worker 0 does, from the configuration it learned, before its lookup.
+    assert await rpc.servers[1].call("get_config") is None
     served = await worker.call("next_batch", {"timeout_ms": 5000})
     assert served is not None and served["meta"] == batch.meta
-    await check_and_train(rpc, worker, served, batch, np.random.default_rng(1))
+    job_config = await rpc.servers[0].call("get_config")
+    assert job_config is not None and job_config["optimizer"] == SGD(lr=LR).to_dict()
+    assert await rpc.servers[1].call("get_config") == job_config
+    await check_and_train(rpc, worker, served, batch, np.random.default_rng(1))  # SGD, LR
     await assert_idle(rpc)
 
 

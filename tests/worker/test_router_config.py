@@ -1,0 +1,117 @@
+"""A restarted embedding server is configured again before it serves (ShardRouter).
+
+Two embedding servers run in this process on real loopback sockets. The job configures
+them once (as the NN rank 0 or the API does); the router learns that configuration from
+their replies. A server replaced by a fresh process at the same address (what a
+supervisor's restart gives: the default optimizer and initialisation) refuses the
+router's next request, which configures it with what it learned and retries, so the
+update lands with the job's optimizer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import SGD, Adagrad
+from stream_persia.embedding_server import EmbeddingServer
+from stream_persia.errors import BadInput, Misuse
+from stream_persia.sharding import shard_of
+from stream_persia.testing.servers import running_servers
+
+DIM = 4
+JOB = {"optimizer": SGD(lr=0.5).to_dict(),
+       "embedding_config": EmbeddingConfig((-0.001, 0.001)).to_dict()}   # not the default
+
+
+def ids_on(replica: int, n: int = 8) -> np.ndarray:
+    """``n`` ids that shard to ``replica`` of 2."""
+    ids = np.arange(1, 200, dtype=np.uint64)
+    return ids[shard_of(ids, 2) == replica][:n]
+
+
+def replacement(server: EmbeddingServer) -> EmbeddingServer:
+    """A fresh server process's state at ``server``'s address: defaults only."""
+    host, port = server.address.rsplit(":", 1)
+    return EmbeddingServer(1000, replica_index=server.replica_index,
+                           replica_size=server.replica_size, host=host, port=int(port))
+
+
+async def test_a_restarted_server_is_configured_again_before_it_serves():
+    async with running_servers(2) as (servers, router):
+        await router.broadcast("configure", JOB)
+        ids = np.concatenate([ids_on(0), ids_on(1)])
+        await router.lookup([(DIM, ids)], "train")
+        learned = await router.clients[0].call("get_config")
+        assert router.config == learned and learned["optimizer"] == JOB["optimizer"]
+
+        await servers[1].stop()
+        fresh = replacement(servers[1])
+        await fresh.start()
+        try:
+            assert await router.clients[1].call("get_config") is None
+            rows, _ = await router.lookup([(DIM, ids)], "train")
+            assert await router.clients[1].call("get_config") == learned
+            # rows admitted after the restart are drawn from the job's range, not the
+            # default (-0.01, 0.01)
+            assert np.abs(rows[0]).max() <= 0.001
+            grads = np.ones((ids.size, DIM), np.float32)
+            assert await router.update([(DIM, ids, grads)]) == (ids.size, 0)
+            after, _ = await router.lookup([(DIM, ids)], "eval")
+            np.testing.assert_allclose(after[0], rows[0] - 0.5 * grads, atol=1e-6)  # SGD
+        finally:
+            await fresh.stop()
+
+
+async def test_a_job_that_never_configures_is_served_as_before():
+    async with running_servers(2) as (servers, router):
+        ids = np.concatenate([ids_on(0), ids_on(1)])
+        await router.lookup([(DIM, ids)], "train")
+        assert router.config is None
+        await servers[1].stop()
+        fresh = replacement(servers[1])
+        await fresh.start()
+        try:
+            await router.lookup([(DIM, ids)], "train")   # no digest sent, none refused
+            assert await router.clients[1].call("get_config") is None
+        finally:
+            await fresh.stop()
+
+
+async def test_a_reconfigured_job_is_learned_again():
+    """The API changes the optimizer of every server: the router learns the new one, and
+    is what it gives a server restarted after that."""
+    async with running_servers(2) as (_, router):
+        await router.broadcast("configure", JOB)
+        ids = ids_on(0)
+        await router.lookup([(DIM, ids)], "train")
+        first = router.config
+        await router.broadcast("configure", {"optimizer": Adagrad(lr=0.2).to_dict()})
+        await router.lookup([(DIM, ids)], "train")
+        assert router.config["digest"] != first["digest"]
+        assert router.config["optimizer"] == Adagrad(lr=0.2).to_dict()
+        assert router.config["embedding_config"] == JOB["embedding_config"]
+
+
+async def test_the_server_checks_the_expected_configuration():
+    async with running_servers(1) as (_, router):
+        client = router.clients[0]
+        lookup = {"mode": "train", "groups": [{"dim": DIM, "ids": ids_on(0)}]}
+        assert (await client.call("lookup", lookup))["config"] is None
+        with pytest.raises(BadInput) as err:
+            await client.call("lookup", {**lookup, "config": "../not-hex"})
+        assert err.value.field == "config"
+        with pytest.raises(Misuse, match="never configured") as err:
+            await client.call("lookup", {**lookup, "config": "0123456789abcdef"})
+        assert err.value.field == "config"
+        update = {"groups": [{"dim": DIM, "ids": ids_on(0),
+                              "grads": np.zeros((8, DIM), np.float32)}],
+                  "config": "0123456789abcdef"}
+        with pytest.raises(Misuse, match="never configured"):
+            await client.call("update", update)
+        await client.call("configure", JOB)
+        digest = (await client.call("get_config"))["digest"]
+        assert (await client.call("lookup", lookup))["config"] == digest
+        # Another digest than its own is served: the API may be reconfiguring the job.
+        assert (await client.call("update", update))["config"] == digest
