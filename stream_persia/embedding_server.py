@@ -244,9 +244,10 @@ class EmbeddingServer:
         groups = require(params, "groups", list)
         checked = [_lookup_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
         train = mode == "train"
-        self._check_configured(params)
+        want = _expected_config(params)
 
         def run() -> dict:
+            self._check_configured(want)
             rows, missing = [], 0
             for dim, ids, pooled in checked:
                 if not train:
@@ -271,9 +272,10 @@ class EmbeddingServer:
                                f"{getattr(grads, 'dtype', type(grads).__name__)} "
                                f"{getattr(grads, 'shape', '')}", field=f"{where}.grads")
             checked.append((ids, grads))
-        self._check_configured(params)
+        want = _expected_config(params)
 
         def run() -> dict:
+            self._check_configured(want)
             before = self.store.stats()["dropped_updates"]
             for ids, grads in checked:
                 self.store.update(ids, grads)
@@ -328,15 +330,10 @@ class EmbeddingServer:
             return None
         return await self._run(self._config)
 
-    def _check_configured(self, params: dict) -> None:
-        """Refuse traffic that expects a configuration this process never received."""
-        want = params.get("config")
-        if want is None:
-            return
-        if not isinstance(want, str) or not re.fullmatch(r"[0-9a-f]{16}", want):
-            raise BadInput(f"config must be the 16 hex digits of a configuration digest, got "
-                           f"{str(want)[:40]!r}", field="config")
-        if self._config_digest is None:
+    def _check_configured(self, want: str | None) -> None:
+        """Refuse traffic that expects a configuration (``want``) this process never
+        received; on the store thread, after any configure queued ahead of it."""
+        if want is not None and self._config_digest is None:
             raise Misuse(f"embedding server {self.replica_index} was never configured (it "
                          f"restarted?) but the caller expects configuration {want}: it "
                          "would apply the default optimizer and initialisation",
@@ -425,9 +422,20 @@ class EmbeddingServer:
         return {"aborted": await self._run(self._drop_staged, "aborted", token)}
 
 
+def _hex16(value: Any, key: str, what: str) -> str:
+    """``value`` if it is 16 lowercase hex digits (a staged load's token, a configuration
+    digest); BadInput naming ``key`` otherwise."""
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{16}", value):
+        raise BadInput(f"{key} must be the 16 hex digits of {what}, got {str(value)[:40]!r}",
+                       field=key)
+    return value
+
+
 def _token(params: Any) -> str:
-    token = require(params, "token", str)
-    if not re.fullmatch(r"[0-9a-f]{16}", token):
-        raise BadInput(f"token must be the 16 hex digits a staged load returned, got "
-                       f"{token[:40]!r}", field="token")
-    return token
+    return _hex16(require(params, "token", str), "token", "a token a staged load returned")
+
+
+def _expected_config(params: dict) -> str | None:
+    """The configuration digest a lookup or update expects (``config``), if any."""
+    want = params.get("config")
+    return None if want is None else _hex16(want, "config", "a configuration digest")

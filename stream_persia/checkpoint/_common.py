@@ -90,9 +90,13 @@ async def check_server_set(clients: Sequence[Any], timeout_ms: float) -> None:
                      "in replica-index order (e.g. ShardRouter(...).clients)")
     health = await asyncio.gather(*(c.call("health", None, timeout_ms=timeout_ms)
                                     for c in clients))
-    n = len(clients)
     for i, h in enumerate(health):
-        if h.get("replica_index") != i or h.get("replica_size") != n:
-            raise Misuse(f"server #{i} in the list reports replica {h.get('replica_index')} of "
-                         f"{h.get('replica_size')}, expected replica {i} of {n}",
-                         hint="pass every embedding server of the job, in replica-index order")
+        check_replica(h, i, len(clients))
+
+
+def check_replica(health: dict, i: int, n: int) -> None:
+    """The server that answered ``health`` is replica ``i`` of ``n``; Misuse otherwise."""
+    if health.get("replica_index") != i or health.get("replica_size") != n:
+        raise Misuse(f"server #{i} in the list reports replica {health.get('replica_index')} "
+                     f"of {health.get('replica_size')}, expected replica {i} of {n}",
+                     hint="pass every embedding server of the job, in replica-index order")

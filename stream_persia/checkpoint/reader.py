@@ -14,6 +14,7 @@ from typing import Any
 from stream_persia.checkpoint._common import (
     DEFAULT_SHARD_TIMEOUT_MS,
     Location,
+    check_replica,
     check_server_set,
     sha256_file,
 )
@@ -21,7 +22,6 @@ from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest, check_fil
 from stream_persia.errors import (
     BadInput,
     InternalError,
-    Misuse,
     PeerUnavailable,
     PersiaError,
     RemoteError,
@@ -230,14 +230,12 @@ async def _roll_forward(client: Any, replica: int, replicas: int, request: dict,
     while True:
         try:
             # A server restarted at this address must still be this replica of this job.
-            health = await client.call("health", None, timeout_ms=timeout_ms)
-            if (health.get("replica_index"), health.get("replica_size")) != (replica, replicas):
-                return Misuse(f"the server now at replica {replica}'s address reports replica "
-                              f"{health.get('replica_index')} of {health.get('replica_size')}")
+            check_replica(await client.call("health", None, timeout_ms=timeout_ms),
+                          replica, replicas)
             reply = await client.call("load", request, timeout_ms=timeout_ms)
         except (PeerUnavailable, RemoteTimeout) as exc:
             error = exc
-        except PersiaError as exc:   # refused: out of memory, a file changed since staging
+        except PersiaError as exc:   # another replica there, out of memory, a file changed
             return exc
         else:
             if int(reply["rows"]) != rows:

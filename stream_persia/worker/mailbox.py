@@ -50,10 +50,12 @@ network partition closes nothing; the deadline covers every case with one rule, 
 no change to the RPC layer. It proves rank 0's process and its link to worker 0 are alive,
 not that the dump advances: a rank 0 stuck in a collective (another rank died) keeps the
 record running until the process group's timeout (``max(ready_timeout_s, 60)`` s of
-``TrainCtx``, 300 by default) fails the collective. With gloo rank 0 then raises and
-reports failed; with NCCL's default error handling the process is torn down and its
-keepalives stop. A rank 0 that was only stalled and reports later is refused (Misuse:
-already failed); its next heartbeat attaches it again.
+``TrainCtx``, 300 by default) fails the collective; rank 0 reports any exception out of
+``dump_checkpoint`` as failed (:class:`stream_persia.nn.checkpoint_poller.NnCheckpointPoller`).
+A gloo collective raises at the timeout (checked by hand, not by a test: a test would wait
+the 60 s minimum); under NCCL that depends on torch's NCCL error handling. A rank 0 that
+was only stalled and reports later is refused (Misuse: already failed); its next heartbeat
+attaches it again.
 """
 
 from __future__ import annotations
