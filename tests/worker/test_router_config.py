@@ -10,6 +10,9 @@ update lands with the job's optimizer.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 
@@ -115,3 +118,20 @@ async def test_the_server_checks_the_expected_configuration():
         assert (await client.call("lookup", lookup))["config"] == digest
         # Another digest than its own is served: the API may be reconfiguring the job.
         assert (await client.call("update", update))["config"] == digest
+
+
+async def test_a_request_right_behind_a_configure_sees_it():
+    """Requests are handled on the store thread in arrival order: a lookup expecting the
+    configuration that a configure sent just before it sets is served, even while that
+    configure still waits for the store thread (held busy here)."""
+    async with running_servers(2) as (servers, router):
+        await router.clients[0].call("configure", JOB)
+        digest = (await router.clients[0].call("get_config"))["digest"]
+        client = router.clients[1]   # never configured
+        busy = asyncio.ensure_future(servers[1]._run(time.sleep, 0.3))
+        configure = asyncio.ensure_future(client.call("configure", JOB))
+        lookup = asyncio.ensure_future(client.call(
+            "lookup", {"mode": "train", "groups": [{"dim": DIM, "ids": ids_on(1)}],
+                       "config": digest}))
+        await asyncio.gather(busy, configure)
+        assert (await lookup)["config"] == digest
