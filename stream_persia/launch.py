@@ -199,13 +199,16 @@ def embedding_server(args: argparse.Namespace) -> int:
 
 
 def embedding_worker(args: argparse.Namespace) -> int:
-    import torch
-
+    from stream_persia.worker import batchplan, pooling
     from stream_persia.worker.service import EmbeddingWorker
 
-    torch.set_num_threads(1)   # pooling kernels are small; leave the cores to the NN worker
     gc = global_config(args)
     schema = embedding_schema(args)
+    # Slots pooled on the worker run torch's segment sums on every batch: import torch now
+    # (~1 s), not inside the first batch. A job whose slots all pool on the servers never
+    # imports it.
+    if batchplan.pools_on_worker(schema) and (torch := pooling.load_segment_sum()) is not None:
+        torch.set_num_threads(1)   # the kernels are small; leave the cores to the NN worker
     if not args.embedding_servers:
         raise ConfigError("no embedding servers: pass --embedding-servers or set "
                           "PERSIA_EMBEDDING_SERVERS", field="PERSIA_EMBEDDING_SERVERS")

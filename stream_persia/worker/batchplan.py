@@ -33,7 +33,8 @@ from stream_persia import segments
 from stream_persia.errors import BadInput, Misuse
 from stream_persia.worker import pooling
 
-__all__ = ["BatchPlan", "PooledGroup", "plan_batch", "reduce_gradients"]
+__all__ = ["BatchPlan", "PooledGroup", "plan_batch", "pooled_on_servers", "pools_on_worker",
+           "reduce_gradients"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,6 +119,19 @@ class BatchPlan:
         return {name: out[name] for name in self.names}
 
 
+def pooled_on_servers(slot: Any) -> bool:
+    """Whether a slot's lookups are pooled on the embedding servers (a :class:`PooledGroup`):
+    summation slots without a hash stack. Every other slot is planned by
+    :func:`stream_persia.worker.pooling.plan_slot` and pooled on the worker."""
+    return bool(slot.embedding_summation) and int(slot.hash_stack_config.hash_stack_rounds) == 0
+
+
+def pools_on_worker(schema: Any) -> bool:
+    """Whether any slot of ``schema`` is pooled on the worker, which then runs
+    :func:`stream_persia.worker.pooling.segment_sum` (torch) on every batch."""
+    return not all(pooled_on_servers(slot) for slot in schema.slots.values())
+
+
 def plan_batch(id_features: Iterable[Any], schema: Any, requires_grad: bool = True, *,
                csr_checked: bool = False) -> BatchPlan:
     """Plan every ID feature of a batch (``IDTypeFeature``-likes with ``name``, ``values``,
@@ -158,7 +172,7 @@ def plan_batch(id_features: Iterable[Any], schema: Any, requires_grad: bool = Tr
                            f"{batch_size}", field=f"id_type_features.{name}",
                            hint="every feature of a batch holds the same samples")
         names.append(name)
-        if slot.embedding_summation and int(slot.hash_stack_config.hash_stack_rounds) == 0:
+        if pooled_on_servers(slot):
             parts.setdefault(int(slot.dim), []).append(
                 (name, values, offsets, bool(slot.sqrt_scaling), slot.index_prefix))
         else:

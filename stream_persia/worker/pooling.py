@@ -42,6 +42,7 @@ hold to the same results; :data:`SEGMENT_SUM_IMPLEMENTATION` says which one runs
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -58,7 +59,8 @@ from stream_persia.sharding import mix64_inplace
 
 __all__ = [
     "SEGMENT_SUM_IMPLEMENTATION", "BatchGradients", "MergedLookup", "SlotOutput", "SlotPlan",
-    "as_float32", "check_csr", "hash_stack", "is_finite", "merge_gradients", "merge_lookups",
+    "as_float32", "check_csr", "hash_stack", "is_finite", "load_segment_sum", "merge_gradients",
+    "merge_lookups",
     "plan_batch", "plan_slot", "pool", "pool_batch", "prefix_ids", "reduce_batch_gradients",
     "reduce_gradients", "segment_sum",
 ]
@@ -72,16 +74,21 @@ if SEGMENT_SUM_IMPLEMENTATION not in _IMPLEMENTATIONS:
 
 
 def _torch() -> Any:
-    """torch, imported on first use so that the numpy twin never pays for it."""
+    """torch, imported on first use: a process whose slots all pool on the embedding
+    servers (summation slots without a hash stack) never runs a segment sum here and never
+    pays for it."""
     import torch
     return torch
 
 
-if SEGMENT_SUM_IMPLEMENTATION == "torch":
-    try:
-        _torch()
-    except ImportError:  # pragma: no cover - torch is a dependency; keep working without it
-        SEGMENT_SUM_IMPLEMENTATION = "numpy"
+def load_segment_sum() -> Any:
+    """Import what :func:`segment_sum` runs on now (torch: ~1 s) rather than inside the
+    first batch that needs it; returns torch, or None for the numpy twin."""
+    return _torch() if SEGMENT_SUM_IMPLEMENTATION == "torch" else None
+
+
+if SEGMENT_SUM_IMPLEMENTATION == "torch" and importlib.util.find_spec("torch") is None:
+    SEGMENT_SUM_IMPLEMENTATION = "numpy"  # pragma: no cover - torch is a dependency
 
 # splitmix64's increment and finaliser constants. Fixed forever: changing them moves every
 # hash-stacked id to another bucket and invalidates checkpoints that used hash stacks.

@@ -18,6 +18,7 @@ import textwrap
 import time
 import urllib.request
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -116,6 +117,11 @@ async def test_parameter_server_alias_serves_rpc_and_http_metrics_and_drains(tmp
 
 
 # ------------------------------------------------------------------ broker-less job
+def loads_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's native library mapped (Linux /proc)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 @pytest.fixture(scope="module")
 def direct_job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("direct-job")
@@ -141,8 +147,10 @@ def direct_job(tmp_path_factory):
             w.start()
         for w in workers:
             w.wait_ready(60)
+        torch_when_ready = [loads_torch(w.proc.pid) if sys.platform.startswith("linux")
+                            else None for w in workers]
         yield {"server": server, "workers": workers, "tmp": tmp, "metrics_port": metrics_port,
-               "server_metrics_port": server_metrics_port}
+               "server_metrics_port": server_metrics_port, "torch_when_ready": torch_when_ready}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -242,6 +250,37 @@ async def test_data_loader_role_runs_a_user_script(direct_job):
     got = await pull_all(addresses, 6)
     assert sorted(s["meta"] for _, s in got) == sorted(f"batch-{i}".encode()
                                                       for i in range(100, 106))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/maps")
+def test_a_worker_pooling_slots_itself_loads_torch_at_start(direct_job):
+    """The job's ``tags`` slot is raw (pooled on the worker, by torch's segment sums): the
+    worker imports torch while starting, not inside its first batch."""
+    assert direct_job["torch_when_ready"] == [True, True]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/maps")
+async def test_a_worker_whose_slots_all_pool_on_the_servers_never_loads_torch(tmp_path):
+    """Summation slots pool on the servers: serving them never needs torch, so the worker
+    does not pay its ~1 s and ~190 MB of import."""
+    (tmp_path / "embedding_config.yml").write_text(
+        "feature_index_prefix_bit: 8\nslots_config:\n  user: {dim: 8}\n"
+        "  item: {dim: 8, sqrt_scaling: true}\n")
+    with RoleProcess("embedding-server", [], log_path=tmp_path / "server.log") as server:
+        with RoleProcess("embedding-worker", [
+                "--embedding-config", str(tmp_path / "embedding_config.yml"),
+                "--embedding-servers", server.address],
+                log_path=tmp_path / "worker.log") as worker:
+            batch = make_batch(0)
+            batch.id_type_features = [f for f in batch.id_type_features if f.name != "tags"]
+            assert await asyncio.to_thread(send_direct, [worker.address], [batch]) == 1
+            async with RpcClient(worker.address, timeout_ms=10_000) as client:
+                served = await client.call("next_batch", {"timeout_ms": 10_000})
+                assert {e["name"] for e in served["embeddings"]} == {"user", "item"}
+                await client.call("push_gradients", {
+                    "batch_id": served["batch_id"],
+                    "grads": {"user": None, "item": None}})
+            assert not loads_torch(worker.proc.pid), worker.log_tail()
 
 
 async def test_sigterm_drains_roles_to_exit_code_zero(direct_job):
