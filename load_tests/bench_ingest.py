@@ -39,7 +39,8 @@ consume-and-decode CPU plus the CPU of the server's pooled store lookups alone (
 ids and segments, timed in this process), which every pipeline spends at least; divided
 over the machine's cores, it bounds the ratio any pipeline could reach here::
 
-    python load_tests/bench_ingest.py [--batches 64] [--repeats 5] [--zipf 1.2] [--json out.json]
+    python load_tests/bench_ingest.py [--batches 64] [--repeats 5] [--zipf 1.2]
+        [--store-threads 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -276,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zipf", type=float, default=0.0,
                    help="Zipf exponent of the ids (> 1; 0: uniform, the default and the "
                         "worst case for the store's caches)")
+    p.add_argument("--store-threads", type=int, default=1,
+                   help="the server's store_threads (internal shards on their own threads)")
     p.add_argument("--timeout", type=float, default=60.0, help="per stage, seconds")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
@@ -303,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     topic = "bench-ingest"
     with MockKafkaCluster() as cluster:
         cluster.create_topic(topic, args.partitions)
-        server = RoleProcess("embedding-server", ["--global-config", str(tmp / "global_config.yml")],
-                             log_path=tmp / "server.log")
+        server = RoleProcess("embedding-server", [
+            "--global-config", str(tmp / "global_config.yml"),
+            "--store-threads", str(args.store_threads)], log_path=tmp / "server.log")
         with server:
             worker = RoleProcess("embedding-worker", [
                 "--embedding-config", str(tmp / "embedding_config.yml"),

@@ -40,6 +40,17 @@ def _env_int(name: str, default: int) -> int:
             f"stream-persia: environment variable {name}={raw!r} is not an integer") from None
 
 
+def _positive_int(raw: str) -> int:
+    """An argparse type: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {raw!r}")
+    return value
+
+
 def _addresses(raw: str | None, flag: str) -> list[str]:
     if not raw:
         return []
@@ -84,8 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     es = roles.add_parser("embedding-server", aliases=["embedding-parameter-server"],
                           help="one shard of the embedding tables")
     _add_common(es)
-    es.add_argument("--capacity", type=int, default=None,
+    es.add_argument("--capacity", type=_positive_int, default=None,
                     help="max embedding vectors on this shard (default: global config)")
+    es.add_argument("--store-threads", type=_positive_int, default=None,
+                    help="internal shards of the store, each on its own thread: one per core "
+                         "the server may use (default: global config "
+                         "embedding_parameter_server_config.store_threads, 1)")
 
     ew = roles.add_parser("embedding-worker", help="consumes samples, serves NN workers")
     _add_common(ew)

@@ -4,11 +4,14 @@ Ids are routed to shards by ``sharding.shard_of(id, replica_size)``; this proces
 ids whose shard is its ``replica_index`` in an :class:`EmbeddingStore` and applies the
 embedding optimizer in place. It is a thin asyncio layer around the store: every store
 call runs on one dedicated thread (the Cython store releases the GIL), which both keeps
-the event loop free to read frames and serialises access to the store.
+the event loop free to read frames and serialises access to the store. With
+``store_threads`` > 1 the store is a :class:`~stream_persia.embedding.sharded.ShardedStore`,
+which that thread fans out over its internal shards' threads for each call.
 
 RPC methods (params → result):
 
-- ``health`` → ``{"ok", "role", "replica_index", "replica_size", "rows", "implementation"}``
+- ``health`` → ``{"ok", "role", "replica_index", "replica_size", "rows", "implementation",
+  "store_threads"}``
 - ``lookup {"mode": "train"|"eval"|"infer", "groups": [{"dim", "ids"}]}`` →
   ``{"rows": [float32 (n, dim)], "missing": int}`` (one entry per group, in order;
   ``missing`` counts ids absent from the store; eval/infer never insert or refresh). A
@@ -83,6 +86,7 @@ import numpy as np
 from stream_persia import segments
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding import optim as optim_mod
+from stream_persia.embedding.sharded import make_store
 from stream_persia.embedding.store import IMPLEMENTATION, EmbeddingStore
 from stream_persia.errors import BadInput, Misuse, require
 from stream_persia.metrics import RoleMetrics
@@ -157,12 +161,14 @@ class EmbeddingServer:
         replica_index / replica_size: which shard of how many this is.
         stage_ttl_s: how long a staged load (``load`` with ``stage``) waits for its
             ``commit_load`` before it is dropped and its memory freed.
+        store_threads: internal shards of the store, each looked up and updated on its own
+            thread (:mod:`stream_persia.embedding.sharded`); 1: one store, one thread.
     """
 
     def __init__(self, capacity: int, optimizer: Any = None,
                  embedding_config: EmbeddingConfig | None = None, *, replica_index: int = 0,
                  replica_size: int = 1, host: str = "127.0.0.1", port: int = 0,
-                 stage_ttl_s: float = 600.0):
+                 stage_ttl_s: float = 600.0, store_threads: int = 1):
         if not (0 <= replica_index < replica_size):
             raise BadInput(f"replica_index {replica_index} is not in [0, {replica_size})",
                            field="replica_index")
@@ -174,9 +180,11 @@ class EmbeddingServer:
         self.stage_ttl_s = float(stage_ttl_s)
         self._staged: _Staged | None = None   # read and replaced on the store thread only
         self._config_digest: str | None = None  # set by configure (see get_config)
-        self._serving = _Serving(EmbeddingStore(capacity, optimizer or optim_mod.Adagrad(),
-                                                embedding_config or EmbeddingConfig()),
-                                 dict.fromkeys(COUNTERS, 0), 0)
+        self._serving = _Serving(
+            make_store(EmbeddingStore, capacity, optimizer or optim_mod.Adagrad(),
+                       embedding_config or EmbeddingConfig(), shards=store_threads),
+            dict.fromkeys(COUNTERS, 0), 0)
+        self.store_threads = store_threads
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"store-{replica_index}")
         self.metrics = RoleMetrics("embedding_server", replica_index)
         self.metrics.add_callback("store", self._store_stats, counters={*COUNTERS, "loads"})
@@ -195,8 +203,9 @@ class EmbeddingServer:
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         await self.rpc.start()
-        log.info("embedding server %d/%d listening on %s (store: %s)", self.replica_index,
-                 self.replica_size, self.rpc.address, IMPLEMENTATION)
+        log.info("embedding server %d/%d listening on %s (store: %s, %d thread%s)",
+                 self.replica_index, self.replica_size, self.rpc.address, IMPLEMENTATION,
+                 self.store_threads, "" if self.store_threads == 1 else "s")
 
     async def stop(self) -> None:
         await self.rpc.stop()
@@ -234,7 +243,7 @@ class EmbeddingServer:
         self._req.labels("health").inc()
         return {"ok": True, "role": "embedding-server", "replica_index": self.replica_index,
                 "replica_size": self.replica_size, "rows": len(self.store),
-                "implementation": IMPLEMENTATION}
+                "implementation": IMPLEMENTATION, "store_threads": self.store_threads}
 
     async def _lookup(self, params: Any) -> dict:
         self._req.labels("lookup").inc()
@@ -356,7 +365,8 @@ class EmbeddingServer:
 
         def run() -> dict:
             old = self._serving.store
-            staging = EmbeddingStore(old.capacity, old.optimizer, old.embedding_config)
+            staging = make_store(EmbeddingStore, old.capacity, old.optimizer,
+                                 old.embedding_config, shards=self.store_threads)
             self._drop_staged("replaced by a newer load")  # its memory, first
             kept = stage_shard_files(staging, directory, files, expected,
                                      self.replica_index, self.replica_size,

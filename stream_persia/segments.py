@@ -38,7 +38,7 @@ from stream_persia.config.embedding import apply_index_prefix
 from stream_persia.errors import BadInput, Misuse
 
 __all__ = ["IMPLEMENTATION", "Split", "factorize", "pooled_lookup", "pool", "scatter", "split",
-           "check_pooled", "check_types", "raise_for"]
+           "split_part", "check_pooled", "check_types", "raise_for"]
 
 try:
     from stream_persia import _segments as _c
@@ -296,6 +296,28 @@ class Split:
     positions: np.ndarray
     index: np.ndarray
     offsets: np.ndarray
+
+
+def split_part(index: np.ndarray, offsets: np.ndarray, owner: np.ndarray, part: int,
+               parts: int) -> Split:
+    """``split(index, offsets, owner, parts)[part]``, cut without the other parts: one pass
+    over the ids and one over the occurrences, so that several parts can be cut at once on
+    their own threads (:class:`stream_persia.embedding.sharded.ShardedStore`)."""
+    owner = np.ascontiguousarray(owner, dtype=np.int64)
+    check_types(index, offsets, "split")
+    if not 0 <= part < parts:
+        raise Misuse(f"part must be in [0, {parts}), got {part!r}", field="part")
+    if IMPLEMENTATION != "cython":
+        return split(index, offsets, owner, parts)[part]
+    positions = np.empty(len(owner), dtype=np.int64)
+    local_index = np.empty(len(index), dtype=np.int32)
+    part_offsets = np.empty(len(offsets), dtype=np.int64)
+    at = np.zeros(2, dtype=np.int64)
+    status = _c.c_split_part(index, offsets, owner, part, positions, local_index,
+                             part_offsets, at)
+    if status:
+        raise_for(status, int(at[0]), "split", len(owner))
+    return Split(positions[:at[0]], local_index[:at[1]], part_offsets)
 
 
 def split(index: np.ndarray, offsets: np.ndarray, owner: np.ndarray, parts: int

@@ -60,7 +60,7 @@ def test_global_defaults_match_persia():
         capacity=1_000_000_000, num_hashmap_internal_shards=100,
         full_amount_manager_buffer_size=1000, enable_incremental_update=False,
         incremental_buffer_size=1_000_000, incremental_dir=None,
-        incremental_channel_capacity=1000, restore_stage_ttl_s=600)
+        incremental_channel_capacity=1000, restore_stage_ttl_s=600, store_threads=1)
     w = g.embedding_worker_config
     assert w.forward_buffer_size == 1000 and w.buffered_data_expired_sec == 1000
     assert w.ready_buffer_batches >= 1 and w.max_inflight_lookups >= 1
@@ -246,6 +246,12 @@ GLOBAL_ERRORS = [
      "embedding_parameter_server_config.capacity", "integer"),
     ({"embedding_parameter_server_config": {"restore_stage_ttl_s": 0}},
      "embedding_parameter_server_config.restore_stage_ttl_s", "staged restore"),
+    ({"embedding_parameter_server_config": {"store_threads": 0}},
+     "embedding_parameter_server_config.store_threads", "one per core"),
+    ({"embedding_parameter_server_config": {"store_threads": 257}},
+     "embedding_parameter_server_config.store_threads", "256"),
+    ({"embedding_parameter_server_config": {"store_threads": 8, "capacity": 4}},
+     "embedding_parameter_server_config.store_threads", "raise capacity"),
     ({"embedding_parameter_server_config": {"enable_incremental_update": True}},
      "embedding_parameter_server_config.enable_incremental_update", "set it to false"),
     ({"embedding_parameter_server_config": {"num_embedding_io_workers": 4}},

@@ -17,6 +17,7 @@ PERSIA's keys and documented defaults::
       incremental_dir: null
       incremental_channel_capacity: 1000
       restore_stage_ttl_s: 600           # ours: a staged restore not committed is dropped
+      store_threads: 1                   # ours: internal shards, each on its own thread
     embedding_worker_config:
       forward_buffer_size: 1000          # batches buffered from data loaders
       buffered_data_expired_sec: 1000    # a served batch whose gradients never come back
@@ -51,6 +52,9 @@ from stream_persia.config._base import (
 )
 from stream_persia.config.kafka import KafkaConfig
 from stream_persia.errors import ConfigError
+
+#: The most threads (internal shards) one embedding server's store may have.
+MAX_STORE_THREADS = 256
 
 __all__ = ["MetricsConfig", "CheckpointingConfig", "InferConfig", "CommonConfig",
            "EmbeddingParameterServerConfig", "EmbeddingWorkerConfig", "ApiConfig",
@@ -153,14 +157,19 @@ class EmbeddingParameterServerConfig(_Section):
     """``embedding_parameter_server_config`` (PERSIA's keys and defaults).
 
     Of PERSIA's keys only ``capacity`` changes behaviour here: the store is one LRU table
-    per server, so ``num_hashmap_internal_shards`` and ``full_amount_manager_buffer_size``
-    are accepted for compatibility and validated. Incremental update is not implemented:
+    per server (or per internal shard, with ``store_threads``), so
+    ``num_hashmap_internal_shards`` and ``full_amount_manager_buffer_size`` are accepted
+    for compatibility and validated. Incremental update is not implemented:
     enabling it is an error; checkpoints (consistent with the Kafka offsets) replace it.
 
     Ours: ``restore_stage_ttl_s``, how long a server keeps a checkpoint it staged for a
     restore (a second table beside the served one, as much memory again) waiting for the
     commit; after it the staged table is dropped, so a restore whose coordinator died does
     not pin the memory (see :func:`stream_persia.checkpoint.load_embeddings`).
+    ``store_threads``: the internal shards of each server's store, each looked up and
+    updated on its own thread (:mod:`stream_persia.embedding.sharded`); 1 (the default):
+    one store on one thread. PERSIA's ``num_hashmap_internal_shards`` only set lock
+    striping, and at its default of 100 would be far too many threads.
     """
 
     capacity: int = 1_000_000_000
@@ -171,6 +180,7 @@ class EmbeddingParameterServerConfig(_Section):
     incremental_dir: str | None = None
     incremental_channel_capacity: int = 1000
     restore_stage_ttl_s: int = 600
+    store_threads: int = 1
 
     _REJECTED: ClassVar[dict[str, str]] = {
         "num_embedding_io_workers": "PERSIA ignored it in this section; the concurrency of "
@@ -193,6 +203,13 @@ class EmbeddingParameterServerConfig(_Section):
         check_int(self, "incremental_channel_capacity", lo=1, hi=1 << 30)
         check_int(self, "restore_stage_ttl_s", lo=1, hi=7 * 86_400,
                   hint="seconds a staged restore waits for its commit, e.g. 600")
+        check_int(self, "store_threads", lo=1, hi=MAX_STORE_THREADS,
+                  hint="threads (internal shards) of each server's store: one per core it "
+                       "may use, e.g. 4")
+        if self.store_threads > self.capacity:
+            raise error("store_threads", f"{self.store_threads} internal shards cannot share "
+                        f"a capacity of {self.capacity} rows (each holds at least one)",
+                        "lower store_threads or raise capacity")
         if self.enable_incremental_update:
             raise error("enable_incremental_update", "true is not supported: stream-persia "
                         "does not implement PERSIA's incremental update",

@@ -16,13 +16,14 @@ __all__ = ["running_servers"]
 
 @contextlib.asynccontextmanager
 async def running_servers(n: int, optimizer: Any = None, capacity: int = 10_000,
-                          init: tuple[float, float] = (-0.5, 0.5)
+                          init: tuple[float, float] = (-0.5, 0.5), store_threads: int = 1
                           ) -> AsyncIterator[tuple[list[EmbeddingServer], ShardRouter]]:
     """Start ``n`` embedding servers (replicas 0..n-1, ``optimizer`` default Adagrad(0.1),
-    rows initialised uniformly in ``init``); yield them and a :class:`ShardRouter` over
-    them; stop everything on exit."""
+    rows initialised uniformly in ``init``, ``store_threads`` internal shards each); yield
+    them and a :class:`ShardRouter` over them; stop everything on exit."""
     servers = [EmbeddingServer(capacity, optimizer or Adagrad(lr=0.1), EmbeddingConfig(init),
-                               replica_index=i, replica_size=n) for i in range(n)]
+                               replica_index=i, replica_size=n, store_threads=store_threads)
+               for i in range(n)]
     for s in servers:
         await s.start()
     router = ShardRouter([s.address for s in servers], timeout_ms=5000)

@@ -109,6 +109,31 @@ async def test_round_trip_restores_rows_and_optimizer_state(tmp_path, scheme):
             fsspec.filesystem("memory").rm(root.removeprefix("memory://"), recursive=True)
 
 
+@pytest.mark.parametrize(("threads_before", "threads_after"), [(1, 3), (3, 2)])
+async def test_servers_with_store_threads_serve_and_restore_the_same_rows(
+        tmp_path, threads_before, threads_after):
+    """Internal shards change neither what a server serves nor what its checkpoint holds:
+    a checkpoint moves between thread counts with every row and optimizer state."""
+    async with running_servers(2) as (_, plain):
+        await train_rows(plain)
+        async with running_servers(2, store_threads=threads_before) as (servers, router):
+            await train_rows(router)
+            before = snapshot(servers)
+            probe = [(dim, np.arange(20_000, dtype=np.uint64) + np.uint64(k << 40))
+                     for k, dim in enumerate(DIMS)]
+            want, _ = await plain.lookup(probe, "eval")
+            got, _ = await router.lookup(probe, "eval")
+            for a, b in zip(want, got, strict=True):
+                np.testing.assert_array_equal(a, b)
+            m = await write_checkpoint(str(tmp_path / "t"), router)
+    async with running_servers(2, store_threads=threads_after) as (fresh, router2):
+        assert await ck.load_embeddings(m.path, router2.clients) == m.rows
+        assert_same_rows(snapshot(fresh), before)
+        health = await router2.broadcast("health")
+        assert [h["store_threads"] for h in health] == [threads_after] * 2
+        assert all(getattr(s.store, "shards", 1) == threads_after for s in fresh)
+
+
 async def test_load_clears_rows_not_in_the_checkpoint(tmp_path):
     async with running_servers(2) as (servers, router):
         await train_rows(router, rounds=1)

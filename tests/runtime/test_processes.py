@@ -64,6 +64,10 @@ def scrape(port: int) -> dict[str, float]:
     (("embedding-server", "--replica-index", "3", "--replica-size", "2"),
      "--replica-index 3 must be in [0, --replica-size=2)"),
     (("embedding-parameter-server", "--replica-size", "0"), "--replica-size"),
+    (("embedding-server", "--store-threads", "0"),
+     "argument --store-threads: must be an integer >= 1, got '0'"),
+    (("embedding-server", "--store-threads", "4", "--capacity", "2"),
+     "4 store threads cannot share a capacity of 2 rows"),
     (("embedding-worker", "--embedding-servers", "127.0.0.1:7000,nonsense"),
      "--embedding-servers: 'nonsense' is not host:port"),
 ])
@@ -129,7 +133,7 @@ def direct_job(tmp_path_factory):
     metrics_port, server_metrics_port = free_port(), free_port()
     # The server keeps 64 MiB of freed memory, worker 0 glibc's defaults (the metric
     # malloc_keep_freed_bytes says which each applied).
-    server = RoleProcess("embedding-server", ["--capacity", "100000",
+    server = RoleProcess("embedding-server", ["--capacity", "100000", "--store-threads", "2",
                                               "--metrics-port", str(server_metrics_port)],
                          env={KEEP_FREED_ENV: "64"}, log_path=tmp / "server.log")
     procs = [server]
@@ -201,6 +205,11 @@ async def test_data_ctx_sends_straight_to_worker_processes(direct_job):
     metrics = await asyncio.to_thread(scrape, direct_job["metrics_port"])
     assert metrics["persia_embedding_worker_batches_served_total"] >= 5
     assert metrics["persia_embedding_worker_buffer_ready"] == 0
+
+
+async def test_the_server_runs_the_store_threads_its_flag_asks_for(direct_job):
+    async with RpcClient(direct_job["server"].address, timeout_ms=10_000) as client:
+        assert (await client.call("health"))["store_threads"] == 2
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")

@@ -162,6 +162,35 @@ def test_split_cython_equals_twin(lookup, parts, data):
         assert_same(a.offsets, b.offsets)
 
 
+@needs_c
+@SETTINGS
+@given(lookups(), st.integers(1, 4), st.data())
+def test_split_part_cuts_one_part_of_split(lookup, parts, data):
+    """The branch-free one-part cut (each part on its own thread in ShardedStore) gives
+    exactly split's part, in either implementation."""
+    n_ids, index, offsets, _, _ = lookup
+    owner = np.array(data.draw(st.lists(st.integers(0, parts - 1), min_size=n_ids,
+                                        max_size=n_ids)), dtype=np.int64)
+    whole = segments.split(index, offsets, owner, parts)
+    for part in range(parts):
+        for got in both(segments.split_part, index, offsets, owner, part, parts):
+            assert_same(got.positions, whole[part].positions)
+            assert_same(got.index, whole[part].index)
+            assert_same(got.offsets, whole[part].offsets)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_split_part_refuses_a_bad_part_and_a_bad_index(impl):
+    index, offsets, owner = (np.array([0, 1], dtype=np.int32), np.array([0, 2], dtype=np.int64),
+                             np.array([0, 1], dtype=np.int64))
+    with implementation(impl):
+        with pytest.raises(Misuse, match="part must be in"):
+            segments.split_part(index, offsets, owner, 2, 2)
+        with pytest.raises(BadInput) as e:
+            segments.split_part(np.array([0, 5], dtype=np.int32), offsets, owner, 0, 2)
+        assert e.value.field.startswith("split")
+
+
 # ---------------------------------------------------------------------------- semantics
 @pytest.mark.parametrize("impl", IMPLS)
 @SETTINGS

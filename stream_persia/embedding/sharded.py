@@ -1,0 +1,271 @@
+"""An embedding store cut into internal shards that work on their own threads.
+
+One :class:`~stream_persia.embedding.store.EmbeddingStore` runs a call on one core. An
+embedding server with ``store_threads: k`` (``embedding_parameter_server_config``) holds a
+:class:`ShardedStore` instead: ``k`` stores, each owning the ids whose
+:func:`~stream_persia.sharding.internal_shard_of` is its index. Every batched call is split
+by owner, the parts run concurrently (the caller's thread takes part 0, a pool of
+``k - 1`` threads the others; the Cython store releases the GIL), and the results are put
+back in the caller's order. Each part is also cut out on its own thread (the owners are
+hashed once, in one Cython pass), so the split itself runs in parallel. It has the store's interface, so the server,
+its loads and its dumps use it unchanged. This is PERSIA's ``num_hashmap_internal_shards``
+in function; that key sets lock striping in PERSIA and, at its default of 100, would be far
+too many threads, so the thread count is a key of its own.
+
+What differs from one store of the same total capacity:
+
+- **Eviction is least recently used per internal shard.** Each shard holds
+  ``capacity // k`` rows (the first ``capacity % k`` shards one more) and evicts its own
+  oldest. Ids spread evenly over the shards, so this is LRU up to the shards' imbalance, as
+  in PERSIA.
+- **Pooled lookups add per-shard partial sums**, in shard order: equal to the sums of the
+  rows up to float rounding, as with several servers
+  (:func:`stream_persia.segments.split`).
+- **Admission draws** (``admit_probability`` < 1) are counted per shard, so which ids a
+  partial admission keeps differs from one store (as it does with another server count).
+- **Errors after the checks**: every argument is checked before any shard runs, and a
+  non-finite gradient is refused (naming its row) before any shard applies anything. An id
+  stored with another dim is found by its shard only; the other shards may have applied
+  their part of that call by then. (One store would have refused the whole update.)
+- ``dump`` yields each shard's rows in turn, least recently used first within a shard;
+  ``load`` routes every chunk's rows to their shards in order. Dumps of either kind load
+  into either kind, at any ``k``.
+
+Values (initialisation from the id, the optimizer, the weight bound) are per row and do not
+depend on ``k``: without evictions and with full admission, every lookup and update gives
+what one store gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from stream_persia import segments
+from stream_persia.config.global_config import MAX_STORE_THREADS
+from stream_persia.embedding import _pystore as _py
+from stream_persia.errors import BadInput
+from stream_persia.sharding import internal_shard_of
+
+__all__ = ["ShardedStore", "make_store"]
+
+#: The most internal shards (threads) a store may have.
+MAX_SHARDS = MAX_STORE_THREADS
+
+
+def make_store(store_type: type, capacity: int, optimizer: Any, embedding_config: Any = None,
+               *, shards: int = 1) -> Any:
+    """``store_type(capacity, optimizer, embedding_config)``, or a :class:`ShardedStore` of
+    ``shards`` of them when ``shards`` > 1."""
+    if shards == 1:
+        return store_type(capacity, optimizer, embedding_config)
+    return ShardedStore(capacity, optimizer, embedding_config, shards=shards,
+                        store_type=store_type)
+
+
+def _check_shards(shards: Any, capacity: int) -> int:
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
+        raise BadInput(f"store_threads must be an int in [1, {MAX_SHARDS}], got {shards!r}",
+                       field="store_threads", hint="one per core the server may use, e.g. 4")
+    if capacity < shards:
+        raise BadInput(f"capacity {capacity} is less than the {shards} internal shards "
+                       "(each holds at least one row)", field="capacity")
+    return shards
+
+
+class ShardedStore:
+    """``shards`` embedding stores behind one store interface (see the module docstring).
+
+    Args:
+        capacity: the most vectors held, over all shards.
+        optimizer, embedding_config: as for the store.
+        shards: internal shards, each on its own thread while a call runs.
+        store_type: the store class (``EmbeddingStore``: the Cython store or its twin).
+    """
+
+    def __init__(self, capacity: int, optimizer: Any, embedding_config: Any = None, *,
+                 shards: int, store_type: type | None = None):
+        if store_type is None:
+            from stream_persia.embedding.store import EmbeddingStore as store_type
+        capacity = _py.check_capacity(capacity)
+        k = _check_shards(shards, capacity)
+        self._capacity = capacity
+        self._stores = [store_type(capacity // k + (s < capacity % k), optimizer,
+                                   embedding_config) for s in range(k)]
+        self._pool = ThreadPoolExecutor(k - 1, thread_name_prefix="store-shard")
+        self.implementation = getattr(self._stores[0], "implementation", "python")
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+    # ----------------------------------------------------------------- plumbing
+    @property
+    def shards(self) -> int:
+        """Number of internal shards."""
+        return len(self._stores)
+
+    def _owner(self, ids: np.ndarray) -> np.ndarray:
+        return internal_shard_of(ids, self.shards)
+
+    def _map(self, fn: Callable[[int], Any]) -> list[Any]:
+        """``fn(s)`` for every shard ``s`` concurrently: shard 0 on this thread, the others
+        on the pool. Waits for all; raises the first error in shard order. Results in shard
+        order."""
+        futures = [self._pool.submit(fn, s) for s in range(1, self.shards)]
+        out: list[Any] = [None] * self.shards
+        first_error: BaseException | None = None
+        try:
+            out[0] = fn(0)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others finish
+            first_error = e
+        for s, f in enumerate(futures, start=1):
+            try:
+                out[s] = f.result()
+            except BaseException as e:  # noqa: BLE001
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return out
+
+    # ----------------------------------------------------------------- the interface
+    @property
+    def capacity(self) -> int:
+        """Most vectors held, over all shards."""
+        return self._capacity
+
+    @property
+    def optimizer(self) -> Any:
+        return self._stores[0].optimizer
+
+    @property
+    def embedding_config(self) -> Any:
+        return self._stores[0].embedding_config
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self._stores)
+
+    def lookup(self, ids: Any, dim: Any, train: bool = True) -> np.ndarray:
+        """Embeddings of ``ids`` as float32 (n, dim), as ``EmbeddingStore.lookup``."""
+        ids = _py.check_ids(ids)
+        d = _py.check_dim(dim)
+        owner = self._owner(ids)
+        out = np.empty((len(ids), d), dtype=np.float32)
+
+        def part(s: int) -> None:
+            pos = np.flatnonzero(owner == s)
+            if pos.size:
+                out[pos] = self._stores[s].lookup(ids[pos], d, train)
+
+        self._map(part)
+        return out
+
+    def lookup_pooled(self, ids: Any, dim: Any, index: Any, offsets: Any,
+                      train: bool = True) -> np.ndarray:
+        """Segment sums of the rows of ``ids`` (see the module docstring on rounding)."""
+        ids = _py.check_ids(ids)
+        d = _py.check_dim(dim)
+        segments.check_pooled(len(ids), index, offsets, "lookup_pooled")
+        owner = self._owner(ids)
+
+        def part(s: int) -> np.ndarray | None:
+            mine = segments.split_part(index, offsets, owner, s, self.shards)
+            if not mine.positions.size:
+                return None
+            return self._stores[s].lookup_pooled(ids[mine.positions], d, mine.index,
+                                                 mine.offsets, train)
+
+        sums = self._map(part)
+        out = np.zeros((len(offsets) - 1, d), dtype=np.float32)
+        for part in sums:
+            if part is not None:
+                out += part
+        return out
+
+    def update(self, ids: Any, grads: Any) -> None:
+        """Apply the optimizer to the rows of ``ids``, as ``EmbeddingStore.update``."""
+        ids = _py.check_ids(ids)
+        grads = _py.check_grads(grads, len(ids))
+        # NaN and infinity survive a sum, which costs a seventh of a row-wise isfinite; the
+        # rows are checked only when it is not finite (a sum of finite terms may overflow).
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = grads.sum()
+        if not np.isfinite(total):
+            finite = np.isfinite(grads).all(axis=1)
+            if not finite.all():
+                i = int(np.argmin(finite))
+                raise _py.nonfinite_error(i, int(ids[i]))
+        owner = self._owner(ids)
+
+        def part(s: int) -> None:
+            pos = np.flatnonzero(owner == s)
+            if pos.size:
+                self._stores[s].update(ids[pos], grads.take(pos, axis=0))
+
+        self._map(part)
+
+    def contains(self, ids: Any) -> np.ndarray:
+        """Which ids are stored (bool array); recency is not refreshed."""
+        ids = _py.check_ids(ids)
+        owner = self._owner(ids)
+        out = np.zeros(len(ids), dtype=np.bool_)
+
+        def part(s: int) -> None:
+            pos = np.flatnonzero(owner == s)
+            out[pos] = self._stores[s].contains(ids[pos])
+
+        self._map(part)
+        return out
+
+    def clear(self) -> None:
+        """Drop every row (statistics are kept)."""
+        self._map(lambda s: self._stores[s].clear())
+
+    def configure(self, optimizer: Any = None, embedding_config: Any = None) -> None:
+        """Replace the optimizer and/or config of every shard."""
+        for store in self._stores:   # the first one checks the arguments before any change
+            store.configure(optimizer, embedding_config)
+
+    def stats(self) -> dict[str, int]:
+        """The shards' counters added up; ``capacity`` is the total."""
+        out: dict[str, int] = {}
+        for store in self._stores:
+            for key, value in store.stats().items():
+                out[key] = out.get(key, 0) + value
+        out["capacity"] = self._capacity
+        return out
+
+    def memory_bytes(self) -> int:
+        return sum(s.memory_bytes() for s in self._stores)
+
+    def dump(self, chunk_rows: int = _py.DUMP_CHUNK_ROWS) -> Iterator[dict[str, Any]]:
+        """Every shard's chunks in turn (see the module docstring)."""
+        dumps = [s.dump(chunk_rows) for s in self._stores]   # each checks chunk_rows now
+        return (chunk for d in dumps for chunk in d)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.dump()
+
+    def load(self, chunks: Iterable[dict[str, Any]]) -> None:
+        """Insert dumped rows, each chunk's routed to their shards in order; a chunk is
+        checked whole (shapes, dtypes, optimizer state) before any shard loads it."""
+        for chunk in chunks:
+            dim, ids, weights, state = _py.check_chunk(chunk, self.optimizer)
+            owner = self._owner(ids)
+            kind = chunk.get("state_kind")
+            self._map(partial(self._load_part, owner, dim, ids, weights, state, kind))
+
+    def _load_part(self, owner: np.ndarray, dim: int, ids: np.ndarray, weights: np.ndarray,
+                   state: np.ndarray | None, kind: Any, s: int) -> None:
+        pos = np.flatnonzero(owner == s)
+        if not pos.size:
+            return
+        sub = {"dim": dim, "ids": ids[pos], "weights": weights[pos]}
+        if state is not None:
+            sub["state"], sub["state_kind"] = state[pos], kind
+        self._stores[s].load([sub])
