@@ -96,7 +96,7 @@ class ShardedStore:
         self._capacity = capacity
         self._stores = [store_type(capacity // k + (s < capacity % k), optimizer,
                                    embedding_config) for s in range(k)]
-        self._pool = ThreadPoolExecutor(k - 1, thread_name_prefix="store-shard")
+        self._pool = ThreadPoolExecutor(max(k - 1, 1), thread_name_prefix="store-shard")
         self.implementation = getattr(self._stores[0], "implementation", "python")
 
     def __del__(self) -> None:

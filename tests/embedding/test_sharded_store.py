@@ -37,7 +37,7 @@ def train_both(one, many, rng, steps=4, dim=8):
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o.name)
-@pytest.mark.parametrize("shards", [2, 3])
+@pytest.mark.parametrize("shards", [1, 2, 3])
 def test_lookups_and_updates_equal_one_store(opt, shards):
     rng = np.random.default_rng(shards)
     one, many = EmbeddingStore(10**6, opt), ShardedStore(10**6, opt, shards=shards)
