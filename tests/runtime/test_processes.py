@@ -64,6 +64,8 @@ def scrape(port: int) -> dict[str, float]:
     (("embedding-server", "--replica-index", "3", "--replica-size", "2"),
      "--replica-index 3 must be in [0, --replica-size=2)"),
     (("embedding-parameter-server", "--replica-size", "0"), "--replica-size"),
+    (("embedding-server", "--capacity", "0"),
+     "argument --capacity: must be an integer >= 1, got '0'"),
     (("embedding-server", "--store-threads", "0"),
      "argument --store-threads: must be an integer >= 1, got '0'"),
     (("embedding-server", "--store-threads", "4", "--capacity", "2"),
