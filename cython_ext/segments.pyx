@@ -238,7 +238,7 @@ def c_split(const int32_t[::1] index, const int64_t[::1] offsets, const int64_t[
 
 def c_internal_owner(const uint64_t[::1] ids, int64_t parts, int64_t[::1] out):
     """``out[i] = (splitmix64(ids[i] + 0x9E3779B97F4A7C15) >> 32) % parts``: the internal
-    shard of each id (``sharding.internal_shard_of`` is the numpy twin)."""
+    shard of each id (``segments.internal_owner`` holds the numpy twin)."""
     cdef Py_ssize_t i, n = ids.shape[0]
     cdef uint64_t q = <uint64_t>parts
     with nogil:

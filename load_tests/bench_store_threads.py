@@ -33,7 +33,6 @@ from stream_persia.config import load_embedding_config  # noqa: E402
 from stream_persia.embedding.data import PersiaBatch  # noqa: E402
 from stream_persia.embedding.optim import Adagrad  # noqa: E402
 from stream_persia.embedding.sharded import make_store  # noqa: E402
-from stream_persia.embedding.store import EmbeddingStore  # noqa: E402
 from stream_persia.worker import batchplan  # noqa: E402
 
 
@@ -50,7 +49,7 @@ def plan_rounds(args: argparse.Namespace) -> list[list[batchplan.PooledGroup]]:
 
 
 def measure(threads: int, rounds: list, args: argparse.Namespace) -> dict:
-    store = make_store(EmbeddingStore, 1_000_000_000, Adagrad(), shards=threads)
+    store = make_store(1_000_000_000, Adagrad(), shards=threads)
     for groups in rounds[:-1]:        # fill the table: steady state, not start-up
         for g in groups:
             store.lookup(g.ids, args.dim, True)

@@ -87,7 +87,7 @@ from stream_persia import segments
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding import optim as optim_mod
 from stream_persia.embedding.sharded import make_store
-from stream_persia.embedding.store import IMPLEMENTATION, EmbeddingStore
+from stream_persia.embedding.store import IMPLEMENTATION
 from stream_persia.errors import BadInput, Misuse, require
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
@@ -181,7 +181,7 @@ class EmbeddingServer:
         self._staged: _Staged | None = None   # read and replaced on the store thread only
         self._config_digest: str | None = None  # set by configure (see get_config)
         self._serving = _Serving(
-            make_store(EmbeddingStore, capacity, optimizer or optim_mod.Adagrad(),
+            make_store(capacity, optimizer or optim_mod.Adagrad(),
                        embedding_config or EmbeddingConfig(), shards=store_threads),
             dict.fromkeys(COUNTERS, 0), 0)
         self.store_threads = store_threads
@@ -365,8 +365,8 @@ class EmbeddingServer:
 
         def run() -> dict:
             old = self._serving.store
-            staging = make_store(EmbeddingStore, old.capacity, old.optimizer,
-                                 old.embedding_config, shards=self.store_threads)
+            staging = make_store(old.capacity, old.optimizer, old.embedding_config,
+                                 shards=self.store_threads)
             self._drop_staged("replaced by a newer load")  # its memory, first
             kept = stage_shard_files(staging, directory, files, expected,
                                      self.replica_index, self.replica_size,

@@ -188,11 +188,7 @@ def embedding_server(args: argparse.Namespace) -> int:
     gc = global_config(args)
     cfg = gc.embedding_parameter_server_config
     capacity = args.capacity or cfg.capacity
-    threads = getattr(args, "store_threads", None) or cfg.store_threads
-    if threads > capacity:
-        raise ConfigError(f"{threads} store threads cannot share a capacity of {capacity} rows "
-                          "(each internal shard holds at least one)", field="store_threads",
-                          hint="lower --store-threads or raise --capacity")
+    threads = args.store_threads or cfg.store_threads   # the store checks it with capacity
 
     async def main() -> int:
         server = EmbeddingServer(capacity, replica_index=args.replica_index,

@@ -36,9 +36,10 @@ import numpy as np
 
 from stream_persia.config.embedding import apply_index_prefix
 from stream_persia.errors import BadInput, Misuse
+from stream_persia.sharding import stable_hash64
 
 __all__ = ["IMPLEMENTATION", "Split", "factorize", "pooled_lookup", "pool", "scatter", "split",
-           "split_part", "check_pooled", "check_types", "raise_for"]
+           "split_part", "internal_owner", "check_pooled", "check_types", "raise_for"]
 
 try:
     from stream_persia import _segments as _c
@@ -296,6 +297,20 @@ class Split:
     positions: np.ndarray
     index: np.ndarray
     offsets: np.ndarray
+
+
+def internal_owner(ids: np.ndarray, parts: int) -> np.ndarray:
+    """The internal shard (store thread, :mod:`stream_persia.embedding.sharded`) of each id
+    of an embedding server: ``(stable_hash64(id) >> 32) % parts`` (int64). The high half of
+    the hash that routes ids to servers (:func:`stream_persia.sharding.shard_of` reduces the
+    whole of it modulo the server count, so for power-of-two counts only its low bits): the
+    two are independent, and every server's ids spread over all its internal shards."""
+    ids = np.ascontiguousarray(ids, dtype=np.uint64)
+    if IMPLEMENTATION == "cython":
+        out = np.empty(len(ids), dtype=np.int64)
+        _c.c_internal_owner(ids, parts, out)
+        return out
+    return ((stable_hash64(ids) >> np.uint64(32)) % np.uint64(parts)).astype(np.int64)
 
 
 def split_part(index: np.ndarray, offsets: np.ndarray, owner: np.ndarray, part: int,

@@ -22,8 +22,7 @@ import numpy as np
 
 from stream_persia.errors import BadInput, Misuse
 
-__all__ = ["mix64_inplace", "stable_hash64", "shard_of", "internal_shard_of", "split_by_shard",
-           "split_by_owner", "ShardSplit", "static_partitions"]
+__all__ = ["mix64_inplace", "stable_hash64", "shard_of", "split_by_shard", "ShardSplit", "static_partitions"]
 
 _INCREMENT = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -154,31 +153,7 @@ def split_by_shard(ids: np.ndarray, num_shards: int) -> ShardSplit:
     if ids.ndim != 1:
         raise Misuse(f"ids must be 1-D, got shape {ids.shape}", field="ids")
     n = _check_num_shards(num_shards)
-    return split_by_owner(shard_of(ids, n), n)
-
-
-def internal_shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:
-    """Index of the internal shard (store thread) of an embedding server owning each id
-    (int64, in ``[0, num_shards)``): the high half of the same hash, so that it is
-    independent of :func:`shard_of` (which reduces the whole hash modulo the number of
-    servers, so for power-of-two counts only its low bits) and every server's ids spread
-    over all its internal shards."""
-    n = _check_num_shards(num_shards)
-    ids = _as_uint64(ids)
-    if n == 1:
-        return np.zeros(np.shape(ids), dtype=np.int64)
-    from stream_persia import segments  # the Cython loop: one pass, no temporaries
-    if segments.IMPLEMENTATION == "cython" and ids.ndim == 1:
-        out = np.empty(len(ids), dtype=np.int64)
-        segments._c.c_internal_owner(np.ascontiguousarray(ids), n, out)
-        return out
-    return ((stable_hash64(ids) >> np.uint64(32)) % np.uint64(n)).astype(np.int64)
-
-
-def split_by_owner(shard: np.ndarray, num_shards: int) -> ShardSplit:
-    """Group positions by ``shard`` (int64, one owner in ``[0, num_shards)`` per id) with one
-    stable sort: :func:`split_by_shard` for any assignment of ids to shards."""
-    n = num_shards
+    shard = shard_of(ids, n)
     # A narrow key lets numpy's stable sort use radix sort (linear time).
     key = shard.astype(np.uint16) if n <= 1 << 16 else shard
     order = np.argsort(key, kind="stable").astype(np.int64, copy=False)

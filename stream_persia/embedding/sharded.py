@@ -3,12 +3,12 @@
 One :class:`~stream_persia.embedding.store.EmbeddingStore` runs a call on one core. An
 embedding server with ``store_threads: k`` (``embedding_parameter_server_config``) holds a
 :class:`ShardedStore` instead: ``k`` stores, each owning the ids whose
-:func:`~stream_persia.sharding.internal_shard_of` is its index. Every batched call is split
+:func:`~stream_persia.segments.internal_owner` is its index. Every batched call is split
 by owner, the parts run concurrently (the caller's thread takes part 0, a pool of
 ``k - 1`` threads the others; the Cython store releases the GIL), and the results are put
-back in the caller's order. Each part is also cut out on its own thread (the owners are
-hashed once, in one Cython pass), so the split itself runs in parallel. It has the store's interface, so the server,
-its loads and its dumps use it unchanged. This is PERSIA's ``num_hashmap_internal_shards``
+back in the caller's order. The owners are hashed once; each part is then cut out on its
+own thread, so the split runs in parallel too. It has the store's interface, so the
+server, its loads and its dumps use it unchanged. This is PERSIA's ``num_hashmap_internal_shards``
 in function; that key sets lock striping in PERSIA and, at its default of 100, would be far
 too many threads, so the thread count is a key of its own.
 
@@ -48,32 +48,31 @@ import numpy as np
 from stream_persia import segments
 from stream_persia.config.global_config import MAX_STORE_THREADS
 from stream_persia.embedding import _pystore as _py
+from stream_persia.embedding.store import EmbeddingStore
 from stream_persia.errors import BadInput
-from stream_persia.sharding import internal_shard_of
 
 __all__ = ["ShardedStore", "make_store"]
 
-#: The most internal shards (threads) a store may have.
-MAX_SHARDS = MAX_STORE_THREADS
 
-
-def make_store(store_type: type, capacity: int, optimizer: Any, embedding_config: Any = None,
-               *, shards: int = 1) -> Any:
-    """``store_type(capacity, optimizer, embedding_config)``, or a :class:`ShardedStore` of
-    ``shards`` of them when ``shards`` > 1."""
+def make_store(capacity: int, optimizer: Any, embedding_config: Any = None, *,
+               shards: int = 1) -> Any:
+    """An ``EmbeddingStore``, or a :class:`ShardedStore` of ``shards`` of them when
+    ``shards`` > 1."""
     if shards == 1:
-        return store_type(capacity, optimizer, embedding_config)
-    return ShardedStore(capacity, optimizer, embedding_config, shards=shards,
-                        store_type=store_type)
+        return EmbeddingStore(capacity, optimizer, embedding_config)
+    return ShardedStore(capacity, optimizer, embedding_config, shards=shards)
 
 
 def _check_shards(shards: Any, capacity: int) -> int:
-    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
-        raise BadInput(f"store_threads must be an int in [1, {MAX_SHARDS}], got {shards!r}",
-                       field="store_threads", hint="one per core the server may use, e.g. 4")
+    if isinstance(shards, bool) or not isinstance(shards, int) \
+            or not 1 <= shards <= MAX_STORE_THREADS:
+        raise BadInput(f"store_threads must be an int in [1, {MAX_STORE_THREADS}], got "
+                       f"{shards!r}", field="store_threads",
+                       hint="one per core the server may use, e.g. 4")
     if capacity < shards:
-        raise BadInput(f"capacity {capacity} is less than the {shards} internal shards "
-                       "(each holds at least one row)", field="capacity")
+        raise BadInput(f"{shards} store threads cannot share a capacity of {capacity} rows "
+                       "(each internal shard holds at least one)", field="capacity",
+                       hint="lower store_threads or raise capacity")
     return shards
 
 
@@ -88,16 +87,13 @@ class ShardedStore:
     """
 
     def __init__(self, capacity: int, optimizer: Any, embedding_config: Any = None, *,
-                 shards: int, store_type: type | None = None):
-        if store_type is None:
-            from stream_persia.embedding.store import EmbeddingStore as store_type
+                 shards: int, store_type: type = EmbeddingStore):
         capacity = _py.check_capacity(capacity)
         k = _check_shards(shards, capacity)
         self._capacity = capacity
         self._stores = [store_type(capacity // k + (s < capacity % k), optimizer,
                                    embedding_config) for s in range(k)]
         self._pool = ThreadPoolExecutor(max(k - 1, 1), thread_name_prefix="store-shard")
-        self.implementation = getattr(self._stores[0], "implementation", "python")
 
     def __del__(self) -> None:
         pool = getattr(self, "_pool", None)
@@ -111,7 +107,7 @@ class ShardedStore:
         return len(self._stores)
 
     def _owner(self, ids: np.ndarray) -> np.ndarray:
-        return internal_shard_of(ids, self.shards)
+        return segments.internal_owner(ids, self.shards)
 
     def _map(self, fn: Callable[[int], Any]) -> list[Any]:
         """``fn(s)`` for every shard ``s`` concurrently: shard 0 on this thread, the others

@@ -17,7 +17,7 @@ from stream_persia.embedding.optim import SGD, Adagrad, Adam
 from stream_persia.embedding.sharded import ShardedStore, make_store
 from stream_persia.embedding.store import EmbeddingStore
 from stream_persia.errors import BadInput
-from stream_persia.sharding import internal_shard_of, shard_of, stable_hash64
+from stream_persia.sharding import shard_of, stable_hash64
 
 OPTIMIZERS = [SGD(lr=0.1), Adagrad(lr=0.05), Adam(lr=0.01)]
 
@@ -124,7 +124,7 @@ def test_each_shard_evicts_its_own_least_recently_used():
     many.lookup(np.arange(100, dtype=np.uint64), 2)
     assert len(many) == 10 and many.stats()["evictions"] == 90
     kept = np.flatnonzero(many.contains(np.arange(100, dtype=np.uint64)))
-    owner = internal_shard_of(np.arange(100, dtype=np.uint64), 3)
+    owner = segments.internal_owner(np.arange(100, dtype=np.uint64), 3)
     for s, cap in enumerate([4, 3, 3]):   # per shard: its most recently used ids
         assert list(kept[owner[kept] == s]) == list(np.flatnonzero(owner == s)[-cap:])
 
@@ -132,9 +132,9 @@ def test_each_shard_evicts_its_own_least_recently_used():
 @pytest.mark.parametrize(("src", "dst"), [(1, 3), (3, 1), (2, 5)])
 def test_dumps_load_across_shard_counts(src, dst):
     rng = np.random.default_rng(src * 10 + dst)
-    a = make_store(EmbeddingStore, 10**6, Adam(lr=0.01), shards=src)
+    a = make_store(10**6, Adam(lr=0.01), shards=src)
     train_both(EmbeddingStore(10**6, Adam(lr=0.01)), a, rng)
-    b = make_store(EmbeddingStore, 10**6, Adam(lr=0.01), shards=dst)
+    b = make_store(10**6, Adam(lr=0.01), shards=dst)
     b.load(a.dump(chunk_rows=500))
     probe = np.arange(6000, dtype=np.uint64)
     assert np.array_equal(a.lookup(probe, 8, False), b.lookup(probe, 8, False))
@@ -171,7 +171,7 @@ def test_internal_shards_are_independent_of_the_servers():
     ids = np.arange(20_000, dtype=np.uint64) * np.uint64(7919)
     for servers, shards in ((2, 2), (4, 2), (3, 6)):
         server0 = ids[shard_of(ids, servers) == 0]
-        counts = np.bincount(internal_shard_of(server0, shards), minlength=shards)
+        counts = np.bincount(segments.internal_owner(server0, shards), minlength=shards)
         assert counts.min() > 0.8 * len(server0) / shards, (servers, shards, counts)
     twin = ((stable_hash64(ids) >> np.uint64(32)) % np.uint64(5)).astype(np.int64)
-    assert np.array_equal(internal_shard_of(ids, 5), twin)
+    assert np.array_equal(segments.internal_owner(ids, 5), twin)
