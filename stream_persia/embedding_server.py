@@ -121,6 +121,14 @@ class _Staged(NamedTuple):
     rows: int
 
 
+def _close(store: Any) -> None:
+    """Release a store the server no longer serves (a ShardedStore's threads; a single
+    store holds none)."""
+    close = getattr(store, "close", None)
+    if close is not None:
+        close()
+
+
 def _ids(group: dict, where: str) -> np.ndarray:
     ids = group.get("ids") if isinstance(group, dict) else None
     if not (isinstance(ids, np.ndarray) and ids.dtype == np.uint64 and ids.ndim == 1):
@@ -210,7 +218,10 @@ class EmbeddingServer:
     async def stop(self) -> None:
         await self.rpc.stop()
         self._pool.shutdown(wait=True)
-        self._staged = None
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            _close(staged.store)
+        _close(self._serving.store)
 
     @property
     def address(self) -> str:
@@ -368,9 +379,13 @@ class EmbeddingServer:
             staging = make_store(old.capacity, old.optimizer, old.embedding_config,
                                  shards=self.store_threads)
             self._drop_staged("replaced by a newer load")  # its memory, first
-            kept = stage_shard_files(staging, directory, files, expected,
-                                     self.replica_index, self.replica_size,
-                                     held_rows=len(old))
+            try:
+                kept = stage_shard_files(staging, directory, files, expected,
+                                         self.replica_index, self.replica_size,
+                                         held_rows=len(old))
+            except BaseException:
+                _close(staging)
+                raise
             if not stage:
                 self._swap_in(staging)
                 return {"rows": kept}
@@ -395,6 +410,7 @@ class EmbeddingServer:
         if staged is None or (token is not None and staged.token != token):
             return False
         self._staged = None
+        _close(staged.store)
         log.warning("embedding server %d: dropped the staged load %s (%d rows): %s",
                     self.replica_index, staged.token, staged.rows, why)
         return True
@@ -407,6 +423,7 @@ class EmbeddingServer:
         was, own = serving.store.stats(), staging.stats()
         carried = {k: serving.carried[k] + was[k] - own[k] for k in COUNTERS}
         self._serving = _Serving(staging, carried, serving.loads + 1)
+        _close(serving.store)
 
     async def _commit_load(self, params: Any) -> dict:
         self._req.labels("commit_load").inc()

@@ -95,7 +95,15 @@ class ShardedStore:
                                    embedding_config) for s in range(k)]
         self._pool = ThreadPoolExecutor(max(k - 1, 1), thread_name_prefix="store-shard")
 
-    def __del__(self) -> None:
+    def close(self) -> None:
+        """Stop the shard threads, after any call under way. Idempotent; a closed store
+        refuses further batched calls. The server closes a store it stops serving (a load
+        replaced it, or the server stopped), so its threads never outlive it."""
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __del__(self) -> None:   # a store dropped without close: let its threads go
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=False)
@@ -113,6 +121,8 @@ class ShardedStore:
         """``fn(s)`` for every shard ``s`` concurrently: shard 0 on this thread, the others
         on the pool. Waits for all; raises the first error in shard order. Results in shard
         order."""
+        if self._pool is None:
+            raise RuntimeError("this ShardedStore was closed (its server stopped serving it)")
         futures = [self._pool.submit(fn, s) for s in range(1, self.shards)]
         out: list[Any] = [None] * self.shards
         first_error: BaseException | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import uuid
 
 import fsspec
@@ -127,11 +128,19 @@ async def test_servers_with_store_threads_serve_and_restore_the_same_rows(
                 np.testing.assert_array_equal(a, b)
             m = await write_checkpoint(str(tmp_path / "t"), router)
     async with running_servers(2, store_threads=threads_after) as (fresh, router2):
+        await train_rows(router2, rounds=1)   # the first store's threads start
         assert await ck.load_embeddings(m.path, router2.clients) == m.rows
         assert_same_rows(snapshot(fresh), before)
         health = await router2.broadcast("health")
         assert [h["store_threads"] for h in health] == [threads_after] * 2
         assert all(getattr(s.store, "shards", 1) == threads_after for s in fresh)
+        # The replaced stores' threads are gone: only the serving stores' pools are left.
+        assert len(shard_threads()) <= 2 * (threads_after - 1)
+    assert shard_threads() == [], "a stopped server left its store threads running"
+
+
+def shard_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("store-shard")]
 
 
 async def test_load_clears_rows_not_in_the_checkpoint(tmp_path):

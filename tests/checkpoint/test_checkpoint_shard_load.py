@@ -244,13 +244,13 @@ async def test_a_bad_shard_file_is_refused_and_changes_nothing(cluster, damage, 
 
 async def test_running_out_of_memory_halfway_changes_nothing(cluster, monkeypatch):
     servers, router, d, manifest = cluster
-    real = embedding_server.EmbeddingStore
+    real = embedding_server.make_store
 
     class Starved:
         """A staging store whose memory runs out at its second chunk."""
 
-        def __init__(self, *args):
-            self._store, self._loads = real(*args), 0
+        def __init__(self, *args, **kwargs):
+            self._store, self._loads = real(*args, **kwargs), 0
 
         def __getattr__(self, name):
             return getattr(self._store, name)
@@ -261,7 +261,7 @@ async def test_running_out_of_memory_halfway_changes_nothing(cluster, monkeypatc
                 raise MemoryError
             self._store.load(chunks)
 
-    monkeypatch.setattr(embedding_server, "EmbeddingStore", Starved)
+    monkeypatch.setattr(embedding_server, "make_store", Starved)
     probe = probe_ids(servers, d, manifest.embedding_files)
     before = await observe(servers[0], router.clients[0], probe)
     err = await failed_load(router.clients[0], {"dir": d, "files": manifest.embedding_files})

@@ -175,3 +175,17 @@ def test_internal_shards_are_independent_of_the_servers():
         assert counts.min() > 0.8 * len(server0) / shards, (servers, shards, counts)
     twin = ((stable_hash64(ids) >> np.uint64(32)) % np.uint64(5)).astype(np.int64)
     assert np.array_equal(segments.internal_owner(ids, 5), twin)
+
+
+def test_close_stops_the_threads_and_later_calls_are_refused():
+    others = set(threading.enumerate())
+    store = ShardedStore(1000, SGD(lr=0.1), shards=3)
+    store.lookup(np.arange(100, dtype=np.uint64), 4)
+    mine = [t for t in threading.enumerate()
+            if t not in others and t.name.startswith("store-shard")]
+    assert mine
+    store.close()
+    store.close()   # idempotent
+    assert not any(t.is_alive() for t in mine)
+    with pytest.raises(RuntimeError, match="closed"):
+        store.lookup(np.arange(10, dtype=np.uint64), 4)

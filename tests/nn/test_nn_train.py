@@ -310,4 +310,6 @@ def test_async_push_failure_surfaces_on_the_next_call(job_factory):
 
 def test_feed_thread_is_not_left_behind():
     # The helpers' feeder threads are daemons; a test suite must not leave other threads.
-    assert all(t.daemon or t is threading.main_thread() for t in threading.enumerate())
+    left = [t.name for t in threading.enumerate()
+            if not t.daemon and t is not threading.main_thread()]
+    assert not left, f"non-daemon threads left running: {left}"
