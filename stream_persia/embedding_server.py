@@ -76,7 +76,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -88,7 +87,7 @@ from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding import optim as optim_mod
 from stream_persia.embedding.sharded import make_store
 from stream_persia.embedding.store import IMPLEMENTATION
-from stream_persia.errors import BadInput, Misuse, require
+from stream_persia.errors import BadInput, Misuse, config_digest_param, require, require_hex16
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
 from stream_persia.shard_files import (
@@ -264,7 +263,7 @@ class EmbeddingServer:
         groups = require(params, "groups", list)
         checked = [_lookup_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
         train = mode == "train"
-        want = _expected_config(params)
+        want = config_digest_param(params)
 
         def run() -> dict:
             self._check_configured(want)
@@ -292,7 +291,7 @@ class EmbeddingServer:
                                f"{getattr(grads, 'dtype', type(grads).__name__)} "
                                f"{getattr(grads, 'shape', '')}", field=f"{where}.grads")
             checked.append((ids, grads))
-        want = _expected_config(params)
+        want = config_digest_param(params)
 
         def run() -> dict:
             self._check_configured(want)
@@ -449,20 +448,6 @@ class EmbeddingServer:
         return {"aborted": await self._run(self._drop_staged, "aborted", token)}
 
 
-def _hex16(value: Any, key: str, what: str) -> str:
-    """``value`` if it is 16 lowercase hex digits (a staged load's token, a configuration
-    digest); BadInput naming ``key`` otherwise."""
-    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{16}", value):
-        raise BadInput(f"{key} must be the 16 hex digits of {what}, got {str(value)[:40]!r}",
-                       field=key)
-    return value
-
-
 def _token(params: Any) -> str:
-    return _hex16(require(params, "token", str), "token", "a token a staged load returned")
-
-
-def _expected_config(params: dict) -> str | None:
-    """The configuration digest a lookup or update expects (``config``), if any."""
-    want = params.get("config")
-    return None if want is None else _hex16(want, "config", "a configuration digest")
+    return require_hex16(require(params, "token", str), "token",
+                         "a token a staged load returned")

@@ -13,6 +13,7 @@ API, the dead-letter topic) can report them structurally.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -113,3 +114,18 @@ def require(params: Any, key: str, kind: type | tuple[type, ...]) -> Any:
         raise BadInput(f"{key!r} has type {type(value).__name__}", field=key,
                        hint=f"expected {kind}")
     return value
+
+
+def require_hex16(value: Any, key: str, what: str) -> str:
+    """``value`` if it is 16 lowercase hex digits (a configuration digest, a staged load's
+    token); BadInput naming ``key`` otherwise."""
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{16}", value):
+        raise BadInput(f"{key} must be the 16 hex digits of {what}, got {str(value)[:40]!r}",
+                       field=key)
+    return value
+
+
+def config_digest_param(params: Any) -> str | None:
+    """The configuration digest a request expects (its optional ``config``), if any."""
+    want = params.get("config") if isinstance(params, dict) else None
+    return None if want is None else require_hex16(want, "config", "a configuration digest")

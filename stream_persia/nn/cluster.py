@@ -59,6 +59,11 @@ class Cluster:
         self.loop = LoopThread(name=name)
         self.workers: list[RpcClient] = []
         self.servers: list[RpcClient] = []
+        # The servers' configuration ({"digest", "optimizer", "embedding_config"}) as this
+        # NN worker set it or learned it; None while the job has not configured them.
+        # Fetches name its digest so that an embedding worker whose servers all lost it
+        # says so, and :meth:`restore_server_config` puts it back.
+        self.server_config: dict | None = None
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop thread and wait for its result."""
@@ -111,6 +116,31 @@ class Cluster:
         """Call ``method`` on every embedding server; results in server order."""
         return list(await asyncio.gather(*(s.call(method, params, timeout_ms)
                                            for s in self.servers)))
+
+    async def configure_servers(self, params: dict) -> None:
+        """``configure`` every embedding server, then learn the configuration they hold."""
+        await self.call_servers("configure", params)
+        await self.learn_server_config()
+
+    async def learn_server_config(self) -> dict | None:
+        """The configuration embedding server 0 holds (``get_config``), kept as
+        :attr:`server_config` when it has one."""
+        if self.servers:
+            learned = await self.servers[0].call("get_config", None)
+            if learned is not None:
+                self.server_config = learned
+        return self.server_config
+
+    async def restore_server_config(self) -> None:
+        """Configure every embedding server with :attr:`server_config` again (they
+        restarted and lost it; see :mod:`stream_persia.worker.router`)."""
+        cfg = self.server_config
+        if cfg is None:
+            return
+        log.warning("the embedding servers lost their configuration (restarted?): "
+                    "configuring them again with %s", cfg["digest"])
+        await self.call_servers("configure", {"optimizer": cfg["optimizer"],
+                                              "embedding_config": cfg["embedding_config"]})
 
     async def call_workers(self, method: str, params: Any = None,
                            timeout_ms: float | None = None) -> list[Any]:

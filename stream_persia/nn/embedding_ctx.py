@@ -267,8 +267,7 @@ class EmbeddingCtx:
     def configure_embedding_parameter_servers(self, embedding_config: EmbeddingConfig) -> None:
         """Apply ``embedding_config`` on every embedding server."""
         cluster = self._cluster()
-        cluster.run(cluster.call_servers("configure",
-                                         {"embedding_config": embedding_config.to_dict()}))
+        cluster.run(cluster.configure_servers({"embedding_config": embedding_config.to_dict()}))
 
     def get_embedding_size(self) -> list[int]:
         """Embedding rows held by each embedding server, in server order."""

@@ -27,7 +27,7 @@ import logging
 import queue
 from typing import Any
 
-from stream_persia.errors import PersiaError
+from stream_persia.errors import Misuse, PersiaError
 from stream_persia.nn.batch import PersiaTrainingBatch, from_served
 
 __all__ = ["StreamPrefetcher", "Ticket"]
@@ -137,15 +137,31 @@ class StreamPrefetcher:
         assert self._permits is not None and self._room is not None
         n = len(self.cluster.workers)
         kept_permit = kept_room = False
+        restored = False
         try:
             while not self._stopping:
-                served = await self.cluster.workers[wi].call(
-                    "next_batch", {"timeout_ms": self.poll_ms},
-                    timeout_ms=self.poll_ms + self.cluster.rpc_timeout_ms)
+                params: dict[str, Any] = {"timeout_ms": self.poll_ms}
+                if self.cluster.server_config is not None:
+                    params["config"] = self.cluster.server_config["digest"]
+                try:
+                    served = await self.cluster.workers[wi].call(
+                        "next_batch", params,
+                        timeout_ms=self.poll_ms + self.cluster.rpc_timeout_ms)
+                except Misuse as e:
+                    # Every embedding server lost the configuration (service.py): put it
+                    # back once, then ask again.
+                    if e.field != "config" or restored:
+                        raise
+                    await self.cluster.restore_server_config()
+                    restored = True
+                    continue
                 if served is None:
                     if not self.reproducible:
                         wi = (wi + 1) % n
                     continue
+                known = self.cluster.server_config
+                if known is not None and served.get("config") not in (None, known["digest"]):
+                    await self.cluster.learn_server_config()   # configured since (the API)
                 batch = from_served(served, wi, pin=self.pin)
                 self.served += 1
                 if batch.requires_grad and batch.batch_id is not None:

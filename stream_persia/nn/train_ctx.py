@@ -157,6 +157,10 @@ class TrainCtx(EmbeddingCtx):
                     timeout_s=max(self._ready_timeout_s, 60.0))
                 # DDP broadcasts rank 0's parameters: every rank starts identical.
                 self.model = option.convert2distributed_model(self.raw_model, self.device_id)
+                if self.rank > 0 and self._need_servers:
+                    # Rank 0 configured the servers before the process group formed.
+                    cluster = self._cluster()
+                    cluster.run(cluster.learn_server_config())
             elif self.distributed_option is not None:
                 log.info("WORLD_SIZE is 1: distributed_option %r is not used",
                          self.distributed_option)
@@ -175,7 +179,7 @@ class TrainCtx(EmbeddingCtx):
         # Rank 0 only: DDP's initial broadcast keeps other ranks from training before it.
         if self.rank == 0:
             cluster = self._cluster()
-            cluster.run(cluster.call_servers("configure", params))
+            cluster.run(cluster.configure_servers(params))
 
     def _exit(self, clean: bool) -> None:
         poller, self.checkpoint_poller = self.checkpoint_poller, None

@@ -15,6 +15,15 @@ configuration (``get_config``) from that server. From then on its requests carry
 digest, a server that was never configured refuses them (a Misuse on field ``config``),
 and the router configures it with what it learned and retries. A job that never
 configures its servers sends no digest and is served as before.
+
+Before its first request a router asks every server (:meth:`ShardRouter.learn`), so a
+worker that restarts together with some of the servers learns the configuration from the
+others before it sends anything, and configures the restarted ones first: otherwise the
+first batch would reach them without a digest and be looked up and applied with the
+defaults. When every server lost it too, only the NN side still knows it: an NN worker's
+``next_batch`` names the digest it expects, the embedding worker answers a Misuse on field
+``config`` while no server holds a configuration, and the NN side configures the servers
+again (:mod:`stream_persia.nn.loader`).
 """
 
 from __future__ import annotations
@@ -60,10 +69,49 @@ class ShardRouter:
                         for i, a in enumerate(self.addresses)]
         # The servers' configuration as last learned from them (see the module docstring).
         self.config: dict | None = None
+        self._asked = False                # a learn() was answered (see _call)
+        self._learning: asyncio.Lock | None = None
+
+    async def learn(self, *, once: bool = False) -> dict | None:
+        """Ask every server for its configuration (``get_config``); adopt the one most of
+        them hold and configure the servers that hold none with it. Returns what the
+        router knows afterwards (None: no server is configured). A server that does not
+        answer is skipped (its own requests fail, or configure it again, later).
+        ``once``: only if no learn has been answered yet (before the first request)."""
+        if self._learning is None:
+            self._learning = asyncio.Lock()
+        async with self._learning:
+            if once and self._asked:
+                return self.config
+            replies = await asyncio.gather(*(c.call("get_config", None) for c in self.clients),
+                                           return_exceptions=True)
+            self._asked = self._asked or any(not isinstance(r, BaseException)
+                                             for r in replies)
+            held = [r for r in replies if isinstance(r, dict) and r.get("digest")]
+            if held:
+                digests = [r["digest"] for r in held]
+                best = max(held, key=lambda r: digests.count(r["digest"]))
+                if len(set(digests)) > 1:
+                    log.warning("embedding servers hold different configurations %s; "
+                                "following %s (the most common)", sorted(set(digests)),
+                                best["digest"])
+                self.config = best
+            if self.config is not None:
+                bare = [s for s, r in enumerate(replies) if r is None]
+                for s in bare:
+                    log.warning("embedding server %d (%s) holds no configuration (restarted?):"
+                                " configuring it with %s", s, self.addresses[s],
+                                self.config["digest"])
+                await asyncio.gather(*(self.clients[s].call("configure", {
+                    "optimizer": self.config["optimizer"],
+                    "embedding_config": self.config["embedding_config"]}) for s in bare))
+            return self.config
 
     async def _call(self, s: int, method: str, params: dict) -> Any:
         """``method`` (lookup or update) on server ``s``, expecting the configuration
         learned so far; a server that lost it is configured again first."""
+        if not self._asked:
+            await self.learn(once=True)
         if self.config is not None:
             params["config"] = self.config["digest"]
         try:

@@ -16,7 +16,11 @@ RPC methods (params → result):
   broker-less ingest; waits while ingest is paused or the ready buffer is full
   (``Backpressure`` after the timeout); bad batches are refused with ``BadInput`` naming
   the field (nothing stored).
-- ``next_batch {"timeout_ms"}`` → a training batch (below) or None when none arrived.
+- ``next_batch {"timeout_ms", "config"?}`` → a training batch (below) or None when none
+  arrived. ``config``: the configuration digest the caller set on the servers; while no
+  server holds any (all restarted), a Misuse on field ``config`` (see
+  :mod:`stream_persia.worker.router`). The batch carries the digest the servers hold
+  (``config``) once the worker knows it.
 - ``push_gradients {"batch_id", "grads": {slot: f32 grad | None}}`` → ``{"applied", "dropped",
   "skipped_slots"}``; replies only after every server applied the update.
 - ``lookup_batch {"batch": wire dict, "mode": "eval"|"infer"}`` → a batch with embeddings,
@@ -59,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 from stream_persia.config import EmbeddingSchema
 from stream_persia.embedding.data import PersiaBatch
-from stream_persia.errors import Backpressure, BadInput, Misuse
+from stream_persia.errors import Backpressure, BadInput, Misuse, config_digest_param
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
 from stream_persia.worker.batchplan import BatchPlan, plan_batch, reduce_gradients
@@ -294,6 +298,17 @@ class EmbeddingWorker:
 
     async def _next_batch(self, params: Any) -> dict | None:
         timeout_ms = self._timeout_ms(params, 1000)
+        want = config_digest_param(params)
+        if want is not None and self.router.config is None \
+                and await self.router.learn() is None:
+            # The NN side configured the servers, but none holds a configuration now
+            # (they restarted, and this worker with them): serving would look up and
+            # train with the defaults. The NN side configures them again and retries.
+            raise Misuse(f"embedding worker {self.replica_index}: no embedding server "
+                         f"holds a configuration, but the caller expects {want} (they "
+                         "restarted?)", field="config",
+                         hint="configure the embedding servers again (NN workers do so "
+                              "by themselves)")
         deadline = time.monotonic() + timeout_ms / 1000.0
         # Room for one more in-flight batch first, so a batch is never taken off the ready
         # buffer only to wait there.
@@ -319,7 +334,10 @@ class EmbeddingWorker:
             self._inflight_room.release()
             self._settle(pb)
         self.m_served.inc()
-        return self._served(pb, embeddings)
+        served = self._served(pb, embeddings)
+        if self.router.config is not None:
+            served["config"] = self.router.config["digest"]
+        return served
 
     async def _lookup_batch(self, params: Any) -> dict:
         batch = self._batch_param(params, "lookup_batch")

@@ -51,6 +51,31 @@ class LocalJob:
             await w.start()
             self.workers.append(w)
 
+    def restart_all(self) -> None:
+        """Replace every server and worker by a fresh one at the same address, as a
+        supervisor restarting all of them at once would: the servers hold the defaults,
+        the workers know nothing of the job's configuration."""
+        self.loop.run(self._restart_all(), timeout=30)
+
+    async def _restart_all(self) -> None:
+        schema = self.workers[0].schema
+        await self._stop()
+        servers, workers = [], []
+        for s in self.servers:
+            host, port = s.address.rsplit(":", 1)
+            fresh = EmbeddingServer(s.store.capacity, replica_index=s.replica_index,
+                                    replica_size=s.replica_size, host=host, port=int(port))
+            await fresh.start()
+            servers.append(fresh)
+        for w in self.workers:
+            host, port = w.address.rsplit(":", 1)
+            fresh = EmbeddingWorker(schema, [s.address for s in servers],
+                                    replica_index=w.replica_index,
+                                    replica_size=w.replica_size, host=host, port=int(port))
+            await fresh.start()
+            workers.append(fresh)
+        self.servers, self.workers = servers, workers
+
     @property
     def worker_addresses(self) -> list[str]:
         return [w.address for w in self.workers]

@@ -17,6 +17,7 @@ from stream_persia.data import DataLoader, IterableDataset, StreamingDataset
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad
 from stream_persia.errors import Misuse, PeerUnavailable
+from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.utils import roc_auc, setup_seed
 
@@ -88,6 +89,57 @@ def test_forward_shapes_and_gradients_reach_the_owning_rows(job_factory):
                                    atol=1e-5)
     ids, rows = before["item"]      # unused by the model: no gradient, no update
     np.testing.assert_array_equal(server_rows(job, "item", ids), rows)
+
+
+def test_servers_and_workers_restarted_together_are_configured_again(job_factory):
+    """Every server and worker restarts between the NN's start and its first batch: no
+    role is left that knows the job's configuration but the NN worker. Its first fetch
+    names the digest, the worker refuses while no server holds one, the NN configures
+    them again, and the batch is trained with the job's optimizer, not the defaults."""
+    job = job_factory(SCHEMA)
+    model = TwoSlotLoss()
+    job_init = EmbeddingConfig((-0.001, 0.001))
+    with TrainCtx(SGD(lr=LR), torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                  embedding_workers=job.worker_addresses, mixed_precision=False,
+                  embedding_config=job_init, ready_timeout_s=10) as ctx:
+        want = ctx.cluster.server_config
+        assert want is not None and want["optimizer"] == SGD(lr=LR).to_dict()
+        job.restart_all()
+        assert job.servers[0].store.optimizer.to_dict() != want["optimizer"]  # defaults
+        job.feed([make_batch(0, batch_size=16)], background=False)
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=1):
+            for e in ctx.prepare_features(tb)[1]:   # rows from the job's init range
+                assert float(e.detach().abs().max()) <= 0.001 * 4 + 1e-6   # <= 4 ids summed
+            output, _ = ctx.forward(tb)
+            ctx.backward(output)
+        assert ctx.stats()["pushed"] == 1
+    store = job.servers[0].store
+    assert store.optimizer.to_dict() == want["optimizer"]
+    assert store.embedding_config.to_dict() == want["embedding_config"]
+
+
+def test_the_nn_side_follows_a_configuration_set_elsewhere(job_factory):
+    """The API reconfigures the servers mid-job: the NN worker learns it from the next
+    served batch, so it is what it would set again after a restart of every role."""
+    job = job_factory(SCHEMA)
+    model = TwoSlotLoss()
+    with TrainCtx(SGD(lr=LR), torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                  embedding_workers=job.worker_addresses, mixed_precision=False,
+                  ready_timeout_s=10) as ctx:
+        first = ctx.cluster.server_config
+        changed = {"optimizer": Adagrad(lr=0.2).to_dict()}
+
+        async def as_the_api_does() -> None:
+            async with RpcClient(job.servers[0].address) as server:
+                await server.call("configure", changed)
+
+        job.loop.run(as_the_api_does(), timeout=10)
+        job.feed([make_batch(0, batch_size=16)], background=False)
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=1):
+            output, _ = ctx.forward(tb)
+            ctx.backward(output)
+        now = ctx.cluster.server_config
+    assert now["digest"] != first["digest"] and now["optimizer"] == changed["optimizer"]
 
 
 def test_backward_misuse_is_refused(job_factory):

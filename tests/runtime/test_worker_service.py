@@ -18,7 +18,7 @@ import pytest
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD
 from stream_persia.embedding_server import EmbeddingServer
-from stream_persia.errors import Backpressure, BadInput
+from stream_persia.errors import Backpressure, BadInput, Misuse
 from stream_persia.rpc import RpcClient
 from stream_persia.sharding import shard_of
 from stream_persia.testing.samples import SCHEMA, make_batch, naive_sum
@@ -214,3 +214,25 @@ async def test_timeout_must_be_a_number_not_a_bool(job):
         with pytest.raises(BadInput) as err:
             await client.call(method, params)
         assert err.value.field == "timeout_ms"
+
+
+async def test_next_batch_expecting_a_configuration_no_server_holds_is_refused(job):
+    """The caller (an NN worker) configured the servers, but none holds a configuration
+    (all restarted, this worker too): refused naming ``config``, the batch kept; served,
+    with the servers' digest, once they are configured again."""
+    servers, worker, client = job
+    await client.call("ingest", {"batch": make_batch(0).to_wire()})
+    with pytest.raises(BadInput) as err:
+        await client.call("next_batch", {"timeout_ms": 50, "config": "not-a-digest"})
+    assert err.value.field == "config"
+    with pytest.raises(Misuse, match="no embedding server holds a configuration") as err:
+        await client.call("next_batch", {"timeout_ms": 50, "config": "0123456789abcdef"})
+    assert err.value.field == "config"
+    cfg = {"optimizer": SGD(lr=LR).to_dict(),
+           "embedding_config": EmbeddingConfig((-0.5, 0.5)).to_dict()}
+    for s in servers:
+        async with RpcClient(s.address) as c:
+            await c.call("configure", cfg)
+            digest = (await c.call("get_config"))["digest"]
+    served = await client.call("next_batch", {"timeout_ms": 2000, "config": digest})
+    assert served["meta"] == b"batch-0" and served["config"] == digest

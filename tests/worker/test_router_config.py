@@ -22,6 +22,7 @@ from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.errors import BadInput, Misuse
 from stream_persia.sharding import shard_of
 from stream_persia.testing.servers import running_servers
+from stream_persia.worker.router import ShardRouter
 
 DIM = 4
 JOB = {"optimizer": SGD(lr=0.5).to_dict(),
@@ -135,3 +136,43 @@ async def test_a_request_right_behind_a_configure_sees_it():
                        "config": digest}))
         await asyncio.gather(busy, configure)
         assert (await lookup)["config"] == digest
+
+
+async def test_a_restarted_worker_learns_before_its_first_request():
+    """A worker that restarts together with server 1 (a new router, a fresh server 1)
+    learns the configuration from server 0 before anything is sent, and configures
+    server 1 first: the first batch's rows on server 1 come from the job's range."""
+    async with running_servers(2) as (servers, old_router):
+        await old_router.broadcast("configure", JOB)
+        job = await old_router.clients[0].call("get_config")
+        await servers[1].stop()
+        fresh = replacement(servers[1])
+        await fresh.start()
+        router = ShardRouter([s.address for s in servers], timeout_ms=5000)
+        try:
+            rows, _ = await router.lookup([(DIM, ids_on(1))], "train")
+            assert np.abs(rows[0]).max() <= 0.001
+            assert router.config == job
+            assert await router.clients[1].call("get_config") == job
+        finally:
+            await router.close()
+            await fresh.stop()
+
+
+async def test_learn_follows_the_configuration_most_servers_hold():
+    async with running_servers(3) as (_, router):
+        other = {"optimizer": Adagrad(lr=0.2).to_dict()}
+        await router.clients[0].call("configure", other)
+        for c in router.clients[1:]:
+            await c.call("configure", JOB)
+        job = await router.clients[1].call("get_config")
+        assert await router.learn() == job
+        assert (await router.clients[0].call("get_config"))["digest"] != job["digest"]
+
+
+async def test_learn_skips_a_server_that_does_not_answer():
+    async with running_servers(2) as (servers, router):
+        await router.broadcast("configure", JOB)
+        job = await router.clients[0].call("get_config")
+        await servers[1].stop()
+        assert await router.learn() == job
