@@ -76,7 +76,8 @@ class ShardRouter:
         """Ask every server for its configuration (``get_config``); adopt the one most of
         them hold and configure the servers that hold none with it. Returns what the
         router knows afterwards (None: no server is configured). A server that does not
-        answer is skipped (its own requests fail, or configure it again, later).
+        answer is skipped (its own requests fail, or configure it again, later); when none
+        answers, the first one's error is raised.
         ``once``: only if no learn has been answered yet (before the first request)."""
         if self._learning is None:
             self._learning = asyncio.Lock()
@@ -85,8 +86,9 @@ class ShardRouter:
                 return self.config
             replies = await asyncio.gather(*(c.call("get_config", None) for c in self.clients),
                                            return_exceptions=True)
-            self._asked = self._asked or any(not isinstance(r, BaseException)
-                                             for r in replies)
+            if all(isinstance(r, BaseException) for r in replies):
+                raise replies[0]   # no server answers: say so (PeerUnavailable names it)
+            self._asked = True
             held = [r for r in replies if isinstance(r, dict) and r.get("digest")]
             if held:
                 digests = [r["digest"] for r in held]

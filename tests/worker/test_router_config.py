@@ -19,7 +19,7 @@ import pytest
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad
 from stream_persia.embedding_server import EmbeddingServer
-from stream_persia.errors import BadInput, Misuse
+from stream_persia.errors import BadInput, Misuse, PeerUnavailable
 from stream_persia.sharding import shard_of
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker.router import ShardRouter
@@ -176,3 +176,11 @@ async def test_learn_skips_a_server_that_does_not_answer():
         job = await router.clients[0].call("get_config")
         await servers[1].stop()
         assert await router.learn() == job
+
+
+async def test_learn_with_every_server_down_names_one():
+    async with running_servers(2) as (servers, router):
+        for s in servers:
+            await s.stop()
+        with pytest.raises(PeerUnavailable, match="embedding-server-0"):
+            await router.learn()
