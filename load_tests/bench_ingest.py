@@ -37,7 +37,9 @@ processes compete for the cores and the measured ratio is far below that estimat
 CPU figures are what to compare across changes. Last, it prints a floor: the baseline's
 consume-and-decode CPU plus the CPU of the server's pooled store lookups alone (the same
 ids and segments, timed in this process), which every pipeline spends at least; divided
-over the machine's cores, it bounds the ratio any pipeline could reach here::
+over the machine's cores, it bounds the ratio any pipeline could reach here. With it, the
+part of those lookups that keeps the LRU order (train minus eval mode), which is all a
+cheaper eviction policy could save::
 
     python load_tests/bench_ingest.py [--batches 64] [--repeats 5] [--zipf 1.2]
         [--store-threads 2] [--json out.json]

@@ -49,7 +49,7 @@ from stream_persia import segments
 from stream_persia.config.global_config import MAX_STORE_THREADS
 from stream_persia.embedding import _pystore as _py
 from stream_persia.embedding.store import EmbeddingStore
-from stream_persia.errors import BadInput
+from stream_persia.errors import BadInput, Misuse
 
 __all__ = ["ShardedStore", "make_store"]
 
@@ -122,7 +122,8 @@ class ShardedStore:
         on the pool. Waits for all; raises the first error in shard order. Results in shard
         order."""
         if self._pool is None:
-            raise RuntimeError("this ShardedStore was closed (its server stopped serving it)")
+            raise Misuse("this ShardedStore was closed (its server stopped serving it)",
+                         hint="use the store the server serves now")
         futures = [self._pool.submit(fn, s) for s in range(1, self.shards)]
         out: list[Any] = [None] * self.shards
         first_error: BaseException | None = None

@@ -70,7 +70,7 @@ class ShardRouter:
         # The servers' configuration as last learned from them (see the module docstring).
         self.config: dict | None = None
         self._asked = False                # a learn() was answered (see _call)
-        self._learning: asyncio.Lock | None = None
+        self._learning = asyncio.Lock()
 
     async def learn(self, *, once: bool = False) -> dict | None:
         """Ask every server for its configuration (``get_config``); adopt the one most of
@@ -79,8 +79,6 @@ class ShardRouter:
         answer is skipped (its own requests fail, or configure it again, later); when none
         answers, the first one's error is raised.
         ``once``: only if no learn has been answered yet (before the first request)."""
-        if self._learning is None:
-            self._learning = asyncio.Lock()
         async with self._learning:
             if once and self._asked:
                 return self.config
@@ -99,15 +97,18 @@ class ShardRouter:
                                 best["digest"])
                 self.config = best
             if self.config is not None:
-                bare = [s for s, r in enumerate(replies) if r is None]
-                for s in bare:
-                    log.warning("embedding server %d (%s) holds no configuration (restarted?):"
-                                " configuring it with %s", s, self.addresses[s],
-                                self.config["digest"])
-                await asyncio.gather(*(self.clients[s].call("configure", {
-                    "optimizer": self.config["optimizer"],
-                    "embedding_config": self.config["embedding_config"]}) for s in bare))
+                await asyncio.gather(*(self._configure(s) for s, r in enumerate(replies)
+                                       if r is None))
             return self.config
+
+    async def _configure(self, s: int) -> None:
+        """Give server ``s``, which holds no configuration, the one learned."""
+        assert self.config is not None
+        log.warning("embedding server %d (%s) holds no configuration (restarted?): "
+                    "configuring it with %s", s, self.addresses[s], self.config["digest"])
+        await self.clients[s].call("configure", {
+            "optimizer": self.config["optimizer"],
+            "embedding_config": self.config["embedding_config"]})
 
     async def _call(self, s: int, method: str, params: dict) -> Any:
         """``method`` (lookup or update) on server ``s``, expecting the configuration
@@ -121,12 +122,7 @@ class ShardRouter:
         except Misuse as e:
             if e.field != "config" or self.config is None:
                 raise
-            log.warning("embedding server %d (%s) lost its configuration (restarted?): "
-                        "configuring it again with configuration %s", s, self.addresses[s],
-                        self.config["digest"])
-            await self.clients[s].call("configure", {
-                "optimizer": self.config["optimizer"],
-                "embedding_config": self.config["embedding_config"]})
+            await self._configure(s)
             reply = await self.clients[s].call(method, params)
         digest = reply.get("config")
         if digest is not None and (self.config is None or digest != self.config["digest"]):
