@@ -78,7 +78,7 @@ cdef class CEmbeddingStore:
     cdef int64_t n_lookups, n_misses, n_admissions, n_evictions, n_updates, n_dropped
     cdef uint64_t draws
     cdef int64_t version
-    cdef bint busy
+    cdef bint busy, closed
     cdef object _opt_obj, _cfg, _dims
 
     implementation = "cython"
@@ -115,8 +115,28 @@ cdef class CEmbeddingStore:
     def __len__(self):
         return self.count
 
+    def close(self):
+        """Free the rows now; see ``PyEmbeddingStore.close``. Idempotent."""
+        if self.closed:
+            return
+        _enter(self)
+        try:
+            _free_all(self)
+            self.count = self.ecap = self.eused = 0
+            self.efree = self.head = self.tail = -1
+            sp_free(self.gbuf, self.gbuf_bytes)
+            sp_free(self.rbuf, self.rbuf_bytes)
+            sp_free(self.zbuf, self.zbuf_bytes)
+            self.gbuf, self.rbuf, self.zbuf = NULL, NULL, NULL
+            self.gbuf_bytes = self.rbuf_bytes = self.zbuf_bytes = 0
+            self.version += 1
+            self.closed = True
+        finally:
+            self.busy = False
+
     def lookup(self, ids, dim, train=True):
         """Embeddings of ``ids`` as float32 (n, dim); see ``PyEmbeddingStore.lookup``."""
+        _open(self)
         ids = _py.check_ids(ids)
         cdef int d = _py.check_dim(dim)
         cdef bint tr = bool(train)
@@ -151,6 +171,7 @@ cdef class CEmbeddingStore:
         ``(len(ids), dim)`` rows are never copied out. A training lookup that could evict
         (more ids than free capacity) copies them first instead, as ``lookup`` does: an
         admission may evict a row that an earlier id of the same call returned."""
+        _open(self)
         ids = _py.check_ids(ids)
         cdef int d = _py.check_dim(dim)
         _segments.check_pooled(ids.shape[0], index, offsets, "lookup_pooled")
@@ -188,6 +209,7 @@ cdef class CEmbeddingStore:
 
     def update(self, ids, grads):
         """Apply the optimizer to the rows of ``ids``; see ``PyEmbeddingStore.update``."""
+        _open(self)
         ids = _py.check_ids(ids)
         grads = _py.check_grads(grads, len(ids))
         cdef int64_t n = ids.shape[0], i = 0
@@ -216,6 +238,7 @@ cdef class CEmbeddingStore:
 
     def contains(self, ids):
         """Which ids are stored (bool array); recency is not refreshed."""
+        _open(self)
         ids = _py.check_ids(ids)
         cdef int64_t n = ids.shape[0], i
         out = np.zeros(n, np.bool_)
@@ -247,6 +270,7 @@ cdef class CEmbeddingStore:
 
     def configure(self, optimizer=None, embedding_config=None):
         """Replace the optimizer and/or config; see ``PyEmbeddingStore.configure``."""
+        _open(self)
         cdef int ai
         opt = self._opt_obj if optimizer is None else as_optimizer(optimizer)
         cfg = self._cfg if embedding_config is None else _py.check_config(embedding_config)
@@ -276,6 +300,8 @@ cdef class CEmbeddingStore:
         """Bytes allocated for rows, entries, the hash table and block pointers."""
         cdef int ai
         cdef Arena *a
+        if self.closed:
+            return 0
         cdef int64_t total = sizeof(Entry) * <int64_t>self.ecap
         total += sizeof(Slot) * (<int64_t>1 << self.tbits)
         for ai in range(self.narenas):
@@ -287,6 +313,7 @@ cdef class CEmbeddingStore:
     def dump(self, chunk_rows=_py.DUMP_CHUNK_ROWS):
         """Yield rows with optimizer state, least recently used first; see
         ``PyEmbeddingStore.dump`` for the chunk format."""
+        _open(self)
         if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
             raise BadInput(f"chunk_rows must be an int >= 1, got {chunk_rows!r}",
                            field="chunk_rows")
@@ -344,6 +371,7 @@ cdef class CEmbeddingStore:
 
     def load(self, chunks):
         """Insert dumped rows as the most recently used; see ``PyEmbeddingStore.load``."""
+        _open(self)
         cdef int64_t n, i
         cdef int32_t e
         cdef int ai, status, dim

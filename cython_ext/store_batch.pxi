@@ -1,7 +1,13 @@
 # Included by store.pyx (see the note there): the guards of the public methods and the
 # batched loops behind lookup, lookup_pooled and update (run with the GIL released).
 
+cdef _open(CEmbeddingStore self):
+    if self.closed:
+        raise _py.closed_error()
+
+
 cdef _enter(CEmbeddingStore self):
+    _open(self)
     if self.busy:
         raise Misuse("EmbeddingStore is not thread-safe: another call is running on it",
                      hint="serialise calls (one event loop or one lock per store)")

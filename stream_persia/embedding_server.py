@@ -120,14 +120,6 @@ class _Staged(NamedTuple):
     rows: int
 
 
-def _close(store: Any) -> None:
-    """Release a store the server no longer serves (a ShardedStore's threads; a single
-    store holds none)."""
-    close = getattr(store, "close", None)
-    if close is not None:
-        close()
-
-
 def _ids(group: dict, where: str) -> np.ndarray:
     ids = group.get("ids") if isinstance(group, dict) else None
     if not (isinstance(ids, np.ndarray) and ids.dtype == np.uint64 and ids.ndim == 1):
@@ -219,8 +211,8 @@ class EmbeddingServer:
         self._pool.shutdown(wait=True)
         staged, self._staged = self._staged, None
         if staged is not None:
-            _close(staged.store)
-        _close(self._serving.store)
+            staged.store.close()
+        self._serving.store.close()
 
     @property
     def address(self) -> str:
@@ -383,7 +375,7 @@ class EmbeddingServer:
                                          self.replica_index, self.replica_size,
                                          held_rows=len(old))
             except BaseException:
-                _close(staging)
+                staging.close()
                 raise
             if not stage:
                 self._swap_in(staging)
@@ -409,7 +401,7 @@ class EmbeddingServer:
         if staged is None or (token is not None and staged.token != token):
             return False
         self._staged = None
-        _close(staged.store)
+        staged.store.close()
         log.warning("embedding server %d: dropped the staged load %s (%d rows): %s",
                     self.replica_index, staged.token, staged.rows, why)
         return True
@@ -417,12 +409,12 @@ class EmbeddingServer:
     def _swap_in(self, staging: Any) -> None:
         """Serve ``staging`` from now on (store thread). The reported counters go on from
         the old store's; the staging store's own counts are the load's, not traffic, and
-        are subtracted. The old table goes with its last reference."""
+        are subtracted. The old store is closed: its memory is freed now."""
         serving = self._serving
         was, own = serving.store.stats(), staging.stats()
         carried = {k: serving.carried[k] + was[k] - own[k] for k in COUNTERS}
         self._serving = _Serving(staging, carried, serving.loads + 1)
-        _close(serving.store)
+        serving.store.close()
 
     async def _commit_load(self, params: Any) -> dict:
         self._req.labels("commit_load").inc()

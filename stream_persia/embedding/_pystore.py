@@ -133,6 +133,11 @@ def nonfinite_error(i: int, key: int) -> BadInput:
                     hint="skip the update of a step whose gradients overflowed")
 
 
+def closed_error() -> Misuse:
+    return Misuse("this embedding store was closed (its server stopped serving it)",
+                  hint="use the store the server serves now")
+
+
 def dim_error(key: int, stored: int, dim: int, what: str) -> BadInput:
     return BadInput(f"id {key} is stored with dim {stored} but this {what} uses dim {dim}",
                     field="ids", hint="each slot needs its own id prefix "
@@ -224,6 +229,7 @@ class PyEmbeddingStore:
             ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates"), 0)
         self._draws = 0
         self._version = 0
+        self._closed = False
 
     capacity = property(lambda self: self._capacity, doc="Most vectors held.")
     optimizer = property(lambda self: self._opt, doc="The embedding optimizer.")
@@ -231,6 +237,19 @@ class PyEmbeddingStore:
 
     def __len__(self) -> int:
         return len(self._lru)
+
+    def close(self) -> None:
+        """Free the rows now; later calls that read or change rows raise Misuse. Idempotent.
+        ``len`` is then 0 and ``stats`` keeps the counters. The embedding server closes a
+        store it stops serving (a load replaced it, or the server stopped)."""
+        self._lru.clear()
+        self._arenas.clear()
+        self._version += 1
+        self._closed = True
+
+    def _open(self) -> None:
+        if self._closed:
+            raise closed_error()
 
     def _arena(self, dim: int) -> _Arena:
         arena = self._arenas.get(dim)
@@ -254,6 +273,7 @@ class PyEmbeddingStore:
         (``train=False``) changes nothing. An id stored with another dim is a BadInput
         raised at that id (earlier ids of the call have been processed).
         """
+        self._open()
         ids, dim = check_ids(ids), check_dim(dim)
         rows = np.full(len(ids), -1, np.int64)
         arena = self._arena(dim) if train else self._arenas.get(dim)
@@ -309,6 +329,7 @@ class PyEmbeddingStore:
         ``lookup``; a pooled lookup of :mod:`stream_persia.segments`. ``index`` (int32)
         and ``offsets`` (int64) are checked before the store is touched: a malformed one
         is a BadInput naming ``lookup_pooled.index`` or ``lookup_pooled.offsets``."""
+        self._open()
         ids, dim = check_ids(ids), check_dim(dim)
         segments.check_pooled(len(ids), index, offsets, "lookup_pooled")
         return segments.pool(self.lookup(ids, dim, train), index, offsets, "lookup_pooled")
@@ -319,6 +340,7 @@ class PyEmbeddingStore:
         Gradients of the same id are summed first; ids not stored are dropped and counted;
         rows are then clamped to ±weight_bound. Errors leave the store unchanged.
         """
+        self._open()
         ids = check_ids(ids)
         grads = check_grads(grads, len(ids))
         dim = grads.shape[1]
@@ -352,11 +374,13 @@ class PyEmbeddingStore:
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
         """Which ids are stored (bool array); recency is not refreshed."""
+        self._open()
         ids = check_ids(ids)
         return np.fromiter((k in self._lru for k in ids.tolist()), bool, len(ids))
 
     def clear(self) -> None:
         """Drop every row (statistics are kept)."""
+        self._open()
         self._lru.clear()
         self._arenas.clear()
         self._version += 1
@@ -368,6 +392,7 @@ class PyEmbeddingStore:
         has the same ``state_kind`` (e.g. only lr changed); otherwise their state is reset
         to the new optimizer's initial state.
         """
+        self._open()
         opt = self._opt if optimizer is None else as_optimizer(optimizer)
         cfg = self._cfg if embedding_config is None else check_config(embedding_config)
         if opt.state_kind != self._opt.state_kind:
@@ -397,6 +422,7 @@ class PyEmbeddingStore:
         Loading the chunks in order reproduces the recency order exactly within a dim.
         Changing the store while iterating raises Misuse.
         """
+        self._open()
         if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
             raise BadInput(f"chunk_rows must be an int >= 1, got {chunk_rows!r}",
                            field="chunk_rows")
@@ -432,6 +458,7 @@ class PyEmbeddingStore:
         A chunk without ``"state"`` gets the optimizer's initial state. A chunk is validated
         as a whole before any of it is applied.
         """
+        self._open()
         for chunk in chunks:
             dim, ids, weights, state = check_chunk(chunk, self._opt)
             keys = ids.tolist()

@@ -49,7 +49,7 @@ from stream_persia import segments
 from stream_persia.config.global_config import MAX_STORE_THREADS
 from stream_persia.embedding import _pystore as _py
 from stream_persia.embedding.store import EmbeddingStore
-from stream_persia.errors import BadInput, Misuse
+from stream_persia.errors import BadInput
 
 __all__ = ["ShardedStore", "make_store"]
 
@@ -96,12 +96,15 @@ class ShardedStore:
         self._pool = ThreadPoolExecutor(max(k - 1, 1), thread_name_prefix="store-shard")
 
     def close(self) -> None:
-        """Stop the shard threads, after any call under way. Idempotent; a closed store
-        refuses further batched calls. The server closes a store it stops serving (a load
-        replaced it, or the server stopped), so its threads never outlive it."""
+        """Stop the shard threads, after any call under way, and free every shard's rows.
+        Idempotent; a closed store refuses further calls, as ``EmbeddingStore.close``. The
+        server closes a store it stops serving (a load replaced it, or the server stopped),
+        so neither its threads nor its memory outlive it."""
         pool, self._pool = getattr(self, "_pool", None), None
         if pool is not None:
             pool.shutdown(wait=True)
+        for store in self._stores:
+            store.close()
 
     def __del__(self) -> None:   # a store dropped without close: let its threads go
         pool = getattr(self, "_pool", None)
@@ -122,8 +125,7 @@ class ShardedStore:
         on the pool. Waits for all; raises the first error in shard order. Results in shard
         order."""
         if self._pool is None:
-            raise Misuse("this ShardedStore was closed (its server stopped serving it)",
-                         hint="use the store the server serves now")
+            raise _py.closed_error()
         futures = [self._pool.submit(fn, s) for s in range(1, self.shards)]
         out: list[Any] = [None] * self.shards
         first_error: BaseException | None = None

@@ -15,7 +15,8 @@ Interface (see ``_pystore.PyEmbeddingStore`` for the full contract):
   rows where they lie instead of copying them out (what embedding servers answer)
 - ``update(ids: uint64 (n,), grads: float32 (n, dim)) -> None``
 - ``contains(ids) -> bool (n,)``, ``len(store)``, ``clear()``, ``stats() -> dict``,
-  ``memory_bytes() -> int``
+  ``memory_bytes() -> int``, ``close()`` (frees the rows at once; later calls that read or
+  change rows raise Misuse)
 - ``configure(optimizer=None, embedding_config=None)``
 - ``dump(chunk_rows=65536)`` yields ``{"dim", "ids", "weights", "state", "state_kind"}``
   chunks, least recently used first; ``load(chunks)`` inserts them back.

@@ -11,7 +11,7 @@ from stream_persia.embedding.optim import Adagrad
 from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.worker.router import ShardRouter
 
-__all__ = ["running_servers"]
+__all__ = ["restarted", "running_servers"]
 
 
 @contextlib.asynccontextmanager
@@ -33,3 +33,12 @@ async def running_servers(n: int, optimizer: Any = None, capacity: int = 10_000,
         await router.close()
         for s in servers:
             await s.stop()
+
+
+def restarted(server: EmbeddingServer) -> EmbeddingServer:
+    """What a supervisor restarting ``server``'s process would bring up: a fresh server at
+    the same address, replica and capacity, holding only the defaults (no rows, no
+    configuration). Not started; the caller stops ``server`` first."""
+    host, port = server.address.rsplit(":", 1)
+    return EmbeddingServer(server.store.capacity, replica_index=server.replica_index,
+                           replica_size=server.replica_size, host=host, port=int(port))

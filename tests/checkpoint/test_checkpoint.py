@@ -149,8 +149,13 @@ async def test_load_clears_rows_not_in_the_checkpoint(tmp_path):
         m = await write_checkpoint(str(tmp_path / "a"), router)
         await train_rows(router, seed=9, rounds=1)        # rows the checkpoint does not have
         assert sum(len(s.store) for s in servers) > m.rows
+        replaced = [s.store for s in servers]
         await ck.load_embeddings(str(tmp_path / "a"), router.clients)
         assert sum(len(s.store) for s in servers) == m.rows
+        # The replaced tables are freed at once, not when their last reference goes.
+        assert [t.memory_bytes() for t in replaced] == [0, 0]
+        serving = [s.store for s in servers]
+    assert [t.memory_bytes() for t in serving] == [0, 0], "a stopped server kept its table"
 
 
 async def test_servers_must_be_a_complete_set_in_replica_order(tmp_path):

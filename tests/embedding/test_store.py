@@ -232,6 +232,42 @@ def test_clear_drops_rows_and_keeps_counters(impl):
     assert len(s) == 1
 
 
+CLOSED_CALLS = {
+    "lookup": lambda s: s.lookup(u64(1), 2),
+    "lookup_pooled": lambda s: s.lookup_pooled(u64(1), 2, np.zeros(1, np.int32),
+                                               np.array([0, 1], np.int64)),
+    "update": lambda s: s.update(u64(1), f32([[1, 1]])),
+    "contains": lambda s: s.contains(u64(1)),
+    "clear": lambda s: s.clear(),
+    "configure": lambda s: s.configure(SGD(0.2)),
+    "dump": lambda s: list(s.dump()),
+    "load": lambda s: put(s, [1], [[1, 1]]),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CLOSED_CALLS))
+def test_a_closed_store_frees_its_rows_and_refuses_calls(impl, call):
+    s = impl(100, Adagrad(0.1))
+    s.lookup(np.arange(50, dtype=np.uint64), 8)
+    assert s.memory_bytes() > 0
+    s.close()
+    s.close()   # idempotent
+    assert len(s) == 0 and s.memory_bytes() == 0
+    assert s.stats()["admissions"] == 50   # the counters stay readable
+    with pytest.raises(Misuse, match="closed"):
+        CLOSED_CALLS[call](s)
+
+
+def test_closing_a_store_mid_dump_stops_the_dump(impl):
+    s = impl(100, SGD(0.1))
+    s.lookup(np.arange(50, dtype=np.uint64), 2)
+    chunks = s.dump(chunk_rows=10)
+    next(chunks)
+    s.close()
+    with pytest.raises(Misuse):
+        next(chunks)
+
+
 def test_empty_batches(impl):
     s = impl(10, SGD(0.1))
     assert s.lookup(np.zeros(0, np.uint64), 3).shape == (0, 3)

@@ -18,6 +18,7 @@ from stream_persia.config import EmbeddingSchema
 from stream_persia.data_ctx import DataCtx
 from stream_persia.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
 from stream_persia.embedding_server import EmbeddingServer
+from stream_persia.testing.servers import restarted
 from stream_persia.worker.service import EmbeddingWorker
 
 # Three summation slots with one id per sample: the label is a logistic function of hidden
@@ -62,9 +63,7 @@ class LocalJob:
         await self._stop()
         servers, workers = [], []
         for s in self.servers:
-            host, port = s.address.rsplit(":", 1)
-            fresh = EmbeddingServer(s.store.capacity, replica_index=s.replica_index,
-                                    replica_size=s.replica_size, host=host, port=int(port))
+            fresh = restarted(s)
             await fresh.start()
             servers.append(fresh)
         for w in self.workers:

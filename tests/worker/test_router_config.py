@@ -18,10 +18,9 @@ import pytest
 
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.errors import BadInput, Misuse, PeerUnavailable
 from stream_persia.sharding import shard_of
-from stream_persia.testing.servers import running_servers
+from stream_persia.testing.servers import restarted, running_servers
 from stream_persia.worker.router import ShardRouter
 
 DIM = 4
@@ -35,13 +34,6 @@ def ids_on(replica: int, n: int = 8) -> np.ndarray:
     return ids[shard_of(ids, 2) == replica][:n]
 
 
-def replacement(server: EmbeddingServer) -> EmbeddingServer:
-    """A fresh server process's state at ``server``'s address: defaults only."""
-    host, port = server.address.rsplit(":", 1)
-    return EmbeddingServer(1000, replica_index=server.replica_index,
-                           replica_size=server.replica_size, host=host, port=int(port))
-
-
 async def test_a_restarted_server_is_configured_again_before_it_serves():
     async with running_servers(2) as (servers, router):
         await router.broadcast("configure", JOB)
@@ -51,7 +43,7 @@ async def test_a_restarted_server_is_configured_again_before_it_serves():
         assert router.config == learned and learned["optimizer"] == JOB["optimizer"]
 
         await servers[1].stop()
-        fresh = replacement(servers[1])
+        fresh = restarted(servers[1])
         await fresh.start()
         try:
             assert await router.clients[1].call("get_config") is None
@@ -74,7 +66,7 @@ async def test_a_job_that_never_configures_is_served_as_before():
         await router.lookup([(DIM, ids)], "train")
         assert router.config is None
         await servers[1].stop()
-        fresh = replacement(servers[1])
+        fresh = restarted(servers[1])
         await fresh.start()
         try:
             await router.lookup([(DIM, ids)], "train")   # no digest sent, none refused
@@ -146,7 +138,7 @@ async def test_a_restarted_worker_learns_before_its_first_request():
         await old_router.broadcast("configure", JOB)
         job = await old_router.clients[0].call("get_config")
         await servers[1].stop()
-        fresh = replacement(servers[1])
+        fresh = restarted(servers[1])
         await fresh.start()
         router = ShardRouter([s.address for s in servers], timeout_ms=5000)
         try:
