@@ -630,3 +630,27 @@ def test_slots_with_gradients_but_no_ids_send_no_empty_update():
     grads = random_gradients(0, plans)
     got = batchplan.reduce_gradients(plan, grads)
     assert got.by_dim == {} == pooling.reduce_batch_gradients(plans, grads).by_dim
+
+
+@pytest.mark.parametrize("store_threads", [1, 2])
+@pytest.mark.parametrize("mode", ["eval", "infer"])
+async def test_eval_lookups_count_every_id_without_a_row(mode, store_threads):
+    stored = np.arange(1, 200, dtype=np.uint64)
+    # plain and pooled groups, ids repeated inside a group and across groups
+    plain = np.array([5, 500, 5, 501, 7, 500], np.uint64)
+    pooled = np.array([8, 600, 9, 601, 602], np.uint64)
+    index = np.array([0, 1, 2, 3, 4, 1, 0], np.int32)
+    offsets = np.array([0, 3, 7], np.int64)
+    async with running_servers(1, SGD(lr=0.1), store_threads=store_threads) as (started, _):
+        async with RpcClient(started[0].address, timeout_ms=5000) as client:
+            await client.call("lookup", {"mode": "train", "groups": [{"dim": 4, "ids": stored}]})
+            reply = await client.call("lookup", {"mode": mode, "groups": [
+                {"dim": 4, "ids": plain},
+                {"dim": 4, "ids": pooled, "index": index, "offsets": offsets}]})
+            assert reply["missing"] == 3 + 3   # per id looked up: 500, 501, 500; 600-602
+            rows, sums = reply["rows"]
+            assert not rows[[1, 3, 5]].any() and rows[[0, 2, 4]].all()
+            assert len(started[0].store) == stored.size, "an eval lookup inserts nothing"
+            train = await client.call("lookup", {"mode": "train", "groups": [
+                {"dim": 4, "ids": plain}]})
+            assert train["missing"] == 0   # a training lookup reports none: it admits them
