@@ -90,10 +90,7 @@ cdef class CEmbeddingStore:
         _reset(self)
 
     def __dealloc__(self):
-        _free_all(self)
-        sp_free(self.gbuf, self.gbuf_bytes)
-        sp_free(self.rbuf, self.rbuf_bytes)
-        sp_free(self.zbuf, self.zbuf_bytes)
+        _release(self)
 
     # --- public interface ------------------------------------------------------------------
 
@@ -121,14 +118,9 @@ cdef class CEmbeddingStore:
             return
         _enter(self)
         try:
-            _free_all(self)
+            _release(self)
             self.count = self.ecap = self.eused = 0
             self.efree = self.head = self.tail = -1
-            sp_free(self.gbuf, self.gbuf_bytes)
-            sp_free(self.rbuf, self.rbuf_bytes)
-            sp_free(self.zbuf, self.zbuf_bytes)
-            self.gbuf, self.rbuf, self.zbuf = NULL, NULL, NULL
-            self.gbuf_bytes = self.rbuf_bytes = self.zbuf_bytes = 0
             self.version += 1
             self.closed = True
         finally:
@@ -261,6 +253,7 @@ cdef class CEmbeddingStore:
 
     def clear(self):
         """Drop every row (statistics are kept)."""
+        _open(self)
         _enter(self)
         try:
             _reset(self)
@@ -327,6 +320,7 @@ cdef class CEmbeddingStore:
         cdef int32_t[::1] wv_e, wv_a, mv
         cdef uint64_t[::1] kv
         cdef float[:, ::1] wv, sv
+        _open(self)   # closed between dump() and the first chunk
         while e >= 0:
             window = np.empty(chunk_rows, np.int32)
             arena_of = np.empty(chunk_rows, np.int32)

@@ -2,12 +2,13 @@
 # batched loops behind lookup, lookup_pooled and update (run with the GIL released).
 
 cdef _open(CEmbeddingStore self):
+    """Every public method that reads or changes rows starts here: a closed store has
+    none (its buffers are freed)."""
     if self.closed:
         raise _py.closed_error()
 
 
 cdef _enter(CEmbeddingStore self):
-    _open(self)
     if self.busy:
         raise Misuse("EmbeddingStore is not thread-safe: another call is running on it",
                      hint="serialise calls (one event loop or one lock per store)")

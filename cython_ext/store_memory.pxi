@@ -18,6 +18,16 @@ cdef void _free_all(CEmbeddingStore self) noexcept:
     self.narenas = 0
 
 
+cdef void _release(CEmbeddingStore self) noexcept:
+    """Free every buffer: the table's (``_free_all``) and the scratch of the batched calls."""
+    _free_all(self)
+    sp_free(self.gbuf, self.gbuf_bytes)
+    sp_free(self.rbuf, self.rbuf_bytes)
+    sp_free(self.zbuf, self.zbuf_bytes)
+    self.gbuf, self.rbuf, self.zbuf = NULL, NULL, NULL
+    self.gbuf_bytes = self.rbuf_bytes = self.zbuf_bytes = 0
+
+
 cdef _reset(CEmbeddingStore self):
     _free_all(self)
     self._dims = {}

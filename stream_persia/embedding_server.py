@@ -28,9 +28,11 @@ RPC methods (params → result):
   ``persia_embedding_server_store_<key>``
   The gauge ``persia_embedding_server_restore_staged_rows`` shows the rows of a staged
   load waiting for its commit (a second table in memory; 0 when none).
-- ``configure {"optimizer": dict | None, "embedding_config": dict | None}`` → None; then
-  ``get_config`` → ``{"digest", "optimizer", "embedding_config"}`` (the store's whole
-  configuration and a digest of it), or None while this process was never configured.
+- ``configure {"optimizer": dict | None, "embedding_config": dict | None, "digest"?}`` →
+  None; then ``get_config`` → ``{"digest", "optimizer", "embedding_config"}`` (the store's
+  whole configuration and a digest of it), or None while this process was never
+  configured. A ``get_config`` reply is a valid ``configure``: with ``digest``, both parts
+  must be given and hash to it (BadInput on field ``digest`` otherwise, nothing changed).
   Lookup and update replies carry ``"config"``: that digest, or None. A lookup or update
   whose params carry ``"config"`` (the digest the caller expects) is refused with a
   Misuse on field ``config`` by a server never configured: a server restarted mid-job
@@ -118,6 +120,15 @@ class _Staged(NamedTuple):
     token: str
     store: Any
     rows: int
+
+
+def described(optimizer: Any, embedding_config: EmbeddingConfig) -> dict:
+    """A configuration as ``get_config`` answers it: ``{"digest", "optimizer",
+    "embedding_config"}``, the digest being the first 16 hex digits of the sha256 of the
+    other two as sorted JSON. ``configure`` takes it back as it is."""
+    cfg = {"optimizer": optimizer.to_dict(), "embedding_config": embedding_config.to_dict()}
+    text = json.dumps(cfg, sort_keys=True, default=repr).encode()
+    return {"digest": hashlib.sha256(text).hexdigest()[:16], **cfg}
 
 
 def _ids(group: dict, where: str) -> np.ndarray:
@@ -263,7 +274,7 @@ class EmbeddingServer:
             # An eval or infer lookup counts each id it finds no row for as a miss: the
             # store's counter gives ``missing`` without a second pass over the table
             # (contains() would cost about as much as the lookup itself).
-            misses = store.stats()["misses"]
+            misses = 0 if train else store.stats()["misses"]
             rows = [store.lookup(ids, dim, train) if pooled is None
                     else store.lookup_pooled(ids, dim, *pooled, train)
                     for dim, ids, pooled in checked]
@@ -316,14 +327,24 @@ class EmbeddingServer:
         self._req.labels("configure").inc()
         if not isinstance(params, dict):
             raise BadInput("configure takes a map", field="params")
-        unknown = set(params) - {"optimizer", "embedding_config"}
+        unknown = set(params) - {"optimizer", "embedding_config", "digest"}
         if unknown:
             raise BadInput(f"unknown configure field(s) {sorted(unknown)}",
-                           field=sorted(unknown)[0], hint="optimizer, embedding_config")
+                           field=sorted(unknown)[0],
+                           hint="optimizer, embedding_config, digest")
         opt = params.get("optimizer")
         cfg = params.get("embedding_config")
         optimizer = optim_mod.optimizer_from_dict(opt) if opt is not None else None
         emb_cfg = EmbeddingConfig.from_dict(cfg) if cfg is not None else None
+        if params.get("digest") is not None:   # a get_config reply, given back as it is
+            digest = require_hex16(params["digest"], "digest", "a configuration digest")
+            if optimizer is None or emb_cfg is None:
+                raise BadInput("a configure that names a digest gives the whole "
+                               "configuration: optimizer and embedding_config", field="digest")
+            got = described(optimizer, emb_cfg)["digest"]
+            if got != digest:
+                raise BadInput(f"the configuration given has digest {got}, not {digest}",
+                               field="digest", hint="send a get_config reply unchanged")
 
         def run() -> None:
             self.store.configure(optimizer=optimizer, embedding_config=emb_cfg)
@@ -333,10 +354,7 @@ class EmbeddingServer:
 
     def _config(self) -> dict:
         """The store's whole configuration and its digest (store thread)."""
-        cfg = {"optimizer": self.store.optimizer.to_dict(),
-               "embedding_config": self.store.embedding_config.to_dict()}
-        text = json.dumps(cfg, sort_keys=True, default=repr).encode()
-        return {"digest": hashlib.sha256(text).hexdigest()[:16], **cfg}
+        return described(self.store.optimizer, self.store.embedding_config)
 
     async def _get_config(self, params: Any) -> dict | None:
         self._req.labels("get_config").inc()

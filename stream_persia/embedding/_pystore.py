@@ -429,6 +429,7 @@ class PyEmbeddingStore:
         return self._dump(chunk_rows)
 
     def _dump(self, chunk_rows: int) -> Iterator[dict[str, Any]]:
+        self._open()   # closed between dump() and the first chunk
         version = self._version
         items = iter(list(self._lru.items()))
         while True:

@@ -139,8 +139,7 @@ class Cluster:
             return
         log.warning("the embedding servers lost their configuration (restarted?): "
                     "configuring them again with %s", cfg["digest"])
-        await self.call_servers("configure", {"optimizer": cfg["optimizer"],
-                                              "embedding_config": cfg["embedding_config"]})
+        await self.call_servers("configure", cfg)   # a get_config reply, as it came
 
     async def call_workers(self, method: str, params: Any = None,
                            timeout_ms: float | None = None) -> list[Any]:

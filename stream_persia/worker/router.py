@@ -106,9 +106,7 @@ class ShardRouter:
         assert self.config is not None
         log.warning("embedding server %d (%s) holds no configuration (restarted?): "
                     "configuring it with %s", s, self.addresses[s], self.config["digest"])
-        await self.clients[s].call("configure", {
-            "optimizer": self.config["optimizer"],
-            "embedding_config": self.config["embedding_config"]})
+        await self.clients[s].call("configure", self.config)   # a get_config reply
 
     async def _call(self, s: int, method: str, params: dict) -> Any:
         """``method`` (lookup or update) on server ``s``, expecting the configuration

@@ -266,6 +266,13 @@ def test_closing_a_store_mid_dump_stops_the_dump(impl):
     s.close()
     with pytest.raises(Misuse):
         next(chunks)
+    # closed before its first chunk: refused too, not an empty dump
+    s = impl(100, SGD(0.1))
+    s.lookup(np.arange(50, dtype=np.uint64), 2)
+    chunks = s.dump(chunk_rows=10)
+    s.close()
+    with pytest.raises(Misuse, match="closed"):
+        next(chunks)
 
 
 def test_empty_batches(impl):

@@ -176,3 +176,19 @@ async def test_learn_with_every_server_down_names_one():
             await s.stop()
         with pytest.raises(PeerUnavailable, match="embedding-server-0"):
             await router.learn()
+
+
+async def test_a_get_config_reply_is_a_configure_and_its_digest_is_checked():
+    async with running_servers(2) as (servers, router):
+        await router.clients[0].call("configure", JOB)
+        learned = await router.clients[0].call("get_config")
+        await router.clients[1].call("configure", learned)   # given back as it came
+        assert await router.clients[1].call("get_config") == learned
+
+        other = {**learned, "optimizer": SGD(lr=0.25).to_dict()}   # tampered with
+        partial = {"digest": learned["digest"], "optimizer": learned["optimizer"]}
+        for params in (other, partial, {**learned, "digest": "not-hex"}):
+            with pytest.raises(BadInput) as err:
+                await router.clients[1].call("configure", params)
+            assert err.value.field == "digest", str(err.value)
+        assert await router.clients[1].call("get_config") == learned, "nothing changed"
