@@ -39,7 +39,9 @@ consume-and-decode CPU plus the CPU of the server's pooled store lookups alone (
 ids and segments, timed in this process), which every pipeline spends at least; divided
 over the machine's cores, it bounds the ratio any pipeline could reach here. With it, the
 part of those lookups that keeps the LRU order (train minus eval mode), which is all a
-cheaper eviction policy could save::
+cheaper eviction policy could save; and the same sums over rows whose place is already
+known (a layout-free gather: no hashing, no LRU, one cache line per id), the least any
+store layout could spend, with the floor the pipeline would have at that cost::
 
     python load_tests/bench_ingest.py [--batches 64] [--repeats 5] [--zipf 1.2]
         [--store-threads 2] [--json out.json]
@@ -60,7 +62,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stream_persia import aio, launch
+from stream_persia import aio, launch, segments
 from stream_persia.config import load_embedding_config
 from stream_persia.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
 from stream_persia.embedding.optim import Adagrad
@@ -241,17 +243,28 @@ async def run_rounds(args: argparse.Namespace, bootstrap: str, topic: str,
     return rounds
 
 
-def store_lookup_ms(args: argparse.Namespace, config_path: Path) -> tuple[float, float]:
-    """CPU ms per batch of the server's store work alone, in this process: the pooled
-    lookups (``EmbeddingStore.lookup_pooled``, train mode) of the last round's batches as
-    the worker plans them, in a store that has seen every round's batches, as the server's
-    has by then. Part of the floor that no pipeline goes below (with the baseline's
-    consume and decode): every id must be looked up and every occurrence summed, whichever
-    process sums it. Second, the same lookups in eval mode, which keeps no LRU order: the
-    difference is what the LRU upkeep costs (what a cheaper eviction policy could save)."""
+def store_lookup_ms(args: argparse.Namespace, config_path: Path) -> dict[str, float]:
+    """CPU ms per batch of the server's store work alone, in this process.
+
+    ``train``: the pooled lookups (``EmbeddingStore.lookup_pooled``, train mode) of the last
+    round's batches as the worker plans them, in a store that has seen every round's
+    batches, as the server's has by then. Part of the floor that no pipeline goes below
+    (with the baseline's consume and decode): every id must be looked up and every
+    occurrence summed, whichever process sums it.
+
+    ``eval``: the same lookups in eval mode, which keeps no LRU order: the difference is
+    what the LRU upkeep costs (what a cheaper eviction policy could save).
+
+    ``gather``: the least any store layout could spend on the same work: each distinct
+    id's row fetched from an array with as many rows as the store holds, its row number
+    already known (no hashing, no probing, no LRU: one cache line per id at dim 16), with
+    ``np.take``, then the same segment sums (``segments.pool``). An id keeps its row over
+    the batches, so hot ids stay as cached as they are in the store. What the store spends
+    over this is all that a more compact layout could save."""
     schema = load_embedding_config(config_path)
     store = EmbeddingStore(1_000_000_000, Adagrad())
     last: list[batchplan.PooledGroup] = []
+    seen = np.empty(0, dtype=np.uint64)
     for r in range(args.repeats):
         last = [batchplan.plan_batch(PersiaBatch.from_bytes(p).id_type_features, schema,
                                      requires_grad=False).pooled[args.dim]
@@ -259,13 +272,26 @@ def store_lookup_ms(args: argparse.Namespace, config_path: Path) -> tuple[float,
                                       seed=1000 + r, zipf=args.zipf)]
         for g in last:
             store.lookup(g.ids, args.dim, True)
+        seen = np.unique(np.concatenate([seen, *(g.ids for g in last)]))
     spent = {}
-    for train in (True, False):
+    for mode in ("train", "eval"):
         t0 = time.process_time()
         for g in last:
-            store.lookup_pooled(g.ids, args.dim, g.index, g.offsets, train)
-        spent[train] = (time.process_time() - t0) * 1000 / len(last)
-    return spent[True], spent[False]
+            store.lookup_pooled(g.ids, args.dim, g.index, g.offsets, mode == "train")
+        spent[mode] = (time.process_time() - t0) * 1000 / len(last)
+    store.close()
+    rng = np.random.default_rng(7)
+    rows_of = rng.permutation(len(seen))   # a stored id's row: fixed, scattered
+    table = rng.random((len(seen), args.dim), dtype=np.float32)
+    rows = [rows_of[np.searchsorted(seen, g.ids)] for g in last]
+    buf = np.empty((max(len(g.ids) for g in last), args.dim), dtype=np.float32)
+    t0 = time.process_time()
+    for g, r in zip(last, rows, strict=True):
+        got = buf[:len(r)]
+        np.take(table, r, axis=0, out=got)
+        segments.pool(got, g.index, g.offsets)
+    spent["gather"] = (time.process_time() - t0) * 1000 / len(last)
+    return spent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     # The floor: the worker consumes and decodes as the baseline does, and the server looks
     # every distinct id up; RPC, pooling, serving, the client and the broker only add. With
     # the cores shared perfectly, no pipeline on this machine beats this ratio.
-    lookup_ms, eval_lookup_ms = store_lookup_ms(args, tmp / "embedding_config.yml")
+    store_ms = store_lookup_ms(args, tmp / "embedding_config.yml")
+    lookup_ms, eval_lookup_ms, gather_ms = store_ms["train"], store_ms["eval"], store_ms["gather"]
     shutil.rmtree(tmp, ignore_errors=True)  # kept only when a run fails (the roles' logs)
     floor_ms = base_cpu + lookup_ms
     cores = os.cpu_count() or 1
@@ -362,6 +389,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{cores} cores no pipeline exceeds {floor_ratio:.2f}x consume-only")
     print(f"of the lookups, LRU upkeep: {lookup_ms - eval_lookup_ms:.1f} ms (eval mode, which "
           f"keeps no LRU order, {eval_lookup_ms:.1f} ms)")
+    # What a more compact store layout could gain: the same sums over rows whose place is
+    # known, one cache line per id (see store_lookup_ms), and the floor the pipeline would
+    # have with lookups that cheap.
+    gather_floor = cores * (1000 * args.batch_size / base) / (base_cpu + gather_ms)
+    print(f"a layout-free gather of the same rows + the same sums: {gather_ms:.1f} ms; the "
+          f"store spends {lookup_ms / gather_ms:.2f}x that. With lookups that cheap the "
+          f"floor would be {gather_floor:.2f}x consume-only")
     print(f"\ntarget >= 0.50x consume-only: {'met' if ratio >= 0.5 else 'NOT met'}")
     result = {
         "samples_per_s": pipe, "consume_only_samples_per_s": base, "vs_consume_only": ratio,
@@ -369,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "message_bytes": rounds[0]["message_bytes"], "cpu_ms_per_batch": cpu,
         "consume_only_cpu_ms_per_batch": base_cpu, "cpu_bound_ratio": cpu_bound_ratio,
         "store_lookup_ms_per_batch": lookup_ms, "eval_lookup_ms_per_batch": eval_lookup_ms,
+        "gather_ms_per_batch": gather_ms, "gather_floor_ratio": gather_floor,
         "floor_ratio": floor_ratio,
         "repeats": rounds_all, "counted_repeats": f"1..{len(rounds_all) - 1}",
     }
