@@ -40,8 +40,9 @@ ids and segments, timed in this process), which every pipeline spends at least; 
 over the machine's cores, it bounds the ratio any pipeline could reach here. With it, the
 part of those lookups that keeps the LRU order (train minus eval mode), which is all a
 cheaper eviction policy could save; and the same sums over rows whose place is already
-known (a layout-free gather: no hashing, no LRU, one cache line per id), the least any
-store layout could spend, with the floor the pipeline would have at that cost::
+known (a layout-free gather: no hashing, no LRU, one cache line per id), what the store
+spends beyond which a more compact layout could save, with the floor the pipeline would
+have at that cost::
 
     python load_tests/bench_ingest.py [--batches 64] [--repeats 5] [--zipf 1.2]
         [--store-threads 2] [--json out.json]
@@ -255,16 +256,15 @@ def store_lookup_ms(args: argparse.Namespace, config_path: Path) -> dict[str, fl
     ``eval``: the same lookups in eval mode, which keeps no LRU order: the difference is
     what the LRU upkeep costs (what a cheaper eviction policy could save).
 
-    ``gather``: the least any store layout could spend on the same work: each distinct
-    id's row fetched from an array with as many rows as the store holds, its row number
-    already known (no hashing, no probing, no LRU: one cache line per id at dim 16), with
-    ``np.take``, then the same segment sums (``segments.pool``). An id keeps its row over
-    the batches, so hot ids stay as cached as they are in the store. What the store spends
-    over this is all that a more compact layout could save."""
+    ``gather``: the same work for a store that knew each row's place without looking
+    (no hashing, no probing, no LRU: one cache line per id at dim 16): each distinct id of
+    the round gets a fixed random row of an array as large as the store's table, fetched
+    with ``np.take``, then the same segment sums (``segments.pool``). An id keeps its row
+    over the batches, so hot ids stay as cached as they are in the store. What the store
+    spends over this is what a more compact layout of the same rows could save."""
     schema = load_embedding_config(config_path)
     store = EmbeddingStore(1_000_000_000, Adagrad())
     last: list[batchplan.PooledGroup] = []
-    seen = np.empty(0, dtype=np.uint64)
     for r in range(args.repeats):
         last = [batchplan.plan_batch(PersiaBatch.from_bytes(p).id_type_features, schema,
                                      requires_grad=False).pooled[args.dim]
@@ -272,17 +272,18 @@ def store_lookup_ms(args: argparse.Namespace, config_path: Path) -> dict[str, fl
                                       seed=1000 + r, zipf=args.zipf)]
         for g in last:
             store.lookup(g.ids, args.dim, True)
-        seen = np.unique(np.concatenate([seen, *(g.ids for g in last)]))
     spent = {}
     for mode in ("train", "eval"):
         t0 = time.process_time()
         for g in last:
             store.lookup_pooled(g.ids, args.dim, g.index, g.offsets, mode == "train")
         spent[mode] = (time.process_time() - t0) * 1000 / len(last)
+    held = len(store)
     store.close()
     rng = np.random.default_rng(7)
-    rows_of = rng.permutation(len(seen))   # a stored id's row: fixed, scattered
-    table = rng.random((len(seen), args.dim), dtype=np.float32)
+    table = rng.random((held, args.dim), dtype=np.float32)
+    seen = np.unique(np.concatenate([g.ids for g in last]))
+    rows_of = rng.choice(held, size=len(seen), replace=False)   # fixed, scattered
     rows = [rows_of[np.searchsorted(seen, g.ids)] for g in last]
     buf = np.empty((max(len(g.ids) for g in last), args.dim), dtype=np.float32)
     t0 = time.process_time()
