@@ -186,6 +186,10 @@ def embedding_server(args: argparse.Namespace) -> int:
     from stream_persia.embedding_server import EmbeddingServer
 
     gc = global_config(args)
+    if args.embedding_config:
+        # PERSIA's command lines pass it; the server needs none of it, but a bad file
+        # fails here rather than in the first role that reads it.
+        embedding_schema(args)
     cfg = gc.embedding_parameter_server_config
     capacity = args.capacity or cfg.capacity
     threads = args.store_threads or cfg.store_threads   # the store checks it with capacity
@@ -226,6 +230,7 @@ def embedding_worker(args: argparse.Namespace) -> int:
                                  replica_index=args.replica_index,
                                  replica_size=args.replica_size, host=args.host, port=args.port,
                                  ready_buffer_batches=wc.ready_buffer_batches,
+                                 max_inflight_lookups=wc.max_inflight_lookups,
                                  rpc_timeout_ms=wc.rpc_timeout_ms)
         if bootstrap:
             from stream_persia.kafka import DeadLetterWriter, SampleConsumer

@@ -308,3 +308,55 @@ async def test_sigterm_drains_roles_to_exit_code_zero(direct_job):
         except PeerUnavailable as e:
             assert "shutting down" in str(e) or "closed" in str(e)
     assert codes == [0, 0, 0], [p.log_tail() for p in direct_job["workers"]]
+
+
+# ------------------------------------------------------------ worker config reaches it
+async def test_worker_config_bounds_its_buffer_and_concurrent_lookups(tmp_path):
+    """embedding_worker_config.forward_buffer_size (PERSIA's name for the ready buffer) and
+    max_inflight_lookups reach a launched worker and do what they say: a 3-batch buffer,
+    and at most 2 lookups on the servers at once however many are asked for."""
+    import numpy as np
+
+    from stream_persia.rpc import RpcServer
+
+    active = peak = 0
+
+    async def lookup(params: dict) -> dict:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        try:
+            await asyncio.sleep(0.3)   # long enough for every request to pile up
+        finally:
+            active -= 1
+        rows = [np.zeros((len(g["offsets"]) - 1 if "offsets" in g else len(g["ids"]),
+                          g["dim"]), np.float32) for g in params["groups"]]
+        return {"rows": rows, "missing": 0, "config": None}
+
+    async def get_config(params: object) -> None:
+        return None
+
+    # A peer that counts the lookups it is serving at once (a real RPC server on loopback).
+    server = RpcServer({"lookup": lookup, "get_config": get_config})
+    await server.start()
+    (tmp_path / "embedding_config.yml").write_text(EMBEDDING_YAML)
+    (tmp_path / "global_config.yml").write_text(
+        "embedding_worker_config:\n  forward_buffer_size: 3\n  max_inflight_lookups: 2\n")
+    worker = RoleProcess("embedding-worker", [
+        "--embedding-config", str(tmp_path / "embedding_config.yml"),
+        "--global-config", str(tmp_path / "global_config.yml"),
+        "--embedding-servers", server.address], log_path=tmp_path / "worker.log")
+    try:
+        await asyncio.to_thread(worker.start().wait_ready, 60)
+        async with RpcClient(worker.address, timeout_ms=30_000) as client:
+            status = await client.call("status")
+            assert status["ready_capacity"] == 3, status
+            replies = await asyncio.gather(*(
+                client.call("lookup_batch", {"batch": make_batch(i).to_wire(), "mode": "eval"})
+                for i in range(6)))
+        assert len(replies) == 6
+        assert peak == 2, f"{peak} lookups ran at once with max_inflight_lookups: 2"
+    finally:
+        code = await asyncio.to_thread(worker.stop)
+        await server.stop()
+    assert code == 0, worker.log_tail()
