@@ -65,17 +65,17 @@ def scrape(port: int) -> dict[str, float]:
      "--replica-index 3 must be in [0, --replica-size=2)"),
     (("embedding-parameter-server", "--replica-size", "0"), "--replica-size"),
     (("embedding-server", "--capacity", "0"),
-     "argument --capacity: must be an integer >= 1, got '0'"),
+     "argument --capacity: must be an integer in [1, 1073741824], got '0'"),
     (("embedding-server", "--store-threads", "0"),
-     "argument --store-threads: must be an integer >= 1, got '0'"),
+     "argument --store-threads: must be an integer in [1, 256], got '0'"),
     (("embedding-server", "--store-threads", "4", "--capacity", "2"),
      "4 store threads cannot share a capacity of 2 rows"),
     (("embedding-worker", "--embedding-servers", "127.0.0.1:7000,nonsense"),
      "--embedding-servers: 'nonsense' is not host:port"),
 ])
-def test_bad_flags_exit_nonzero_naming_the_flag(args, message):
+def test_bad_flags_exit_2_naming_the_flag(args, message):
     result = launch(*args)
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
 
