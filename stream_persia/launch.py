@@ -277,8 +277,23 @@ def data_loader(args: argparse.Namespace) -> int:
         os.environ["PERSIA_EMBEDDING_CONFIG"] = args.embedding_config
     sys.argv = [str(entry)]
     sys.path.insert(0, str(entry.parent.resolve()))
-    runpy.run_path(str(entry), run_name="__main__")
+
+    def stop(signum: int, _frame: Any) -> None:
+        signal.signal(signum, signal.SIG_IGN)   # once: let the script unwind
+        raise _LoaderStopped(signum)
+
+    # SIGTERM drains: the script stops where it is and its DataCtx, leaving its `with`
+    # block, delivers the batches already sent (bounded), then the role exits 0.
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        runpy.run_path(str(entry), run_name="__main__")
+    except _LoaderStopped:
+        log.info("SIGTERM: the data loader stopped; batches it had sent were flushed")
     return 0
+
+
+class _LoaderStopped(BaseException):
+    """SIGTERM while a data loader script runs (unwinds it like KeyboardInterrupt)."""
 
 
 def nn_worker_command(args: argparse.Namespace) -> list[str]:

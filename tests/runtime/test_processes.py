@@ -264,6 +264,45 @@ async def test_data_loader_role_runs_a_user_script(direct_job):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/maps")
+async def test_sigterm_drains_a_data_loader_to_exit_code_zero(direct_job):
+    """SIGTERM in the middle of a loader script: what it sent is delivered, exit 0."""
+    script = direct_job["tmp"] / "endless_loader.py"
+    script.write_text(textwrap.dedent("""\
+        import time
+        from stream_persia.ctx import DataCtx
+        from stream_persia.testing.samples import make_batch
+
+        ctx = DataCtx()
+        try:
+            with ctx:
+                for i in range(1000):
+                    ctx.send_data(make_batch(200 + i))
+                    if i == 3:
+                        print("sending", flush=True)
+                    time.sleep(0.05)
+        finally:
+            stats = ctx.stats()
+            print(f"sent {stats['sent']} acked {stats['acked']}", flush=True)
+    """))
+    addresses = [w.address for w in direct_job["workers"]]
+    loader = RoleProcess("data-loader", [str(script), "--embedding-workers", ",".join(addresses)],
+                         log_path=direct_job["tmp"] / "endless_loader.log")
+    loader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "sending" not in loader.log_tail() and time.monotonic() < deadline:
+            assert loader.alive(), loader.log_tail()
+            await asyncio.sleep(0.1)
+        code = await asyncio.to_thread(loader.stop, 15)   # SIGTERM, then SIGKILL after 15 s
+    finally:
+        loader.stop()
+    assert code == 0, loader.log_tail()
+    sent, acked = map(int, re.search(r"sent (\d+) acked (\d+)", loader.log_tail()).groups())
+    assert 4 <= sent == acked < 1000, loader.log_tail()
+    # every batch it sent reached a worker (and the buffers are empty again after)
+    assert len(await pull_all(addresses, sent)) == sent
+
+
 def test_a_worker_pooling_slots_itself_loads_torch_at_start(direct_job):
     """The job's ``tags`` slot is raw (pooled on the worker, by torch's segment sums): the
     worker imports torch while starting, not inside its first batch."""
