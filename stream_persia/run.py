@@ -134,6 +134,12 @@ def check_topology(topo: Topology, args: argparse.Namespace) -> None:
                 raise ConfigError(f"{file}: run.{key}: {e}", field=f"run.{key}",
                                   hint=f"fix it there, or override it with "
                                        f"--{key.replace('_', '-')}") from None
+    if args.data is not None and not topo.data:
+        raise ConfigError(f"--data: {topo.name} reads no dataset (its topology.yml has no "
+                          "data: section)", field="--data", hint="drop --data")
+    if args.data is not None and not Path(args.data).exists():
+        raise ConfigError(f"--data: {args.data} does not exist", field="--data",
+                          hint=f"the dataset {topo.name} reads (see its README)")
     if not topo.api and args.predict_samples:
         raise ConfigError(f"--predict-samples predicts through the API, which {topo.name} "
                           "does not start (roles.api: false)", field="--predict-samples")

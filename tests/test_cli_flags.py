@@ -95,6 +95,7 @@ RUN = [
     (["--partitions", "4"], "--partitions"),
     (["--kafka", "127.0.0.1:9092", "--topic", "t", "--partitions", "4"], "--partitions"),
     (["--no-api", "--predict-samples", "5"], "--predict-samples"),
+    (["--data", "/tmp/clicks.csv"], "--data"),   # synthetic_ctr reads no dataset
 ]
 
 
@@ -128,6 +129,14 @@ def test_run_refuses_bad_topology_run_settings_naming_file_and_key(tmp_path, cap
     assert str(topo / "topology.yml") in err
     # a flag overrides the file's value, so the run would be fine with --epochs
     assert "--epochs" in err
+
+
+def test_run_refuses_a_dataset_that_does_not_exist(tmp_path, capsys):
+    out = tmp_path / "run"
+    err = refused(["run", str(ROOT / "topologies" / "taobao_ple"), "--output-dir", str(out),
+                   "--data-file", str(tmp_path / "missing.csv")], "--data", capsys)
+    assert "does not exist" in err
+    assert not out.exists()
 
 
 def test_run_accepts_sizes_written_as_1e6(monkeypatch):
