@@ -508,7 +508,11 @@ def main(args: argparse.Namespace) -> int:
         args.predict_samples = PREDICT_SAMPLES
     out = Path(args.output_dir or Path("runs") / f"{topo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out = out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--output-dir: cannot make {out}: {e.strerror or e}",
+                          field="--output-dir", hint="a directory path you can write") from None
     job = Job(topo, args, out)
     t0 = time.monotonic()
     mode = f"Kafka {args.kafka} topic {job.topic}" if args.kafka else "broker-less stream"

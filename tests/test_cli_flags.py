@@ -139,6 +139,12 @@ def test_run_refuses_a_dataset_that_does_not_exist(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_run_refuses_an_output_dir_it_cannot_make(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    refused(["run", TOPOLOGY, "--output-dir", str(tmp_path / "file" / "run")],
+            "--output-dir", capsys)
+
+
 def test_run_accepts_sizes_written_as_1e6(monkeypatch):
     args = cli.build_parser().parse_args(
         ["run", TOPOLOGY, "--samples", "2e5", "--eval-samples", "1_000", "--epochs", "2"])
