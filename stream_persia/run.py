@@ -60,7 +60,7 @@ SETTINGS_ENV = {
 }
 
 
-#: The topology settings run flags override: flag dest -> (argparse type, accepted values).
+#: The topology settings run flags override: flag dest -> its argparse type.
 #: The same checks apply to a value from the environment (SETTINGS_ENV) that the roles
 #: would otherwise read, so a bad one stops the run before any role starts.
 SETTINGS_TYPES = {
