@@ -15,6 +15,9 @@ Settings come from flags, then the environment (PERSIA's variable names: ``PERSI
 CONFIG``, ``PERSIA_GLOBAL_CONFIG``, ``PERSIA_DATALOADER_ENTRY``, ``REPLICA_INDEX``,
 ``REPLICA_SIZE``; ours: ``PERSIA_EMBEDDING_SERVERS`` and ``PERSIA_EMBEDDING_WORKERS`` as
 comma-separated ``host:port`` lists, ``KAFKA_BOOTSTRAP_SERVERS``), then the config files.
+Every flag is checked when parsed (:mod:`stream_persia.flags`), environment defaults
+included, and each role takes only the flags it acts on: a bad one ends the command with
+exit status 2 and a message naming it, before anything starts.
 """
 
 from __future__ import annotations
@@ -24,56 +27,40 @@ import logging
 import os
 import sys
 
+from stream_persia import flags
+from stream_persia.config.global_config import MAX_STORE_THREADS
+from stream_persia.embedding import MAX_CAPACITY
 from stream_persia.errors import PersiaError
 
 ROLE_ALIASES = {"embedding-parameter-server": "embedding-server"}
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise SystemExit(
-            f"stream-persia: environment variable {name}={raw!r} is not an integer") from None
+def _add_replica(p: argparse.ArgumentParser) -> None:
+    """``--replica-index``/``--replica-size`` (PERSIA's ``REPLICA_INDEX``/``REPLICA_SIZE``;
+    main() checks index < size)."""
+    p.add_argument("--replica-index", **flags.env("REPLICA_INDEX", flags.integer(0), "0"),
+                   help="index of this replica (env REPLICA_INDEX; default 0)")
+    p.add_argument("--replica-size", **flags.env("REPLICA_SIZE", flags.integer(1), "1"),
+                   help="number of replicas of this role (env REPLICA_SIZE; default 1)")
 
 
-def _positive_int(raw: str) -> int:
-    """An argparse type: an integer >= 1 (argparse names the flag in its error)."""
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {raw!r}")
-    return value
-
-
-def _addresses(raw: str | None, flag: str) -> list[str]:
-    if not raw:
-        return []
-    out = [a.strip() for a in raw.split(",") if a.strip()]
-    for a in out:
-        host, _, port = a.rpartition(":")
-        if not host or not port.isdigit() or not (0 < int(port) < 65536):
-            raise SystemExit(f"stream-persia: {flag}: {a!r} is not host:port")
-    return out
+def _add_listen(p: argparse.ArgumentParser, *, metrics: bool = True) -> None:
+    """The RPC address a server role listens on, its metrics port and ready file."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=flags.port(), default=0,
+                   help="RPC port, 0-65535 (0: any free port)")
+    if metrics:
+        p.add_argument("--metrics-port", type=flags.port(zero="any free port, logged"),
+                       default=None,
+                       help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--ready-file", default=None,
+                   help="write host:port here once listening (used by `run` and tests)")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replica-index", type=int, default=_env_int("REPLICA_INDEX", 0),
-                   help="index of this replica (env REPLICA_INDEX; default 0)")
-    p.add_argument("--replica-size", type=int, default=_env_int("REPLICA_SIZE", 1),
-                   help="number of replicas of this role (env REPLICA_SIZE; default 1)")
+    _add_replica(p)
     _add_configs(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=0, help="RPC port (0: any free port)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this port (default: off)")
-    p.add_argument("--ready-file", default=None,
-                   help="write host:port here once listening (used by `run` and tests)")
+    _add_listen(p)
 
 
 def _add_configs(p: argparse.ArgumentParser) -> None:
@@ -82,7 +69,12 @@ def _add_configs(p: argparse.ArgumentParser) -> None:
                    help="embedding_config.yml (env PERSIA_EMBEDDING_CONFIG)")
     p.add_argument("--global-config", default=os.environ.get("PERSIA_GLOBAL_CONFIG"),
                    help="global_config.yml (env PERSIA_GLOBAL_CONFIG)")
-    p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
+    _add_log_level(p, "info")
+
+
+def _add_log_level(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--log-level", **flags.env("LOG_LEVEL", flags.log_level, default),
+                   help=f"{', '.join(flags.LOG_LEVELS)} (env LOG_LEVEL; default {default})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,39 +87,51 @@ def build_parser() -> argparse.ArgumentParser:
     es = roles.add_parser("embedding-server", aliases=["embedding-parameter-server"],
                           help="one shard of the embedding tables")
     _add_common(es)
-    es.add_argument("--capacity", type=_positive_int, default=None,
-                    help="max embedding vectors on this shard (default: global config)")
-    es.add_argument("--store-threads", type=_positive_int, default=None,
+    es.add_argument("--capacity", type=flags.integer(1, MAX_CAPACITY), default=None,
+                    help=f"max embedding vectors on this shard, 1-{MAX_CAPACITY} (default: "
+                         "global config embedding_parameter_server_config.capacity)")
+    es.add_argument("--store-threads", type=flags.integer(1, MAX_STORE_THREADS), default=None,
                     help="internal shards of the store, each on its own thread: one per core "
                          "the server may use (default: global config "
                          "embedding_parameter_server_config.store_threads, 1)")
 
     ew = roles.add_parser("embedding-worker", help="consumes samples, serves NN workers")
     _add_common(ew)
-    ew.add_argument("--embedding-servers", default=os.environ.get("PERSIA_EMBEDDING_SERVERS"),
+    ew.add_argument("--embedding-servers",
+                    **flags.env("PERSIA_EMBEDDING_SERVERS", flags.addresses, None),
                     help="comma-separated host:port of every embedding server, in order "
                          "(env PERSIA_EMBEDDING_SERVERS)")
-    ew.add_argument("--kafka", default=None,
+    ew.add_argument("--kafka", type=flags.addresses, default=None,
                     help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP_SERVERS, then the "
                          "global config); none: broker-less, data loaders push over RPC")
-    ew.add_argument("--topic", default=None, help="samples topic (default: global config)")
-    ew.add_argument("--num-partitions", type=int, default=None,
+    ew.add_argument("--topic", type=flags.topic, default=None,
+                    help="samples topic (default: global config)")
+    ew.add_argument("--num-partitions", type=flags.integer(1), default=None,
                     help="partitions of the samples topic (default: read from the broker)")
 
+    # A data loader listens on nothing: no --host/--port/--metrics-port/--ready-file.
     dl = roles.add_parser("data-loader", help="run a data loader script (DataCtx producer)")
-    _add_common(dl)
+    _add_replica(dl)
+    _add_configs(dl)
     dl.add_argument("entry", nargs="?", default=os.environ.get("PERSIA_DATALOADER_ENTRY"),
                     help="the data loader script (env PERSIA_DATALOADER_ENTRY)")
-    dl.add_argument("--embedding-workers", default=os.environ.get("PERSIA_EMBEDDING_WORKERS"),
+    dl.add_argument("--embedding-workers",
+                    **flags.env("PERSIA_EMBEDDING_WORKERS", flags.addresses, None),
                     help="broker-less mode: host:port of the embedding workers")
-    dl.add_argument("--kafka", default=None, help="Kafka bootstrap servers")
+    dl.add_argument("--kafka", type=flags.addresses, default=None,
+                    help="Kafka bootstrap servers")
 
+    # The API is one process with its own /metrics: no replica or metrics-port flags.
     ap = roles.add_parser("api", help="HTTP control plane and online inference (uvicorn)")
-    _add_common(ap)
+    _add_configs(ap)
+    _add_listen(ap, metrics=False)
     ap.set_defaults(host=None, port=None)   # None: api.host / api.port of the global config
-    ap.add_argument("--embedding-workers", default=os.environ.get("PERSIA_EMBEDDING_WORKERS"),
+    ap.set_defaults(replica_index=0, replica_size=1)
+    ap.add_argument("--embedding-workers",
+                    **flags.env("PERSIA_EMBEDDING_WORKERS", flags.addresses, None),
                     help="host:port of the embedding workers (env PERSIA_EMBEDDING_WORKERS)")
-    ap.add_argument("--embedding-servers", default=os.environ.get("PERSIA_EMBEDDING_SERVERS"),
+    ap.add_argument("--embedding-servers",
+                    **flags.env("PERSIA_EMBEDDING_SERVERS", flags.addresses, None),
                     help="host:port of the embedding servers, in replica order "
                          "(env PERSIA_EMBEDDING_SERVERS)")
     ap.add_argument("--checkpoint-dir", default=None,
@@ -143,9 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--predict-auth", action="store_true",
                     help="require the bearer token on /v1/predict too "
                          "(env PERSIA_API_PREDICT_AUTH=1)")
-    ap.add_argument("--batch-wait-ms", type=float, default=None,
-                    help="micro-batching: longest wait for concurrent requests (default 2)")
-    ap.add_argument("--max-batch-rows", type=int, default=None,
+    ap.add_argument("--batch-wait-ms", type=flags.number(0, 1000), default=None,
+                    help="micro-batching: longest wait for concurrent requests, 0-1000 "
+                         "(default 2)")
+    ap.add_argument("--max-batch-rows", type=flags.integer(1), default=None,
                     help="micro-batching: most samples in one forward pass (default 1024)")
 
     nw = roles.add_parser("nn-worker", help="run the training script with torchrun (DDP)")
@@ -156,17 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     # Arguments for the script follow `--` (split off in main(): argparse cannot tell them
     # from this command's options when they come after the positional script path).
     nw.set_defaults(script_args=[])
-    nw.add_argument("--nproc-per-node", type=int, default=_env_int("NPROC_PER_NODE", 1),
-                    help="processes (ranks) on this node, one per GPU (default 1)")
-    nw.add_argument("--nnodes", type=int, default=_env_int("NNODES", 1),
-                    help="number of NN worker nodes (default 1)")
-    nw.add_argument("--node-rank", type=int, default=_env_int("NODE_RANK", 0),
-                    help="index of this node (default 0)")
-    nw.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+    nw.add_argument("--nproc-per-node", **flags.env("NPROC_PER_NODE", flags.integer(1), "1"),
+                    help="processes (ranks) on this node, one per GPU (env NPROC_PER_NODE; "
+                         "default 1)")
+    nw.add_argument("--nnodes", **flags.env("NNODES", flags.integer(1), "1"),
+                    help="number of NN worker nodes (env NNODES; default 1)")
+    nw.add_argument("--node-rank", **flags.env("NODE_RANK", flags.integer(0), "0"),
+                    help="index of this node, below --nnodes (env NODE_RANK; default 0)")
+    nw.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR") or "127.0.0.1",
                     help="rendezvous host: node 0's address (env MASTER_ADDR)")
-    nw.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT", 0),
+    nw.add_argument("--master-port",
+                    **flags.env("MASTER_PORT", flags.port(zero="a free port, one node only"),
+                                "0"),
                     help="rendezvous port (env MASTER_PORT; one node: a free port)")
-    nw.add_argument("--embedding-workers", default=os.environ.get("PERSIA_EMBEDDING_WORKERS"),
+    nw.add_argument("--embedding-workers",
+                    **flags.env("PERSIA_EMBEDDING_WORKERS", flags.addresses, None),
                     help="host:port of the embedding workers (env PERSIA_EMBEDDING_WORKERS)")
     _add_configs(nw)
 
@@ -184,8 +193,31 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("run", help="run every role of a topology on this machine, end to end",
                         description=run.__doc__.split("\n\n")[0])
     run.add_arguments(rp)
-    rp.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "warning"))
+    _add_log_level(rp, "warning")
     return parser
+
+
+def _split(raw: str | None) -> list[str]:
+    """A checked ``host:port,...`` flag (:func:`stream_persia.flags.addresses`) as a list."""
+    return [a for a in (raw or "").split(",") if a]
+
+
+def check_launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse types cannot check alone (a flag against another); exit 2 on error."""
+    if not args.replica_index < args.replica_size:
+        parser.error(f"argument --replica-index: --replica-index {args.replica_index} must be "
+                     f"in [0, --replica-size={args.replica_size}) (flags or REPLICA_INDEX / "
+                     "REPLICA_SIZE)")
+    if args.role == "nn-worker" and not args.node_rank < args.nnodes:
+        parser.error(f"argument --node-rank: --node-rank {args.node_rank} must be below "
+                     f"--nnodes {args.nnodes} (flags or NODE_RANK / NNODES)")
+    if args.role == "nn-worker" and args.nnodes > 1 and not args.master_port:
+        parser.error("argument --master-port: needed with --nnodes > 1 (every node must use "
+                     "the same rendezvous port; flag or MASTER_PORT)")
+    if args.role == "embedding-server" and args.capacity is not None \
+            and args.store_threads is not None and args.store_threads > args.capacity:
+        parser.error(f"argument --store-threads: {args.store_threads} store threads cannot "
+                     f"share a capacity of {args.capacity} rows (each holds at least one)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,31 +226,23 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["launch", "nn-worker"] and "--" in argv:
         cut = argv.index("--")
         argv, script_args = argv[:cut], argv[cut + 1:]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if script_args:
         args.script_args = script_args
+    if args.command == "launch":
+        check_launch(parser, args)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=flags.level_of(args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "launch":
             from stream_persia import launch
 
             role = ROLE_ALIASES.get(args.role, args.role)
-            if not (0 <= args.replica_index < args.replica_size):
-                raise SystemExit(f"stream-persia: --replica-index {args.replica_index} must be "
-                                 f"in [0, --replica-size={args.replica_size})")
-            if role == "embedding-worker":
-                args.embedding_servers = _addresses(args.embedding_servers,
-                                                    "--embedding-servers")
-            if role in ("data-loader", "nn-worker"):
-                args.embedding_workers = _addresses(args.embedding_workers,
-                                                    "--embedding-workers")
-            if role == "api":
-                args.embedding_workers = _addresses(args.embedding_workers,
-                                                    "--embedding-workers")
-                args.embedding_servers = _addresses(args.embedding_servers,
-                                                    "--embedding-servers")
+            for name in ("embedding_servers", "embedding_workers"):
+                if hasattr(args, name):
+                    setattr(args, name, _split(getattr(args, name)))
             return launch.ROLES[role](args)
         if args.command == "produce":
             from stream_persia import produce

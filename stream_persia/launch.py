@@ -186,6 +186,10 @@ def embedding_server(args: argparse.Namespace) -> int:
     from stream_persia.embedding_server import EmbeddingServer
 
     gc = global_config(args)
+    if args.embedding_config:
+        # PERSIA's command lines pass it; the server needs none of it, but a bad file
+        # fails here rather than in the first role that reads it.
+        embedding_schema(args)
     cfg = gc.embedding_parameter_server_config
     capacity = args.capacity or cfg.capacity
     threads = args.store_threads or cfg.store_threads   # the store checks it with capacity
@@ -226,6 +230,7 @@ def embedding_worker(args: argparse.Namespace) -> int:
                                  replica_index=args.replica_index,
                                  replica_size=args.replica_size, host=args.host, port=args.port,
                                  ready_buffer_batches=wc.ready_buffer_batches,
+                                 max_inflight_lookups=wc.max_inflight_lookups,
                                  rpc_timeout_ms=wc.rpc_timeout_ms)
         if bootstrap:
             from stream_persia.kafka import DeadLetterWriter, SampleConsumer
@@ -272,8 +277,23 @@ def data_loader(args: argparse.Namespace) -> int:
         os.environ["PERSIA_EMBEDDING_CONFIG"] = args.embedding_config
     sys.argv = [str(entry)]
     sys.path.insert(0, str(entry.parent.resolve()))
-    runpy.run_path(str(entry), run_name="__main__")
+
+    def stop(signum: int, _frame: Any) -> None:
+        signal.signal(signum, signal.SIG_IGN)   # once: let the script unwind
+        raise _LoaderStopped(signum)
+
+    # SIGTERM drains: the script stops where it is and its DataCtx, leaving its `with`
+    # block, delivers the batches already sent (bounded), then the role exits 0.
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        runpy.run_path(str(entry), run_name="__main__")
+    except _LoaderStopped:
+        log.info("SIGTERM: the data loader stopped; batches it had sent were flushed")
     return 0
+
+
+class _LoaderStopped(BaseException):
+    """SIGTERM while a data loader script runs (unwinds it like KeyboardInterrupt)."""
 
 
 def nn_worker_command(args: argparse.Namespace) -> list[str]:

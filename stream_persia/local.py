@@ -19,7 +19,10 @@ from pathlib import Path
 
 from stream_persia.errors import RemoteTimeout
 
-__all__ = ["RoleProcess"]
+__all__ = ["RoleProcess", "QUIET_ROLES"]
+
+#: Roles that listen on no port (no ``--ready-file``; ready as soon as they run).
+QUIET_ROLES = frozenset({"data-loader", "nn-worker"})
 
 
 class RoleProcess:
@@ -34,14 +37,14 @@ class RoleProcess:
 
     def __init__(self, role: str, args: list[str] | tuple[str, ...] = (), *,
                  env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
-                 name: str | None = None, listens: bool = True):
+                 name: str | None = None, listens: bool | None = None):
         self.role = role
         self.name = name or role
         self.args = list(args)
         self.env = dict(env or {})
         # Roles that serve RPC report their address through a ready file; the NN worker
-        # and data loaders listen on nothing and take no --ready-file.
-        self.listens = listens
+        # and data loaders listen on nothing and take no --ready-file (None: by role).
+        self.listens = role not in QUIET_ROLES if listens is None else listens
         self._dir = tempfile.mkdtemp(prefix=f"persia-{self.name}-")
         self.ready_file = Path(self._dir) / "ready"
         self.log_path = Path(log_path) if log_path else Path(self._dir) / "log"

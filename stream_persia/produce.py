@@ -65,6 +65,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from stream_persia import flags
+from stream_persia.config.kafka import COMPRESSION_TYPES
 from stream_persia.embedding.data import PersiaBatch
 from stream_persia.errors import BadInput, ConfigError, PersiaError
 from stream_persia.readers import FORMATS, Columns, detect_format, read_chunks, split_ids
@@ -280,12 +282,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "into a PersiaBatch (function default make_batch)")
     p.add_argument("--format", choices=FORMATS, default=None,
                    help="default: from the file's extension")
-    p.add_argument("--batch-size", type=int, default=1024, help="rows per chunk (1024)")
+    p.add_argument("--batch-size", type=flags.size(1), default=1024,
+                   help="rows per chunk (1024)")
     dest = p.add_mutually_exclusive_group()
-    dest.add_argument("--kafka", default=None,
+    dest.add_argument("--kafka", type=flags.addresses, default=None,
                       help="Kafka bootstrap servers (else env KAFKA_BOOTSTRAP_SERVERS, then "
                            "the global config)")
-    dest.add_argument("--embedding-workers", default=None,
+    dest.add_argument("--embedding-workers", type=flags.addresses, default=None,
                       help="broker-less: host:port,... of the embedding workers (else env "
                            "PERSIA_EMBEDDING_WORKERS when no Kafka is configured)")
     p.add_argument("--global-config", default=os.environ.get("PERSIA_GLOBAL_CONFIG"),
@@ -293,20 +296,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedding-config", default=os.environ.get("PERSIA_EMBEDDING_CONFIG"),
                    help="embedding_config.yml: refuse batches with unknown slots before "
                         "sending (env PERSIA_EMBEDDING_CONFIG)")
-    p.add_argument("--topic", default=None, help="samples topic (default: global config)")
-    p.add_argument("--compression", default=None,
+    p.add_argument("--topic", type=flags.topic, default=None,
+                   help="samples topic (default: global config)")
+    p.add_argument("--compression", type=str.lower, choices=COMPRESSION_TYPES, default=None,
                    help="none|gzip|snappy|lz4|zstd (default: global config)")
-    p.add_argument("--max-inflight", type=int, default=8,
+    p.add_argument("--max-inflight", type=flags.integer(1), default=8,
                    help="batches sent but unacknowledged before waiting (8)")
-    p.add_argument("--timeout-ms", type=int, default=600_000,
+    p.add_argument("--timeout-ms", type=flags.integer(1), default=600_000,
                    help="how long one batch may wait for room (600000)")
-    p.add_argument("--limit", type=int, default=None, help="stop after this many rows")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--limit", type=flags.size(1), default=None,
+                   help="stop after this many rows")
+    p.add_argument("--repeat", type=flags.integer(0), default=1,
                    help="passes over the file (1; 0 = until interrupted)")
     p.add_argument("--no-header", action="store_true",
                    help="CSV/TSV without a header row: columns are col0, col1, ...")
     p.add_argument("--no-progress", action="store_true", help="no progress output")
-    p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"))
+    p.add_argument("--log-level", **flags.env("LOG_LEVEL", flags.log_level, "info"),
+                   help="debug, info, warning, error, critical (env LOG_LEVEL; default info)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -2,24 +2,34 @@
 
 Starts the embedding servers, embedding workers, the HTTP API, the NN worker ranks
 (torchrun) and the data loaders as separate processes; by default the data loaders hand
-batches to the workers directly (broker-less), with ``--kafka BOOTSTRAP`` they go through
-a fresh samples topic (replayable: exactly-once restore needs it). While it runs it prints
-progress (samples/s, loss, buffers); Ctrl-C asks the job for a checkpoint through the API
-and then stops every role. At the end the API serves the final checkpoint, a few eval
-samples are predicted over HTTP, and a report (``report.json`` + ``report.png``) is
-written into the output directory::
+batches to the workers directly (broker-less), with ``--kafka BOOTSTRAP`` (or
+``KAFKA_BOOTSTRAP_SERVERS``) they go through a fresh samples topic (replayable:
+exactly-once restore needs it). While it runs it prints
+progress (samples/s, loss, buffers). Ctrl-C, SIGTERM and SIGHUP all stop the run the same
+way: while training runs, the job is asked for a checkpoint through the API (at most
+``--stop-checkpoint-s``, 60 s; the same signal again skips it), then every role is stopped
+(SIGTERM to its process group, SIGKILL after a grace period), so none outlives the run.
+At the end the API serves the final checkpoint, a few eval samples are predicted over
+HTTP, and a report (``report.json`` + ``report.png``) is written into the output
+directory::
 
     stream-persia run topologies/synthetic_ctr                 # the main job
     stream-persia run topologies/adult_income --embedding-staleness 8 --nn-workers 2
     stream-persia run topologies/synthetic_ctr --kafka 127.0.0.1:9092 --samples 2e5
 
+Every flag, the topology's ``run:`` settings and the environment variables the roles
+would read (``STREAM_PERSIA_SAMPLES``, ``EMBEDDING_STALENESS``, ...) are checked before any
+role starts.
+
 Exit status: 0 done (gates passed), 1 a role failed, 2 bad flags or topology,
-3 an accuracy gate failed, 130 interrupted.
+3 an accuracy gate failed, 128 + the signal's number when stopped by one: 130 Ctrl-C
+(SIGINT), 143 SIGTERM, 129 SIGHUP.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -27,11 +37,13 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from stream_persia import flags
 from stream_persia.errors import ConfigError, PersiaError
 from stream_persia.local import RoleProcess
 from stream_persia.run_report import build_report, plot_report, print_report, served_metrics
@@ -48,33 +60,113 @@ SETTINGS_ENV = {
 }
 
 
+#: The topology settings run flags override: flag dest -> its argparse type.
+#: The same checks apply to a value from the environment (SETTINGS_ENV) that the roles
+#: would otherwise read, so a bad one stops the run before any role starts.
+SETTINGS_TYPES = {
+    "samples": flags.size(0, note=" (0: the whole dataset of a file-backed topology)"),
+    "epochs": flags.size(1),
+    "batch_size": flags.size(1),
+    "eval_samples": flags.size(0, note=" (0: the whole held-out split)"),
+    "embedding_staleness": flags.size(1, note=" (1: synchronous)"),
+    "seed": flags.size(0),
+}
+
+#: Eval samples predicted through the API at the end of a run, by default.
+PREDICT_SAMPLES = 2048
+#: Seconds a stop (Ctrl-C, SIGTERM, SIGHUP) waits for the final checkpoint by default.
+STOP_CHECKPOINT_S = 60.0
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("topology", help="a topology directory (with topology.yml)")
-    p.add_argument("--kafka", default=None,
-                   help="Kafka bootstrap servers: stream through Kafka (default: broker-less)")
-    p.add_argument("--topic", default=None,
+    p.add_argument("--kafka", **flags.env("KAFKA_BOOTSTRAP_SERVERS", flags.addresses, None),
+                   help="Kafka bootstrap servers: stream through Kafka (env "
+                        "KAFKA_BOOTSTRAP_SERVERS; default: broker-less)")
+    p.add_argument("--topic", type=flags.topic, default=None,
                    help="with --kafka: an existing samples topic (default: a fresh topic "
                         "<job>.<run>.samples, created with the admin client)")
-    p.add_argument("--partitions", type=int, default=None,
-                   help="partitions of a topic created here (default: 4 × workers)")
+    p.add_argument("--partitions", type=flags.integer(1, 1_000_000), default=None,
+                   help="with --kafka and no --topic: partitions of the topic created here "
+                        "(default: 4 × workers)")
     for flag in ("samples", "epochs", "batch-size", "eval-samples", "seed"):
-        p.add_argument(f"--{flag}", default=None, help=f"override run.{flag.replace('-', '_')}")
-    p.add_argument("--embedding-staleness", default=None,
-                   help="batches an NN rank may hold unapplied (1: synchronous)")
+        dest = flag.replace("-", "_")
+        p.add_argument(f"--{flag}", type=SETTINGS_TYPES[dest], default=None,
+                       help=f"override run.{dest} (a whole number; 1e6 is accepted)")
+    p.add_argument("--embedding-staleness", type=SETTINGS_TYPES["embedding_staleness"],
+                   default=None,
+                   help="batches an NN rank may hold unapplied (>= 1; 1: synchronous)")
     p.add_argument("--data", "--data-dir", "--data-file", dest="data", default=None,
                    help="dataset location for topologies that read one")
-    p.add_argument("--embedding-servers", type=int, default=None, help="replicas")
-    p.add_argument("--embedding-workers", type=int, default=None, help="replicas")
-    p.add_argument("--nn-workers", type=int, default=None, help="NN ranks (this machine)")
-    p.add_argument("--data-loaders", type=int, default=None, help="replicas")
+    replicas = flags.integer(1, 1024)
+    p.add_argument("--embedding-servers", type=replicas, default=None, help="replicas (>= 1)")
+    p.add_argument("--embedding-workers", type=replicas, default=None, help="replicas (>= 1)")
+    p.add_argument("--nn-workers", type=replicas, default=None,
+                   help="NN ranks on this machine (>= 1)")
+    p.add_argument("--data-loaders", type=replicas, default=None, help="replicas (>= 1)")
     p.add_argument("--output-dir", default=None,
                    help="where logs, metrics, the checkpoint and the report go "
                         "(default: runs/<job>-<time>)")
     p.add_argument("--no-api", action="store_true", help="do not start the HTTP API")
-    p.add_argument("--predict-samples", type=int, default=2048,
-                   help="eval samples predicted through the API at the end (0: none)")
+    p.add_argument("--predict-samples", type=flags.integer(0), default=None,
+                   help=f"eval samples predicted through the API at the end (0: none; "
+                        f"default {PREDICT_SAMPLES})")
     p.add_argument("--no-gates", action="store_true", help="report gates but exit 0")
-    p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
+    p.add_argument("--timeout-s", type=flags.number(0, lo_open=True), default=3600.0,
+                   help="give up after this long (seconds > 0)")
+    p.add_argument("--stop-checkpoint-s", type=flags.number(0), default=STOP_CHECKPOINT_S,
+                   help="on Ctrl-C, SIGTERM or SIGHUP: longest wait for the final checkpoint "
+                        f"before every role is stopped (0: none; default {STOP_CHECKPOINT_S:g})")
+
+
+def check_topology(topo: Topology, args: argparse.Namespace) -> None:
+    """The topology's ``run:`` settings the roles will read, and flags that need a role the
+    topology does not start (ConfigError naming the file and key, or the flag)."""
+    file = topo.directory / "topology.yml"
+    for key, parse in SETTINGS_TYPES.items():
+        if key in topo.run and getattr(args, key) is None:
+            value = topo.run[key]
+            try:
+                if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                    raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}")
+                parse(str(value))
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(f"{file}: run.{key}: {e}", field=f"run.{key}",
+                                  hint=f"fix it there, or override it with "
+                                       f"--{key.replace('_', '-')}") from None
+    if args.data is not None and not topo.data:
+        raise ConfigError(f"--data: {topo.name} reads no dataset (its topology.yml has no "
+                          "data: section)", field="--data", hint="drop --data")
+    if args.data is not None and not Path(args.data).exists():
+        raise ConfigError(f"--data: {args.data} does not exist", field="--data",
+                          hint=f"the dataset {topo.name} reads (see its README)")
+    if not topo.api and args.predict_samples:
+        raise ConfigError(f"--predict-samples predicts through the API, which {topo.name} "
+                          "does not start (roles.api: false)", field="--predict-samples")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Checks between flags, and of the environment the roles would read; before any role
+    starts. Raises ConfigError naming the flag or variable (exit 2)."""
+    if args.topic is not None and not args.kafka:
+        raise ConfigError("--topic needs --kafka (the broker-less stream has no topic)",
+                          field="--topic", hint="add --kafka HOST:PORT, or drop --topic")
+    if args.partitions is not None and (not args.kafka or args.topic is not None):
+        raise ConfigError("--partitions only sets the partitions of a topic this run "
+                          "creates (with --kafka and without --topic)", field="--partitions",
+                          hint="drop --partitions" + (", or --topic" if args.topic else ""))
+    if args.no_api and args.predict_samples:
+        raise ConfigError("--predict-samples predicts through the API, which --no-api "
+                          "leaves out", field="--predict-samples",
+                          hint="drop one of the two flags")
+    for key, var in SETTINGS_ENV.items():
+        raw = os.environ.get(var, "").strip()
+        if key in SETTINGS_TYPES and getattr(args, key) is None and raw:
+            try:
+                SETTINGS_TYPES[key](raw)
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(f"environment variable {var}: {e}", field=var,
+                                  hint=f"unset it, or pass --{key.replace('_', '-')}") from None
 
 
 class Job:
@@ -90,6 +182,9 @@ class Job:
         self.api: RoleProcess | None = None
         self.api_token = secrets.token_urlsafe(24)
         self.env = self._env()
+        # Wraps each spawn: StopSignals.deferred in main(), so a stop signal never lands
+        # between a child's fork and its record in self.roles.
+        self.spawn_guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def _env(self) -> dict[str, str]:
         a, topo = self.args, self.topo
@@ -140,10 +235,10 @@ class Job:
     def _role(self, role: str, args: list[str], name: str, env: dict | None = None
               ) -> RoleProcess:
         proc = RoleProcess(role, args, env={**self.env, **(env or {})},
-                           log_path=self.logs / f"{name}.log", name=name,
-                           listens=role not in ("nn-worker", "data-loader"))
-        self.roles.append(proc)
-        return proc.start()
+                           log_path=self.logs / f"{name}.log", name=name)
+        with self.spawn_guard():
+            self.roles.append(proc)
+            return proc.start()
 
     def start(self) -> None:
         topo, a = self.topo, self.args
@@ -271,28 +366,116 @@ def _wait(job: Job, t0: float, deadline: float) -> None:
                            f"lines of {job.nn.log_path}:\n{job.nn.log_tail(4000)}")
 
 
-def _checkpoint_on_interrupt(job: Job) -> str | None:
-    """Ask the job for a consistent checkpoint over the API (bounded wait)."""
-    if job.api is None or job.api.address is None:
+def _checkpoint_on_interrupt(job: Job, budget_s: float) -> str | None:
+    """Ask the job for a consistent checkpoint over the API, waiting at most ``budget_s``.
+
+    Only while the NN worker runs (it takes the checkpoint) and the API is up; a job whose
+    training ended has written its final checkpoint already."""
+    if (budget_s <= 0 or job.api is None or job.api.address is None or not job.api.alive()
+            or job.nn is None or not job.nn.alive()):
         return None
     import httpx
 
     base = f"http://{job.api.address}"
     headers = {"Authorization": f"Bearer {job.api_token}"}
+    deadline = time.monotonic() + budget_s
     try:
-        r = httpx.post(f"{base}/v1/checkpoints", headers=headers, json={}, timeout=10)
+        r = httpx.post(f"{base}/v1/checkpoints", headers=headers, json={},
+                       timeout=min(10.0, budget_s))
         r.raise_for_status()
         ckpt_id = r.json()["id"]
-        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            s = httpx.get(f"{base}/v1/checkpoints/{ckpt_id}", headers=headers, timeout=10)
+            left = max(0.1, deadline - time.monotonic())
+            s = httpx.get(f"{base}/v1/checkpoints/{ckpt_id}", headers=headers,
+                          timeout=min(10.0, left))
             state = s.json().get("state") if s.status_code == 200 else None
             if state in ("done", "failed"):
                 return ckpt_id if state == "done" else None
-            time.sleep(0.5)
+            time.sleep(min(0.5, left))
+        print(f"stream-persia run: the checkpoint was not done within {budget_s:g} s "
+              "(--stop-checkpoint-s)", file=sys.stderr)
     except Exception as e:  # best effort: stopping must not hang on a broken API
         print(f"stream-persia run: checkpoint on interrupt failed: {e!r}", file=sys.stderr)
     return None
+
+
+class Stopped(BaseException):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) arrived; the run exits ``128 + signum``."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class StopSignals:
+    """Turns SIGINT, SIGTERM and SIGHUP into :class:`Stopped` in the main thread while
+    installed (a context manager), so that every one of them stops the roles as Ctrl-C does.
+
+    The roles run in their own sessions (:class:`~stream_persia.local.RoleProcess`), so a
+    signal for this process never reaches them by itself: without this, SIGTERM would end
+    ``run`` and leave them running. Inside :meth:`deferred` (while a role is spawned, so
+    none can escape unrecorded) a signal is raised on leaving it. Once one was raised,
+    the run is stopping: a later signal is raised only inside :meth:`interruptible` (it
+    cuts the wait for the final checkpoint short) and ignored elsewhere, and inside
+    :meth:`shielded` (while the roles are stopped) every signal is ignored.
+    """
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+        self._defer = 0
+        self._shield = False
+        self._stopping = False
+        self._interruptible = False
+        self._pending: int | None = None
+
+    def __enter__(self) -> StopSignals:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self._shield or (self._stopping and not self._interruptible):
+            return
+        if self._defer:
+            self._pending = self._pending or signum
+            return
+        self._stopping = True
+        raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._defer += 1
+        try:
+            yield
+        finally:
+            self._defer -= 1
+        if not self._defer and self._pending is not None:
+            signum, self._pending = self._pending, None
+            self._stopping = True
+            raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
+
+    @contextlib.contextmanager
+    def shielded(self) -> Iterator[None]:
+        self._shield = True
+        try:
+            yield
+        finally:
+            self._shield = False
 
 
 def _serving_inputs(topo: Topology, env: dict[str, str], n: int):
@@ -318,41 +501,57 @@ def _serving_inputs(topo: Topology, env: dict[str, str], n: int):
 
 
 def main(args: argparse.Namespace) -> int:
+    check_args(args)
     topo = load_topology(args.topology)
+    check_topology(topo, args)
+    if args.predict_samples is None:
+        args.predict_samples = PREDICT_SAMPLES
     out = Path(args.output_dir or Path("runs") / f"{topo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out = out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--output-dir: cannot make {out}: {e.strerror or e}",
+                          field="--output-dir", hint="a directory path you can write") from None
     job = Job(topo, args, out)
     t0 = time.monotonic()
     mode = f"Kafka {args.kafka} topic {job.topic}" if args.kafka else "broker-less stream"
     print(f"stream-persia run {topo.name}: {mode}; output in {out}", file=sys.stderr)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        job.start()
-        print(f"roles up after {time.monotonic() - t0:.1f}s: "
-              f"servers {job.env['PERSIA_EMBEDDING_SERVERS']}, "
-              f"workers {job.env['PERSIA_EMBEDDING_WORKERS']}"
-              + (f", API http://{job.api.address}" if job.api else ""), file=sys.stderr)
-        _wait(job, t0, t0 + args.timeout_s)
-        metrics = _read_metrics(out)
-        served = None
-        if job.api is not None and metrics.get("checkpoint"):
-            served = served_metrics(job.api.address, job.api_token, metrics["checkpoint"],
-                                    _serving_inputs(topo, job.env, args.predict_samples),
-                                    list(topo.tasks))
-        report = build_report(topo, metrics, served, out, time.monotonic() - t0, mode)
-    except KeyboardInterrupt:
-        print("\nstream-persia run: interrupted; checkpointing before stopping...",
-              file=sys.stderr)
-        ckpt = _checkpoint_on_interrupt(job)
-        print(f"stream-persia run: checkpoint {ckpt or 'not taken'}", file=sys.stderr)
-        return 130
-    except (RuntimeError, TimeoutError) as e:
-        print(f"stream-persia run: {e}", file=sys.stderr)
-        return 1
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        job.stop()
+    with StopSignals() as signals:
+        job.spawn_guard = signals.deferred
+        try:
+            job.start()
+            print(f"roles up after {time.monotonic() - t0:.1f}s: "
+                  f"servers {job.env['PERSIA_EMBEDDING_SERVERS']}, "
+                  f"workers {job.env['PERSIA_EMBEDDING_WORKERS']}"
+                  + (f", API http://{job.api.address}" if job.api else ""), file=sys.stderr)
+            _wait(job, t0, t0 + args.timeout_s)
+            metrics = _read_metrics(out)
+            served = None
+            if job.api is not None and metrics.get("checkpoint"):
+                served = served_metrics(job.api.address, job.api_token, metrics["checkpoint"],
+                                        _serving_inputs(topo, job.env, args.predict_samples),
+                                        list(topo.tasks))
+            report = build_report(topo, metrics, served, out, time.monotonic() - t0, mode)
+        except Stopped as stop:
+            name = signal.Signals(stop.signum).name
+            print(f"\nstream-persia run: {name}: checkpointing before stopping every role "
+                  f"(at most {args.stop_checkpoint_s:g} s; send it again to skip)...",
+                  file=sys.stderr)
+            try:
+                with signals.interruptible():
+                    ckpt = _checkpoint_on_interrupt(job, args.stop_checkpoint_s)
+            except Stopped:
+                ckpt = None
+            print(f"stream-persia run: checkpoint {ckpt or 'not taken'}; stopping",
+                  file=sys.stderr)
+            return 128 + stop.signum
+        except (RuntimeError, TimeoutError) as e:
+            print(f"stream-persia run: {e}", file=sys.stderr)
+            return 1
+        finally:
+            with signals.shielded():   # a signal now must not leave roles behind
+                job.stop()
     (out / "report.json").write_text(json.dumps(report, indent=1))
     plot_report(_read_metrics(out), out / "report.png", topo.name)
     print_report(report)

@@ -62,8 +62,7 @@ def test_global_defaults_match_persia():
         incremental_buffer_size=1_000_000, incremental_dir=None,
         incremental_channel_capacity=1000, restore_stage_ttl_s=600, store_threads=1)
     w = g.embedding_worker_config
-    assert w.forward_buffer_size == 1000 and w.buffered_data_expired_sec == 1000
-    assert w.ready_buffer_batches >= 1 and w.max_inflight_lookups >= 1
+    assert (w.ready_buffer_batches, w.max_inflight_lookups) == (16, 16)
     assert w.rpc_timeout_ms == 10_000
     k = g.kafka
     assert k.bootstrap_servers is None and k.embedded
@@ -244,6 +243,26 @@ GLOBAL_ERRORS = [
      "embedding_parameter_server_config.capacity", "1000000000"),
     ({"embedding_parameter_server_config": {"capacity": 1.5e9}},
      "embedding_parameter_server_config.capacity", "integer"),
+    # The store holds at most 2**30 rows: refused here, naming the key, not by the server.
+    ({"embedding_parameter_server_config": {"capacity": (1 << 30) + 1}},
+     "embedding_parameter_server_config.capacity", "[1, 1073741824], got 1073741825"),
+    ({"embedding_parameter_server_config": {"capacity": 1 << 48}},
+     "embedding_parameter_server_config.capacity", "the store's limit"),
+    # PERSIA features stream-persia does not have: refused by value, not ignored.
+    ({"common_config": {"job_type": "Infer"}}, "common_config.job_type", "launch api"),
+    ({"common_config": {"job_type": "eval"}}, "common_config.job_type", "Eval is not"),
+    ({"common_config": {"metrics_config": {"enable_metrics": True}}},
+     "common_config.metrics_config.enable_metrics", "--metrics-port"),
+    ({"common_config": {"infer_config": {"embedding_checkpoint": "/ckpt"}}},
+     "common_config.infer_config.embedding_checkpoint", "--model"),
+    ({"embedding_worker_config": {"buffered_data_expired_sec": 1000}},
+     "embedding_worker_config.buffered_data_expired_sec", "exactly-once"),
+    ({"embedding_worker_config": {"forward_buffer_size": 8, "ready_buffer_batches": 8}},
+     "embedding_worker_config.ready_buffer_batches", "given twice"),
+    ({"embedding_worker_config": {"forward_buffer_size": 0}},
+     "embedding_worker_config.ready_buffer_batches", "forward_buffer_size"),
+    ({"embedding_worker_config": {"max_inflight_lookups": 0}},
+     "embedding_worker_config.max_inflight_lookups", "got 0"),
     ({"embedding_parameter_server_config": {"restore_stage_ttl_s": 0}},
      "embedding_parameter_server_config.restore_stage_ttl_s", "staged restore"),
     ({"embedding_parameter_server_config": {"store_threads": 0}},
@@ -309,7 +328,7 @@ def test_unknown_key_lists_accepted_keys():
         GlobalConfig.from_dict({"embedding_worker_config": {"forward_bufer_size": 1}},
                                source="g.yml")
     assert "did you mean 'forward_buffer_size'" in info.value.hint
-    for key in ("forward_buffer_size", "ready_buffer_batches", "rpc_timeout_ms"):
+    for key in ("max_inflight_lookups", "ready_buffer_batches", "rpc_timeout_ms"):
         assert key in info.value.hint
 
 
@@ -500,21 +519,36 @@ PERSIA_DOCS_EMBEDDING = """\
     """
 
 
-def test_persia_docs_global_config_loads(tmp_path):
-    g = load_global_config(write(tmp_path, "global_config.yml", PERSIA_DOCS_GLOBAL))
-    assert g.common_config.metrics_config.enable_metrics is True
+def test_persia_docs_global_config_loads_once_no_push_gateway_is_asked_for(tmp_path):
+    # PERSIA pushed metrics to a gateway; nothing here would: refused, naming what to use.
+    with pytest.raises(ConfigError) as info:
+        load_global_config(write(tmp_path, "global_config.yml", PERSIA_DOCS_GLOBAL))
+    assert info.value.field == "common_config.metrics_config.enable_metrics"
+    assert "GET /metrics" in info.value.hint
+    g = load_global_config(write(tmp_path, "global_config.yml", PERSIA_DOCS_GLOBAL.replace(
+        "enable_metrics: true", "enable_metrics: false")))
     assert g.common_config.checkpointing_config.num_workers == 8
     assert g.embedding_parameter_server_config.capacity == 1_000_000
     assert g.embedding_parameter_server_config.incremental_buffer_size == 5_000_000
-    assert g.embedding_worker_config.forward_buffer_size == 1000
+    # PERSIA's forward_buffer_size is the worker's buffer of batches waiting for NN workers
+    assert g.embedding_worker_config.ready_buffer_batches == 1000
 
 
-def test_persia_adult_income_infer_config_loads(tmp_path):
+def test_persia_adult_income_infer_config_is_refused_naming_each_gap(tmp_path):
+    text = PERSIA_ADULT_INCOME_INFER.replace("enable_metrics: true", "enable_metrics: false")
+    with pytest.raises(ConfigError) as info:
+        load_global_config(write(tmp_path, "global_config_infer.yml", text))
+    assert info.value.field == "common_config.infer_config.embedding_checkpoint"
+    assert "untrained rows" in str(info.value)
+    text = "".join(line for line in text.splitlines(keepends=True)
+                   if "embedding_checkpoint" not in line)
+    with pytest.raises(ConfigError) as info:
+        load_global_config(write(tmp_path, "global_config_infer.yml", text))
+    assert info.value.field == "common_config.job_type"
     g = load_global_config(write(tmp_path, "global_config_infer.yml",
-                                 PERSIA_ADULT_INCOME_INFER))
-    assert g.job_type == "Infer"
+                                 text.replace("job_type: Infer", "job_type: Train")))
+    # the API takes its embedding servers from infer_config.servers
     assert g.common_config.infer_config.servers == ("embedding_parameter_server:8888",)
-    assert g.common_config.infer_config.embedding_checkpoint == "/cache/adult_income_ckpt/"
 
 
 def test_persia_docs_embedding_config_loads(tmp_path):
@@ -541,13 +575,15 @@ def test_persia_draft_spelling_and_legacy_keys(tmp_path):
         """))
     assert list(schema.slots) == ["id", "age"]
     g = GlobalConfig.from_dict({"common_config": {
-        "job_type": "infer", "num_embedding_io_workers": 6,
-        "metrics_config": {"push_interval_seconds": 30},
-        "infer_config": {"initial_sparse_checkpoint": "/ckpt"}}})
-    assert g.job_type == "Infer"
+        "job_type": "train", "num_embedding_io_workers": 6,
+        "metrics_config": {"push_interval_seconds": 30}}})
+    assert g.job_type == "Train"
     assert g.common_config.checkpointing_config.num_workers == 6
     assert g.common_config.metrics_config.push_interval_sec == 30
-    assert g.common_config.infer_config.embedding_checkpoint == "/ckpt"
+    with pytest.raises(ConfigError) as info:
+        GlobalConfig.from_dict({"common_config": {
+            "infer_config": {"initial_sparse_checkpoint": "/ckpt"}}})
+    assert info.value.field == "common_config.infer_config.embedding_checkpoint"
 
 
 def test_empty_sections_mean_defaults(tmp_path):

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any, TextIO
 
+from stream_persia import flags
 from stream_persia.checkpoint.manifest import Manifest
 from stream_persia.checkpoint.reader import list_checkpoints, read_manifest, verify
 
@@ -24,7 +25,8 @@ def add_parser(sub: Any) -> None:
     ls.add_argument("root", help="directory holding checkpoint directories")
     ls.add_argument("--json", action="store_true", help="print the manifests as JSON")
     for p in (ins, ls):
-        p.add_argument("--log-level", default="warning")
+        p.add_argument("--log-level", type=flags.log_level, default="warning",
+                       help="debug, info, warning, error, critical (default warning)")
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:

@@ -3,13 +3,14 @@
 PERSIA's keys and documented defaults::
 
     common_config:
-      job_type: Train                    # Train | Eval | Infer
-      metrics_config: {enable_metrics: false, push_interval_sec: 10,
-                       job_name: persia_default_jobname}
+      job_type: Train                    # Eval and Infer are refused (no such jobs here)
+      metrics_config: {enable_metrics: false, push_interval_sec: 10,   # true is refused:
+                       job_name: persia_default_jobname}               # no push gateway
       checkpointing_config: {num_workers: 4}
-      infer_config: {servers: [], embedding_checkpoint: null}
+      infer_config: {servers: [], embedding_checkpoint: null}   # a checkpoint is refused
     embedding_parameter_server_config:
-      capacity: 1000000000               # embedding rows per server (LRU beyond it)
+      capacity: 1000000000               # embedding rows per server (LRU beyond it),
+                                         # at most 2**30 (the store's limit)
       num_hashmap_internal_shards: 100
       full_amount_manager_buffer_size: 1000
       enable_incremental_update: false   # true is refused: not implemented
@@ -19,15 +20,22 @@ PERSIA's keys and documented defaults::
       restore_stage_ttl_s: 600           # ours: a staged restore not committed is dropped
       store_threads: 1                   # ours: internal shards, each on its own thread
     embedding_worker_config:
-      forward_buffer_size: 1000          # batches buffered from data loaders
-      buffered_data_expired_sec: 1000    # a served batch whose gradients never come back
-      ready_buffer_batches: 16           # ours: looked-up batches waiting for NN workers
-      max_inflight_lookups: 16           # ours: concurrent lookup RPCs per worker
+      ready_buffer_batches: 16           # batches waiting for NN workers (PERSIA's name:
+                                         # forward_buffer_size; PERSIA's default was 1000)
+      max_inflight_lookups: 16           # ours: concurrent lookups per worker
       rpc_timeout_ms: 10000              # ours
+      # buffered_data_expired_sec is refused: PERSIA dropped late batches (data loss)
 
 ``kafka`` is described in :mod:`stream_persia.config.kafka`; ``api`` in :class:`ApiConfig`.
-Keys that PERSIA accepted but never acted on are refused with an explanation instead of
-being ignored (DESIGN §3).
+
+Every key is either acted on or refused with the reason and what to use instead: keys
+PERSIA accepted but never acted on, and values asking for a PERSIA feature stream-persia
+does not have (incremental update, pushed metrics, Eval/Infer jobs, servers preloaded from
+a checkpoint, dropping late batches). The only exceptions are :data:`INERT_KEYS`: PERSIA
+keys accepted so that PERSIA's files load, each of which has no effect in PERSIA either
+under the values accepted here, or only tuned the speed of a PERSIA internal that
+stream-persia does not have. ``tests/test_config_keys.py`` fails on a key that is none of
+these.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from stream_persia.config._base import (
     section_to_dict,
 )
 from stream_persia.config.kafka import KafkaConfig
+from stream_persia.embedding import MAX_CAPACITY
 from stream_persia.errors import ConfigError
 
 #: The most threads (internal shards) one embedding server's store may have.
@@ -58,10 +67,33 @@ MAX_STORE_THREADS = 256
 
 __all__ = ["MetricsConfig", "CheckpointingConfig", "InferConfig", "CommonConfig",
            "EmbeddingParameterServerConfig", "EmbeddingWorkerConfig", "ApiConfig",
-           "GlobalConfig", "JOB_TYPES"]
+           "GlobalConfig", "JOB_TYPES", "INERT_KEYS"]
 
 JOB_TYPES = ("Train", "Eval", "Infer")
 _UNUSED = "PERSIA's {what}; stream-persia has no use for it: remove it"
+
+#: Accepted keys that change nothing, by key path, with the reason (see the module
+#: docstring). Anything else a file sets is acted on, or refused.
+INERT_KEYS: dict[str, str] = {
+    "common_config.metrics_config.push_interval_sec":
+        "configures pushing to a gateway, which is off (enable_metrics: true is refused)",
+    "common_config.metrics_config.job_name":
+        "labels pushed metrics, which are off (enable_metrics: true is refused)",
+    "common_config.checkpointing_config.num_workers":
+        "PERSIA's dump/load threads per server; every server here writes and reads its "
+        "shard in one stream, all servers at once",
+    "embedding_parameter_server_config.num_hashmap_internal_shards":
+        "PERSIA's lock striping of its hash map; the store here has none (its parallelism "
+        "is store_threads)",
+    "embedding_parameter_server_config.full_amount_manager_buffer_size":
+        "a buffer of PERSIA's incremental update, which is off (true is refused)",
+    "embedding_parameter_server_config.incremental_buffer_size":
+        "incremental update is off (enable_incremental_update: true is refused)",
+    "embedding_parameter_server_config.incremental_dir":
+        "incremental update is off (enable_incremental_update: true is refused)",
+    "embedding_parameter_server_config.incremental_channel_capacity":
+        "incremental update is off (enable_incremental_update: true is refused)",
+}
 
 
 class _Section:
@@ -85,6 +117,12 @@ class MetricsConfig(_Section):
         check_bool(self, "enable_metrics")
         check_int(self, "push_interval_sec", lo=1, hi=86_400)
         check_str(self, "job_name")
+        if self.enable_metrics:
+            raise error("enable_metrics", "true is not supported: stream-persia does not push "
+                        "metrics to a Prometheus push gateway as PERSIA did",
+                        "set it to false (or remove metrics_config): every role serves its "
+                        "metrics for Prometheus to scrape (launch --metrics-port; the API's "
+                        "GET /metrics)")
 
 
 @dataclass(frozen=True)
@@ -113,6 +151,13 @@ class InferConfig(_Section):
     _ALIASES: ClassVar[dict[str, str]] = {"initial_sparse_checkpoint": "embedding_checkpoint"}
 
     def __post_init__(self) -> None:
+        if self.embedding_checkpoint is not None:
+            raise error("embedding_checkpoint", "is not supported: embedding servers do not "
+                        "load a checkpoint at start as PERSIA's inference servers did (they "
+                        "would serve untrained rows)",
+                        "remove it; serve a checkpoint with `stream-persia launch api --model "
+                        "CKPT` (env PERSIA_API_MODEL), or restore it into running servers "
+                        "with POST /v1/checkpoints/{id}/restore")
         servers = self.servers
         if servers is None:
             servers = ()
@@ -147,6 +192,12 @@ class CommonConfig(_Section):
 
     def __post_init__(self) -> None:
         check_choice(self, "job_type", JOB_TYPES)
+        if self.job_type != "Train":
+            raise error("job_type", f"{self.job_type} is not supported: stream-persia has no "
+                        "separate PERSIA-style Eval or Infer job",
+                        "set it to Train (or remove it): evaluation runs inside the training "
+                        "script, and serving is `stream-persia launch api`, which takes the "
+                        "embedding servers from infer_config.servers")
         check_instance(self, "metrics_config", MetricsConfig)
         check_instance(self, "checkpointing_config", CheckpointingConfig)
         check_instance(self, "infer_config", InferConfig)
@@ -193,8 +244,12 @@ class EmbeddingParameterServerConfig(_Section):
     }
 
     def __post_init__(self) -> None:
-        check_int(self, "capacity", lo=1, hi=1 << 48,
-                  hint="the most embedding rows one server holds, e.g. 1000000000")
+        # The store's own limit (any store_threads): more would pass here and then be
+        # refused by the server at start, in a message naming neither file nor key.
+        check_int(self, "capacity", lo=1, hi=MAX_CAPACITY,
+                  hint=f"the most embedding rows one server holds, e.g. 1000000000; at "
+                       f"most {MAX_CAPACITY} (2**30, the store's limit): add embedding "
+                       "servers for more rows")
         check_int(self, "num_hashmap_internal_shards", lo=1, hi=1 << 20)
         check_int(self, "full_amount_manager_buffer_size", lo=1, hi=1 << 30)
         check_bool(self, "enable_incremental_update")
@@ -222,26 +277,37 @@ class EmbeddingWorkerConfig(_Section):
     """``embedding_worker_config``: PERSIA's keys plus bounded buffers and RPC limits.
 
     Args:
-        forward_buffer_size: batches (ID features) buffered per worker before the data
-            side is slowed down (Kafka partitions paused).
-        buffered_data_expired_sec: a batch served to an NN worker whose gradients have
-            not come back after this long is released (and counted).
-        ready_buffer_batches: batches with embeddings looked up, waiting for NN workers.
-        max_inflight_lookups: concurrent lookup RPCs a worker sends to embedding servers.
+        ready_buffer_batches: batches from the data side (Kafka or data loaders), checked
+            and planned, waiting for NN workers to pull them; when it is full the data
+            side waits (Kafka partitions paused, ``ingest`` calls held). PERSIA's name for
+            this buffer, ``forward_buffer_size``, is accepted for it (not both).
+        max_inflight_lookups: the most embedding lookups (one batch each, fanned out to
+            the servers) a worker runs at once, training pulls and eval/inference lookups
+            together; more wait their turn.
         rpc_timeout_ms: deadline of one RPC to an embedding server.
+
+    PERSIA's ``buffered_data_expired_sec`` is refused: it dropped a served batch whose
+    gradients had not come back in time, which would lose training data silently.
     """
 
-    forward_buffer_size: int = 1000
-    buffered_data_expired_sec: int = 1000
     ready_buffer_batches: int = 16
     max_inflight_lookups: int = 16
     rpc_timeout_ms: int = 10_000
 
+    _ALIASES: ClassVar[dict[str, str]] = {"forward_buffer_size": "ready_buffer_batches"}
+    _REJECTED: ClassVar[dict[str, str]] = {
+        "buffered_data_expired_sec": (
+            "PERSIA dropped a batch served to an NN worker whose gradients had not come back "
+            "after this long; stream-persia never drops one (exactly-once training): its "
+            "gradients are applied once, or its NN worker returns it before a checkpoint, or "
+            "the run fails naming it and a restore replays it from the checkpoint. Remove it"),
+    }
+
     def __post_init__(self) -> None:
-        check_int(self, "forward_buffer_size", lo=1, hi=1 << 20)
-        check_int(self, "buffered_data_expired_sec", lo=1, hi=30 * 86_400)
-        check_int(self, "ready_buffer_batches", lo=1, hi=1 << 16)
-        check_int(self, "max_inflight_lookups", lo=1, hi=1 << 16)
+        check_int(self, "ready_buffer_batches", lo=1, hi=1 << 16,
+                  hint="batches waiting for NN workers (PERSIA: forward_buffer_size), e.g. 16")
+        check_int(self, "max_inflight_lookups", lo=1, hi=1 << 16,
+                  hint="concurrent lookups of one worker, e.g. 16")
         check_int(self, "rpc_timeout_ms", lo=1, hi=3_600_000)
 
 

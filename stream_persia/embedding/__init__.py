@@ -8,7 +8,12 @@ from typing import Any
 
 from stream_persia.errors import BadInput
 
-__all__ = ["EmbeddingConfig"]
+__all__ = ["EmbeddingConfig", "MAX_CAPACITY"]
+
+#: The most rows one store holds (both stores, any number of store threads): the Cython
+#: store's hash table has at most 2**31 slots and int32 row counters. The config loader
+#: and ``launch embedding-server --capacity`` refuse more, naming the key or the flag.
+MAX_CAPACITY = 2**30
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from stream_persia import segments
-from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding import MAX_CAPACITY, EmbeddingConfig
 from stream_persia.embedding.optim import Optimizer, as_optimizer
 from stream_persia.errors import BadInput, Misuse
 from stream_persia.sharding import stable_hash64
@@ -39,7 +39,6 @@ __all__ = ["PyEmbeddingStore", "mix64", "initial_rows", "admit_uniform"]
 
 _MASK = (1 << 64) - 1
 _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-MAX_CAPACITY = 2**30  # the Cython store's hash table has at most 2**31 slots
 MAX_DIM = 1 << 16
 DUMP_CHUNK_ROWS = 65536
 

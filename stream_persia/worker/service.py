@@ -99,12 +99,14 @@ class EmbeddingWorker:
         schema: the job's embedding config (slots, dims, prefixes).
         embedding_servers: addresses of every embedding server, in replica order.
         ready_buffer_batches: planned batches held ready for NN workers (bounded).
+        max_inflight_lookups: lookups (training pulls, eval and inference lookups) run
+            at once; more wait for one to finish.
         max_inflight_batches: served training batches awaiting gradients (bounded).
     """
 
     def __init__(self, schema: EmbeddingSchema, embedding_servers: list[str], *,
                  replica_index: int = 0, replica_size: int = 1, host: str = "127.0.0.1",
-                 port: int = 0, ready_buffer_batches: int = 16,
+                 port: int = 0, ready_buffer_batches: int = 16, max_inflight_lookups: int = 16,
                  max_inflight_batches: int = 64, rpc_timeout_ms: int = 10_000,
                  ingest_timeout_ms: int = 30_000):
         self.schema = schema
@@ -114,6 +116,10 @@ class EmbeddingWorker:
         self.ready: BoundedBuffer[PendingBatch] = BoundedBuffer(ready_buffer_batches,
                                                                 "ready buffer")
         self.max_inflight_batches = max_inflight_batches
+        if max_inflight_lookups < 1:
+            raise Misuse(f"max_inflight_lookups must be >= 1, got {max_inflight_lookups}",
+                         field="max_inflight_lookups")
+        self._lookups = asyncio.Semaphore(max_inflight_lookups)
         self.inflight: dict[int, PendingBatch] = {}
         self._inflight_room = asyncio.Semaphore(max_inflight_batches)
         self.frontier = Frontier()
@@ -272,7 +278,8 @@ class EmbeddingWorker:
         # Per dim, one pooled lookup of the summation slots (the servers pool them) and
         # one classic lookup of the raw and hash-stacked slots (batchplan).
         merged, groups = pb.plan.lookup_groups()
-        results, missing = await self.router.lookup(groups, mode)
+        async with self._lookups:   # embedding_worker_config.max_inflight_lookups
+            results, missing = await self.router.lookup(groups, mode)
         pooled = pb.plan.outputs(merged, results)
         self.m_lookup_s.observe(time.perf_counter() - t0)
         out = []

@@ -65,17 +65,17 @@ def scrape(port: int) -> dict[str, float]:
      "--replica-index 3 must be in [0, --replica-size=2)"),
     (("embedding-parameter-server", "--replica-size", "0"), "--replica-size"),
     (("embedding-server", "--capacity", "0"),
-     "argument --capacity: must be an integer >= 1, got '0'"),
+     "argument --capacity: must be an integer in [1, 1073741824], got '0'"),
     (("embedding-server", "--store-threads", "0"),
-     "argument --store-threads: must be an integer >= 1, got '0'"),
+     "argument --store-threads: must be an integer in [1, 256], got '0'"),
     (("embedding-server", "--store-threads", "4", "--capacity", "2"),
      "4 store threads cannot share a capacity of 2 rows"),
     (("embedding-worker", "--embedding-servers", "127.0.0.1:7000,nonsense"),
      "--embedding-servers: 'nonsense' is not host:port"),
 ])
-def test_bad_flags_exit_nonzero_naming_the_flag(args, message):
+def test_bad_flags_exit_2_naming_the_flag(args, message):
     result = launch(*args)
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -264,6 +264,45 @@ async def test_data_loader_role_runs_a_user_script(direct_job):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/maps")
+async def test_sigterm_drains_a_data_loader_to_exit_code_zero(direct_job):
+    """SIGTERM in the middle of a loader script: what it sent is delivered, exit 0."""
+    script = direct_job["tmp"] / "endless_loader.py"
+    script.write_text(textwrap.dedent("""\
+        import time
+        from stream_persia.ctx import DataCtx
+        from stream_persia.testing.samples import make_batch
+
+        ctx = DataCtx()
+        try:
+            with ctx:
+                for i in range(1000):
+                    ctx.send_data(make_batch(200 + i))
+                    if i == 3:
+                        print("sending", flush=True)
+                    time.sleep(0.05)
+        finally:
+            stats = ctx.stats()
+            print(f"sent {stats['sent']} acked {stats['acked']}", flush=True)
+    """))
+    addresses = [w.address for w in direct_job["workers"]]
+    loader = RoleProcess("data-loader", [str(script), "--embedding-workers", ",".join(addresses)],
+                         log_path=direct_job["tmp"] / "endless_loader.log")
+    loader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "sending" not in loader.log_tail() and time.monotonic() < deadline:
+            assert loader.alive(), loader.log_tail()
+            await asyncio.sleep(0.1)
+        code = await asyncio.to_thread(loader.stop, 15)   # SIGTERM, then SIGKILL after 15 s
+    finally:
+        loader.stop()
+    assert code == 0, loader.log_tail()
+    sent, acked = map(int, re.search(r"sent (\d+) acked (\d+)", loader.log_tail()).groups())
+    assert 4 <= sent == acked < 1000, loader.log_tail()
+    # every batch it sent reached a worker (and the buffers are empty again after)
+    assert len(await pull_all(addresses, sent)) == sent
+
+
 def test_a_worker_pooling_slots_itself_loads_torch_at_start(direct_job):
     """The job's ``tags`` slot is raw (pooled on the worker, by torch's segment sums): the
     worker imports torch while starting, not inside its first batch."""
@@ -308,3 +347,55 @@ async def test_sigterm_drains_roles_to_exit_code_zero(direct_job):
         except PeerUnavailable as e:
             assert "shutting down" in str(e) or "closed" in str(e)
     assert codes == [0, 0, 0], [p.log_tail() for p in direct_job["workers"]]
+
+
+# ------------------------------------------------------------ worker config reaches it
+async def test_worker_config_bounds_its_buffer_and_concurrent_lookups(tmp_path):
+    """embedding_worker_config.forward_buffer_size (PERSIA's name for the ready buffer) and
+    max_inflight_lookups reach a launched worker and do what they say: a 3-batch buffer,
+    and at most 2 lookups on the servers at once however many are asked for."""
+    import numpy as np
+
+    from stream_persia.rpc import RpcServer
+
+    active = peak = 0
+
+    async def lookup(params: dict) -> dict:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        try:
+            await asyncio.sleep(0.3)   # long enough for every request to pile up
+        finally:
+            active -= 1
+        rows = [np.zeros((len(g["offsets"]) - 1 if "offsets" in g else len(g["ids"]),
+                          g["dim"]), np.float32) for g in params["groups"]]
+        return {"rows": rows, "missing": 0, "config": None}
+
+    async def get_config(params: object) -> None:
+        return None
+
+    # A peer that counts the lookups it is serving at once (a real RPC server on loopback).
+    server = RpcServer({"lookup": lookup, "get_config": get_config})
+    await server.start()
+    (tmp_path / "embedding_config.yml").write_text(EMBEDDING_YAML)
+    (tmp_path / "global_config.yml").write_text(
+        "embedding_worker_config:\n  forward_buffer_size: 3\n  max_inflight_lookups: 2\n")
+    worker = RoleProcess("embedding-worker", [
+        "--embedding-config", str(tmp_path / "embedding_config.yml"),
+        "--global-config", str(tmp_path / "global_config.yml"),
+        "--embedding-servers", server.address], log_path=tmp_path / "worker.log")
+    try:
+        await asyncio.to_thread(worker.start().wait_ready, 60)
+        async with RpcClient(worker.address, timeout_ms=30_000) as client:
+            status = await client.call("status")
+            assert status["ready_capacity"] == 3, status
+            replies = await asyncio.gather(*(
+                client.call("lookup_batch", {"batch": make_batch(i).to_wire(), "mode": "eval"})
+                for i in range(6)))
+        assert len(replies) == 6
+        assert peak == 2, f"{peak} lookups ran at once with max_inflight_lookups: 2"
+    finally:
+        code = await asyncio.to_thread(worker.stop)
+        await server.stop()
+    assert code == 0, worker.log_tail()

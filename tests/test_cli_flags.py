@@ -1,0 +1,274 @@
+"""Hostile flags (and environment defaults) for every subcommand of the console script.
+
+Each one must end the command with exit status 2 and a message naming the flag (or the
+variable) before anything starts: no role is launched, no run directory or role process
+is created, nothing is produced. The command runs in this process (``cli.main``), with
+the step that would start work replaced by one that fails the test, so a check that
+comes too late fails fast instead of starting a job. A few run as real processes too.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stream_persia import cli, launch, produce
+from stream_persia.local import RoleProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPOLOGY = str(ROOT / "topologies" / "synthetic_ctr")
+# Environment defaults of the parsers: none may leak in from the shell running the tests.
+ENV_DEFAULTS = ("REPLICA_INDEX", "REPLICA_SIZE", "NPROC_PER_NODE", "NNODES", "NODE_RANK",
+                "MASTER_PORT", "MASTER_ADDR", "LOG_LEVEL", "PERSIA_EMBEDDING_SERVERS",
+                "PERSIA_EMBEDDING_WORKERS", "STREAM_PERSIA_SAMPLES", "STREAM_PERSIA_EPOCHS",
+                "STREAM_PERSIA_BATCH_SIZE", "STREAM_PERSIA_EVAL_SAMPLES",
+                "EMBEDDING_STALENESS", "STREAM_PERSIA_SEED", "KAFKA_BOOTSTRAP_SERVERS")
+
+
+class Started(AssertionError):
+    """Work started although the command line was bad."""
+
+
+@pytest.fixture(autouse=True)
+def nothing_starts(monkeypatch):
+    for name in ENV_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+
+    def started(*args, **kwargs):
+        raise Started("work started before the bad flag was refused")
+
+    for role in launch.ROLES:
+        monkeypatch.setitem(launch.ROLES, role, started)
+    monkeypatch.setattr(produce, "main", started)
+    monkeypatch.setattr(RoleProcess, "start", started)
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def refused(argv: list[str], named: str, capsys) -> str:
+    code, err = run_cli(argv, capsys)
+    assert code == 2, (code, err)
+    assert named in err, err
+    assert "Traceback" not in err
+    return err
+
+
+# ---------------------------------------------------------------------- run
+RUN = [
+    (["--samples", "abc"], "--samples"),
+    (["--samples", "-5"], "--samples"),
+    (["--samples", "1.5"], "--samples"),
+    (["--samples", "nan"], "--samples"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--epochs", "1.5"], "--epochs"),
+    (["--epochs", "0"], "--epochs"),
+    (["--eval-samples", "-1"], "--eval-samples"),
+    (["--seed", "-1"], "--seed"),
+    (["--embedding-staleness", "0"], "--embedding-staleness"),
+    (["--embedding-staleness", "two"], "--embedding-staleness"),
+    (["--nn-workers", "0"], "--nn-workers"),
+    (["--embedding-servers", "0"], "--embedding-servers"),
+    (["--embedding-workers", "-1"], "--embedding-workers"),
+    (["--data-loaders", "x"], "--data-loaders"),
+    (["--predict-samples", "-1"], "--predict-samples"),
+    (["--timeout-s", "0"], "--timeout-s"),
+    (["--timeout-s", "nan"], "--timeout-s"),
+    (["--timeout-s", "inf"], "--timeout-s"),
+    (["--stop-checkpoint-s", "-1"], "--stop-checkpoint-s"),
+    (["--kafka", "nonsense"], "--kafka"),
+    (["--kafka", "127.0.0.1:99999"], "--kafka"),
+    (["--kafka", "127.0.0.1:9092", "--topic", "no spaces"], "--topic"),
+    (["--kafka", "127.0.0.1:9092", "--partitions", "0"], "--partitions"),
+    (["--log-level", "loud"], "--log-level"),
+    # flags that would be ignored
+    (["--topic", "t"], "--topic needs --kafka"),
+    (["--partitions", "4"], "--partitions"),
+    (["--kafka", "127.0.0.1:9092", "--topic", "t", "--partitions", "4"], "--partitions"),
+    (["--no-api", "--predict-samples", "5"], "--predict-samples"),
+    (["--data", "/tmp/clicks.csv"], "--data"),   # synthetic_ctr reads no dataset
+]
+
+
+@pytest.mark.parametrize(("flags", "named"), RUN, ids=[" ".join(f) for f, _ in RUN])
+def test_run_refuses_bad_flags_before_any_role_starts(tmp_path, capsys, flags, named):
+    out = tmp_path / "run"
+    refused(["run", TOPOLOGY, "--output-dir", str(out), *flags], named, capsys)
+    assert not out.exists(), "the run directory was made: the check came too late"
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("EMBEDDING_STALENESS", "0"), ("STREAM_PERSIA_SAMPLES", "abc"),
+    ("STREAM_PERSIA_EPOCHS", "1.5"), ("STREAM_PERSIA_BATCH_SIZE", "-3"),
+    ("LOG_LEVEL", "loud"),
+])
+def test_run_refuses_bad_environment_the_roles_would_read(tmp_path, capsys, monkeypatch,
+                                                           var, value):
+    monkeypatch.setenv(var, value)
+    out = tmp_path / "run"
+    refused(["run", TOPOLOGY, "--output-dir", str(out)], var, capsys)
+    assert not out.exists()
+
+
+def test_run_refuses_bad_topology_run_settings_naming_file_and_key(tmp_path, capsys):
+    topo = tmp_path / "topo"
+    shutil.copytree(TOPOLOGY, topo)
+    text = (topo / "topology.yml").read_text()
+    (topo / "topology.yml").write_text(text.replace("epochs: 1", "epochs: 1.5"))
+    err = refused(["run", str(topo), "--output-dir", str(tmp_path / "run")], "run.epochs",
+                  capsys)
+    assert str(topo / "topology.yml") in err
+    # a flag overrides the file's value, so the run would be fine with --epochs
+    assert "--epochs" in err
+
+
+def test_run_refuses_a_dataset_that_does_not_exist(tmp_path, capsys):
+    out = tmp_path / "run"
+    err = refused(["run", str(ROOT / "topologies" / "taobao_ple"), "--output-dir", str(out),
+                   "--data-file", str(tmp_path / "missing.csv")], "--data", capsys)
+    assert "does not exist" in err
+    assert not out.exists()
+
+
+def test_run_refuses_an_output_dir_it_cannot_make(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    refused(["run", TOPOLOGY, "--output-dir", str(tmp_path / "file" / "run")],
+            "--output-dir", capsys)
+
+
+def test_run_accepts_sizes_written_as_1e6(monkeypatch):
+    args = cli.build_parser().parse_args(
+        ["run", TOPOLOGY, "--samples", "2e5", "--eval-samples", "1_000", "--epochs", "2"])
+    assert (args.samples, args.eval_samples, args.epochs) == (200_000, 1000, 2)
+
+
+# ---------------------------------------------------------------------- launch
+LAUNCH = [
+    (["embedding-server", "--port", "99999"], "--port"),
+    (["embedding-server", "--port", "-1"], "--port"),
+    (["embedding-server", "--port", "http"], "--port"),
+    (["embedding-server", "--metrics-port", "70000"], "--metrics-port"),
+    (["embedding-server", "--replica-index", "-1"], "--replica-index"),
+    (["embedding-server", "--replica-size", "0"], "--replica-size"),
+    (["embedding-server", "--replica-index", "2", "--replica-size", "2"], "--replica-index"),
+    (["embedding-server", "--capacity", "0"], "--capacity"),
+    (["embedding-server", "--capacity", str((1 << 30) + 1)], "--capacity"),
+    (["embedding-server", "--capacity", "1e6"], "--capacity"),
+    (["embedding-server", "--store-threads", "257"], "--store-threads"),
+    (["embedding-server", "--store-threads", "4", "--capacity", "2"], "--store-threads"),
+    (["embedding-server", "--log-level", "loud"], "--log-level"),
+    (["embedding-worker", "--port", "65536"], "--port"),
+    (["embedding-worker", "--num-partitions", "0"], "--num-partitions"),
+    (["embedding-worker", "--kafka", "nonsense"], "--kafka"),
+    (["embedding-worker", "--topic", ".."], "--topic"),
+    (["embedding-worker", "--embedding-servers", "127.0.0.1:7000,nonsense"],
+     "--embedding-servers"),
+    (["data-loader", "loader.py", "--port", "9000"], "--port"),
+    (["data-loader", "loader.py", "--metrics-port", "9400"], "--metrics-port"),
+    (["data-loader", "loader.py", "--kafka", "kafka"], "--kafka"),
+    (["data-loader", "loader.py", "--replica-index", "1"], "--replica-index"),
+    (["api", "--port", "99999"], "--port"),
+    (["api", "--batch-wait-ms", "-1"], "--batch-wait-ms"),
+    (["api", "--batch-wait-ms", "nan"], "--batch-wait-ms"),
+    (["api", "--batch-wait-ms", "5000"], "--batch-wait-ms"),
+    (["api", "--max-batch-rows", "0"], "--max-batch-rows"),
+    (["api", "--metrics-port", "9400"], "--metrics-port"),
+    (["api", "--replica-index", "1"], "--replica-index"),
+    (["api", "--embeddings", "disk"], "--embeddings"),
+    (["api", "--embedding-workers", "w0"], "--embedding-workers"),
+    (["nn-worker", "train.py", "--nproc-per-node", "0"], "--nproc-per-node"),
+    (["nn-worker", "train.py", "--nnodes", "0"], "--nnodes"),
+    (["nn-worker", "train.py", "--nnodes", "2", "--node-rank", "2"], "--node-rank"),
+    (["nn-worker", "train.py", "--nnodes", "2", "--node-rank", "1"], "--master-port"),
+    (["nn-worker", "train.py", "--master-port", "70000"], "--master-port"),
+    (["nn-worker", "train.py", "--embedding-workers", ":1"], "--embedding-workers"),
+]
+
+
+@pytest.mark.parametrize(("flags", "named"), LAUNCH, ids=[" ".join(f) for f, _ in LAUNCH])
+def test_launch_refuses_bad_flags_before_the_role_starts(capsys, flags, named):
+    refused(["launch", *flags], named, capsys)
+
+
+@pytest.mark.parametrize(("role", "var", "value", "named"), [
+    ("embedding-server", "REPLICA_INDEX", "abc", "--replica-index"),
+    ("embedding-server", "REPLICA_INDEX", "1", "--replica-index"),   # REPLICA_SIZE 1
+    ("embedding-worker", "REPLICA_SIZE", "0", "--replica-size"),
+    ("embedding-worker", "PERSIA_EMBEDDING_SERVERS", "nonsense", "--embedding-servers"),
+    ("data-loader", "REPLICA_INDEX", "-2", "--replica-index"),
+    ("api", "PERSIA_EMBEDDING_WORKERS", "host-without-port", "--embedding-workers"),
+    ("nn-worker", "NPROC_PER_NODE", "x", "--nproc-per-node"),
+    ("nn-worker", "MASTER_PORT", "99999", "--master-port"),
+    ("nn-worker", "NODE_RANK", "-1", "--node-rank"),
+    ("embedding-server", "LOG_LEVEL", "verbose", "--log-level"),
+])
+def test_launch_refuses_bad_environment_defaults_naming_flag_and_variable(
+        capsys, monkeypatch, role, var, value, named):
+    monkeypatch.setenv(var, value)
+    err = refused(["launch", role], named, capsys)
+    assert var in err
+
+
+def test_launch_flags_in_range_reach_the_role(monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setitem(launch.ROLES, "embedding-server",
+                        lambda args: seen.update(vars(args)) or 0)
+    monkeypatch.setenv("REPLICA_INDEX", "1")
+    assert cli.main(["launch", "embedding-parameter-server", "--replica-size", "2",
+                     "--port", "0", "--metrics-port", "65535", "--capacity",
+                     str(1 << 30), "--log-level", "WARNING"]) == 0
+    assert (seen["replica_index"], seen["port"], seen["metrics_port"], seen["capacity"]) == (
+        1, 0, 65535, 1 << 30)
+
+
+# ---------------------------------------------------------------------- produce, checkpoint
+PRODUCE = [
+    (["--batch-size", "0"], "--batch-size"),
+    (["--max-inflight", "0"], "--max-inflight"),
+    (["--timeout-ms", "0"], "--timeout-ms"),
+    (["--limit", "0"], "--limit"),
+    (["--limit", "-5"], "--limit"),
+    (["--repeat", "-1"], "--repeat"),
+    (["--compression", "brotli"], "--compression"),
+    (["--topic", "a/b"], "--topic"),
+    (["--kafka", "broker"], "--kafka"),
+    (["--embedding-workers", "w:0"], "--embedding-workers"),
+    (["--log-level", "0"], "--log-level"),
+]
+
+
+@pytest.mark.parametrize(("flags", "named"), PRODUCE, ids=[" ".join(f) for f, _ in PRODUCE])
+def test_produce_refuses_bad_flags_before_producing(capsys, flags, named):
+    refused(["produce", "data.csv", "--mapping", "m.py", *flags], named, capsys)
+
+
+@pytest.mark.parametrize("argv", [["checkpoint", "inspect", "d", "--log-level", "loud"],
+                                  ["checkpoint", "list", "r", "--log-level", "5"]])
+def test_checkpoint_refuses_a_bad_log_level(capsys, argv):
+    refused(argv, "--log-level", capsys)
+
+
+# ---------------------------------------------------------------------- real processes
+@pytest.mark.parametrize("argv", [
+    ["run", TOPOLOGY, "--samples", "abc"],
+    ["run", TOPOLOGY, "--epochs", "1.5"],
+    ["launch", "embedding-server", "--port", "99999"],
+])
+def test_the_console_script_exits_2_naming_the_flag(tmp_path, argv):
+    out = tmp_path / "run"
+    if argv[0] == "run":
+        argv = [*argv, "--output-dir", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "stream_persia.cli", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"argument {argv[2]}" in proc.stderr
+    assert not out.exists()

@@ -1,0 +1,175 @@
+"""Every config key is acted on or refused: none is validated and then read by nobody.
+
+Walks the config dataclasses (``global_config.yml`` and ``embedding_config.yml``) and
+sorts each key into exactly one of:
+
+- ``READ``: the running code reads it; each entry names where (file and pattern), and the
+  pattern must be found there, so removing the reader fails this test;
+- ``ONLY``: accepted with the one value that describes what stream-persia does, any other
+  value refused (PERSIA features stream-persia does not have);
+- ``INERT_KEYS`` (in the code, with the reason): PERSIA keys accepted so PERSIA's files
+  load, with no effect in PERSIA either under the values accepted here.
+
+A key that is none of these (a new field nobody wires) fails the suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from stream_persia.config import EmbeddingSchema, GlobalConfig, HashStackConfig, SlotConfig
+from stream_persia.config.global_config import INERT_KEYS
+from stream_persia.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH, API_SETTINGS = "stream_persia/launch.py", "api/settings.py"
+CONSUMER, PRODUCER = "stream_persia/kafka/consumer.py", "stream_persia/kafka/producer.py"
+KAFKA_CONFIG, POOLING = "stream_persia/config/kafka.py", "stream_persia/worker/pooling.py"
+
+
+def _security(name: str) -> list[tuple[str, str]]:
+    """A Kafka security key: read by ``security_kwargs``, which the clients call."""
+    return [(KAFKA_CONFIG, rf"def security_kwargs[\s\S]*self\.{name}(?!\w)"),
+            (CONSUMER, r"kafka\.security_kwargs\(\)"), (PRODUCER, r"kafka\.security_kwargs\(\)")]
+
+
+READ: dict[str, list[tuple[str, str]]] = {
+    "common_config.infer_config.servers": [(API_SETTINGS, r"infer_config\.servers")],
+    "embedding_parameter_server_config.capacity": [(LAUNCH, r"cfg\.capacity")],
+    "embedding_parameter_server_config.restore_stage_ttl_s": [
+        (LAUNCH, r"cfg\.restore_stage_ttl_s")],
+    "embedding_parameter_server_config.store_threads": [(LAUNCH, r"cfg\.store_threads")],
+    "embedding_worker_config.ready_buffer_batches": [(LAUNCH, r"wc\.ready_buffer_batches")],
+    "embedding_worker_config.max_inflight_lookups": [
+        (LAUNCH, r"wc\.max_inflight_lookups"),
+        ("stream_persia/worker/service.py", r"async with self\._lookups")],
+    "embedding_worker_config.rpc_timeout_ms": [
+        (LAUNCH, r"wc\.rpc_timeout_ms"),
+        (API_SETTINGS, r"embedding_worker_config\.rpc_timeout_ms")],
+    "kafka.bootstrap_servers": [(KAFKA_CONFIG, r"return kafka\.bootstrap_servers"),
+                                (CONSUMER, r"config_servers\(kafka")],
+    "kafka.job_name": [(CONSUMER, r"kafka\.job_name")],
+    "kafka.samples_topic": [(CONSUMER, r"kafka\.samples_topic"),
+                            (PRODUCER, r"kafka\.samples_topic")],
+    "kafka.dlq_topic": [("stream_persia/kafka/dlq.py", r"kafka\.dlq_topic")],
+    "kafka.num_partitions": [(CONSUMER, r"kafka\.num_partitions")],
+    "kafka.compression_type": [(PRODUCER, r"kafka\.compression_type")],
+    "kafka.security_protocol": _security("security_protocol"),
+    "kafka.sasl_mechanism": _security("sasl_mechanism"),
+    "kafka.sasl_username": _security("sasl_username"),
+    "kafka.sasl_password": _security(r"read_sasl_password\(\)")
+    + [(KAFKA_CONFIG, r"def read_sasl_password[\s\S]*return self\.sasl_password\b")],
+    "kafka.sasl_password_file": _security(r"read_sasl_password\(\)")
+    + [(KAFKA_CONFIG, r"def read_sasl_password[\s\S]*open\(self\.sasl_password_file")],
+    "kafka.ssl_cafile": _security("ssl_cafile"),
+    "kafka.ssl_certfile": _security("ssl_certfile"),
+    "kafka.ssl_keyfile": _security("ssl_keyfile"),
+    "kafka.fetch_max_wait_ms": [(CONSUMER, r"kafka\.fetch_max_wait_ms")],
+    "kafka.max_batch_bytes": [(CONSUMER, r"kafka\.max_batch_bytes"),
+                              (PRODUCER, r"kafka\.max_batch_bytes")],
+    "api.host": [(API_SETTINGS, r"api\.host")],
+    "api.port": [(API_SETTINGS, r"api\.port")],
+    "api.token": [(API_SETTINGS, r"api\.read_token\(\)"),
+                  ("stream_persia/config/global_config.py",
+                   r"def read_token[\s\S]*return self\.token\b")],
+    "api.token_file": [(API_SETTINGS, r"api\.read_token\(\)"),
+                       ("stream_persia/config/global_config.py",
+                        r"def read_token[\s\S]*open\(self\.token_file")],
+    "api.max_body_bytes": [(API_SETTINGS, r"api\.max_body_bytes")],
+    "api.max_rows_per_request": [(API_SETTINGS, r"api\.max_rows_per_request")],
+    # embedding_config.yml
+    "feature_index_prefix_bit": [("stream_persia/worker/batchplan.py",
+                                  r"schema\.feature_index_prefix_bit")],
+    "feature_groups": [("stream_persia/config/embedding.py",
+                        r"feature_groups[\s\S]*index_prefix"),
+                       (POOLING, r"slot\.index_prefix")],
+    "slots_config.<slot>.dim": [("stream_persia/worker/batchplan.py", r"slot\.dim")],
+    "slots_config.<slot>.sample_fixed_size": [(POOLING, r"slot\.sample_fixed_size")],
+    "slots_config.<slot>.embedding_summation": [(POOLING, r"slot\.embedding_summation")],
+    "slots_config.<slot>.sqrt_scaling": [(POOLING, r"slot\.sqrt_scaling")],
+    "slots_config.<slot>.hash_stack_config.hash_stack_rounds": [
+        (POOLING, r"hash_stack_config\.hash_stack_rounds")],
+    "slots_config.<slot>.hash_stack_config.embedding_size": [
+        (POOLING, r"hash_stack_config\.embedding_size")],
+}
+
+#: key -> (the value accepted, a value refused)
+ONLY: dict[str, tuple[object, object]] = {
+    "common_config.job_type": ("Train", "Infer"),
+    "common_config.metrics_config.enable_metrics": (False, True),
+    "common_config.infer_config.embedding_checkpoint": (None, "/ckpt/x"),
+    "embedding_parameter_server_config.enable_incremental_update": (False, True),
+}
+
+
+def _walk(cls: type, prefix: str) -> list[str]:
+    nested = getattr(cls, "_NESTED", {})
+    out = []
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        out += _walk(nested[f.name], path) if f.name in nested else [path]
+    return out
+
+
+def config_keys() -> list[str]:
+    """Every key a file may set, as a dotted path (``<slot>`` for any slot's name)."""
+    slot_keys = [k for k in _walk(SlotConfig, "slots_config.<slot>")
+                 if k.rsplit(".", 1)[1] not in SlotConfig._REJECTED]   # name, index_prefix
+    schema_keys = [f.name for f in dataclasses.fields(EmbeddingSchema)]
+    assert schema_keys == ["feature_index_prefix_bit", "slots", "feature_groups"], \
+        "EmbeddingSchema changed: classify its new keys here"
+    return _walk(GlobalConfig, "") + ["feature_index_prefix_bit", "feature_groups", *slot_keys]
+
+
+def test_every_config_key_is_read_refused_by_value_or_inert_with_a_reason():
+    keys = config_keys()
+    assert len(keys) == len(set(keys))
+    classes = {"READ": set(READ), "ONLY": set(ONLY), "INERT_KEYS": set(INERT_KEYS)}
+    for a, sa in classes.items():
+        for b, sb in classes.items():
+            assert a == b or not sa & sb, f"{sorted(sa & sb)} are in both {a} and {b}"
+    unknown = sorted(set(keys) - set().union(*classes.values()))
+    assert not unknown, (
+        f"config keys validated but read by nobody: {unknown}. Wire each to what its name "
+        "promises (and add it to READ), or refuse it with the reason (_REJECTED or a check "
+        "in __post_init__); INERT_KEYS is only for PERSIA keys with no effect in PERSIA "
+        "either")
+    stale = sorted(set().union(*classes.values()) - set(keys))
+    assert not stale, f"not config keys (any more): {stale}"
+    for key, reason in INERT_KEYS.items():
+        assert len(reason) > 20, key
+
+
+@pytest.mark.parametrize("key", sorted(READ))
+def test_a_read_key_is_read_where_the_table_says(key):
+    for file, pattern in READ[key]:
+        text = (ROOT / file).read_text()
+        assert re.search(pattern, text), f"{key}: {pattern!r} is not in {file}"
+
+
+def _nested(key: str, value: object) -> dict:
+    out: object = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("key", sorted(ONLY))
+def test_only_the_value_stream_persia_acts_on_is_accepted(key):
+    accepted, refused = ONLY[key]
+    GlobalConfig.from_dict(_nested(key, accepted))
+    with pytest.raises(ConfigError) as info:
+        GlobalConfig.from_dict(_nested(key, refused), source="g.yml")
+    assert info.value.field == key
+    assert info.value.hint, "a refusal says what to do instead"
+
+
+def test_the_walk_sees_nested_and_embedding_keys():
+    keys = config_keys()
+    assert "embedding_worker_config.max_inflight_lookups" in keys
+    assert "slots_config.<slot>.hash_stack_config.embedding_size" in keys
+    assert HashStackConfig().enabled is False
