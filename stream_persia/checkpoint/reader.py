@@ -274,7 +274,8 @@ def load_torch(src: str, name: str, map_location: Any = None, *,
         weights_only: as for ``torch.load``; state dicts need nothing more.
 
     Raises:
-        BadInput: not a checkpoint, no such file in it, or the file is corrupt.
+        BadInput: not a checkpoint, no such file in it, the file is corrupt, or torch
+            cannot load it (names the file).
     """
     import torch
 
@@ -289,7 +290,16 @@ def load_torch(src: str, name: str, map_location: Any = None, *,
     if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise BadInput(f"checkpoint {loc.url}: file {name} is corrupt or truncated "
                        f"(its size or sha256 differs from the manifest)", field=f"files.{name}")
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location,
+                          weights_only=weights_only)
+    except Exception as e:   # whatever torch raises on bytes that are not its format
+        detail = (str(e).strip().splitlines() or [""])[-1][:200]
+        raise BadInput(f"checkpoint {loc.url}: file {name} matches its checksum but torch "
+                       f"cannot load it ({type(e).__name__}: {detail})",
+                       field=f"files.{name}",
+                       hint="it was not written by torch.save, or by an incompatible "
+                            "torch") from None
 
 
 def _created(m: Manifest) -> datetime:
