@@ -40,9 +40,11 @@ Control plane and online inference of a stream-persia job.
 * **control** (bearer token): job status, pause/resume ingest, embedding config, clear,
   sizes.
 * **checkpoints** (bearer token): consistent cuts started over HTTP, listed with their
-  manifests, followed and restored.
-* **inference**: `POST /v1/predict` (JSON or msgpack `PersiaBatch`), micro-batched;
-  `POST /v1/model/reload` swaps checkpoints without dropping a request.
+  manifests, followed, restored and deleted; the newest `keep_checkpoints` are kept.
+  Requests name checkpoints by id (or full path) under the checkpoint directory only.
+* **inference**: `POST /v1/predict` (JSON or msgpack `PersiaBatch`, features matched to
+  the model's inputs by name), micro-batched; `POST /v1/model/reload` swaps checkpoints
+  without dropping a request.
 
 Errors always have the body `{"error": {"kind", "type", "message", "field", "hint",
 "peer"}}`: 422 names the field at fault, 413 a size limit, 409 a state conflict, 502/503
