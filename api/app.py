@@ -5,8 +5,8 @@ micro-batcher task, its forward thread and the model of ``PERSIA_API_MODEL`` whe
 and the checkpoint manager. Shutdown stops them in reverse order: queued inference
 requests finish, checkpoint tasks are cancelled, connections close.
 
-Middleware, outermost first: request metrics per route template, then the request body
-limit (413). Error mapping: :mod:`api.errors`.
+Middleware, outermost first: request metrics per route template, the request body limit
+(413), then the 500 answer to an unexpected exception. Error mapping: :mod:`api.errors`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fastapi import FastAPI
 import stream_persia
 from api.auth import document_security
 from api.checkpoints import Checkpoints
-from api.errors import install_error_handlers
+from api.errors import UnhandledErrors, install_error_handlers
 from api.limits import BodySizeLimit
 from api.metrics import ApiMetrics, HttpMetricsMiddleware
 from api.predictor import Predictor
@@ -40,9 +40,11 @@ Control plane and online inference of a stream-persia job.
 * **control** (bearer token): job status, pause/resume ingest, embedding config, clear,
   sizes.
 * **checkpoints** (bearer token): consistent cuts started over HTTP, listed with their
-  manifests, followed and restored.
-* **inference**: `POST /v1/predict` (JSON or msgpack `PersiaBatch`), micro-batched;
-  `POST /v1/model/reload` swaps checkpoints without dropping a request.
+  manifests, followed, restored and deleted; the newest `keep_checkpoints` are kept.
+  Requests name checkpoints by id (or full path) under the checkpoint directory only.
+* **inference**: `POST /v1/predict` (JSON or msgpack `PersiaBatch`, features matched to
+  the model's inputs by name), micro-batched; `POST /v1/model/reload` swaps checkpoints
+  without dropping a request.
 
 Errors always have the body `{"error": {"kind", "type", "message", "field", "hint",
 "peer"}}`: 422 names the field at fault, 413 a size limit, 409 a state conflict, 502/503
@@ -102,6 +104,7 @@ def create_app(settings: ApiSettings | None = None, *, checkpoints_factory=None)
     app.state.settings = settings
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(UnhandledErrors)   # innermost: the metrics see its 500s
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
     # Inference first: routes are matched in order and /v1/predict is the hot one.

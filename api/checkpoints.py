@@ -30,23 +30,27 @@ dense model themselves (``load_checkpoint``) when they start again.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from api.checkpoint_root import CheckpointRoot
 from api.mailbox import REPORT_TIMEOUT_S, TERMINAL, MailboxClient
 from api.roles import SERVER, WORKER, Roles
 from api.settings import ApiSettings
 from stream_persia.checkpoint import (
     CheckpointWriter,
     Manifest,
-    latest_checkpoint,
+    delete_checkpoint,
     list_checkpoints,
     load_embeddings,
+    prune_checkpoints,
     read_manifest,
 )
 from stream_persia.checkpoint._common import Location
@@ -136,6 +140,10 @@ class Checkpoints:
         self.pickup_ttl_s = pickup_ttl_s
         self.report_timeout_s = report_timeout_s
         self.jobs: dict[str, CheckpointJob] = {}
+        self.root = CheckpointRoot(settings.checkpoint_dir)
+        # Checkpoints being read here (restored, or the base a cut copies), or deleted.
+        self._using: collections.Counter[str] = collections.Counter()
+        self._deleting: set[str] = set()
         gc = settings.global_config
         self.job_name = gc.kafka.job_name if gc is not None else "persia"
         self.config_digest = gc.digest() if gc is not None else None
@@ -159,21 +167,32 @@ class Checkpoints:
     async def last(self) -> dict[str, Any] | None:
         if self.settings.checkpoint_dir is None:
             return None
-        m = await asyncio.to_thread(latest_checkpoint, self.settings.checkpoint_dir)
-        return _manifest_info(m) if m is not None else None
+        found = await self._complete()
+        return _manifest_info(found[-1]) if found else None
+
+    async def _complete(self) -> list[Manifest]:
+        """Complete checkpoints right under the directory, oldest step first, leaving out
+        symbolic links that lead out of it (their manifests are not ours to show or use)."""
+        if self.settings.checkpoint_dir is None:
+            return []
+        found = await asyncio.to_thread(list_checkpoints, self.settings.checkpoint_dir)
+        return [m for m in found if self.root.id_of(m.path) is not None]
 
     async def list(self) -> list[dict[str, Any]]:
         """Complete checkpoints under the directory (oldest step first), then the ones
-        this API is still taking or failed to take."""
-        found = []
-        if self.settings.checkpoint_dir is not None:
-            found = [_manifest_info(m) for m in await asyncio.to_thread(
-                list_checkpoints, self.settings.checkpoint_dir)]
+        this API is still taking or failed to take. A symbolic link that leads out of the
+        directory is not listed."""
+        found = [_manifest_info(m) for m in await self._complete()]
         on_disk = {f["id"] for f in found}
         return found + [j.info() for j in self.jobs.values() if j.id not in on_disk
                         and j.state != "done"]
 
     async def get(self, ident: str) -> dict[str, Any] | None:
+        """One checkpoint's info (None: unknown).
+
+        Raises:
+            BadInput: ``ident`` is a symbolic link leading out of the directory.
+        """
         job = self.jobs.get(ident)
         if job is not None:
             return job.info()
@@ -186,13 +205,98 @@ class Checkpoints:
             return None
 
     def resolve(self, ident: str) -> str | None:
-        """Where the checkpoint with id ``ident`` lives (None: unknown)."""
+        """Where the checkpoint with id ``ident`` lives (None: no checkpoint directory).
+
+        Raises:
+            BadInput: ``ident`` is not an id, or a symbolic link out of the directory.
+        """
         job = self.jobs.get(ident)
         if job is not None:
             return job.dst
-        if self.settings.checkpoint_dir is None or "/" in ident or ident in (".", ".."):
+        if self.settings.checkpoint_dir is None:
             return None
-        return f"{self.settings.checkpoint_dir.rstrip('/')}/{ident}"
+        return self.root.resolve(ident, "checkpoint")
+
+    # ----------------------------------------------------------------- retention
+    def in_use(self) -> dict[str, str]:
+        """Ids of the checkpoints that must not be deleted now → why."""
+        out: dict[str, str] = {}
+        if self.predictor is not None:
+            for path, why in self.predictor.in_use().items():
+                ident = self.root.id_of(path)
+                if ident is not None:
+                    out.setdefault(ident, why)
+        for ident in self._using:
+            out.setdefault(ident, "being restored or copied")
+        for ident in self._deleting:
+            out.setdefault(ident, "being deleted")
+        for job in self.jobs.values():
+            if job.state not in TERMINAL:
+                out.setdefault(job.id, "being taken")
+        return out
+
+    async def delete(self, ident: str) -> dict[str, Any] | None:
+        """Delete the checkpoint ``ident`` from the directory (None: there is none).
+
+        Raises:
+            Misuse: it is being taken, restored or served.
+            BadInput: ``ident`` is a symbolic link (its target may be another checkpoint,
+                or lie outside the directory).
+        """
+        src = self.resolve(ident)
+        if src is None:
+            return None
+        busy = self.in_use().get(ident)
+        if busy is not None:
+            raise Misuse(f"checkpoint {ident!r} is {busy}: it cannot be deleted now",
+                         field="checkpoint",
+                         hint="reload another model or wait until it is no longer in use")
+        if self.root.local and os.path.islink(os.path.join(self.root.base, ident)):
+            raise BadInput(f"checkpoint {ident!r} is a symbolic link; delete it by hand",
+                           field="checkpoint")
+        try:
+            manifest = await asyncio.to_thread(read_manifest, src)
+        except BadInput:
+            return None
+        self._deleting.add(ident)   # a restore of it is refused from now on
+        try:
+            await asyncio.to_thread(delete_checkpoint, src)
+        except OSError as e:
+            raise Misuse(f"checkpoint {ident!r} could not be deleted: {e}",
+                         field="checkpoint") from None
+        finally:
+            self._deleting.discard(ident)
+        self.jobs.pop(ident, None)
+        self._count_deleted("request", 1)
+        log.info("deleted checkpoint %s (step %d) on request", src, manifest.step)
+        return {"id": ident, "deleted": True, "dst": src}
+
+    async def _retain(self, job: CheckpointJob) -> None:
+        """Apply ``keep_checkpoints`` after ``job`` committed (never deleting it, nor any
+        checkpoint in use); a failure is logged, the checkpoint stays done."""
+        keep = self.settings.keep_checkpoints
+        if keep == 0 or self.settings.checkpoint_dir is None:
+            return
+        protect = set(self.in_use()) | {job.id}
+        try:
+            deleted = await asyncio.to_thread(prune_checkpoints, self.settings.checkpoint_dir,
+                                              keep, protect)
+        except Exception as e:   # retention must never fail the checkpoint it follows
+            log.warning("retention after checkpoint %s failed: %s", job.id, e)
+            return
+        for ident in deleted:
+            self.jobs.pop(ident, None)
+        self._count_deleted("retention", len(deleted))
+
+    def _count_deleted(self, reason: str, n: int) -> None:
+        metrics = getattr(self.predictor, "metrics", None)
+        if metrics is not None and n:
+            metrics.checkpoints_deleted.labels(reason).inc(n)
+
+    def _release(self, ident: str) -> None:
+        self._using[ident] -= 1
+        if self._using[ident] <= 0:
+            del self._using[ident]
 
     # ----------------------------------------------------------------- start
     async def start(self, ident: str | None = None) -> CheckpointJob:
@@ -236,6 +340,8 @@ class Checkpoints:
             else:
                 job.by = "api"
                 await asyncio.wait_for(self._direct(job, hb), self.timeout_s)
+            if job.state == "done":
+                await self._retain(job)
         except asyncio.CancelledError:
             job.state, job.error = "failed", "the API stopped while taking the checkpoint"
             raise
@@ -321,9 +427,20 @@ class Checkpoints:
         job.progress = {"phase": "checking that nothing is in flight"}
         await self._frontiers()
         updates = await self._updates()
-        base = None
-        if self.settings.checkpoint_dir is not None:
-            base = await asyncio.to_thread(latest_checkpoint, self.settings.checkpoint_dir)
+        complete = await self._complete()
+        base = complete[-1] if complete else None
+        base_id = self.root.id_of(base.path) if base is not None else None
+        if base_id is not None:
+            self._using[base_id] += 1   # its dense files may be copied: not deleted meanwhile
+        try:
+            await self._direct_cut(job, hb, base, servers, updates)
+        finally:
+            if base_id is not None:
+                self._release(base_id)
+
+    async def _direct_cut(self, job: CheckpointJob, hb: dict[str, Any] | None,
+                          base: Manifest | None, servers: list[Any], updates: list[Any]
+                          ) -> None:
         writer = await asyncio.to_thread(CheckpointWriter, job.dst)
         try:
             job.progress = {"phase": "dumping embeddings", "done": 0, "total": len(servers)}
@@ -352,6 +469,8 @@ class Checkpoints:
             job.progress = {"phase": "committing"}
             extra = {"id": job.id, "by": "api", "dense_from": carried,
                      "embeddings_only": carried is None}
+            if carried is not None and base is not None:   # what serving its model needs
+                extra |= {k: base.extra[k] for k in ("heads", "inputs") if k in base.extra}
             manifest = await asyncio.to_thread(
                 lambda: writer.commit(job=self.job_name, step=step, offsets=offsets,
                                       stream=stream, config_digest=self.config_digest,
@@ -377,10 +496,19 @@ class Checkpoints:
         """
         src = self.resolve(ident)
         if src is None:
-            raise BadInput(f"unknown checkpoint {ident!r}", field="id")
+            raise BadInput(f"unknown checkpoint {ident!r}", field="checkpoint")
         active = next((j for j in self.jobs.values() if j.state not in TERMINAL), None)
         if active is not None:
             raise Misuse(f"checkpoint {active.id} is being taken; restore after it finishes")
+        if ident in self._deleting:
+            raise Misuse(f"checkpoint {ident!r} is being deleted", field="checkpoint")
+        self._using[ident] += 1   # not deleted (by retention or a request) meanwhile
+        try:
+            return await self._restore(ident, src, reload_model)
+        finally:
+            self._release(ident)
+
+    async def _restore(self, ident: str, src: str, reload_model: bool) -> dict[str, Any]:
         manifest = await asyncio.to_thread(read_manifest, src)
         servers = self.roles.require(SERVER)
         await self._frontiers()
@@ -398,7 +526,7 @@ class Checkpoints:
         if reload_model and self.predictor is not None and (
                 manifest.jit_filename is not None or manifest.dense_filename is not None):
             try:
-                await self.predictor.reload(src)
+                await self.predictor.load(src)
                 reloaded = True
             except PersiaError as e:
                 log.warning("restored %s but could not serve its model: %s", src, e)

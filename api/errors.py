@@ -15,6 +15,11 @@ InternalError, anything else       500    a bug (logged with its traceback)
 method not allowed                 405    ``Allow`` lists every method of the path
 ================================  ======  =========================================
 
+An unexpected exception is answered by :class:`UnhandledErrors` inside the app, never
+by Starlette's outermost ``ServerErrorMiddleware``: that one re-raises the exception
+after sending its 500 (so that the server can log it), and uvicorn then closes the
+connection, so the client's next request on the same keep-alive connection failed.
+
 Body: ``{"error": {"kind", "type", "message", "field", "hint", "peer"}}`` (see
 :class:`api.schemas.ErrorBody`). ``peer`` names the role that failed for 502/503.
 """
@@ -30,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stream_persia.errors import (
     Backpressure,
@@ -42,7 +48,8 @@ from stream_persia.errors import (
     RemoteTimeout,
 )
 
-__all__ = ["install_error_handlers", "status_of", "error_body", "TooLarge", "NotReady"]
+__all__ = ["install_error_handlers", "status_of", "error_body", "TooLarge", "NotReady",
+           "UnhandledErrors"]
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +163,36 @@ def install_error_handlers(app: FastAPI) -> None:
                           field="body" if status in (413, 415) else None)
         return JSONResponse(body, status_code=status, headers=headers)
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, err: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body("internal", f"internal error: {type(err).__name__}",
-                                       type_="InternalError"), status_code=500)
+
+
+class UnhandledErrors:
+    """ASGI middleware: an exception that no handler mapped (a bug) becomes the 500 error
+    body here, logged with its traceback, and goes no further, so the server keeps the
+    connection open (see the module docstring). One raised after the response started
+    cannot be answered any more and is re-raised."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as err:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            response = JSONResponse(error_body("internal", f"internal error: "
+                                               f"{type(err).__name__}", type_="InternalError"),
+                                    status_code=500)
+            await response(scope, receive, send)

@@ -8,8 +8,8 @@ JSON (``application/json``)::
 where ``ids_of_sample_i`` is a list of uint64 ids (possibly empty) or one id. A slot whose
 samples are all single ids becomes an ``IDTypeFeatureWithSingleID``. Non-ID rows are
 nested lists of numbers, read as float32, and every sample must have the same shape. The
-order of the slots and of the non-ID features is the order the model receives them in
-(as for a data loader's ``PersiaBatch``).
+order of the keys does not matter: the predictor matches slots and non-ID features to
+the served model's inputs by name (:mod:`api.inputs`).
 
 msgpack (``application/msgpack``): the bytes of ``PersiaBatch.to_bytes()``, decoded
 without copying under the wire limits; dtypes are kept as sent.
@@ -189,7 +189,8 @@ def _check_slot(schema: EmbeddingSchema, slot: Any) -> None:
 
 def signature(batch: PersiaBatch) -> tuple:
     """What must match for two requests to share one forward pass: slot order and the
-    non-ID features' names, dtypes and per-sample shapes."""
+    non-ID features' names, dtypes and per-sample shapes (taken after the predictor put
+    them in the model's order, so key order alone never splits a micro-batch)."""
     return (tuple(f.name for f in batch.id_type_features),
             tuple((f.name, f.data.dtype.str, f.data.shape[1:])
                   for f in batch.non_id_type_features))

@@ -45,6 +45,9 @@ class ApiMetrics:
         self.missing_ids = m.counter("predict_missing_ids_total",
                                      "ids of inference requests absent from the tables")
         self.reloads = m.counter("model_reloads_total", "model swaps", ("outcome",))
+        self.checkpoints_deleted = m.counter(
+            "checkpoints_deleted_total", "checkpoints deleted from the checkpoint directory "
+            "(reason: retention after a checkpoint, or request: DELETE)", ("reason",))
         self.role_up = m.gauge("role_up", "whether a role answered the last scrape",
                                ("role", "replica"))
 

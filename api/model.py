@@ -151,9 +151,11 @@ def load_dense(src: str, model_class: str | None = None) -> DenseModel:
             with warnings.catch_warnings():   # deprecated upstream, still the format PERSIA uses
                 warnings.simplefilter("ignore", DeprecationWarning)
                 module = torch.jit.load(io.BytesIO(data), map_location="cpu")
-        except RuntimeError as e:
+        except Exception as e:   # torch raises several types on bytes it cannot read
             raise BadInput(f"checkpoint {manifest.path}: {manifest.jit_filename} is not a "
-                           f"TorchScript model: {e}", field="jit_filename") from None
+                           f"TorchScript model: {type(e).__name__}: "
+                           f"{(str(e).strip().splitlines() or [''])[-1][:200]}",
+                           field="jit_filename") from None
         module.eval()
         return DenseModel(module, manifest, "torchscript", heads)
     if model_class is None or manifest.dense_filename is None:
@@ -179,8 +181,9 @@ def load_dense(src: str, model_class: str | None = None) -> DenseModel:
         state = {str(k)[len("module."):]: v for k, v in state.items()}
     try:
         module.load_state_dict(state)
-    except (RuntimeError, TypeError, AttributeError) as e:
+    except Exception as e:   # a state dict of another model, or not a state dict at all
         raise BadInput(f"checkpoint {manifest.path}: {manifest.dense_filename} does not fit "
-                       f"{model_class}: {e}", field="dense_filename") from None
+                       f"{model_class}: {type(e).__name__}: {e}",
+                       field="dense_filename") from None
     module.eval()
     return DenseModel(module, manifest, "state_dict", heads)

@@ -28,14 +28,15 @@ import numpy as np
 import torch
 
 from api.batcher import Job, MicroBatcher
+from api.checkpoint_root import CheckpointRoot
 from api.embeddings import LocalTable, cat_slots, non_id_tensors, served_tensors
 from api.errors import NotReady
 from api.features import signature
+from api.inputs import ModelInputs
 from api.metrics import ApiMetrics
 from api.model import DenseModel, load_dense
 from api.roles import WORKER, Roles
 from api.settings import ApiSettings
-from stream_persia.checkpoint._common import Location
 from stream_persia.embedding.data import PersiaBatch
 from stream_persia.errors import BadInput, ConfigError, PeerUnavailable, PersiaError
 
@@ -51,6 +52,7 @@ class Served:
     dense: DenseModel
     table: LocalTable | None
     source: str
+    inputs: ModelInputs
 
     @property
     def version(self) -> str:
@@ -60,7 +62,8 @@ class Served:
         m = self.dense.manifest
         return {"version": self.version, "checkpoint": m.path or "", "step": m.step,
                 "kind": self.dense.kind, "embeddings": self.source,
-                "heads": list(self.dense.head_names or []), "loaded_at": self.dense.loaded_at}
+                "heads": list(self.dense.head_names or []), "loaded_at": self.dense.loaded_at,
+                "inputs": self.inputs.describe()}
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,9 @@ class Predictor:
         self.metrics = metrics
         self.source = settings.source
         self._served: Served | None = None
+        self.root = CheckpointRoot(settings.checkpoint_dir)
         self._reload_lock = asyncio.Lock()
+        self._loading: str | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="predict")
         self._rr = itertools.count()
         self._last_error: str | None = None
@@ -104,7 +109,7 @@ class Predictor:
         await self.batcher.start()
         if self.settings.model_checkpoint is not None:
             try:
-                await self.reload(self.settings.model_checkpoint)
+                await self.load(self.settings.model_checkpoint)
             except PersiaError as e:
                 log.error("cannot serve %s yet: %s; retrying in the background",
                           self.settings.model_checkpoint, e)
@@ -117,7 +122,7 @@ class Predictor:
             if self._served is not None:   # a manual reload won
                 return
             try:
-                await self.reload(self.settings.model_checkpoint)
+                await self.load(self.settings.model_checkpoint)
             except PersiaError as e:
                 log.warning("cannot serve %s yet: %s", self.settings.model_checkpoint, e)
                 delay = min(max_s, delay * 2)
@@ -138,13 +143,17 @@ class Predictor:
         return f"no model loaded{why}"
 
     # ----------------------------------------------------------------- reload
-    def resolve(self, checkpoint: str) -> str:
-        """A checkpoint id under the checkpoint directory, or a path/URL as given."""
-        plain = "/" not in checkpoint and "://" not in checkpoint and checkpoint not in (".",
-                                                                                       "..")
-        if plain and self.settings.checkpoint_dir is not None:
-            return f"{self.settings.checkpoint_dir.rstrip('/')}/{checkpoint}"
-        return checkpoint
+    def in_use(self) -> dict[str, str]:
+        """Paths of the checkpoints this predictor needs → why: the one served, the one
+        being loaded, and the one configured at start-up (retried until it loads)."""
+        out = {}
+        for path, why in ((self.settings.model_checkpoint, "the model configured to serve"),
+                          (self._loading, "being loaded to serve"),
+                          (self._served.dense.manifest.path if self._served else None,
+                           "the model being served")):
+            if path:
+                out[path] = why
+        return out
 
     def _load(self, src: str) -> Served:
         dense = load_dense(src, self.settings.model_class)
@@ -156,29 +165,48 @@ class Predictor:
                                   hint="set PERSIA_EMBEDDING_CONFIG (or use "
                                        "PERSIA_API_EMBEDDINGS=workers)")
             table = LocalTable.load(dense.manifest, self.settings.schema)
-        return Served(dense, table, self.source)
+        return Served(dense, table, self.source, ModelInputs.of(dense.manifest,
+                                                                self.settings.schema))
 
     async def reload(self, checkpoint: str) -> dict[str, Any]:
-        """Load ``checkpoint`` completely, then swap it in; returns the new model's info.
+        """Serve the checkpoint a request names: an id or a path/URL right under the
+        checkpoint directory (:class:`~api.checkpoint_root.CheckpointRoot`), nothing else.
 
         Raises:
-            BadInput: not a loadable checkpoint (the field is ``checkpoint``).
+            BadInput: ``checkpoint`` names something else, or not a loadable checkpoint
+                (the field is ``checkpoint``).
         """
-        src = self.resolve(checkpoint)
+        return await self.load(self.root.resolve(checkpoint, "checkpoint"))
+
+    async def load(self, src: str) -> dict[str, Any]:
+        """Load the checkpoint at ``src`` completely, then swap it in; returns the new
+        model's info. ``src`` is trusted (configured, or resolved under the root).
+
+        Raises:
+            BadInput: not a loadable checkpoint (the field is ``checkpoint``; the message
+                names the file at fault).
+            ConfigError: the API's own settings do not allow serving it (model class).
+        """
         async with self._reload_lock:
+            self._loading = src
             try:
                 served = await asyncio.get_running_loop().run_in_executor(None, self._load, src)
-            except PersiaError as e:
-                self._last_error = f"{src}: {e.message}"
-                self.metrics.reloads.labels("failed").inc()
-                if isinstance(e, BadInput) and e.field in ("src", "path", None):
-                    raise BadInput(e.message, field="checkpoint", hint=e.hint) from None
+            except ConfigError as e:
+                self._failed(src, e.message)
                 raise
-            except (OSError, ValueError) as e:
-                self._last_error = f"{src}: {e}"
-                self.metrics.reloads.labels("failed").inc()
-                raise BadInput(f"cannot load checkpoint {Location(src).url}: {e}",
+            except BadInput as e:
+                self._failed(src, e.message)
+                raise BadInput(e.message, field="checkpoint", hint=e.hint) from None
+            except PersiaError as e:
+                self._failed(src, e.message)
+                raise
+            except Exception as e:   # any other failure to read it: this checkpoint's fault
+                log.warning("cannot load checkpoint %s", src, exc_info=True)
+                self._failed(src, f"{type(e).__name__}: {e}")
+                raise BadInput(f"cannot load checkpoint {src}: {type(e).__name__}: {e}",
                                field="checkpoint") from None
+            finally:
+                self._loading = None
             old, self._served = self._served, served
             self._last_error = None
         self.metrics.reloads.labels("ok").inc()
@@ -186,12 +214,24 @@ class Predictor:
                  old.version if old is not None else "none")
         return served.info()
 
+    def _failed(self, src: str, message: str) -> None:
+        self._last_error = f"{src}: {message}"
+        self.metrics.reloads.labels("failed").inc()
+
     # ----------------------------------------------------------------- predict
     async def predict(self, batch: PersiaBatch) -> Prediction:
-        """Score one validated batch (micro-batched with concurrent requests)."""
-        if self._served is None:
+        """Score one validated batch (micro-batched with concurrent requests). Its
+        features are put in the served model's order by name first (:mod:`api.inputs`),
+        so requests that differ only in their order share forward passes.
+
+        Raises:
+            BadInput: a slot or non-ID feature the model does not take or lacks (names it).
+        """
+        model = self._served
+        if model is None:
             raise NotReady(self.not_ready_reason(), hint="POST /v1/model/reload with a "
                            "checkpoint, or start the API with PERSIA_API_MODEL")
+        batch = model.inputs.arrange(batch)
         served = None
         if self.source == "workers":
             served = await self._lookup(batch)
@@ -265,11 +305,15 @@ class Predictor:
         return out
 
     def _compute(self, served: Served, jobs: list[Job]) -> list[Prediction]:
-        batches = [j.payload[0] for j in jobs]
+        # Arranged for the model served when they arrived: a reload since may have
+        # brought another order (arranging is a no-op otherwise).
+        batches = [served.inputs.arrange(j.payload[0]) for j in jobs]
         if served.table is not None:
             embeddings, missing = served.table.embed(batches)
         else:
-            embeddings = cat_slots([served_tensors(j.payload[1]) for j in jobs])
+            embeddings = cat_slots([served_tensors(
+                {"embeddings": served.inputs.order_embeddings(j.payload[1].get("embeddings")
+                                                              or [])}) for j in jobs])
             missing = [int(j.payload[1].get("missing", 0) or 0) for j in jobs]
         rows = [b.batch_size for b in batches]
         total = sum(rows)

@@ -11,7 +11,8 @@ __all__ = [
     "WorkerStatus", "ServerStatus", "TrainingStatus", "JobStatus", "IngestState",
     "OptimizerSpec", "EmbeddingConfigRequest", "Applied", "Sizes", "PredictRequest",
     "PredictResponse", "ReloadRequest", "CheckpointStart", "CheckpointAccepted",
-    "CheckpointInfo", "CheckpointList", "RestoreRequest", "RestoreResult", "ERRORS",
+    "CheckpointInfo", "CheckpointList", "CheckpointDeleted", "RestoreRequest", "RestoreResult",
+    "ERRORS",
     "CHECKPOINT_ID_PATTERN",
 ]
 
@@ -82,7 +83,12 @@ class ModelInfo(BaseModel):
     model_config = _example({"version": "ckpt-20250101T000000Z-0001", "checkpoint":
                              "/ckpt/ckpt-20250101T000000Z-0001", "step": 1200,
                              "kind": "torchscript", "embeddings": "local",
-                             "heads": ["click", "buy"], "loaded_at": 1735689600.0})
+                             "heads": ["click", "buy"], "loaded_at": 1735689600.0,
+                             "inputs": {"id_type_features": ["user", "item", "tags"],
+                                        "non_id_type_features": [
+                                            {"name": "dense", "dtype": "float32",
+                                             "shape": [3]}],
+                                        "recorded": True}})
     version: str = Field(description="checkpoint id of the dense model being served")
     checkpoint: str
     step: int | None = None
@@ -90,6 +96,13 @@ class ModelInfo(BaseModel):
     embeddings: str = Field(description="workers or local")
     heads: list[str] = Field(default_factory=list)
     loaded_at: float
+    inputs: dict[str, Any] | None = Field(
+        None, description="what POST /v1/predict must carry, matched by name in any order: "
+                          "id_type_features (the slots, in the model's order) and "
+                          "non_id_type_features (name, dtype, per-sample shape; null when "
+                          "the checkpoint does not record them: then one feature is taken "
+                          "whatever its name); recorded: whether the checkpoint records them "
+                          "(else the slots are the embedding config's, in its order)")
 
 
 class Readiness(BaseModel):
@@ -225,9 +238,12 @@ class PredictResponse(BaseModel):
 
 class ReloadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"checkpoint": "ckpt-20250101T000000Z-0002"},
         {"checkpoint": "/ckpt/ckpt-20250101T000000Z-0002"}]})
-    checkpoint: str = Field(min_length=1, description="path/URL of a checkpoint, or an id "
-                                                      "under the checkpoint directory")
+    checkpoint: str = Field(min_length=1, description="a checkpoint id, or the full path/URL "
+                                                      "of a checkpoint right under the "
+                                                      "checkpoint directory; anything else "
+                                                      "is 422")
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -280,6 +296,14 @@ class CheckpointList(BaseModel):
         "finished_at": 1735689604.2, "manifest": {"step": 1200, "stream": "kafka"}}]})
     checkpoints: list[CheckpointInfo] = Field(
         description="complete ones oldest step first, then those being taken or failed")
+
+
+class CheckpointDeleted(BaseModel):
+    model_config = _example({"id": "ckpt-20250101T000000Z-a1b2c3", "deleted": True,
+                             "dst": "/ckpt/ckpt-20250101T000000Z-a1b2c3"})
+    id: str
+    deleted: bool
+    dst: str
 
 
 class RestoreRequest(BaseModel):

@@ -24,7 +24,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from stream_persia.config import ApiConfig, EmbeddingSchema, GlobalConfig, load_embedding_config
+from stream_persia.config import (
+    ApiConfig,
+    CheckpointingConfig,
+    EmbeddingSchema,
+    GlobalConfig,
+    load_embedding_config,
+)
 from stream_persia.errors import ConfigError
 
 __all__ = ["ApiSettings", "EMBEDDING_SOURCES", "is_loopback"]
@@ -91,7 +97,12 @@ class ApiSettings:
         embedding_workers, embedding_servers: role addresses (``host:port``).
         schema: the embedding schema inference requests are validated against (None:
             inference is unavailable until one is given).
-        checkpoint_dir: root of checkpoints started over HTTP (None: those routes 409).
+        checkpoint_dir: root of checkpoints started over HTTP (None: those routes 409),
+            and the only place a request may name a checkpoint in (reload, restore,
+            delete; :mod:`api.checkpoint_root`).
+        keep_checkpoints: complete checkpoints kept under ``checkpoint_dir`` after each
+            one the API takes (0: every one); ``common_config.checkpointing_config
+            .keep_checkpoints``.
         model_checkpoint: checkpoint served at start-up (None: no model until a reload).
         model_class: ``module:Class`` of the dense model when the checkpoint holds no
             ``jit_dense.pt``.
@@ -120,6 +131,7 @@ class ApiSettings:
     embedding_servers: tuple[str, ...] = ()
     schema: EmbeddingSchema | None = None
     checkpoint_dir: str | None = None
+    keep_checkpoints: int = CheckpointingConfig.keep_checkpoints
     model_checkpoint: str | None = None
     model_class: str | None = None
     embeddings: str = "auto"
@@ -143,6 +155,11 @@ class ApiSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", field=name)
+        if isinstance(self.keep_checkpoints, bool) or not isinstance(self.keep_checkpoints,
+                                                                     int) \
+                or self.keep_checkpoints < 0:
+            raise ConfigError(f"keep_checkpoints must be an integer >= 0, got "
+                              f"{self.keep_checkpoints!r}", field="keep_checkpoints")
         if isinstance(self.inline_max_rows, bool) or not isinstance(self.inline_max_rows, int) \
                 or self.inline_max_rows < 0:
             raise ConfigError(f"inline_max_rows must be an integer >= 0, got "
@@ -219,6 +236,8 @@ class ApiSettings:
             values["predict_requires_token"] = predict_auth
         if global_config is not None:
             values["rpc_timeout_ms"] = global_config.embedding_worker_config.rpc_timeout_ms
+            values["keep_checkpoints"] = (global_config.common_config.checkpointing_config
+                                          .keep_checkpoints)
         if "schema" not in overrides and _env("PERSIA_EMBEDDING_CONFIG") is not None:
             values["schema"] = load_embedding_config()
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -39,7 +39,9 @@ RPC methods (params → result):
   would otherwise apply the default optimizer and initialisation. The embedding workers
   (:class:`stream_persia.worker.router.ShardRouter`) learn the digest from the replies
   and configure such a server from what they learned before they retry.
-- ``dump {"dir": url}`` → ``{"file", "rows", "bytes", "sha256"}`` — the shard as one file
+- ``dump {"dir": url}`` → ``{"file", "rows", "bytes", "sha256", "config"}`` — the shard as
+  one file; ``config`` is the store's configuration as ``get_config`` describes it (also
+  when this process was never configured), which the checkpoint manifest records
 - ``load {"dir": url, "files": [...], "expected"?: {file: {"sha256"?, "bytes"?, "rows"?}}}``
   → ``{"rows": int}`` — replaces the shard's rows with the rows it owns in every listed
   shard file, so a checkpoint written by S servers loads into S' servers; all or nothing.
@@ -379,8 +381,11 @@ class EmbeddingServer:
         directory = require(params, "dir", str)
         name = shard_file_name(self.replica_index, self.replica_size)
         # dump() is called on the store thread: a load queued ahead of it swaps the store.
+        # The reply names the configuration the rows were written with (their optimizer
+        # state's kind), so that a restore can configure a server that holds none.
         return await self._run(
-            lambda: write_shard_file(self.store.dump(), directory, name))
+            lambda: {**write_shard_file(self.store.dump(), directory, name),
+                     "config": self._config()})
 
     async def _load(self, params: Any) -> dict:
         self._req.labels("load").inc()

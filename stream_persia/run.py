@@ -191,7 +191,9 @@ class Job:
         env = {"PERSIA_EMBEDDING_CONFIG": str(topo.path(topo.embedding_config)),
                "PERSIA_GLOBAL_CONFIG": str(self._global_config()),
                "PERSIA_OUTPUT_DIR": str(self.out),
-               "PERSIA_CKPT_DIR": str(self.out / "checkpoint"),
+               # Under the API's checkpoint directory: the API serves only checkpoints
+               # there, and the report is made by reloading this one.
+               "PERSIA_CKPT_DIR": str(self.out / "checkpoints" / "final"),
                "PERSIA_CHECKPOINT_DIR": str(self.out / "checkpoints"),
                "PERSIA_API_TOKEN": self.api_token,
                "PYTHONPATH": os.pathsep.join(

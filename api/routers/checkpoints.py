@@ -1,4 +1,4 @@
-"""Checkpoints (``/v1/checkpoints``, bearer token): start, list, inspect, restore."""
+"""Checkpoints (``/v1/checkpoints``, bearer token): start, list, inspect, restore, delete."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from api.schemas import (
     CHECKPOINT_ID_PATTERN,
     ERRORS,
     CheckpointAccepted,
+    CheckpointDeleted,
     CheckpointInfo,
     CheckpointList,
     CheckpointStart,
@@ -35,7 +36,9 @@ async def start(request: Request, body: CheckpointStart | None = None) -> JSONRe
     """Returns 202 with the id at once. With NN ranks attached, every rank takes the cut at
     its next step boundary (the same guarantees as ``dump_checkpoint`` from train.py);
     with none, the API takes it. Follow it at ``status_url``. It is written under the
-    checkpoint directory. 409 while another one runs, or when the id is taken."""
+    checkpoint directory. 409 while another one runs, or when the id is taken. Once it is
+    done, the oldest checkpoints beyond ``checkpointing_config.keep_checkpoints`` (3 by
+    default) are deleted, never one in use or served."""
     job = await _ckpts(request).start(body.id if body is not None else None)
     url = f"/v1/checkpoints/{job.id}"
     accepted = CheckpointAccepted(id=job.id, state=job.state, dst=job.dst, status_url=url)
@@ -71,3 +74,17 @@ async def restore(request: Request, checkpoint_id: str = _ID,
         raise HTTPException(404, f"no checkpoint {checkpoint_id!r}")
     reload_model = body.reload_model if body is not None else True
     return RestoreResult(**await ckpts.restore(checkpoint_id, reload_model))
+
+
+@router.delete("/{checkpoint_id}", response_model=CheckpointDeleted,
+               summary="Delete a checkpoint from the checkpoint directory")
+async def delete(request: Request, checkpoint_id: str = _ID) -> CheckpointDeleted:
+    """Deletes it at once (a reader never sees it half gone). 404 when there is no such
+    checkpoint; 409 while it is being taken, restored or deleted, or is the model being
+    served (or loaded, or configured to be served); 422 for a symbolic link. The API also
+    deletes the oldest checkpoints beyond ``checkpointing_config.keep_checkpoints`` after
+    each checkpoint it takes."""
+    deleted = await _ckpts(request).delete(checkpoint_id)
+    if deleted is None:
+        raise HTTPException(404, f"no checkpoint {checkpoint_id!r}")
+    return CheckpointDeleted(**deleted)

@@ -51,7 +51,9 @@ async def predict(request: Request) -> Response:
     (their embeddings were zeros). Concurrent requests are micro-batched into one forward
     pass. Bodies over ``api.max_body_bytes`` or with more than ``api.max_rows_per_request``
     samples get 413; unknown slots, wrong types and malformed bodies get 422 naming the
-    field."""
+    field. Slots and non-ID features are matched to the model's inputs by name, in any
+    order (``GET /v1/model`` lists them); a name the model does not take, or one it lacks,
+    is 422 naming it."""
     state = request.app.state
     media = _media_type(request)
     if media not in JSON_TYPES and media not in MSGPACK_TYPES:
@@ -88,5 +90,8 @@ async def model_info(request: Request) -> ModelInfo:
 async def reload(request: Request, body: ReloadRequest) -> ModelInfo:
     """Load the checkpoint completely (dense model and, with local embeddings, every row),
     then swap it in atomically: requests already running finish on the old model, none is
-    dropped. ``checkpoint`` is a path/URL or an id under the checkpoint directory."""
+    dropped. ``checkpoint`` is a checkpoint id or the full path/URL of a checkpoint right
+    under the checkpoint directory; anything else (other paths, ``..``, symbolic links out
+    of it, other protocols, chained URLs) is 422 naming ``checkpoint``, as is a checkpoint
+    that cannot be loaded."""
     return ModelInfo(**await request.app.state.predictor.reload(body.checkpoint))

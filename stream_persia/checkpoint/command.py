@@ -83,6 +83,9 @@ def summary(m: Manifest) -> str:
     else:
         lines.append("  offsets:       none")
     lines.append(f"  embedding shards: {m.shard_count} ({m.rows:,} rows)")
+    if m.server_config is not None:
+        lines.append(f"  server config: {m.server_config['digest']} (optimizer "
+                     f"{json.dumps(m.server_config['optimizer'], sort_keys=True)})")
     roles = {m.dense_filename: "dense", m.opt_filename: "optimizer",
              m.jit_filename: "jit"}
     lines.append(f"  files ({len(m.files)}, {_size(sum(e['bytes'] for e in m.files.values()))}):")

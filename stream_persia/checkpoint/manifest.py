@@ -10,7 +10,19 @@ Schema (format version 1; JSON object, every key present, ``null`` where optiona
      "files": {name: {"sha256": 64 hex chars, "bytes": int, "rows"?: int}},
      "embedding_files": [name, ...]  (one per embedding server, in replica order),
      "dense_filename": name | null, "opt_filename": name | null,
-     "jit_filename": name | null, "extra": {...}}
+     "jit_filename": name | null,
+     "server_config": {"digest": 16 hex chars, "optimizer": {...},
+                       "embedding_config": {...}} | null,
+     "extra": {...}}
+
+``server_config`` is the configuration every embedding server held when it dumped its
+shard (the embedding optimizer, whose state the shard files carry, and the
+EmbeddingConfig), as the servers' ``get_config`` describes it; a restore configures the
+servers that hold none with it (:func:`stream_persia.checkpoint.load_embeddings`).
+Manifests written before it existed have none (``null``). ``extra`` holds what the writer
+adds: the API's ``id`` and ``by``, the model's ``heads`` and ``inputs`` (the ID slots and
+non-ID features it was trained with, in order; see ``stream_persia.nn.batch
+.input_signature``), ...
 
 Every name in ``embedding_files`` and the ``*_filename`` keys is a key of ``files``; file
 names are plain (no ``/``). A reader that meets a ``format_version`` it does not know
@@ -159,6 +171,22 @@ def _files(value: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _server_config(value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or set(value) != {"digest", "optimizer", "embedding_config"}:
+        raise BadInput(f"manifest 'server_config' must be null or a map of digest, optimizer "
+                       f"and embedding_config, got {value!r}"[:300], field="server_config")
+    digest = value["digest"]
+    if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{16}", digest)):
+        raise BadInput(f"manifest 'server_config.digest' must be 16 lowercase hex chars, got "
+                       f"{digest!r}", field="server_config.digest")
+    for key in ("optimizer", "embedding_config"):
+        if not isinstance(value[key], dict):
+            raise BadInput(f"manifest 'server_config.{key}' must be a map, got "
+                           f"{value[key]!r}"[:300], field=f"server_config.{key}")
+
+
 @dataclass
 class Manifest:
     """What a checkpoint holds. Validated on construction (``BadInput`` naming the key).
@@ -178,6 +206,7 @@ class Manifest:
     dense_filename: str | None = None
     opt_filename: str | None = None
     jit_filename: str | None = None
+    server_config: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     path: str | None = field(default=None, compare=False, repr=False)
@@ -219,6 +248,7 @@ class Manifest:
             if name is not None and name not in self.files:
                 raise BadInput(f"manifest {key!r} names {name!r}, which is not in 'files'",
                                field=key)
+        _server_config(self.server_config)
         if not isinstance(self.extra, dict):
             raise BadInput(f"manifest 'extra' must be a map, got {type(self.extra).__name__}",
                            field="extra")

@@ -120,7 +120,10 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
                           roll_forward_s: float = DEFAULT_ROLL_FORWARD_S) -> int:
     """Restore the embedding rows of a checkpoint into any number of embedding servers.
 
-    Every server reads every shard file and keeps the rows it owns
+    Servers that hold no configuration (fresh ones) are first configured with the one
+    the manifest records (``server_config``: the embedding optimizer and EmbeddingConfig
+    the shards were written with), so the optimizer state loads and training goes on as
+    it would have. Every server reads every shard file and keeps the rows it owns
     (``shard_of(id, len(server_clients))``), so a checkpoint written by S servers loads into
     S' servers. Each server's rows are replaced: afterwards the servers hold exactly the
     checkpoint's rows (with their optimizer state and recency order).
@@ -167,6 +170,7 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
     for name in manifest.embedding_files:   # cheap checks before any server reads
         _check_file(loc, name, manifest.files[name], checksum=verify_checksums)
     await check_server_set(server_clients, timeout_ms)
+    await _configure_fresh(manifest, server_clients, timeout_ms)
     expected = {name: {k: v for k, v in manifest.files[name].items()
                        if k in ("sha256", "bytes", "rows")}
                 for name in manifest.embedding_files}
@@ -196,7 +200,8 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
         request = {"dir": loc.url, "files": manifest.embedding_files, "expected": expected}
         failures = await asyncio.gather(*(
             _roll_forward(server_clients[i], i, len(server_clients), request,
-                          int(staged[i]["rows"]), commits[i], timeout_ms, roll_forward_s)
+                          int(staged[i]["rows"]), commits[i], timeout_ms, roll_forward_s,
+                          manifest.server_config)
             for i in bad))
         still = [(i, e) for i, e in zip(bad, failures, strict=True) if e is not None]
         if still:
@@ -214,9 +219,35 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
     return loaded
 
 
+async def _configure_fresh(manifest: Manifest, clients: Sequence[Any],
+                           timeout_ms: float) -> None:
+    """Configure the servers that hold no configuration (fresh, or restarted and not yet
+    configured by the job) with the one the checkpoint was written with, so that they
+    take its optimizer state and then train as the job did. A server that holds a
+    configuration keeps it (the job's, or one an operator set on purpose); one that
+    differs from the checkpoint's is logged."""
+    want = manifest.server_config
+    if want is None:
+        return
+    held = await asyncio.gather(*(c.call("get_config", None, timeout_ms=timeout_ms)
+                                  for c in clients))
+    fresh = [c for c, h in zip(clients, held, strict=True) if h is None]
+    for i, h in enumerate(held):
+        if h is not None and h.get("digest") != want["digest"]:
+            log.warning("restore of %s: embedding server %d holds configuration %s, not the "
+                        "checkpoint's %s (%s): it keeps its own", manifest.path, i,
+                        h.get("digest"), want["digest"], want["optimizer"])
+    if fresh:
+        log.info("restore of %s: configuring %d embedding server(s) that hold no "
+                 "configuration with the checkpoint's (%s)", manifest.path, len(fresh),
+                 want["optimizer"])
+        await asyncio.gather(*(c.call("configure", want, timeout_ms=timeout_ms)
+                               for c in fresh))
+
+
 async def _roll_forward(client: Any, replica: int, replicas: int, request: dict,
                         rows: int, error: BaseException, timeout_ms: float,
-                        budget_s: float) -> BaseException | None:
+                        budget_s: float, config: dict | None = None) -> BaseException | None:
     """Bring replica ``replica``, whose commit failed with ``error``, to the checkpoint
     the others committed: ``load`` it directly (``rows`` holds the rows it staged, which
     the load must keep again). Retried with backoff while the server cannot be reached,
@@ -232,6 +263,9 @@ async def _roll_forward(client: Any, replica: int, replicas: int, request: dict,
             # A server restarted at this address must still be this replica of this job.
             check_replica(await client.call("health", None, timeout_ms=timeout_ms),
                           replica, replicas)
+            if config is not None and await client.call("get_config", None,
+                                                        timeout_ms=timeout_ms) is None:
+                await client.call("configure", config, timeout_ms=timeout_ms)  # restarted
             reply = await client.call("load", request, timeout_ms=timeout_ms)
         except (PeerUnavailable, RemoteTimeout) as exc:
             error = exc
@@ -274,7 +308,8 @@ def load_torch(src: str, name: str, map_location: Any = None, *,
         weights_only: as for ``torch.load``; state dicts need nothing more.
 
     Raises:
-        BadInput: not a checkpoint, no such file in it, or the file is corrupt.
+        BadInput: not a checkpoint, no such file in it, the file is corrupt, or torch
+            cannot load it (names the file).
     """
     import torch
 
@@ -289,7 +324,16 @@ def load_torch(src: str, name: str, map_location: Any = None, *,
     if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise BadInput(f"checkpoint {loc.url}: file {name} is corrupt or truncated "
                        f"(its size or sha256 differs from the manifest)", field=f"files.{name}")
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location,
+                          weights_only=weights_only)
+    except Exception as e:   # whatever torch raises on bytes that are not its format
+        detail = (str(e).strip().splitlines() or [""])[-1][:200]
+        raise BadInput(f"checkpoint {loc.url}: file {name} matches its checksum but torch "
+                       f"cannot load it ({type(e).__name__}: {detail})",
+                       field=f"files.{name}",
+                       hint="it was not written by torch.save, or by an incompatible "
+                            "torch") from None
 
 
 def _created(m: Manifest) -> datetime:

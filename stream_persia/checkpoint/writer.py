@@ -65,6 +65,7 @@ class CheckpointWriter:
                            field="dst")
         self._files: dict[str, dict[str, Any]] = {}
         self._embedding_files: list[str] = []
+        self._server_config: dict[str, Any] | None = None
         self._state = "open"
         self._check_replaceable()
         fs = self._dst.fs
@@ -141,7 +142,8 @@ class CheckpointWriter:
             The shard file names, in replica order.
 
         Raises:
-            Misuse: the clients are not every server of one job in replica order.
+            Misuse: the clients are not every server of one job in replica order, or the
+                servers hold different configurations (the manifest records theirs).
         """
         self._check_open()
         await check_server_set(server_clients, timeout_ms)
@@ -164,6 +166,7 @@ class CheckpointWriter:
         for stale in set(self._embedding_files) - set(names):
             self._files.pop(stale, None)
         self._embedding_files = names
+        self._server_config = _one_config(replies)
         return list(names)
 
     # ----------------------------------------------------------------- publishing
@@ -195,7 +198,7 @@ class CheckpointWriter:
             dense_filename=DENSE_FILENAME if DENSE_FILENAME in files else None,
             opt_filename=OPT_FILENAME if OPT_FILENAME in files else None,
             jit_filename=JIT_FILENAME if JIT_FILENAME in files else None,
-            extra={} if extra is None else extra)
+            server_config=self._server_config, extra={} if extra is None else extra)
         data = (json.dumps(manifest.to_dict(), indent=2) + "\n").encode()
         if self._dst.local:
             self._check_replaceable()
@@ -273,6 +276,26 @@ class CheckpointWriter:
                            f"({subdirs[0].rsplit('/', 1)[-1]!r}), so it is not a checkpoint: "
                            f"refusing to replace it", field="dst",
                            hint="give each checkpoint its own directory, e.g. ROOT/step-000100")
+
+
+def _one_config(replies: Sequence[dict]) -> dict[str, Any] | None:
+    """The configuration every server dumped with (their ``dump`` replies' ``config``),
+    recorded in the manifest; None when a server does not say (an older server).
+
+    Raises:
+        Misuse: the servers hold different configurations: their shards' optimizer state
+            would not load into one job.
+    """
+    configs = [r.get("config") for r in replies]
+    if any(not isinstance(c, dict) for c in configs):
+        return None
+    digests = [c.get("digest") for c in configs]
+    if len(set(digests)) != 1:
+        raise Misuse(f"the embedding servers hold different configurations (digests "
+                     f"{digests}): their shards cannot make one checkpoint",
+                     hint="configure every server alike (POST /v1/embeddings/configure, "
+                          "or TrainCtx does it) and checkpoint again")
+    return dict(configs[0])
 
 
 def _fsync_files(directory: str) -> None:

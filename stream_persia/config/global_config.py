@@ -6,7 +6,8 @@ PERSIA's keys and documented defaults::
       job_type: Train                    # Eval and Infer are refused (no such jobs here)
       metrics_config: {enable_metrics: false, push_interval_sec: 10,   # true is refused:
                        job_name: persia_default_jobname}               # no push gateway
-      checkpointing_config: {num_workers: 4}
+      checkpointing_config: {num_workers: 4,
+                             keep_checkpoints: 3}  # ours: kept under the API's directory
       infer_config: {servers: [], embedding_checkpoint: null}   # a checkpoint is refused
     embedding_parameter_server_config:
       capacity: 1000000000               # embedding rows per server (LRU beyond it),
@@ -127,12 +128,23 @@ class MetricsConfig(_Section):
 
 @dataclass(frozen=True)
 class CheckpointingConfig(_Section):
-    """``common_config.checkpointing_config``: concurrency of embedding dump and load."""
+    """``common_config.checkpointing_config``: concurrency of embedding dump and load.
+
+    Ours: ``keep_checkpoints``, how many complete checkpoints the API keeps under its
+    checkpoint directory (:mod:`stream_persia.checkpoint.retention`): after each one it
+    takes, older ones beyond this number are deleted, never the model it serves nor one
+    in use. 3 by default: the newest plus two to fall back on, since each holds every
+    embedding row (as large as the servers' memory). 0 keeps them all (unbounded disk).
+    """
 
     num_workers: int = 4
+    keep_checkpoints: int = 3
 
     def __post_init__(self) -> None:
         check_int(self, "num_workers", lo=1, hi=1024)
+        check_int(self, "keep_checkpoints", lo=0, hi=1_000_000,
+                  hint="complete checkpoints kept under the checkpoint directory, e.g. 3; "
+                       "0 keeps every one")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 
 from stream_persia.errors import BadInput
 
-__all__ = ["EmbeddingSlot", "PersiaTrainingBatch", "from_served"]
+__all__ = ["EmbeddingSlot", "PersiaTrainingBatch", "from_served", "input_signature"]
 
 
 @dataclass(eq=False)
@@ -154,3 +154,17 @@ def from_served(served: dict, worker_index: int | None = None, *, pin: bool = Fa
         worker_index=worker_index,
         missing=int(served.get("missing", 0) or 0),
     )
+
+
+def input_signature(batch: PersiaTrainingBatch) -> dict[str, Any]:
+    """What the model receives from ``batch``, in order: its ID slots and its non-ID
+    features (name, dtype, per-sample shape). ``dump_checkpoint`` records it in the
+    manifest (``extra["inputs"]``) so that the API can match inference requests to the
+    model's inputs by name (:mod:`api.inputs`)."""
+    return {"id_type_features": [slot.name for slot in batch.id_type_feature_embeddings],
+            "non_id_type_features": [
+                {"name": name, "dtype": str(t.dtype).removeprefix("torch."),
+                 "shape": list(t.shape[1:])}
+                for name, t in zip(batch.non_id_type_feature_names or
+                                   [None] * len(batch.non_id_type_features),
+                                   batch.non_id_type_features, strict=True)]}

@@ -11,7 +11,10 @@
    optimizer (and the GradScaler with mixed precision), optionally the TorchScript model,
    has every embedding server dump its shard into the checkpoint, and commits the
    manifest with the offsets (:class:`stream_persia.checkpoint.CheckpointWriter`: the
-   checkpoint becomes visible atomically). Then the workers ``commit_offsets`` to the
+   checkpoint becomes visible atomically), the servers' configuration (embedding
+   optimizer and EmbeddingConfig) and, in ``extra["inputs"]``, the ID slots and non-ID
+   features of the batches the model was trained on, in order (serving matches requests
+   to them by name). Then the workers ``commit_offsets`` to the
    consumer group (for lag monitors only: restoring uses the manifest).
 4. Barrier; prefetching resumes.
 
@@ -217,7 +220,7 @@ def _write(ctx: Any, cluster: Any, dst_dir: str, *, train: bool, dense_filename:
                                  extra={"world_size": getattr(ctx, "world_size", 1),
                                         "dense_filename": dense_filename,
                                         "opt_filename": opt_filename if train else None,
-                                        **_heads(model), **extra})
+                                        **_heads(model), **_inputs(ctx), **extra})
     if stream == "kafka":
         for topic_offsets in offsets.values():
             cluster.run(cluster.call_workers("commit_offsets", {"offsets": topic_offsets}))
@@ -247,6 +250,8 @@ def load_checkpoint(ctx: Any, src_dir: str, *, map_location: Any = None,
                 ctx.grad_scaler.load_state_dict(load_torch(src_dir, GRAD_SCALER_FILENAME))
         if train:
             ctx.steps = manifest.step
+            if ctx.input_signature is None and isinstance(manifest.extra.get("inputs"), dict):
+                ctx.input_signature = manifest.extra["inputs"]   # kept in the next checkpoint
         _barrier(ctx)
     finally:
         if train:
@@ -350,3 +355,10 @@ def _heads(model: Any) -> dict[str, list[str]]:
     if isinstance(tasks, (list, tuple)) and tasks and all(isinstance(t, str) for t in tasks):
         return {"heads": list(tasks)}
     return {}
+
+
+def _inputs(ctx: Any) -> dict[str, Any]:
+    """The model's inputs as trained (:func:`stream_persia.nn.batch.input_signature`), so
+    that serving matches requests to them by name; nothing if no batch was trained."""
+    sig = getattr(ctx, "input_signature", None)
+    return {"inputs": sig} if sig is not None else {}

@@ -40,7 +40,7 @@ from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Optimizer
 from stream_persia.env import get_rank, get_world_size
 from stream_persia.errors import Misuse
-from stream_persia.nn.batch import PersiaTrainingBatch
+from stream_persia.nn.batch import PersiaTrainingBatch, input_signature
 from stream_persia.nn.checkpoint_poller import NnCheckpointPoller
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
 from stream_persia.nn.loader import HELD, PUSHING, StreamPrefetcher, Ticket
@@ -136,6 +136,8 @@ class TrainCtx(EmbeddingCtx):
         self._prefetchers: list[StreamPrefetcher] = []
         self._warned_unreleased = False
         self.checkpoint_poll_steps = checkpoint_poll_steps
+        # The inputs of the first batch trained (nn.batch.input_signature), for checkpoints.
+        self.input_signature: dict[str, Any] | None = None
         self.checkpoint_poller: NnCheckpointPoller | None = None
         self.steps = 0
         self.nonfinite_steps = 0
@@ -213,6 +215,8 @@ class TrainCtx(EmbeddingCtx):
     # ------------------------------------------------------------------ training
     def _prepared(self, batch: PersiaTrainingBatch, leaves: list | None) -> None:
         self._raise_async_errors()
+        if leaves is not None and self.input_signature is None:
+            self.input_signature = input_signature(batch)
         self._current = batch
         self._current_leaves = leaves
 

@@ -49,6 +49,23 @@ class TwoHeads(torch.nn.Module):
         return {"click": torch.sigmoid(self.click(h)).squeeze(1), "buy": self.buy(h)}
 
 
+class DenseAndContext(torch.nn.Module):
+    """PERSIA-signature model over testing.samples.SCHEMA with two non-ID features of the
+    same width (dense 3, ctx 3): swapping any two inputs still runs, but scores
+    differently."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = torch.nn.Linear(3 + 3 + 8 + 8 + 12, 16)
+        self.click = torch.nn.Linear(16, 1)
+
+    def forward(self, non_id: list[torch.Tensor], emb: list[torch.Tensor]) -> torch.Tensor:
+        parts = list(non_id) + [e.reshape(e.shape[0], -1) for e in emb]
+        return torch.sigmoid(self.click(torch.relu(self.body(torch.cat(parts, dim=1))))
+                             ).squeeze(1)
+
+
 class Click(torch.nn.Module):
     """One-head PERSIA-signature model over testing.samples.SCHEMA, for training."""
 
@@ -116,8 +133,10 @@ async def stop_job(job: Job) -> None:
 
 
 async def write_checkpoint(job: Job, dst: str, model: torch.nn.Module, *, step: int = 1,
-                           jit: bool = True, heads: list[str] | None = None) -> str:
-    """A checkpoint of ``job``'s servers and ``model`` at ``dst`` (direct stream)."""
+                           jit: bool = True, heads: list[str] | None = None,
+                           inputs: dict | None = None) -> str:
+    """A checkpoint of ``job``'s servers and ``model`` at ``dst`` (direct stream); with
+    ``inputs`` (``nn.batch.input_signature``) recorded as ``dump_checkpoint`` does."""
     clients = [job.client(a) for a in job.server_addresses]
     with CheckpointWriter(dst) as w:
         w.write_torch("dense.pt", model.state_dict())
@@ -128,8 +147,8 @@ async def write_checkpoint(job: Job, dst: str, model: torch.nn.Module, *, step: 
                 torch.jit.save(torch.jit.script(model), buf)
             w.write_bytes(JIT_FILENAME, buf.getvalue())
         await w.dump_embeddings(clients)
-        w.commit(job="test", step=step, offsets={}, stream="direct",
-                 extra={"heads": heads} if heads else None)
+        extra = ({"heads": heads} if heads else {}) | ({"inputs": inputs} if inputs else {})
+        w.commit(job="test", step=step, offsets={}, stream="direct", extra=extra or None)
     return dst
 
 

@@ -38,6 +38,8 @@ from stream_persia.worker.ingest import KafkaIngest
 
 N_BATCHES = 40
 AFTER_CUT = 5
+INPUTS = {"id_type_features": ["user", "item", "tags"],
+          "non_id_type_features": [{"name": "dense", "dtype": "float32", "shape": [3]}]}
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -125,6 +127,10 @@ async def test_http_checkpoint_while_training_restores_exactly_once(kafka_topic,
             assert info["state"] == "done", info
             assert info["by"] == "nn" and result_a["taken"] == ident
             manifest = info["manifest"]
+            # What the model was trained with, in order, for serving to match by name;
+            # and the servers' configuration, for a restore into fresh servers.
+            assert manifest["extra"]["inputs"] == INPUTS
+            assert manifest["server_config"]["optimizer"] == SGD(lr=0.1).to_dict()
             cut = manifest["step"]
             assert manifest["stream"] == "kafka" and manifest["offsets"][topic]
             assert 8 <= cut < N_BATCHES - AFTER_CUT
@@ -165,6 +171,7 @@ async def test_http_checkpoint_while_training_restores_exactly_once(kafka_topic,
             assert info["manifest"]["offsets"] == final.offsets
             assert info["manifest"]["step"] == final.step
             assert info["manifest"]["jit_filename"] == "jit_dense.pt"
+            assert final.extra["inputs"] == info["manifest"]["extra"]["inputs"] == INPUTS
     finally:
         await stop_job(job)
 

@@ -39,7 +39,7 @@ def test_openapi_is_complete_with_examples():
     assert security == {"type": "http", "scheme": "bearer",
                         "description": security["description"]}
     ops = [(p, m, op) for p, item in spec["paths"].items() for m, op in item.items()]
-    assert len(ops) == 16
+    assert len(ops) == 17
     for path, method, op in ops:
         where = f"{method.upper()} {path}"
         assert op.get("summary") and op.get("tags"), where

@@ -207,7 +207,8 @@ async def test_model_class_and_state_dict(trained, tmp_path):
         got = np.array([p["click"] for p in r.json()["predictions"]])
         np.testing.assert_allclose(got, want["click"], atol=1e-6)
         assert (await api.client.get("/v1/model")).json()["kind"] == "state_dict"
-    async with LiveApi(settings_for(job, embeddings="local")) as api:   # no class: 422
+    async with LiveApi(settings_for(job, embeddings="local",
+                                    checkpoint_dir=str(tmp_path))) as api:   # no class: 422
         r = await api.client.post("/v1/model/reload", json={"checkpoint": ckpt}, headers=AUTH)
         assert r.status_code == 422 and "jit_dense.pt" in r.json()["error"]["message"]
         assert (await api.client.get("/readyz")).status_code == 200   # no model was asked for

@@ -23,7 +23,8 @@ async def test_reload_under_load_drops_nothing(job, tmp_path, source):
     first = await write_checkpoint(job, str(tmp_path / "ckpt-1"), TwoHeads(seed=1), step=1)
     await job.train(4, seed=1)
     second = await write_checkpoint(job, str(tmp_path / "ckpt-2"), TwoHeads(seed=2), step=2)
-    settings = settings_for(job, model_checkpoint=first, embeddings=source, batch_wait_ms=1)
+    settings = settings_for(job, model_checkpoint=first, embeddings=source, batch_wait_ms=1,
+                            checkpoint_dir=str(tmp_path))
     async with LiveApi(settings) as api:
         seen: list[tuple[int, str, float]] = []
         errors: list[str] = []

@@ -18,9 +18,12 @@ import test_checkpoint_shard_load as shard_load
 from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia import embedding_server
-from stream_persia.checkpoint import CheckpointWriter, load_embeddings
+from stream_persia.checkpoint import CheckpointWriter, load_embeddings, read_manifest
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import Adagrad, Adam
 from stream_persia.errors import BadInput, PeerUnavailable, RemoteError
 from stream_persia.testing.servers import running_servers
+from stream_persia.worker.router import ShardRouter
 
 cluster = shard_load.cluster   # the fixture: 2 servers, a checkpoint, trained on since
 observe, probe_ids = shard_load.observe, shard_load.probe_ids
@@ -272,3 +275,61 @@ def test_stage_ttl_must_be_positive():
         with pytest.raises(BadInput) as err:
             embedding_server.EmbeddingServer(10, stage_ttl_s=bad)
         assert err.value.field == "stage_ttl_s"
+
+
+def by_id(servers) -> dict[int, tuple[bytes, bytes]]:
+    """Every row of every server by id: (weights, optimizer state), any shard count."""
+    return {i: (w.tobytes(), s.tobytes()) for server in servers for c in server.store.dump()
+            for i, w, s in zip(c["ids"].tolist(), c["weights"], c["state"], strict=True)}
+
+
+async def test_a_restore_into_fresh_servers_trains_on_as_the_job_did(tmp_path):
+    """Issue 17: a restore into servers that were never configured (as launched: the
+    default Adagrad and initialisation) failed, since the manifest did not record the
+    embedding optimizer. The job's servers are configured with Adam (as TrainCtx does);
+    the checkpoint records the configuration, the restore gives it to fresh servers (3
+    instead of 2), and from there they train exactly as the job's own servers did."""
+    config = {"optimizer": Adam(lr=0.01).to_dict(),
+              "embedding_config": EmbeddingConfig((-0.05, 0.05)).to_dict()}
+    d = str(tmp_path / "ck")
+    async with running_servers(2) as (servers, router):
+        await asyncio.gather(*(c.call("configure", config) for c in router.clients))
+        held = await router.clients[0].call("get_config", None)
+        await shard_load.train(router, seed=1)
+        with CheckpointWriter(d) as w:
+            await w.dump_embeddings(router.clients)
+            manifest = w.commit(job="j", step=1, offsets={}, stream="direct")
+        assert read_manifest(d).server_config == manifest.server_config == held
+        assert held["optimizer"]["name"] == "adam"
+        await shard_load.train(router, seed=2)
+        want = by_id(servers)
+    fresh = [embedding_server.EmbeddingServer(10_000, replica_index=i, replica_size=3)
+             for i in range(3)]
+    for s in fresh:
+        await s.start()
+    router = ShardRouter([s.address for s in fresh], timeout_ms=5000)
+    try:
+        assert [await c.call("get_config", None) for c in router.clients] == [None] * 3
+        assert await load_embeddings(d, router.clients) == manifest.rows
+        assert [await c.call("get_config", None) for c in router.clients] == [held] * 3
+        await shard_load.train(router, seed=2)
+        got = by_id(fresh)
+        assert got.keys() == want.keys()
+        assert got == want
+    finally:
+        await router.close()
+        for s in fresh:
+            await s.stop()
+
+
+async def test_a_restore_leaves_a_configured_server_its_configuration(cluster):
+    """A server that holds a configuration (the job's, or an operator's) keeps it."""
+    servers, router, d, manifest = cluster
+    assert manifest.server_config["optimizer"]["name"] == "adagrad"
+    other = {"optimizer": Adagrad(lr=0.5).to_dict(),
+             "embedding_config": EmbeddingConfig((-0.5, 0.5)).to_dict()}
+    await asyncio.gather(*(c.call("configure", other) for c in router.clients))
+    held = await router.clients[0].call("get_config", None)
+    assert held["digest"] != manifest.server_config["digest"]
+    assert await load_embeddings(d, router.clients) == manifest.rows
+    assert [await c.call("get_config", None) for c in router.clients] == [held] * 2

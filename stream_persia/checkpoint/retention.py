@@ -1,0 +1,90 @@
+"""Retention: how many checkpoints a root keeps, and deleting one without a reader ever
+seeing it half gone.
+
+``common_config.checkpointing_config.keep_checkpoints`` (default 3, 0 = keep every one)
+is how many complete checkpoints the API keeps under its checkpoint directory: after
+each checkpoint it takes, the oldest beyond that number are deleted (newest = latest
+``created_at``, then highest step), except the ones the caller protects (the model being
+served, a checkpoint being restored or loaded, the one just written). Directories without
+a manifest (being written, or abandoned) are not checkpoints and are never counted or
+touched, nor are symbolic links.
+
+Deleting (:func:`delete_checkpoint`): a local checkpoint is first renamed to a hidden
+sibling ``.<name>.deleting-<random>`` (one atomic step: readers skip hidden names), then
+removed; a remote one loses its manifest first (readers then treat it as incomplete),
+then its files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Collection, Sequence
+from datetime import datetime, timezone
+
+from stream_persia.checkpoint._common import Location
+from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest
+from stream_persia.checkpoint.reader import list_checkpoints
+
+__all__ = ["delete_checkpoint", "expired", "prune_checkpoints"]
+
+log = logging.getLogger(__name__)
+
+def _newest_last(m: Manifest) -> tuple:
+    t = datetime.fromisoformat(m.created_at.replace("Z", "+00:00"))
+    t = t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+    return t, m.step, m.path or ""
+
+
+def expired(manifests: Sequence[Manifest], keep: int, protect: Collection[str] = ()
+            ) -> list[Manifest]:
+    """The checkpoints beyond the ``keep`` newest, oldest first, leaving out those whose
+    directory name is in ``protect``. ``keep`` 0 keeps every one."""
+    if keep <= 0:
+        return []
+    ordered = sorted(manifests, key=_newest_last)
+    old = ordered[:-keep] if len(ordered) > keep else []
+    return [m for m in old if Location(m.path or "").name not in protect]
+
+
+def prune_checkpoints(root: str, keep: int, protect: Collection[str] = ()) -> list[str]:
+    """Delete the complete checkpoints right under ``root`` beyond the ``keep`` newest,
+    except those named (directory name) in ``protect``; returns the names deleted.
+    Blocking. A checkpoint that cannot be deleted is logged and left."""
+    loc = Location(root)
+    found = [m for m in list_checkpoints(root)
+             if not (loc.local and os.path.islink(m.path or ""))]
+    deleted = []
+    for m in expired(found, keep, protect):
+        name = Location(m.path or "").name
+        try:
+            delete_checkpoint(m.path or "")
+        except OSError as e:
+            log.warning("retention: could not delete checkpoint %s: %s", m.path, e)
+            continue
+        log.info("retention: deleted checkpoint %s (step %d), keeping the %d newest under %s",
+                 m.path, m.step, keep, loc.url)
+        deleted.append(name)
+    return deleted
+
+
+def delete_checkpoint(src: str) -> None:
+    """Delete the checkpoint directory ``src`` (blocking; see the module docstring).
+
+    Raises:
+        OSError: it could not be deleted (a local one is then either still complete or
+            already gone from readers' view under its hidden name).
+    """
+    loc = Location(src)
+    if loc.local:
+        parent, name = os.path.split(loc.path)
+        hidden = os.path.join(parent, f".{name}.deleting-{uuid.uuid4().hex[:12]}")
+        os.rename(loc.path, hidden)
+        shutil.rmtree(hidden)
+        return
+    manifest = loc.join(MANIFEST_NAME)
+    if loc.fs.exists(manifest):
+        loc.fs.rm_file(manifest)
+    loc.fs.rm(loc.path, recursive=True)

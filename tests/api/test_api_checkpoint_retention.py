@@ -1,0 +1,151 @@
+"""Checkpoints under the API's directory are bounded: ``keep_checkpoints`` after each one
+the API takes, and ``DELETE /v1/checkpoints/{id}``.
+
+Issue 17: six ``POST /v1/checkpoints`` in 6 s took the directory from 159 MiB to 1.1 GiB,
+nothing was ever deleted and ``DELETE`` was 405. Retention never deletes the model being
+served (nor the one configured to be served), nor one being taken or restored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from api_helpers import AUTH, LiveApi, TwoHeads, settings_for, write_checkpoint
+from prometheus_client.parser import text_string_to_metric_families
+
+from api import ApiSettings
+from stream_persia.checkpoint import list_checkpoints
+from stream_persia.config import GlobalConfig
+from stream_persia.errors import ConfigError
+
+
+async def take(api: LiveApi, ident: str) -> dict:
+    r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": ident})
+    assert r.status_code == 202, r.text
+    async with asyncio.timeout(30):
+        while (info := (await api.client.get(f"/v1/checkpoints/{ident}", headers=AUTH)
+                        ).json())["state"] in ("pending", "running"):
+            await asyncio.sleep(0.02)
+    assert info["state"] == "done", info
+    return info
+
+
+def on_disk(root: str) -> list[str]:
+    """Every entry under ``root`` (nothing hidden is left behind by a deletion)."""
+    assert not [n for n in os.listdir(root) if n.startswith(".")], os.listdir(root)
+    return sorted(os.listdir(root))
+
+
+async def deleted_metric(api: LiveApi) -> dict[str, float]:
+    text = (await api.client.get("/metrics")).text
+    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "persia_api_checkpoints_deleted_total"}
+
+
+async def test_the_api_keeps_the_newest_checkpoints(job, tmp_path):
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    async with LiveApi(settings_for(job, checkpoint_dir=root, keep_checkpoints=2)) as api:
+        for i in range(5):
+            await job.train(1, seed=i)
+            await take(api, f"c{i}")
+            assert on_disk(root) == [f"c{k}" for k in range(max(0, i - 1), i + 1)]
+        listed = (await api.client.get("/v1/checkpoints", headers=AUTH)).json()
+        assert [c["id"] for c in listed["checkpoints"]] == ["c3", "c4"]
+        assert (await api.client.get("/v1/checkpoints/c0", headers=AUTH)).status_code == 404
+        assert (await deleted_metric(api)) == {"retention": 3.0}
+
+
+async def test_retention_never_deletes_the_served_model(job, tmp_path):
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    await write_checkpoint(job, f"{root}/configured", TwoHeads())   # PERSIA_API_MODEL
+    await write_checkpoint(job, f"{root}/reloaded", TwoHeads(seed=2))
+    settings = settings_for(job, checkpoint_dir=root, keep_checkpoints=1, embeddings="local",
+                            model_checkpoint=f"{root}/configured")
+    async with LiveApi(settings) as api:
+        r = await api.client.post("/v1/model/reload", headers=AUTH,
+                                  json={"checkpoint": "reloaded"})
+        assert r.status_code == 200, r.text
+        for i in range(3):
+            await take(api, f"c{i}")
+        # Served, configured to serve (the API retries it after a restart), and newest.
+        assert sorted(os.listdir(root)) == ["c2", "configured", "reloaded"]
+
+
+async def test_delete_a_checkpoint(job, tmp_path):
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    for name in ("served", "old", "other"):
+        await write_checkpoint(job, f"{root}/{name}", TwoHeads())
+    async with LiveApi(settings_for(job, checkpoint_dir=root, embeddings="local",
+                                    model_checkpoint=f"{root}/served")) as api:
+        c = api.client
+        assert (await c.delete("/v1/checkpoints/old")).status_code == 401
+        assert (await c.delete("/v1/checkpoints/old",
+                               headers={"Authorization": "Bearer wrong"})).status_code == 403
+        r = await c.delete("/v1/checkpoints/old", headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"id": "old", "deleted": True, "dst": os.path.realpath(f"{root}/old")}
+        assert (await c.get("/v1/checkpoints/old", headers=AUTH)).status_code == 404
+        assert (await c.delete("/v1/checkpoints/old", headers=AUTH)).status_code == 404
+        assert (await c.delete("/v1/checkpoints/never", headers=AUTH)).status_code == 404
+        r = await c.delete("/v1/checkpoints/served", headers=AUTH)
+        assert r.status_code == 409 and r.json()["error"]["field"] == "checkpoint", r.text
+        assert "served" in r.json()["error"]["message"]
+        for bad in (".hidden", "a%2Fb", "..", "x" * 200):
+            r = await c.delete(f"/v1/checkpoints/{bad}", headers=AUTH)
+            assert r.status_code in (404, 422), (bad, r.text)
+            if r.status_code == 422:
+                assert r.json()["error"]["field"] == "path.checkpoint_id"
+        # Another model served: the previous one may go.
+        r = await c.post("/v1/model/reload", headers=AUTH, json={"checkpoint": "other"})
+        assert r.status_code == 200
+        r = await c.delete("/v1/checkpoints/served", headers=AUTH)
+        assert r.status_code == 409   # still PERSIA_API_MODEL: a restart serves it again
+        assert (await deleted_metric(api)) == {"request": 1.0}
+    assert sorted(os.listdir(root)) == ["other", "served"]
+
+
+async def test_delete_refuses_a_checkpoint_being_taken(job, tmp_path, monkeypatch):
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+        ckpts = api.state.checkpoints
+        gate = asyncio.Event()
+        real = ckpts._direct_cut
+
+        async def held(*args, **kw):   # the cut waits until the test lets it go
+            await gate.wait()
+            return await real(*args, **kw)
+
+        monkeypatch.setattr(ckpts, "_direct_cut", held)
+        r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": "slow"})
+        assert r.status_code == 202
+        r = await api.client.delete("/v1/checkpoints/slow", headers=AUTH)
+        assert r.status_code == 409 and "being taken" in r.json()["error"]["message"], r.text
+        gate.set()
+        async with asyncio.timeout(30):
+            while (await api.client.get("/v1/checkpoints/slow", headers=AUTH)
+                   ).json()["state"] != "done":
+                await asyncio.sleep(0.02)
+        assert (await api.client.delete("/v1/checkpoints/slow", headers=AUTH)).status_code \
+            == 200
+    assert list_checkpoints(root) == []
+
+
+def test_keep_checkpoints_is_validated_and_reaches_the_api():
+    gc = GlobalConfig.from_dict({"common_config": {"checkpointing_config": {
+        "keep_checkpoints": 7}}})
+    assert ApiSettings.from_env(gc).keep_checkpoints == 7
+    assert GlobalConfig.from_dict({}).common_config.checkpointing_config.keep_checkpoints == 3
+    for bad in (-1, "3", 1.5, True):
+        with pytest.raises(ConfigError) as err:
+            GlobalConfig.from_dict({"common_config": {"checkpointing_config": {
+                "keep_checkpoints": bad}}}, source="global_config.yml")
+        assert "checkpointing_config.keep_checkpoints" in str(err.value)
+        assert "global_config.yml" in str(err.value)
+    with pytest.raises(ConfigError):
+        ApiSettings(keep_checkpoints=-1)
