@@ -39,6 +39,9 @@ def _security(name: str) -> list[tuple[str, str]]:
 
 READ: dict[str, list[tuple[str, str]]] = {
     "common_config.infer_config.servers": [(API_SETTINGS, r"infer_config\.servers")],
+    "common_config.checkpointing_config.keep_checkpoints": [
+        (API_SETTINGS, r"checkpointing_config\s*\.keep_checkpoints"),
+        ("api/checkpoints.py", r"settings\.keep_checkpoints")],
     "embedding_parameter_server_config.capacity": [(LAUNCH, r"cfg\.capacity")],
     "embedding_parameter_server_config.restore_stage_ttl_s": [
         (LAUNCH, r"cfg\.restore_stage_ttl_s")],
