@@ -194,7 +194,7 @@ def embedding_server(args: argparse.Namespace) -> int:
         server = EmbeddingServer(capacity, replica_index=args.replica_index,
                                  replica_size=args.replica_size, host=args.host,
                                  port=args.port, stage_ttl_s=cfg.restore_stage_ttl_s,
-                                 store_threads=threads)
+                                 store_threads=threads, update_tokens=cfg.update_tokens)
         return await _serve(server, args)
 
     return aio.run(main())
@@ -226,7 +226,8 @@ def embedding_worker(args: argparse.Namespace) -> int:
                                  replica_index=args.replica_index,
                                  replica_size=args.replica_size, host=args.host, port=args.port,
                                  ready_buffer_batches=wc.ready_buffer_batches,
-                                 rpc_timeout_ms=wc.rpc_timeout_ms)
+                                 rpc_timeout_ms=wc.rpc_timeout_ms,
+                                 push_retry_ms=wc.push_retry_ms)
         if bootstrap:
             from stream_persia.kafka import DeadLetterWriter, SampleConsumer
             from stream_persia.worker.ingest import KafkaIngest
