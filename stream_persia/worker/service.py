@@ -12,7 +12,9 @@ with 1 the job is fully synchronous and deterministic).
 RPC methods (params → result):
 
 - ``health`` → ``{"ok", "role", "replica_index", ..., "error"}``: ``ok`` is false, and
-  ``error`` says why, when batches whose gradient push failed are held (below).
+  ``error`` says why, when a background task failed (the Kafka ingest loop: the launched
+  role then exits with status 1, :mod:`stream_persia.supervisor`) or batches whose
+  gradient push failed are held (below).
 - ``ingest {"batch": PersiaBatch wire dict, "timeout_ms"?}`` → ``{"batch_id"}`` —
   broker-less ingest; waits while ingest is paused or the ready buffer is full
   (``Backpressure`` after the timeout); bad batches are refused with ``BadInput`` naming
@@ -107,6 +109,7 @@ from stream_persia.errors import (
 )
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
+from stream_persia.supervisor import Supervisor
 from stream_persia.worker.batchplan import BatchPlan, plan_batch, reduce_gradients
 from stream_persia.worker.buffer import BoundedBuffer
 from stream_persia.worker.frontier import Frontier
@@ -203,6 +206,9 @@ class EmbeddingWorker:
                                           "inflight": len(self.inflight),
                                           "pending": self.frontier.pending(),
                                           "failed": len(self._failed())})
+        # Long-running tasks (the Kafka ingest loop) are watched: one that fails makes
+        # health answer not ok and the launched role exit 1 (stream_persia.supervisor).
+        self.supervisor = Supervisor(f"embedding worker {replica_index}", m)
         self.rpc = RpcServer({
             "health": self._health, "ingest": self._ingest, "next_batch": self._next_batch,
             "push_gradients": self._push_gradients, "lookup_batch": self._lookup_batch,
@@ -246,7 +252,12 @@ class EmbeddingWorker:
         self._kafka_retired = dict.fromkeys(KafkaIngest.COUNTERS, 0.0)
         self.metrics.add_callback("kafka", self._kafka_stats, counters=KafkaIngest.COUNTERS)
         self.kafka = ingest
+        await self._start_ingest(ingest)
+
+    async def _start_ingest(self, ingest: KafkaIngest) -> None:
         await ingest.start()
+        if ingest.task is not None:
+            self.supervisor.watch(ingest.task, "kafka-ingest")
 
     async def start(self) -> None:
         await self.rpc.start()
@@ -539,9 +550,9 @@ class EmbeddingWorker:
 
     # ----------------------------------------------------------------- control
     def problems(self) -> list[str]:
-        """Why this worker is unhealthy (empty: healthy): batches whose push failed are
-        held."""
-        problems = []
+        """Why this worker is unhealthy (empty: healthy): a background task failed (the
+        launched role exits), or batches whose push failed are held."""
+        problems = [self.supervisor.error] if self.supervisor.error else []
         failed = self._failed()
         if failed:
             problems.append(f"{len(failed)} batch(es) whose gradients could not be applied "
@@ -648,7 +659,7 @@ class EmbeddingWorker:
         self.inflight.clear()
         self.ready.clear()
         self.kafka = self.kafka_factory(offsets)
-        await self.kafka.start()
+        await self._start_ingest(self.kafka)
         return {"offsets": {str(p): o for p, o in self.frontier.offsets().items()}}
 
     async def _commit_offsets(self, params: Any) -> bool:

@@ -374,3 +374,22 @@ def test_feed_thread_is_not_left_behind():
     left = [t.name for t in threading.enumerate()
             if not t.daemon and t is not threading.main_thread()]
     assert not left, f"non-daemon threads left running: {left}"
+
+
+def test_a_crashed_prefetch_task_reaches_the_training_thread():
+    """The prefetcher's main task is supervised: if it dies (here: a cluster left with no
+    worker, so choosing the next one divides by zero), the training thread's next get()
+    raises its error instead of waiting as if the stream had run dry."""
+    from types import SimpleNamespace
+
+    from stream_persia.aio import LoopThread
+    from stream_persia.nn.loader import StreamPrefetcher
+
+    with LoopThread(name="test-prefetch") as lt:
+        cluster = SimpleNamespace(workers=[None], loop=lt)
+        prefetcher = StreamPrefetcher(cluster, staleness=1, buffer_size=1)
+        cluster.workers = []
+        lt.run(prefetcher.start())
+        with pytest.raises(ZeroDivisionError):
+            prefetcher.get(timeout_s=10)
+        assert not prefetcher.running
