@@ -250,6 +250,8 @@ class ShardRouter:
                      token: str | None = None) -> PendingUpdate:
         """``[(dim, ids, grads)]`` split into one request per owning server (one stable
         argsort per group; no per-id Python work)."""
+        if not groups:   # nothing to apply (no gradients): no request at all
+            return PendingUpdate(token, {})
         if self.num_shards == 1:
             return PendingUpdate(token, {0: [
                 {"dim": d, "ids": i, "grads": np.ascontiguousarray(g)} for d, i, g in groups]})

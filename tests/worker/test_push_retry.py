@@ -308,3 +308,21 @@ def test_retry_settings_are_bounded_naming_the_key(section, key, value):
         GlobalConfig.from_dict({section: {key: value}})
     assert key in str(err.value)
     assert GlobalConfig.from_dict({}).embedding_worker_config.push_retry_ms == 20_000
+
+
+async def test_a_push_without_gradients_sends_no_update():
+    server = EmbeddingServer(10_000)
+    await server.start()
+    worker = EmbeddingWorker(SCHEMA, [server.address])
+    await worker.start()
+    try:
+        async with RpcClient(worker.address) as client:
+            served = await serve(client, 0)
+            reply = await client.call("push_gradients", {"batch_id": served["batch_id"],
+                                                         "grads": dict.fromkeys(SLOTS)})
+            assert reply == {"applied": 0, "dropped": 0, "skipped_slots": []}
+            assert (await client.call("frontier"))["inflight"] == 0
+        assert b'requests_total{method="update"}' not in server.metrics.render()
+    finally:
+        await worker.stop()
+        await server.stop()
