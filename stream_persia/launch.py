@@ -250,7 +250,8 @@ def embedding_worker(args: argparse.Namespace) -> int:
                                  replica_size=args.replica_size, host=args.host, port=args.port,
                                  ready_buffer_batches=wc.ready_buffer_batches,
                                  rpc_timeout_ms=wc.rpc_timeout_ms,
-                                 push_retry_ms=wc.push_retry_ms)
+                                 push_retry_ms=wc.push_retry_ms,
+                                 ready_buffer_bytes=wc.ready_buffer_bytes)
         if bootstrap:
             from stream_persia.kafka import DeadLetterWriter, SampleConsumer
             from stream_persia.worker.ingest import KafkaIngest

@@ -235,6 +235,10 @@ class EmbeddingWorkerConfig(_Section):
         buffered_data_expired_sec: a batch served to an NN worker whose gradients have
             not come back after this long is released (and counted).
         ready_buffer_batches: batches with embeddings looked up, waiting for NN workers.
+        ready_buffer_bytes: and at most this many bytes of them (decoded arrays and lookup
+            plans, about 3-4x the encoded batch; one batch always fits), so that a worker
+            whose NN workers stop pulling holds a bounded amount of memory whatever the
+            batch size; Kafka partitions are paused while the buffer is full.
         max_inflight_lookups: concurrent lookup RPCs a worker sends to embedding servers.
         rpc_timeout_ms: deadline of one RPC to an embedding server.
         push_retry_ms: how long a gradient push keeps retrying the embedding servers that
@@ -249,6 +253,7 @@ class EmbeddingWorkerConfig(_Section):
     max_inflight_lookups: int = 16
     rpc_timeout_ms: int = 10_000
     push_retry_ms: int = 20_000
+    ready_buffer_bytes: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
         check_int(self, "forward_buffer_size", lo=1, hi=1 << 20)
@@ -256,6 +261,8 @@ class EmbeddingWorkerConfig(_Section):
         check_int(self, "ready_buffer_batches", lo=1, hi=1 << 16)
         check_int(self, "max_inflight_lookups", lo=1, hi=1 << 16)
         check_int(self, "rpc_timeout_ms", lo=1, hi=3_600_000)
+        check_int(self, "ready_buffer_bytes", lo=1 << 20, hi=1 << 40,
+                  hint="bytes of planned batches a worker holds ready, e.g. 33554432")
         check_int(self, "push_retry_ms", lo=0, hi=120_000,
                   hint="milliseconds a gradient push retries the servers, e.g. 20000")
 

@@ -131,7 +131,7 @@ class KafkaIngest:
             worker.reject(type(e).__name__)
             worker.frontier.done(partition, rec.offset)
             return
-        if worker.ready.full():
+        if worker.ready.full(pb):   # by count, or this batch's bytes would not fit
             self.backpressure_pauses += 1
             self.consumer.pause()
             try:

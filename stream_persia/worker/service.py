@@ -4,10 +4,14 @@ Batches enter from the Kafka ingest loop (:mod:`stream_persia.worker.ingest`) or
 broker, from data loaders calling ``ingest`` over RPC. Each is decoded, validated against
 the embedding schema and *planned* ahead of time (:mod:`stream_persia.worker.batchplan`:
 prefixed ids, de-duplicated per dim; summation slots are pooled on the servers), then
-waits in a bounded ready buffer. Embedding lookups happen when an NN worker pulls
-the batch: the NN side holds a staleness permit per pulled batch, so the number of batches
-looked up but not yet applied is bounded by ``embedding_staleness`` (PERSIA's semantics;
-with 1 the job is fully synchronous and deterministic).
+waits in a ready buffer bounded by batches and by bytes (``ready_buffer_batches``,
+``ready_buffer_bytes``: a planned batch's arrays take about 3-4x its encoded size), so
+that a worker whose NN side stops pulling holds a bounded amount of memory: while the
+buffer is full Kafka ingest pauses its partitions and broker-less ``ingest`` waits.
+Embedding lookups happen when an NN worker pulls the batch: the NN side holds a staleness
+permit per pulled batch, so the number of batches looked up but not yet applied is
+bounded by ``embedding_staleness`` (PERSIA's semantics; with 1 the job is fully
+synchronous and deterministic).
 
 RPC methods (params → result):
 
@@ -141,6 +145,16 @@ class PendingBatch:
     skipped: list[str] = field(default_factory=list)   # slots with non-finite gradients
     pushing: asyncio.Task | None = None          # the push under way
     failure: dict | None = None                  # why its last push could not complete
+    nbytes: int = 0                              # its arrays' bytes (the ready buffer's bound)
+
+
+def _batch_nbytes(batch: PersiaBatch) -> int:
+    """Bytes of a decoded batch's arrays (per slot, not per id). Decoded from a Kafka
+    record or an RPC frame they are views of it, so this is about the bytes it pins."""
+    total = sum(f.values.nbytes + f.offsets.nbytes for f in batch.id_type_features)
+    for f in (*(batch.non_id_type_features or ()), *(batch.labels or ())):
+        total += getattr(f.data, "nbytes", 0)
+    return total
 
 
 class EmbeddingWorker:
@@ -150,6 +164,9 @@ class EmbeddingWorker:
         schema: the job's embedding config (slots, dims, prefixes).
         embedding_servers: addresses of every embedding server, in replica order.
         ready_buffer_batches: planned batches held ready for NN workers (bounded).
+        ready_buffer_bytes: and at most this many bytes of them (their decoded arrays and
+            plans; one batch is always let in); None: no byte bound. While the buffer is
+            full, Kafka ingest pauses its partitions and broker-less ``ingest`` waits.
         max_inflight_batches: served training batches awaiting gradients (bounded).
         push_retry_ms: how long a gradient push retries the servers that have not
             applied it before the batch fails (module docstring).
@@ -159,13 +176,15 @@ class EmbeddingWorker:
                  replica_index: int = 0, replica_size: int = 1, host: str = "127.0.0.1",
                  port: int = 0, ready_buffer_batches: int = 16,
                  max_inflight_batches: int = 64, rpc_timeout_ms: int = 10_000,
-                 ingest_timeout_ms: int = 30_000, push_retry_ms: int = 20_000):
+                 ingest_timeout_ms: int = 30_000, push_retry_ms: int = 20_000,
+                 ready_buffer_bytes: int | None = 32 << 20):
         self.schema = schema
         self.replica_index = replica_index
         self.replica_size = replica_size
         self.router = ShardRouter(embedding_servers, timeout_ms=rpc_timeout_ms)
-        self.ready: BoundedBuffer[PendingBatch] = BoundedBuffer(ready_buffer_batches,
-                                                                "ready buffer")
+        self.ready: BoundedBuffer[PendingBatch] = BoundedBuffer(
+            ready_buffer_batches, "ready buffer", max_bytes=ready_buffer_bytes,
+            size_of=(lambda pb: pb.nbytes) if ready_buffer_bytes is not None else None)
         self.max_inflight_batches = max_inflight_batches
         self.inflight: dict[int, PendingBatch] = {}
         self._inflight_room = asyncio.Semaphore(max_inflight_batches)
@@ -203,6 +222,7 @@ class EmbeddingWorker:
         self.m_update_s = m.histogram("update_seconds", "gradient apply latency",
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
         m.add_callback("buffer", lambda: {"ready": len(self.ready),
+                                          "ready_bytes": self.ready.bytes,
                                           "inflight": len(self.inflight),
                                           "pending": self.frontier.pending(),
                                           "failed": len(self._failed())})
@@ -302,7 +322,9 @@ class EmbeddingWorker:
                           requires_grad=batch.requires_grad, csr_checked=True)
         batch_id = self._seq * self.replica_size + self.replica_index
         self._seq += 1
-        return PendingBatch(batch_id, batch, plan, source)
+        pb = PendingBatch(batch_id, batch, plan, source)
+        pb.nbytes = _batch_nbytes(batch) + plan.nbytes()
+        return pb
 
     def reject(self, reason: str) -> None:
         self.m_rejected.labels(reason).inc()
@@ -570,7 +592,8 @@ class EmbeddingWorker:
     async def _status(self, params: Any) -> dict:
         status = {
             "replica_index": self.replica_index, "ready": len(self.ready),
-            "ready_capacity": self.ready.maxsize, "inflight": len(self.inflight),
+            "ready_capacity": self.ready.maxsize, "ready_bytes": self.ready.bytes,
+            "ready_capacity_bytes": self.ready.max_bytes, "inflight": len(self.inflight),
             "pending": self.frontier.pending(),
             "frontier": {str(p): o for p, o in self.frontier.offsets().items()},
             "ingest_paused": self.ingest_paused.is_set(), "failed": self._failed(),
