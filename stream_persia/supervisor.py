@@ -69,15 +69,19 @@ class Supervisor:
                                          "long-running tasks that failed (the role exits 1)",
                                          ("task",)) if metrics is not None else None)
 
-    def watch(self, task: asyncio.Task, name: str) -> asyncio.Task:
-        """Supervise ``task``, which should run until cancelled; returns it."""
-        task.add_done_callback(lambda t: self._done(t, name))
+    def watch(self, task: asyncio.Task, name: str, *, forever: bool = True) -> asyncio.Task:
+        """Supervise ``task``; returns it. ``forever``: it runs until cancelled, so
+        returning is a failure too; otherwise only an exception is (a task its owner ends
+        by letting it return, like the API's micro-batcher on shutdown)."""
+        task.add_done_callback(lambda t: self._done(t, name, forever))
         return task
 
-    def _done(self, task: asyncio.Task, name: str) -> None:
+    def _done(self, task: asyncio.Task, name: str, forever: bool) -> None:
         if task.cancelled():
             return
-        self.fail(name, task.exception())
+        error = task.exception()
+        if error is not None or forever:
+            self.fail(name, error)
 
     def fail(self, name: str, error: BaseException | None) -> None:
         """Record that the task ``name`` failed with ``error`` (None: it returned)."""

@@ -74,6 +74,9 @@ async def test_a_failed_task_is_recorded_counted_and_signalled():
     await asyncio.wait_for(sup.failed.wait(), 5)
     assert task.done() and not sup.ok
     assert sup.error == "the background task 'kafka-ingest' failed: KeyError: 'lost'"
+    sup.watch(asyncio.ensure_future(returns()), "ends-when-stopped", forever=False)
+    await asyncio.sleep(0.01)
+    assert len(sup.failures) == 1, "a task allowed to return did not fail"
     sup.watch(asyncio.ensure_future(returns()), "loop")
     await asyncio.sleep(0.01)
     assert "'loop' stopped" in sup.error
@@ -148,6 +151,61 @@ async def test_a_crashed_ingest_task_fails_health_and_exits_the_worker_nonzero(
         assert "injected crash on offset 1" in seen["error"]
         assert "injected crash on offset 1" in out and "exit status 1" in out
         assert took >= EXIT_GRACE_S * 0.5
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+API_LAUNCHER = '''\
+import sys
+
+from api import batcher
+
+_collect = batcher.MicroBatcher._collect
+
+
+async def crashing_collect(self):
+    raise RuntimeError("injected crash of the micro-batcher")
+
+
+batcher.MicroBatcher._collect = crashing_collect
+
+from stream_persia.cli import main  # noqa: E402
+
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+async def test_a_crashed_api_batcher_fails_readiness_and_exits_the_api_nonzero(tmp_path):
+    """The API's inference micro-batcher is supervised the same way: its crash is named
+    by /readyz (503), and `launch api` exits 1 instead of queueing predictions forever."""
+    import httpx
+
+    (tmp_path / "launcher.py").write_text(API_LAUNCHER)
+    ready = tmp_path / "ready"
+    log_path = tmp_path / "api.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSIA_")}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(tmp_path / "launcher.py"), "launch", "api", "--port", "0",
+             "--checkpoint-dir", str(tmp_path), "--ready-file", str(ready)],
+            stdout=log, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            await asyncio.sleep(0.05)
+        url = "http://" + ready.read_text().strip()
+        async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+            r = await client.get("/readyz")
+        assert r.status_code == 503, r.text
+        assert any("predict-batcher" in p and "injected crash" in p
+                   for p in r.json()["problems"]), r.json()
+        code = await asyncio.to_thread(proc.wait, 30)
+        assert code == 1, log_path.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
