@@ -510,7 +510,7 @@ class EmbeddingWorker:
         t0 = time.perf_counter()
         try:
             applied, dropped = await self.router.push(pb.update, retry_s)
-        except PersiaError as e:
+        except Exception as e:   # a bug too: the batch must fail, never stay pinned quietly
             raise self._push_failed(pb, e, retry_s) from e
         finally:
             pb.pushing = None
@@ -528,18 +528,19 @@ class EmbeddingWorker:
             self._pushed.popitem(last=False)
         return reply
 
-    def _push_failed(self, pb: PendingBatch, err: PersiaError, retry_s: float) -> PushFailed:
+    def _push_failed(self, pb: PendingBatch, err: Exception, retry_s: float) -> PushFailed:
         upd = pb.update
         assert upd is not None
         addresses = self.router.addresses
         missing = upd.missing()
+        why = err.message if isinstance(err, PersiaError) else repr(err)
         pb.failure = {
             "batch_id": pb.batch_id,
             "partition": pb.source[0] if pb.source is not None else None,
             "offset": pb.source[1] if pb.source is not None else None,
             "servers": [addresses[s] for s in missing],
             "applied_on": [addresses[s] for s in sorted(upd.replies)],
-            "error": err.message,
+            "error": why,
         }
         self.m_push_failed.inc()
         where = (f" (partition {pb.source[0]} offset {pb.source[1]})"
@@ -547,7 +548,7 @@ class EmbeddingWorker:
         msg = (f"embedding worker {self.replica_index}: the gradients of batch {pb.batch_id}"
                f"{where} could not be applied on embedding server(s) "
                f"{', '.join(pb.failure['servers'])} within {retry_s * 1000:g} ms "
-               f"({len(upd.replies)} of {len(upd.parts)} servers applied them): {err.message}")
+               f"({len(upd.replies)} of {len(upd.parts)} servers applied them): {why}")
         log.error("%s; the batch stays in flight, failed: checkpoints refuse until a push of "
                   "it completes or a restore resets the stream", msg)
         return PushFailed(msg, field="batch_id",

@@ -326,3 +326,16 @@ async def test_a_push_without_gradients_sends_no_update():
     finally:
         await worker.stop()
         await server.stop()
+
+
+def test_a_checkpoint_names_the_partition_and_offset_of_a_failed_kafka_batch():
+    fronts = [{"stream": "kafka", "offsets": {"0": 7}, "inflight": 0, "failed": []},
+              {"stream": "kafka", "offsets": {"1": 3}, "inflight": 1, "failed": [
+                  {"batch_id": 9, "partition": 1, "offset": 3, "servers": ["h:2"],
+                   "applied_on": ["h:1"], "error": "refused"}]}]
+    with pytest.raises(Misuse) as err:
+        cut_offsets("samples", fronts)
+    msg = str(err.value)
+    assert "embedding worker 1" in msg and "batch 9 (partition 1 offset 3)" in msg
+    assert "h:2" in msg and err.value.field == "batch_id"
+    check_no_failed_push([fronts[0]])   # nothing failed: no objection
