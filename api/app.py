@@ -27,6 +27,7 @@ from api.predictor import Predictor
 from api.roles import Roles
 from api.routers import checkpoints, control, health, predict
 from api.settings import ApiSettings
+from stream_persia.supervisor import Supervisor
 
 __all__ = ["create_app"]
 
@@ -90,6 +91,9 @@ def create_app(settings: ApiSettings | None = None, *, checkpoints_factory=None)
         app.state.roles, app.state.predictor, app.state.checkpoints = roles, predictor, ckpts
         try:
             await predictor.start()
+            if predictor.batcher.task is not None:   # supervised: a crash exits the API 1
+                app.state.supervisor.watch(predictor.batcher.task, "predict-batcher",
+                                           forever=False)   # stop() lets it return
             log.info("API ready: %d embedding worker(s), %d embedding server(s), embeddings "
                      "from %s, auth %s", len(roles.workers), len(roles.servers),
                      settings.source, "on" if settings.token else "off (loopback only)")
@@ -103,6 +107,9 @@ def create_app(settings: ApiSettings | None = None, *, checkpoints_factory=None)
                   description=DESCRIPTION, openapi_tags=TAGS, lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
+    # Long-running tasks of the API (the micro-batcher): one that fails makes /readyz 503
+    # naming it, and `launch api` exit 1 (stream_persia.supervisor, api.server).
+    app.state.supervisor = Supervisor("api")
     install_error_handlers(app)
     app.add_middleware(UnhandledErrors)   # innermost: the metrics see its 500s
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)

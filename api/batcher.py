@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stream_persia.errors import Backpressure, Misuse
+from stream_persia.errors import Backpressure, InternalError, Misuse
 
 __all__ = ["Job", "MicroBatcher"]
 
@@ -59,10 +59,28 @@ class MicroBatcher:
         self._closed = False
         self.stats = {"batches": 0, "requests": 0, "rows": 0}
 
+    @property
+    def task(self) -> asyncio.Task | None:
+        """The collector task while running (the API's supervisor watches it)."""
+        return self._task
+
     async def start(self) -> None:
         if self._task is not None:
             raise Misuse("the micro-batcher is already started")
         self._task = asyncio.create_task(self._loop(), name="predict-batcher")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """A collector that died (a bug) fails the requests waiting on it and refuses new
+        ones, instead of leaving them to hang; the API's supervisor reports it."""
+        if task.cancelled() or task.exception() is None or self._closed:
+            return
+        self._closed = True
+        err = InternalError(f"the inference micro-batcher stopped: {task.exception()!r}")
+        while not self._queue.empty():
+            job = self._queue.get_nowait()
+            if job is not None and not job.future.done():
+                job.future.set_exception(err)
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, finish the queued ones, then end the collector."""

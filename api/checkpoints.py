@@ -55,6 +55,7 @@ from stream_persia.checkpoint import (
 )
 from stream_persia.checkpoint._common import Location
 from stream_persia.errors import BadInput, ConfigError, Misuse, PersiaError
+from stream_persia.worker.frontier import check_no_failed_push
 
 __all__ = ["Checkpoints", "CheckpointJob", "new_checkpoint_id"]
 
@@ -393,6 +394,7 @@ class Checkpoints:
     async def _frontiers(self) -> list[dict[str, Any]]:
         workers = self.roles.workers
         fronts = await self.roles.fanout(workers, "frontier") if workers else []
+        check_no_failed_push(fronts)   # a batch only partly applied: name it
         for w, f in zip(workers, fronts, strict=True):
             if f.get("inflight", 0):
                 raise Misuse(f"{w.peer} has {f['inflight']} batch(es) in flight (served to "

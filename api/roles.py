@@ -106,7 +106,9 @@ class Roles:
             try:
                 reply = await self.call(role, "health", None, HEALTH_TIMEOUT_MS)
                 entry["healthy"] = bool(isinstance(reply, dict) and reply.get("ok"))
-                entry["error"] = None if entry["healthy"] else f"unexpected reply {reply!r}"
+                why = reply.get("error") if isinstance(reply, dict) else None   # its reason
+                entry["error"] = None if entry["healthy"] else (
+                    str(why) if why else f"unexpected reply {reply!r}")
             except PersiaError as err:
                 entry["healthy"] = False
                 entry["error"] = err.message

@@ -4,7 +4,10 @@ uvicorn handles SIGTERM/SIGINT itself: it stops accepting connections, lets in-f
 requests finish (up to ``graceful_timeout_s``), runs the lifespan shutdown (queued
 inference requests complete, connections to the roles close) and returns, so the
 process exits 0. The socket is bound before uvicorn starts so that port 0 works and the
-real ``host:port`` can be written to ``ready_file`` once the app is ready.
+real ``host:port`` can be written to ``ready_file`` once the app is ready. If a
+supervised task of the app fails (the inference micro-batcher; :mod:`stream_persia.
+supervisor`), ``/readyz`` answers 503 naming it, and after ``EXIT_GRACE_S`` the API drains
+the same way and exits 1.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import os
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 from api.app import create_app
 from api.settings import ApiSettings
 from stream_persia import aio
+from stream_persia.supervisor import EXIT_GRACE_S, Supervisor
 
 __all__ = ["serve", "bind_socket"]
 
@@ -75,11 +80,24 @@ def serve(settings: ApiSettings, *, ready_file: str | None = None, log_level: st
             address = _address(sock)
             _write_ready(ready_file, address)
             log.info("API listening on http://%s (loop %s, http %s)", address, loop, http)
-        await task
+        watch = asyncio.create_task(_exit_on_failure(app.state.supervisor, server))
+        try:
+            await task
+        finally:
+            watch.cancel()
 
     # uvicorn re-raises the signal it caught once it has drained, with the handler that was
     # installed before it started; a Python-level no-op there makes a drained exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _drained)
     aio.run(main())   # the project's loop choice (uvloop unless STREAM_PERSIA_NO_UVLOOP)
-    return 0 if server.started else 1
+    return 0 if server.started and app.state.supervisor.ok else 1
+
+
+async def _exit_on_failure(supervisor: Supervisor, server: Any) -> None:
+    """A supervised task failed: let /readyz say why for a moment, then drain as on
+    SIGTERM (``serve`` returns 1)."""
+    await supervisor.failed.wait()
+    log.error("stopping in %.0f s with exit status 1: %s", EXIT_GRACE_S, supervisor.error)
+    await asyncio.sleep(EXIT_GRACE_S)
+    server.should_exit = True

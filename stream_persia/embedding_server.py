@@ -18,7 +18,20 @@ RPC methods (params → result):
   group with ``"index"`` (int32) and ``"offsets"`` (int64) is a pooled lookup
   (:mod:`stream_persia.segments`): its entry is the ``(len(offsets) - 1, dim)`` segment
   sums of the rows instead of the rows.
-- ``update {"groups": [{"dim", "ids", "grads"}]}`` → ``{"applied": int, "dropped": int}``
+- ``update {"groups": [{"dim", "ids", "grads"}], "token"?}`` → ``{"applied": int, "dropped":
+  int}``. ``token`` (a string of 1-64 characters, unique to one batch's update on this
+  server: the embedding workers send ``<worker incarnation>-<batch id>``) makes the update
+  idempotent: the server remembers the tokens of the last ``update_tokens`` updates
+  (default :data:`UPDATE_TOKENS`; a bounded FIFO checked and filled on the store thread,
+  so a retry that overtakes or follows the first request alike sees it) and answers a
+  token it holds with the first reply plus ``"duplicate": true``, applying nothing. A
+  worker retries a push for at most ``push_retry_ms`` (see
+  :mod:`stream_persia.worker.service`); a token forgotten sooner than
+  :data:`UPDATE_TOKEN_MIN_AGE_S` after it was applied means a retry might no longer be
+  recognised: that is logged and counted (``persia_embedding_server_update_tokens_
+  evicted_young_total``; raise ``update_tokens``). Duplicates are counted in
+  ``persia_embedding_server_update_tokens_duplicates_total``. A restarted server
+  remembers nothing (nor holds the rows the first update changed).
 - ``size`` → int, ``clear`` → None
 - ``stats`` → ``{"rows", "capacity", "lookups", "misses", "admissions", "evictions",
   "updates", "dropped_updates", "loads"}``: the store's levels (``rows``, ``capacity``) and
@@ -81,6 +94,8 @@ import hashlib
 import json
 import logging
 import secrets
+import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -106,6 +121,13 @@ log = logging.getLogger(__name__)
 MODES = ("train", "eval", "infer")
 #: The store statistics that only grow; the others (``rows``, ``capacity``) are levels.
 COUNTERS = ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates")
+#: Update tokens a server remembers by default (see ``update`` in the module docstring):
+#: about 200 bytes each. It must exceed the updates one server takes while a worker may
+#: still retry one (``push_retry_ms``).
+UPDATE_TOKENS = 16_384
+#: A token forgotten younger than this may still be retried by a worker (their retries
+#: last at most ``embedding_worker_config.push_retry_ms``, which is capped below it).
+UPDATE_TOKEN_MIN_AGE_S = 120.0
 
 
 class _Serving(NamedTuple):
@@ -180,16 +202,25 @@ class EmbeddingServer:
     def __init__(self, capacity: int, optimizer: Any = None,
                  embedding_config: EmbeddingConfig | None = None, *, replica_index: int = 0,
                  replica_size: int = 1, host: str = "127.0.0.1", port: int = 0,
-                 stage_ttl_s: float = 600.0, store_threads: int = 1):
+                 stage_ttl_s: float = 600.0, store_threads: int = 1,
+                 update_tokens: int = UPDATE_TOKENS):
         if not (0 <= replica_index < replica_size):
             raise BadInput(f"replica_index {replica_index} is not in [0, {replica_size})",
                            field="replica_index")
         if not (isinstance(stage_ttl_s, (int, float)) and 0 < stage_ttl_s < float("inf")):
             raise BadInput(f"stage_ttl_s must be a positive number of seconds, got "
                            f"{stage_ttl_s!r}", field="stage_ttl_s")
+        if isinstance(update_tokens, bool) or not isinstance(update_tokens, int) \
+                or not 1 <= update_tokens <= 1 << 24:
+            raise BadInput(f"update_tokens must be an int in [1, {1 << 24}], got "
+                           f"{update_tokens!r}", field="update_tokens")
         self.replica_index = replica_index
         self.replica_size = replica_size
         self.stage_ttl_s = float(stage_ttl_s)
+        # token -> (applied, dropped, monotonic time applied); store thread only.
+        self._tokens: OrderedDict[str, tuple[int, int, float]] = OrderedDict()
+        self.update_tokens = update_tokens
+        self._token_counts = {"duplicates": 0, "evicted_young": 0}
         self._staged: _Staged | None = None   # read and replaced on the store thread only
         self._config_digest: str | None = None  # set by configure (see get_config)
         self._serving = _Serving(
@@ -203,6 +234,9 @@ class EmbeddingServer:
         # A staged restore holds a second table (as much memory again) until its commit.
         self.metrics.add_callback("restore", lambda: {
             "staged_rows": float(self._staged.rows if self._staged is not None else 0)})
+        self.metrics.add_callback("update_tokens", lambda: {
+            **{k: float(v) for k, v in self._token_counts.items()},
+            "held": float(len(self._tokens))}, counters={"duplicates", "evicted_young"})
         self._req = self.metrics.counter("requests_total", "RPC requests", ("method",))
         self.rpc = RpcServer({
             "health": self._health, "lookup": self._lookup, "update": self._update,
@@ -300,17 +334,45 @@ class EmbeddingServer:
                                f"{getattr(grads, 'shape', '')}", field=f"{where}.grads")
             checked.append((ids, grads))
         want = config_digest_param(params)
+        token = params.get("token")
+        if token is not None and not (isinstance(token, str) and 0 < len(token) <= 64):
+            raise BadInput(f"token must be a string of 1-64 characters, got "
+                           f"{str(token)[:80]!r}", field="token",
+                           hint="one token per batch and server, the same on every retry")
 
         def run() -> dict:
             self._check_configured(want)
+            if token is not None and (first := self._tokens.get(token)) is not None:
+                self._token_counts["duplicates"] += 1
+                return {"applied": first[0], "dropped": first[1], "duplicate": True,
+                        "config": self._config_digest}
             before = self.store.stats()["dropped_updates"]
             for ids, grads in checked:
                 self.store.update(ids, grads)
             dropped = self.store.stats()["dropped_updates"] - before
-            return {"applied": sum(int(ids.size) for ids, _ in checked) - dropped,
-                    "dropped": dropped, "config": self._config_digest}
+            applied = sum(int(ids.size) for ids, _ in checked) - dropped
+            if token is not None:
+                self._remember(token, applied, dropped)
+            return {"applied": applied, "dropped": dropped, "config": self._config_digest}
 
         return await self._run(run)
+
+    def _remember(self, token: str, applied: int, dropped: int) -> None:
+        """Keep ``token``'s reply, forgetting the oldest beyond ``update_tokens`` (store
+        thread)."""
+        tokens = self._tokens
+        now = time.monotonic()
+        tokens[token] = (applied, dropped, now)
+        if len(tokens) > self.update_tokens:
+            old, (_, _, at) = tokens.popitem(last=False)
+            if now - at < UPDATE_TOKEN_MIN_AGE_S:
+                self._token_counts["evicted_young"] += 1
+                if self._token_counts["evicted_young"] == 1:
+                    log.warning("embedding server %d forgot update token %s only %.1f s after "
+                                "applying it: a worker retrying that push now would apply it "
+                                "twice; raise update_tokens above %d (counted in "
+                                "update_tokens_evicted_young_total)", self.replica_index,
+                                old, now - at, self.update_tokens)
 
     async def _size(self, params: Any) -> int:
         return len(self.store)

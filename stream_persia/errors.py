@@ -79,6 +79,16 @@ class RemoteTimeout(RemoteError, TimeoutError):
     kind = "timeout"
 
 
+class PushFailed(RemoteError):
+    """A batch's gradients could not be applied on every embedding server it needed within
+    the worker's retry bound: some servers may hold them, others not. The batch stays
+    failed on its worker (it pins the checkpoint frontier, and checkpoints refuse naming
+    it) until a push of it completes or a restore replaces the state
+    (:mod:`stream_persia.worker.service`). ``field`` is ``batch_id``."""
+
+    kind = "push_failed"
+
+
 class Backpressure(PersiaError):
     """A bounded buffer stayed full for longer than the caller was willing to wait."""
 
@@ -94,7 +104,7 @@ class InternalError(PersiaError):
 _BY_KIND: dict[str, type[PersiaError]] = {
     cls.kind: cls
     for cls in (PersiaError, BadInput, ConfigError, WireError, Misuse, RemoteError,
-                PeerUnavailable, RemoteTimeout, Backpressure, InternalError)
+                PeerUnavailable, RemoteTimeout, PushFailed, Backpressure, InternalError)
 }
 
 

@@ -1,7 +1,10 @@
 """Role entry points behind ``stream-persia launch <role>``.
 
 Each role runs on uvloop (when available) until SIGTERM or SIGINT, then drains: it stops
-taking new work, lets in-flight requests finish, and exits 0. With ``--ready-file`` the
+taking new work, lets in-flight requests finish, and exits 0. A role whose supervised
+background task fails (:mod:`stream_persia.supervisor`: the embedding worker's Kafka
+ingest loop) answers ``health`` not ok for :data:`~stream_persia.supervisor.EXIT_GRACE_S`,
+then drains the same way and exits 1. With ``--ready-file`` the
 role writes its RPC ``host:port`` there once it is listening (atomically), which is how
 ``stream-persia run`` and the tests learn ports chosen by the OS.
 """
@@ -30,6 +33,7 @@ from stream_persia.config import (
     resolve_bootstrap_servers,
 )
 from stream_persia.errors import ConfigError
+from stream_persia.supervisor import EXIT_GRACE_S
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +90,25 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> N
     log.info("metrics on http://%s:%d/metrics", host, httpd.server_address[1])
 
 
-async def _until_signal() -> None:
+async def _until_signal(failed: asyncio.Event | None = None) -> bool:
+    """Wait for SIGTERM/SIGINT, or for ``failed`` (a supervised task of the role failed);
+    True in the second case."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("signal received: draining")
+    waits = [asyncio.ensure_future(stop.wait())]
+    if failed is not None:
+        waits.append(asyncio.ensure_future(failed.wait()))
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    if stop.is_set():
+        log.info("signal received: draining")
+        return False
+    return True
 
 
 def freeze_startup_heap(young_threshold: int = 20_000) -> None:
@@ -171,15 +187,22 @@ async def _serve(role: Any, args: argparse.Namespace,
     role.metrics.gauge("malloc_keep_freed_bytes",
                        f"free heap kept for reuse ({KEEP_FREED_ENV}; 0: glibc's defaults)"
                        ).set(keep_freed_memory())
+    supervisor = getattr(role, "supervisor", None)   # stream_persia.supervisor
+    code = 0
     try:
         serve_metrics(args.metrics_port, args.host, role.metrics.render)
         write_ready_file(args.ready_file, role.address)
-        await _until_signal()
-        if before_stop is not None:
+        if await _until_signal(supervisor.failed if supervisor is not None else None):
+            # A background task failed: health says why for a moment, then exit 1.
+            code = 1
+            log.error("stopping in %.0f s with exit status 1: %s", EXIT_GRACE_S,
+                      supervisor.error)
+            await asyncio.sleep(EXIT_GRACE_S)
+        elif before_stop is not None:
             await before_stop()
     finally:
         await role.stop()
-    return 0
+    return code
 
 
 def embedding_server(args: argparse.Namespace) -> int:
@@ -198,7 +221,7 @@ def embedding_server(args: argparse.Namespace) -> int:
         server = EmbeddingServer(capacity, replica_index=args.replica_index,
                                  replica_size=args.replica_size, host=args.host,
                                  port=args.port, stage_ttl_s=cfg.restore_stage_ttl_s,
-                                 store_threads=threads)
+                                 store_threads=threads, update_tokens=cfg.update_tokens)
         return await _serve(server, args)
 
     return aio.run(main())
@@ -231,7 +254,9 @@ def embedding_worker(args: argparse.Namespace) -> int:
                                  replica_size=args.replica_size, host=args.host, port=args.port,
                                  ready_buffer_batches=wc.ready_buffer_batches,
                                  max_inflight_lookups=wc.max_inflight_lookups,
-                                 rpc_timeout_ms=wc.rpc_timeout_ms)
+                                 rpc_timeout_ms=wc.rpc_timeout_ms,
+                                 push_retry_ms=wc.push_retry_ms,
+                                 ready_buffer_bytes=wc.ready_buffer_bytes)
         if bootstrap:
             from stream_persia.kafka import DeadLetterWriter, SampleConsumer
             from stream_persia.worker.ingest import KafkaIngest

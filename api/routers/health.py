@@ -35,6 +35,8 @@ async def readyz(request: Request) -> JSONResponse:
     model = state.predictor.info() if state.predictor is not None else None
     if state.predictor is not None and state.predictor.expects_model and model is None:
         problems.append(state.predictor.not_ready_reason())
+    if state.supervisor.error:   # a background task failed: the API exits 1 shortly
+        problems.append(state.supervisor.error)
     body = Readiness(ready=not problems, problems=problems, roles=roles, model=model)
     return JSONResponse(body.model_dump(mode="json"), status_code=200 if not problems else 503)
 

@@ -39,6 +39,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from stream_persia.errors import BadInput, Misuse
+from stream_persia.worker.frontier import check_no_failed_push
 
 __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "DENSE_FILENAME", "OPT_FILENAME", "JIT_FILENAME",
            "STREAMS", "Manifest", "check_file_name", "cut_offsets", "utc_now"]
@@ -77,6 +78,7 @@ def cut_offsets(topic: str, frontiers: Sequence[dict[str, Any]]
     if len(streams) != 1 or not streams <= set(STREAMS):
         raise Misuse(f"embedding workers report streams {sorted(map(str, streams))}, expected "
                      f"all 'kafka' or all 'direct'")
+    check_no_failed_push(frontiers)   # a batch only partly applied: name it
     offsets: dict[str, int] = {}
     for i, f in enumerate(frontiers):
         if f.get("inflight"):

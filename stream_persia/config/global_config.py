@@ -233,6 +233,10 @@ class EmbeddingParameterServerConfig(_Section):
     updated on its own thread (:mod:`stream_persia.embedding.sharded`); 1 (the default):
     one store on one thread. PERSIA's ``num_hashmap_internal_shards`` only set lock
     striping, and at its default of 100 would be far too many threads.
+    ``update_tokens``: how many recent gradient updates a server remembers by token, so
+    that a worker's retry of one is answered without applying it twice
+    (:mod:`stream_persia.embedding_server`); it must exceed the updates a server takes
+    within a worker's ``push_retry_ms``.
     """
 
     capacity: int = 1_000_000_000
@@ -244,6 +248,7 @@ class EmbeddingParameterServerConfig(_Section):
     incremental_channel_capacity: int = 1000
     restore_stage_ttl_s: int = 600
     store_threads: int = 1
+    update_tokens: int = 16_384
 
     _REJECTED: ClassVar[dict[str, str]] = {
         "num_embedding_io_workers": "PERSIA ignored it in this section; the concurrency of "
@@ -273,6 +278,9 @@ class EmbeddingParameterServerConfig(_Section):
         check_int(self, "store_threads", lo=1, hi=MAX_STORE_THREADS,
                   hint="threads (internal shards) of each server's store: one per core it "
                        "may use, e.g. 4")
+        check_int(self, "update_tokens", lo=1, hi=1 << 24,
+                  hint="recent update tokens a server remembers to recognise a retried "
+                       "push (about 200 bytes each), e.g. 16384")
         if self.store_threads > self.capacity:
             raise error("store_threads", f"{self.store_threads} internal shards cannot share "
                         f"a capacity of {self.capacity} rows (each holds at least one)",
@@ -293,10 +301,18 @@ class EmbeddingWorkerConfig(_Section):
             and planned, waiting for NN workers to pull them; when it is full the data
             side waits (Kafka partitions paused, ``ingest`` calls held). PERSIA's name for
             this buffer, ``forward_buffer_size``, is accepted for it (not both).
+        ready_buffer_bytes: and at most this many bytes of them (decoded arrays and lookup
+            plans, about 3-4x the encoded batch; one batch always fits), so that a worker
+            whose NN workers stop pulling holds a bounded amount of memory whatever the
+            batch size; Kafka partitions are paused while the buffer is full.
         max_inflight_lookups: the most embedding lookups (one batch each, fanned out to
             the servers) a worker runs at once, training pulls and eval/inference lookups
             together; more wait their turn.
         rpc_timeout_ms: deadline of one RPC to an embedding server.
+        push_retry_ms: how long a gradient push keeps retrying the embedding servers that
+            have not applied it (unreachable, timed out, restarting) before the batch is
+            failed (:mod:`stream_persia.worker.service`); at most 120000 (the servers
+            remember update tokens at least that long, see ``update_tokens``).
 
     PERSIA's ``buffered_data_expired_sec`` is refused: it dropped a served batch whose
     gradients had not come back in time, which would lose training data silently.
@@ -305,6 +321,8 @@ class EmbeddingWorkerConfig(_Section):
     ready_buffer_batches: int = 16
     max_inflight_lookups: int = 16
     rpc_timeout_ms: int = 10_000
+    push_retry_ms: int = 20_000
+    ready_buffer_bytes: int = 32 * 1024 * 1024
 
     _ALIASES: ClassVar[dict[str, str]] = {"forward_buffer_size": "ready_buffer_batches"}
     _REJECTED: ClassVar[dict[str, str]] = {
@@ -321,6 +339,10 @@ class EmbeddingWorkerConfig(_Section):
         check_int(self, "max_inflight_lookups", lo=1, hi=1 << 16,
                   hint="concurrent lookups of one worker, e.g. 16")
         check_int(self, "rpc_timeout_ms", lo=1, hi=3_600_000)
+        check_int(self, "ready_buffer_bytes", lo=1 << 20, hi=1 << 40,
+                  hint="bytes of planned batches a worker holds ready, e.g. 33554432")
+        check_int(self, "push_retry_ms", lo=0, hi=120_000,
+                  hint="milliseconds a gradient push retries the servers, e.g. 20000")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from stream_persia.checkpoint import (
     read_manifest,
 )
 from stream_persia.errors import Misuse
+from stream_persia.worker.frontier import check_no_failed_push
 
 __all__ = ["dump_checkpoint", "dump_embedding", "dump_torch_state_dict", "load_checkpoint",
            "load_embedding", "load_torch_state_dict"]
@@ -112,6 +113,7 @@ def _dense_model(ctx: Any) -> torch.nn.Module:
 async def _stream_position(cluster: Any) -> tuple[str, dict[str, dict[str, int]]]:
     """The cut's stream kind and offsets (topic → partition → next offset)."""
     frontiers = await cluster.call_workers("frontier")
+    check_no_failed_push(frontiers)   # names a batch whose push failed (pinned, not lost)
     busy = [(i, f["inflight"]) for i, f in enumerate(frontiers) if f.get("inflight")]
     if busy:
         i, n = busy[0]

@@ -17,7 +17,8 @@ thread takes ready batches from a thread-safe queue.
 A fetch in flight is never cancelled: the worker would count the batch as served with
 nobody to train it. Pausing (for a checkpoint, at the end of iteration, on close) stops
 issuing fetches, lets those in flight finish, and hands every batch not yet trained back
-to its worker, which puts it first in line again.
+to its worker, which puts it first in line again. If the main task crashes (a bug), its
+error is raised to the training thread by the next :meth:`StreamPrefetcher.get`.
 """
 
 from __future__ import annotations
@@ -113,6 +114,19 @@ class StreamPrefetcher:
         if self._task is None:
             self._stopping = False
             self._task = asyncio.get_running_loop().create_task(self._run(), name="prefetch")
+            self._task.add_done_callback(self._run_ended)
+
+    def _run_ended(self, task: asyncio.Task) -> None:
+        """Supervision of the main task (STYLE.md habit 11): a crash reaches the training
+        thread, whose next :meth:`get` raises it, instead of looking like a stream that
+        ran dry (the DataLoader would stop after its timeout as if it had ended)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        err = task.exception()
+        log.error("the prefetch task stopped: %r", err, exc_info=err)
+        self._stopping = True
+        self._task = None
+        self._ready.put(err)
 
     async def _run(self) -> None:
         assert self._permits is not None and self._room is not None

@@ -19,7 +19,10 @@ gradients), and with mixed precision the loss scale shrinks by
 ``grad_scalar_update_factor``. PERSIA checked only at its first step; here the check runs
 at steps 0, k, 2k, ... With mixed precision, a step the GradScaler skips (dense overflow)
 sends no embedding gradients either. Errors of asynchronous pushes surface from the next
-``forward``/``backward``.
+``forward``/``backward``: a push the embedding worker could not complete on every
+embedding server is a :class:`~stream_persia.errors.PushFailed` naming the batch and the
+servers (the worker keeps the batch failed, and checkpoints refuse, until it completes or
+a restore; :mod:`stream_persia.worker.service`).
 
 After each ``backward`` the rank looks at the checkpoint mailbox
 (:mod:`stream_persia.worker.mailbox`): a checkpoint started over HTTP is taken right there,
@@ -29,6 +32,7 @@ Rank 0's heartbeats go out in the background, so a step never waits for the mail
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -39,7 +43,7 @@ from stream_persia.distributed import DistributedBaseOption, get_default_distrib
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Optimizer
 from stream_persia.env import get_rank, get_world_size
-from stream_persia.errors import Misuse
+from stream_persia.errors import Misuse, PeerUnavailable, RemoteTimeout
 from stream_persia.nn.batch import PersiaTrainingBatch, input_signature
 from stream_persia.nn.checkpoint_poller import NnCheckpointPoller
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
@@ -48,6 +52,10 @@ from stream_persia.nn.loader import HELD, PUSHING, StreamPrefetcher, Ticket
 __all__ = ["TrainCtx"]
 
 log = logging.getLogger(__name__)
+
+#: How much longer than the ``timeout_ms`` it gives the worker a push call waits for the
+#: worker's answer (its PushFailed, say) before it times out itself.
+PUSH_REPLY_MARGIN_MS = 5000.0
 
 
 class TrainCtx(EmbeddingCtx):
@@ -313,9 +321,38 @@ class TrainCtx(EmbeddingCtx):
         cluster.loop.submit(self._push_async(ticket, grads))
 
     async def _push_async(self, ticket: Ticket, grads: dict[str, np.ndarray | None]) -> None:
+        """Push one batch's gradients to the worker that served it.
+
+        The worker retries the embedding servers itself for up to this context's
+        ``rpc_timeout_ms`` (``timeout_ms`` below) and answers a repeated push of a batch
+        with its first reply, so a push whose connection to the worker dropped or timed
+        out is sent again (backoff, same deadline) without applying anything twice. A push
+        the worker could not complete is a :class:`~stream_persia.errors.PushFailed`
+        naming the batch and servers; like every push error it is raised from the next
+        ``forward``/``backward``.
+        """
+        loop = asyncio.get_running_loop()
+        budget_ms = float(self._rpc_timeout_ms)
+        deadline = loop.time() + budget_ms / 1000
+        delay = 0.05
+        client = self._cluster().workers[ticket.worker]
         try:
-            reply = await self._cluster().workers[ticket.worker].call(
-                "push_gradients", {"batch_id": ticket.batch_id, "grads": grads})
+            while True:
+                left_ms = max(1.0, (deadline - loop.time()) * 1000)
+                try:
+                    # The worker answers within timeout_ms; the call waits a little longer.
+                    reply = await client.call(
+                        "push_gradients", {"batch_id": ticket.batch_id, "grads": grads,
+                                           "timeout_ms": left_ms},
+                        timeout_ms=left_ms + PUSH_REPLY_MARGIN_MS)
+                    break
+                except (PeerUnavailable, RemoteTimeout) as e:
+                    if loop.time() + delay >= deadline:
+                        raise
+                    log.warning("pushing the gradients of batch %d to %s failed (%s); "
+                                "retrying", ticket.batch_id, client.peer, e.message)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 1.0)
             self.pushed += 1
             self.worker_skipped_slots += len(reply.get("skipped_slots") or ())
             self.dropped_updates += int(reply.get("dropped") or 0)

@@ -94,6 +94,18 @@ class BatchPlan:
     classic: dict[str, pooling.SlotPlan]
     requires_grad: bool
 
+    def nbytes(self) -> int:
+        """Bytes of the plan's arrays (per dim and per classic slot, not per id): what a
+        planned batch adds to its decoded one in the worker's ready buffer."""
+        total = 0
+        for g in self.pooled.values():
+            total += g.ids.nbytes + g.index.nbytes + g.offsets.nbytes
+            total += g.scale.nbytes if g.scale is not None else 0
+        for p in self.classic.values():
+            for a in (p.lookup_ids, p.pool_index, p.pool_starts, p.scale, p.index, p.mask):
+                total += a.nbytes if a is not None else 0
+        return total
+
     def is_summation(self, name: str) -> bool:
         plan = self.classic.get(name)
         return plan is None or plan.summation

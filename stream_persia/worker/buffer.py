@@ -3,12 +3,19 @@
 ``asyncio.Queue`` cannot return an item to the head, which the embedding worker needs when
 serving a batch fails half-way (an embedding server is down): the batch goes back first in
 line instead of being lost or reordered.
+
+The buffer is bounded by item count and, optionally, by bytes: ``size_of(item)`` gives an
+item's size once, when it is put, and ``put`` waits while the buffer holds ``maxsize``
+items or the item would take it past ``max_bytes`` bytes. One item is always let into an
+empty buffer, however large, so that a single batch bigger than the budget still flows
+(one at a time). Items returned with ``put_front`` may exceed both bounds by that item.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from stream_persia.errors import Backpressure, Misuse
@@ -19,40 +26,68 @@ __all__ = ["BoundedBuffer"]
 
 
 class BoundedBuffer(Generic[T]):
-    """At most ``maxsize`` items; ``put`` waits while full, ``get`` waits while empty."""
+    """At most ``maxsize`` items (and ``max_bytes`` bytes by ``size_of``, when given);
+    ``put`` waits while full, ``get`` waits while empty."""
 
-    def __init__(self, maxsize: int, name: str = "buffer"):
+    def __init__(self, maxsize: int, name: str = "buffer", *, max_bytes: int | None = None,
+                 size_of: Callable[[T], int] | None = None):
         if maxsize < 1:
             raise Misuse(f"{name}: maxsize must be >= 1, got {maxsize}", field="maxsize")
+        if max_bytes is not None and (max_bytes < 1 or size_of is None):
+            raise Misuse(f"{name}: max_bytes must be >= 1 and come with size_of, got "
+                         f"{max_bytes!r}", field="max_bytes")
         self.maxsize = maxsize
+        self.max_bytes = max_bytes
         self.name = name
-        self._items: deque[T] = deque()
+        self._size_of = size_of
+        self._items: deque[tuple[T, int]] = deque()
+        self.bytes = 0     # the sizes of the items held, as size_of gave them
         self._changed = asyncio.Condition()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def full(self) -> bool:
-        return len(self._items) >= self.maxsize
+    def full(self, item: T | None = None) -> bool:
+        """No room for ``item`` (``put`` would wait), or with no item, for any: ``maxsize``
+        items or ``max_bytes`` bytes held (an empty buffer is never full)."""
+        if item is not None:
+            return not self._fits(self._size_of(item) if self._size_of is not None else 0)
+        n = len(self._items)
+        return n >= self.maxsize or (self.max_bytes is not None and n > 0
+                                     and self.bytes >= self.max_bytes)
+
+
+    def _fits(self, size: int) -> bool:
+        """Room for an item of ``size`` bytes: under ``maxsize`` items and, with it, within
+        ``max_bytes`` (or the buffer is empty)."""
+        n = len(self._items)
+        return n < self.maxsize and (self.max_bytes is None or n == 0
+                                     or self.bytes + size <= self.max_bytes)
 
     async def put(self, item: T, timeout: float | None = None) -> None:
         """Append ``item``, waiting up to ``timeout`` s for room (then :class:`Backpressure`)."""
+        size = self._size_of(item) if self._size_of is not None else 0
         async with self._changed:
-            if self.full():
+            if not self._fits(size):
                 try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: not self.full()),
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self._fits(size)),
                                            timeout)
                 except TimeoutError:
+                    held = (f"{len(self._items)} items"
+                            + (f", {self.bytes} bytes" if self.max_bytes is not None else ""))
                     raise Backpressure(
-                        f"{self.name} stayed full ({self.maxsize} items) for {timeout} s",
+                        f"{self.name} stayed full ({held}) for {timeout} s",
                         hint="the consumer is slower than the producer; retry later") from None
-            self._items.append(item)
+            self._items.append((item, size))
+            self.bytes += size
             self._changed.notify_all()
 
     async def put_front(self, item: T) -> None:
-        """Return an item taken by :meth:`get` to the head (may exceed maxsize by one)."""
+        """Return an item taken by :meth:`get` to the head (may exceed the bounds by one)."""
+        size = self._size_of(item) if self._size_of is not None else 0
         async with self._changed:
-            self._items.appendleft(item)
+            self._items.appendleft((item, size))
+            self.bytes += size
             self._changed.notify_all()
 
     async def get(self, timeout: float | None = None) -> T | None:
@@ -64,7 +99,8 @@ class BoundedBuffer(Generic[T]):
                                            timeout)
                 except TimeoutError:
                     return None
-            item = self._items.popleft()
+            item, size = self._items.popleft()
+            self.bytes -= size
             self._changed.notify_all()
             return item
 
@@ -73,6 +109,7 @@ class BoundedBuffer(Generic[T]):
             await self._changed.wait_for(lambda: not self.full())
 
     def clear(self) -> list[T]:
-        items = list(self._items)
+        items = [item for item, _ in self._items]
         self._items.clear()
+        self.bytes = 0
         return items

@@ -7,6 +7,10 @@ partition is the offset of its oldest pending batch, or — with nothing pending
 offset after the last batch read. Storing the frontier in a checkpoint therefore makes
 restore replay exactly the batches whose effect the checkpoint does not contain.
 
+A batch whose gradient push could not complete on every server (see *Gradient pushes* in
+:mod:`stream_persia.worker.service`) stays pending: the frontier never passes it, and
+:func:`check_no_failed_push` makes every checkpoint refuse while one exists, naming it.
+
 Offsets within one partition arrive in increasing order (one consumer per partition,
 static assignment), so each partition is a FIFO of pending offsets with a done-set;
 completing a batch is O(1) and advancing the frontier is amortised O(1).
@@ -15,10 +19,35 @@ completing a batch is O(1) and advancing the frontier is amortised O(1).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
-from stream_persia.errors import InternalError
+from stream_persia.errors import InternalError, Misuse
 
-__all__ = ["Frontier"]
+__all__ = ["Frontier", "check_no_failed_push"]
+
+
+def check_no_failed_push(frontiers: Sequence[Any]) -> None:
+    """Refuse a checkpoint cut while a worker holds a batch whose gradients only some
+    embedding servers applied (the ``failed`` list of each worker's ``frontier`` reply).
+
+    Raises:
+        Misuse: naming the worker, the batch, its partition and offset, and the servers.
+    """
+    for i, f in enumerate(frontiers):
+        failed = (f.get("failed") if isinstance(f, dict) else None) or []
+        if failed:
+            first = failed[0]
+            where = (f" (partition {first.get('partition')} offset {first.get('offset')})"
+                     if first.get("partition") is not None else "")
+            raise Misuse(
+                f"embedding worker {i} holds {len(failed)} batch(es) whose gradient push "
+                f"failed: batch {first.get('batch_id')}{where} is not applied on embedding "
+                f"server(s) {', '.join(map(str, first.get('servers') or []))} "
+                f"({first.get('error')}); a checkpoint now would record it as trained",
+                field="batch_id",
+                hint="bring the server back and push the batch again, or restore the "
+                     "last checkpoint")
 
 
 class _Partition:

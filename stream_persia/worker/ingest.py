@@ -61,6 +61,11 @@ class KafkaIngest:
         stats["backpressure_pauses"] = self.backpressure_pauses
         return stats
 
+    @property
+    def task(self) -> asyncio.Task | None:
+        """The ingest loop once started (the worker's supervisor watches it)."""
+        return self._task
+
     async def start(self) -> None:
         await self.dead_letters.start()
         await self.consumer.start(self.start_offsets)
@@ -126,7 +131,7 @@ class KafkaIngest:
             worker.reject(type(e).__name__)
             worker.frontier.done(partition, rec.offset)
             return
-        if worker.ready.full():
+        if worker.ready.full(pb):   # by count, or this batch's bytes would not fit
             self.backpressure_pauses += 1
             self.consumer.pause()
             try:

@@ -24,25 +24,77 @@ defaults. When every server lost it too, only the NN side still knows it: an NN 
 ``next_batch`` names the digest it expects, the embedding worker answers a Misuse on field
 ``config`` while no server holds a configuration, and the NN side configures the servers
 again (:mod:`stream_persia.nn.loader`).
+
+Updates are idempotent and retried (:meth:`ShardRouter.push`). A batch's update is split
+once into one request per owning server (:meth:`ShardRouter.split_update`, a
+:class:`PendingUpdate`), each carrying the batch's token (``<worker incarnation>-<batch
+id>``; the servers remember recent tokens and answer a repeated one with the first reply
+without applying it, see :mod:`stream_persia.embedding_server`). A request that fails
+because the server is unreachable, timed out, or was busy is sent again, to that server
+only, with exponential backoff until the push's deadline; the servers that replied are
+never asked again. A reply thus means the server applied the update exactly once, and a
+timed-out request that the server did apply is recognised when it is retried.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from stream_persia import segments
-from stream_persia.errors import BadInput, Misuse
+from stream_persia.errors import (
+    Backpressure,
+    BadInput,
+    Misuse,
+    PeerUnavailable,
+    PersiaError,
+    RemoteTimeout,
+)
 from stream_persia.rpc import RpcClient
 from stream_persia.sharding import shard_of, split_by_shard
 
-__all__ = ["ShardRouter"]
+__all__ = ["PendingUpdate", "ShardRouter"]
 
 log = logging.getLogger(__name__)
+
+#: Errors after which an update request is sent again: the server may be restarting, be
+#: briefly unreachable or overloaded. A timed-out request may have been applied: its
+#: token makes the retry harmless. Other errors (a refused request) are final.
+RETRYABLE = (PeerUnavailable, RemoteTimeout, Backpressure)
+_FIRST_RETRY_S, _MAX_RETRY_S = 0.05, 1.0
+
+
+@dataclass(eq=False)
+class PendingUpdate:
+    """One batch's update, split per owning server, and what each server answered.
+
+    ``parts`` maps a server index to the groups it owns; ``replies`` gets a server's reply
+    once it applied them (or recognised the token); ``errors`` the last error of a server
+    that has not replied.
+    """
+
+    token: str | None
+    parts: dict[int, list[dict]]
+    replies: dict[int, dict] = field(default_factory=dict)
+    errors: dict[int, PersiaError] = field(default_factory=dict)
+
+    def missing(self) -> list[int]:
+        """Servers that have not replied yet, in index order."""
+        return [s for s in self.parts if s not in self.replies]
+
+    def done(self) -> bool:
+        return len(self.replies) == len(self.parts)
+
+    def totals(self) -> tuple[int, int]:
+        """(applied, dropped) over the servers that replied."""
+        return (sum(int(r["applied"]) for r in self.replies.values()),
+                sum(int(r["dropped"]) for r in self.replies.values()))
 
 
 def _wire_group(group: tuple) -> dict:
@@ -108,7 +160,8 @@ class ShardRouter:
                     "configuring it with %s", s, self.addresses[s], self.config["digest"])
         await self.clients[s].call("configure", self.config)   # a get_config reply
 
-    async def _call(self, s: int, method: str, params: dict) -> Any:
+    async def _call(self, s: int, method: str, params: dict,
+                    timeout_ms: float | None = None) -> Any:
         """``method`` (lookup or update) on server ``s``, expecting the configuration
         learned so far; a server that lost it is configured again first."""
         if not self._asked:
@@ -116,12 +169,12 @@ class ShardRouter:
         if self.config is not None:
             params["config"] = self.config["digest"]
         try:
-            reply = await self.clients[s].call(method, params)
+            reply = await self.clients[s].call(method, params, timeout_ms)
         except Misuse as e:
             if e.field != "config" or self.config is None:
                 raise
             await self._configure(s)
-            reply = await self.clients[s].call(method, params)
+            reply = await self.clients[s].call(method, params, timeout_ms)
         digest = reply.get("config")
         if digest is not None and (self.config is None or digest != self.config["digest"]):
             learned = await self.clients[s].call("get_config", None)
@@ -193,15 +246,17 @@ class ShardRouter:
         _, ids, index, offsets = group
         return segments.split(index, offsets, shard_of(ids, self.num_shards), self.num_shards)
 
-    async def update(self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]]
-                     ) -> tuple[int, int]:
-        """Send ``[(dim, ids, grads)]`` to the owning servers; returns (applied, dropped)."""
+    def split_update(self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]],
+                     token: str | None = None) -> PendingUpdate:
+        """``[(dim, ids, grads)]`` split into one request per owning server (one stable
+        argsort per group; no per-id Python work)."""
+        if not groups:   # nothing to apply (no gradients): no request at all
+            return PendingUpdate(token, {})
         if self.num_shards == 1:
-            reply = await self._call(0, "update", {"groups": [
+            return PendingUpdate(token, {0: [
                 {"dim": d, "ids": i, "grads": np.ascontiguousarray(g)} for d, i, g in groups]})
-            return int(reply["applied"]), int(reply["dropped"])
         splits = [split_by_shard(ids, self.num_shards) for _, ids, _ in groups]
-        calls = []
+        parts: dict[int, list[dict]] = {}
         for s in range(self.num_shards):
             sub = []
             for (dim, ids, grads), sp in zip(groups, splits, strict=True):
@@ -210,7 +265,68 @@ class ShardRouter:
                     sub.append({"dim": dim, "ids": ids[pos],
                                 "grads": np.ascontiguousarray(grads[pos])})
             if sub:
-                calls.append(self._call(s, "update", {"groups": sub}))
-        replies = await asyncio.gather(*calls)
-        return (sum(int(r["applied"]) for r in replies),
-                sum(int(r["dropped"]) for r in replies))
+                parts[s] = sub
+        return PendingUpdate(token, parts)
+
+    async def push(self, update: PendingUpdate, retry_s: float = 0.0) -> tuple[int, int]:
+        """Send ``update`` to every server that has not applied it yet; returns (applied,
+        dropped) over all of its servers.
+
+        A request failing with a :data:`RETRYABLE` error is sent again to that server
+        only, with exponential backoff (50 ms doubling to 1 s, jittered), for up to
+        ``retry_s`` seconds from now; each attempt is bounded by what is left of that
+        time (and by the client's timeout). ``update`` records every reply, so a later
+        ``push`` of it resumes where this one stopped.
+
+        Raises:
+            PersiaError: the first server's error when some server has not applied the
+                update: a non-retryable one at once, else the last one at the deadline.
+                ``update.missing()`` names the servers, ``update.errors`` their errors.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + retry_s
+        delay = _FIRST_RETRY_S
+        while True:
+            todo = update.missing()
+            if not todo:
+                return update.totals()
+            limit_ms = max(1.0, (deadline - loop.time()) * 1000) if retry_s > 0 else None
+            replies = await asyncio.gather(*(
+                self._call(s, "update", self._update_params(update, s),
+                           None if limit_ms is None
+                           else min(limit_ms, self.clients[s].timeout_ms))
+                for s in todo), return_exceptions=True)
+            final = None
+            for s, reply in zip(todo, replies, strict=True):
+                if isinstance(reply, BaseException):
+                    if not isinstance(reply, PersiaError):
+                        raise reply
+                    update.errors[s] = reply
+                    if not isinstance(reply, RETRYABLE):
+                        final = final or reply
+                else:
+                    update.replies[s] = reply
+                    update.errors.pop(s, None)
+            if update.done():
+                return update.totals()
+            wait = delay * (0.8 + 0.4 * random.random())
+            if final is not None or loop.time() + wait >= deadline:
+                raise final or update.errors[update.missing()[0]]
+            log.warning("update %s: embedding server(s) %s did not apply it (%s); retrying "
+                        "in %.2f s", update.token, update.missing(),
+                        update.errors[update.missing()[0]].message, wait)
+            await asyncio.sleep(wait)
+            delay = min(2 * delay, _MAX_RETRY_S)
+
+    @staticmethod
+    def _update_params(update: PendingUpdate, s: int) -> dict:
+        params: dict[str, Any] = {"groups": update.parts[s]}
+        if update.token is not None:
+            params["token"] = update.token
+        return params
+
+    async def update(self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]],
+                     token: str | None = None, retry_s: float = 0.0) -> tuple[int, int]:
+        """Send ``[(dim, ids, grads)]`` to the owning servers; returns (applied, dropped).
+        See :meth:`push` for ``token`` and ``retry_s``."""
+        return await self.push(self.split_update(groups, token), retry_s)

@@ -4,14 +4,21 @@ Batches enter from the Kafka ingest loop (:mod:`stream_persia.worker.ingest`) or
 broker, from data loaders calling ``ingest`` over RPC. Each is decoded, validated against
 the embedding schema and *planned* ahead of time (:mod:`stream_persia.worker.batchplan`:
 prefixed ids, de-duplicated per dim; summation slots are pooled on the servers), then
-waits in a bounded ready buffer. Embedding lookups happen when an NN worker pulls
-the batch: the NN side holds a staleness permit per pulled batch, so the number of batches
-looked up but not yet applied is bounded by ``embedding_staleness`` (PERSIA's semantics;
-with 1 the job is fully synchronous and deterministic).
+waits in a ready buffer bounded by batches and by bytes (``ready_buffer_batches``,
+``ready_buffer_bytes``: a planned batch's arrays take about 3-4x its encoded size), so
+that a worker whose NN side stops pulling holds a bounded amount of memory: while the
+buffer is full Kafka ingest pauses its partitions and broker-less ``ingest`` waits.
+Embedding lookups happen when an NN worker pulls the batch: the NN side holds a staleness
+permit per pulled batch, so the number of batches looked up but not yet applied is
+bounded by ``embedding_staleness`` (PERSIA's semantics; with 1 the job is fully
+synchronous and deterministic).
 
 RPC methods (params → result):
 
-- ``health`` → ``{"ok", "role", "replica_index", ...}``
+- ``health`` → ``{"ok", "role", "replica_index", ..., "error"}``: ``ok`` is false, and
+  ``error`` says why, when a background task failed (the Kafka ingest loop: the launched
+  role then exits with status 1, :mod:`stream_persia.supervisor`) or batches whose
+  gradient push failed are held (below).
 - ``ingest {"batch": PersiaBatch wire dict, "timeout_ms"?}`` → ``{"batch_id"}`` —
   broker-less ingest; waits while ingest is paused or the ready buffer is full
   (``Backpressure`` after the timeout); bad batches are refused with ``BadInput`` naming
@@ -21,16 +28,18 @@ RPC methods (params → result):
   server holds any (all restarted), a Misuse on field ``config`` (see
   :mod:`stream_persia.worker.router`). The batch carries the digest the servers hold
   (``config``) once the worker knows it.
-- ``push_gradients {"batch_id", "grads": {slot: f32 grad | None}}`` → ``{"applied", "dropped",
-  "skipped_slots"}``; replies only after every server applied the update.
+- ``push_gradients {"batch_id", "grads": {slot: f32 grad | None}, "timeout_ms"?}`` →
+  ``{"applied", "dropped", "skipped_slots"}``; replies only after every server applied the
+  update. See *Gradient pushes* below for retries, duplicates and failed batches.
 - ``lookup_batch {"batch": wire dict, "mode": "eval"|"infer"}`` → a batch with embeddings,
   looked up without inserting (evaluation, online inference).
 - ``return_batches {"batch_ids"}`` → None: served training batches go back, unapplied,
   to the head of the ready buffer in their original order (an NN worker drops its
   prefetched batches before a checkpoint, so nothing is left in flight).
 - ``frontier`` → ``{"stream": "kafka"|"direct", "offsets": {partition: offset},
-  "inflight", "pending"}``: with nothing in flight, every batch before ``offsets`` is
-  applied and none after it (the checkpoint cut).
+  "inflight", "pending", "failed"}``: with nothing in flight, every batch before
+  ``offsets`` is applied and none after it (the checkpoint cut). ``failed`` lists the
+  batches whose push could not complete (below); they count as in flight too.
 - ``reset_stream {"offsets": {partition: offset}}``: drop buffered and in-flight batches
   and consume again from ``offsets`` (restore). ``commit_offsets {"offsets"}``: record
   checkpoint offsets in the consumer group, for lag monitors.
@@ -45,6 +54,35 @@ RPC methods (params → result):
   ``checkpoint_report {"id", "state", "step"?, "progress"?, "manifest"?, "error"?}``,
   ``checkpoint_status {"id"}`` → record | None, ``nn_status`` → last heartbeat | None.
 
+Gradient pushes are idempotent per (batch, server) and retried. The first
+``push_gradients`` of a batch reduces its gradients and splits them per owning server
+once, under a token unique to the batch and this worker process (``<incarnation>-<batch
+id>``: batch ids restart with the process, the random incarnation does not repeat). The
+update runs in a task the worker owns (a caller that goes away does not cut it short):
+the servers that fail with a retryable error (unreachable, timed out, busy) are asked
+again, and only they, with backoff for up to ``push_retry_ms`` (or the request's
+``timeout_ms``, if smaller); a server that applied a request whose reply was lost
+recognises the token and answers with its first reply (:mod:`stream_persia.worker.router`,
+:mod:`stream_persia.embedding_server`). A second ``push_gradients`` of a batch whose push
+is under way waits for that push's outcome; one of a batch applied recently (the last
+:data:`PUSHED_MEMORY` batches) gets the first reply again, so an NN worker may retry a push
+whose reply it lost.
+
+A push that cannot complete in that time fails **loudly and never silently pinned**: the
+caller gets :class:`~stream_persia.errors.PushFailed` (field ``batch_id``) naming the batch,
+its Kafka partition and offset, and the servers that did and did not apply it. Its
+gradients may now be on some servers and not others, so the batch is kept *failed*: it
+stays in flight (its frontier offset is not passed, so no checkpoint can claim it), is
+listed in ``frontier``/``status`` (``failed``), makes ``health`` answer ``ok: false``
+naming it, and is counted in ``persia_embedding_worker_batches_push_failed_total``;
+checkpoints refuse, naming it (:func:`stream_persia.worker.frontier.check_no_failed_push`);
+``return_batches`` refuses it (serving it again would apply its gradients twice on the
+servers that took them). It leaves that state when a ``push_gradients`` of its
+``batch_id`` completes (the update first reduced is sent again, to the servers that have
+not applied it; ``grads`` is ignored), or when ``reset_stream`` (a restore) drops it. It
+holds one of the ``max_inflight_batches`` slots until then, so failures that pile up stop
+serving rather than grow memory.
+
 A served batch: ``{"batch_id", "requires_grad", "meta", "batch_size",
 "non_id_type_features": [{"name", "data"}], "labels": [{"name", "data"}],
 "embeddings": [{"name", "kind": "sum", "emb": f32 (batch, dim)} |
@@ -56,28 +94,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from stream_persia.config import EmbeddingSchema
 from stream_persia.embedding.data import PersiaBatch
-from stream_persia.errors import Backpressure, BadInput, Misuse, config_digest_param
+from stream_persia.errors import (
+    Backpressure,
+    BadInput,
+    Misuse,
+    PersiaError,
+    PushFailed,
+    config_digest_param,
+)
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer
+from stream_persia.supervisor import Supervisor
 from stream_persia.worker.batchplan import BatchPlan, plan_batch, reduce_gradients
 from stream_persia.worker.buffer import BoundedBuffer
 from stream_persia.worker.frontier import Frontier
 from stream_persia.worker.mailbox import CheckpointMailbox
-from stream_persia.worker.router import ShardRouter
+from stream_persia.worker.router import PendingUpdate, ShardRouter
 
 if TYPE_CHECKING:  # imported by start_kafka_ingest: a broker-less worker never loads aiokafka
     from stream_persia.worker.ingest import KafkaIngest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EmbeddingWorker", "PendingBatch"]
+__all__ = ["EmbeddingWorker", "PendingBatch", "PUSHED_MEMORY"]
+
+#: Replies of recently applied batches a worker keeps, to answer a repeated push.
+PUSHED_MEMORY = 1024
 
 
 @dataclass(eq=False)
@@ -90,6 +141,20 @@ class PendingBatch:
     source: tuple[int, int] | None = None       # (partition, offset) when from Kafka
     received_s: float = field(default_factory=time.monotonic)
     missing: int = 0                             # ids absent from the servers (eval/infer)
+    update: PendingUpdate | None = None          # its gradients per server, once pushed
+    skipped: list[str] = field(default_factory=list)   # slots with non-finite gradients
+    pushing: asyncio.Task | None = None          # the push under way
+    failure: dict | None = None                  # why its last push could not complete
+    nbytes: int = 0                              # its arrays' bytes (the ready buffer's bound)
+
+
+def _batch_nbytes(batch: PersiaBatch) -> int:
+    """Bytes of a decoded batch's arrays (per slot, not per id). Decoded from a Kafka
+    record or an RPC frame they are views of it, so this is about the bytes it pins."""
+    total = sum(f.values.nbytes + f.offsets.nbytes for f in batch.id_type_features)
+    for f in (*(batch.non_id_type_features or ()), *(batch.labels or ())):
+        total += getattr(f.data, "nbytes", 0)
+    return total
 
 
 class EmbeddingWorker:
@@ -101,20 +166,27 @@ class EmbeddingWorker:
         ready_buffer_batches: planned batches held ready for NN workers (bounded).
         max_inflight_lookups: lookups (training pulls, eval and inference lookups) run
             at once; more wait for one to finish.
+        ready_buffer_bytes: and at most this many bytes of them (their decoded arrays and
+            plans; one batch is always let in); None: no byte bound. While the buffer is
+            full, Kafka ingest pauses its partitions and broker-less ``ingest`` waits.
         max_inflight_batches: served training batches awaiting gradients (bounded).
+        push_retry_ms: how long a gradient push retries the servers that have not
+            applied it before the batch fails (module docstring).
     """
 
     def __init__(self, schema: EmbeddingSchema, embedding_servers: list[str], *,
                  replica_index: int = 0, replica_size: int = 1, host: str = "127.0.0.1",
                  port: int = 0, ready_buffer_batches: int = 16, max_inflight_lookups: int = 16,
                  max_inflight_batches: int = 64, rpc_timeout_ms: int = 10_000,
-                 ingest_timeout_ms: int = 30_000):
+                 ingest_timeout_ms: int = 30_000, push_retry_ms: int = 20_000,
+                 ready_buffer_bytes: int | None = 32 << 20):
         self.schema = schema
         self.replica_index = replica_index
         self.replica_size = replica_size
         self.router = ShardRouter(embedding_servers, timeout_ms=rpc_timeout_ms)
-        self.ready: BoundedBuffer[PendingBatch] = BoundedBuffer(ready_buffer_batches,
-                                                                "ready buffer")
+        self.ready: BoundedBuffer[PendingBatch] = BoundedBuffer(
+            ready_buffer_batches, "ready buffer", max_bytes=ready_buffer_bytes,
+            size_of=(lambda pb: pb.nbytes) if ready_buffer_bytes is not None else None)
         self.max_inflight_batches = max_inflight_batches
         if max_inflight_lookups < 1:
             raise Misuse(f"max_inflight_lookups must be >= 1, got {max_inflight_lookups}",
@@ -123,6 +195,11 @@ class EmbeddingWorker:
         self.inflight: dict[int, PendingBatch] = {}
         self._inflight_room = asyncio.Semaphore(max_inflight_batches)
         self.frontier = Frontier()
+        self.push_retry_ms = push_retry_ms
+        # Tokens of this process's updates start with it: batch ids restart with a process.
+        self.incarnation = secrets.token_hex(8)
+        self._pushed: OrderedDict[int, dict] = OrderedDict()   # recent replies (bounded)
+        self._push_tasks: set[asyncio.Task] = set()
         self.ingest_timeout_ms = ingest_timeout_ms
         self.ingest_paused = asyncio.Event()    # set = paused (control plane)
         self._ingest_resumed = asyncio.Event()  # set (then replaced) by resume_ingest
@@ -138,6 +215,12 @@ class EmbeddingWorker:
                                     ("reason",))
         self.m_served = m.counter("batches_served_total", "batches served to NN workers")
         self.m_applied = m.counter("batches_applied_total", "batches whose gradients applied")
+        self.m_push_failed = m.counter("batches_push_failed_total",
+                                       "gradient pushes that could not complete on every "
+                                       "server within push_retry_ms (the batch stays failed)")
+        self.m_push_repeated = m.counter("push_repeated_total",
+                                         "pushes of a batch already applied or being pushed, "
+                                         "answered without applying again")
         self.m_nonfinite = m.counter("nonfinite_gradient_slots_total",
                                      "slot gradients skipped for NaN/Inf", ("slot",))
         self.m_lookup_s = m.histogram("lookup_seconds", "embedding lookup latency",
@@ -145,8 +228,13 @@ class EmbeddingWorker:
         self.m_update_s = m.histogram("update_seconds", "gradient apply latency",
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
         m.add_callback("buffer", lambda: {"ready": len(self.ready),
+                                          "ready_bytes": self.ready.bytes,
                                           "inflight": len(self.inflight),
-                                          "pending": self.frontier.pending()})
+                                          "pending": self.frontier.pending(),
+                                          "failed": len(self._failed())})
+        # Long-running tasks (the Kafka ingest loop) are watched: one that fails makes
+        # health answer not ok and the launched role exit 1 (stream_persia.supervisor).
+        self.supervisor = Supervisor(f"embedding worker {replica_index}", m)
         self.rpc = RpcServer({
             "health": self._health, "ingest": self._ingest, "next_batch": self._next_batch,
             "push_gradients": self._push_gradients, "lookup_batch": self._lookup_batch,
@@ -190,7 +278,12 @@ class EmbeddingWorker:
         self._kafka_retired = dict.fromkeys(KafkaIngest.COUNTERS, 0.0)
         self.metrics.add_callback("kafka", self._kafka_stats, counters=KafkaIngest.COUNTERS)
         self.kafka = ingest
+        await self._start_ingest(ingest)
+
+    async def _start_ingest(self, ingest: KafkaIngest) -> None:
         await ingest.start()
+        if ingest.task is not None:
+            self.supervisor.watch(ingest.task, "kafka-ingest")
 
     async def start(self) -> None:
         await self.rpc.start()
@@ -200,8 +293,20 @@ class EmbeddingWorker:
     async def stop(self) -> None:
         if self.kafka is not None:
             await self.kafka.stop()
-        await self.rpc.stop()
+        await self.rpc.stop()   # drains requests, pushes waiting on their task included
+        await self._cancel_pushes()
+        failed = self._failed()
+        if failed:
+            log.error("embedding worker %d stops with %d failed batch(es) whose gradients "
+                      "only some servers applied: %s", self.replica_index, len(failed),
+                      self._failed_summary(failed))
         await self.router.close()
+
+    async def _cancel_pushes(self) -> None:
+        tasks = list(self._push_tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     @property
     def address(self) -> str:
@@ -223,7 +328,9 @@ class EmbeddingWorker:
                           requires_grad=batch.requires_grad, csr_checked=True)
         batch_id = self._seq * self.replica_size + self.replica_index
         self._seq += 1
-        return PendingBatch(batch_id, batch, plan, source)
+        pb = PendingBatch(batch_id, batch, plan, source)
+        pb.nbytes = _batch_nbytes(batch) + plan.nbytes()
+        return pb
 
     def reject(self, reason: str) -> None:
         self.m_rejected.labels(reason).inc()
@@ -361,48 +468,143 @@ class EmbeddingWorker:
         if not isinstance(params, dict):
             raise BadInput("push_gradients takes a map", field="params")
         batch_id = params.get("batch_id")
-        pb = self.inflight.get(batch_id) if isinstance(batch_id, int) else None
+        valid_id = isinstance(batch_id, int) and not isinstance(batch_id, bool)
+        if valid_id and (first := self._pushed.get(batch_id)) is not None:
+            self.m_push_repeated.inc()
+            return {**first, "duplicate": True}   # applied; its reply was lost on the way
+        pb = self.inflight.get(batch_id) if valid_id else None
         if pb is None:
-            raise BadInput(f"batch_id {batch_id!r} is not a batch in flight on this worker",
+            raise BadInput(f"batch_id {batch_id!r} is not a batch in flight on this worker "
+                           f"(nor one of the last {PUSHED_MEMORY} it applied)",
                            field="batch_id",
-                           hint="gradients go to the worker that served the batch, once")
-        grads = params.get("grads")
+                           hint="gradients go to the worker that served the batch; a worker "
+                                "that restarted has forgotten the batches it served")
+        retry_s = min(self._timeout_ms(params, self.push_retry_ms), self.push_retry_ms) / 1000
+        if pb.pushing is not None:
+            self.m_push_repeated.inc()   # a retry overtook the push: share its outcome
+        else:
+            if pb.update is None:
+                self._reduce(pb, params.get("grads"))
+            # else: a failed batch pushed again: the update first reduced (grads ignored)
+            task = asyncio.get_running_loop().create_task(
+                self._apply(pb, retry_s), name=f"push-{pb.batch_id}")
+            pb.pushing = task
+            self._push_tasks.add(task)
+            task.add_done_callback(self._push_done)
+        return await asyncio.shield(pb.pushing)
+
+    def _push_done(self, task: asyncio.Task) -> None:
+        self._push_tasks.discard(task)
+        if not task.cancelled():
+            task.exception()   # retrieved: every waiter got it already
+
+    def _reduce(self, pb: PendingBatch, grads: Any) -> None:
+        """Reduce a batch's gradients per unique id and split them per server, once."""
         if not isinstance(grads, dict):
             raise BadInput("grads must be a map of slot name -> gradient (None: no gradient)",
                            field="grads", hint=f"slots: {sorted(pb.plan.names)}")
         reduced = reduce_gradients(pb.plan, grads)
         for name in reduced.skipped:
             self.m_nonfinite.labels(name).inc()
+        pb.skipped = list(reduced.skipped)
         groups = [(dim, ids, rows) for dim, (ids, rows) in reduced.by_dim.items()]
+        pb.update = self.router.split_update(groups, f"{self.incarnation}-{pb.batch_id}")
+
+    async def _apply(self, pb: PendingBatch, retry_s: float) -> dict:
+        """Apply ``pb``'s update on every server that has not yet, then release it; on
+        failure mark it failed (module docstring) and raise PushFailed."""
+        assert pb.update is not None
         t0 = time.perf_counter()
-        applied = dropped = 0
-        if groups:
-            # A failure leaves the batch in flight so the NN worker can push again.
-            applied, dropped = await self.router.update(groups)
+        try:
+            applied, dropped = await self.router.push(pb.update, retry_s)
+        except Exception as e:   # a bug too: the batch must fail, never stay pinned quietly
+            raise self._push_failed(pb, e, retry_s) from e
+        finally:
+            pb.pushing = None
         self.m_update_s.observe(time.perf_counter() - t0)
-        del self.inflight[batch_id]
+        if pb.failure is not None:
+            log.warning("embedding worker %d: batch %d failed earlier is now applied on "
+                        "every server", self.replica_index, pb.batch_id)
+        del self.inflight[pb.batch_id]
         self._inflight_room.release()
         self._settle(pb)
         self.m_applied.inc()
-        return {"applied": applied, "dropped": dropped, "skipped_slots": list(reduced.skipped)}
+        reply = {"applied": applied, "dropped": dropped, "skipped_slots": pb.skipped}
+        self._pushed[pb.batch_id] = reply
+        if len(self._pushed) > PUSHED_MEMORY:
+            self._pushed.popitem(last=False)
+        return reply
+
+    def _push_failed(self, pb: PendingBatch, err: Exception, retry_s: float) -> PushFailed:
+        upd = pb.update
+        assert upd is not None
+        addresses = self.router.addresses
+        missing = upd.missing()
+        why = err.message if isinstance(err, PersiaError) else repr(err)
+        pb.failure = {
+            "batch_id": pb.batch_id,
+            "partition": pb.source[0] if pb.source is not None else None,
+            "offset": pb.source[1] if pb.source is not None else None,
+            "servers": [addresses[s] for s in missing],
+            "applied_on": [addresses[s] for s in sorted(upd.replies)],
+            "error": why,
+        }
+        self.m_push_failed.inc()
+        where = (f" (partition {pb.source[0]} offset {pb.source[1]})"
+                 if pb.source is not None else "")
+        msg = (f"embedding worker {self.replica_index}: the gradients of batch {pb.batch_id}"
+               f"{where} could not be applied on embedding server(s) "
+               f"{', '.join(pb.failure['servers'])} within {retry_s * 1000:g} ms "
+               f"({len(upd.replies)} of {len(upd.parts)} servers applied them): {why}")
+        log.error("%s; the batch stays in flight, failed: checkpoints refuse until a push of "
+                  "it completes or a restore resets the stream", msg)
+        return PushFailed(msg, field="batch_id",
+                          hint="bring the server back and push the batch again (its "
+                               "gradients are kept; only the servers missing them get "
+                               "them), or restore the last checkpoint")
+
+    def _failed(self) -> list[dict]:
+        return [pb.failure for pb in self.inflight.values() if pb.failure is not None]
+
+    @staticmethod
+    def _failed_summary(failed: list[dict], limit: int = 3) -> str:
+        shown = "; ".join(f"batch {f['batch_id']}"
+                          + (f" (partition {f['partition']} offset {f['offset']})"
+                             if f["partition"] is not None else "")
+                          + f" missing on {', '.join(f['servers'])}" for f in failed[:limit])
+        return shown + (f"; and {len(failed) - limit} more" if len(failed) > limit else "")
 
     def _settle(self, pb: PendingBatch) -> None:
         if pb.source is not None:
             self.frontier.done(*pb.source)
 
     # ----------------------------------------------------------------- control
+    def problems(self) -> list[str]:
+        """Why this worker is unhealthy (empty: healthy): a background task failed (the
+        launched role exits), or batches whose push failed are held."""
+        problems = [self.supervisor.error] if self.supervisor.error else []
+        failed = self._failed()
+        if failed:
+            problems.append(f"{len(failed)} batch(es) whose gradients could not be applied "
+                            f"on every embedding server (checkpoints refuse): "
+                            f"{self._failed_summary(failed)}")
+        return problems
+
     async def _health(self, params: Any) -> dict:
-        return {"ok": True, "role": "embedding-worker", "replica_index": self.replica_index,
+        problems = self.problems()
+        return {"ok": not problems, "role": "embedding-worker",
+                "replica_index": self.replica_index,
                 "replica_size": self.replica_size, "ready": len(self.ready),
-                "inflight": len(self.inflight)}
+                "inflight": len(self.inflight), "error": "; ".join(problems) or None}
 
     async def _status(self, params: Any) -> dict:
         status = {
             "replica_index": self.replica_index, "ready": len(self.ready),
-            "ready_capacity": self.ready.maxsize, "inflight": len(self.inflight),
+            "ready_capacity": self.ready.maxsize, "ready_bytes": self.ready.bytes,
+            "ready_capacity_bytes": self.ready.max_bytes, "inflight": len(self.inflight),
             "pending": self.frontier.pending(),
             "frontier": {str(p): o for p, o in self.frontier.offsets().items()},
-            "ingest_paused": self.ingest_paused.is_set(),
+            "ingest_paused": self.ingest_paused.is_set(), "failed": self._failed(),
         }
         if self.kafka is not None:
             status["kafka"] = await self.kafka.status()
@@ -432,6 +634,13 @@ class EmbeddingWorker:
         if unknown:
             raise BadInput(f"batch ids {unknown} are not in flight on this worker",
                            field="batch_ids")
+        pushed = [i for i in ids if self.inflight[i].update is not None]
+        if pushed:
+            # Pushing or failed: some servers may hold its gradients; served again, they
+            # would be applied twice there.
+            raise BadInput(f"batch ids {pushed} have been pushed (their gradients may be "
+                           f"applied on some servers): they cannot be served again",
+                           field="batch_ids", hint="push them again to complete them")
         # Back to the head in served order: the oldest must be served first again.
         for pb in sorted((self.inflight.pop(i) for i in ids), key=lambda b: b.batch_id,
                          reverse=True):
@@ -441,7 +650,8 @@ class EmbeddingWorker:
     async def _frontier(self, params: Any) -> dict:
         return {"stream": "kafka" if self.kafka is not None else "direct",
                 "offsets": {str(p): o for p, o in self.frontier.offsets().items()},
-                "inflight": len(self.inflight), "pending": self.frontier.pending()}
+                "inflight": len(self.inflight), "pending": self.frontier.pending(),
+                "failed": self._failed()}
 
     @staticmethod
     def _offsets_param(params: Any) -> dict[int, int]:
@@ -469,12 +679,18 @@ class EmbeddingWorker:
             for key in self._kafka_retired:
                 self._kafka_retired[key] += retired.get(key, 0)
             self.kafka = None
+        await self._cancel_pushes()
+        failed = self._failed()
+        if failed:
+            log.warning("embedding worker %d: the stream is reset (a restore): dropping %d "
+                        "failed batch(es): %s", self.replica_index, len(failed),
+                        self._failed_summary(failed))
         for _ in range(len(self.inflight)):
             self._inflight_room.release()
         self.inflight.clear()
         self.ready.clear()
         self.kafka = self.kafka_factory(offsets)
-        await self.kafka.start()
+        await self._start_ingest(self.kafka)
         return {"offsets": {str(p): o for p, o in self.frontier.offsets().items()}}
 
     async def _commit_offsets(self, params: Any) -> bool:

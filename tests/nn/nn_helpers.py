@@ -34,10 +34,12 @@ class LocalJob:
     """Embedding servers and workers running on one loop thread of this process."""
 
     def __init__(self, schema: EmbeddingSchema, *, servers: int = 1, workers: int = 1,
-                 capacity: int = 100_000, ready_buffer_batches: int = 16):
+                 capacity: int = 100_000, ready_buffer_batches: int = 16,
+                 push_retry_ms: int = 20_000):
         self.loop = LoopThread(name="test-job")
         self.servers: list[EmbeddingServer] = []
         self.workers: list[EmbeddingWorker] = []
+        self.push_retry_ms = push_retry_ms
         self.loop.run(self._start(schema, servers, workers, capacity, ready_buffer_batches),
                       timeout=30)
 
@@ -48,7 +50,8 @@ class LocalJob:
             self.servers.append(s)
         for i in range(n_workers):
             w = EmbeddingWorker(schema, [s.address for s in self.servers], replica_index=i,
-                                replica_size=n_workers, ready_buffer_batches=ready)
+                                replica_size=n_workers, ready_buffer_batches=ready,
+                                push_retry_ms=self.push_retry_ms)
             await w.start()
             self.workers.append(w)
 

@@ -16,7 +16,7 @@ from stream_persia.ctx import InferCtx, TrainCtx, eval_ctx
 from stream_persia.data import DataLoader, IterableDataset, StreamingDataset
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad
-from stream_persia.errors import Misuse, PeerUnavailable
+from stream_persia.errors import Misuse, PushFailed
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.utils import roc_auc, setup_seed
@@ -338,7 +338,10 @@ def test_inference_ctx_needs_no_labels_and_never_inserts(job_factory):
 
 
 def test_async_push_failure_surfaces_on_the_next_call(job_factory):
-    job = job_factory(SCHEMA)
+    """The worker retries the server for push_retry_ms, then fails the batch: the NN side
+    gets a typed PushFailed naming the batch and the server, and the worker keeps the
+    batch failed (named by its frontier), not silently in flight."""
+    job = job_factory(SCHEMA, push_retry_ms=600)
     job.feed([make_batch(i) for i in range(3)], background=False)
     model = SumModel(3 + 8 + 8 + 4)
     ctx = train_ctx(job, model)
@@ -347,14 +350,20 @@ def test_async_push_failure_surfaces_on_the_next_call(job_factory):
         loader = iter(DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=3))
         tb = next(loader)
         output, labels = ctx.forward(tb)
+        address = job.servers[0].address
         job.loop.run(job.servers[0].stop(), timeout=10)   # the update cannot be applied
         ctx.backward(bce(output, labels))
         deadline = time.monotonic() + 20
-        with pytest.raises(PeerUnavailable) as err:
+        with pytest.raises(PushFailed) as err:
             while time.monotonic() < deadline:
                 ctx.forward(tb)
                 time.sleep(0.05)
-        assert "embedding-server-0" in str(err.value)
+        assert err.value.field == "batch_id"
+        assert f"batch {tb.batch_id}" in str(err.value) and address in str(err.value)
+        assert "PeerUnavailable" not in str(err.value) and "refused" in str(err.value)
+        front = job.loop.run(job.workers[0]._frontier(None), timeout=10)
+        assert [f["batch_id"] for f in front["failed"]] == [tb.batch_id]
+        assert front["failed"][0]["servers"] == [address]
         ctx.forward(tb)      # surfaced once; the context is usable for what still works
     finally:
         ctx.__exit__(None, None, None)
@@ -365,3 +374,22 @@ def test_feed_thread_is_not_left_behind():
     left = [t.name for t in threading.enumerate()
             if not t.daemon and t is not threading.main_thread()]
     assert not left, f"non-daemon threads left running: {left}"
+
+
+def test_a_crashed_prefetch_task_reaches_the_training_thread():
+    """The prefetcher's main task is supervised: if it dies (here: a cluster left with no
+    worker, so choosing the next one divides by zero), the training thread's next get()
+    raises its error instead of waiting as if the stream had run dry."""
+    from types import SimpleNamespace
+
+    from stream_persia.aio import LoopThread
+    from stream_persia.nn.loader import StreamPrefetcher
+
+    with LoopThread(name="test-prefetch") as lt:
+        cluster = SimpleNamespace(workers=[None], loop=lt)
+        prefetcher = StreamPrefetcher(cluster, staleness=1, buffer_size=1)
+        cluster.workers = []
+        lt.run(prefetcher.start())
+        with pytest.raises(ZeroDivisionError):
+            prefetcher.get(timeout_s=10)
+        assert not prefetcher.running

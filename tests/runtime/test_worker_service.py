@@ -104,9 +104,17 @@ async def test_serve_then_apply_matches_direct_store(job):
         expected = rows_before - LR * np.stack([g[int(x)] for x in uniq])
         np.testing.assert_allclose(_eval_rows(servers, slot, uniq), expected, atol=1e-5)
 
-    # The batch is released: pushing twice is refused, naming the field.
+    # The batch is released. Pushing it again (an NN worker whose reply was lost) gets the
+    # first reply and applies nothing; an id never served is refused, naming the field.
+    after = {slot: _eval_rows(servers, slot, uniq) for slot, (uniq, _) in before.items()}
+    again = await client.call("push_gradients", {"batch_id": served["batch_id"],
+                                                 "grads": grads})
+    assert again == {**reply, "duplicate": True}
+    for slot, (uniq, _) in before.items():
+        np.testing.assert_array_equal(_eval_rows(servers, slot, uniq), after[slot])
     with pytest.raises(BadInput) as err:
-        await client.call("push_gradients", {"batch_id": served["batch_id"], "grads": grads})
+        await client.call("push_gradients", {"batch_id": served["batch_id"] + 1000,
+                                             "grads": grads})
     assert err.value.field == "batch_id"
 
 
