@@ -46,6 +46,11 @@ READ: dict[str, list[tuple[str, str]]] = {
     "embedding_parameter_server_config.restore_stage_ttl_s": [
         (LAUNCH, r"cfg\.restore_stage_ttl_s")],
     "embedding_parameter_server_config.store_threads": [(LAUNCH, r"cfg\.store_threads")],
+    "embedding_parameter_server_config.update_tokens": [
+        (LAUNCH, r"cfg\.update_tokens"),
+        ("stream_persia/embedding_server.py", r"len\(tokens\) > self\.update_tokens")],
+    "embedding_worker_config.push_retry_ms": [(LAUNCH, r"wc\.push_retry_ms")],
+    "embedding_worker_config.ready_buffer_bytes": [(LAUNCH, r"wc\.ready_buffer_bytes")],
     "embedding_worker_config.ready_buffer_batches": [(LAUNCH, r"wc\.ready_buffer_batches")],
     "embedding_worker_config.max_inflight_lookups": [
         (LAUNCH, r"wc\.max_inflight_lookups"),
