@@ -79,6 +79,13 @@ class RemoteTimeout(RemoteError, TimeoutError):
     kind = "timeout"
 
 
+class AuthError(RemoteError):
+    """An RPC peer refused the connection's authentication, or failed ours: the job's
+    role secret is missing or differs (``field`` names the setting)."""
+
+    kind = "auth"
+
+
 class Backpressure(PersiaError):
     """A bounded buffer stayed full for longer than the caller was willing to wait."""
 
@@ -94,7 +101,7 @@ class InternalError(PersiaError):
 _BY_KIND: dict[str, type[PersiaError]] = {
     cls.kind: cls
     for cls in (PersiaError, BadInput, ConfigError, WireError, Misuse, RemoteError,
-                PeerUnavailable, RemoteTimeout, Backpressure, InternalError)
+                PeerUnavailable, RemoteTimeout, AuthError, Backpressure, InternalError)
 }
 
 
