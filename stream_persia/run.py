@@ -13,6 +13,10 @@ written into the output directory::
     stream-persia run topologies/adult_income --embedding-staleness 8 --nn-workers 2
     stream-persia run topologies/synthetic_ctr --kafka 127.0.0.1:9092 --samples 2e5
 
+Every run gets a fresh role secret (``PERSIA_ROLE_SECRET``, which every role proves on
+every RPC connection) and its output directory as the roles' checkpoint root
+(``PERSIA_CHECKPOINT_ROOT``).
+
 Exit status: 0 done (gates passed), 1 a role failed, 2 bad flags or topology,
 3 an accuracy gate failed, 130 interrupted.
 """
@@ -89,6 +93,8 @@ class Job:
         self.loaders: list[RoleProcess] = []
         self.api: RoleProcess | None = None
         self.api_token = secrets.token_urlsafe(24)
+        # Every role of this job proves it to the others (stream_persia/rpc/auth.py).
+        self.role_secret = secrets.token_urlsafe(32)
         self.env = self._env()
 
     def _env(self) -> dict[str, str]:
@@ -98,7 +104,11 @@ class Job:
                "PERSIA_OUTPUT_DIR": str(self.out),
                "PERSIA_CKPT_DIR": str(self.out / "checkpoint"),
                "PERSIA_CHECKPOINT_DIR": str(self.out / "checkpoints"),
+               # Role RPCs read and write checkpoints only under the run's directory.
+               "PERSIA_CHECKPOINT_ROOT": str(self.out),
                "PERSIA_API_TOKEN": self.api_token,
+               "PERSIA_ROLE_SECRET": self.role_secret,
+               "PERSIA_ROLE_SECRET_FILE": "",   # a caller's file would conflict: unset
                "PYTHONPATH": os.pathsep.join(
                    [str(topo.directory)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
         for key, var in SETTINGS_ENV.items():

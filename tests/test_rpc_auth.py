@@ -5,7 +5,10 @@ speak the frames by hand the way a stranger would."""
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -274,3 +277,23 @@ async def test_without_a_secret_a_server_binds_loopback_only():
     async with RpcClient(f"127.0.0.1:{port}", secret=SECRET, timeout_ms=500) as client:
         with pytest.raises(PeerUnavailable):   # stopped: nothing left listening
             await client.call("echo", 1)
+
+
+@pytest.mark.parametrize("role", ["embedding-server", "embedding-worker"])
+def test_launching_a_role_on_a_public_address_without_a_secret_exits_2(role, tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k not in (auth.SECRET_ENV, auth.SECRET_FILE_ENV)}
+    args = [sys.executable, "-m", "stream_persia.cli", "launch", role, "--host", "0.0.0.0",
+            "--ready-file", str(tmp_path / "ready")]
+    if role == "embedding-worker":
+        import yaml
+
+        from stream_persia.testing.samples import SCHEMA
+
+        cfg = tmp_path / "embedding_config.yml"
+        cfg.write_text(yaml.safe_dump(SCHEMA.to_dict()))
+        args += ["--embedding-servers", "127.0.0.1:1", "--embedding-config", str(cfg)]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "without a role secret" in proc.stderr and auth.SECRET_ENV in proc.stderr
+    assert not (tmp_path / "ready").exists()
