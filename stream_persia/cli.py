@@ -14,7 +14,9 @@ Commands:
 Settings come from flags, then the environment (PERSIA's variable names: ``PERSIA_EMBEDDING_
 CONFIG``, ``PERSIA_GLOBAL_CONFIG``, ``PERSIA_DATALOADER_ENTRY``, ``REPLICA_INDEX``,
 ``REPLICA_SIZE``; ours: ``PERSIA_EMBEDDING_SERVERS`` and ``PERSIA_EMBEDDING_WORKERS`` as
-comma-separated ``host:port`` lists, ``KAFKA_BOOTSTRAP_SERVERS``), then the config files.
+comma-separated ``host:port`` lists, ``KAFKA_BOOTSTRAP_SERVERS``, ``PERSIA_CHECKPOINT_ROOT``,
+and the job's role secret ``PERSIA_ROLE_SECRET`` / ``PERSIA_ROLE_SECRET_FILE``, which every
+role needs to listen beyond loopback and every RPC client presents), then the config files.
 Every flag is checked when parsed (:mod:`stream_persia.flags`), environment defaults
 included, and each role takes only the flags it acts on: a bad one ends the command with
 exit status 2 and a message naming it, before anything starts.
@@ -63,6 +65,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     _add_listen(p)
 
 
+def _add_checkpoint_root(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--checkpoint-root",
+                   default=(os.environ.get("PERSIA_CHECKPOINT_ROOT")
+                            or os.environ.get("PERSIA_CHECKPOINT_DIR") or None),
+                   help=f"local directory or fsspec URL prefix of the job's checkpoints: {what} "
+                        "(env PERSIA_CHECKPOINT_ROOT, else PERSIA_CHECKPOINT_DIR; none: "
+                        "checkpoint requests are refused)")
+
+
 def _add_configs(p: argparse.ArgumentParser) -> None:
     """The config paths and log level every role takes (PERSIA's variables)."""
     p.add_argument("--embedding-config", default=os.environ.get("PERSIA_EMBEDDING_CONFIG"),
@@ -94,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="internal shards of the store, each on its own thread: one per core "
                          "the server may use (default: global config "
                          "embedding_parameter_server_config.store_threads, 1)")
+    _add_checkpoint_root(es, "dump and load read and write only below it")
 
     ew = roles.add_parser("embedding-worker", help="consumes samples, serves NN workers")
     _add_common(ew)
@@ -108,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="samples topic (default: global config)")
     ew.add_argument("--num-partitions", type=flags.integer(1), default=None,
                     help="partitions of the samples topic (default: read from the broker)")
+    _add_checkpoint_root(ew, "checkpoints requested through its mailbox go only below it")
 
     # A data loader listens on nothing: no --host/--port/--metrics-port/--ready-file.
     dl = roles.add_parser("data-loader", help="run a data loader script (DataCtx producer)")

@@ -55,6 +55,9 @@ RPC methods (params → result):
 - ``dump {"dir": url}`` → ``{"file", "rows", "bytes", "sha256", "config"}`` — the shard as
   one file; ``config`` is the store's configuration as ``get_config`` describes it (also
   when this process was never configured), which the checkpoint manifest records
+  ``dump`` and ``load`` take only directories under the server's checkpoint root
+  (:mod:`stream_persia.checkpoint.root`; BadInput on field ``dir`` otherwise, Misuse when
+  the server has no root), and their errors never quote a file's contents.
 - ``load {"dir": url, "files": [...], "expected"?: {file: {"sha256"?, "bytes"?, "rows"?}}}``
   → ``{"rows": int}`` — replaces the shard's rows with the rows it owns in every listed
   shard file, so a checkpoint written by S servers loads into S' servers; all or nothing.
@@ -102,13 +105,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stream_persia import segments
+from stream_persia.checkpoint.root import CheckpointRoot, require_root
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding import optim as optim_mod
 from stream_persia.embedding.sharded import make_store
 from stream_persia.embedding.store import IMPLEMENTATION
 from stream_persia.errors import BadInput, Misuse, config_digest_param, require, require_hex16
 from stream_persia.metrics import RoleMetrics
-from stream_persia.rpc import RpcServer
+from stream_persia.rpc import RpcServer, auth
+from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
 from stream_persia.shard_files import (
     check_load_request,
     shard_file_name,
@@ -197,13 +202,20 @@ class EmbeddingServer:
             ``commit_load`` before it is dropped and its memory freed.
         store_threads: internal shards of the store, each looked up and updated on its own
             thread (:mod:`stream_persia.embedding.sharded`); 1: one store, one thread.
+        checkpoint_root: where ``dump`` and ``load`` may write and read (a local
+            directory or an fsspec URL prefix); None: they are refused.
+        secret: the job's role secret clients must prove (see :class:`RpcServer`).
+        connection_limits: the RPC server's connection cap and timeouts.
     """
 
     def __init__(self, capacity: int, optimizer: Any = None,
                  embedding_config: EmbeddingConfig | None = None, *, replica_index: int = 0,
                  replica_size: int = 1, host: str = "127.0.0.1", port: int = 0,
                  stage_ttl_s: float = 600.0, store_threads: int = 1,
-                 update_tokens: int = UPDATE_TOKENS):
+                 update_tokens: int = UPDATE_TOKENS,
+                 checkpoint_root: CheckpointRoot | str | None = None,
+                 secret: auth.SecretSetting = auth.FROM_ENV,
+                 connection_limits: ConnectionLimits = ConnectionLimits()):
         if not (0 <= replica_index < replica_size):
             raise BadInput(f"replica_index {replica_index} is not in [0, {replica_size})",
                            field="replica_index")
@@ -221,6 +233,8 @@ class EmbeddingServer:
         self._tokens: OrderedDict[str, tuple[int, int, float]] = OrderedDict()
         self.update_tokens = update_tokens
         self._token_counts = {"duplicates": 0, "evicted_young": 0}
+        self.checkpoint_root = (CheckpointRoot(checkpoint_root)
+                                if isinstance(checkpoint_root, str) else checkpoint_root)
         self._staged: _Staged | None = None   # read and replaced on the store thread only
         self._config_digest: str | None = None  # set by configure (see get_config)
         self._serving = _Serving(
@@ -244,7 +258,10 @@ class EmbeddingServer:
             "configure": self._configure, "dump": self._dump, "load": self._load,
             "commit_load": self._commit_load, "abort_load": self._abort_load,
             "get_config": self._get_config, "metrics": self._metrics,
-        }, host=host, port=port, name=f"embedding-server-{replica_index}")
+        }, host=host, port=port, name=f"embedding-server-{replica_index}", secret=secret,
+            connection_limits=connection_limits)
+        self.metrics.add_callback("rpc", self.rpc.connection_stats,
+                                  counters=CONNECTION_COUNTERS)
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -440,7 +457,7 @@ class EmbeddingServer:
     # ----------------------------------------------------------------- checkpoints
     async def _dump(self, params: Any) -> dict:
         self._req.labels("dump").inc()
-        directory = require(params, "dir", str)
+        directory = self._confine(require(params, "dir", str))
         name = shard_file_name(self.replica_index, self.replica_size)
         # dump() is called on the store thread: a load queued ahead of it swaps the store.
         # The reply names the configuration the rows were written with (their optimizer
@@ -452,6 +469,7 @@ class EmbeddingServer:
     async def _load(self, params: Any) -> dict:
         self._req.labels("load").inc()
         directory, files, expected, stage = check_load_request(params)
+        directory = self._confine(directory)
 
         def run() -> dict:
             old = self._serving.store
@@ -477,6 +495,12 @@ class EmbeddingServer:
             asyncio.get_running_loop().call_later(self.stage_ttl_s, self._expire,
                                                   reply["token"])
         return reply
+
+    def _confine(self, directory: str) -> str:
+        """``directory`` of a dump or load, if under the checkpoint root (BadInput on
+        ``dir`` otherwise; Misuse without a root)."""
+        root = require_root(self.checkpoint_root, f"embedding server {self.replica_index}")
+        return root.confine(directory, "dir")
 
     def _expire(self, token: str) -> None:
         with contextlib.suppress(RuntimeError):   # the server stopped: nothing to free

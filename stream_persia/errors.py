@@ -87,6 +87,11 @@ class PushFailed(RemoteError):
     (:mod:`stream_persia.worker.service`). ``field`` is ``batch_id``."""
 
     kind = "push_failed"
+class AuthError(RemoteError):
+    """An RPC peer refused the connection's authentication, or failed ours: the job's
+    role secret is missing or differs (``field`` names the setting)."""
+
+    kind = "auth"
 
 
 class Backpressure(PersiaError):
@@ -104,7 +109,7 @@ class InternalError(PersiaError):
 _BY_KIND: dict[str, type[PersiaError]] = {
     cls.kind: cls
     for cls in (PersiaError, BadInput, ConfigError, WireError, Misuse, RemoteError,
-                PeerUnavailable, RemoteTimeout, PushFailed, Backpressure, InternalError)
+                PeerUnavailable, RemoteTimeout, PushFailed, AuthError, Backpressure, InternalError)
 }
 
 

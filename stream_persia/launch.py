@@ -7,6 +7,14 @@ ingest loop) answers ``health`` not ok for :data:`~stream_persia.supervisor.EXIT
 then drains the same way and exits 1. With ``--ready-file`` the
 role writes its RPC ``host:port`` there once it is listening (atomically), which is how
 ``stream-persia run`` and the tests learn ports chosen by the OS.
+
+The edge of the embedding server and worker roles (:func:`role_settings`): the job's role
+secret (``PERSIA_ROLE_SECRET`` / ``PERSIA_ROLE_SECRET_FILE``; without one a role listens
+on loopback only, and ``--host 0.0.0.0`` exits 2 before anything starts), the checkpoint
+root their RPCs are confined to (``--checkpoint-root``, env ``PERSIA_CHECKPOINT_ROOT``,
+else ``PERSIA_CHECKPOINT_DIR``) and the connection bounds (``rpc`` in the global config).
+``--metrics-port`` serves on the RPC ``--host``: loopback without a secret; with one it
+may face the network, unauthenticated and read-only (counters and gauges, nothing else).
 """
 
 from __future__ import annotations
@@ -21,10 +29,12 @@ import signal
 import sys
 import threading
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stream_persia import aio
+from stream_persia.checkpoint.root import CheckpointRoot
 from stream_persia.config import (
     EmbeddingSchema,
     GlobalConfig,
@@ -33,9 +43,40 @@ from stream_persia.config import (
     resolve_bootstrap_servers,
 )
 from stream_persia.errors import ConfigError
+from stream_persia.rpc.auth import RoleSecret, check_bind
+from stream_persia.rpc.server import ConnectionLimits
 from stream_persia.supervisor import EXIT_GRACE_S
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoleSettings:
+    """What an RPC-serving role takes from the environment and flags, read once."""
+
+    secret: RoleSecret | None
+    checkpoint_root: CheckpointRoot | None
+    connection_limits: ConnectionLimits
+
+
+def role_settings(args: argparse.Namespace, gc: GlobalConfig, role: str) -> RoleSettings:
+    """The role secret, checkpoint root and connection limits of a server or worker.
+
+    Raises:
+        ConfigError: a bad secret setting or root, or a non-loopback ``--host`` without a
+            secret (before the role starts anything).
+    """
+    secret = RoleSecret.from_env()
+    check_bind(args.host, secret, f"{role} {args.replica_index}")
+    root = CheckpointRoot(args.checkpoint_root) if args.checkpoint_root else None
+    if root is None:
+        log.info("%s %d: no checkpoint root (--checkpoint-root, PERSIA_CHECKPOINT_ROOT): "
+                 "checkpoint requests are refused", role, args.replica_index)
+    rpc = gc.rpc
+    limits = ConnectionLimits(max_connections=rpc.max_connections,
+                              idle_timeout_s=rpc.idle_timeout_s or float("inf"),
+                              handshake_timeout_s=rpc.handshake_timeout_s)
+    return RoleSettings(secret, root, limits)
 
 
 def global_config(args: argparse.Namespace) -> GlobalConfig:
@@ -216,12 +257,16 @@ def embedding_server(args: argparse.Namespace) -> int:
     cfg = gc.embedding_parameter_server_config
     capacity = args.capacity or cfg.capacity
     threads = args.store_threads or cfg.store_threads   # the store checks it with capacity
+    edge = role_settings(args, gc, "embedding server")
 
     async def main() -> int:
         server = EmbeddingServer(capacity, replica_index=args.replica_index,
                                  replica_size=args.replica_size, host=args.host,
                                  port=args.port, stage_ttl_s=cfg.restore_stage_ttl_s,
-                                 store_threads=threads, update_tokens=cfg.update_tokens)
+                                 store_threads=threads, update_tokens=cfg.update_tokens,
+                                 checkpoint_root=edge.checkpoint_root,
+                                 secret=edge.secret,
+                                 connection_limits=edge.connection_limits)
         return await _serve(server, args)
 
     return aio.run(main())
@@ -247,6 +292,7 @@ def embedding_worker(args: argparse.Namespace) -> int:
         kafka_cfg = dataclasses.replace(kafka_cfg, samples_topic=args.topic, dlq_topic=None)
     bootstrap = resolve_bootstrap_servers(kafka_cfg, args.kafka)
     wc = gc.embedding_worker_config
+    edge = role_settings(args, gc, "embedding worker")
 
     async def main() -> int:
         worker = EmbeddingWorker(schema, args.embedding_servers,
@@ -256,7 +302,9 @@ def embedding_worker(args: argparse.Namespace) -> int:
                                  max_inflight_lookups=wc.max_inflight_lookups,
                                  rpc_timeout_ms=wc.rpc_timeout_ms,
                                  push_retry_ms=wc.push_retry_ms,
-                                 ready_buffer_bytes=wc.ready_buffer_bytes)
+                                 ready_buffer_bytes=wc.ready_buffer_bytes,
+                                 checkpoint_root=edge.checkpoint_root, secret=edge.secret,
+                                 connection_limits=edge.connection_limits)
         if bootstrap:
             from stream_persia.kafka import DeadLetterWriter, SampleConsumer
             from stream_persia.worker.ingest import KafkaIngest
@@ -289,6 +337,7 @@ def entry_script(entry: str | None, what: str, env: str) -> Path:
 
 def data_loader(args: argparse.Namespace) -> int:
     entry = entry_script(args.entry, "data loader", "PERSIA_DATALOADER_ENTRY")
+    RoleSecret.from_env()   # a bad secret setting exits 2 now, not in the script's first call
     # The script builds DataCtx(), which reads these (PERSIA's variable names first).
     os.environ["REPLICA_INDEX"] = str(args.replica_index)
     os.environ["REPLICA_SIZE"] = str(args.replica_size)
@@ -356,6 +405,7 @@ def nn_worker(args: argparse.Namespace) -> int:
     import subprocess
 
     cmd = nn_worker_command(args)
+    RoleSecret.from_env()   # checked before torchrun starts the ranks, which present it
     env = dict(os.environ)
     if args.embedding_workers:
         env["PERSIA_EMBEDDING_WORKERS"] = ",".join(args.embedding_workers)
@@ -380,6 +430,7 @@ def api(args: argparse.Namespace) -> int:
     drains in-flight requests and exits 0)."""
     from api.settings import ApiSettings
 
+    RoleSecret.from_env()   # the API's clients of the roles present it
     gc = load_global_config(args.global_config) if args.global_config else None
     schema = load_embedding_config(args.embedding_config) if args.embedding_config else None
     settings = ApiSettings.from_env(

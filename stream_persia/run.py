@@ -20,6 +20,9 @@ directory::
 Every flag, the topology's ``run:`` settings and the environment variables the roles
 would read (``STREAM_PERSIA_SAMPLES``, ``EMBEDDING_STALENESS``, ...) are checked before any
 role starts.
+Every run gets a fresh role secret (``PERSIA_ROLE_SECRET``, which every role proves on
+every RPC connection) and its output directory as the roles' checkpoint root
+(``PERSIA_CHECKPOINT_ROOT``).
 
 Exit status: 0 done (gates passed), 1 a role failed, 2 bad flags or topology,
 3 an accuracy gate failed, 128 + the signal's number when stopped by one: 130 Ctrl-C
@@ -181,6 +184,8 @@ class Job:
         self.loaders: list[RoleProcess] = []
         self.api: RoleProcess | None = None
         self.api_token = secrets.token_urlsafe(24)
+        # Every role of this job proves it to the others (stream_persia/rpc/auth.py).
+        self.role_secret = secrets.token_urlsafe(32)
         self.env = self._env()
         # Wraps each spawn: StopSignals.deferred in main(), so a stop signal never lands
         # between a child's fork and its record in self.roles.
@@ -195,7 +200,11 @@ class Job:
                # there, and the report is made by reloading this one.
                "PERSIA_CKPT_DIR": str(self.out / "checkpoints" / "final"),
                "PERSIA_CHECKPOINT_DIR": str(self.out / "checkpoints"),
+               # Role RPCs read and write checkpoints only under the run's directory.
+               "PERSIA_CHECKPOINT_ROOT": str(self.out),
                "PERSIA_API_TOKEN": self.api_token,
+               "PERSIA_ROLE_SECRET": self.role_secret,
+               "PERSIA_ROLE_SECRET_FILE": "",   # a caller's file would conflict: unset
                "PYTHONPATH": os.pathsep.join(
                    [str(topo.directory)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
         for key, var in SETTINGS_ENV.items():

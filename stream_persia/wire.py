@@ -250,7 +250,8 @@ def _unpack(buf: Any, limits: WireLimits) -> Any:
         raise WireError(f"frame of {n} bytes is shorter than the {HEADER_SIZE}-byte header")
     magic, version, flags, body_len = _HEADER.unpack_from(mv)
     if magic != MAGIC:
-        raise WireError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}",
+        # The bytes found are not quoted: the frame may be any file's or peer's data.
+        raise WireError(f"bad magic: a frame starts with {MAGIC!r}",
                         hint="this is not a stream-persia frame")
     if version not in SUPPORTED_VERSIONS:
         raise WireError(f"unsupported wire format version {version}; this build reads "

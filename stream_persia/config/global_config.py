@@ -27,7 +27,8 @@ PERSIA's keys and documented defaults::
       rpc_timeout_ms: 10000              # ours
       # buffered_data_expired_sec is refused: PERSIA dropped late batches (data loss)
 
-``kafka`` is described in :mod:`stream_persia.config.kafka`; ``api`` in :class:`ApiConfig`.
+``kafka`` is described in :mod:`stream_persia.config.kafka`; ``api`` in :class:`ApiConfig`;
+``rpc`` (bounds on every role's RPC connections) in :class:`RpcConfig`.
 
 Every key is either acted on or refused with the reason and what to use instead: keys
 PERSIA accepted but never acted on, and values asking for a PERSIA feature stream-persia
@@ -68,7 +69,7 @@ MAX_STORE_THREADS = 256
 
 __all__ = ["MetricsConfig", "CheckpointingConfig", "InferConfig", "CommonConfig",
            "EmbeddingParameterServerConfig", "EmbeddingWorkerConfig", "ApiConfig",
-           "GlobalConfig", "JOB_TYPES", "INERT_KEYS"]
+           "RpcConfig", "GlobalConfig", "JOB_TYPES", "INERT_KEYS"]
 
 JOB_TYPES = ("Train", "Eval", "Infer")
 _UNUSED = "PERSIA's {what}; stream-persia has no use for it: remove it"
@@ -394,6 +395,30 @@ class ApiConfig(_Section):
 
 
 @dataclass(frozen=True)
+class RpcConfig(_Section):
+    """``rpc``: bounds on the RPC connections of every role (embedding servers and
+    workers; see :class:`stream_persia.rpc.server.ConnectionLimits`).
+
+    Args:
+        max_connections: connections one role accepts at once; more are refused
+            (counted in ``persia_<role>_rpc_connections_refused_total``).
+        idle_timeout_s: a connection with no request for this long is closed (clients
+            reconnect by themselves; ``..._rpc_idle_closed_total``); 0: never.
+        handshake_timeout_s: how long a new connection may take to prove the role secret
+            (``..._rpc_auth_refused_total`` counts the failures).
+    """
+
+    max_connections: int = 1024
+    idle_timeout_s: int = 300
+    handshake_timeout_s: int = 10
+
+    def __post_init__(self) -> None:
+        check_int(self, "max_connections", lo=1, hi=1 << 20)
+        check_int(self, "idle_timeout_s", lo=0, hi=7 * 86_400, hint="seconds; 0: never")
+        check_int(self, "handshake_timeout_s", lo=1, hi=600)
+
+
+@dataclass(frozen=True)
 class GlobalConfig(_Section):
     """The parsed ``global_config.yml``; every section has defaults."""
 
@@ -404,12 +429,13 @@ class GlobalConfig(_Section):
         default_factory=EmbeddingWorkerConfig)
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
+    rpc: RpcConfig = field(default_factory=RpcConfig)
 
     _NESTED: ClassVar[dict[str, type]] = {
         "common_config": CommonConfig,
         "embedding_parameter_server_config": EmbeddingParameterServerConfig,
         "embedding_worker_config": EmbeddingWorkerConfig,
-        "kafka": KafkaConfig, "api": ApiConfig}
+        "kafka": KafkaConfig, "api": ApiConfig, "rpc": RpcConfig}
     _REJECTED: ClassVar[dict[str, str]] = {
         "middleware_config": "PERSIA renamed it embedding_worker_config",
         "shard_server_config": "PERSIA renamed it embedding_parameter_server_config",

@@ -14,10 +14,22 @@ A connection carries frames both ways::
     reply   = {"id": int, "r": any}                  server -> client, success
             | {"id": int, "e": error}                server -> client, the handler failed
             | {"id": None, "e": error}               server -> client, a frame could not be
-                                                      tied to a request: the server closes
-                                                      the connection right after this frame
+                                                      tied to a request, or the connection
+                                                      is refused (``kind`` "auth": no or
+                                                      another role secret; "unavailable":
+                                                      over max_connections): the server
+                                                      closes the connection after it
+            | {"id": None, "e": error, "goaway": true}
+                                                      server -> client, the connection was
+                                                      idle: send no new request on it (the
+                                                      ones sent are still answered)
     error   = PersiaError.to_dict() = {"kind", "type", "message", "field", "hint"};
               rebuilt by stream_persia.errors.error_from_dict (same family, same fields)
+
+When the server holds the job's role secret, a connection starts with the handshake of
+:mod:`stream_persia.rpc.auth` (four small frames, before any request; nothing after it
+costs anything per request). Connection bounds (cap, idle and handshake timeouts) are in
+:mod:`stream_persia.rpc.server`.
 
 Request ids are chosen by the client and unique per connection, so any number of calls
 share one connection and replies may come back in any order (pipelining). Every received

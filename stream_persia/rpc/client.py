@@ -1,5 +1,12 @@
 """RPC client: many concurrent calls pipelined over one lazily (re)connected TCP connection
-(a Unix socket when the server is on this host: :mod:`stream_persia.rpc.local`)."""
+(a Unix socket when the server is on this host: :mod:`stream_persia.rpc.local`).
+
+With the job's role secret (:mod:`stream_persia.rpc.auth`, ``PERSIA_ROLE_SECRET(_FILE)`` of
+the process by default), every new connection is authenticated (both ways) before its
+first request; a refusal fails the call with :class:`~stream_persia.errors.AuthError`
+naming the setting. A server's *goaway* (it closes idle connections) retires the
+connection: the next call opens a new one, and calls already sent get their replies.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from typing import Any
 
 from stream_persia.aio import run_until
 from stream_persia.errors import (
+    AuthError,
     BadInput,
     InternalError,
     Misuse,
@@ -22,7 +30,7 @@ from stream_persia.errors import (
     WireError,
     error_from_dict,
 )
-from stream_persia.rpc import framing, local
+from stream_persia.rpc import auth, framing, local
 from stream_persia.rpc.framing import wire
 from stream_persia.rpc.transport import FrameProtocol
 
@@ -31,6 +39,8 @@ __all__ = ["RpcClient", "parse_address"]
 log = logging.getLogger(__name__)
 
 _FIRST_BACKOFF_S = 0.05
+#: how long a call whose send failed waits for the reader to find the server's reason
+_CAUSE_WAIT_S = 1.0
 
 Failure = Callable[[str], PersiaError]  # method name -> the error its pending call gets
 
@@ -51,13 +61,14 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class _Conn:
-    __slots__ = ("proto", "pending", "reader_task", "alive")
+    __slots__ = ("proto", "pending", "reader_task", "alive", "failure")
 
     def __init__(self, proto: FrameProtocol):
         self.proto = proto
         self.pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
         self.reader_task: asyncio.Task[None] | None = None
         self.alive = True
+        self.failure: Failure | None = None   # why it was dropped, for late callers
 
 
 class RpcClient:
@@ -75,15 +86,20 @@ class RpcClient:
         max_reconnect_backoff_ms: cap of the wait between failed connection attempts.
         limits: wire limits enforced on every frame received (and on requests sent).
         name: role of the peer for error messages, e.g. "embedding-server".
+        secret: the job's role secret, proven to the server on every new connection
+            (which must prove it back); default: ``PERSIA_ROLE_SECRET(_FILE)`` of this
+            process; None: none (only servers without a secret accept the client).
 
     Raises:
         BadInput: ``address`` is not ``host:port``.
         Misuse: a timeout or backoff is not positive.
+        ConfigError: the role secret setting is invalid.
     """
 
     def __init__(self, address: str, *, timeout_ms: float = 10000,
                  connect_timeout_ms: float = 3000, max_reconnect_backoff_ms: float = 2000,
-                 limits: wire.WireLimits = wire.DEFAULT_LIMITS, name: str | None = None):
+                 limits: wire.WireLimits = wire.DEFAULT_LIMITS, name: str | None = None,
+                 secret: auth.SecretSetting = auth.FROM_ENV):
         self.host, self.port = parse_address(address)
         for field, value in (("timeout_ms", timeout_ms),
                              ("connect_timeout_ms", connect_timeout_ms),
@@ -97,16 +113,18 @@ class RpcClient:
         self._connect_timeout_s = connect_timeout_ms / 1000
         self._max_backoff_s = max_reconnect_backoff_ms / 1000
         self._limits = limits
+        self._secret = auth.resolve(secret)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: _Conn | None = None
+        self._retired: set[_Conn] = set()   # sent a goaway, still answering calls
         self._connecting: asyncio.Task[_Conn] | None = None
         self._closed = False
         self._ids = itertools.count(1)
         self._backoff_s = 0.0
         self._next_attempt_at = 0.0
-        self._last_failure: PeerUnavailable | None = None
+        self._last_failure: PersiaError | None = None
         self._counters = {"calls": 0, "errors": 0, "timeouts": 0, "connects": 0,
-                          "connect_failures": 0, "disconnects": 0}
+                          "connect_failures": 0, "disconnects": 0, "goaways": 0}
 
     # -- calls -----------------------------------------------------------------------
 
@@ -159,6 +177,8 @@ class RpcClient:
         conn = self._conn
         if conn is None or not conn.alive or conn.proto.is_closing():
             conn = await self._connected(deadline)
+            if not conn.alive and conn.failure is not None:   # refused as it opened
+                raise conn.failure(method)
         phase[0] = "sending"
         fut = asyncio.get_running_loop().create_future()
         conn.pending[req_id] = (fut, method)
@@ -167,14 +187,23 @@ class RpcClient:
                 conn.proto.write(parts)
                 await conn.proto.drain()
             except (ConnectionError, RuntimeError):  # RuntimeError: uvloop, transport closed
-                if fut.done():  # the reader already failed it with the precise cause
+                if not fut.done() and conn.reader_task is not None:
+                    # The server may have said why before closing (a refusal frame): the
+                    # reader fails the call with it once it reaches the frame.
+                    await asyncio.wait({fut, conn.reader_task}, timeout=_CAUSE_WAIT_S,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                if fut.done():  # the reader failed it with the precise cause
                     return fut.result()
+                if conn.failure is not None:   # ... or had, before this call was pending
+                    raise conn.failure(method) from None
                 raise PeerUnavailable(f"{self.peer} dropped the connection while {method!r} "
                                       "was being sent") from None
             phase[0] = "waiting"
             return await fut
         finally:
             conn.pending.pop(req_id, None)
+            if not conn.alive and not conn.pending:
+                conn.proto.close()   # retired by a goaway: its last call is answered
 
     # -- connection ------------------------------------------------------------------
 
@@ -195,12 +224,13 @@ class RpcClient:
         """The live connection, joining or starting a connection attempt."""
         if self._connecting is None:
             loop = asyncio.get_running_loop()
-            if self._last_failure is not None and self._next_attempt_at > deadline:
+            last = self._last_failure
+            if last is not None and self._next_attempt_at > deadline:
                 wait_ms = (self._next_attempt_at - loop.time()) * 1000
-                raise PeerUnavailable(
-                    f"{self._last_failure.message}; the next attempt is in {wait_ms:.0f} ms "
+                raise type(last)(
+                    f"{last.message}; the next attempt is in {wait_ms:.0f} ms "
                     "(reconnect backoff), after this call's deadline",
-                    hint=self._last_failure.hint)
+                    field=last.field, hint=last.hint)
             task = loop.create_task(self._connect(), name=f"connect {self.peer}")
             # Callers may all time out before the attempt ends; don't log its error then.
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -215,6 +245,13 @@ class RpcClient:
                 await asyncio.sleep(delay)
             try:
                 _, proto = await asyncio.wait_for(self._open(), self._connect_timeout_s)
+            except PersiaError as exc:   # refused by the server, or failed its handshake
+                raise self._connect_failed(exc) from None
+            except asyncio.IncompleteReadError:
+                raise self._connect_failed(PeerUnavailable(
+                    f"{self.peer} closed the connection during the handshake",
+                    hint="the peer may be restarting, or may not be a stream-persia RPC "
+                         "server")) from None
             except ConnectionRefusedError:
                 raise self._connect_failed(PeerUnavailable(
                     f"{self.peer} refused the connection (nothing listening on that port)",
@@ -241,16 +278,48 @@ class RpcClient:
             self._connecting = None
 
     async def _open(self) -> tuple[Any, Any]:
-        """A Unix socket to a same-host server (rpc/local.py), else TCP."""
+        """A Unix socket to a same-host server (rpc/local.py), else TCP; authenticated
+        when the client has a role secret."""
         def factory() -> FrameProtocol:
             return FrameProtocol(self._limits)
         pair = await local.open_connection(factory, self.host, self.port)
         if pair is None:
             pair = await asyncio.get_running_loop().create_connection(factory, self.host,
                                                                       self.port)
+        if self._secret is not None:
+            try:
+                await self._authenticate(pair[1])
+            except BaseException:
+                pair[1].close()   # after what was written (a mismatch notice) is sent
+                raise
         return pair
 
-    def _connect_failed(self, err: PeerUnavailable) -> PeerUnavailable:
+    async def _authenticate(self, proto: FrameProtocol) -> None:
+        """The client's half of the handshake (:mod:`stream_persia.rpc.auth`)."""
+        secret = self._secret
+        assert secret is not None
+        client_nonce = auth.new_nonce()
+        proto.write(framing.encode_parts(auth.hello(client_nonce), self._limits, "hello"))
+        try:
+            server_nonce = auth.check_challenge(await self._handshake_reply(proto), secret,
+                                                client_nonce, self.peer)
+        except AuthError:   # tell the server, so that it counts and logs the mismatch too
+            proto.write(framing.encode_parts(auth.mismatch(), self._limits, "mismatch"))
+            raise
+        proto.write(framing.encode_parts(auth.client_proof(secret, client_nonce, server_nonce),
+                                         self._limits, "proof"))
+        auth.check_welcome(await self._handshake_reply(proto), self.peer)
+
+    async def _handshake_reply(self, proto: FrameProtocol) -> Any:
+        """The server's next handshake frame; its refusal (an error frame) raised."""
+        msg = wire.unpack(await proto.read_frame(), self._limits)
+        if isinstance(msg, dict) and msg.get("id", 0) is None and isinstance(msg.get("e"), dict):
+            err = error_from_dict(msg["e"])
+            raise type(err)(f"{self.peer} refused the connection: {err.message}",
+                            field=err.field, hint=err.hint)
+        return msg
+
+    def _connect_failed(self, err: PersiaError) -> PersiaError:
         self._counters["connect_failures"] += 1
         self._backoff_s = min(max(2 * self._backoff_s, _FIRST_BACKOFF_S), self._max_backoff_s)
         jitter = 0.8 + 0.4 * random.random()  # de-synchronise clients of a restarted peer
@@ -264,14 +333,22 @@ class RpcClient:
         try:
             while True:
                 body = await conn.proto.read_frame()
-                reply = framing.parse_reply(wire.unpack(body, self._limits), peer)
+                msg = wire.unpack(body, self._limits)
+                reply = framing.parse_reply(msg, peer)
                 if reply.id is None:  # the server rejected a frame and closes the connection
+                    if msg.get("goaway"):   # ... or asks us to stop using this one
+                        self._retire(conn)
+                        continue
                     rejected = error_from_dict(reply.error or {})
                     cls = type(rejected)
+                    what = ("refused {m!r} and closed the connection"
+                            if isinstance(rejected, (AuthError, PeerUnavailable)) else
+                            "rejected a frame on the connection {m!r} was using and closed it")
 
-                    def failure(m: str, r: PersiaError = rejected, c: type = cls) -> PersiaError:
-                        return c(f"{peer} rejected a frame on the connection {m!r} was using "
-                                 f"and closed it: {r.message}", field=r.field, hint=r.hint)
+                    def failure(m: str, r: PersiaError = rejected, c: type = cls,
+                                w: str = what) -> PersiaError:
+                        return c(f"{peer} {w.format(m=m)}: {r.message}", field=r.field,
+                                 hint=r.hint)
                     return
                 entry = conn.pending.pop(reply.id, None)
                 if entry is None or entry[0].done():
@@ -311,10 +388,23 @@ class RpcClient:
         finally:
             self._drop(conn, failure)
 
+    def _retire(self, conn: _Conn) -> None:
+        """The server sent a goaway: new calls go to a new connection; this one closes
+        once the calls already sent on it are answered (they still will be)."""
+        conn.alive = False
+        self._counters["goaways"] += 1
+        if self._conn is conn:
+            self._conn = None
+        self._retired.add(conn)
+        if not conn.pending:
+            conn.proto.close()
+
     def _drop(self, conn: _Conn, failure: Failure) -> None:
         """Fail every call pending on ``conn`` and forget it; the next call reconnects."""
         conn.alive = False
+        conn.failure = failure
         conn.proto.close()
+        self._retired.discard(conn)
         pending, conn.pending = conn.pending, {}
         for fut, method in pending.values():
             if not fut.done():
@@ -380,12 +470,12 @@ class RpcClient:
         if connecting is not None:
             connecting.cancel()
             await asyncio.gather(connecting, return_exceptions=True)
-        conn = self._conn
-        if conn is not None and conn.reader_task is not None:
-            conn.reader_task.cancel()
-            await asyncio.gather(conn.reader_task, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.proto.wait_closed(), 1.0)
+        for conn in [self._conn, *self._retired]:
+            if conn is not None and conn.reader_task is not None:
+                conn.reader_task.cancel()
+                await asyncio.gather(conn.reader_task, return_exceptions=True)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(conn.proto.wait_closed(), 1.0)
 
     async def __aenter__(self) -> RpcClient:
         return self

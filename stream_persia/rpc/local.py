@@ -23,14 +23,15 @@ import ipaddress
 import logging
 import os
 import socket
+import struct
 import sys
 from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BUFFER_BYTES", "enabled", "is_loopback", "listen", "name_for", "open_connection",
-           "widen_buffers"]
+__all__ = ["BUFFER_BYTES", "describe_peer", "enabled", "is_loopback", "listen", "name_for",
+           "open_connection", "widen_buffers"]
 
 
 def enabled() -> bool:
@@ -57,6 +58,21 @@ def widen_buffers(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, BUFFER_BYTES)
         except OSError:  # pragma: no cover - refused: keep the default
             pass
+
+
+def describe_peer(transport: asyncio.BaseTransport) -> str:
+    """How logs name the other end of a Unix-socket connection: its process and user
+    (``SO_PEERCRED``), since every same-host client connects to the same name."""
+    sock = transport.get_extra_info("socket")
+    try:
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+        return f"unix:pid={pid},uid={uid}"
+    except (OSError, AttributeError, struct.error):   # not Linux, or no socket object
+        name = transport.get_extra_info("peername") or transport.get_extra_info("sockname")
+        if isinstance(name, bytes):
+            name = name.decode(errors="replace")
+        return f"unix:{str(name or '').lstrip(chr(0))}"
 
 
 def name_for(port: int) -> str:

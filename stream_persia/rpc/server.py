@@ -1,5 +1,22 @@
 """RPC server: serves ``async def handler(params)`` coroutines over framed TCP (and, for
-clients on the same host, a Unix socket: :mod:`stream_persia.rpc.local`)."""
+clients on the same host, a Unix socket: :mod:`stream_persia.rpc.local`).
+
+Who may connect, and for how long (every bound is counted in :meth:`RpcServer.stats`):
+
+- With a role secret (:mod:`stream_persia.rpc.auth`), a connection serves requests only
+  after the handshake; a peer that does not complete it within
+  ``ConnectionLimits.handshake_timeout_s``, sends a request first, or proves another
+  secret gets an :class:`~stream_persia.errors.AuthError` frame and is closed
+  (``auth_refused``; logged at most every 10 s). Frames before the handshake are limited
+  to 1 KiB. Without a secret the server binds loopback only.
+- At most ``max_connections`` connections are open; one more is answered with a
+  ``PeerUnavailable`` frame and closed (``connections_refused``).
+- A connection with no request in flight and none received for ``idle_timeout_s`` is
+  sent a *goaway* frame (``idle_closed``): the client opens a new connection for its next
+  call and closes this one once its own calls have their replies; a request already on
+  its way is still served. A peer that keeps it open anyway is closed
+  ``GOAWAY_GRACE_S`` later.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +25,26 @@ import bisect
 import contextlib
 import inspect
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from stream_persia.errors import InternalError, Misuse, PeerUnavailable, PersiaError, WireError
-from stream_persia.rpc import framing, local
+from stream_persia.errors import (
+    AuthError,
+    ConfigError,
+    InternalError,
+    Misuse,
+    PeerUnavailable,
+    PersiaError,
+    WireError,
+)
+from stream_persia.rpc import auth, framing, local
 from stream_persia.rpc.framing import wire
 from stream_persia.rpc.transport import FrameProtocol
 
-__all__ = ["RpcServer"]
+__all__ = ["CONNECTION_COUNTERS", "ConnectionLimits", "GOAWAY_GRACE_S", "RpcServer"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +53,68 @@ Handler = Callable[[Any], Awaitable[Any]]
 #: upper bounds (seconds) of the latency histogram kept per method
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0)
+
+#: how long a connection sent a goaway may stay open before the server closes it
+GOAWAY_GRACE_S = 10.0
+#: keys of :meth:`RpcServer.connection_stats` that only grow (exported as counters)
+CONNECTION_COUNTERS = frozenset({"connections", "connections_refused", "auth_refused",
+                                 "idle_closed", "frames_rejected"})
+_LOG_EVERY_S = 10.0
+#: how long a connection refused over the cap stays half-open for its reason to be read
+_REFUSED_LINGER_S = 1.0
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Bounds on the connections of one :class:`RpcServer`.
+
+    Args:
+        max_connections: connections open at once; more are refused (counted).
+        idle_timeout_s: a connection with no request in flight and none received for
+            this long is closed (after a goaway frame); ``math.inf``: never.
+        handshake_timeout_s: how long a new connection may take to authenticate (with a
+            role secret).
+
+    Raises:
+        ConfigError: a bound is not positive.
+    """
+
+    max_connections: int = 1024
+    idle_timeout_s: float = 300.0
+    handshake_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if (isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int)
+                or self.max_connections < 1):
+            raise ConfigError(f"max_connections must be an integer >= 1, got "
+                              f"{self.max_connections!r}", field="max_connections")
+        for name in ("idle_timeout_s", "handshake_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}",
+                                  field=name)
+        if not math.isfinite(self.handshake_timeout_s):
+            raise ConfigError("handshake_timeout_s must be finite", field="handshake_timeout_s")
+
+
+class _Throttled:
+    """Warnings at most once per ``_LOG_EVERY_S`` per key, saying how many were held back
+    (a scan of the port must not flood the log)."""
+
+    def __init__(self) -> None:
+        self._state: dict[str, tuple[float, int]] = {}
+
+    def warning(self, key: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        last, held = self._state.get(key, (-math.inf, 0))
+        if now - last < _LOG_EVERY_S:
+            self._state[key] = (last, held + 1)
+            return
+        self._state[key] = (now, 0)
+        if held:
+            msg += f" ({held} more like it in the last {_LOG_EVERY_S:g} s)"
+        log.warning(msg, *args)
+
 
 def _is_async_callable(obj: Any) -> bool:
     return inspect.iscoroutinefunction(obj) or (
@@ -63,9 +152,10 @@ class _MethodStats:
 class _Conn:
     """One accepted connection: its protocol, its reader task and its handler tasks."""
 
-    __slots__ = ("proto", "peer", "slots", "tasks", "reader_task", "reading")
+    __slots__ = ("proto", "peer", "slots", "tasks", "reader_task", "reading", "authed",
+                 "requests", "swept", "idle_sweeps", "goaway_at")
 
-    def __init__(self, proto: FrameProtocol, max_in_flight: int):
+    def __init__(self, proto: FrameProtocol, max_in_flight: int, authed: bool):
         self.proto = proto
         self.peer = proto.peer
         # Backpressure: the reader takes a slot before reading the next request, so at most
@@ -74,6 +164,11 @@ class _Conn:
         self.tasks: set[asyncio.Task[None]] = set()
         self.reader_task: asyncio.Task[None] | None = None
         self.reading = True
+        self.authed = authed          # handshake done (or no secret to check)
+        self.requests = 0             # frames read, for the idle sweep
+        self.swept = 0                # ``requests`` at the last sweep
+        self.idle_sweeps = 0          # sweeps in a row that found it idle
+        self.goaway_at: float | None = None
 
 
 class RpcServer:
@@ -91,14 +186,21 @@ class RpcServer:
         limits: wire limits enforced on every frame received.
         name: role name used in logs and error messages (e.g. "embedding-server-0").
         max_in_flight_per_conn: concurrent requests per connection before reading pauses.
+        secret: the job's role secret every client must prove it holds
+            (:mod:`stream_persia.rpc.auth`); default: ``PERSIA_ROLE_SECRET(_FILE)`` of this
+            process; None: no authentication, loopback hosts only.
+        connection_limits: connection cap, idle and handshake timeouts.
 
     Raises:
         Misuse: a handler is not a coroutine function, or a bound value is invalid.
+        ConfigError: the role secret setting is invalid.
     """
 
     def __init__(self, handlers: Mapping[str, Handler], host: str = "127.0.0.1",
                  port: int = 0, *, limits: wire.WireLimits = wire.DEFAULT_LIMITS,
-                 name: str = "rpc", max_in_flight_per_conn: int = 64):
+                 name: str = "rpc", max_in_flight_per_conn: int = 64,
+                 secret: auth.SecretSetting = auth.FROM_ENV,
+                 connection_limits: ConnectionLimits = ConnectionLimits()):
         for method, handler in handlers.items():
             if not isinstance(method, str):
                 raise Misuse(f"RPC method names must be str, got {method!r}", field="handlers")
@@ -121,14 +223,29 @@ class RpcServer:
         self._stopping = False
         self._stopped: asyncio.Event | None = None
         self._stats: dict[str, _MethodStats] = {m: _MethodStats() for m in self._handlers}
-        self._counters = {"connections_total": 0, "frames_rejected": 0, "unknown_method": 0}
+        self._counters = {"connections_total": 0, "frames_rejected": 0, "unknown_method": 0,
+                          "connections_refused": 0, "auth_refused": 0, "idle_closed": 0}
+        self._secret = auth.resolve(secret)
+        self._conn_limits = connection_limits
+        self._sweeper: asyncio.Task[None] | None = None
+        self._warn = _Throttled()
+
+    @property
+    def secret(self) -> auth.RoleSecret | None:
+        """The role secret clients must prove (None: none, loopback only)."""
+        return self._secret
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Bind and start accepting connections."""
+        """Bind and start accepting connections.
+
+        Raises:
+            ConfigError: no role secret and ``host`` is not a loopback address.
+        """
         if self._server is not None:
             raise Misuse(f"RpcServer {self.name!r} is already started")
+        auth.check_bind(self._host, self._secret, self.name)
         self._server = await asyncio.get_running_loop().create_server(
             lambda: FrameProtocol(self._limits, self._accept), self._host,
             self._port, reuse_address=True)
@@ -137,7 +254,12 @@ class RpcServer:
         # Same-host clients connect through a Unix socket instead (rpc/local.py).
         self._unix = await local.listen(lambda: FrameProtocol(self._limits, self._accept),
                                         self._host, self._port)
-        log.info("%s: serving %d methods on %s", self.name, len(self._handlers), self.address)
+        if math.isfinite(self._conn_limits.idle_timeout_s):
+            self._sweeper = asyncio.get_running_loop().create_task(
+                self._sweep_idle(), name=f"{self.name} idle sweep")
+        log.info("%s: serving %d methods on %s (%s)", self.name, len(self._handlers),
+                 self.address, "role secret required" if self._secret is not None
+                 else "no role secret: loopback only")
 
     @property
     def port(self) -> int:
@@ -174,6 +296,9 @@ class RpcServer:
         self._server.close()
         if self._unix is not None:
             self._unix.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
         conns = list(self._conns)
         readers = [c.reader_task for c in conns if c.reader_task is not None]
         for task in readers:
@@ -210,10 +335,24 @@ class RpcServer:
         await self.stop()
 
     def stats(self) -> dict[str, Any]:
-        """Counters for metrics: per-method calls, errors, in-flight and latency histogram."""
+        """Counters for metrics: per-method calls, errors, in-flight and latency histogram;
+        connections open, accepted (``connections_total``), refused over the cap
+        (``connections_refused``), refused authentication (``auth_refused``), closed idle
+        (``idle_closed``)."""
         return {"name": self.name, "address": self.address,
                 "connections_open": len(self._conns), **self._counters,
                 "methods": {m: s.as_dict() for m, s in self._stats.items()}}
+
+    def connection_stats(self) -> dict[str, float]:
+        """The connection figures of :meth:`stats` for a role's metrics
+        (``RoleMetrics.add_callback("rpc", ..., counters=CONNECTION_COUNTERS)``)."""
+        c = self._counters
+        return {"connections_open": float(len(self._conns)),
+                "connections": float(c["connections_total"]),
+                "connections_refused": float(c["connections_refused"]),
+                "auth_refused": float(c["auth_refused"]),
+                "idle_closed": float(c["idle_closed"]),
+                "frames_rejected": float(c["frames_rejected"])}
 
     # -- connections -----------------------------------------------------------------
 
@@ -222,7 +361,26 @@ class RpcServer:
         if self._stopping:
             proto.close()
             return
-        conn = _Conn(proto, self._max_in_flight)
+        cap = self._conn_limits.max_connections
+        if len(self._conns) >= cap:
+            self._counters["connections_refused"] += 1
+            self._warn.warning("cap", "%s: refused a connection from %s: max_connections=%d "
+                               "are open", self.name, proto.peer, cap)
+            err = PeerUnavailable(f"{self.name} at {self.address} has max_connections={cap} "
+                                  "connections open and refused another",
+                                  field="max_connections",
+                                  hint="retry later, or raise rpc.max_connections")
+            proto.write(framing.encode_parts(framing.error_reply(None, err), self._limits,
+                                             "error reply"))
+            # Half-close, and close only a moment later: a client that writes its request
+            # at once would otherwise get a reset, and lose the reason with it.
+            with contextlib.suppress(Exception):
+                proto.transport.write_eof()
+            asyncio.get_running_loop().call_later(_REFUSED_LINGER_S, proto.abort)
+            return
+        conn = _Conn(proto, self._max_in_flight, authed=self._secret is None)
+        if self._secret is not None:
+            proto.limits = auth.HANDSHAKE_LIMITS   # a stranger's frames stay tiny
         self._conns.add(conn)
         self._counters["connections_total"] += 1
         conn.reader_task = asyncio.get_running_loop().create_task(
@@ -230,6 +388,8 @@ class RpcServer:
 
     async def _read_loop(self, conn: _Conn) -> None:
         try:
+            if not conn.authed and not await self._handshake(conn):
+                return
             while True:
                 await conn.slots.acquire()
                 if not await self._read_one(conn):
@@ -245,6 +405,58 @@ class RpcServer:
             if not conn.tasks and not self._stopping:
                 self._close(conn)
 
+    async def _handshake(self, conn: _Conn) -> bool:
+        """Authenticate ``conn`` (:mod:`stream_persia.rpc.auth`); False when it was
+        refused or went away."""
+        secret = self._secret
+        assert secret is not None
+        proto = conn.proto
+
+        async def exchange() -> None:
+            client_nonce = auth.check_hello(await self._handshake_frame(conn), conn.peer,
+                                            self.name)
+            server_nonce = auth.new_nonce()
+            proto.write(framing.encode_parts(
+                auth.challenge(secret, client_nonce, server_nonce), self._limits, "challenge"))
+            auth.check_proof(await self._handshake_frame(conn), secret, client_nonce,
+                             server_nonce, conn.peer, self.name)
+
+        timeout_s = self._conn_limits.handshake_timeout_s
+        try:
+            await asyncio.wait_for(exchange(), timeout_s)
+        except AuthError as exc:
+            self._refuse(conn, exc)
+            return False
+        except asyncio.TimeoutError:   # before OSError: TimeoutError is one
+            self._refuse(conn, AuthError(
+                f"{self.name} requires the job's role secret, and the client at {conn.peer} "
+                f"did not authenticate within {timeout_s:g} s", field=auth.SETTING,
+                hint=f"give every process of the job the same {auth.SECRET_ENV} or "
+                     f"{auth.SECRET_FILE_ENV}"))
+            return False
+        except (asyncio.IncompleteReadError, OSError):
+            return False   # it went away first (e.g. a TCP health probe): nothing to refuse
+        proto.limits = self._limits
+        proto.write(framing.encode_parts(auth.welcome(), self._limits, "welcome"))
+        conn.authed = True
+        return True
+
+    async def _handshake_frame(self, conn: _Conn) -> Any:
+        """The next frame of a handshake, decoded; anything that is not a small valid
+        frame is what a client without the secret sends (its first request)."""
+        try:
+            return wire.unpack(await conn.proto.read_frame(), auth.HANDSHAKE_LIMITS)
+        except WireError:   # over the handshake's limits, or undecodable
+            return None     # not a handshake message: check_hello / check_proof refuse it
+
+    def _refuse(self, conn: _Conn, err: AuthError) -> None:
+        """Answer a failed handshake with ``err`` and close the connection."""
+        self._counters["auth_refused"] += 1
+        self._warn.warning("auth", "%s: refused the connection from %s: %s", self.name,
+                           conn.peer, err.message)
+        self._reply_now(conn, framing.error_reply(None, err))
+        conn.proto.close()
+
     async def _read_one(self, conn: _Conn) -> bool:
         """Read and dispatch one request; False when the connection is done."""
         try:
@@ -254,14 +466,27 @@ class RpcServer:
         except framing.Unidentifiable as exc:
             self._reject(conn, exc)
             return False
+        conn.requests += 1
         try:
-            req = framing.parse_request(wire.unpack(body, self._limits), conn.peer)
+            msg = wire.unpack(body, self._limits)
+        except WireError as exc:  # undecodable: no id to answer to
+            self._reject(conn, exc)
+            return False
+        try:
+            req = framing.parse_request(msg, conn.peer)
         except framing.MalformedRequest as exc:
             self._reply_now(conn, framing.error_reply(exc.request_id, exc))
             conn.slots.release()
             return True
-        except WireError as exc:  # undecodable: no id to answer to
-            self._reject(conn, exc)
+        except WireError as exc:  # no id to answer to
+            if auth.is_hello(msg):   # a client with a secret: this server has none
+                self._refuse(conn, AuthError(
+                    f"{self.name} has no role secret, but the client at {conn.peer} "
+                    "presented one", field=auth.SETTING,
+                    hint=f"give every process of the job the same {auth.SECRET_ENV} or "
+                         f"{auth.SECRET_FILE_ENV}"))
+            else:
+                self._reject(conn, exc)
             return False
         handler = self._handlers.get(req.method)
         if handler is None:
@@ -288,7 +513,41 @@ class RpcServer:
         conn.proto.close()
         self._conns.discard(conn)
 
-    def _reject(self, conn: _Conn, exc: WireError) -> None:
+    async def _sweep_idle(self) -> None:
+        """Close connections idle for ``idle_timeout_s`` (goaway first), and those that
+        outstay their goaway by ``GOAWAY_GRACE_S``.
+
+        Every tick (half the timeout, at most ``GOAWAY_GRACE_S``), a connection is idle
+        when it has no request running and read none since the tick before; once it was
+        found idle for a whole timeout's worth of ticks it had been idle for between one
+        timeout and one tick more. Nothing is timed per request."""
+        loop = asyncio.get_running_loop()
+        timeout_s = self._conn_limits.idle_timeout_s
+        tick = min(timeout_s / 2, GOAWAY_GRACE_S)
+        while True:
+            await asyncio.sleep(tick)
+            now = loop.time()
+            for conn in list(self._conns):
+                if conn.goaway_at is not None:
+                    if now - conn.goaway_at > GOAWAY_GRACE_S and not conn.tasks:
+                        conn.proto.close()
+                    continue
+                if conn.tasks or conn.requests != conn.swept or not conn.authed:
+                    conn.swept, conn.idle_sweeps = conn.requests, 0
+                    continue
+                conn.idle_sweeps += 1
+                if conn.idle_sweeps * tick >= timeout_s:
+                    self._goaway(conn, now)
+
+    def _goaway(self, conn: _Conn, now: float) -> None:
+        self._counters["idle_closed"] += 1
+        conn.goaway_at = now
+        err = PeerUnavailable(f"{self.name} closes connections idle for "
+                              f"{self._conn_limits.idle_timeout_s:g} s",
+                              field="idle_timeout_s", hint="the client reconnects by itself")
+        self._reply_now(conn, {**framing.error_reply(None, err), "goaway": True})
+
+    def _reject(self, conn: _Conn, exc: PersiaError) -> None:
         """Answer a frame we cannot tie to a request, then close the connection."""
         self._counters["frames_rejected"] += 1
         log.warning("%s: closing connection from %s: %s", self.name, conn.peer, exc)

@@ -8,6 +8,12 @@ fresh buffer per frame keeps them valid). ``StreamReader.readexactly`` instead c
 every byte twice (into its buffer, then out of it) and shifts what follows; on the 5 MB
 lookup reply of a 1024 x 26-slot batch that cost the embedding worker ~4 ms of CPU.
 
+The scratch buffer starts lean (:data:`_LEAN_BYTES`, enough for the handshake and small
+requests) and grows to its working size (256 KiB) only once the connection carries
+traffic that needs it: a read that fills it, or a frame that does not fit. An idle or
+unauthenticated connection therefore costs a few KiB, not 256 KiB (3,000 idle
+connections used to hold ~745 MiB).
+
 Sending takes the pieces of :func:`stream_persia.rpc.framing.encode_parts` (arrays as
 views of their own memory) and hands them to ``writelines``, which uvloop writes with
 one ``writev``: no copy of array data on the sending side either.
@@ -36,6 +42,8 @@ __all__ = ["FrameProtocol", "set_nodelay", "write_frame"]
 # its own buffer, and the socket reads the rest of it straight into place.
 _SMALL_FRAME = 64 * 1024
 _SCRATCH_BYTES = 4 * _SMALL_FRAME
+# A new connection's scratch buffer, until its traffic needs the full one.
+_LEAN_BYTES = 4096
 # Received frames not yet taken by the reader: past either bound, stop parsing and stop
 # reading the socket (TCP then holds the peer back) until the reader catches up.
 _QUEUE_MAX_FRAMES = 64
@@ -62,8 +70,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self._on_connect = on_connect
         self._gathers = False
-        self._scratch = bytearray(_SCRATCH_BYTES)
+        self._scratch = bytearray(_LEAN_BYTES)
         self._scratch_view = memoryview(self._scratch)
+        self._lean = True        # the scratch buffer is still the small first one
+        self._outgrown = False   # ... and the traffic wants the full one
         self._start = 0          # unparsed bytes of the scratch buffer: [_start, _end)
         self._end = 0
         self._body: memoryview | None = None  # a large frame being filled, and how far
@@ -92,8 +102,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if isinstance(addr, tuple):
             self.peer = f"{addr[0]}:{addr[1]}"
         else:  # a Unix socket (rpc/local.py): the accepting side sees no name
-            name = transport.get_extra_info("sockname")
-            self.peer = f"unix:{str(addr or name or '').lstrip(chr(0))}"
+            self.peer = local.describe_peer(transport)
         set_nodelay(transport)
         local.widen_buffers(transport)
         if self._on_connect is not None:
@@ -104,12 +113,25 @@ class FrameProtocol(asyncio.BufferedProtocol):
             return self._body[self._filled:]
         if self._start == self._end:
             self._start = self._end = 0
-        elif len(self._scratch) - self._end < 2 * _SMALL_FRAME:
+        elif self._lean or len(self._scratch) - self._end < 2 * _SMALL_FRAME:
             # Little room left: move the partial frame (< _SMALL_FRAME + 4) to the front.
             n = self._end - self._start
             self._scratch_view[:n] = bytes(self._scratch_view[self._start:self._end])
             self._start, self._end = 0, n
+        if self._lean:
+            if not self._outgrown and self._end < len(self._scratch):
+                return self._scratch_view[self._end:]
+            self._grow()
         return self._scratch_view[self._end:self._end + _SMALL_FRAME]
+
+    def _grow(self) -> None:
+        """Swap the lean scratch buffer for the full one, keeping the unparsed bytes."""
+        n = self._end - self._start
+        scratch = bytearray(_SCRATCH_BYTES)
+        scratch[:n] = self._scratch_view[self._start:self._end]
+        self._scratch, self._scratch_view = scratch, memoryview(scratch)
+        self._start, self._end = 0, n
+        self._lean = False
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._body is not None:
@@ -119,6 +141,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self._push(body)
             return
         self._end += nbytes
+        if self._lean and self._end == len(self._scratch):
+            self._outgrown = True   # the read filled it: more is likely waiting
         self._parse_scratch()
 
     def eof_received(self) -> bool:
@@ -177,7 +201,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 start = end
                 break
             else:
-                break  # a small frame still arriving: it fits in the scratch buffer
+                # A small frame still arriving: it fits in the scratch buffer (the full
+                # one: a lean one grows at the next read if the frame is larger).
+                if self._lean and HEADER.size + length > len(buf):
+                    self._outgrown = True
+                break
         self._start, self._end = start, end
 
     def _push(self, body: memoryview | bytearray) -> None:

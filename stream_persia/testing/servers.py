@@ -1,32 +1,48 @@
-"""In-process embedding servers for tests: n shards on loopback and a router over them."""
+"""In-process embedding servers for tests: n shards on loopback and a router over them.
+
+Their checkpoint root defaults to the system's temporary directory (where pytest's
+``tmp_path`` lives); the role secret to ``PERSIA_ROLE_SECRET(_FILE)`` of the process, as
+for any server and client.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
+from stream_persia.checkpoint.root import CheckpointRoot
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Adagrad
 from stream_persia.embedding_server import EmbeddingServer
+from stream_persia.rpc import auth
 from stream_persia.worker.router import ShardRouter
 
-__all__ = ["restarted", "running_servers"]
+__all__ = ["TEST_CHECKPOINT_ROOT", "restarted", "running_servers"]
+
+#: the checkpoint root of test servers unless a test gives its own
+TEST_CHECKPOINT_ROOT = tempfile.gettempdir()
 
 
 @contextlib.asynccontextmanager
 async def running_servers(n: int, optimizer: Any = None, capacity: int = 10_000,
-                          init: tuple[float, float] = (-0.5, 0.5), store_threads: int = 1
+                          init: tuple[float, float] = (-0.5, 0.5), store_threads: int = 1,
+                          *, checkpoint_root: CheckpointRoot | str = TEST_CHECKPOINT_ROOT,
+                          secret: auth.SecretSetting = auth.FROM_ENV
                           ) -> AsyncIterator[tuple[list[EmbeddingServer], ShardRouter]]:
     """Start ``n`` embedding servers (replicas 0..n-1, ``optimizer`` default Adagrad(0.1),
-    rows initialised uniformly in ``init``, ``store_threads`` internal shards each); yield
-    them and a :class:`ShardRouter` over them; stop everything on exit."""
+    rows initialised uniformly in ``init``, ``store_threads`` internal shards each, dumps
+    and loads under ``checkpoint_root``); yield them and a :class:`ShardRouter` over them
+    (presenting ``secret`` as they require it); stop everything on exit."""
+    secret = auth.resolve(secret)
     servers = [EmbeddingServer(capacity, optimizer or Adagrad(lr=0.1), EmbeddingConfig(init),
-                               replica_index=i, replica_size=n, store_threads=store_threads)
+                               replica_index=i, replica_size=n, store_threads=store_threads,
+                               checkpoint_root=checkpoint_root, secret=secret)
                for i in range(n)]
     for s in servers:
         await s.start()
-    router = ShardRouter([s.address for s in servers], timeout_ms=5000)
+    router = ShardRouter([s.address for s in servers], timeout_ms=5000, secret=secret)
     try:
         yield servers, router
     finally:
@@ -41,4 +57,5 @@ def restarted(server: EmbeddingServer) -> EmbeddingServer:
     configuration). Not started; the caller stops ``server`` first."""
     host, port = server.address.rsplit(":", 1)
     return EmbeddingServer(server.store.capacity, replica_index=server.replica_index,
-                           replica_size=server.replica_size, host=host, port=int(port))
+                           replica_size=server.replica_size, host=host, port=int(port),
+                           checkpoint_root=server.checkpoint_root, secret=server.rpc.secret)

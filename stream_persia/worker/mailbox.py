@@ -21,7 +21,10 @@ RPC methods (params → result):
 - ``checkpoint_request {"id", "dst", "ttl_s"?, "report_timeout_s"?}`` → the record: queue
   a request (API). Misuse while another one is pending or running. A request nobody picks
   up within ``ttl_s`` (default 60) fails; so does one taken (running) whose rank 0 has
-  not reported for ``report_timeout_s`` (default 30; liveness, below).
+  not reported for ``report_timeout_s`` (default 30; liveness, below). ``dst`` must lie
+  under the mailbox's checkpoint root (:mod:`stream_persia.checkpoint.root`; BadInput on
+  field ``dst`` otherwise, Misuse when there is no root): NN rank 0 writes the
+  checkpoint there, whoever asked.
 - ``checkpoint_report {"id", "state": "running"|"done"|"failed", "step"?, "progress"?,
   "manifest"?, "error"?}`` → None: NN rank 0 reports progress and the outcome. A report of
   ``running`` with nothing else is a keepalive (the progress stays).
@@ -66,6 +69,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from stream_persia.checkpoint.root import CheckpointRoot, require_root
 from stream_persia.errors import BadInput, Misuse
 
 __all__ = ["CheckpointMailbox", "MailboxClient", "REPORT_TIMEOUT_S", "TERMINAL"]
@@ -103,10 +107,18 @@ def _count(params: dict, key: str) -> int:
 
 
 class CheckpointMailbox:
-    """Server side: pending checkpoint requests and the NN ranks' heartbeats."""
+    """Server side: pending checkpoint requests and the NN ranks' heartbeats.
 
-    def __init__(self, clock: Any = time.time):
+    Args:
+        clock: wall-clock seconds (tests give their own).
+        checkpoint_root: the root every request's ``dst`` must lie under; None: every
+            request is refused.
+    """
+
+    def __init__(self, clock: Any = time.time, *,
+                 checkpoint_root: CheckpointRoot | None = None):
         self._clock = clock
+        self.checkpoint_root = checkpoint_root
         self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._expires: dict[str, float] = {}
         self._heartbeat: dict[str, Any] | None = None
@@ -148,6 +160,7 @@ class CheckpointMailbox:
 
     async def request(self, params: Any) -> dict[str, Any]:
         ident, dst = _str(params, "id"), _str(params, "dst")
+        dst = require_root(self.checkpoint_root, "the checkpoint mailbox").confine(dst, "dst")
         ttl = _positive(params, "ttl_s", 60.0)
         report_timeout_s = _positive(params, "report_timeout_s", REPORT_TIMEOUT_S)
         active = self._active()

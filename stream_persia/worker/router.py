@@ -56,7 +56,7 @@ from stream_persia.errors import (
     PersiaError,
     RemoteTimeout,
 )
-from stream_persia.rpc import RpcClient
+from stream_persia.rpc import RpcClient, auth
 from stream_persia.sharding import shard_of, split_by_shard
 
 __all__ = ["PendingUpdate", "ShardRouter"]
@@ -110,14 +110,18 @@ class ShardRouter:
     Args:
         addresses: ``host:port`` of server 0..S-1, in replica-index order.
         timeout_ms: per-call RPC timeout.
+        secret: the job's role secret (see :class:`~stream_persia.rpc.RpcClient`).
     """
 
-    def __init__(self, addresses: Sequence[str], *, timeout_ms: int = 10_000):
+    def __init__(self, addresses: Sequence[str], *, timeout_ms: int = 10_000,
+                 secret: auth.SecretSetting = auth.FROM_ENV):
         if not addresses:
             raise BadInput("at least one embedding server address is needed",
                            field="embedding_servers")
         self.addresses = list(addresses)
-        self.clients = [RpcClient(a, timeout_ms=timeout_ms, name=f"embedding-server-{i}")
+        secret = auth.resolve(secret)   # read once for every client
+        self.clients = [RpcClient(a, timeout_ms=timeout_ms, name=f"embedding-server-{i}",
+                                  secret=secret)
                         for i, a in enumerate(self.addresses)]
         # The servers' configuration as last learned from them (see the module docstring).
         self.config: dict | None = None

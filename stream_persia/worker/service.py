@@ -53,6 +53,8 @@ RPC methods (params → result):
   "report_timeout_s"?}`` → record,
   ``checkpoint_report {"id", "state", "step"?, "progress"?, "manifest"?, "error"?}``,
   ``checkpoint_status {"id"}`` → record | None, ``nn_status`` → last heartbeat | None.
+  A request's ``dst`` must lie under the worker's checkpoint root
+  (:mod:`stream_persia.checkpoint.root`): the NN ranks write there.
 
 Gradient pushes are idempotent per (batch, server) and retried. The first
 ``push_gradients`` of a batch reduces its gradients and splits them per owning server
@@ -101,6 +103,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from stream_persia.checkpoint.root import CheckpointRoot
 from stream_persia.config import EmbeddingSchema
 from stream_persia.embedding.data import PersiaBatch
 from stream_persia.errors import (
@@ -112,7 +115,8 @@ from stream_persia.errors import (
     config_digest_param,
 )
 from stream_persia.metrics import RoleMetrics
-from stream_persia.rpc import RpcServer
+from stream_persia.rpc import RpcServer, auth
+from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
 from stream_persia.supervisor import Supervisor
 from stream_persia.worker.batchplan import BatchPlan, plan_batch, reduce_gradients
 from stream_persia.worker.buffer import BoundedBuffer
@@ -172,6 +176,11 @@ class EmbeddingWorker:
         max_inflight_batches: served training batches awaiting gradients (bounded).
         push_retry_ms: how long a gradient push retries the servers that have not
             applied it before the batch fails (module docstring).
+        checkpoint_root: where checkpoints requested through the mailbox (replica 0) may
+            go; None: such requests are refused.
+        secret: the job's role secret, required of this worker's clients and proven to the
+            embedding servers (see :class:`~stream_persia.rpc.RpcServer`).
+        connection_limits: the RPC server's connection cap and timeouts.
     """
 
     def __init__(self, schema: EmbeddingSchema, embedding_servers: list[str], *,
@@ -179,11 +188,15 @@ class EmbeddingWorker:
                  port: int = 0, ready_buffer_batches: int = 16, max_inflight_lookups: int = 16,
                  max_inflight_batches: int = 64, rpc_timeout_ms: int = 10_000,
                  ingest_timeout_ms: int = 30_000, push_retry_ms: int = 20_000,
-                 ready_buffer_bytes: int | None = 32 << 20):
+                 ready_buffer_bytes: int | None = 32 << 20,
+                 checkpoint_root: CheckpointRoot | str | None = None,
+                 secret: auth.SecretSetting = auth.FROM_ENV,
+                 connection_limits: ConnectionLimits = ConnectionLimits()):
         self.schema = schema
         self.replica_index = replica_index
         self.replica_size = replica_size
-        self.router = ShardRouter(embedding_servers, timeout_ms=rpc_timeout_ms)
+        secret = auth.resolve(secret)
+        self.router = ShardRouter(embedding_servers, timeout_ms=rpc_timeout_ms, secret=secret)
         self.ready: BoundedBuffer[PendingBatch] = BoundedBuffer(
             ready_buffer_batches, "ready buffer", max_bytes=ready_buffer_bytes,
             size_of=(lambda pb: pb.nbytes) if ready_buffer_bytes is not None else None)
@@ -203,7 +216,10 @@ class EmbeddingWorker:
         self.ingest_timeout_ms = ingest_timeout_ms
         self.ingest_paused = asyncio.Event()    # set = paused (control plane)
         self._ingest_resumed = asyncio.Event()  # set (then replaced) by resume_ingest
-        self.mailbox = CheckpointMailbox() if replica_index == 0 else None
+        if isinstance(checkpoint_root, str):
+            checkpoint_root = CheckpointRoot(checkpoint_root)
+        self.mailbox = (CheckpointMailbox(checkpoint_root=checkpoint_root)
+                        if replica_index == 0 else None)
         self._seq = 0
         self.kafka: KafkaIngest | None = None   # the current ingest when consuming a topic
         # Builds a fresh KafkaIngest from start offsets (reset_stream after a restore).
@@ -244,7 +260,9 @@ class EmbeddingWorker:
             "reset_stream": self._reset_stream, "commit_offsets": self._commit_offsets,
             # Replica 0 holds the checkpoint mailbox (checkpoints started over HTTP).
             **(self.mailbox.handlers() if self.mailbox is not None else {}),
-        }, host=host, port=port, name=f"embedding-worker-{replica_index}")
+        }, host=host, port=port, name=f"embedding-worker-{replica_index}", secret=secret,
+            connection_limits=connection_limits)
+        m.add_callback("rpc", self.rpc.connection_stats, counters=CONNECTION_COUNTERS)
 
     def _kafka_stats(self) -> dict[str, float]:
         """The current ingest's statistics, its counts added to those of retired ones."""

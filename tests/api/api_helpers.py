@@ -25,6 +25,7 @@ from stream_persia.embedding.optim import SGD
 from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import SCHEMA, make_batch
+from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT
 from stream_persia.worker.service import EmbeddingWorker
 
 TOKEN = "s3cret-token"
@@ -113,9 +114,11 @@ class Job:
 
 async def start_job(n_servers: int = 2, n_workers: int = 1, **worker_kw: Any) -> Job:
     servers = [EmbeddingServer(100_000, SGD(lr=0.5), EmbeddingConfig((-0.5, 0.5)),
-                               replica_index=i, replica_size=n_servers) for i in range(n_servers)]
+                               replica_index=i, replica_size=n_servers,
+                               checkpoint_root=TEST_CHECKPOINT_ROOT) for i in range(n_servers)]
     for s in servers:
         await s.start()
+    worker_kw.setdefault("checkpoint_root", TEST_CHECKPOINT_ROOT)
     workers = [EmbeddingWorker(SCHEMA, [s.address for s in servers], replica_index=i,
                                replica_size=n_workers, **worker_kw) for i in range(n_workers)]
     for w in workers:

@@ -17,12 +17,15 @@ from api_helpers import AUTH, Click, LiveApi, settings_for
 
 from api.checkpoints import Checkpoints
 from stream_persia.checkpoint import read_manifest
+from stream_persia.checkpoint.root import CheckpointRoot
 from stream_persia.ctx import TrainCtx
 from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import BadInput, ConfigError, Misuse
 from stream_persia.testing.samples import make_batch
 from stream_persia.worker.mailbox import CheckpointMailbox
+
+ROOT = CheckpointRoot("/c")   # where the unit tests' requests point
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -37,7 +40,7 @@ class Clock:
 
 async def test_a_request_is_offered_until_taken_then_reported():
     clock = Clock()
-    box = CheckpointMailbox(clock)
+    box = CheckpointMailbox(clock, checkpoint_root=ROOT)
     assert await box.nn_status(None) is None
     hb = {"rank": 0, "world_size": 2, "step": 7}
     assert await box.nn_heartbeat(hb) == {"checkpoint": None}
@@ -69,7 +72,7 @@ async def test_a_request_is_offered_until_taken_then_reported():
 
 async def test_a_request_nobody_takes_fails_and_a_detach_fails_the_pending_one():
     clock = Clock()
-    box = CheckpointMailbox(clock)
+    box = CheckpointMailbox(clock, checkpoint_root=ROOT)
     await box.request({"id": "a", "dst": "/c/a", "ttl_s": 5})
     clock.now += 6
     rec = await box.status({"id": "a"})
@@ -86,7 +89,7 @@ async def test_a_request_nobody_takes_fails_and_a_detach_fails_the_pending_one()
 
 async def test_a_taken_request_whose_rank_0_goes_silent_fails_and_frees_the_mailbox():
     clock = Clock()
-    box = CheckpointMailbox(clock)
+    box = CheckpointMailbox(clock, checkpoint_root=ROOT)
     hb = {"rank": 0, "world_size": 1, "step": 9}
     await box.nn_heartbeat(hb)
     await box.request({"id": "a", "dst": "/c/a", "report_timeout_s": 2})

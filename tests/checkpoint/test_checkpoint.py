@@ -82,7 +82,7 @@ async def test_round_trip_restores_rows_and_optimizer_state(tmp_path, scheme):
     root = str(tmp_path) if scheme == "local" else f"memory://ck-{uuid.uuid4().hex}"
     dst = f"{root}/step-10"
     try:
-        async with running_servers(2) as (servers, router):
+        async with running_servers(2, checkpoint_root=root) as (servers, router):
             await train_rows(router)
             before = snapshot(servers)
             order_before = [[c["ids"].tolist() for c in s.store.dump()] for s in servers]
@@ -99,7 +99,7 @@ async def test_round_trip_restores_rows_and_optimizer_state(tmp_path, scheme):
         dense = ck.load_torch(dst, m.dense_filename)
         assert torch.equal(dense["w"], torch.arange(6.0).reshape(2, 3))
 
-        async with running_servers(2) as (fresh, router2):
+        async with running_servers(2, checkpoint_root=root) as (fresh, router2):
             loaded = await asyncio.wait_for(ck.load_embeddings(dst, router2.clients), 30)
             assert loaded == m.rows
             assert_same_rows(snapshot(fresh), before)

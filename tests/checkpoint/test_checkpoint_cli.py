@@ -20,7 +20,7 @@ from stream_persia.rpc import RpcClient
 @pytest.fixture
 async def checkpoints(tmp_path):
     """Two checkpoints under ``tmp_path/root``, each with one embedding shard."""
-    server = EmbeddingServer(1000, Adagrad())
+    server = EmbeddingServer(1000, Adagrad(), checkpoint_root=str(tmp_path))
     await server.start()
     client = RpcClient(server.address, timeout_ms=5000)
     try:

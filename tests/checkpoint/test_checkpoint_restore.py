@@ -113,7 +113,8 @@ def replacement(server, replica: int = 1) -> embedding_server.EmbeddingServer:
     host, port = server.address.rsplit(":", 1)
     return embedding_server.EmbeddingServer(
         10_000, server.store.optimizer, server.store.embedding_config,
-        replica_index=replica, replica_size=2, host=host, port=int(port))
+        replica_index=replica, replica_size=2, host=host, port=int(port),
+        checkpoint_root=server.checkpoint_root)
 
 
 async def test_a_server_lost_before_its_commit_is_named(cluster):

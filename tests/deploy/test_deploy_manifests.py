@@ -18,8 +18,10 @@ from unittest import mock
 import pytest
 import yaml
 
+from stream_persia.checkpoint.root import CheckpointRoot
 from stream_persia.cli import build_parser
 from stream_persia.config import GlobalConfig
+from stream_persia.rpc.auth import SECRET_ENV, SECRET_FILE_ENV, RoleSecret, check_bind
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -31,7 +33,11 @@ UID = 10001                          # the image's user; every pod sharing stora
 ROLES = {"embedding-server", "embedding-worker", "api", "nn-worker", "data-loader"}
 POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 JOB_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-SAMPLES = {"PERSIA_API_TOKEN": "sample-token"}   # for compose's required ${VAR:?...}
+SAMPLES = {"PERSIA_API_TOKEN": "sample-token",   # for compose's required ${VAR:?...}
+           "PERSIA_ROLE_SECRET": "sample-role-secret-0123456789"}
+#: roles that serve RPC: a role secret, and their checkpoint RPCs confined to a root
+RPC_ROLES = ("embedding-server", "embedding-worker")
+CHECKPOINT_VARS = ("PERSIA_CHECKPOINT_DIR", "PERSIA_CKPT_DIR")
 
 
 # ------------------------------------------------------------------------- helpers
@@ -188,6 +194,35 @@ def test_compose_configs_are_the_topologys_and_storage_is_shared(compose):
             if var in env and name in mounts:
                 assert env[var].startswith(mounts[name] + "/"), (name, var)
     assert len(set(mounts.values())) == 1, "checkpoint paths are sent between roles"
+
+
+def check_role_security(roles: list[tuple[object, dict[str, str]]], secret_file: Path | None,
+                        where: str) -> None:
+    """Every role holds the job's role secret (each RPC client presents it, each server
+    requires it), a server or worker on a non-loopback host would start with it, and
+    every checkpoint directory of the job lies under the servers' and workers' root."""
+    roots, dirs = [], []
+    for ns, env in roles:
+        if secret_file is not None and SECRET_FILE_ENV in env:
+            env = {**env, SECRET_FILE_ENV: str(secret_file)}
+        secret = RoleSecret.from_env(env)
+        assert secret is not None, f"{where}: {ns.role} has no role secret"
+        if ns.role in RPC_ROLES:
+            check_bind(ns.host, secret, f"{where}: {ns.role}")
+            assert ns.checkpoint_root, f"{where}: {ns.role} has no checkpoint root"
+            roots.append(CheckpointRoot(ns.checkpoint_root))
+        dirs += [env[v] for v in CHECKPOINT_VARS if v in env]
+    assert roots and dirs, where
+    for root in roots:
+        for d in dirs:
+            root.confine(d, "dir")     # BadInput if a checkpoint would be refused
+
+
+def test_compose_wires_the_role_secret_and_checkpoint_root_to_every_role(compose):
+    roles = compose_roles(compose)
+    for name, (_, _, svc) in roles.items():
+        assert svc["environment"][SECRET_ENV].startswith("${PERSIA_ROLE_SECRET:?"), name
+    check_role_security([(ns, env) for ns, env, _ in roles.values()], None, "compose")
 
 
 # ------------------------------------------------------------------------- Kubernetes
@@ -351,14 +386,38 @@ def test_k8s_api_probes_service_and_token(k8s):
     assert svc["spec"]["ports"][0]["targetPort"] == "http"
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
 
-    secret = yaml.safe_load((K8S / "secret.example.yaml").read_text())
-    (vol,) = [v for v in pod_spec(dep)["volumes"] if "secret" in v]
+    secret = k8s[("Secret", "persia-api-token")]
+    (vol,) = [v for v in pod_spec(dep)["volumes"]
+              if v.get("secret", {}).get("secretName") == "persia-api-token"]
     assert vol["secret"]["secretName"] == secret["metadata"]["name"]
     (item,) = vol["secret"]["items"]
     assert item["key"] in secret["stringData"]
     (mount,) = [m for m in c["volumeMounts"] if m["name"] == vol["name"]]
     assert env["PERSIA_API_TOKEN_FILE"] == f"{mount['mountPath']}/{item['path']}"
     assert "PERSIA_API_TOKEN" not in env, "the token stays out of the pod's environment"
+
+
+def test_k8s_mounts_the_role_secret_in_every_pod_and_confines_checkpoints(k8s, tmp_path):
+    """The role secret is a Secret mounted as a file in every pod (never inline in the
+    environment); servers and workers listen on 0.0.0.0 only with it."""
+    secret = k8s[("Secret", "persia-role-secret")]
+    assert set(secret["stringData"]) == {"secret"}
+    sample = tmp_path / "secret"
+    sample.write_text(SAMPLES["PERSIA_ROLE_SECRET"])
+    pods = []
+    for role, reps in k8s_roles(k8s).items():
+        for ns, env, c, doc in reps:
+            assert SECRET_ENV not in env, f"{role}: the secret stays out of the environment"
+            (vol,) = [v for v in pod_spec(doc)["volumes"]
+                      if v.get("secret", {}).get("secretName") == "persia-role-secret"]
+            (item,) = vol["secret"]["items"]
+            assert item["key"] == "secret"
+            (mount,) = [m for m in c["volumeMounts"] if m["name"] == vol["name"]]
+            assert mount["readOnly"] is True
+            assert env[SECRET_FILE_ENV] == f"{mount['mountPath']}/{item['path']}", role
+            pods.append((ns, env))
+    assert {ns.role for ns, _ in pods} == ROLES
+    check_role_security(pods, sample, "k8s")
 
 
 def test_k8s_pods_resources_grace_metrics_and_shared_storage(k8s):
@@ -435,6 +494,25 @@ def test_procfile_runs_every_role_broker_less_on_distinct_local_ports():
             assert ns.host == "127.0.0.1" and "PERSIA_API_TOKEN" not in env
     for var in ("PERSIA_EMBEDDING_CONFIG", "PERSIA_GLOBAL_CONFIG"):
         assert repo_path(env[var]).parent == TOPOLOGY and repo_path(env[var]).is_file()
+
+
+def test_procfile_roles_share_a_role_secret_file_and_a_checkpoint_root(tmp_path,
+                                                                       monkeypatch):
+    """Loopback and the same-host Unix sockets are open to every local user: the Procfile
+    job holds a role secret too, from a file made once (its path relative to the repo)."""
+    env = honcho_env()
+    assert env[SECRET_FILE_ENV].startswith("runs/") and SECRET_ENV not in env
+    monkeypatch.chdir(REPO)      # honcho runs from the repository root
+    procs = []
+    for line in (DEPLOY / "Procfile").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            argv = shlex.split(line.partition(":")[2].split("&&")[0])[1:]
+            procs.append((parse_cli(argv, env), env))
+    sample = tmp_path / "secret"
+    sample.write_text(SAMPLES["PERSIA_ROLE_SECRET"])
+    check_role_security(procs, sample, "Procfile")
+    text = (DEPLOY / "Procfile").read_text() + (DEPLOY / "honcho.env").read_text()
+    assert f"openssl rand -hex 32 > {env[SECRET_FILE_ENV]}" in text
 
 
 # ------------------------------------------------------------------------- image

@@ -18,7 +18,7 @@ from stream_persia.config import EmbeddingSchema
 from stream_persia.data_ctx import DataCtx
 from stream_persia.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
 from stream_persia.embedding_server import EmbeddingServer
-from stream_persia.testing.servers import restarted
+from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT, restarted
 from stream_persia.worker.service import EmbeddingWorker
 
 # Three summation slots with one id per sample: the label is a logistic function of hidden
@@ -45,13 +45,15 @@ class LocalJob:
 
     async def _start(self, schema, n_servers, n_workers, capacity, ready) -> None:
         for i in range(n_servers):
-            s = EmbeddingServer(capacity, replica_index=i, replica_size=n_servers)
+            s = EmbeddingServer(capacity, replica_index=i, replica_size=n_servers,
+                                checkpoint_root=TEST_CHECKPOINT_ROOT)
             await s.start()
             self.servers.append(s)
         for i in range(n_workers):
             w = EmbeddingWorker(schema, [s.address for s in self.servers], replica_index=i,
                                 replica_size=n_workers, ready_buffer_batches=ready,
-                                push_retry_ms=self.push_retry_ms)
+                                push_retry_ms=self.push_retry_ms,
+                                checkpoint_root=TEST_CHECKPOINT_ROOT)
             await w.start()
             self.workers.append(w)
 
@@ -73,7 +75,8 @@ class LocalJob:
             host, port = w.address.rsplit(":", 1)
             fresh = EmbeddingWorker(schema, [s.address for s in servers],
                                     replica_index=w.replica_index,
-                                    replica_size=w.replica_size, host=host, port=int(port))
+                                    replica_size=w.replica_size, host=host, port=int(port),
+                                    checkpoint_root=TEST_CHECKPOINT_ROOT)
             await fresh.start()
             workers.append(fresh)
         self.servers, self.workers = servers, workers

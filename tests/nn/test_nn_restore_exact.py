@@ -38,7 +38,8 @@ class Job:
     def __init__(self, tmp: Path, name: str, bootstrap: str, topic: str):
         cfg = tmp / "embedding_config.yml"
         cfg.write_text(EMBEDDING_YAML)
-        self.server = RoleProcess("embedding-server", [], log_path=tmp / f"{name}-server.log",
+        self.server = RoleProcess("embedding-server", ["--checkpoint-root", str(tmp)],
+                                  log_path=tmp / f"{name}-server.log",
                                   name=f"{name}-server").start()
         server = self.server.wait_ready()
         self.worker = RoleProcess("embedding-worker", [

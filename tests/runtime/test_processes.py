@@ -100,7 +100,8 @@ async def test_parameter_server_alias_serves_rpc_and_http_metrics_and_drains(tmp
         "embedding_parameter_server_config:\n  restore_stage_ttl_s: 1\n")
     role = RoleProcess("embedding-parameter-server",
                        ["--replica-index", "1", "--replica-size", "2", "--metrics-port", str(port),
-                        "--global-config", str(tmp_path / "global_config.yml")])
+                        "--global-config", str(tmp_path / "global_config.yml"),
+                        "--checkpoint-root", str(tmp_path)])
     try:
         await asyncio.to_thread(role.start().wait_ready, 30)
         async with RpcClient(role.address, timeout_ms=5000) as client:
