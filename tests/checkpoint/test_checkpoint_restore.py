@@ -304,7 +304,8 @@ async def test_a_restore_into_fresh_servers_trains_on_as_the_job_did(tmp_path):
         assert held["optimizer"]["name"] == "adam"
         await shard_load.train(router, seed=2)
         want = by_id(servers)
-    fresh = [embedding_server.EmbeddingServer(10_000, replica_index=i, replica_size=3)
+    fresh = [embedding_server.EmbeddingServer(10_000, replica_index=i, replica_size=3,
+                                              checkpoint_root=str(tmp_path))
              for i in range(3)]
     for s in fresh:
         await s.start()
