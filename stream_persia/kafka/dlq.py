@@ -75,6 +75,7 @@ class DeadLetterWriter(ProducerUser):
             return cls(kafka.dlq_topic, producer=producer, **kwargs)
         kwargs.setdefault("security_kwargs", kafka.security_kwargs())
         kwargs.setdefault("max_message_bytes", kafka.max_batch_bytes)
+        kwargs.setdefault("startup_timeout_s", kafka.startup_timeout_ms / 1000)
         return cls(kafka.dlq_topic,
                    bootstrap_servers=config_servers(kafka, bootstrap_servers), **kwargs)
 
