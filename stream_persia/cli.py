@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     ew.add_argument("--topic", default=None, help="samples topic (default: global config)")
     ew.add_argument("--num-partitions", type=int, default=None,
                     help="partitions of the samples topic (default: read from the broker)")
+    ew.add_argument("--on-data-loss", choices=("fail", "skip"), default=None,
+                    help="samples the broker no longer has (retention, gaps): fail = stop "
+                         "that partition and report it, skip = count the loss and read on "
+                         "(default: kafka.on_data_loss of the global config, fail)")
 
     dl = roles.add_parser("data-loader", help="run a data loader script (DataCtx producer)")
     _add_common(dl)
