@@ -415,7 +415,7 @@ async def test_a_consumer_fails_naming_the_broker_once_it_is_gone():
         consumer = SampleConsumer(servers, "dies", broker_timeout_s=2)
         await bounded(consumer.start())
         assert await read(consumer, seconds=1.5) == {}      # idle but alive: no failure
-        cluster.stop()
+        cluster.kill()
         t0 = time.monotonic()
         with pytest.raises(KafkaUnavailable, match=f"no Kafka broker at {servers}"):
             await bounded(read(consumer, seconds=60))
@@ -437,7 +437,7 @@ async def test_the_kafka_ingest_task_ends_with_kafka_unavailable_when_the_broker
             await bounded(worker.start_kafka_ingest(ingest_factory(worker, cfg)))
             await asyncio.sleep(1.5)
             assert not worker.kafka.task.done()
-            cluster.stop()
+            cluster.kill()
             t0 = time.monotonic()
             with pytest.raises(KafkaUnavailable) as err:
                 await bounded(asyncio.shield(worker.kafka.task))
@@ -458,7 +458,7 @@ async def test_a_producer_waiting_on_a_dead_broker_fails_naming_it():
                                  broker_timeout_s=2, send_timeout_s=600)
         await bounded(producer.start())
         await bounded(producer.send_and_wait(b"before"))
-        cluster.stop()
+        cluster.kill()
         t0 = time.monotonic()
         with pytest.raises(KafkaUnavailable, match=f"no Kafka broker at {servers}"):
             await bounded(producer.send(b"one"))

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from aiokafka.errors import KafkaConnectionError, KafkaError
 from aiokafka.protocol.metadata import MetadataRequest
@@ -31,7 +31,17 @@ __all__ = ["KafkaUnavailable", "start_client", "stop_client", "stop_producer", "
            "DEFAULT_STARTUP_TIMEOUT_S", "DEFAULT_BROKER_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
-C = TypeVar("C")
+
+
+class _Client(Protocol):
+    """An aiokafka producer or consumer, as far as starting and stopping go."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Client)
 
 DEFAULT_STARTUP_TIMEOUT_S = 60.0   # KafkaConfig.startup_timeout_ms's default
 DEFAULT_BROKER_TIMEOUT_S = 60.0    # KafkaConfig.broker_timeout_ms's default

@@ -76,7 +76,7 @@ class DataLoss:
 
     def describe(self) -> str:
         where = f"{self.topic}/{self.partition}"
-        if self.cause == "truncated":
+        if self.cause == "truncated" or self.resume is None:
             return (f"{where}: offset {self.first} is beyond the partition's end "
                     f"{self.resume} (the log was truncated, or the topic recreated)")
         what = {"deleted": "were deleted (retention) before they were read",

@@ -345,6 +345,15 @@ class MockKafkaCluster:
             self._stderr = None
             self._buf = b""
 
+    def kill(self) -> None:
+        """SIGKILL the broker, as a crash would (no more answers, no shutdown: a graceful
+        :meth:`stop` tears the partitions down first and can answer a last fetch with
+        OFFSET_OUT_OF_RANGE), then reap it."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self.stop()
+
     def __enter__(self) -> MockKafkaCluster:
         return self.start()
 

@@ -37,17 +37,17 @@ class LateProxy:
 
     def start(self) -> None:
         self._server = socket.create_server(("127.0.0.1", self.port))
-        self._spawn(self._accept)
+        self._spawn(self._accept, self._server)
 
     def _spawn(self, fn: Callable[..., None], *args: object) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True)
         self._threads.append(t)
         t.start()
 
-    def _accept(self) -> None:
+    def _accept(self, server: socket.socket) -> None:
         while True:
             try:
-                client, _ = self._server.accept()
+                client, _ = server.accept()
             except OSError:
                 return
             try:

@@ -132,14 +132,18 @@ def test_a_run_whose_broker_deleted_unread_samples_fails_naming_the_loss(tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_run_whose_broker_is_killed_fails_in_bounded_time_naming_it(tmp_path):
-    """The broker dies while the NN worker trains: the worker's ingest gives up after
+    """The broker is killed (SIGKILL) while the NN worker trains: the worker's ingest gives up after
     ``--broker-timeout-s`` and the run fails naming the broker, instead of waiting for the
     NN worker's idle timeout or ``--timeout-s`` (an hour)."""
     cluster = MockKafkaCluster().start()
+    # 16 partitions keep ~80 MiB, all of the 2e5 samples: nothing is lost to retention.
+    cluster.create_topic("killed.samples", 16)
+    cluster.create_topic("killed.samples.dlq", 1)
     proc = subprocess.Popen(
         [sys.executable, "-m", "stream_persia.cli", "run", "topologies/synthetic_ctr",
-         "--samples", "1e5", "--predict-samples", "0", "--broker-timeout-s", "5",
-         "--kafka", cluster.bootstrap_servers, "--output-dir", str(tmp_path)],
+         "--samples", "2e5", "--predict-samples", "0", "--broker-timeout-s", "5",
+         "--kafka", cluster.bootstrap_servers, "--topic", "killed.samples",
+         "--output-dir", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -152,7 +156,7 @@ def test_a_run_whose_broker_is_killed_fails_in_bounded_time_naming_it(tmp_path):
                 pass
             time.sleep(0.2)
         servers = cluster.bootstrap_servers
-        cluster.stop()
+        cluster.kill()
         t0 = time.monotonic()
         out, _ = proc.communicate(timeout=240)
         took = time.monotonic() - t0
