@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     ew.add_argument("--num-partitions", type=flags.integer(1), default=None,
                     help="partitions of the samples topic (default: read from the broker)")
     _add_checkpoint_root(ew, "checkpoints requested through its mailbox go only below it")
+    ew.add_argument("--on-data-loss", choices=("fail", "skip"), default=None,
+                    help="samples the broker no longer has (retention, gaps): fail = stop "
+                         "that partition and report it, skip = count the loss and read on "
+                         "(default: kafka.on_data_loss of the global config, fail)")
 
     # A data loader listens on nothing: no --host/--port/--metrics-port/--ready-file.
     dl = roles.add_parser("data-loader", help="run a data loader script (DataCtx producer)")

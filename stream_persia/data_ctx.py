@@ -30,6 +30,15 @@ Semantics:
 - **Failures** of a batch after ``send_data`` returned are raised from a later
   ``send_data``, ``flush`` or ``close``: the first one; later ones are logged and counted
   (``stats()["failed"]``).
+- **Start-up.** The destination may come up after the data loader: Kafka, ``start()``
+  (entering the ``with`` block) waits until a broker answers (then the topic must
+  exist); broker-less, the first batch waits until every embedding worker answers (so
+  bad input is still reported before any peer is needed). Both retry with exponential
+  backoff, log each failure, and give up after ``startup_timeout_ms`` (default
+  ``kafka.startup_timeout_ms``, 60 s) with ``PeerUnavailable`` naming the addresses.
+- **A broker that goes away** while batches wait for acknowledgement fails the next
+  ``send_data``/``flush`` with ``KafkaUnavailable`` (a ``PeerUnavailable`` naming the
+  bootstrap servers) once no broker has answered for ``kafka.broker_timeout_ms``.
 - **flush / close.** ``flush()`` waits until every batch sent so far is acknowledged.
   Leaving the ``with`` block flushes and closes. When the block raised, the flush waits
   at most 10 s, a failure is logged, and the block's own exception propagates.
@@ -127,6 +136,9 @@ class DataCtx:
         compression_type: none|gzip|snappy|lz4|zstd (default ``kafka.compression_type``).
         embedding_config: an ``EmbeddingSchema`` or a path (default: env
             ``PERSIA_EMBEDDING_CONFIG``, if set); batches with unknown slots are refused.
+        startup_timeout_ms: how long ``start`` waits for the brokers or the embedding
+            workers (default ``kafka.startup_timeout_ms`` of the global config, 60 s;
+            0 tries once).
 
     Raises:
         ConfigError: no destination (naming ``KAFKA_BOOTSTRAP_SERVERS``), both kinds
@@ -145,13 +157,19 @@ class DataCtx:
                  global_config: GlobalConfig | str | None = None, max_inflight: int = 8,
                  timeout_ms: int = 600_000, topic: str | None = None,
                  compression_type: str | None = None,
-                 embedding_config: EmbeddingSchema | str | None = None, **kwargs: Any):
+                 embedding_config: EmbeddingSchema | str | None = None,
+                 startup_timeout_ms: int | None = None, **kwargs: Any):
         if args or set(kwargs) - _PERSIA_ONLY_KWARGS:
             raise Misuse(f"DataCtx got unexpected arguments {args or ''} {sorted(kwargs)}",
                          hint="DataCtx(embedding_workers=..., kafka_bootstrap_servers=...)")
         for name, value in (("max_inflight", max_inflight), ("timeout_ms", timeout_ms)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise Misuse(f"{name} must be an int >= 1, got {value!r}", field=name)
+        if startup_timeout_ms is not None and (isinstance(startup_timeout_ms, bool) or not
+                                               isinstance(startup_timeout_ms, int) or
+                                               startup_timeout_ms < 0):
+            raise Misuse(f"startup_timeout_ms must be an int >= 0, got {startup_timeout_ms!r}",
+                         field="startup_timeout_ms")
         if global_config is None and os.environ.get("PERSIA_GLOBAL_CONFIG"):
             global_config = os.environ["PERSIA_GLOBAL_CONFIG"]
         if isinstance(global_config, (str, os.PathLike)):
@@ -185,6 +203,8 @@ class DataCtx:
         self.schema: EmbeddingSchema | None = embedding_config
         self.max_inflight = max_inflight
         self.timeout_ms = timeout_ms
+        self.startup_timeout_ms = (self.kafka.startup_timeout_ms if startup_timeout_ms is None
+                                   else startup_timeout_ms)
         self.sent = 0
         self._loop: LoopThread | None = None
         self._closed = False
@@ -239,7 +259,8 @@ class DataCtx:
 
                     self._direct = DirectSender(
                         self.workers, loop, max_inflight=self.max_inflight,
-                        timeout_ms=self.timeout_ms, first_worker=self._first_worker)
+                        timeout_ms=self.timeout_ms, first_worker=self._first_worker,
+                        startup_timeout_s=self.startup_timeout_ms / 1000)
             except BaseException:
                 with contextlib.suppress(Exception):
                     _run(loop, self._release(), _CLOSE_TIMEOUT_S)
@@ -252,8 +273,10 @@ class DataCtx:
     async def _start_kafka(self) -> None:
         from stream_persia.kafka import BatchProducer, topic_partitions
 
+        startup_s = self.startup_timeout_ms / 1000
         partitions = await topic_partitions(self.bootstrap, self.topic,
-                                            security_kwargs=self.kafka.security_kwargs())
+                                            security_kwargs=self.kafka.security_kwargs(),
+                                            startup_timeout_s=startup_s)
         if not partitions:
             # Checked up front: aiokafka would wait for the topic's metadata for 40 s.
             raise ConfigError(f"samples topic {self.topic!r} does not exist at "
@@ -262,7 +285,7 @@ class DataCtx:
                                    "name the right one")
         self._producer = BatchProducer.from_config(
             self.kafka, bootstrap_servers=self.bootstrap, max_in_flight=self.max_inflight,
-            send_timeout_s=self.timeout_ms / 1000.0)
+            send_timeout_s=self.timeout_ms / 1000.0, startup_timeout_s=startup_s)
         await self._producer.start()
 
     def close(self) -> None:

@@ -6,6 +6,11 @@ A synchronous caller thread submits batches; the RPCs run on a
 (a worker acknowledges once the batch is in its ready buffer, waiting while that buffer is
 full) until one takes it or ``timeout_ms`` passes. A send whose connection drops or times
 out is retried on the next worker, so a batch may be ingested twice (at least once).
+
+Before the first batch is offered, every worker must answer (:meth:`DirectSender.
+wait_for_workers`: bounded by ``startup_timeout_s``, with backoff and each failure logged,
+:mod:`stream_persia.backoff`), so a data loader started before its embedding workers
+waits for them, and one whose workers never come fails naming them.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 import threading
 
 from stream_persia.aio import LoopThread
+from stream_persia.backoff import retry_startup
 from stream_persia.embedding.data import PersiaBatch
 from stream_persia.errors import Backpressure, Misuse, PeerUnavailable, PersiaError, RemoteTimeout
 from stream_persia.rpc import RpcClient
@@ -42,12 +48,13 @@ class DirectSender:
         max_inflight: sends not yet acknowledged before :meth:`submit` waits.
         timeout_ms: how long one batch may be offered before it fails.
         first_worker: where the round-robin starts (the data loader's replica index).
+        startup_timeout_s: how long the first batch waits for every worker to answer.
 
     :meth:`submit`, :meth:`flush` and :meth:`stats` are called from one caller thread.
     """
 
     def __init__(self, workers: list[str], loop: LoopThread, *, max_inflight: int,
-                 timeout_ms: int, first_worker: int = 0):
+                 timeout_ms: int, first_worker: int = 0, startup_timeout_s: float = 60.0):
         self.workers = workers
         self.max_inflight = max_inflight
         self.timeout_ms = timeout_ms
@@ -55,12 +62,50 @@ class DirectSender:
         self._clients = [RpcClient(a, timeout_ms=RPC_MARGIN_MS, name="embedding-worker")
                          for a in workers]
         self._next = first_worker
+        self.startup_timeout_s = startup_timeout_s
+        self._ready: asyncio.Future | None = None   # the workers answered (loop thread)
         self._pending: dict[concurrent.futures.Future, None] = {}  # caller thread only
         self._room = threading.BoundedSemaphore(max_inflight)
         # Updated on the loop thread; read (whole ints) by stats().
         self._counts = dict(acked=0, failed=0, bytes=0, retries=0)
         self._active = 0
         self._peak = 0
+
+    async def wait_for_workers(self, timeout_s: float) -> None:
+        """Wait until every embedding worker answers ``health``, for up to ``timeout_s``
+        (retries with backoff, each failure logged); run on the loop.
+
+        Raises:
+            PeerUnavailable: some worker did not answer in time; names them.
+        """
+        pending = list(range(len(self._clients)))
+
+        async def attempt() -> None:
+            nonlocal pending
+            replies = await asyncio.gather(
+                *(self._clients[i].call("health", timeout_ms=RPC_MARGIN_MS) for i in pending),
+                return_exceptions=True)
+            failed = [(i, r) for i, r in zip(pending, replies, strict=True)
+                      if isinstance(r, BaseException)]
+            for _, err in failed:
+                if not isinstance(err, (PeerUnavailable, RemoteTimeout)):
+                    raise err
+            pending = [i for i, _ in failed]
+            if failed:
+                raise PeerUnavailable(
+                    f"embedding workers {[self.workers[i] for i in pending]} do not answer "
+                    f"({failed[0][1]})", field="embedding_workers")
+
+        def give_up(err: BaseException, attempts: int, spent: float) -> PeerUnavailable:
+            return PeerUnavailable(
+                f"{err} after {attempts} attempts in {spent:.1f} s", field="embedding_workers",
+                hint="are the embedding workers running at these addresses? DataCtx's "
+                     "startup_timeout_ms bounds the wait")
+
+        await retry_startup(attempt, what="DataCtx (broker-less)",
+                            timeout_s=timeout_s,
+                            retry_on=(PeerUnavailable, RemoteTimeout, TimeoutError),
+                            give_up=give_up)
 
     @property
     def _give_up_s(self) -> float:
@@ -96,6 +141,8 @@ class DirectSender:
     async def close(self) -> None:
         """Close the connections (run on the loop; unfinished sends are cancelled with
         the loop)."""
+        if self._ready is not None and not self._ready.done():
+            self._ready.cancel()
         for client in self._clients:
             await client.close()
 
@@ -117,10 +164,27 @@ class DirectSender:
         if first is not None:
             raise first
 
+    async def _workers_ready(self) -> None:
+        """Wait (once, shared by the sends in flight) until every worker answered; a
+        failure fails the waiting sends, and the next send waits again."""
+        ready = self._ready
+        if ready is None:
+            ready = self._ready = asyncio.ensure_future(
+                self.wait_for_workers(self.startup_timeout_s))
+        elif ready.done() and not ready.cancelled() and ready.exception() is None:
+            return
+        try:
+            await asyncio.shield(ready)
+        except PersiaError:
+            if self._ready is ready:
+                self._ready = None
+            raise
+
     async def _deliver(self, wire_batch: dict, nbytes: int, seq: int) -> None:
         self._active += 1
         self._peak = max(self._peak, self._active)
         try:
+            await self._workers_ready()
             await self._offer(wire_batch)
         except PersiaError as e:
             self._counts["failed"] += 1

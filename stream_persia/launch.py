@@ -290,6 +290,9 @@ def embedding_worker(args: argparse.Namespace) -> int:
     if args.topic:
         import dataclasses
         kafka_cfg = dataclasses.replace(kafka_cfg, samples_topic=args.topic, dlq_topic=None)
+    if args.on_data_loss:
+        import dataclasses
+        kafka_cfg = dataclasses.replace(kafka_cfg, on_data_loss=args.on_data_loss)
     bootstrap = resolve_bootstrap_servers(kafka_cfg, args.kafka)
     wc = gc.embedding_worker_config
     edge = role_settings(args, gc, "embedding worker")

@@ -24,14 +24,23 @@ Every run gets a fresh role secret (``PERSIA_ROLE_SECRET``, which every role pro
 every RPC connection) and its output directory as the roles' checkpoint root
 (``PERSIA_CHECKPOINT_ROOT``).
 
-Exit status: 0 done (gates passed), 1 a role failed, 2 bad flags or topology,
-3 an accuracy gate failed, 128 + the signal's number when stopped by one: 130 Ctrl-C
-(SIGINT), 143 SIGTERM, 129 SIGHUP.
+With ``--kafka``, a sample that never reaches training fails the run: an embedding worker
+that finds offsets of the samples topic gone (retention deleted them before they were
+read, a gap, a truncated log) stops that partition, and the run ends with exit 1 naming
+the topic, partitions and offsets, whatever the accuracy (``--on-data-loss skip`` accepts
+the loss: the run goes on and reports the messages lost). A broker that stops answering
+fails the roles that use it after ``--broker-timeout-s`` (``kafka.broker_timeout_ms``,
+default 60 s), naming it.
+
+Exit status: 0 done (gates passed), 1 a role failed (or, with Kafka, data was lost),
+2 bad flags or topology, 3 an accuracy gate failed, 128 + the signal's number when stopped
+by one: 130 Ctrl-C (SIGINT), 143 SIGTERM, 129 SIGHUP.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import importlib.util
 import json
@@ -88,10 +97,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "KAFKA_BOOTSTRAP_SERVERS; default: broker-less)")
     p.add_argument("--topic", type=flags.topic, default=None,
                    help="with --kafka: an existing samples topic (default: a fresh topic "
-                        "<job>.<run>.samples, created with the admin client)")
+                        "<job>.<run>.samples, created with the admin client, or by the "
+                        "broker's auto-creation where it has no admin API)")
     p.add_argument("--partitions", type=flags.integer(1, 1_000_000), default=None,
                    help="with --kafka and no --topic: partitions of the topic created here "
                         "(default: 4 × workers)")
+    p.add_argument("--on-data-loss", choices=("fail", "skip"), default=None,
+                   help="with --kafka: what embedding workers do with samples the broker "
+                        "deleted before they were read (kafka.on_data_loss): fail (default: "
+                        "stop the partition, and the run fails naming it) or skip (count "
+                        "the loss and go on)")
+    p.add_argument("--broker-timeout-s", type=_seconds, default=None,
+                   help="with --kafka: fail a role once no broker answered for this long "
+                        "(kafka.broker_timeout_ms; default 60)")
     for flag in ("samples", "epochs", "batch-size", "eval-samples", "seed"):
         dest = flag.replace("-", "_")
         p.add_argument(f"--{flag}", type=SETTINGS_TYPES[dest], default=None,
@@ -158,6 +176,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--partitions only sets the partitions of a topic this run "
                           "creates (with --kafka and without --topic)", field="--partitions",
                           hint="drop --partitions" + (", or --topic" if args.topic else ""))
+    for flag in ("on_data_loss", "broker_timeout_s"):
+        if getattr(args, flag, None) is not None and not args.kafka:
+            name = "--" + flag.replace("_", "-")
+            raise ConfigError(f"{name} applies to Kafka only", field=name,
+                              hint="add --kafka BOOTSTRAP, or remove it")
     if args.no_api and args.predict_samples:
         raise ConfigError("--predict-samples predicts through the API, which --no-api "
                           "leaves out", field="--predict-samples",
@@ -170,6 +193,22 @@ def check_args(args: argparse.Namespace) -> None:
             except argparse.ArgumentTypeError as e:
                 raise ConfigError(f"environment variable {var}: {e}", field=var,
                                   hint=f"unset it, or pass --{key.replace('_', '-')}") from None
+
+
+def _seconds(raw: str) -> float:
+    """An argparse type: seconds >= 1 (argparse names the flag in its error)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 1.0 <= value <= 86_400.0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in [1, 86400], "
+                                         f"got {raw!r}")
+    return value
+
+
+class DataLost(RuntimeError):
+    """Embedding workers stopped partitions of the samples topic on a data loss."""
 
 
 class Job:
@@ -232,6 +271,10 @@ class Job:
         kafka["bootstrap_servers"] = self.args.kafka
         kafka["samples_topic"] = self.topic
         kafka.pop("dlq_topic", None)
+        if getattr(self.args, "on_data_loss", None) is not None:
+            kafka["on_data_loss"] = self.args.on_data_loss
+        if getattr(self.args, "broker_timeout_s", None) is not None:
+            kafka["broker_timeout_ms"] = int(self.args.broker_timeout_s * 1000)
         data["kafka"] = kafka
         dst = self.out / "global_config.yml"
         dst.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -262,7 +305,7 @@ class Job:
         self.env["PERSIA_EMBEDDING_SERVERS"] = ",".join(server_addrs)
         if a.kafka:
             ensure_topic(a.kafka, self.topic, a.partitions or 4 * n_workers,
-                         create=a.topic is None)
+                         create=a.topic is None, min_partitions=n_workers)
         kafka_args = ["--kafka", a.kafka] if a.kafka else []
         workers = [self._role("embedding-worker",
                               ["--replica-index", str(i), "--replica-size", str(n_workers),
@@ -303,35 +346,138 @@ class Job:
         for r in reversed(self.roles):
             r.stop(grace_s=15)
 
+    def kafka_state(self) -> tuple[list[dict[str, Any]], dict[str, int], list[str]]:
+        """From every embedding worker's ``status``: the partitions stopped on a data loss
+        (each a ``DataLoss.to_dict()``), the messages lost and accepted per
+        ``topic/partition``, and why a worker's Kafka ingest ended, if it did (a broker
+        gone for ``kafka.broker_timeout_ms``). Best effort: a worker that does not
+        answer reports nothing here (its own exit fails the run)."""
+        addresses = [a for a in self.env.get("PERSIA_EMBEDDING_WORKERS", "").split(",") if a]
+        if not self.args.kafka or not addresses:
+            return [], {}, []
+        from stream_persia import aio
+        from stream_persia.rpc import RpcClient
 
-def ensure_topic(bootstrap: str, topic: str, partitions: int, *, create: bool) -> None:
-    """Check the samples topic exists (creating it with the admin client if asked)."""
+        async def go() -> list[Any]:
+            replies: list[Any] = []
+            for address in addresses:
+                async with RpcClient(address, timeout_ms=5000, name="embedding-worker",
+                                     secret=self.role_secret) as c:
+                    try:
+                        replies.append(await c.call("status"))
+                    except PersiaError:
+                        replies.append(None)
+            return replies
+
+        stopped: list[dict[str, Any]] = []
+        lost: dict[str, int] = {}
+        errors: list[str] = []
+        for i, status in enumerate(aio.run(go())):
+            kafka = status.get("kafka") if isinstance(status, dict) else None
+            if not isinstance(kafka, dict):
+                continue
+            stopped += list((kafka.get("stopped") or {}).values())
+            for p, n in (kafka.get("lost_messages") or {}).items():
+                lost[f"{kafka.get('topic')}/{p}"] = int(n)
+            if kafka.get("error"):
+                errors.append(f"embedding-worker-{i}: {kafka['error']}")
+        return stopped, lost, errors
+
+
+def check_kafka(job: Job) -> dict[str, int]:
+    """Raise :class:`DataLost` if an embedding worker stopped a partition on a data loss,
+    RuntimeError if a worker's Kafka ingest ended (no broker answered); else return the
+    messages lost and accepted (``--on-data-loss skip``)."""
+    stopped, lost, errors = job.kafka_state()
+    if errors:
+        raise RuntimeError("Kafka ingest stopped: " + "; ".join(errors))
+    if stopped:
+        lines = "\n".join(f"  {loss.get('message')}" for loss in stopped)
+        raise DataLost(f"Kafka data was lost: the embedding workers stopped ingest of "
+                       f"{len(stopped)} partition(s) rather than train without it:\n{lines}\n"
+                       f"Checkpoints record offsets up to the loss only. Replay the data, "
+                       f"or accept the loss with --on-data-loss skip (kafka.on_data_loss).")
+    return lost
+
+
+def ensure_topic(bootstrap: str, topic: str, partitions: int, *, create: bool,
+                 min_partitions: int = 1) -> int:
+    """Check the samples topic exists and has at least ``min_partitions`` partitions (one
+    per embedding worker); returns its partitions.
+
+    With ``create``, a missing topic is created with ``partitions`` partitions by the
+    admin client; where the broker has no working admin API (the librdkafka mock: its
+    metadata names no controller), it is asked for the topic by name instead, which
+    brokers with ``auto.create.topics.enable`` (the default, and the mock) answer by
+    creating it with their default partition count.
+
+    Raises:
+        ConfigError: naming ``--topic`` (missing, or not creatable) or ``--partitions``
+            (too few partitions for the embedding workers).
+    """
     from stream_persia import aio
     from stream_persia.kafka import topic_partitions
 
-    async def go() -> int:
-        found = await topic_partitions(bootstrap, topic)
-        if found or not create:
-            return found
+    async def admin_create() -> None:
         from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
         await admin.start()
         try:
             await admin.create_topics([NewTopic(topic, partitions, 1)])
         finally:
             await admin.close()
-        return await topic_partitions(bootstrap, topic)
 
-    try:
-        found = aio.run(go())
-    except PersiaError:
-        raise
-    except Exception as e:
-        raise ConfigError(f"cannot create topic {topic!r} on {bootstrap}: {e!r}",
-                          field="--topic", hint="create it yourself and pass --topic") from e
+    async def auto_create() -> int:
+        from aiokafka import AIOKafkaProducer
+
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+        await producer.start()
+        try:
+            return len(await producer.partitions_for(topic))
+        finally:
+            await producer.stop()
+
+    async def go() -> int:
+        found = await topic_partitions(bootstrap, topic)
+        if found or not create:
+            return found
+        try:
+            await admin_create()
+        except Exception as admin_error:   # the mock fails inside aiokafka (AttributeError)
+            print(f"stream-persia run: creating topic {topic!r} with the admin client failed "
+                  f"({type(admin_error).__name__}: {admin_error}); asking the broker to "
+                  "auto-create it", file=sys.stderr)
+            try:
+                found = await auto_create()
+            except Exception as e:
+                raise ConfigError(
+                    f"cannot create topic {topic!r} on {bootstrap}: the admin client failed "
+                    f"({type(admin_error).__name__}: {admin_error}) and the broker did not "
+                    f"auto-create it ({type(e).__name__}: {e})", field="--topic",
+                    hint=f"create it with {partitions} partitions (e.g. kafka-topics.sh "
+                         f"--create --topic {topic} --partitions {partitions}) and pass "
+                         f"--topic {topic}") from None
+            if found != partitions:
+                print(f"stream-persia run: the broker created {topic!r} with {found} "
+                      f"partitions (its default), not {partitions}", file=sys.stderr)
+            return found
+        for _ in range(100):   # metadata propagates lazily
+            if found := await topic_partitions(bootstrap, topic):
+                return found
+            await asyncio.sleep(0.1)
+        return 0
+
+    found = aio.run(go())
     if not found:
-        raise ConfigError(f"topic {topic!r} does not exist on {bootstrap}", field="--topic")
+        raise ConfigError(f"topic {topic!r} does not exist on {bootstrap}", field="--topic",
+                          hint="create it, or leave --topic out to have a fresh one created")
+    if found < min_partitions:
+        raise ConfigError(f"topic {topic!r} has {found} partitions, fewer than the "
+                          f"{min_partitions} embedding workers", field="--partitions",
+                          hint=f"use a topic with at least {min_partitions} partitions, or "
+                               "fewer --embedding-workers")
+    return found
 
 
 def _read_metrics(out: Path) -> dict[str, Any]:
@@ -353,9 +499,12 @@ def _progress_line(metrics: dict[str, Any], t0: float) -> str:
             f"{train.get('samples_per_s', 0):>8.0f}/s loss {loss}{auc}")
 
 
+LOSS_CHECK_EVERY_S = 3.0
+
+
 def _wait(job: Job, t0: float, deadline: float) -> None:
     tty = sys.stderr.isatty()
-    last_print = 0.0
+    last_print = last_loss_check = 0.0
     while job.nn is not None and job.nn.proc.poll() is None:
         bad = job.failed_role()
         if bad is not None:
@@ -363,6 +512,9 @@ def _wait(job: Job, t0: float, deadline: float) -> None:
                                f"of {bad.log_path}:\n{bad.log_tail(3000)}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the job did not finish within {job.args.timeout_s:.0f} s")
+        if job.args.kafka and time.monotonic() - last_loss_check >= LOSS_CHECK_EVERY_S:
+            check_kafka(job)
+            last_loss_check = time.monotonic()
         now = time.monotonic()
         if tty or now - last_print >= 10:
             line = _progress_line(_read_metrics(job.out), t0)
@@ -537,6 +689,10 @@ def main(args: argparse.Namespace) -> int:
                   f"workers {job.env['PERSIA_EMBEDDING_WORKERS']}"
                   + (f", API http://{job.api.address}" if job.api else ""), file=sys.stderr)
             _wait(job, t0, t0 + args.timeout_s)
+            lost = check_kafka(job)   # a loss near the end, before any gate
+            if lost:
+                print(f"stream-persia run: data loss accepted (--on-data-loss skip): messages "
+                      f"lost per partition {lost}", file=sys.stderr)
             metrics = _read_metrics(out)
             served = None
             if job.api is not None and metrics.get("checkpoint"):
@@ -544,6 +700,8 @@ def main(args: argparse.Namespace) -> int:
                                         _serving_inputs(topo, job.env, args.predict_samples),
                                         list(topo.tasks))
             report = build_report(topo, metrics, served, out, time.monotonic() - t0, mode)
+            if lost:
+                report["kafka_messages_lost"] = lost
         except Stopped as stop:
             name = signal.Signals(stop.signum).name
             print(f"\nstream-persia run: {name}: checkpointing before stopping every role "

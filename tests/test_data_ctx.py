@@ -381,7 +381,7 @@ def test_direct_refused_batch_surfaces_with_its_field(job):
 
 def test_direct_unreachable_worker_fails_naming_it():
     address = f"127.0.0.1:{free_port()}"
-    ctx = DataCtx(embedding_workers=[address], timeout_ms=400)
+    ctx = DataCtx(embedding_workers=[address], timeout_ms=400, startup_timeout_ms=500)
     with pytest.raises(PeerUnavailable) as err, ctx:
         ctx.send_data(batch(0))
         ctx.flush()

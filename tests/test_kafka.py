@@ -19,6 +19,8 @@ from stream_persia.errors import (
 from stream_persia.kafka import (
     BatchProducer,
     DeadLetterWriter,
+    KafkaDataLoss,
+    KafkaUnavailable,
     SampleConsumer,
     create_producer,
     parse_dead_letter,
@@ -108,9 +110,16 @@ async def test_compression_and_size_are_checked_before_connecting():
         await create_producer("h:1", max_message_bytes=10)
 
 
-async def test_unreachable_broker_is_peer_unavailable(unused_tcp_port):
-    with pytest.raises(PeerUnavailable, match="bootstrap|reach"):
-        await bounded(create_producer(f"127.0.0.1:{unused_tcp_port}"))
+async def test_unreachable_broker_is_peer_unavailable_naming_it(unused_tcp_port):
+    servers = f"127.0.0.1:{unused_tcp_port}"
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(KafkaUnavailable, match=f"cannot reach Kafka at {servers}") as info:
+        await bounded(create_producer(servers, startup_timeout_s=1.0))
+    assert isinstance(info.value, PeerUnavailable)
+    assert info.value.field == "kafka.bootstrap_servers" and "startup_timeout_ms" in str(
+        info.value)
+    # It kept trying (with backoff) for the bound, and no longer.
+    assert 1.0 <= asyncio.get_running_loop().time() - t0 < 10
 
 
 # ------------------------------------------------------------------- consumer
@@ -165,25 +174,46 @@ async def test_stored_offsets_that_do_not_fit_the_topic_are_refused(kafka_broker
         await consumer.stop()
 
 
+async def fill_past_retention(bootstrap: str, topic: str, partition: int = 0,
+                               count: int = 80) -> None:
+    """Write ~8 MiB to one partition: the mock keeps ~5 MiB and drops the first ones."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await bounded(producer.start())
+    try:
+        for _ in range(count):
+            await producer.send(topic, b"x" * 100_000, partition=partition)
+        await bounded(producer.flush())
+    finally:
+        await producer.stop()
+
+
 @pytest.mark.kafka
-async def test_offsets_lost_to_retention_are_counted_and_skipped():
-    # The mock keeps ~5 MiB per partition: 8 MiB pushes the first messages out.
+async def test_stored_offsets_deleted_by_retention_are_refused_by_default():
     with MockKafkaCluster() as cluster:
         cluster.create_topic("retention", 1)
-        producer = AIOKafkaProducer(bootstrap_servers=cluster.bootstrap_servers)
-        await bounded(producer.start())
-        try:
-            for _ in range(80):
-                await producer.send("retention", b"x" * 100_000, partition=0)
-            await bounded(producer.flush())
-        finally:
-            await producer.stop()
+        await fill_past_retention(cluster.bootstrap_servers, "retention")
         consumer = SampleConsumer(cluster.bootstrap_servers, "retention")
+        with pytest.raises(KafkaDataLoss, match=r"retention/0: offsets 0\.\.\d+ .* deleted") \
+                as info:
+            await bounded(consumer.start({0: 0}))
+        await consumer.stop()
+        (loss,) = info.value.losses
+        assert loss.partition == 0 and loss.first == 0 and 0 < loss.resume < 80
+        assert "on_data_loss" in str(info.value)
+
+
+@pytest.mark.kafka
+async def test_offsets_lost_to_retention_are_counted_and_skipped_when_accepted():
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("retention", 1)
+        await fill_past_retention(cluster.bootstrap_servers, "retention")
+        consumer = SampleConsumer(cluster.bootstrap_servers, "retention", on_data_loss="skip")
         try:
             await bounded(consumer.start({0: 0}))
             first_kept = (await consumer.positions())[0]
             assert 0 < first_kept < 80
             assert consumer.stats()["offsets_lost"] == first_kept
+            assert consumer.lost_messages() == {0: first_kept}
             (record, *_) = await drain(consumer, 80 - first_kept)
             assert record.offset == first_kept
         finally:

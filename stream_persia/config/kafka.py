@@ -34,6 +34,7 @@ __all__ = ["KafkaConfig", "resolve_bootstrap_servers", "ENV_KAFKA_BOOTSTRAP_SERV
 ENV_KAFKA_BOOTSTRAP_SERVERS = "KAFKA_BOOTSTRAP_SERVERS"
 
 COMPRESSION_TYPES = ("none", "gzip", "snappy", "lz4", "zstd")
+ON_DATA_LOSS = ("fail", "skip")  # kafka.on_data_loss: see stream_persia.kafka.loss
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 # OAUTHBEARER needs a token-provider object, which a YAML file cannot hold.
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI")
@@ -78,6 +79,19 @@ class KafkaConfig:
             ~17 ms against ~365 ms with the client default of 500).
         max_batch_bytes: largest encoded batch a producer sends (the broker's
             ``message.max.bytes`` must allow it).
+        on_data_loss: fail|skip: what an embedding worker does when offsets of the samples
+            topic are gone before it read them (retention, a gap between records, a
+            truncated log, a checkpoint's offset below the log start). ``fail`` (default)
+            stops that partition and reports it (metrics, ``status``, ``/v1/status``, an
+            error log); checkpoints never record offsets past the loss. ``skip`` accepts
+            the loss: counted per partition and logged (see
+            :mod:`stream_persia.kafka.loss`).
+        startup_timeout_ms: how long a Kafka client (embedding worker, data loader) keeps
+            trying to reach a broker when it starts (exponential backoff, each attempt
+            logged); then it fails naming the bootstrap servers.
+        broker_timeout_ms: how long a running consumer or producer may go without any
+            broker answering before it fails naming the bootstrap servers (aiokafka
+            itself would retry forever).
     """
 
     bootstrap_servers: str | None = None
@@ -96,6 +110,9 @@ class KafkaConfig:
     ssl_keyfile: str | None = None
     fetch_max_wait_ms: int = 50
     max_batch_bytes: int = 1_048_576
+    on_data_loss: str = "fail"
+    startup_timeout_ms: int = 60_000
+    broker_timeout_ms: int = 60_000
 
     _REJECTED: ClassVar[dict[str, str]] = {
         k: _STATIC for k in ("consumer_group", "group_id", "group", "consumer_group_id",
@@ -123,6 +140,10 @@ class KafkaConfig:
         check_choice(self, "security_protocol", SECURITY_PROTOCOLS)
         check_int(self, "fetch_max_wait_ms", lo=0, hi=300_000)
         check_int(self, "max_batch_bytes", lo=1024, hi=1 << 31)
+        check_choice(self, "on_data_loss", ON_DATA_LOSS)
+        check_int(self, "startup_timeout_ms", lo=0, hi=86_400_000,
+                  hint="0 tries once; e.g. 60000 waits up to a minute for the brokers")
+        check_int(self, "broker_timeout_ms", lo=1000, hi=86_400_000)
         for name in ("sasl_username", "sasl_password", "sasl_password_file", "ssl_cafile",
                      "ssl_certfile", "ssl_keyfile"):
             check_str(self, name, optional=True)

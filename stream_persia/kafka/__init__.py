@@ -29,10 +29,19 @@ batches can be megabytes. snappy, lz4 and zstd compression come from ``cramjam``
 dependency); gzip runs at aiokafka's level 9 and is far slower.
 Quirks of the test broker are listed in :mod:`stream_persia.testing.kafka_mock`.
 
+No silent loss: offsets the broker no longer has (retention, gaps, truncation) stop the
+partition by default, or are counted when ``kafka.on_data_loss: skip`` accepts them
+(:mod:`~stream_persia.kafka.loss`). Clients wait for the brokers at start-up
+(``kafka.startup_timeout_ms``) and fail with :class:`KafkaUnavailable` naming the
+bootstrap servers once none answers for ``kafka.broker_timeout_ms``
+(:mod:`~stream_persia.kafka.liveness`).
+
 Modules: :mod:`~stream_persia.kafka.consumer` (the samples consumer),
 :mod:`~stream_persia.kafka.producer` (the samples producer),
-:mod:`~stream_persia.kafka.dlq` (the dead-letter topic) and ``_client`` (addresses, topic
-names and partitions, the producer factory); import from this package.
+:mod:`~stream_persia.kafka.dlq` (the dead-letter topic),
+:mod:`~stream_persia.kafka.loss` (data loss), :mod:`~stream_persia.kafka.liveness`
+(reaching the brokers) and ``_client`` (addresses, topic names and partitions, the
+producer factory); import from this package.
 """
 
 from stream_persia.kafka._client import (
@@ -46,6 +55,8 @@ from stream_persia.kafka._client import (
 )
 from stream_persia.kafka.consumer import SampleConsumer
 from stream_persia.kafka.dlq import DeadLetter, DeadLetterWriter, parse_dead_letter
+from stream_persia.kafka.liveness import KafkaUnavailable
+from stream_persia.kafka.loss import DataLoss, KafkaDataLoss
 from stream_persia.kafka.producer import BatchProducer
 
 __all__ = [
@@ -53,4 +64,5 @@ __all__ = [
     "partitions_for_replica", "topic_partitions",
     "validate_topic", "create_producer", "SampleConsumer", "BatchProducer",
     "DeadLetterWriter", "DeadLetter", "parse_dead_letter",
+    "KafkaUnavailable", "KafkaDataLoss", "DataLoss",
 ]

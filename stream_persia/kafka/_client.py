@@ -3,15 +3,23 @@ the idempotent producer every writer starts (see :mod:`stream_persia.kafka`)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.errors import KafkaConnectionError
 
 from stream_persia.config.kafka import TOPIC_HINT, TOPIC_RE, resolve_bootstrap_servers
-from stream_persia.errors import BadInput, ConfigError, Misuse, PeerUnavailable
+from stream_persia.errors import BadInput, ConfigError, Misuse
+from stream_persia.kafka.liveness import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    start_client,
+    stop_client,
+    stop_producer,
+)
 from stream_persia.sharding import static_partitions
+
+log = logging.getLogger(__name__)
 
 DEFAULT_FETCH_MAX_WAIT_MS = 50
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024  # KafkaConfig.max_batch_bytes's default
@@ -92,15 +100,6 @@ def config_servers(kafka: Any, bootstrap_servers: str | None) -> str:
     return servers
 
 
-async def start_client(client: AIOKafkaProducer | AIOKafkaConsumer, servers: Any) -> None:
-    try:
-        await client.start()
-    except KafkaConnectionError as e:
-        await client.stop()
-        raise PeerUnavailable(f"cannot reach Kafka at {servers}: {e}",
-                              field="kafka.bootstrap_servers") from e
-
-
 async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
     # Metadata for *all* topics: asking for one by name makes brokers with auto-creation
     # (the mock among them) create it. consumer.topics() fetches the same but drops the
@@ -110,14 +109,20 @@ async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
 
 
 async def topic_partitions(bootstrap_servers: str | Iterable[str], topic: str, *,
-                           security_kwargs: Mapping[str, Any] | None = None) -> int:
-    """Number of partitions of ``topic`` (0 if it does not exist); never creates it."""
-    consumer = AIOKafkaConsumer(**client_kwargs(bootstrap_servers, security_kwargs, None))
-    await start_client(consumer, bootstrap_servers)
+                           security_kwargs: Mapping[str, Any] | None = None,
+                           startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> int:
+    """Number of partitions of ``topic`` (0 if it does not exist); never creates it.
+
+    Raises:
+        KafkaUnavailable: no broker answered within ``startup_timeout_s``.
+    """
+    kw = client_kwargs(bootstrap_servers, security_kwargs, None)
+    consumer = await start_client(lambda: AIOKafkaConsumer(**kw), bootstrap_servers,
+                                  timeout_s=startup_timeout_s)
     try:
         return len(await partitions_of(consumer, topic))
     finally:
-        await consumer.stop()
+        await stop_client(consumer)
 
 
 # ------------------------------------------------------------------------ producer
@@ -128,12 +133,14 @@ async def create_producer(bootstrap_servers: str | Iterable[str], *,
                           linger_ms: int = 5,
                           security_kwargs: Mapping[str, Any] | None = None,
                           client_id: str | None = "stream-persia",
+                          startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
                           **kwargs: Any) -> AIOKafkaProducer:
     """Start an idempotent ``acks=all`` producer sized for ``max_message_bytes`` messages.
 
     Raises:
         ConfigError: a bad compression type, size or address (names the field).
-        PeerUnavailable: no broker answered.
+        KafkaUnavailable: no broker answered within ``startup_timeout_s`` (a
+            ``PeerUnavailable``).
     """
     if compression_type == "none":  # the config file's spelling
         compression_type = None
@@ -154,9 +161,8 @@ async def create_producer(bootstrap_servers: str | Iterable[str], *,
               linger_ms=linger_ms, max_request_size=max_message_bytes + _REQUEST_OVERHEAD_BYTES,
               max_batch_size=min(max_message_bytes, 1024 * 1024))
     kw.update(kwargs)
-    producer = AIOKafkaProducer(**kw)
-    await start_client(producer, kw["bootstrap_servers"])
-    return producer
+    return await start_client(lambda: AIOKafkaProducer(**kw), kw["bootstrap_servers"],
+                              timeout_s=startup_timeout_s)
 
 
 def encode_key(key: object) -> bytes | None:
@@ -199,14 +205,19 @@ class ProducerUser:
         return self._producer
 
     async def close(self) -> None:
-        """Flush what was sent, then stop the producer if this object started it."""
+        """Flush what was sent, then stop the producer if this object started it; waits
+        at most ``send_timeout_s`` for the brokers to take what is pending (records
+        still pending then fail)."""
         if self._closed:
             return
         self._closed = True
         if self._producer is None:
             return
         if self._owns_producer:
-            await self._producer.stop()  # aiokafka flushes pending batches first
+            if not await stop_producer(self._producer, self.send_timeout_s,
+                                       self._servers):
+                log.error("%s for %r: records were still undelivered after %g s when it "
+                          "stopped", type(self).__name__, self.topic, self.send_timeout_s)
         else:
             await self._producer.flush()
 

@@ -1,5 +1,7 @@
 """The samples consumer: :class:`SampleConsumer`, by static assignment (see
-:mod:`stream_persia.kafka`)."""
+:mod:`stream_persia.kafka`), which never skips an offset silently
+(:mod:`stream_persia.kafka.loss`) and fails when the brokers are gone
+(:mod:`stream_persia.kafka.liveness`)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 
+from stream_persia.backoff import wait_bounded
 from stream_persia.errors import BadInput, ConfigError, Misuse
 from stream_persia.kafka._client import (
     DEFAULT_FETCH_MAX_WAIT_MS,
@@ -21,11 +24,28 @@ from stream_persia.kafka._client import (
     config_servers,
     partitions_for_replica,
     partitions_of,
-    start_client,
     validate_topic,
+)
+from stream_persia.kafka.liveness import (
+    DEFAULT_BROKER_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    BrokerWatch,
+    KafkaUnavailable,
+    servers_text,
+    start_client,
+    stop_client,
+)
+from stream_persia.kafka.loss import (
+    ON_DATA_LOSS,
+    ON_DATA_LOSS_HINT,
+    DataLoss,
+    KafkaDataLoss,
+    gaps,
 )
 
 log = logging.getLogger(__name__)
+
+MAX_LOSSES_KEPT = 32   # accepted losses kept for status (each is also logged and counted)
 
 
 class SampleConsumer:
@@ -39,8 +59,14 @@ class SampleConsumer:
         group_id: where :meth:`commit` records offsets; None makes commit a no-op.
         fetch_max_wait_ms: how long a broker may hold a fetch waiting for data.
         auto_offset_reset: "earliest" or "latest": where partitions without a stored
-            offset start.
+            offset start. It is never applied to a partition that is already being read:
+            an offset the broker no longer has is a data loss (``on_data_loss``).
+        on_data_loss: "fail" (stop the partition) or "skip" (count the loss and read on);
+            see :mod:`stream_persia.kafka.loss`.
         metadata_timeout_s: how long :meth:`start` waits for the topic to exist.
+        startup_timeout_s: how long :meth:`start` keeps trying to reach a broker.
+        broker_timeout_s: how long :meth:`getmany` may go without any broker answering
+            before it raises :class:`~stream_persia.kafka.liveness.KafkaUnavailable`.
         **consumer_kwargs: passed to ``AIOKafkaConsumer`` (not auto-commit settings).
     """
 
@@ -48,7 +74,10 @@ class SampleConsumer:
                  replica_index: int = 0, replica_size: int = 1, group_id: str | None = None,
                  fetch_max_wait_ms: int = DEFAULT_FETCH_MAX_WAIT_MS,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 auto_offset_reset: str = "earliest", metadata_timeout_s: float = 30.0,
+                 auto_offset_reset: str = "earliest", on_data_loss: str = "fail",
+                 metadata_timeout_s: float = 30.0,
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                 broker_timeout_s: float = DEFAULT_BROKER_TIMEOUT_S,
                  expected_partitions: int | None = None,
                  security_kwargs: Mapping[str, Any] | None = None,
                  client_id: str | None = None,
@@ -58,25 +87,44 @@ class SampleConsumer:
         if auto_offset_reset not in ("earliest", "latest"):
             raise ConfigError(f"auto_offset_reset = {auto_offset_reset!r}",
                               field="auto_offset_reset", hint="'earliest' or 'latest'")
+        if on_data_loss not in ON_DATA_LOSS:
+            raise ConfigError(f"kafka.on_data_loss = {on_data_loss!r}",
+                              field="kafka.on_data_loss", hint="'fail' or 'skip'")
+        if consumer_kwargs.get("auto_offset_reset") is not None:
+            raise ConfigError("auto_offset_reset is SampleConsumer's own argument",
+                              field="auto_offset_reset")
         if consumer_kwargs.get("enable_auto_commit"):
             raise ConfigError("enable_auto_commit=True", field="enable_auto_commit",
                               hint="offsets are committed only by checkpoints")
         self.replica_index, self.replica_size = replica_index, replica_size
         self.group_id = group_id
         self.auto_offset_reset = auto_offset_reset
+        self.on_data_loss = on_data_loss
         self.metadata_timeout_s = metadata_timeout_s
+        self.startup_timeout_s = startup_timeout_s
         self.expected_partitions = expected_partitions
         self._kwargs = client_kwargs(bootstrap_servers, security_kwargs, client_id)
+        # "none": aiokafka raises OffsetOutOfRangeError instead of jumping to the log
+        # start or end (a loss it would only log at INFO); the start positions are
+        # sought explicitly in _assign_and_seek.
         self._kwargs.update(group_id=group_id, enable_auto_commit=False,
-                            auto_offset_reset=auto_offset_reset,
+                            auto_offset_reset="none",
                             fetch_max_wait_ms=fetch_max_wait_ms,
                             max_partition_fetch_bytes=max_message_bytes)
         self._kwargs.update(consumer_kwargs)
+        self.bootstrap_servers = self._kwargs["bootstrap_servers"]
+        self.broker_timeout_s = broker_timeout_s
+        self._watch = BrokerWatch(self.bootstrap_servers, broker_timeout_s,
+                                  what=f"consumer of {topic!r}")
         self._consumer: AIOKafkaConsumer | None = None
         self._tps: dict[int, TopicPartition] = {}
+        self._next: dict[int, int] = {}          # offset the next record must have
+        self._stopped: dict[int, DataLoss] = {}  # partitions stopped on a loss
+        self._lost: dict[int, int] = {}          # messages lost (accepted), per partition
+        self._accepted: list[DataLoss] = []      # the latest accepted losses (bounded)
         self.num_partitions = 0
         self._counts = dict(records=0, bytes=0, commits=0, commit_failures=0,
-                            commits_skipped=0, offsets_lost=0)
+                            commits_skipped=0, offsets_lost=0, data_loss_events=0)
 
     @classmethod
     def from_config(cls, kafka: Any, *, replica_index: int, replica_size: int,
@@ -94,6 +142,9 @@ class SampleConsumer:
         kwargs.setdefault("max_message_bytes", kafka.max_batch_bytes)
         kwargs.setdefault("expected_partitions", kafka.num_partitions)
         kwargs.setdefault("security_kwargs", kafka.security_kwargs())
+        kwargs.setdefault("on_data_loss", kafka.on_data_loss)
+        kwargs.setdefault("startup_timeout_s", kafka.startup_timeout_ms / 1000)
+        kwargs.setdefault("broker_timeout_s", kafka.broker_timeout_ms / 1000)
         return cls(config_servers(kafka, bootstrap_servers), kafka.samples_topic,
                    replica_index=replica_index, replica_size=replica_size,
                    group_id=group_id, **kwargs)
@@ -133,15 +184,18 @@ class SampleConsumer:
             ConfigError: the topic does not exist within ``metadata_timeout_s``, or has
                 fewer partitions than replicas.
             BadInput: a stored offset is beyond the partition's end (wrong topic/cluster).
+            KafkaDataLoss: with ``on_data_loss="fail"``, a stored offset is below the
+                partition's log start: the messages in between were never read.
+            KafkaUnavailable: no broker answered within ``startup_timeout_s``.
         """
         if self._consumer is not None:
             raise Misuse("SampleConsumer.start() called twice")
-        consumer = AIOKafkaConsumer(**self._kwargs)
-        await start_client(consumer, self._kwargs["bootstrap_servers"])
+        consumer = await start_client(lambda: AIOKafkaConsumer(**self._kwargs),
+                                      self.bootstrap_servers, timeout_s=self.startup_timeout_s)
         try:
             await self._assign_and_seek(consumer, dict(start_offsets or {}))
         except BaseException:
-            await consumer.stop()
+            await stop_client(consumer)
             raise
         self._consumer = consumer
 
@@ -170,43 +224,212 @@ class SampleConsumer:
         self._tps = {p: TopicPartition(self.topic, p) for p in owned}
         tps = list(self._tps.values())
         consumer.assign(tps)
-        begin = await consumer.beginning_offsets(tps)
-        end = await consumer.end_offsets(tps)
+        begin, end = await self._log_bounds(consumer, tps)
+        starts, losses = self._plan_starts(start_offsets, begin, end)
+        refused = [loss for loss in losses if not loss.accepted]
+        if refused:
+            for loss in refused:
+                log.error("refusing to start at a stored offset: %s", loss.describe())
+            raise KafkaDataLoss(refused, field="start_offsets")
+        for loss in losses:
+            self._accept(loss)
         for p, tp in self._tps.items():
-            offset = start_offsets.get(p)
+            offset = starts.get(p)
             if offset is None:
                 offset = begin[tp] if self.auto_offset_reset == "earliest" else end[tp]
-            elif offset > end[tp]:
+            consumer.seek(tp, offset)
+            self._next[p] = offset
+
+    def _plan_starts(self, offsets: Mapping[int, int], begin: Mapping[TopicPartition, int],
+                     end: Mapping[TopicPartition, int]) -> tuple[dict[int, int], list[DataLoss]]:
+        """Where the owned partitions of ``offsets`` start, given the brokers' log start
+        and end offsets, and the losses that implies (a stored offset below the log
+        start: messages deleted before they were read).
+
+        Raises:
+            BadInput: an offset beyond the partition's end (a checkpoint of another topic).
+        """
+        starts: dict[int, int] = {}
+        losses: list[DataLoss] = []
+        for p, tp in self._tps.items():
+            offset = offsets.get(p)
+            if offset is None:
+                continue
+            if offset > end[tp]:
                 raise BadInput(f"stored offset {offset} of {self.topic}/{p} is beyond its end "
                                f"{end[tp]}", field=f"start_offsets[{p}]",
                                hint="the checkpoint belongs to another topic or cluster")
-            elif offset < begin[tp]:
-                lost = begin[tp] - offset
-                self._counts["offsets_lost"] += lost
-                log.warning("%s/%d: offsets %d..%d were deleted by retention before they "
-                            "were read; %d messages are lost", self.topic, p, offset,
-                            begin[tp] - 1, lost)
+            if offset < begin[tp]:
+                losses.append(DataLoss(self.topic, p, offset, begin[tp], "deleted",
+                                       accepted=self.on_data_loss == "skip"))
                 offset = begin[tp]
-            consumer.seek(tp, offset)
+            starts[p] = offset
+        return starts, losses
+
+    async def check_offsets(self, offsets: Mapping[int, int]) -> None:
+        """Check stored offsets against the brokers as :meth:`start` would, changing
+        nothing (a restore checks before it drops what the worker holds).
+
+        Raises:
+            BadInput, KafkaDataLoss: as :meth:`start`.
+        """
+        tps = list(self._tps.values())
+        begin, end = await self._log_bounds(self._live(), tps)
+        _, losses = self._plan_starts(offsets, begin, end)
+        refused = [loss for loss in losses if not loss.accepted]
+        if refused:
+            raise KafkaDataLoss(refused, field="start_offsets")
+
+    async def _log_bounds(self, consumer: AIOKafkaConsumer, tps: list[TopicPartition]
+                          ) -> tuple[dict[TopicPartition, int], dict[TopicPartition, int]]:
+        """The log start and end offsets of ``tps``, within ``broker_timeout_s``.
+
+        Raises:
+            KafkaUnavailable: the brokers did not answer (names them).
+        """
+        try:
+            begin = await wait_bounded(consumer.beginning_offsets(tps), self.broker_timeout_s)
+            end = await wait_bounded(consumer.end_offsets(tps), self.broker_timeout_s)
+        except (KafkaError, TimeoutError, asyncio.TimeoutError) as e:
+            raise KafkaUnavailable(
+                f"consumer of {self.topic!r}: no Kafka broker at "
+                f"{servers_text(self.bootstrap_servers)} answered with the log start and end "
+                f"offsets of partitions {sorted(tp.partition for tp in tps)} within "
+                f"{self.broker_timeout_s:g} s ({e!r})",
+                servers=self.bootstrap_servers,
+                hint="is the broker running? kafka.broker_timeout_ms bounds the wait") from e
+        return begin, end
+
+    # --------------------------------------------------------------- data loss
+    def _accept(self, loss: DataLoss) -> None:
+        """on_data_loss=skip: count and log a loss, and read on."""
+        self._counts["data_loss_events"] += 1
+        self._counts["offsets_lost"] += loss.lost
+        self._lost[loss.partition] = self._lost.get(loss.partition, 0) + loss.lost
+        self._accepted = [*self._accepted[-(MAX_LOSSES_KEPT - 1):], loss]
+        log.warning("data loss accepted (kafka.on_data_loss=skip): %s", loss.describe())
+
+    def _stop(self, loss: DataLoss) -> None:
+        """on_data_loss=fail: stop reading the partition before the loss, for good."""
+        consumer = self._live()
+        tp = self._tps[loss.partition]
+        self._counts["data_loss_events"] += 1
+        self._stopped[loss.partition] = loss
+        consumer.pause(tp)
+        # Nothing from ``first`` on was handed over; the position says so (lag counts the
+        # loss), and a paused partition is never fetched.
+        consumer.seek(tp, loss.first)
+        self._next[loss.partition] = loss.first
+        log.error("Kafka ingest of %s/%d stopped: %s. Other partitions go on; checkpoints "
+                  "record offset %d for this one (hint: %s)", self.topic, loss.partition,
+                  loss.describe(), loss.first, ON_DATA_LOSS_HINT)
+
+    def _lose(self, loss: DataLoss) -> bool:
+        """Handle a detected loss; True when reading goes on past it."""
+        if loss.accepted:
+            self._accept(loss)
+            return True
+        self._stop(loss)
+        return False
+
+    async def _out_of_range(self, error: OffsetOutOfRangeError) -> None:
+        consumer = self._live()
+        positions = error.args[0] if error.args and isinstance(error.args[0], dict) else {}
+        tps = [tp for tp in positions if tp.partition in self._tps and
+               tp.partition not in self._stopped]
+        if not tps:
+            return
+        # A broker going away can answer a last fetch with OFFSET_OUT_OF_RANGE (the mock
+        # does as it shuts down): then this fails as a lost broker, not as a data loss.
+        begin, end = await self._log_bounds(consumer, tps)
+        skip = self.on_data_loss == "skip"
+        for tp in tps:
+            position = positions[tp]
+            if position < begin[tp]:
+                loss = DataLoss(self.topic, tp.partition, position, begin[tp], "deleted", skip)
+                resume = begin[tp]
+            elif position > end[tp]:
+                loss = DataLoss(self.topic, tp.partition, position, end[tp], "truncated", skip)
+                resume = end[tp]
+            else:   # in range again (a leader change): fetch it again
+                log.warning("%s/%d: offset %d was out of range, and is not any more",
+                            self.topic, tp.partition, position)
+                consumer.seek(tp, position)
+                continue
+            if self._lose(loss):
+                consumer.seek(tp, resume)
+                self._next[tp.partition] = resume
 
     async def getmany(self, timeout_ms: int = 100,
                       max_records: int | None = None) -> dict[int, list[ConsumerRecord]]:
-        """Records fetched so far (waits up to ``timeout_ms`` for some), by partition."""
-        fetched = await self._live().getmany(timeout_ms=timeout_ms, max_records=max_records)
+        """Records fetched so far (waits up to ``timeout_ms`` for some), by partition.
+
+        The records of a partition always continue exactly where the previous ones (or
+        the start position) left off; a loss is handled as ``on_data_loss`` says (a
+        stopped partition returns nothing more).
+
+        Raises:
+            KafkaUnavailable: no broker has answered for ``broker_timeout_s``.
+        """
+        consumer = self._live()
+        try:
+            fetched = await consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
+        except OffsetOutOfRangeError as e:
+            self._watch.contact()   # the broker answered, with an error
+            await self._out_of_range(e)
+            return {}
         out: dict[int, list[ConsumerRecord]] = {}
         for tp, records in fetched.items():
-            if records:
-                out[tp.partition] = records
-                self._counts["records"] += len(records)
-                self._counts["bytes"] += sum(r.serialized_value_size for r in records)
+            p = tp.partition
+            if not records or p in self._stopped:
+                continue
+            holes = gaps(records, self._next[p])
+            if holes:
+                records = self._after_gaps(p, records, holes)
+                if not records:
+                    continue
+            self._next[p] = records[-1].offset + 1
+            out[p] = records
+            self._counts["records"] += len(records)
+            self._counts["bytes"] += sum(r.serialized_value_size for r in records)
+        if fetched:
+            self._watch.contact()
+        else:
+            await self._watch.check(consumer._client, self.topic)
         return out
+
+    def _after_gaps(self, p: int, records: list[ConsumerRecord],
+                    holes: list[tuple[int, int]]) -> list[ConsumerRecord]:
+        """The records to hand over from a fetch with holes: all of them when the losses
+        are accepted, else those before the first hole (and the partition stops)."""
+        for index, first_missing in holes:
+            loss = DataLoss(self.topic, p, first_missing, records[index].offset, "gap",
+                            accepted=self.on_data_loss == "skip")
+            if not self._lose(loss):
+                return records[:index]
+        return records
 
     def pause(self, partitions: Iterable[int] | None = None) -> None:
         """Stop fetching ``partitions`` (all owned ones when None) until resumed."""
         self._live().pause(*self._owned(partitions))
 
     def resume(self, partitions: Iterable[int] | None = None) -> None:
-        self._live().resume(*self._owned(partitions))
+        """Fetch ``partitions`` again (all owned ones when None), except those stopped on
+        a data loss: nothing resumes them."""
+        self._live().resume(*(tp for tp in self._owned(partitions)
+                              if tp.partition not in self._stopped))
+
+    def stopped(self) -> dict[int, DataLoss]:
+        """Partitions stopped on a data loss (``on_data_loss="fail"``), with the loss."""
+        return dict(self._stopped)
+
+    def lost_messages(self) -> dict[int, int]:
+        """Messages lost and accepted (``on_data_loss="skip"``), per partition."""
+        return dict(self._lost)
+
+    def accepted_losses(self) -> list[DataLoss]:
+        """The latest accepted losses (at most ``MAX_LOSSES_KEPT``)."""
+        return list(self._accepted)
 
     def paused(self) -> set[int]:
         return {tp.partition for tp in self._live().paused()}
@@ -250,18 +473,23 @@ class SampleConsumer:
             return dict.fromkeys(self._tps)
         return {p: await consumer.committed(tp) for p, tp in self._tps.items()}
 
-    #: The keys of :meth:`stats` that only grow; ``partitions`` is a level.
+    #: The keys of :meth:`stats` that only grow; ``partitions``, ``partitions_stopped``
+    #: and ``broker_down_seconds`` are levels. ``offsets_lost``: messages lost and
+    #: accepted (``on_data_loss="skip"``); ``data_loss_events``: losses detected,
+    #: accepted or not.
     COUNTERS = frozenset({"records", "bytes", "commits", "commit_failures", "commits_skipped",
-                          "offsets_lost"})
+                          "offsets_lost", "data_loss_events"})
 
     def stats(self) -> dict[str, float]:
         """Counts and levels for metrics (``RoleMetrics.add_callback``; see :attr:`COUNTERS`)."""
-        return {**self._counts, "partitions": len(self._tps)}
+        return {**self._counts, "partitions": len(self._tps),
+                "partitions_stopped": len(self._stopped),
+                "broker_down_seconds": self._watch.down_s}
 
     async def stop(self) -> None:
         consumer, self._consumer = self._consumer, None
         if consumer is not None:
-            await consumer.stop()
+            await stop_client(consumer)
 
     async def __aenter__(self) -> SampleConsumer:
         await self.start()

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from aiokafka import AIOKafkaProducer, ConsumerRecord
 from aiokafka.errors import KafkaError
 
+from stream_persia.backoff import wait_bounded
 from stream_persia.errors import BadInput
 from stream_persia.kafka._client import (
     H_KIND,
@@ -75,6 +76,7 @@ class DeadLetterWriter(ProducerUser):
             return cls(kafka.dlq_topic, producer=producer, **kwargs)
         kwargs.setdefault("security_kwargs", kafka.security_kwargs())
         kwargs.setdefault("max_message_bytes", kafka.max_batch_bytes)
+        kwargs.setdefault("startup_timeout_s", kafka.startup_timeout_ms / 1000)
         return cls(kafka.dlq_topic,
                    bootstrap_servers=config_servers(kafka, bootstrap_servers), **kwargs)
 
@@ -89,10 +91,12 @@ class DeadLetterWriter(ProducerUser):
         if kind:
             headers.append((H_KIND, kind.encode()))
         try:
-            await asyncio.wait_for(
+            # wait_bounded, not wait_for: ingest is cancelled while it waits here, and
+            # wait_for can lose that cancellation (see stream_persia.backoff).
+            await wait_bounded(
                 producer.send_and_wait(self.topic, bytes(raw_value), key=key, headers=headers),
                 self.send_timeout_s)
-        except (KafkaError, asyncio.TimeoutError, OSError) as e:
+        except (KafkaError, asyncio.TimeoutError, TimeoutError, OSError) as e:
             self.failed += 1
             log.error("could not dead-letter %s/%s@%s (%s) to %r: %r", topic, partition,
                       offset, reason, self.topic, e)

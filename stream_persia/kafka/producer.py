@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -12,6 +13,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
+from stream_persia.backoff import wait_bounded
 from stream_persia.errors import (
     Backpressure,
     BadInput,
@@ -25,6 +27,7 @@ from stream_persia.kafka._client import (
     config_servers,
     encode_key,
 )
+from stream_persia.kafka.liveness import DEFAULT_BROKER_TIMEOUT_S, BrokerWatch
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +39,20 @@ class BatchProducer(ProducerUser):
     always fits) are unacknowledged at once; :meth:`send` waits for room, which slows the
     data loader, and raises :class:`Backpressure` after ``send_timeout_s``. A failed
     delivery is raised from the next :meth:`send` or :meth:`flush`.
+
+    While :meth:`send` or :meth:`flush` waits, the brokers are watched
+    (:class:`~stream_persia.kafka.liveness.BrokerWatch`): when none has answered for
+    ``broker_timeout_s`` they raise
+    :class:`~stream_persia.kafka.liveness.KafkaUnavailable` naming the bootstrap servers,
+    however long ``send_timeout_s`` is. ``startup_timeout_s`` bounds how long
+    :meth:`start` keeps trying to reach a broker.
     """
 
     def __init__(self, topic: str, *, bootstrap_servers: str | Iterable[str] | None = None,
                  producer: AIOKafkaProducer | None = None, max_in_flight: int = 64,
                  max_in_flight_bytes: int = 256 * 1024 * 1024, send_timeout_s: float = 60.0,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, **producer_kwargs: Any):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 broker_timeout_s: float = DEFAULT_BROKER_TIMEOUT_S, **producer_kwargs: Any):
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}",
                               field="max_in_flight")
@@ -56,6 +67,9 @@ class BatchProducer(ProducerUser):
         self.peak_in_flight = 0
         self._room = asyncio.Event()
         self._error: BaseException | None = None
+        self._watch = BrokerWatch(bootstrap_servers if bootstrap_servers is not None else
+                                  "the shared producer's brokers", broker_timeout_s,
+                                  what=f"producer of {topic!r}")
         self._counts = dict(sent=0, acked=0, failed=0, bytes=0, waits=0, timeouts=0)
 
     @classmethod
@@ -66,6 +80,8 @@ class BatchProducer(ProducerUser):
         kwargs.setdefault("compression_type", kafka.compression_type)
         kwargs.setdefault("max_message_bytes", kafka.max_batch_bytes)
         kwargs.setdefault("security_kwargs", kafka.security_kwargs())
+        kwargs.setdefault("startup_timeout_s", kafka.startup_timeout_ms / 1000)
+        kwargs.setdefault("broker_timeout_s", kafka.broker_timeout_ms / 1000)
         return cls(kafka.samples_topic,
                    bootstrap_servers=config_servers(kafka, bootstrap_servers), **kwargs)
 
@@ -80,16 +96,17 @@ class BatchProducer(ProducerUser):
             while not self._has_room(size):
                 self._room.clear()
                 remaining = deadline - time.monotonic()
-                try:
-                    if remaining <= 0:
-                        raise asyncio.TimeoutError
-                    await asyncio.wait_for(self._room.wait(), remaining)
-                except asyncio.TimeoutError:
+                if remaining <= 0:
                     self._counts["timeouts"] += 1
                     raise Backpressure(
                         f"{self.in_flight} sends to {self.topic!r} stayed unacknowledged "
                         f"for {timeout_s} s", field="send_timeout_s",
-                        hint="the brokers are slow or unreachable") from None
+                        hint="the brokers are slow or unreachable")
+                try:
+                    await wait_bounded(self._room.wait(),
+                                       min(remaining, self._watch.probe_every_s))
+                except TimeoutError:
+                    await self._watch.check(self._live().client, self.topic)
         self.in_flight += 1
         self.in_flight_bytes += size
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
@@ -156,6 +173,7 @@ class BatchProducer(ProducerUser):
             exc = fut.exception()
         if exc is None:
             self._counts["acked"] += 1
+            self._watch.contact()
             return
         self._counts["failed"] += 1
         log.error("delivery of a batch to %r failed: %r", self.topic, exc)
@@ -172,12 +190,33 @@ class BatchProducer(ProducerUser):
             self._error = None  # the caller sees this failure directly
 
     async def flush(self, timeout_s: float | None = None) -> None:
-        """Wait until every queued batch is acknowledged; raises a failed delivery."""
+        """Wait until every queued batch is acknowledged; raises a failed delivery.
+
+        Raises:
+            RemoteTimeout: not all acknowledged within ``timeout_s`` (default
+                ``send_timeout_s``).
+            KafkaUnavailable: no broker answered for ``broker_timeout_s`` meanwhile.
+        """
+        producer = self._live()
+        deadline = time.monotonic() + (timeout_s or self.send_timeout_s)
+        flushing = asyncio.ensure_future(producer.flush())
         try:
-            await asyncio.wait_for(self._live().flush(), timeout_s or self.send_timeout_s)
-        except asyncio.TimeoutError:
-            raise RemoteTimeout(f"flushing {self.in_flight} batches to {self.topic!r} took "
-                                "too long", field="send_timeout_s") from None
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RemoteTimeout(f"flushing {self.in_flight} batches to {self.topic!r} "
+                                        "took too long", field="send_timeout_s")
+                done, _ = await asyncio.wait(
+                    {flushing}, timeout=min(remaining, self._watch.probe_every_s))
+                if done:
+                    flushing.result()
+                    break
+                await self._watch.check(producer.client, self.topic)
+        finally:
+            if not flushing.done():
+                flushing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await flushing
         self._raise_delivery_error()
 
     async def close(self) -> None:

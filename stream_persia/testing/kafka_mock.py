@@ -38,7 +38,11 @@ measured here:
   partitions. Listing all topics (what ``stream_persia.kafka.topic_partitions`` does)
   creates nothing.
 - Each partition keeps only ~5 MiB (51 of 80 messages of 100 KB) and silently drops
-  older data: the log start offset moves. Everything is in memory; keep test data small.
+  older data: the log start offset moves, and a consumer positioned below it gets
+  OFFSET_OUT_OF_RANGE (a data loss, :mod:`stream_persia.kafka.loss`). Everything is in
+  memory; keep test data small.
+- Transactional producers work, but the commit markers' record batches fail aiokafka's
+  CRC check: read such a topic with ``check_crcs=False``.
 - ``fetch_max_wait_ms=50`` on consumers cuts produce-to-consume latency from ~365 ms to
   ~17 ms.
 - Offset commits with a ``group_id`` work for manually assigned consumers (no group
@@ -340,6 +344,15 @@ class MockKafkaCluster:
                         pass
             self._stderr = None
             self._buf = b""
+
+    def kill(self) -> None:
+        """SIGKILL the broker, as a crash would (no more answers, no shutdown: a graceful
+        :meth:`stop` tears the partitions down first and can answer a last fetch with
+        OFFSET_OUT_OF_RANGE), then reap it."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self.stop()
 
     def __enter__(self) -> MockKafkaCluster:
         return self.start()

@@ -14,6 +14,12 @@ A batch whose gradient push could not complete on every server (see *Gradient pu
 Offsets within one partition arrive in increasing order (one consumer per partition,
 static assignment), so each partition is a FIFO of pending offsets with a done-set;
 completing a batch is O(1) and advancing the frontier is amortised O(1).
+
+Offsets also arrive *without holes*: the consumer hands over a partition's records only
+where they continue the previous ones (:mod:`stream_persia.kafka.loss`). A record past the
+next expected offset would move the frontier over offsets nobody trained, so it is
+refused (``InternalError``) unless the job accepted data loss (``allow_gaps``, from
+``kafka.on_data_loss: skip``), where the consumer has already counted the hole.
 """
 
 from __future__ import annotations
@@ -60,9 +66,17 @@ class _Partition:
 
 
 class Frontier:
-    """Tracks pending batches per partition and answers where a checkpoint must resume."""
+    """Tracks pending batches per partition and answers where a checkpoint must resume.
 
-    def __init__(self, start_offsets: dict[int, int] | None = None):
+    Args:
+        start_offsets: partition -> the offset the first batch read will have.
+        allow_gaps: accept a batch past the next expected offset (the loss was accepted
+            and counted upstream); by default that is refused.
+    """
+
+    def __init__(self, start_offsets: dict[int, int] | None = None, *,
+                 allow_gaps: bool = False):
+        self.allow_gaps = allow_gaps
         self._parts: dict[int, _Partition] = {
             p: _Partition(o) for p, o in (start_offsets or {}).items()}
 
@@ -71,9 +85,16 @@ class Frontier:
         part = self._parts.get(partition)
         if part is None:
             part = self._parts[partition] = _Partition(offset)
-        if offset < part.next_offset:
-            raise InternalError(
-                f"partition {partition}: offset {offset} read after {part.next_offset - 1}")
+        if offset != part.next_offset:
+            if offset < part.next_offset:
+                raise InternalError(f"partition {partition}: offset {offset} read after "
+                                    f"{part.next_offset - 1}")
+            if not self.allow_gaps:
+                raise InternalError(
+                    f"partition {partition}: offset {offset} read, but offsets "
+                    f"{part.next_offset}..{offset - 1} never were; the frontier would pass "
+                    "untrained data", hint="the consumer must stop the partition at a gap "
+                                           "(kafka.on_data_loss)")
         part.queue.append(offset)
         part.next_offset = offset + 1
 

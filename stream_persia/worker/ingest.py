@@ -9,22 +9,37 @@ A record that cannot be decoded or validated goes to the dead-letter topic with 
 reason and is settled in the frontier (a checkpoint never replays it). If the dead-letter
 topic cannot be written, ingest retries with backoff rather than move past the record:
 an outage stalls ingest visibly, it never loses a sample silently.
+
+Offsets the broker no longer has (retention, gaps, a truncated log) are never skipped
+silently: by default the consumer stops that partition and the status reports it
+(``kafka.stopped``); the others go on, and the frontier of the stopped one stays where
+the loss starts (:mod:`stream_persia.kafka.loss`).
+
+Failure: when no broker answers for ``kafka.broker_timeout_ms`` (while waiting for
+records, or while retrying a dead letter), the ingest task ends with
+:class:`~stream_persia.kafka.liveness.KafkaUnavailable` naming the bootstrap servers
+(:attr:`KafkaIngest.task`; the worker's supervision turns that into a failed role).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Mapping
 from typing import Any
 
+from stream_persia.backoff import wait_bounded
 from stream_persia.embedding.data import PersiaBatch
-from stream_persia.errors import BadInput
-from stream_persia.kafka import DeadLetterWriter, SampleConsumer
+from stream_persia.errors import BadInput, Misuse
+from stream_persia.kafka import DeadLetterWriter, KafkaUnavailable, SampleConsumer
 from stream_persia.worker.frontier import Frontier
 
 log = logging.getLogger(__name__)
 
 __all__ = ["KafkaIngest"]
+
+STATUS_LAG_TIMEOUT_S = 1.0
 
 
 class KafkaIngest:
@@ -61,19 +76,29 @@ class KafkaIngest:
         stats["backpressure_pauses"] = self.backpressure_pauses
         return stats
 
-    @property
-    def task(self) -> asyncio.Task | None:
-        """The ingest loop once started (the worker's supervisor watches it)."""
-        return self._task
-
     async def start(self) -> None:
         await self.dead_letters.start()
         await self.consumer.start(self.start_offsets)
-        self.worker.frontier = Frontier(await self.consumer.positions())
+        self.worker.frontier = Frontier(await self.consumer.positions(),
+                                        allow_gaps=self.consumer.on_data_loss == "skip")
         self._task = asyncio.create_task(self._run(), name="kafka-ingest")
         log.info("worker %d consumes %s partitions %s from %s", self.worker.replica_index,
                  self.consumer.topic, self.consumer.partitions,
                  self.worker.frontier.offsets())
+
+    @property
+    def task(self) -> asyncio.Task | None:
+        """The ingest task (None before :meth:`start`). It runs until :meth:`stop`, or
+        ends with the error that stopped ingest: ``KafkaUnavailable`` when no broker
+        answered for ``kafka.broker_timeout_ms``."""
+        return self._task
+
+    async def check_offsets(self, offsets: Mapping[int, int]) -> None:
+        """Raise as a restart at ``offsets`` would (``KafkaDataLoss``, ``BadInput``), with
+        this ingest left as it is (see ``SampleConsumer.check_offsets``); a no-op when
+        this ingest is not running (the restart checks them then)."""
+        if self._task is not None and not self._task.done():
+            await self.consumer.check_offsets(offsets)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -83,18 +108,40 @@ class KafkaIngest:
                 await task
             except asyncio.CancelledError:
                 pass
+            except Exception as e:   # it ended by itself; logged then, and seen by status
+                log.debug("Kafka ingest had ended with %r", e)
         await self.consumer.stop()
         await self.dead_letters.close()
 
     async def status(self) -> dict:
+        """The ingest's state for the worker's ``status`` (and the API's ``/v1/status``):
+        ``stopped`` maps each partition stopped on a data loss to the loss (``first``:
+        the first offset not trained, where checkpoints stay; ``resume``; ``lost``;
+        ``cause``; ``message``), ``lost_messages`` counts accepted losses per partition,
+        ``error`` is why ingest ended, if it did."""
+        consumer = self.consumer
         try:
-            lag = await self.consumer.lag()
-        except Exception as e:  # status must answer even while the broker is away
+            # Bounded: status must answer soon even while the broker is away (aiokafka
+            # would wait its request timeout, 40 s).
+            lag = await wait_bounded(consumer.lag(), STATUS_LAG_TIMEOUT_S)
+        except Exception as e:
             log.debug("lag unavailable: %r", e)
             lag = {}
-        return {"topic": self.consumer.topic, "partitions": self.consumer.partitions,
+        try:
+            paused = sorted(consumer.paused())
+        except Misuse:          # not started (a restart at refused offsets), or stopped
+            paused = []
+        task = self._task
+        error = (repr(task.exception()) if task is not None and task.done()
+                 and not task.cancelled() and task.exception() is not None else None)
+        return {"topic": consumer.topic, "partitions": consumer.partitions,
                 "lag": {str(p): n for p, n in lag.items()},
-                "paused": sorted(self.consumer.paused()),
+                "paused": paused,
+                "on_data_loss": consumer.on_data_loss,
+                "stopped": {str(p): loss.to_dict() for p, loss in consumer.stopped().items()},
+                "lost_messages": {str(p): n for p, n in consumer.lost_messages().items()},
+                "running": task is not None and not task.done(),
+                "error": error,
                 "dead_lettered": self.dead_letters.stats().get("written", 0),
                 "backpressure_pauses": self.backpressure_pauses}
 
@@ -145,9 +192,22 @@ class KafkaIngest:
 
     async def _dead_letter(self, rec: Any, err: BadInput) -> None:
         delay = 0.1
+        first_failure = None
+        bound_s = self.consumer.broker_timeout_s
         while not await self.dead_letters.write(
                 rec.value or b"", str(err), (rec.topic, rec.partition, rec.offset),
                 key=rec.key, kind=type(err).__name__):
+            now = time.monotonic()
+            first_failure = first_failure or now
+            if now - first_failure >= bound_s:
+                raise KafkaUnavailable(
+                    f"the dead-letter topic {self.dead_letters.topic!r} could not be written "
+                    f"for {now - first_failure:.0f} s (Kafka at "
+                    f"{self.consumer.bootstrap_servers}); ingest stops rather than skip "
+                    f"{rec.topic}/{rec.partition}@{rec.offset}",
+                    servers=self.consumer.bootstrap_servers,
+                    hint="is the broker up, and does the dead-letter topic exist? "
+                         "kafka.broker_timeout_ms bounds the wait")
             log.error("dead-letter topic unavailable; retrying in %.1f s", delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)

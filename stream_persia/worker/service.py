@@ -41,9 +41,13 @@ RPC methods (params → result):
   ``offsets`` is applied and none after it (the checkpoint cut). ``failed`` lists the
   batches whose push could not complete (below); they count as in flight too.
 - ``reset_stream {"offsets": {partition: offset}}``: drop buffered and in-flight batches
-  and consume again from ``offsets`` (restore). ``commit_offsets {"offsets"}``: record
+  and consume again from ``offsets`` (restore); offsets the brokers deleted are refused
+  first (``KafkaDataLoss``, unless ``kafka.on_data_loss: skip``), nothing dropped. ``commit_offsets {"offsets"}``: record
   checkpoint offsets in the consumer group, for lag monitors.
-- ``status`` → buffers, counters, frontier offsets; ``pause_ingest`` / ``resume_ingest``
+- ``status`` → buffers, counters, frontier offsets, and with Kafka ``kafka``: lag, paused
+  partitions, those stopped on a data loss (``stopped``) and the messages lost where the
+  loss was accepted (``lost_messages``; :meth:`KafkaIngest.status`);
+  ``pause_ingest`` / ``resume_ingest``
   (a paused worker takes no batch from Kafka, and ``ingest`` waits); ``servers`` →
   embedding server addresses; ``metrics`` → Prometheus text.
 - Replica 0 only, the checkpoint mailbox (:mod:`stream_persia.worker.mailbox`: how a
@@ -692,6 +696,9 @@ class EmbeddingWorker:
                            "cannot replay)", field="offsets",
                            hint="run with --kafka for exactly-once restore")
         if self.kafka is not None:
+            # Offsets the brokers no longer have (or never had) are refused before
+            # anything held here is dropped.
+            await self.kafka.check_offsets(offsets)
             await self.kafka.stop()
             retired = self.kafka.stats()
             for key in self._kafka_retired:

@@ -1,0 +1,136 @@
+"""Kafka data lost before it was trained shows in ``/v1/status`` and on ``/metrics``, and a
+checkpoint taken over HTTP records the stopped partition's offset where the loss starts,
+never past it.
+
+A real job (embedding server and worker on loopback, fed from its own mock broker, which
+keeps ~5 MiB per partition and silently drops older data) and the API on uvicorn. The
+test plays the NN worker; while its partition 0 is paused (as backpressure pauses it),
+8 MiB more arrive there and the broker deletes unread data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from api_helpers import AUTH, LiveApi, settings_for, start_job, stop_job
+from prometheus_client.parser import text_string_to_metric_families
+
+from stream_persia.config import KafkaConfig
+from stream_persia.kafka import DeadLetterWriter, SampleConsumer
+from stream_persia.testing.kafka_mock import MockKafkaCluster
+from stream_persia.testing.samples import make_batch
+from stream_persia.worker.ingest import KafkaIngest
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(120)]
+NO_GRADS = dict.fromkeys(("user", "item", "tags"))
+
+
+async def produce(bootstrap: str, partition: int, values: list[bytes]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        for v in values:
+            await producer.send("job", v, partition=partition)
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+def sample(metrics: str, name: str) -> float:
+    """The embedding worker's sample ``persia_embedding_worker_<name>``."""
+    full = f"persia_embedding_worker_{name}"
+    for family in text_string_to_metric_families(metrics):
+        for s in family.samples:
+            if s.name == full:
+                return s.value
+    raise AssertionError(f"no {full} in /metrics")
+
+
+async def train(worker, n: int) -> int:
+    """Pull and apply up to ``n`` batches as an NN worker; returns how many came."""
+    got = 0
+    for _ in range(n):
+        served = await worker._next_batch({"timeout_ms": 3000})
+        if served is None:
+            break
+        await worker._push_gradients({"batch_id": served["batch_id"], "grads": NO_GRADS})
+        got += 1
+    return got
+
+
+@pytest.mark.parametrize("mode", ["fail", "skip"])
+async def test_data_loss_is_reported_and_checkpoints_never_pass_it(tmp_path, mode):
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("job", 2)
+        cluster.create_topic("job.dlq", 1)
+        for p in (0, 1):
+            await produce(cluster.bootstrap_servers, p,
+                          [make_batch(10 * p + i).to_bytes() for i in range(3)])
+        cfg = KafkaConfig(bootstrap_servers=cluster.bootstrap_servers, samples_topic="job",
+                          on_data_loss=mode)
+        job = await start_job(n_servers=1)
+        try:
+            worker = job.workers[0]
+
+            def make(start_offsets):
+                return KafkaIngest(worker, SampleConsumer.from_config(cfg, replica_index=0,
+                                                                      replica_size=1),
+                                   DeadLetterWriter.from_config(cfg),
+                                   start_offsets=start_offsets)
+
+            await asyncio.wait_for(worker.start_kafka_ingest(make), 30)
+            assert await train(worker, 6) == 6
+            consumer = worker.kafka.consumer
+            consumer.pause([0])
+            await produce(cluster.bootstrap_servers, 0, [b"x" * 100_000] * 80)
+            tp = consumer._tps[0]
+            begin = (await consumer._live().beginning_offsets([tp]))[tp]
+            assert begin > 3
+            consumer.resume([0])
+            await produce(cluster.bootstrap_servers, 1, [make_batch(100).to_bytes()])
+            # fail: partition 1's batch only; skip: that one and the 100 KB junk records
+            # left on partition 0, which are dead-lettered (settled, never served).
+            assert await train(worker, 100) == 1
+            if mode == "skip":   # the junk records are dead-lettered one by one
+                async with asyncio.timeout(60):
+                    while worker.frontier.offsets()[0] < 83:
+                        await asyncio.sleep(0.05)
+
+            async with LiveApi(settings_for(job, checkpoint_dir=str(tmp_path))) as api:
+                status = (await api.client.get("/v1/status", headers=AUTH)).json()
+                kafka = status["workers"][0]["kafka"]
+                assert kafka["on_data_loss"] == mode
+                metrics = (await api.client.get("/metrics", headers=AUTH)).text
+                if mode == "fail":
+                    loss = kafka["stopped"]["0"]
+                    assert (loss["first"], loss["resume"], loss["cause"]) == (3, begin,
+                                                                             "deleted")
+                    assert f"job/0: offsets 3..{begin - 1}" in loss["message"]
+                    assert kafka["lost_messages"] == {}
+                    assert sample(metrics, "kafka_consumer_partitions_stopped") == 1
+                    assert sample(metrics, "kafka_consumer_data_loss_events_total") == 1
+                    assert status["workers"][0]["frontier"] == {"0": 3, "1": 4}
+                else:
+                    assert kafka["stopped"] == {}
+                    assert kafka["lost_messages"] == {"0": begin - 3}
+                    assert sample(metrics, "kafka_consumer_offsets_lost_total") == begin - 3
+                    assert sample(metrics, "kafka_consumer_partitions_stopped") == 0
+                r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": "cut"})
+                assert r.status_code == 202, r.text
+                async with asyncio.timeout(30):
+                    while (info := (await api.client.get("/v1/checkpoints/cut",
+                                                         headers=AUTH)).json()
+                           )["state"] in ("pending", "running"):
+                        await asyncio.sleep(0.05)
+                assert info["state"] == "done", info
+                offsets = info["manifest"]["offsets"]["job"]
+                if mode == "fail":
+                    # The cut records where the loss starts on the stopped partition: a
+                    # restore would read offset 3 again, never claim 3..begin-1 trained.
+                    assert offsets == {"0": 3, "1": 4}
+                else:   # the accepted loss is skipped, and counted above
+                    assert offsets == {"0": 83, "1": 4}
+        finally:
+            await stop_job(job)
