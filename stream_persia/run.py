@@ -357,12 +357,13 @@ class Job:
             return [], {}, []
         from stream_persia import aio
         from stream_persia.rpc import RpcClient
+        from stream_persia.rpc.auth import RoleSecret
 
         async def go() -> list[Any]:
             replies: list[Any] = []
             for address in addresses:
                 async with RpcClient(address, timeout_ms=5000, name="embedding-worker",
-                                     secret=self.role_secret) as c:
+                                     secret=RoleSecret(self.role_secret)) as c:
                     try:
                         replies.append(await c.call("status"))
                     except PersiaError:

@@ -51,11 +51,13 @@ def test_a_worker_started_before_the_broker_starts_when_it_comes(tmp_path):
         worker = RoleProcess("embedding-worker", worker_args(tmp_path, proxy.address, 60_000))
         try:
             worker.start()
-            time.sleep(3)
+            deadline = time.monotonic() + 60     # until it has tried (and logged it)
+            while "not reachable yet" not in worker.log_tail(20_000):
+                assert worker.alive() and time.monotonic() < deadline, worker.log_tail()
+                time.sleep(0.1)
             assert worker.alive() and not worker.ready_file.exists()   # waiting
             proxy.start()
             worker.wait_ready(60)
-            assert "not reachable yet" in worker.log_tail(20_000)      # progress logged
         finally:
             worker.stop()
             proxy.close()
