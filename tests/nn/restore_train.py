@@ -1,12 +1,15 @@
 """An NN worker process for the restore-equals-uninterrupted test (tests/nn/).
 
     python restore_train.py WORKER_ADDR OUT_DIR --batches N [--checkpoint-at K --ckpt DIR]
-                            [--restore DIR]
+                            [--checkpoint-every C --ckpt DIR] [--restore DIR] [--step-sleep S]
 
 Trains ``N`` batches (PERSIA's loop, staleness 1, reproducible) with Adam on the dense
 part and Adagrad on embeddings. With ``--checkpoint-at K`` it dumps a checkpoint after
 batch K, writes ``OUT_DIR/checkpointed`` and keeps training until killed. With
-``--restore DIR`` it loads the checkpoint first. It writes the metas of the batches it
+``--checkpoint-every C`` it dumps one after every C batches, into ``DIR/step-<n>`` (the
+fault suite, tests/faults/). With ``--restore DIR`` it loads the checkpoint first.
+``--step-sleep`` waits that many seconds after each batch (spreads a run over time, so
+that a fault lands at a random point of it). It writes the metas of the batches it
 trained (``metas.json``) and the final dense state (``dense.pt``) to ``OUT_DIR``.
 """
 
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,7 +42,9 @@ def main() -> None:
     p.add_argument("--batches", type=int, required=True)
     p.add_argument("--checkpoint-at", type=int, default=None)
     p.add_argument("--ckpt", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=None)
     p.add_argument("--restore", default=None)
+    p.add_argument("--step-sleep", type=float, default=0.0)
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,6 +67,10 @@ def main() -> None:
             if a.checkpoint_at is not None and len(metas) == a.checkpoint_at:
                 ctx.dump_checkpoint(a.ckpt)
                 (out / "checkpointed").write_text("1")
+            if a.checkpoint_every and len(metas) % a.checkpoint_every == 0:
+                ctx.dump_checkpoint(f"{a.ckpt}/step-{len(metas):04d}")
+            if a.step_sleep:
+                time.sleep(a.step_sleep)
     torch.save(model.state_dict(), out / "dense.pt")
 
 
