@@ -59,6 +59,12 @@ STEP_SLEEP_S = 0.05          # spreads a run over ~1 s so kill points differ in 
 FAIL_WITHIN_S = 60.0         # survivors must have failed by then
 TRIALS = int(os.environ.get("STREAM_PERSIA_FAULT_TRIALS", "1"))
 SEED = int(os.environ.get("STREAM_PERSIA_FAULT_SEED", "20261125"))
+# Short bounds, so that a trial's survivors fail in seconds: a push retries a dead server
+# for push_retry_ms, a worker gives its broker broker_timeout_ms (defaults 20 s and 60 s).
+GLOBAL_YAML = """\
+embedding_worker_config: {push_retry_ms: 3000}
+kafka: {broker_timeout_ms: 5000}
+"""
 
 
 class Job:
@@ -69,11 +75,15 @@ class Job:
         self.tmp, self.name = tmp, name
         cfg = tmp / "embedding_config.yml"
         cfg.write_text(EMBEDDING_YAML)
-        self.server = RoleProcess("embedding-server", [], log_path=tmp / f"{name}-server.log",
+        gcfg = tmp / "global_config.yml"
+        gcfg.write_text(GLOBAL_YAML)
+        self.server = RoleProcess("embedding-server", ["--checkpoint-root", str(tmp)],
+                                  log_path=tmp / f"{name}-server.log",
                                   name=f"{name}-server").start()
         server = self.server.wait_ready()
         self.worker = RoleProcess("embedding-worker", [
-            "--embedding-config", str(cfg), "--embedding-servers", server, "--kafka",
+            "--embedding-config", str(cfg), "--global-config", str(gcfg),
+            "--embedding-servers", server, "--kafka",
             bootstrap, "--topic", topic, "--num-partitions", "1"],
             log_path=tmp / f"{name}-worker.log", name=f"{name}-worker").start()
         self.worker.wait_ready()
@@ -277,7 +287,7 @@ def test_killed_broker_fails_the_run_loudly_and_restore_refuses_the_lost_stream(
                 time.sleep(0.1)
             assert not job.worker.alive(), "the embedding worker outlived its broker"
             assert job.worker.proc.returncode != 0
-            assert own.bootstrap_servers.split(",")[0] in job.worker.log_tail(), \
+            assert own.bootstrap_servers.split(",")[0] in job.worker.log_tail(1 << 20), \
                 "the worker's failure does not name the broker"
         finally:
             job.kill_all()
