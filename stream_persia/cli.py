@@ -33,6 +33,7 @@ from stream_persia import flags
 from stream_persia.config.global_config import MAX_STORE_THREADS
 from stream_persia.embedding import MAX_CAPACITY
 from stream_persia.errors import PersiaError
+from stream_persia.logger import RepeatFilter
 
 ROLE_ALIASES = {"embedding-parameter-server": "embedding-server"}
 
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=flags.level_of(args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:   # a dead broker's flood of one line
+        handler.addFilter(RepeatFilter())
     try:
         if args.command == "launch":
             from stream_persia import launch

@@ -59,6 +59,7 @@ from stream_persia import flags
 from stream_persia.errors import ConfigError, PersiaError
 from stream_persia.local import RoleProcess
 from stream_persia.run_report import build_report, plot_report, print_report, served_metrics
+from stream_persia.supervisor import UNHEALTHY_MARK
 from stream_persia.topology import Topology, load_topology
 
 __all__ = ["add_arguments", "main"]
@@ -385,6 +386,15 @@ class Job:
         return stopped, lost, errors
 
 
+def _why(role: RoleProcess) -> str:
+    """The reason a role gave for exiting 1 (its supervisor's line, stream_persia/supervisor),
+    if its log has one: the log's tail may be another library's noise."""
+    for line in reversed(role.log_tail(1 << 20).splitlines()):
+        if UNHEALTHY_MARK in line:
+            return f": {line.split(' ', 3)[-1]}"
+    return ""
+
+
 def check_kafka(job: Job) -> dict[str, int]:
     """Raise :class:`DataLost` if an embedding worker stopped a partition on a data loss,
     RuntimeError if a worker's Kafka ingest ended (no broker answered); else return the
@@ -509,8 +519,8 @@ def _wait(job: Job, t0: float, deadline: float) -> None:
     while job.nn is not None and job.nn.proc.poll() is None:
         bad = job.failed_role()
         if bad is not None:
-            raise RuntimeError(f"{bad.name} exited with {bad.proc.returncode}; the last lines "
-                               f"of {bad.log_path}:\n{bad.log_tail(3000)}")
+            raise RuntimeError(f"{bad.name} exited with {bad.proc.returncode}{_why(bad)}; the "
+                               f"last lines of {bad.log_path}:\n{bad.log_tail(3000)}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the job did not finish within {job.args.timeout_s:.0f} s")
         if job.args.kafka and time.monotonic() - last_loss_check >= LOSS_CHECK_EVERY_S:

@@ -29,9 +29,12 @@ import logging
 import time
 from typing import Any, NamedTuple
 
-__all__ = ["EXIT_GRACE_S", "Supervisor", "TaskFailure"]
+__all__ = ["EXIT_GRACE_S", "UNHEALTHY_MARK", "Supervisor", "TaskFailure"]
 
 log = logging.getLogger(__name__)
+
+#: the words a failed role's log line ends with (``stream-persia run`` quotes that line)
+UNHEALTHY_MARK = "the role is unhealthy and exits with status 1"
 
 #: How long a role whose background task failed keeps answering (``health`` not ok)
 #: before it stops and exits with status 1.
@@ -89,7 +92,7 @@ class Supervisor:
         self.failures.append(failure)
         if self._counter is not None:
             self._counter.labels(name).inc()
-        log.error("%s: %s; the role is unhealthy and exits with status 1", self.role,
+        log.error("%s: %s; " + UNHEALTHY_MARK, self.role,
                   failure.describe(), exc_info=error)
         self._failed.set()
 

@@ -88,9 +88,18 @@ def test_a_stop_signal_stops_every_role_of_the_run(tmp_path, sig, times, checkpo
         # server, worker, API, NN worker (torchrun), data loader: each its own group (and
         # torchrun may put its ranks in groups of their own)
         assert len(groups) >= 5, (groups, log.read_text())
+        if checkpoint == "skipped":
+            # Freeze the NN worker (torchrun and its ranks): the checkpoint, taken at an NN
+            # step boundary, cannot finish before the second signal, however fast it is.
+            nn_groups = {st[1] for pid in roles if (st := _stat(pid)) is not None
+                         and b"nn-worker" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+            assert nn_groups, log.read_text()
+            for group in nn_groups:
+                os.killpg(group, signal.SIGSTOP)
         for i in range(times):
             if i:
-                time.sleep(1.0)
+                wait_for(log, "checkpointing before stopping", proc, 30)
+                time.sleep(0.5)
             proc.send_signal(sig)
         code = proc.wait(timeout=120)
         text = log.read_text()
