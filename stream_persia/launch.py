@@ -138,13 +138,40 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> N
     log.info("metrics on http://%s:%d/metrics", host, httpd.server_address[1])
 
 
-async def _until_signal(failed: asyncio.Event | None = None) -> bool:
-    """Wait for SIGTERM/SIGINT, or for ``failed`` (a supervised task of the role failed);
-    True in the second case."""
+def _stop_signals() -> asyncio.Event:
+    """An event that SIGTERM and SIGINT set from now on (on the running loop)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _unless_stopped(step: Awaitable[None], stop: asyncio.Event) -> bool:
+    """Run a start-up step (an embedding worker waiting for its broker: up to
+    ``kafka.startup_timeout_ms``); False, with the step cancelled, if SIGTERM/SIGINT came
+    first."""
+    task = asyncio.ensure_future(step)
+    waiting = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    log.info("signal received while starting: stopping")
+    return False
+
+
+async def _until_signal(failed: asyncio.Event | None = None,
+                        stop: asyncio.Event | None = None) -> bool:
+    """Wait for SIGTERM/SIGINT (``stop``, from :func:`_stop_signals`), or for ``failed`` (a
+    supervised task of the role failed); True in the second case."""
+    if stop is None:
+        stop = _stop_signals()
     waits = [asyncio.ensure_future(stop.wait())]
     if failed is not None:
         waits.append(asyncio.ensure_future(failed.wait()))
@@ -223,7 +250,8 @@ def keep_freed_memory(keep_mb: int | None = None) -> int:
 
 
 async def _serve(role: Any, args: argparse.Namespace,
-                 before_stop: Callable[[], Awaitable[None]] | None = None) -> int:
+                 before_stop: Callable[[], Awaitable[None]] | None = None,
+                 stop: asyncio.Event | None = None) -> int:
     try:
         await role.start()
     except OSError as e:  # the RPC port: a traceback would bury the reason
@@ -240,7 +268,7 @@ async def _serve(role: Any, args: argparse.Namespace,
     try:
         serve_metrics(args.metrics_port, args.host, role.metrics.render)
         write_ready_file(args.ready_file, role.address)
-        if await _until_signal(supervisor.failed if supervisor is not None else None):
+        if await _until_signal(supervisor.failed if supervisor is not None else None, stop):
             # A background task failed: health says why for a moment, then exit 1.
             code = 1
             log.error("stopping in %.0f s with exit status 1: %s", EXIT_GRACE_S,
@@ -329,7 +357,13 @@ def embedding_worker(args: argparse.Namespace) -> int:
                     DeadLetterWriter.from_config(kafka_cfg, bootstrap_servers=bootstrap),
                     start_offsets=start_offsets)
 
-            await worker.start_kafka_ingest(make_ingest)
+            # A worker started before its broker waits for it; SIGTERM meanwhile is a
+            # stop with nothing to drain (exit 0), not a death by signal.
+            stop = _stop_signals()
+            if not await _unless_stopped(worker.start_kafka_ingest(make_ingest), stop):
+                await worker.stop()
+                return 0
+            return await _serve(worker, args, stop=stop)
         return await _serve(worker, args)
 
     return aio.run(main())

@@ -22,6 +22,9 @@ import pytest
 
 from stream_persia.errors import ConfigError
 from stream_persia.lifecycle import PARENT_PID_ENV, ParentWatch, descendants
+from stream_persia.local import RoleProcess
+from stream_persia.testing.proxy import free_port
+from stream_persia.testing.samples import EMBEDDING_YAML
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -125,3 +128,28 @@ def test_a_watch_on_a_live_parent_stays_quiet_and_fires_once_it_changes():
     gone.start()      # checks at once: not our parent
     assert calls == [1] and gone.gone
 
+
+@pytest.mark.timeout(120)
+def test_sigterm_while_a_worker_waits_for_its_broker_exits_0(tmp_path):
+    """An embedding worker started before Kafka waits for it (kafka.startup_timeout_ms);
+    SIGTERM meanwhile stops it at once with exit 0 (nothing to drain), not by the signal."""
+    (tmp_path / "embedding_config.yml").write_text(EMBEDDING_YAML)
+    (tmp_path / "global_config.yml").write_text("kafka:\n  startup_timeout_ms: 60000\n")
+    nowhere = f"127.0.0.1:{free_port()}"
+    worker = RoleProcess("embedding-worker", [
+        "--embedding-config", str(tmp_path / "embedding_config.yml"),
+        "--global-config", str(tmp_path / "global_config.yml"),
+        "--embedding-servers", f"127.0.0.1:{free_port()}", "--kafka", nowhere,
+        "--topic", "samples"])
+    try:
+        worker.start()
+        deadline = time.monotonic() + 60
+        while "not reachable yet" not in worker.log_tail(20_000):
+            assert worker.alive() and time.monotonic() < deadline, worker.log_tail()
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        code = worker.stop(grace_s=30)
+        assert code == 0, worker.log_tail()
+        assert time.monotonic() - t0 < 10, worker.log_tail()
+    finally:
+        worker.stop()
