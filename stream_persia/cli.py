@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     nw.add_argument("--embedding-workers",
                     **flags.env("PERSIA_EMBEDDING_WORKERS", flags.addresses, None),
                     help="host:port of the embedding workers (env PERSIA_EMBEDDING_WORKERS)")
+    nw.add_argument("--drain-timeout-s", type=flags.number(0, lo_open=True), default=60.0,
+                    help="on SIGTERM/SIGINT: longest wait for the ranks to stop at a step "
+                         "boundary and finish before torchrun is stopped (default 60)")
     _add_configs(nw)
 
     from stream_persia import produce

@@ -9,11 +9,14 @@
   (``eval_ctx``, ``InferCtx``, ``TrainCtx``) and is what evaluation uses.
 
 Stopping. The stream has no end: iteration stops when no batch arrived for
-``timeout_ms`` (PERSIA's semantics), or after ``max_batches``. With several NN ranks
+``timeout_ms`` (PERSIA's semantics), after ``max_batches``, or when a stop is requested
+(SIGTERM to the rank or to ``stream-persia launch nn-worker``:
+:mod:`stream_persia.lifecycle`), before the next step. With several NN ranks
 (DDP), every rank must take the same number of steps or the all-reduce of a rank that
 took one more step hangs; so before each step the ranks all-reduce (MIN) whether each
-has a batch (one tiny all-reduce per step), and all stop as soon as one has none. Batches
-a rank holds when it stops go back, untrained, to their workers.
+has a batch and no stop request (one tiny all-reduce per step), and all stop as soon as
+one has none. Batches a rank holds when it stops go back, untrained, to their workers,
+and the iteration ends once every gradient push it sent was answered.
 
 A batch whose ``backward`` was not called by the time the next batch is taken is
 released without an embedding update (logged once): otherwise it would keep its
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from stream_persia.embedding.data import PersiaBatch
 from stream_persia.errors import Misuse, RemoteTimeout
+from stream_persia.lifecycle import POLL_S, drain
 from stream_persia.nn.batch import PersiaTrainingBatch
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, current_ctx
 from stream_persia.nn.loader import HELD, StreamPrefetcher
@@ -167,10 +172,16 @@ class DataLoader:
             while self.max_batches is None or count < self.max_batches:
                 for prev in pf.taken:
                     ctx.release_untrained(prev)
-                batch = pf.get(timeout_s)
-                if not ctx._all_ranks_agree(batch is not None):
-                    if batch is None:
+                batch = None if drain.requested else self._next_batch(pf, timeout_s)
+                if not ctx._all_ranks_agree(batch is not None and not drain.requested):
+                    if drain.requested:
+                        log.warning("stop requested (%s): the DataLoader stops after step %d",
+                                    drain.reason, ctx.steps)
+                    elif batch is None:
                         log.info("no batch for %d ms: the DataLoader stops", self.timeout_ms)
+                    else:
+                        log.info("another rank has no batch or was asked to stop: the "
+                                 "DataLoader stops after step %d", ctx.steps)
                     ctx._stream_ended()   # serve a pending HTTP checkpoint request now
                     break
                 count += 1
@@ -184,6 +195,17 @@ class DataLoader:
                 # Every update of this iteration is applied when the loop ends.
                 cluster.run(pf.wait_idle(cluster.rpc_timeout_ms / 1000 + 30))
                 ctx._raise_async_errors()
+
+    @staticmethod
+    def _next_batch(pf: StreamPrefetcher, timeout_s: float) -> PersiaTrainingBatch | None:
+        """The next ready batch, None after ``timeout_s`` without one or once a stop is
+        requested (looked at every :data:`~stream_persia.lifecycle.POLL_S`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            batch = pf.get(max(0.0, min(left, POLL_S)))
+            if batch is not None or left <= POLL_S or drain.requested:
+                return batch
 
     # ------------------------------------------------------------------ lookups
     def _lookups(self, ctx: EmbeddingCtx) -> Iterator[PersiaTrainingBatch]:

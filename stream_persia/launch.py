@@ -1,7 +1,11 @@
 """Role entry points behind ``stream-persia launch <role>``.
 
 Each role runs on uvloop (when available) until SIGTERM or SIGINT, then drains: it stops
-taking new work, lets in-flight requests finish, and exits 0. A role whose supervised
+taking new work, lets in-flight requests finish, and exits 0 (``nn-worker``: its ranks stop
+at a step boundary, :func:`nn_worker`; an embedding worker still waiting for its broker at
+start just stops). A role started with ``PERSIA_PARENT_PID`` (by ``stream-persia run``)
+sends itself SIGTERM once that parent is gone, even killed with SIGKILL
+(:mod:`stream_persia.lifecycle`). A role whose supervised
 background task fails (:mod:`stream_persia.supervisor`: the embedding worker's Kafka
 ingest loop) answers ``health`` not ok for :data:`~stream_persia.supervisor.EXIT_GRACE_S`,
 then drains the same way and exits 1. With ``--ready-file`` the
@@ -31,7 +35,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stream_persia import aio
 from stream_persia.checkpoint.root import CheckpointRoot
@@ -46,6 +50,9 @@ from stream_persia.errors import ConfigError
 from stream_persia.rpc.auth import RoleSecret, check_bind
 from stream_persia.rpc.server import ConnectionLimits
 from stream_persia.supervisor import EXIT_GRACE_S
+
+if TYPE_CHECKING:
+    from stream_persia.lifecycle import ParentWatch
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +138,40 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> N
     log.info("metrics on http://%s:%d/metrics", host, httpd.server_address[1])
 
 
-async def _until_signal(failed: asyncio.Event | None = None) -> bool:
-    """Wait for SIGTERM/SIGINT, or for ``failed`` (a supervised task of the role failed);
-    True in the second case."""
+def _stop_signals() -> asyncio.Event:
+    """An event that SIGTERM and SIGINT set from now on (on the running loop)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _unless_stopped(step: Awaitable[None], stop: asyncio.Event) -> bool:
+    """Run a start-up step (an embedding worker waiting for its broker: up to
+    ``kafka.startup_timeout_ms``); False, with the step cancelled, if SIGTERM/SIGINT came
+    first."""
+    task = asyncio.ensure_future(step)
+    waiting = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    log.info("signal received while starting: stopping")
+    return False
+
+
+async def _until_signal(failed: asyncio.Event | None = None,
+                        stop: asyncio.Event | None = None) -> bool:
+    """Wait for SIGTERM/SIGINT (``stop``, from :func:`_stop_signals`), or for ``failed`` (a
+    supervised task of the role failed); True in the second case."""
+    if stop is None:
+        stop = _stop_signals()
     waits = [asyncio.ensure_future(stop.wait())]
     if failed is not None:
         waits.append(asyncio.ensure_future(failed.wait()))
@@ -216,7 +250,8 @@ def keep_freed_memory(keep_mb: int | None = None) -> int:
 
 
 async def _serve(role: Any, args: argparse.Namespace,
-                 before_stop: Callable[[], Awaitable[None]] | None = None) -> int:
+                 before_stop: Callable[[], Awaitable[None]] | None = None,
+                 stop: asyncio.Event | None = None) -> int:
     try:
         await role.start()
     except OSError as e:  # the RPC port: a traceback would bury the reason
@@ -233,7 +268,7 @@ async def _serve(role: Any, args: argparse.Namespace,
     try:
         serve_metrics(args.metrics_port, args.host, role.metrics.render)
         write_ready_file(args.ready_file, role.address)
-        if await _until_signal(supervisor.failed if supervisor is not None else None):
+        if await _until_signal(supervisor.failed if supervisor is not None else None, stop):
             # A background task failed: health says why for a moment, then exit 1.
             code = 1
             log.error("stopping in %.0f s with exit status 1: %s", EXIT_GRACE_S,
@@ -322,7 +357,13 @@ def embedding_worker(args: argparse.Namespace) -> int:
                     DeadLetterWriter.from_config(kafka_cfg, bootstrap_servers=bootstrap),
                     start_offsets=start_offsets)
 
-            await worker.start_kafka_ingest(make_ingest)
+            # A worker started before its broker waits for it; SIGTERM meanwhile is a
+            # stop with nothing to drain (exit 0), not a death by signal.
+            stop = _stop_signals()
+            if not await _unless_stopped(worker.start_kafka_ingest(make_ingest), stop):
+                await worker.stop()
+                return 0
+            return await _serve(worker, args, stop=stop)
         return await _serve(worker, args)
 
     return aio.run(main())
@@ -374,7 +415,8 @@ class _LoaderStopped(BaseException):
 
 
 def nn_worker_command(args: argparse.Namespace) -> list[str]:
-    """The torchrun command line that ``launch nn-worker`` runs (static rendezvous)."""
+    """The torchrun command line that ``launch nn-worker`` runs (static rendezvous). Each
+    rank runs the script through :mod:`stream_persia.rank` (how it stops)."""
     entry = entry_script(args.entry, "NN worker", "PERSIA_NN_WORKER_ENTRY")
     for name, value, lo in (("--nproc-per-node", args.nproc_per_node, 1),
                             ("--nnodes", args.nnodes, 1), ("--node-rank", args.node_rank, 0)):
@@ -395,17 +437,40 @@ def nn_worker_command(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run",
             f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
             f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-            f"--master-port={port}", str(entry), *args.script_args]
+            f"--master-port={port}", "--module", "stream_persia.rank", str(entry),
+            *args.script_args]
+
+
+#: Default of ``launch nn-worker --drain-timeout-s``.
+DRAIN_TIMEOUT_S = 60.0
+#: Seconds ``launch nn-worker`` lets its ranks drain once its parent process is gone
+#: (``PERSIA_PARENT_PID``): the rest of the job is stopping too, so waiting longer for
+#: pushes to workers that are going away gains nothing.
+PARENT_GONE_DRAIN_S = 10.0
 
 
 def nn_worker(args: argparse.Namespace) -> int:
     """Run the training script on this node with torchrun (one process per GPU/rank).
 
     torchrun sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
-    ``MASTER_PORT`` for each process, which ``TrainCtx`` reads. SIGTERM/SIGINT are passed
-    on to torchrun, which stops its processes.
+    ``MASTER_PORT`` for each process, which ``TrainCtx`` reads.
+
+    SIGTERM or SIGINT drains (:mod:`stream_persia.lifecycle`): this process creates the
+    node's stop file, every rank stops training at the next step boundary (the same step
+    on every rank), returns its untrained batches, waits for its gradient pushes and
+    finishes its script, and the role exits with torchrun's status (0). Signals are not
+    passed on to torchrun, which would kill its ranks and fail: it runs in a session of
+    its own and dies with this process (``PR_SET_PDEATHSIG``). A rank that has not
+    finished ``--drain-timeout-s`` after the request (or a second signal) is stopped:
+    torchrun gets SIGTERM and ends its ranks (SIGKILL after its own 30 s), and the role
+    exits non-zero.
     """
+    import shutil
     import subprocess
+    import tempfile
+    import time
+
+    from stream_persia import lifecycle
 
     cmd = nn_worker_command(args)
     RoleSecret.from_env()   # checked before torchrun starts the ranks, which present it
@@ -417,15 +482,48 @@ def nn_worker(args: argparse.Namespace) -> int:
     if args.embedding_config:
         env["PERSIA_EMBEDDING_CONFIG"] = args.embedding_config
     env["PERSIA_NN_WORKER_ENTRY"] = str(args.entry)
-    log.info("starting %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, env=env)
-    previous = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s))
+    stop_dir = Path(tempfile.mkdtemp(prefix="persia-nn-stop-"))
+    stop_file = stop_dir / "stop"
+    env[lifecycle.STOP_FILE_ENV] = str(stop_file)
+    drain_timeout_s = getattr(args, "drain_timeout_s", None) or DRAIN_TIMEOUT_S
+    signals: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, _f: signals.append(s))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
+    log.info("starting %s", " ".join(cmd))
+    proc: subprocess.Popen | None = None
     try:
-        return proc.wait()
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                preexec_fn=lifecycle.die_with_parent(signal.SIGTERM))
+        deadline: float | None = None
+        hard = False
+        while True:
+            try:
+                return proc.wait(lifecycle.POLL_S)
+            except subprocess.TimeoutExpired:
+                pass
+            if signals and deadline is None:
+                stop_file.touch()
+                watch = _PARENT_WATCH
+                bound = drain_timeout_s
+                if watch is not None and watch.gone:
+                    bound = min(bound, PARENT_GONE_DRAIN_S)
+                deadline = time.monotonic() + bound
+                log.warning("%s: the NN ranks stop at their next step boundary (at most "
+                            "%.0f s)", signal.Signals(signals[0]).name, bound)
+            if deadline is not None and not hard and (
+                    len(signals) > 1 or time.monotonic() > deadline):
+                hard = True
+                log.error("%s: stopping torchrun, which ends the ranks",
+                          "a second signal" if len(signals) > 1
+                          else "the NN ranks did not stop in time")
+                proc.send_signal(signal.SIGTERM)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if proc is not None and proc.poll() is None:   # an error here: leave nothing behind
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(stop_dir, ignore_errors=True)
 
 
 def api(args: argparse.Namespace) -> int:
@@ -450,10 +548,41 @@ def api(args: argparse.Namespace) -> int:
     return serve(settings, ready_file=args.ready_file, log_level=str(args.log_level).lower())
 
 
+#: The watch on the process that started this role (``PERSIA_PARENT_PID``), if any.
+_PARENT_WATCH: ParentWatch | None = None
+
+
+def _with_parent_watch(role: Callable[[argparse.Namespace], int]
+                       ) -> Callable[[argparse.Namespace], int]:
+    """Run ``role`` under a :class:`~stream_persia.lifecycle.ParentWatch` when the
+    environment names the starter's pid (``PERSIA_PARENT_PID``: ``stream-persia run`` and
+    :class:`~stream_persia.local.RoleProcess` set it): once the starter is gone, even
+    killed with SIGKILL, the role gets SIGTERM and drains instead of running orphaned."""
+    def run(args: argparse.Namespace) -> int:
+        global _PARENT_WATCH
+        from stream_persia.lifecycle import ParentWatch
+
+        watch = ParentWatch.from_env()
+        if watch is None:
+            return role(args)
+        _PARENT_WATCH = watch
+        watch.start()
+        try:
+            return role(args)
+        finally:
+            watch.stop()
+            _PARENT_WATCH = None
+
+    run.__name__ = role.__name__
+    run.__doc__ = role.__doc__
+    return run
+
+
 ROLES: dict[str, Callable[[argparse.Namespace], int]] = {
-    "api": api,
-    "embedding-server": embedding_server,
-    "embedding-worker": embedding_worker,
-    "data-loader": data_loader,
-    "nn-worker": nn_worker,
-}
+    name: _with_parent_watch(role) for name, role in {
+        "api": api,
+        "embedding-server": embedding_server,
+        "embedding-worker": embedding_worker,
+        "data-loader": data_loader,
+        "nn-worker": nn_worker,
+    }.items()}

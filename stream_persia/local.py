@@ -2,8 +2,11 @@
 
 Each role is started as ``python -m stream_persia.cli launch <role> ... --ready-file F``
 and is ready when F holds its ``host:port``. Children are put in their own process group
-and stopped with SIGTERM (then SIGKILL after a grace period), so nothing outlives its
-owner.
+and stopped with SIGTERM (then SIGKILL after a grace period, for the role's whole process
+tree: torchrun's ranks run in sessions of their own), so nothing outlives its owner. Nor
+does a role outlive this process when it dies without stopping them, ``kill -9``
+included: each role gets ``PERSIA_PARENT_PID`` and drains once its parent is gone
+(:mod:`stream_persia.lifecycle`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 
 from stream_persia.errors import RemoteTimeout
+from stream_persia.lifecycle import PARENT_PID_ENV, descendants
 
 __all__ = ["RoleProcess", "QUIET_ROLES"]
 
@@ -52,7 +56,9 @@ class RoleProcess:
         self.address: str | None = None
 
     def start(self) -> RoleProcess:
-        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        # The role drains once this process is gone (env={PARENT_PID_ENV: ""}: never).
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), **self.env,
+               "PYTHONUNBUFFERED": "1"}
         Path(self._dir).mkdir(parents=True, exist_ok=True)   # again after a stop()
         self.ready_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "stream_persia.cli", "launch", self.role, *self.args]
@@ -85,14 +91,28 @@ class RoleProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL the role (its whole process group), as a crash would."""
+        """SIGKILL the role (its whole process tree), as a crash would."""
         if self.alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            self._kill_tree()
         self._cleanup(killed=True)   # a killed role is often replaced, never stopped
 
+    def _kill_tree(self) -> None:
+        assert self.proc is not None
+        tree = descendants(self.proc.pid)   # before the kill: then they are re-parented
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
     def stop(self, grace_s: float = 10.0) -> int | None:
-        """SIGTERM, wait up to ``grace_s``, then SIGKILL; returns the exit code."""
+        """SIGTERM, wait up to ``grace_s``, then SIGKILL the role's process tree; returns
+        the exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -100,8 +120,7 @@ class RoleProcess:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                self._kill_tree()
             except ProcessLookupError:
                 pass
         self._cleanup()

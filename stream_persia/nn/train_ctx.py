@@ -24,6 +24,13 @@ embedding server is a :class:`~stream_persia.errors.PushFailed` naming the batch
 servers (the worker keeps the batch failed, and checkpoints refuse, until it completes or
 a restore; :mod:`stream_persia.worker.service`).
 
+Stopping: SIGTERM (to the rank, or to ``stream-persia launch nn-worker``) while the
+context is entered requests a drain (:mod:`stream_persia.lifecycle`): the ``DataLoader``
+ends its iteration before the next step, at the same step on every rank, with its
+untrained batches handed back and every push answered, and the script's code after the
+loop leaves the context cleanly. Where SIGTERM had its default action, the context handles
+it while entered; no checkpoint is taken unless the script writes one after its loop.
+
 After each ``backward`` the rank looks at the checkpoint mailbox
 (:mod:`stream_persia.worker.mailbox`): a checkpoint started over HTTP is taken right there,
 at the same step on every rank, exactly as ``dump_checkpoint`` from the training script.
@@ -44,6 +51,7 @@ from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Optimizer
 from stream_persia.env import get_rank, get_world_size
 from stream_persia.errors import Misuse, PeerUnavailable, RemoteTimeout
+from stream_persia.lifecycle import drain
 from stream_persia.nn.batch import PersiaTrainingBatch, input_signature
 from stream_persia.nn.checkpoint_poller import NnCheckpointPoller
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
@@ -147,6 +155,7 @@ class TrainCtx(EmbeddingCtx):
         # The inputs of the first batch trained (nn.batch.input_signature), for checkpoints.
         self.input_signature: dict[str, Any] | None = None
         self.checkpoint_poller: NnCheckpointPoller | None = None
+        self._leave_drain: Any = None
         self.steps = 0
         self.nonfinite_steps = 0
         self.overflow_steps = 0
@@ -181,6 +190,9 @@ class TrainCtx(EmbeddingCtx):
         except BaseException:
             super()._exit(False)
             raise
+        # From here a stop request (SIGTERM) drains at the next step boundary
+        # (stream_persia.lifecycle; the DataLoader looks at it before every step).
+        self._leave_drain = drain.enter_training()
 
     def _configure_servers(self) -> None:
         params: dict[str, Any] = {"optimizer": self.embedding_optimizer.to_dict()}
@@ -193,6 +205,7 @@ class TrainCtx(EmbeddingCtx):
 
     def _exit(self, clean: bool) -> None:
         poller, self.checkpoint_poller = self.checkpoint_poller, None
+        leave_drain, self._leave_drain = self._leave_drain, None
         try:
             if self.cluster is not None:
                 quiet = False
@@ -216,7 +229,11 @@ class TrainCtx(EmbeddingCtx):
                 if dist.is_initialized():
                     dist.destroy_process_group()
                 self._dist_created = False
-            super()._exit(clean)
+            try:
+                super()._exit(clean)
+            finally:
+                if leave_drain is not None:
+                    leave_drain()
         if clean:
             self._raise_async_errors()
 

@@ -1,13 +1,16 @@
 """Training script run by ``stream-persia launch nn-worker`` in the DDP test (one per rank).
 
-Trains from the stream until it runs dry, then writes this rank's dense state dict and
-counters to ``OUT_DIR/rank<r>.pt`` / ``.json``. Usage: ``ddp_train.py OUT_DIR``.
+Trains from the stream until it runs dry (or a stop is requested: test_nn_drain.py), then
+writes this rank's dense state dict and counters to ``OUT_DIR/rank<r>.pt`` / ``.json``.
+Usage: ``ddp_train.py OUT_DIR [STEP_SLEEP_S]``; with a step sleep it also writes the steps
+taken so far to ``OUT_DIR/progress<r>`` after each step.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,8 +24,9 @@ from stream_persia.env import get_rank, get_world_size
 from stream_persia.utils import setup_seed
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, step_sleep_s: float = 0.0) -> None:
     rank = get_rank()
+    out = Path(out_dir)
     # Different seeds per rank: DDP's initial broadcast must make the models identical.
     setup_seed(100 + rank)
     torch.set_num_threads(1)
@@ -38,11 +42,13 @@ def main(out_dir: str) -> None:
             loss = torch.nn.functional.binary_cross_entropy(output, labels[0])
             ctx.backward(loss)
             steps += 1
+            if step_sleep_s:
+                (out / f"progress{rank}").write_text(str(steps))
+                time.sleep(step_sleep_s)
         stats = ctx.stats()
-    out = Path(out_dir)
     torch.save(model.state_dict(), out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps({"steps": steps, **stats}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *(float(a) for a in sys.argv[2:3]))

@@ -2,6 +2,7 @@
 
     python restore_train.py WORKER_ADDR OUT_DIR --batches N [--checkpoint-at K --ckpt DIR]
                             [--checkpoint-every C --ckpt DIR] [--restore DIR] [--step-sleep S]
+                            [--final-ckpt DIR]
 
 Trains ``N`` batches (PERSIA's loop, staleness 1, reproducible) with Adam on the dense
 part and Adagrad on embeddings. With ``--checkpoint-at K`` it dumps a checkpoint after
@@ -9,8 +10,11 @@ batch K, writes ``OUT_DIR/checkpointed`` and keeps training until killed. With
 ``--checkpoint-every C`` it dumps one after every C batches, into ``DIR/step-<n>`` (the
 fault suite, tests/faults/). With ``--restore DIR`` it loads the checkpoint first.
 ``--step-sleep`` waits that many seconds after each batch (spreads a run over time, so
-that a fault lands at a random point of it). It writes the metas of the batches it
-trained (``metas.json``) and the final dense state (``dense.pt``) to ``OUT_DIR``.
+that a fault lands at a random point of it). ``--final-ckpt DIR`` dumps a checkpoint
+when the loop ends (the stream ran dry, ``--batches`` were trained, or a stop was
+requested: tests/nn/test_nn_drain.py). It writes the metas of the batches it trained
+(``metas.json``), the context's counters (``stats.json``) and the final dense state
+(``dense.pt``) to ``OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=None)
     p.add_argument("--restore", default=None)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--final-ckpt", default=None)
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,6 +76,9 @@ def main() -> None:
                 ctx.dump_checkpoint(f"{a.ckpt}/step-{len(metas):04d}")
             if a.step_sleep:
                 time.sleep(a.step_sleep)
+        if a.final_ckpt:
+            ctx.dump_checkpoint(a.final_ckpt)
+        (out / "stats.json").write_text(json.dumps(ctx.stats()))
     torch.save(model.state_dict(), out / "dense.pt")
 
 

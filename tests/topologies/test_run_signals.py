@@ -126,3 +126,45 @@ def test_a_stop_signal_stops_every_role_of_the_run(tmp_path, sig, times, checkpo
                 os.killpg(group, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(240)
+def test_roles_do_not_outlive_a_run_killed_with_sigkill(tmp_path):
+    """``kill -9`` of ``run`` itself: it cannot stop its roles, so each role notices that
+    its parent is gone and stops (``PERSIA_PARENT_PID``), torchrun and its ranks too."""
+    out, log = tmp_path / "run", tmp_path / "run.err"
+    cmd = [sys.executable, "-m", "stream_persia.cli", "run", "topologies/synthetic_ctr",
+           "--output-dir", str(out), "--samples", "2e6", "--eval-samples", "1000",
+           "--predict-samples", "0", "--no-gates"]
+    roles: set[int] = set()
+    with open(log, "w") as err:
+        env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    try:
+        wait_for(log, "roles up after", proc, 150)
+        wait_for(out / "logs" / "nn-worker.log", "training ", proc, 120)
+        roles = descendants(proc.pid)
+        names = [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in roles
+                 if _stat(p) is not None]
+        for role in ("embedding-server", "embedding-worker", "launch api", "nn-worker",
+                     "data-loader", "torch.distributed.run"):
+            assert any(role in n for n in names), (role, names)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while [p for p in roles if _stat(p) is not None] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in roles if _stat(p) is not None], [
+            Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")[:200]
+            for p in roles if _stat(p) is not None]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in roles:   # what a run killed before this fix orphaned
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
