@@ -133,10 +133,12 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> N
     log.info("metrics on http://%s:%d/metrics", host, httpd.server_address[1])
 
 
-async def _until_signal(failed: asyncio.Event | None = None) -> bool:
+async def _until_signal(failed: asyncio.Event | None = None,
+                        stop: asyncio.Event | None = None) -> bool:
     """Wait for SIGTERM/SIGINT, or for ``failed`` (a supervised task of the role failed);
-    True in the second case."""
-    stop = asyncio.Event()
+    True in the second case. ``stop``: the event the signals set (one a caller waits on
+    again keeps a signal that came in between)."""
+    stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -235,7 +237,9 @@ async def _serve(role: Any, args: argparse.Namespace,
     try:
         serve_metrics(args.metrics_port, args.host, role.metrics.render)
         write_ready_file(args.ready_file, role.address)
-        while await _until_signal(supervisor.failed if supervisor is not None else None):
+        stop = asyncio.Event()
+        while await _until_signal(supervisor.failed if supervisor is not None else None,
+                                  stop):
             # A background task failed: health says why for a moment, then exit 1.
             assert supervisor is not None
             log.error("stopping in %.0f s with exit status 1: %s", EXIT_GRACE_S,
@@ -244,11 +248,11 @@ async def _serve(role: Any, args: argparse.Namespace,
             if not supervisor.ok:
                 code = 1
                 break
-            # A reported condition was resolved meanwhile (a restore): serve on.
+            # A reported condition was resolved meanwhile (a restore): serve on (or drain,
+            # if a signal came during the grace: the loop sees it at once).
             log.warning("the failure was resolved within %.0f s: serving on", EXIT_GRACE_S)
-        else:
-            if before_stop is not None:
-                await before_stop()
+        if code == 0 and before_stop is not None:
+            await before_stop()
     finally:
         await role.stop()
     return code
