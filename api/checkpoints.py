@@ -23,7 +23,9 @@ consumed before it applied, none after it, offsets pointing at the first batch a
 
 Restore loads the embedding rows into every server (any server count) and resets every
 worker's stream to the checkpoint's offsets; it refuses while batches are in flight,
-since NN ranks that are training would keep their own dense state. NN ranks load the
+since NN ranks that are training would keep their own dense state. Batches whose push
+failed and embedding servers that restarted (their tables lost) do not stop it: a restore
+is the way back from both. NN ranks load the
 dense model themselves (``load_checkpoint``) when they start again.
 """
 
@@ -55,7 +57,7 @@ from stream_persia.checkpoint import (
 )
 from stream_persia.checkpoint._common import Location
 from stream_persia.errors import BadInput, ConfigError, Misuse, PersiaError
-from stream_persia.worker.frontier import check_no_failed_push
+from stream_persia.worker.frontier import check_no_failed_push, check_servers_kept
 
 __all__ = ["Checkpoints", "CheckpointJob", "new_checkpoint_id"]
 
@@ -391,13 +393,20 @@ class Checkpoints:
             job.error = (f"the NN ranks did not take it ({why}), and the API could not "
                          f"either: {e.message}")
 
-    async def _frontiers(self) -> list[dict[str, Any]]:
+    async def _frontiers(self, *, restoring: bool = False) -> list[dict[str, Any]]:
+        """Every worker's ``frontier``, refusing a cut while something is in flight, a
+        batch is only partly applied or a server restarted with an empty table. A restore
+        (``restoring``) replaces both of the last two: only batches that NN ranks may
+        still be training (in flight, not failed) refuse it."""
         workers = self.roles.workers
         fronts = await self.roles.fanout(workers, "frontier") if workers else []
-        check_no_failed_push(fronts)   # a batch only partly applied: name it
+        if not restoring:
+            check_no_failed_push(fronts)   # a batch only partly applied: name it
+            check_servers_kept(fronts)     # a server restarted with an empty table: name it
         for w, f in zip(workers, fronts, strict=True):
-            if f.get("inflight", 0):
-                raise Misuse(f"{w.peer} has {f['inflight']} batch(es) in flight (served to "
+            busy = int(f.get("inflight", 0)) - (len(f.get("failed") or ()) if restoring else 0)
+            if busy > 0:
+                raise Misuse(f"{w.peer} has {busy} batch(es) in flight (served to "
                              f"an NN worker, gradients not yet applied), and no NN rank "
                              f"reports to the checkpoint mailbox",
                              hint="take the checkpoint from train.py (dump_checkpoint), or "
@@ -513,7 +522,9 @@ class Checkpoints:
     async def _restore(self, ident: str, src: str, reload_model: bool) -> dict[str, Any]:
         manifest = await asyncio.to_thread(read_manifest, src)
         servers = self.roles.require(SERVER)
-        await self._frontiers()
+        # Failed batches and servers that restarted are what a restore is for: the load
+        # replaces every table and reset_stream drops those batches.
+        await self._frontiers(restoring=True)
         rows = await load_embeddings(src, [s.client for s in servers],
                                      timeout_ms=SHARD_TIMEOUT_MS)
         parts: dict[str, int] = {}

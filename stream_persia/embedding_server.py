@@ -11,15 +11,15 @@ which that thread fans out over its internal shards' threads for each call.
 RPC methods (params → result):
 
 - ``health`` → ``{"ok", "role", "replica_index", "replica_size", "rows", "implementation",
-  "store_threads"}``
-- ``lookup {"mode": "train"|"eval"|"infer", "groups": [{"dim", "ids"}]}`` →
+  "store_threads", "incarnation", "loads"}``
+- ``lookup {"mode": "train"|"eval"|"infer", "groups": [{"dim", "ids"}], "incarnation"?}`` →
   ``{"rows": [float32 (n, dim)], "missing": int}`` (one entry per group, in order;
   ``missing`` counts ids absent from the store; eval/infer never insert or refresh). A
   group with ``"index"`` (int32) and ``"offsets"`` (int64) is a pooled lookup
   (:mod:`stream_persia.segments`): its entry is the ``(len(offsets) - 1, dim)`` segment
   sums of the rows instead of the rows.
-- ``update {"groups": [{"dim", "ids", "grads"}], "token"?}`` → ``{"applied": int, "dropped":
-  int}``. ``token`` (a string of 1-64 characters, unique to one batch's update on this
+- ``update {"groups": [{"dim", "ids", "grads"}], "token"?, "incarnation"?}`` →
+  ``{"applied": int, "dropped": int}``. ``token`` (a string of 1-64 characters, unique to one batch's update on this
   server: the embedding workers send ``<worker incarnation>-<batch id>``) makes the update
   idempotent: the server remembers the tokens of the last ``update_tokens`` updates
   (default :data:`UPDATE_TOKENS`; a bounded FIFO checked and filled on the store thread,
@@ -32,6 +32,18 @@ RPC methods (params → result):
   evicted_young_total``; raise ``update_tokens``). Duplicates are counted in
   ``persia_embedding_server_update_tokens_duplicates_total``. A restarted server
   remembers nothing (nor holds the rows the first update changed).
+- **Incarnation.** Each server process draws a random ``incarnation`` (16 hex digits) when
+  it starts; a process restarted at the same address (kill -9, OOM, a lost node, a
+  StatefulSet bringing the pod back) has another one and none of the rows the previous
+  one held. Lookup and update replies carry ``"incarnation"`` and ``"held"`` (the rows
+  held after the request), ``health`` the incarnation, ``rows`` and ``loads``. A lookup or update whose params
+  name the ``incarnation`` the caller last saw is refused, before anything is looked up,
+  admitted or applied, with :class:`~stream_persia.errors.ServerRestarted` (field
+  ``incarnation``) when this process is another one: a retried update meets an empty
+  table and must fail its batch, not be "applied once" there. A load (a restore) keeps
+  the incarnation and counts in ``loads``: it is the legitimate way to replace the table,
+  and ``loads`` > 0 tells a router that a restarted server was restored since
+  (:mod:`stream_persia.worker.router`).
 - ``size`` → int, ``clear`` → None
 - ``stats`` → ``{"rows", "capacity", "lookups", "misses", "admissions", "evictions",
   "updates", "dropped_updates", "loads"}``: the store's levels (``rows``, ``capacity``) and
@@ -50,8 +62,10 @@ RPC methods (params → result):
   whose params carry ``"config"`` (the digest the caller expects) is refused with a
   Misuse on field ``config`` by a server never configured: a server restarted mid-job
   would otherwise apply the default optimizer and initialisation. The embedding workers
-  (:class:`stream_persia.worker.router.ShardRouter`) learn the digest from the replies
-  and configure such a server from what they learned before they retry.
+  (:class:`stream_persia.worker.router.ShardRouter`) learn the digest from the replies;
+  a server restarted mid-job is failed by its incarnation first (above), and configured
+  from what they learned only where the job opted to go on
+  (``embedding_worker_config.on_server_restart: continue``).
 - ``dump {"dir": url}`` → ``{"file", "rows", "bytes", "sha256", "config"}`` — the shard as
   one file; ``config`` is the store's configuration as ``get_config`` describes it (also
   when this process was never configured), which the checkpoint manifest records
@@ -110,7 +124,14 @@ from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding import optim as optim_mod
 from stream_persia.embedding.sharded import make_store
 from stream_persia.embedding.store import IMPLEMENTATION
-from stream_persia.errors import BadInput, Misuse, config_digest_param, require, require_hex16
+from stream_persia.errors import (
+    BadInput,
+    Misuse,
+    ServerRestarted,
+    config_digest_param,
+    require,
+    require_hex16,
+)
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer, auth
 from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
@@ -237,6 +258,8 @@ class EmbeddingServer:
                                 if isinstance(checkpoint_root, str) else checkpoint_root)
         self._staged: _Staged | None = None   # read and replaced on the store thread only
         self._config_digest: str | None = None  # set by configure (see get_config)
+        # This process, as opposed to one restarted at its address (module docstring).
+        self.incarnation = secrets.token_hex(8)
         self._serving = _Serving(
             make_store(capacity, optimizer or optim_mod.Adagrad(),
                        embedding_config or EmbeddingConfig(), shards=store_threads),
@@ -309,7 +332,20 @@ class EmbeddingServer:
         self._req.labels("health").inc()
         return {"ok": True, "role": "embedding-server", "replica_index": self.replica_index,
                 "replica_size": self.replica_size, "rows": len(self.store),
-                "implementation": IMPLEMENTATION, "store_threads": self.store_threads}
+                "implementation": IMPLEMENTATION, "store_threads": self.store_threads,
+                "incarnation": self.incarnation, "loads": self._serving.loads}
+
+    def _check_incarnation(self, params: dict) -> None:
+        """Refuse a request that expects another process at this address (it restarted
+        since the caller last reached it); one comparison, before any work."""
+        want = params.get("incarnation")
+        if want is not None and want != self.incarnation:
+            raise ServerRestarted(
+                f"embedding server {self.replica_index} is incarnation {self.incarnation}, "
+                f"not {str(want)[:40]!r} as the caller expects: it restarted since the "
+                f"caller last reached it and holds none of the rows it held then; nothing "
+                f"was done", field="incarnation",
+                hint="restore the newest checkpoint into the embedding servers")
 
     async def _lookup(self, params: Any) -> dict:
         self._req.labels("lookup").inc()
@@ -320,6 +356,7 @@ class EmbeddingServer:
         checked = [_lookup_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
         train = mode == "train"
         want = config_digest_param(params)
+        self._check_incarnation(params)
 
         def run() -> dict:
             self._check_configured(want)
@@ -332,7 +369,8 @@ class EmbeddingServer:
                     else store.lookup_pooled(ids, dim, *pooled, train)
                     for dim, ids, pooled in checked]
             missing = 0 if train else store.stats()["misses"] - misses
-            return {"rows": rows, "missing": missing, "config": self._config_digest}
+            return {"rows": rows, "missing": missing, "config": self._config_digest,
+                    "incarnation": self.incarnation, "held": len(store)}
 
         return await self._run(run)
 
@@ -351,6 +389,7 @@ class EmbeddingServer:
                                f"{getattr(grads, 'shape', '')}", field=f"{where}.grads")
             checked.append((ids, grads))
         want = config_digest_param(params)
+        self._check_incarnation(params)
         token = params.get("token")
         if token is not None and not (isinstance(token, str) and 0 < len(token) <= 64):
             raise BadInput(f"token must be a string of 1-64 characters, got "
@@ -362,7 +401,8 @@ class EmbeddingServer:
             if token is not None and (first := self._tokens.get(token)) is not None:
                 self._token_counts["duplicates"] += 1
                 return {"applied": first[0], "dropped": first[1], "duplicate": True,
-                        "config": self._config_digest}
+                        "config": self._config_digest, "incarnation": self.incarnation,
+                        "held": len(self.store)}
             before = self.store.stats()["dropped_updates"]
             for ids, grads in checked:
                 self.store.update(ids, grads)
@@ -370,7 +410,8 @@ class EmbeddingServer:
             applied = sum(int(ids.size) for ids, _ in checked) - dropped
             if token is not None:
                 self._remember(token, applied, dropped)
-            return {"applied": applied, "dropped": dropped, "config": self._config_digest}
+            return {"applied": applied, "dropped": dropped, "config": self._config_digest,
+                    "incarnation": self.incarnation, "held": len(self.store)}
 
         return await self._run(run)
 

@@ -87,6 +87,16 @@ class PushFailed(RemoteError):
     (:mod:`stream_persia.worker.service`). ``field`` is ``batch_id``."""
 
     kind = "push_failed"
+class ServerRestarted(RemoteError):
+    """An embedding server restarted (a new process at its address: kill, OOM, node loss)
+    and lost the rows it held, with their optimizer state. A worker that notices it
+    (:mod:`stream_persia.worker.router`) fails what needs that server instead of training
+    on over an empty table, until a restore of a checkpoint replaces the table
+    (``embedding_worker_config.on_server_restart``). ``field`` is ``incarnation``."""
+
+    kind = "server_restarted"
+
+
 class AuthError(RemoteError):
     """An RPC peer refused the connection's authentication, or failed ours: the job's
     role secret is missing or differs (``field`` names the setting)."""
@@ -109,7 +119,8 @@ class InternalError(PersiaError):
 _BY_KIND: dict[str, type[PersiaError]] = {
     cls.kind: cls
     for cls in (PersiaError, BadInput, ConfigError, WireError, Misuse, RemoteError,
-                PeerUnavailable, RemoteTimeout, PushFailed, AuthError, Backpressure, InternalError)
+                PeerUnavailable, RemoteTimeout, PushFailed, ServerRestarted, AuthError,
+                Backpressure, InternalError)
 }
 
 

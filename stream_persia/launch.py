@@ -7,8 +7,10 @@ start just stops). A role started with ``PERSIA_PARENT_PID`` (by ``stream-persia
 sends itself SIGTERM once that parent is gone, even killed with SIGKILL
 (:mod:`stream_persia.lifecycle`). A role whose supervised
 background task fails (:mod:`stream_persia.supervisor`: the embedding worker's Kafka
-ingest loop) answers ``health`` not ok for :data:`~stream_persia.supervisor.EXIT_GRACE_S`,
-then drains the same way and exits 1. With ``--ready-file`` the
+ingest loop), or that reports a condition it cannot work on (the embedding worker: an
+embedding server restarted and lost its table), answers ``health`` not ok for
+:data:`~stream_persia.supervisor.EXIT_GRACE_S`, then drains the same way and exits 1
+(unless the condition was resolved meanwhile). With ``--ready-file`` the
 role writes its RPC ``host:port`` there once it is listening (atomically), which is how
 ``stream-persia run`` and the tests learn ports chosen by the OS.
 
@@ -268,13 +270,22 @@ async def _serve(role: Any, args: argparse.Namespace,
     try:
         serve_metrics(args.metrics_port, args.host, role.metrics.render)
         write_ready_file(args.ready_file, role.address)
-        if await _until_signal(supervisor.failed if supervisor is not None else None, stop):
+        if stop is None:
+            stop = _stop_signals()
+        while await _until_signal(supervisor.failed if supervisor is not None else None,
+                                  stop):
             # A background task failed: health says why for a moment, then exit 1.
-            code = 1
+            assert supervisor is not None
             log.error("stopping in %.0f s with exit status 1: %s", EXIT_GRACE_S,
                       supervisor.error)
             await asyncio.sleep(EXIT_GRACE_S)
-        elif before_stop is not None:
+            if not supervisor.ok:
+                code = 1
+                break
+            # A reported condition was resolved meanwhile (a restore): serve on (or drain,
+            # if a signal came during the grace: the loop sees it at once).
+            log.warning("the failure was resolved within %.0f s: serving on", EXIT_GRACE_S)
+        if code == 0 and before_stop is not None:
             await before_stop()
     finally:
         await role.stop()
@@ -340,6 +351,7 @@ def embedding_worker(args: argparse.Namespace) -> int:
                                  max_inflight_lookups=wc.max_inflight_lookups,
                                  rpc_timeout_ms=wc.rpc_timeout_ms,
                                  push_retry_ms=wc.push_retry_ms,
+                                 on_server_restart=wc.on_server_restart,
                                  ready_buffer_bytes=wc.ready_buffer_bytes,
                                  checkpoint_root=edge.checkpoint_root, secret=edge.secret,
                                  connection_limits=edge.connection_limits)

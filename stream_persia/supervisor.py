@@ -20,6 +20,13 @@ returned although it should run until cancelled. A failure
 The role is not restarted in-process: a failed ingest loop may have left the worker's
 stream position (its checkpoint frontier) in any state, and a fresh process resumes from
 the last checkpoint cleanly.
+
+A role can also :meth:`Supervisor.report` a condition it cannot work on that is no task's
+failure (the embedding worker: an embedding server restarted and lost its table,
+:mod:`stream_persia.worker.router`). It has the same effects but the count, and it is
+withdrawn by :meth:`Supervisor.resolve` once the cause is gone (a restore replaced the
+table); a launched role whose failures were all resolved within :data:`EXIT_GRACE_S`
+serves on.
 """
 
 from __future__ import annotations
@@ -47,8 +54,11 @@ class TaskFailure(NamedTuple):
     task: str
     error: BaseException | None   # None: it returned
     at: float                     # time.time() when it ended
+    reported: bool = False        # a condition the role reported (Supervisor.report)
 
     def describe(self) -> str:
+        if self.reported:
+            return str(getattr(self.error, "message", self.error))
         if self.error is None:
             return f"the background task {self.task!r} stopped (it should run until the " \
                    "role stops)"
@@ -96,9 +106,25 @@ class Supervisor:
                   failure.describe(), exc_info=error)
         self._failed.set()
 
+    def report(self, name: str, error: BaseException) -> None:
+        """Record a condition ``name`` the role cannot work on (it logged it already):
+        health not ok with ``error``'s message, the launched role exits 1, unless
+        :meth:`resolve` withdraws it first. A second report of ``name`` replaces the
+        first."""
+        self.failures = [f for f in self.failures if not (f.reported and f.task == name)]
+        self.failures.append(TaskFailure(name, error, time.time(), reported=True))
+        self._failed.set()
+
+    def resolve(self, name: str) -> None:
+        """Withdraw the condition ``name`` (its cause is gone); the role is healthy again
+        once nothing else failed."""
+        self.failures = [f for f in self.failures if not (f.reported and f.task == name)]
+        if not self.failures:
+            self._failed.clear()
+
     @property
     def failed(self) -> asyncio.Event:
-        """Set once any watched task failed."""
+        """Set once any watched task failed (or a condition was reported, until resolved)."""
         return self._failed
 
     @property

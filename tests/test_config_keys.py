@@ -50,6 +50,9 @@ READ: dict[str, list[tuple[str, str]]] = {
         (LAUNCH, r"cfg\.update_tokens"),
         ("stream_persia/embedding_server.py", r"len\(tokens\) > self\.update_tokens")],
     "embedding_worker_config.push_retry_ms": [(LAUNCH, r"wc\.push_retry_ms")],
+    "embedding_worker_config.on_server_restart": [
+        (LAUNCH, r"on_server_restart=wc\.on_server_restart"),
+        ("stream_persia/worker/router.py", r"self\.on_server_restart == \"continue\"")],
     "rpc.max_connections": [(LAUNCH, r"max_connections=rpc\.max_connections")],
     "rpc.idle_timeout_s": [(LAUNCH, r"idle_timeout_s=rpc\.idle_timeout_s")],
     "rpc.handshake_timeout_s": [(LAUNCH, r"handshake_timeout_s=rpc\.handshake_timeout_s")],

@@ -68,7 +68,8 @@ async def restore(request: Request, checkpoint_id: str = _ID,
     """Every embedding server loads the checkpoint's rows (any server count), every worker
     consumes again from its offsets, and (by default) the API serves its dense model. 409
     while batches are in flight: stop the NN workers, restore, then start them with
-    ``load_checkpoint``."""
+    ``load_checkpoint``. Batches whose push failed and embedding servers that restarted
+    (their tables lost) do not stop it: a restore is the way back from both."""
     ckpts = _ckpts(request)
     if await ckpts.get(checkpoint_id) is None:
         raise HTTPException(404, f"no checkpoint {checkpoint_id!r}")

@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from stream_persia.errors import BadInput, Misuse
-from stream_persia.worker.frontier import check_no_failed_push
+from stream_persia.worker.frontier import check_no_failed_push, check_servers_kept
 
 __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "DENSE_FILENAME", "OPT_FILENAME", "JIT_FILENAME",
            "STREAMS", "Manifest", "check_file_name", "cut_offsets", "utc_now"]
@@ -73,12 +73,14 @@ def cut_offsets(topic: str, frontiers: Sequence[dict[str, Any]]
     Raises:
         Misuse: a worker still has served batches whose gradients are not applied (the cut
             would not be consistent), or the workers disagree on the stream or an offset.
+        ServerRestarted: a worker found an embedding server restarted (its rows lost).
     """
     streams = {f.get("stream") for f in frontiers}
     if len(streams) != 1 or not streams <= set(STREAMS):
         raise Misuse(f"embedding workers report streams {sorted(map(str, streams))}, expected "
                      f"all 'kafka' or all 'direct'")
     check_no_failed_push(frontiers)   # a batch only partly applied: name it
+    check_servers_kept(frontiers)     # a server restarted with an empty table: name it
     offsets: dict[str, int] = {}
     for i, f in enumerate(frontiers):
         if f.get("inflight"):

@@ -293,6 +293,10 @@ class EmbeddingParameterServerConfig(_Section):
                         "offsets) take its place")
 
 
+#: ``embedding_worker_config.on_server_restart``: see :mod:`stream_persia.worker.router`.
+ON_SERVER_RESTART = ("fail", "continue")
+
+
 @dataclass(frozen=True)
 class EmbeddingWorkerConfig(_Section):
     """``embedding_worker_config``: PERSIA's keys plus bounded buffers and RPC limits.
@@ -314,6 +318,14 @@ class EmbeddingWorkerConfig(_Section):
             have not applied it (unreachable, timed out, restarting) before the batch is
             failed (:mod:`stream_persia.worker.service`); at most 120000 (the servers
             remember update tokens at least that long, see ``update_tokens``).
+        on_server_restart: fail|continue: what a worker does when an embedding server
+            restarted (a new process at its address, holding none of the rows the old one
+            held). ``fail`` (default): every lookup and push that needs it fails naming it,
+            the worker's health is not ok and a launched worker exits 1, checkpoints refuse,
+            until a checkpoint is restored. ``continue``: train on without those rows,
+            logged at ERROR and counted (``persia_embedding_worker_server_restarts_total``);
+            "every sample trained exactly once" then no longer holds
+            (:mod:`stream_persia.worker.router`).
 
     PERSIA's ``buffered_data_expired_sec`` is refused: it dropped a served batch whose
     gradients had not come back in time, which would lose training data silently.
@@ -324,6 +336,7 @@ class EmbeddingWorkerConfig(_Section):
     rpc_timeout_ms: int = 10_000
     push_retry_ms: int = 20_000
     ready_buffer_bytes: int = 32 * 1024 * 1024
+    on_server_restart: str = "fail"
 
     _ALIASES: ClassVar[dict[str, str]] = {"forward_buffer_size": "ready_buffer_batches"}
     _REJECTED: ClassVar[dict[str, str]] = {
@@ -344,6 +357,7 @@ class EmbeddingWorkerConfig(_Section):
                   hint="bytes of planned batches a worker holds ready, e.g. 33554432")
         check_int(self, "push_retry_ms", lo=0, hi=120_000,
                   hint="milliseconds a gradient push retries the servers, e.g. 20000")
+        check_choice(self, "on_server_restart", ON_SERVER_RESTART)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,10 @@
    gradient push has been answered (the servers applied it).
 2. Barrier: now no rank has anything in flight.
 3. Rank 0 asks every worker for its ``frontier``: with nothing in flight, every batch
-   before those offsets is applied and none after it. It writes the dense model, the
+   before those offsets is applied and none after it, and no worker found an embedding
+   server restarted (its table lost: the workers check every server's incarnation then,
+   and again after the dump, so a restart in between refuses the checkpoint too;
+   :mod:`stream_persia.worker.router`). It writes the dense model, the
    optimizer (and the GradScaler with mixed precision), optionally the TorchScript model,
    has every embedding server dump its shard into the checkpoint, and commits the
    manifest with the offsets (:class:`stream_persia.checkpoint.CheckpointWriter`: the
@@ -19,9 +22,10 @@
 4. Barrier; prefetching resumes.
 
 ``load_checkpoint(src)`` (every rank): quiesce, barrier, rank 0 loads the embeddings into
-the servers (any number of them: rows are resharded by hash) and, for a Kafka stream,
-has every worker ``reset_stream`` to the manifest's offsets; every rank loads the dense
-model and optimizer state; barrier.
+the servers (any number of them: rows are resharded by hash; servers that restarted are
+configured and loaded like the others, and the workers serve them again once they see the
+load) and, for a Kafka stream, has every worker ``reset_stream`` to the manifest's
+offsets; every rank loads the dense model and optimizer state; barrier.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from stream_persia.checkpoint import (
     read_manifest,
 )
 from stream_persia.errors import Misuse
-from stream_persia.worker.frontier import check_no_failed_push
+from stream_persia.worker.frontier import check_no_failed_push, check_servers_kept
 
 __all__ = ["dump_checkpoint", "dump_embedding", "dump_torch_state_dict", "load_checkpoint",
            "load_embedding", "load_torch_state_dict"]
@@ -114,6 +118,7 @@ async def _stream_position(cluster: Any) -> tuple[str, dict[str, dict[str, int]]
     """The cut's stream kind and offsets (topic → partition → next offset)."""
     frontiers = await cluster.call_workers("frontier")
     check_no_failed_push(frontiers)   # names a batch whose push failed (pinned, not lost)
+    check_servers_kept(frontiers)     # names a server that restarted with an empty table
     busy = [(i, f["inflight"]) for i, f in enumerate(frontiers) if f.get("inflight")]
     if busy:
         i, n = busy[0]
@@ -215,6 +220,10 @@ def _write(ctx: Any, cluster: Any, dst_dir: str, *, train: bool, dense_filename:
             writer.write_bytes(jit_dense_filename, jit)
         note("dumping embeddings", servers=len(cluster.servers))
         cluster.run(writer.dump_embeddings(cluster.servers))
+        if train:
+            # A server that restarted between the frontier and its dump wrote an empty
+            # table: the workers find it now (its incarnation changed), before the commit.
+            check_servers_kept(cluster.run(cluster.call_workers("frontier")))
         note("committing")
         manifest = writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0),
                                  offsets=offsets, stream=stream,

@@ -133,7 +133,8 @@ class Cluster:
 
     async def restore_server_config(self) -> None:
         """Configure every embedding server with :attr:`server_config` again (they
-        restarted and lost it; see :mod:`stream_persia.worker.router`)."""
+        restarted and lost it, and the embedding workers go on: ``on_server_restart:
+        continue``; see :mod:`stream_persia.worker.router`)."""
         cfg = self.server_config
         if cfg is None:
             return

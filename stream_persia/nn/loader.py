@@ -162,8 +162,9 @@ class StreamPrefetcher:
                         "next_batch", params,
                         timeout_ms=self.poll_ms + self.cluster.rpc_timeout_ms)
                 except Misuse as e:
-                    # Every embedding server lost the configuration (service.py): put it
-                    # back once, then ask again.
+                    # Every embedding server lost the configuration and the worker goes on
+                    # (on_server_restart: continue; by default it answers ServerRestarted,
+                    # raised to the training loop): put it back once, then ask again.
                     if e.field != "config" or restored:
                         raise
                     await self.cluster.restore_server_config()

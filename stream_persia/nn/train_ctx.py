@@ -22,7 +22,11 @@ sends no embedding gradients either. Errors of asynchronous pushes surface from 
 ``forward``/``backward``: a push the embedding worker could not complete on every
 embedding server is a :class:`~stream_persia.errors.PushFailed` naming the batch and the
 servers (the worker keeps the batch failed, and checkpoints refuse, until it completes or
-a restore; :mod:`stream_persia.worker.service`).
+a restore; :mod:`stream_persia.worker.service`). An embedding server that restarted (a new
+process at its address, its rows lost) fails the next lookup or push that needs it with
+:class:`~stream_persia.errors.ServerRestarted` naming it (raised from the DataLoader, or
+from the next ``forward``/``backward``): the loop stops instead of training on; restore
+the newest checkpoint (``load_checkpoint``).
 
 Stopping: SIGTERM (to the rank, or to ``stream-persia launch nn-worker``) while the
 context is entered requests a drain (:mod:`stream_persia.lifecycle`): the ``DataLoader``

@@ -29,12 +29,14 @@ TEST_CHECKPOINT_ROOT = tempfile.gettempdir()
 async def running_servers(n: int, optimizer: Any = None, capacity: int = 10_000,
                           init: tuple[float, float] = (-0.5, 0.5), store_threads: int = 1,
                           *, checkpoint_root: CheckpointRoot | str = TEST_CHECKPOINT_ROOT,
-                          secret: auth.SecretSetting = auth.FROM_ENV
+                          secret: auth.SecretSetting = auth.FROM_ENV,
+                          on_server_restart: str = "fail"
                           ) -> AsyncIterator[tuple[list[EmbeddingServer], ShardRouter]]:
     """Start ``n`` embedding servers (replicas 0..n-1, ``optimizer`` default Adagrad(0.1),
     rows initialised uniformly in ``init``, ``store_threads`` internal shards each, dumps
     and loads under ``checkpoint_root``); yield them and a :class:`ShardRouter` over them
-    (presenting ``secret`` as they require it); stop everything on exit."""
+    (presenting ``secret`` as they require it, ``on_server_restart`` as given); stop
+    everything on exit."""
     secret = auth.resolve(secret)
     servers = [EmbeddingServer(capacity, optimizer or Adagrad(lr=0.1), EmbeddingConfig(init),
                                replica_index=i, replica_size=n, store_threads=store_threads,
@@ -42,7 +44,8 @@ async def running_servers(n: int, optimizer: Any = None, capacity: int = 10_000,
                for i in range(n)]
     for s in servers:
         await s.start()
-    router = ShardRouter([s.address for s in servers], timeout_ms=5000, secret=secret)
+    router = ShardRouter([s.address for s in servers], timeout_ms=5000, secret=secret,
+                         on_server_restart=on_server_restart)
     try:
         yield servers, router
     finally:
@@ -54,7 +57,8 @@ async def running_servers(n: int, optimizer: Any = None, capacity: int = 10_000,
 def restarted(server: EmbeddingServer) -> EmbeddingServer:
     """What a supervisor restarting ``server``'s process would bring up: a fresh server at
     the same address, replica and capacity, holding only the defaults (no rows, no
-    configuration). Not started; the caller stops ``server`` first."""
+    configuration) and another incarnation. Not started; the caller stops ``server``
+    first."""
     host, port = server.address.rsplit(":", 1)
     return EmbeddingServer(server.store.capacity, replica_index=server.replica_index,
                            replica_size=server.replica_size, host=host, port=int(port),

@@ -10,6 +10,9 @@ restore replay exactly the batches whose effect the checkpoint does not contain.
 A batch whose gradient push could not complete on every server (see *Gradient pushes* in
 :mod:`stream_persia.worker.service`) stays pending: the frontier never passes it, and
 :func:`check_no_failed_push` makes every checkpoint refuse while one exists, naming it.
+Likewise :func:`check_servers_kept` while a worker holds an embedding server lost (it
+restarted and lost its table, :mod:`stream_persia.worker.router`): the cut would record
+the empty table as trained.
 
 Offsets within one partition arrive in increasing order (one consumer per partition,
 static assignment), so each partition is a FIFO of pending offsets with a done-set;
@@ -28,9 +31,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from stream_persia.errors import InternalError, Misuse
+from stream_persia.errors import InternalError, Misuse, ServerRestarted
 
-__all__ = ["Frontier", "check_no_failed_push"]
+__all__ = ["Frontier", "check_no_failed_push", "check_servers_kept"]
 
 
 def check_no_failed_push(frontiers: Sequence[Any]) -> None:
@@ -54,6 +57,24 @@ def check_no_failed_push(frontiers: Sequence[Any]) -> None:
                 field="batch_id",
                 hint="bring the server back and push the batch again, or restore the "
                      "last checkpoint")
+
+
+def check_servers_kept(frontiers: Sequence[Any]) -> None:
+    """Refuse a checkpoint cut while a worker holds an embedding server lost (the ``lost``
+    list of each worker's ``frontier`` reply: it restarted and lost its table).
+
+    Raises:
+        ServerRestarted: naming the worker, the server, its address and what was lost.
+    """
+    for i, f in enumerate(frontiers):
+        lost = (f.get("lost") if isinstance(f, dict) else None) or []
+        if lost:
+            first = lost[0]
+            raise ServerRestarted(
+                f"embedding worker {i} found {len(lost)} embedding server(s) restarted: "
+                f"{first.get('error')}; a checkpoint now would record the lost rows as "
+                f"trained", field="incarnation",
+                hint="restore the newest checkpoint instead")
 
 
 class _Partition:

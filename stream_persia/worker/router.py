@@ -6,24 +6,52 @@ per-group arrays in the caller's id order, or, for pooled lookups, their partial
 added. Splitting is one stable argsort per group, or one pass of
 :func:`stream_persia.segments.split` (no per-id Python work).
 
-A restarted server is configured again before it serves. The optimizer and
-EmbeddingConfig reach the servers once (``configure``, from the NN rank 0 or the API); a
-server process that restarts comes back with the defaults. So the router learns the job's
-configuration from the servers: every lookup and update reply carries the server's
-configuration digest, and on a digest it does not know yet the router fetches the
-configuration (``get_config``) from that server. From then on its requests carry the
-digest, a server that was never configured refuses them (a Misuse on field ``config``),
-and the router configures it with what it learned and retries. A job that never
-configures its servers sends no digest and is served as before.
+**A server that restarted lost its table, and the job is told.** Every embedding server
+process has a random *incarnation* (:mod:`stream_persia.embedding_server`); a process
+killed and restarted at the same address (kill -9, OOM, a lost node, a StatefulSet
+bringing the pod back) has another one and an empty table: every row the old one held, its
+optimizer state and the contribution of every sample trained so far to those rows are
+gone. The router remembers each server's incarnation from its first reply (and the rows it
+held, from every reply), and its lookups and updates name it: the server refuses one meant
+for another process before touching anything (:class:`~stream_persia.errors.
+ServerRestarted`), and a reply from another process is noticed too (one string comparison
+per reply, nothing per id). What happens then is ``on_server_restart``
+(``embedding_worker_config.on_server_restart``):
 
-Before its first request a router asks every server (:meth:`ShardRouter.learn`), so a
-worker that restarts together with some of the servers learns the configuration from the
-others before it sends anything, and configures the restarted ones first: otherwise the
-first batch would reach them without a digest and be looked up and applied with the
-defaults. When every server lost it too, only the NN side still knows it: an NN worker's
-``next_batch`` names the digest it expects, the embedding worker answers a Misuse on field
-``config`` while no server holds a configuration, and the NN side configures the servers
-again (:mod:`stream_persia.nn.loader`).
+- ``fail`` (default): the server is *lost*. Every lookup and update that needs it fails
+  with ``ServerRestarted`` naming the server, its address, the two incarnations and the
+  rows it held when last seen; an update being retried after a connection dropped meets
+  the new process and fails its batch instead of being "applied once" to the empty
+  table. The embedding worker reports it (``health`` not ok, its ``frontier`` names it so
+  checkpoints refuse, the launched role exits 1: :mod:`stream_persia.worker.service`).
+  The way back is a restore of a checkpoint into the servers
+  (:func:`stream_persia.checkpoint.load_embeddings`): a server whose ``health`` reports
+  ``loads`` > 0 had its table replaced on purpose since it started, and is served again
+  (probed on the next request to it, on ``health`` and on ``reset_stream``).
+- ``continue``: the old behaviour, as an explicit choice. The restart is logged at ERROR
+  and counted (``on_restart``, the worker's ``server_restarts_total{server}``), the new
+  incarnation adopted, and the server configured again (below) before it serves.
+
+Configuration. The optimizer and EmbeddingConfig reach the servers once (``configure``,
+from the NN rank 0 or the API); a server process that restarts comes back with the
+defaults. So the router learns the job's configuration from the servers: every lookup and
+update reply carries the server's configuration digest, and on a digest it does not know
+yet the router fetches the configuration (``get_config``) from that server. From then on
+its requests carry the digest, a server that was never configured refuses them (a Misuse
+on field ``config``), and the router configures it with what it learned and retries (a
+restarted server only gets there with ``continue``). A job that never configures its
+servers sends no digest; its restarts are caught by the incarnation all the same.
+
+Before its first request a router asks every server (:meth:`ShardRouter.learn`: ``health``
+and ``get_config``), so it knows every incarnation before it sends anything. A worker that
+restarts together with some of the servers cannot know their old incarnations; a server
+that holds no configuration while the others hold the job's and hold rows restarted after
+the job configured it, and is treated as a restart (its rows: unknown). Otherwise it is
+configured first, so that the first batch is not looked up and applied with the defaults.
+When every server lost its configuration too, only the NN side still knows it: an NN
+worker's ``next_batch`` names the digest it expects, and the embedding worker answers
+``ServerRestarted`` (``fail``) or a Misuse on field ``config`` (``continue``: the NN side
+configures the servers again, :mod:`stream_persia.nn.loader`).
 
 Updates are idempotent and retried (:meth:`ShardRouter.push`). A batch's update is split
 once into one request per owning server (:meth:`ShardRouter.split_update`, a
@@ -33,33 +61,39 @@ without applying it, see :mod:`stream_persia.embedding_server`). A request that 
 because the server is unreachable, timed out, or was busy is sent again, to that server
 only, with exponential backoff until the push's deadline; the servers that replied are
 never asked again. A reply thus means the server applied the update exactly once, and a
-timed-out request that the server did apply is recognised when it is retried.
+timed-out request that the server did apply is recognised when it is retried; a retry that
+reaches a process restarted meanwhile is refused by its incarnation (above), and fails the
+batch with ``on_server_restart: fail``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from stream_persia import segments
+from stream_persia.config.global_config import ON_SERVER_RESTART
 from stream_persia.errors import (
     Backpressure,
     BadInput,
+    InternalError,
     Misuse,
     PeerUnavailable,
     PersiaError,
     RemoteTimeout,
+    ServerRestarted,
 )
 from stream_persia.rpc import RpcClient, auth
 from stream_persia.sharding import shard_of, split_by_shard
 
-__all__ = ["PendingUpdate", "ShardRouter"]
+__all__ = ["ON_SERVER_RESTART", "LostServer", "PendingUpdate", "ShardRouter"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +102,18 @@ log = logging.getLogger(__name__)
 #: token makes the retry harmless. Other errors (a refused request) are final.
 RETRYABLE = (PeerUnavailable, RemoteTimeout, Backpressure)
 _FIRST_RETRY_S, _MAX_RETRY_S = 0.05, 1.0
+#: Sends of one request at most: a restart adopted (``continue``), a configure, the reply.
+_ATTEMPTS = 4
+_RESTORE_HINT = ("restore the newest checkpoint (TrainCtx.load_checkpoint, or POST "
+                 "/v1/checkpoints/{id}/restore); embedding_worker_config.on_server_restart: "
+                 "continue would train on without those rows")
+
+
+class LostServer(NamedTuple):
+    """A server found restarted with ``on_server_restart: fail``."""
+
+    incarnation: str | None   # the restarted process's (None: the server names none)
+    error: ServerRestarted
 
 
 @dataclass(eq=False)
@@ -111,13 +157,22 @@ class ShardRouter:
         addresses: ``host:port`` of server 0..S-1, in replica-index order.
         timeout_ms: per-call RPC timeout.
         secret: the job's role secret (see :class:`~stream_persia.rpc.RpcClient`).
+        on_server_restart: ``fail`` or ``continue``: what a restarted server means (module
+            docstring).
+        on_restart: called with a server's index for each restart seen (both policies).
+        on_lost: called whenever :attr:`lost` changed (a server lost, or restored).
     """
 
     def __init__(self, addresses: Sequence[str], *, timeout_ms: int = 10_000,
-                 secret: auth.SecretSetting = auth.FROM_ENV):
+                 secret: auth.SecretSetting = auth.FROM_ENV, on_server_restart: str = "fail",
+                 on_restart: Callable[[int], None] | None = None,
+                 on_lost: Callable[[], None] | None = None):
         if not addresses:
             raise BadInput("at least one embedding server address is needed",
                            field="embedding_servers")
+        if on_server_restart not in ON_SERVER_RESTART:
+            raise BadInput(f"on_server_restart must be one of {ON_SERVER_RESTART}, got "
+                           f"{on_server_restart!r}", field="on_server_restart")
         self.addresses = list(addresses)
         secret = auth.resolve(secret)   # read once for every client
         self.clients = [RpcClient(a, timeout_ms=timeout_ms, name=f"embedding-server-{i}",
@@ -127,35 +182,78 @@ class ShardRouter:
         self.config: dict | None = None
         self._asked = False                # a learn() was answered (see _call)
         self._learning = asyncio.Lock()
+        self.on_server_restart = on_server_restart
+        n = len(self.addresses)
+        # Per server: the incarnation served from (None: not reached yet), and the rows
+        # it held in its last reply (None: unknown).
+        self.incarnations: list[str | None] = [None] * n
+        self.held: list[int | None] = [None] * n
+        self.restarts = [0] * n            # restarts seen, per server
+        self.lost: dict[int, LostServer] = {}
+        self._on_restart = on_restart
+        self._on_lost = on_lost
 
     async def learn(self, *, once: bool = False) -> dict | None:
-        """Ask every server for its configuration (``get_config``); adopt the one most of
-        them hold and configure the servers that hold none with it. Returns what the
-        router knows afterwards (None: no server is configured). A server that does not
-        answer is skipped (its own requests fail, or configure it again, later); when none
-        answers, the first one's error is raised.
+        """Ask every server for its incarnation and configuration (``health``,
+        ``get_config``); adopt the configuration most of them hold and configure the
+        servers that hold none with it. Returns what the router knows afterwards (None: no
+        server is configured). A server that does not answer is skipped (its own requests
+        fail, or configure it again, later); when none answers, the first one's error is
+        raised. A server found restarted is handled as ``on_server_restart`` says (module
+        docstring): with ``fail`` the first such server's ServerRestarted is raised, after
+        the others were configured.
         ``once``: only if no learn has been answered yet (before the first request)."""
         async with self._learning:
             if once and self._asked:
                 return self.config
-            replies = await asyncio.gather(*(c.call("get_config", None) for c in self.clients),
+            replies = await asyncio.gather(*(self._ask(c) for c in self.clients),
                                            return_exceptions=True)
-            if all(isinstance(r, BaseException) for r in replies):
-                raise replies[0]   # no server answers: say so (PeerUnavailable names it)
+            failed = [r for r in replies if isinstance(r, BaseException)]
+            if len(failed) == len(replies):
+                raise failed[0]   # no server answers: say so (PeerUnavailable names it)
             self._asked = True
-            held = [r for r in replies if isinstance(r, dict) and r.get("digest")]
+            answered = {s: r for s, r in enumerate(replies) if not isinstance(r, BaseException)}
+            held = [c for _, c in answered.values() if c is not None and c.get("digest")]
             if held:
-                digests = [r["digest"] for r in held]
-                best = max(held, key=lambda r: digests.count(r["digest"]))
+                digests = [c["digest"] for c in held]
+                best = max(held, key=lambda c: digests.count(c["digest"]))
                 if len(set(digests)) > 1:
                     log.warning("embedding servers hold different configurations %s; "
                                 "following %s (the most common)", sorted(set(digests)),
                                 best["digest"])
                 self.config = best
+            unknown = {s for s in answered if self.incarnations[s] is None}
+            errors: list[ServerRestarted] = []
+            for s, (health, _) in answered.items():
+                try:
+                    self._judge(s, health)
+                except ServerRestarted as e:
+                    errors.append(e)
             if self.config is not None:
-                await asyncio.gather(*(self._configure(s) for s, r in enumerate(replies)
-                                       if r is None))
+                bare = [s for s, (_, c) in answered.items() if c is None and s not in self.lost]
+                # Rows on the configured servers: the job trained after configuring them,
+                # so a server this router meets only now that holds no configuration
+                # restarted after that (before this worker started) and lost its rows.
+                trained = sum(int(h.get("rows") or 0) for h, c in answered.values()
+                              if c is not None)
+                for s in [s for s in bare if s in unknown and trained]:
+                    try:
+                        self._restarted(s, None, answered[s][0], why=(
+                            f"it holds no configuration while the other servers hold the "
+                            f"job's ({self.config['digest']}) and {trained} rows: it "
+                            f"restarted after the job configured it, before this worker "
+                            f"reached it"))
+                    except ServerRestarted as e:
+                        errors.append(e)
+                await asyncio.gather(*(self._configure(s) for s in bare if s not in self.lost))
+            if errors:
+                raise errors[0]
             return self.config
+
+    async def _ask(self, client: RpcClient) -> tuple[dict, dict | None]:
+        health, config = await asyncio.gather(client.call("health", None),
+                                              client.call("get_config", None))
+        return health, config
 
     async def _configure(self, s: int) -> None:
         """Give server ``s``, which holds no configuration, the one learned."""
@@ -166,25 +264,147 @@ class ShardRouter:
 
     async def _call(self, s: int, method: str, params: dict,
                     timeout_ms: float | None = None) -> Any:
-        """``method`` (lookup or update) on server ``s``, expecting the configuration
-        learned so far; a server that lost it is configured again first."""
+        """``method`` (lookup or update) on server ``s``, expecting the incarnation and the
+        configuration learned so far; a server that restarted is handled as
+        ``on_server_restart`` says, one that lost its configuration is configured again."""
         if not self._asked:
             await self.learn(once=True)
-        if self.config is not None:
-            params["config"] = self.config["digest"]
-        try:
-            reply = await self.clients[s].call(method, params, timeout_ms)
-        except Misuse as e:
-            if e.field != "config" or self.config is None:
-                raise
-            await self._configure(s)
-            reply = await self.clients[s].call(method, params, timeout_ms)
-        digest = reply.get("config")
-        if digest is not None and (self.config is None or digest != self.config["digest"]):
-            learned = await self.clients[s].call("get_config", None)
-            if learned is not None and learned.get("digest") == digest:
-                self.config = learned
-        return reply
+        for _ in range(_ATTEMPTS):
+            if s in self.lost:
+                await self.check(s)   # raises its ServerRestarted unless restored since
+            if self.config is not None:
+                params["config"] = self.config["digest"]
+            expect = self.incarnations[s]
+            if expect is not None:
+                params["incarnation"] = expect
+            try:
+                reply = await self.clients[s].call(method, params, timeout_ms)
+            except ServerRestarted:
+                await self.check(s)   # fail: raises; restored or continue: adopted
+                continue
+            except Misuse as e:
+                if e.field != "config" or self.config is None:
+                    raise
+                await self._configure(s)
+                continue
+            got = reply.get("incarnation")
+            if got != self.incarnations[s]:
+                if self.incarnations[s] is None:
+                    self.incarnations[s] = got          # the first reply of that server
+                elif got is not None:
+                    # Sent without one while another reply taught the router the old one:
+                    # this reply comes from a new process.
+                    await self.check(s)
+            self.held[s] = reply.get("held")
+            digest = reply.get("config")
+            if digest is not None and (self.config is None or digest != self.config["digest"]):
+                learned = await self.clients[s].call("get_config", None)
+                if learned is not None and learned.get("digest") == digest:
+                    self.config = learned
+            return reply
+        raise InternalError(f"embedding server {s} ({self.addresses[s]}) refused {method} "
+                            f"{_ATTEMPTS} times over (restarted and unconfigured again?)")
+
+    # ----------------------------------------------------------------- restarts
+    async def check(self, s: int, timeout_ms: float | None = None) -> None:
+        """Find out whether server ``s`` is still the process this router knows (its
+        ``health``) and act as the module docstring says: adopt a restored table, handle
+        a restart as ``on_server_restart`` says.
+
+        Raises:
+            ServerRestarted: ``s`` is lost (``fail``), restarted without a restore.
+            RemoteError: ``s`` did not answer.
+        """
+        self._judge(s, await self.clients[s].call("health", None, timeout_ms))
+
+    async def verify(self) -> None:
+        """:meth:`check` every server now (a checkpoint is about to be cut): a restart no
+        request has met yet is found too. Servers that do not answer are skipped (the
+        dump that follows fails on them); a restart is recorded, not raised."""
+        replies = await asyncio.gather(*(c.call("health", None) for c in self.clients),
+                                       return_exceptions=True)
+        for s, health in enumerate(replies):
+            if not isinstance(health, BaseException):
+                with contextlib.suppress(ServerRestarted):
+                    self._judge(s, health)
+
+    async def recheck(self, timeout_ms: float | None = None) -> None:
+        """:meth:`check` every lost server at once, so that those restored since are
+        served again (the others stay lost, as do those that do not answer)."""
+        await asyncio.gather(*(self.check(s, timeout_ms) for s in list(self.lost)),
+                             return_exceptions=True)
+
+    def _judge(self, s: int, health: dict) -> None:
+        """Act on server ``s``'s ``health`` reply (see :meth:`check`)."""
+        now = health.get("incarnation")
+        known, lost = self.incarnations[s], self.lost.get(s)
+        if now is None:   # a server that names no incarnation: nothing to compare
+            return
+        if lost is None and (known is None or now == known):
+            self.incarnations[s] = now
+            self.held[s] = health.get("rows")
+            return
+        if int(health.get("loads") or 0) > 0:
+            # A load replaced its table since it started: a restore, on purpose.
+            if lost is None:
+                self.restarts[s] += 1
+                if self._on_restart is not None:
+                    self._on_restart(s)
+            log.warning("embedding server %d (%s) restarted (incarnation %s, now %s) and was "
+                        "restored from a checkpoint since: serving it again", s,
+                        self.addresses[s], known, now)
+            self.incarnations[s] = now
+            self.held[s] = health.get("rows")
+            if self.lost.pop(s, None) is not None and self._on_lost is not None:
+                self._on_lost()
+            return
+        if lost is not None and lost.incarnation == now:
+            raise ServerRestarted(lost.error.message, field=lost.error.field,
+                                  hint=lost.error.hint)
+        self._restarted(s, known, health)
+
+    def _restarted(self, s: int, known: str | None, health: dict,
+                   why: str | None = None) -> None:
+        """Server ``s`` restarted (``health`` is the new process's, ``known`` the
+        incarnation before, None: unknown): count it, then go on or mark it lost."""
+        now = health.get("incarnation")
+        held = self.held[s]
+        rows = (f"the {held} rows it held when last seen" if held is not None
+                else "every row it held")
+        error = ServerRestarted(
+            f"embedding server {s} ({self.addresses[s]}) restarted: "
+            + (why or f"it is incarnation {now}, not {known}")
+            + f"; {rows}, their optimizer state and what every batch trained so far added to "
+              f"them are lost (it holds {health.get('rows')} rows now)",
+            field="incarnation", hint=_RESTORE_HINT)
+        self.restarts[s] += 1
+        if self._on_restart is not None:
+            self._on_restart(s)
+        if self.on_server_restart == "continue":
+            log.error("%s; training goes on without them (embedding_worker_config."
+                      "on_server_restart: continue)", error.message)
+            self.incarnations[s] = now
+            self.held[s] = health.get("rows")
+            return
+        log.error("%s; every lookup and update that needs it fails until a checkpoint is "
+                  "restored", error.message)
+        self.lost[s] = LostServer(now, error)
+        if self._on_lost is not None:
+            self._on_lost()
+        raise error
+
+    def mark_lost(self, error: ServerRestarted) -> None:
+        """Every server is lost with ``error`` (its configuration gone from all of them,
+        seen from the NN side's request: :mod:`stream_persia.worker.service`), each at
+        the incarnation this router knows now."""
+        for s in range(self.num_shards):
+            if s not in self.lost:
+                self.restarts[s] += 1
+                if self._on_restart is not None:
+                    self._on_restart(s)
+                self.lost[s] = LostServer(self.incarnations[s], error)
+        if self._on_lost is not None:
+            self._on_lost()
 
     @property
     def num_shards(self) -> int:

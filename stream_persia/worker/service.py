@@ -17,17 +17,19 @@ RPC methods (params → result):
 
 - ``health`` → ``{"ok", "role", "replica_index", ..., "error"}``: ``ok`` is false, and
   ``error`` says why, when a background task failed (the Kafka ingest loop: the launched
-  role then exits with status 1, :mod:`stream_persia.supervisor`) or batches whose
-  gradient push failed are held (below).
+  role then exits with status 1, :mod:`stream_persia.supervisor`), batches whose
+  gradient push failed are held (below), or an embedding server restarted and lost its
+  table (*Embedding servers that restart*, below; the launched role exits 1 too).
 - ``ingest {"batch": PersiaBatch wire dict, "timeout_ms"?}`` → ``{"batch_id"}`` —
   broker-less ingest; waits while ingest is paused or the ready buffer is full
   (``Backpressure`` after the timeout); bad batches are refused with ``BadInput`` naming
   the field (nothing stored).
 - ``next_batch {"timeout_ms", "config"?}`` → a training batch (below) or None when none
   arrived. ``config``: the configuration digest the caller set on the servers; while no
-  server holds any (all restarted), a Misuse on field ``config`` (see
-  :mod:`stream_persia.worker.router`). The batch carries the digest the servers hold
-  (``config``) once the worker knows it.
+  server holds any (all restarted), ``ServerRestarted`` naming them, or with
+  ``on_server_restart: continue`` a Misuse on field ``config`` (the NN side configures
+  them again; see :mod:`stream_persia.worker.router`). The batch carries the digest the
+  servers hold (``config``) once the worker knows it.
 - ``push_gradients {"batch_id", "grads": {slot: f32 grad | None}, "timeout_ms"?}`` →
   ``{"applied", "dropped", "skipped_slots"}``; replies only after every server applied the
   update. See *Gradient pushes* below for retries, duplicates and failed batches.
@@ -37,12 +39,16 @@ RPC methods (params → result):
   to the head of the ready buffer in their original order (an NN worker drops its
   prefetched batches before a checkpoint, so nothing is left in flight).
 - ``frontier`` → ``{"stream": "kafka"|"direct", "offsets": {partition: offset},
-  "inflight", "pending", "failed"}``: with nothing in flight, every batch before
+  "inflight", "pending", "failed", "lost"}``: with nothing in flight, every batch before
   ``offsets`` is applied and none after it (the checkpoint cut). ``failed`` lists the
-  batches whose push could not complete (below); they count as in flight too.
+  batches whose push could not complete (below); they count as in flight too. Every
+  server's incarnation is checked first, and ``lost`` lists ``{"server", "address",
+  "error"}`` of those found restarted (below): checkpoints refuse while it is not empty.
 - ``reset_stream {"offsets": {partition: offset}}``: drop buffered and in-flight batches
   and consume again from ``offsets`` (restore); offsets the brokers deleted are refused
-  first (``KafkaDataLoss``, unless ``kafka.on_data_loss: skip``), nothing dropped. ``commit_offsets {"offsets"}``: record
+  first (``KafkaDataLoss``, unless ``kafka.on_data_loss: skip``), nothing dropped, and so
+  is a reset while an embedding server found restarted was not restored since
+  (``ServerRestarted``). ``commit_offsets {"offsets"}``: record
   checkpoint offsets in the consumer group, for lag monitors.
 - ``status`` → buffers, counters, frontier offsets, and with Kafka ``kafka``: lag, paused
   partitions, those stopped on a data loss (``stopped``) and the messages lost where the
@@ -89,6 +95,22 @@ not applied it; ``grads`` is ignored), or when ``reset_stream`` (a restore) drop
 holds one of the ``max_inflight_batches`` slots until then, so failures that pile up stop
 serving rather than grow memory.
 
+Embedding servers that restart. A server process killed and restarted at its address (a
+StatefulSet does it by itself) comes back with an empty table. The router notices it by
+the server's incarnation (:mod:`stream_persia.worker.router`) and, with
+``embedding_worker_config.on_server_restart: fail`` (the default), the server is *lost*:
+lookups that need it fail with :class:`~stream_persia.errors.ServerRestarted` naming it,
+its address and the rows it held (the batch goes back to the head of the ready buffer), a
+push that needs it fails its batch with ``ServerRestarted`` (kept failed as above: pushing
+it again cannot help), ``health`` answers not ok naming it, ``frontier`` lists it (so
+checkpoints refuse), the metrics count it (``server_restarts_total{server}``, gauge
+``servers_lost``), and the supervisor has a launched worker exit 1 after
+:data:`~stream_persia.supervisor.EXIT_GRACE_S`. A restore is the way back: once a load
+replaced the server's table (its ``loads``), the router serves it again (checked on the
+next request, ``health`` and ``reset_stream``), and the worker is healthy. With
+``continue`` the restart is logged at ERROR and counted, and training goes on without
+the rows.
+
 A served batch: ``{"batch_id", "requires_grad", "meta", "batch_size",
 "non_id_type_features": [{"name", "data"}], "labels": [{"name", "data"}],
 "embeddings": [{"name", "kind": "sum", "emb": f32 (batch, dim)} |
@@ -116,6 +138,7 @@ from stream_persia.errors import (
     Misuse,
     PersiaError,
     PushFailed,
+    ServerRestarted,
     config_digest_param,
 )
 from stream_persia.metrics import RoleMetrics
@@ -137,6 +160,10 @@ __all__ = ["EmbeddingWorker", "PendingBatch", "PUSHED_MEMORY"]
 
 #: Replies of recently applied batches a worker keeps, to answer a repeated push.
 PUSHED_MEMORY = 1024
+#: The supervisor's name for the condition "an embedding server restarted and is lost".
+SERVERS_LOST = "embedding-servers"
+#: How long ``health`` waits for a lost server to say whether it was restored since.
+HEALTH_PROBE_MS = 1000
 
 
 @dataclass(eq=False)
@@ -180,6 +207,9 @@ class EmbeddingWorker:
         max_inflight_batches: served training batches awaiting gradients (bounded).
         push_retry_ms: how long a gradient push retries the servers that have not
             applied it before the batch fails (module docstring).
+        on_server_restart: ``fail`` or ``continue``: what an embedding server that
+            restarted (and lost its table) means (module docstring,
+            :mod:`stream_persia.worker.router`).
         checkpoint_root: where checkpoints requested through the mailbox (replica 0) may
             go; None: such requests are refused.
         secret: the job's role secret, required of this worker's clients and proven to the
@@ -192,7 +222,7 @@ class EmbeddingWorker:
                  port: int = 0, ready_buffer_batches: int = 16, max_inflight_lookups: int = 16,
                  max_inflight_batches: int = 64, rpc_timeout_ms: int = 10_000,
                  ingest_timeout_ms: int = 30_000, push_retry_ms: int = 20_000,
-                 ready_buffer_bytes: int | None = 32 << 20,
+                 ready_buffer_bytes: int | None = 32 << 20, on_server_restart: str = "fail",
                  checkpoint_root: CheckpointRoot | str | None = None,
                  secret: auth.SecretSetting = auth.FROM_ENV,
                  connection_limits: ConnectionLimits = ConnectionLimits()):
@@ -200,7 +230,10 @@ class EmbeddingWorker:
         self.replica_index = replica_index
         self.replica_size = replica_size
         secret = auth.resolve(secret)
-        self.router = ShardRouter(embedding_servers, timeout_ms=rpc_timeout_ms, secret=secret)
+        self.router = ShardRouter(embedding_servers, timeout_ms=rpc_timeout_ms, secret=secret,
+                                  on_server_restart=on_server_restart,
+                                  on_restart=self._server_restarted,
+                                  on_lost=self._servers_lost)
         self.ready: BoundedBuffer[PendingBatch] = BoundedBuffer(
             ready_buffer_batches, "ready buffer", max_bytes=ready_buffer_bytes,
             size_of=(lambda pb: pb.nbytes) if ready_buffer_bytes is not None else None)
@@ -247,6 +280,10 @@ class EmbeddingWorker:
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
         self.m_update_s = m.histogram("update_seconds", "gradient apply latency",
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
+        self.m_server_restarts = m.counter(
+            "server_restarts_total", "embedding server restarts seen (a new process at its "
+            "address, without the rows the old one held)", ("server",))
+        m.add_callback("servers", lambda: {"lost": float(len(self.router.lost))})
         m.add_callback("buffer", lambda: {"ready": len(self.ready),
                                           "ready_bytes": self.ready.bytes,
                                           "inflight": len(self.inflight),
@@ -437,14 +474,7 @@ class EmbeddingWorker:
         want = config_digest_param(params)
         if want is not None and self.router.config is None \
                 and await self.router.learn() is None:
-            # The NN side configured the servers, but none holds a configuration now
-            # (they restarted, and this worker with them): serving would look up and
-            # train with the defaults. The NN side configures them again and retries.
-            raise Misuse(f"embedding worker {self.replica_index}: no embedding server "
-                         f"holds a configuration, but the caller expects {want} (they "
-                         "restarted?)", field="config",
-                         hint="configure the embedding servers again (NN workers do so "
-                              "by themselves)")
+            self._all_servers_unconfigured(want)
         deadline = time.monotonic() + timeout_ms / 1000.0
         # Room for one more in-flight batch first, so a batch is never taken off the ready
         # buffer only to wait there.
@@ -474,6 +504,36 @@ class EmbeddingWorker:
         if self.router.config is not None:
             served["config"] = self.router.config["digest"]
         return served
+
+    def _all_servers_unconfigured(self, want: str) -> None:
+        """The NN side configured the servers (``want``), but none holds a configuration
+        now: they all restarted (and this worker with them, or it would know it) and lost
+        their tables. ``fail``: ServerRestarted, every server lost. ``continue``: a Misuse
+        on field ``config``: the NN side configures them again and retries (serving now
+        would look up and train with the defaults)."""
+        where = f"embedding worker {self.replica_index}"
+        servers = ", ".join(f"{i} ({a})" for i, a in enumerate(self.router.addresses))
+        if self.router.on_server_restart == "fail":
+            error = ServerRestarted(
+                f"{where}: no embedding server holds a configuration, but the NN side set "
+                f"{want}: every server ({servers}) restarted since and lost the rows it "
+                f"held, with their optimizer state", field="config",
+                hint="restore the newest checkpoint (it configures the servers too); "
+                     "embedding_worker_config.on_server_restart: continue would configure "
+                     "them again and train on without those rows")
+            log.error("%s", error.message)
+            self.router.mark_lost(error)
+            raise error
+        log.error("%s: no embedding server holds a configuration, but the NN side set %s: "
+                  "every server (%s) restarted since; the NN side configures them again "
+                  "and training goes on without their rows (on_server_restart: continue)",
+                  where, want, servers)
+        for s in range(self.router.num_shards):
+            self._server_restarted(s)
+        raise Misuse(f"{where}: no embedding server holds a configuration, but the caller "
+                     f"expects {want} (they restarted)", field="config",
+                     hint="configure the embedding servers again (NN workers do so "
+                          "by themselves)")
 
     async def _lookup_batch(self, params: Any) -> dict:
         batch = self._batch_param(params, "lookup_batch")
@@ -557,7 +617,8 @@ class EmbeddingWorker:
             self._pushed.popitem(last=False)
         return reply
 
-    def _push_failed(self, pb: PendingBatch, err: Exception, retry_s: float) -> PushFailed:
+    def _push_failed(self, pb: PendingBatch, err: Exception, retry_s: float
+                     ) -> PushFailed | ServerRestarted:
         upd = pb.update
         assert upd is not None
         addresses = self.router.addresses
@@ -576,10 +637,13 @@ class EmbeddingWorker:
                  if pb.source is not None else "")
         msg = (f"embedding worker {self.replica_index}: the gradients of batch {pb.batch_id}"
                f"{where} could not be applied on embedding server(s) "
-               f"{', '.join(pb.failure['servers'])} within {retry_s * 1000:g} ms "
-               f"({len(upd.replies)} of {len(upd.parts)} servers applied them): {why}")
+               f"{', '.join(pb.failure['servers'])}"
+               + ("" if isinstance(err, ServerRestarted) else f" within {retry_s * 1000:g} ms")
+               + f" ({len(upd.replies)} of {len(upd.parts)} servers applied them): {why}")
         log.error("%s; the batch stays in flight, failed: checkpoints refuse until a push of "
                   "it completes or a restore resets the stream", msg)
+        if isinstance(err, ServerRestarted):   # pushing it again cannot help: restore
+            return ServerRestarted(msg, field="batch_id", hint=err.hint)
         return PushFailed(msg, field="batch_id",
                           hint="bring the server back and push the batch again (its "
                                "gradients are kept; only the servers missing them get "
@@ -612,7 +676,31 @@ class EmbeddingWorker:
                             f"{self._failed_summary(failed)}")
         return problems
 
+    # ----------------------------------------------------------------- server restarts
+    def _server_restarted(self, s: int) -> None:
+        self.m_server_restarts.labels(str(s)).inc()
+
+    def _servers_lost(self) -> None:
+        """The router's lost servers changed: the worker is unhealthy while any is lost
+        (reported to the supervisor, so a launched worker exits 1 unless a restore
+        resolves it within the grace)."""
+        lost = self.router.lost
+        if not lost:
+            self.supervisor.resolve(SERVERS_LOST)
+            return
+        first = lost[min(lost)].error
+        more = f" (and {len(lost) - 1} more server(s))" if len(lost) > 1 else ""
+        self.supervisor.report(SERVERS_LOST, ServerRestarted(
+            f"{first.message}{more}; checkpoints refuse, lookups and pushes that need it "
+            f"fail", field=first.field, hint=first.hint))
+
+    def _lost_servers(self) -> list[dict]:
+        return [{"server": s, "address": self.router.addresses[s],
+                 "error": lost.error.message} for s, lost in sorted(self.router.lost.items())]
+
     async def _health(self, params: Any) -> dict:
+        if self.router.lost:   # restored since? (a restore replaced the table)
+            await self.router.recheck(timeout_ms=HEALTH_PROBE_MS)
         problems = self.problems()
         return {"ok": not problems, "role": "embedding-worker",
                 "replica_index": self.replica_index,
@@ -670,10 +758,13 @@ class EmbeddingWorker:
             self._inflight_room.release()
 
     async def _frontier(self, params: Any) -> dict:
+        # Every server still the process this worker trained through? A checkpoint must
+        # not record a restarted server's empty table as trained (``lost``).
+        await self.router.verify()
         return {"stream": "kafka" if self.kafka is not None else "direct",
                 "offsets": {str(p): o for p, o in self.frontier.offsets().items()},
                 "inflight": len(self.inflight), "pending": self.frontier.pending(),
-                "failed": self._failed()}
+                "failed": self._failed(), "lost": self._lost_servers()}
 
     @staticmethod
     def _offsets_param(params: Any) -> dict[int, int]:
@@ -695,6 +786,15 @@ class EmbeddingWorker:
             raise BadInput("this worker has no Kafka stream to reset (broker-less mode "
                            "cannot replay)", field="offsets",
                            hint="run with --kafka for exactly-once restore")
+        # A restore loaded the servers first: those found restarted are served again now.
+        # One still lost was not restored: replaying onto its empty table would not be
+        # exactly-once, so nothing is reset.
+        await self.router.recheck()
+        if self.router.lost:
+            first = self.router.lost[min(self.router.lost)].error
+            raise ServerRestarted(f"embedding worker {self.replica_index} does not reset its "
+                                  f"stream: {first.message}; no checkpoint was restored into "
+                                  f"it since", field=first.field, hint=first.hint)
         if self.kafka is not None:
             # Offsets the brokers no longer have (or never had) are refused before
             # anything held here is dropped.

@@ -16,6 +16,15 @@ staleness 1, reproducible) and takes a checkpoint every ``C`` batches. One trial
    exactly the stream, once each, and the final dense parameters and every embedding row
    (weights and optimizer state) equal an uninterrupted run's within 1e-6.
 
+An embedding server may also come back by itself: a supervisor (a Kubernetes StatefulSet)
+restarts it at the same address, with an empty table. That trial kills it at a random
+point and starts it again on its port while the NN worker is frozen (SIGSTOP: the restart
+beats the NN's next step, as it does when a step is slow or the stream idle); once
+thawed, the NN worker must fail in bounded time naming the server, not train on over the
+empty table (the embedding worker, when it saw the restart, exits 1). Then the newest
+checkpoint is restored into the restarted server (with a fresh worker and NN worker),
+and every batch is trained exactly once as above.
+
 The broker is the one victim a restore cannot survive: the test broker keeps its data in
 memory, so a killed broker loses the stream. There the run must fail loudly, in bounded
 time, naming the broker, and a restore must refuse the lost stream instead of training
@@ -32,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -67,23 +77,31 @@ kafka: {broker_timeout_ms: 5000}
 """
 
 
+def start_server(tmp: Path, name: str, port: str | None = None) -> RoleProcess:
+    """An embedding server process (on ``port``: a restart at the same address)."""
+    return RoleProcess("embedding-server", ["--checkpoint-root", str(tmp),
+                                            *(["--port", port] if port else [])],
+                       log_path=tmp / f"{name}.log", name=name).start()
+
+
 class Job:
     """An embedding server and an embedding worker (Kafka ingest) as processes, plus the
-    NN worker script."""
+    NN worker script. ``server``: one already running (it outlives this job's others)."""
 
-    def __init__(self, tmp: Path, name: str, bootstrap: str, topic: str):
+    def __init__(self, tmp: Path, name: str, bootstrap: str, topic: str,
+                 server: RoleProcess | None = None):
         self.tmp, self.name = tmp, name
         cfg = tmp / "embedding_config.yml"
         cfg.write_text(EMBEDDING_YAML)
         gcfg = tmp / "global_config.yml"
         gcfg.write_text(GLOBAL_YAML)
-        self.server = RoleProcess("embedding-server", ["--checkpoint-root", str(tmp)],
-                                  log_path=tmp / f"{name}-server.log",
-                                  name=f"{name}-server").start()
-        server = self.server.wait_ready()
+        if server is None:
+            server = start_server(tmp, f"{name}-server")
+        self.server = server
+        address = self.server.wait_ready()
         self.worker = RoleProcess("embedding-worker", [
             "--embedding-config", str(cfg), "--global-config", str(gcfg),
-            "--embedding-servers", server, "--kafka",
+            "--embedding-servers", address, "--kafka",
             bootstrap, "--topic", topic, "--num-partitions", "1"],
             log_path=tmp / f"{name}-worker.log", name=f"{name}-worker").start()
         self.worker.wait_ready()
@@ -256,6 +274,81 @@ def test_kill_a_role_then_restore_trains_every_batch_once(tmp_path, broker, stre
     for x, (w, s) in full_rows.items():
         np.testing.assert_allclose(rest_rows[x][0], w, atol=1e-6, rtol=0)
         np.testing.assert_allclose(rest_rows[x][1], s, atol=1e-6, rtol=0)
+
+
+def _check_exactly_once(tmp_path: Path, rest: Job, stream: tuple, step: int) -> None:
+    """The batches trained before the checkpoint plus those after the restore are the
+    stream, once each, and the dense model and every row equal the uninterrupted run's."""
+    _, full_metas, full_dense, full_rows = stream
+    rest_rows = rest.rows()
+    part_metas = _metas(tmp_path / "part")
+    rest_metas = _metas(tmp_path / "rest")
+    assert part_metas[:step] + rest_metas == full_metas, "every batch trained exactly once"
+    rest_dense = torch.load(tmp_path / "rest" / "dense.pt")
+    for name, value in full_dense.items():
+        torch.testing.assert_close(rest_dense[name], value, atol=1e-6, rtol=0)
+    assert set(rest_rows) == set(full_rows)
+    for x, (w, s) in full_rows.items():
+        np.testing.assert_allclose(rest_rows[x][0], w, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(rest_rows[x][1], s, atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("seed", [SEED + t for t in range(TRIALS)])
+def test_a_server_restarted_at_its_address_fails_the_run_then_restore_trains_once(
+        tmp_path, broker, stream, seed):
+    topic = stream[0]
+    trained_before_kill, extra_s = _kill_point(random.Random(seed))
+    print(f"trial embedding-server-restarted seed={seed}: kill after {trained_before_kill} "
+          f"batches + {extra_s * 1000:.0f} ms, restart at the same port")
+    ck = tmp_path / "ck"
+    job = Job(tmp_path, "part", broker.bootstrap_servers, topic)
+    server = job.server
+    try:
+        job.train(tmp_path / "part", str(N), "--checkpoint-every", str(C), "--ckpt", str(ck),
+                  "--step-sleep", str(STEP_SLEEP_S))
+        _wait_trained(job, tmp_path / "part", trained_before_kill)
+        time.sleep(extra_s)
+        assert job.nn is not None
+        address = server.wait_ready()
+        os.killpg(job.nn.pid, signal.SIGSTOP)
+        try:
+            server.kill()
+            server = job.server = start_server(tmp_path, "part-server-restarted",
+                                               address.rpartition(":")[2])
+            assert server.wait_ready() == address
+        finally:
+            os.killpg(job.nn.pid, signal.SIGCONT)
+        _expect_loud_failure(job, "embedding server (restarted)")
+        log = job.nn_log.read_text()
+        assert address in log, f"the NN worker's failure does not name the server:\n" \
+                               f"{log[-3000:]}"
+        seen = "restarted" in log
+        print(f"  the NN worker failed on {'the restart' if seen else 'the dead server'}")
+        if seen:   # the embedding worker that saw it stops too (health not ok, exit 1)
+            deadline = time.monotonic() + FAIL_WITHIN_S
+            while job.worker.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert job.worker.proc.returncode == 1, job.worker.log_tail()
+    except BaseException:
+        server.kill()
+        raise
+    finally:
+        job.kill_nn()
+        job.worker.kill()
+
+    latest = latest_checkpoint(str(ck))
+    assert latest is not None, "no complete checkpoint although one was due"
+    step = latest.step
+    assert C <= step <= len(_metas(tmp_path / "part")) and step % C == 0
+    # The operator's way back: restore the newest checkpoint, into the restarted server.
+    rest = Job(tmp_path, "rest", broker.bootstrap_servers, topic, server=server)
+    try:
+        rest.train(tmp_path / "rest", str(N - step), "--restore", latest.path)
+        rest.finish()
+        _check_exactly_once(tmp_path, rest, stream, step)
+    finally:
+        rest.stop()
 
 
 @pytest.mark.timeout(300)

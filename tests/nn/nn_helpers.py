@@ -35,11 +35,12 @@ class LocalJob:
 
     def __init__(self, schema: EmbeddingSchema, *, servers: int = 1, workers: int = 1,
                  capacity: int = 100_000, ready_buffer_batches: int = 16,
-                 push_retry_ms: int = 20_000):
+                 push_retry_ms: int = 20_000, on_server_restart: str = "fail"):
         self.loop = LoopThread(name="test-job")
         self.servers: list[EmbeddingServer] = []
         self.workers: list[EmbeddingWorker] = []
         self.push_retry_ms = push_retry_ms
+        self.on_server_restart = on_server_restart
         self.loop.run(self._start(schema, servers, workers, capacity, ready_buffer_batches),
                       timeout=30)
 
@@ -53,9 +54,21 @@ class LocalJob:
             w = EmbeddingWorker(schema, [s.address for s in self.servers], replica_index=i,
                                 replica_size=n_workers, ready_buffer_batches=ready,
                                 push_retry_ms=self.push_retry_ms,
+                                on_server_restart=self.on_server_restart,
                                 checkpoint_root=TEST_CHECKPOINT_ROOT)
             await w.start()
             self.workers.append(w)
+
+    def restart_server(self, i: int) -> None:
+        """Replace server ``i`` by a fresh process at its address (kill -9 and a
+        supervisor's restart: no rows, the defaults, another incarnation)."""
+        async def restart() -> None:
+            await self.servers[i].stop()
+            fresh = restarted(self.servers[i])
+            await fresh.start()
+            self.servers[i] = fresh
+
+        self.loop.run(restart(), timeout=30)
 
     def restart_all(self) -> None:
         """Replace every server and worker by a fresh one at the same address, as a
@@ -76,6 +89,7 @@ class LocalJob:
             fresh = EmbeddingWorker(schema, [s.address for s in servers],
                                     replica_index=w.replica_index,
                                     replica_size=w.replica_size, host=host, port=int(port),
+                                    on_server_restart=self.on_server_restart,
                                     checkpoint_root=TEST_CHECKPOINT_ROOT)
             await fresh.start()
             workers.append(fresh)

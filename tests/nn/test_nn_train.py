@@ -16,7 +16,7 @@ from stream_persia.ctx import InferCtx, TrainCtx, eval_ctx
 from stream_persia.data import DataLoader, IterableDataset, StreamingDataset
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad
-from stream_persia.errors import Misuse, PushFailed
+from stream_persia.errors import Misuse, PushFailed, ServerRestarted
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.utils import roc_auc, setup_seed
@@ -91,12 +91,14 @@ def test_forward_shapes_and_gradients_reach_the_owning_rows(job_factory):
     np.testing.assert_array_equal(server_rows(job, "item", ids), rows)
 
 
-def test_servers_and_workers_restarted_together_are_configured_again(job_factory):
-    """Every server and worker restarts between the NN's start and its first batch: no
-    role is left that knows the job's configuration but the NN worker. Its first fetch
-    names the digest, the worker refuses while no server holds one, the NN configures
-    them again, and the batch is trained with the job's optimizer, not the defaults."""
-    job = job_factory(SCHEMA)
+def test_with_continue_servers_and_workers_restarted_together_are_configured_again(
+        job_factory):
+    """With ``on_server_restart: continue``, every server and worker restarts between the
+    NN's start and its first batch: no role is left that knows the job's configuration
+    but the NN worker. Its first fetch names the digest, the worker refuses while no
+    server holds one, the NN configures them again, and the batch is trained with the
+    job's optimizer, not the defaults."""
+    job = job_factory(SCHEMA, on_server_restart="continue")
     model = TwoSlotLoss()
     job_init = EmbeddingConfig((-0.001, 0.001))
     with TrainCtx(SGD(lr=LR), torch.optim.SGD(model.parameters(), lr=0.1), model=model,
@@ -116,6 +118,54 @@ def test_servers_and_workers_restarted_together_are_configured_again(job_factory
     store = job.servers[0].store
     assert store.optimizer.to_dict() == want["optimizer"]
     assert store.embedding_config.to_dict() == want["embedding_config"]
+
+
+def test_servers_and_workers_restarted_together_fail_the_training_loop(job_factory):
+    """By default the same restart fails the NN's training loop naming the servers: they
+    lost their tables (and never train with the defaults: nothing is served)."""
+    job = job_factory(SCHEMA)
+    model = TwoSlotLoss()
+    with TrainCtx(SGD(lr=LR), torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                  embedding_workers=job.worker_addresses, mixed_precision=False,
+                  ready_timeout_s=10) as ctx:
+        job.restart_all()
+        job.feed([make_batch(0, batch_size=16)], background=False)
+        with pytest.raises(ServerRestarted, match="every server") as err:
+            for _ in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=1):
+                pass
+        assert job.servers[0].address in str(err.value)
+        assert ctx.stats()["pushed"] == 0
+    assert len(job.servers[0].store) == 0
+
+
+@pytest.mark.parametrize("staleness", [1, 3])
+def test_a_server_restarted_mid_training_fails_the_training_loop(job_factory, staleness):
+    """A server restarts while the NN trains (between batches: the stream is idle, so no
+    lookup meets the server while it is down): the training loop raises ServerRestarted
+    naming it from the next lookup; it never trains on over the empty table."""
+    job = job_factory(SCHEMA, servers=2)
+    job.feed([make_batch(i) for i in range(3)])
+    model = SumModel(3 + 8 + 8 + 4)
+    trained = 0
+    with train_ctx(job, model) as ctx:
+        with pytest.raises(ServerRestarted) as err:
+            for tb in DataLoader(StreamingDataset(), embedding_staleness=staleness,
+                                 max_batches=12, timeout_ms=10_000):
+                output, labels = ctx.forward(tb)
+                ctx.backward(bce(output, labels))
+                trained += 1
+                if trained == 3:
+                    deadline = time.monotonic() + 10
+                    while ctx.stats()["pushed"] < 3 and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    job.restart_server(1)
+                    job.feed([make_batch(i) for i in range(3, 12)])
+        msg = str(err.value)
+        assert "embedding server 1" in msg and job.servers[1].address in msg
+    assert trained == 3
+    assert len(job.servers[1].store) == 0
+    health = job.loop.run(job.workers[0]._health(None), timeout=10)
+    assert health["ok"] is False and job.servers[1].address in health["error"]
 
 
 def test_the_nn_side_follows_a_configuration_set_elsewhere(job_factory):

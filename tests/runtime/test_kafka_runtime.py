@@ -41,10 +41,14 @@ LR = 0.1
 INIT = (-0.5, 0.5)
 SLOTS = ("user", "item", "tags")
 READY_CAPACITY = 2
+# on_server_restart: continue, so that the job goes on after the killed-server test
+# restarts a server (by default a restarted server fails the job: see
+# tests/runtime/test_server_restart_process.py and tests/worker/test_server_restart.py).
 GLOBAL_YAML = f"""\
 embedding_worker_config:
   ready_buffer_batches: {READY_CAPACITY}
   rpc_timeout_ms: 5000
+  on_server_restart: continue
 """
 NO_GRADS = dict.fromkeys(SLOTS)
 
@@ -477,10 +481,13 @@ async def test_killed_server_is_a_clear_error_and_the_batch_is_served_after_rest
     finally:  # later tests need the server whatever happened here
         await asyncio.to_thread(job.restart_server, 1)
     # A fresh process: empty store, default optimizer and initialisation. Nobody configures
-    # it by hand: worker 0 does, from the configuration it learned, before its lookup.
+    # it by hand: worker 0 does (on_server_restart: continue), from the configuration it
+    # learned, before its lookup, and counts the restart.
     assert await rpc.servers[1].call("get_config") is None
     served = await worker.call("next_batch", {"timeout_ms": 5000})
     assert served is not None and served["meta"] == batch.meta
+    assert b'persia_embedding_worker_server_restarts_total{server="1"} 1.0' in \
+        await worker.call("metrics")
     job_config = await rpc.servers[0].call("get_config")
     assert job_config is not None and job_config["optimizer"] == SGD(lr=LR).to_dict()
     assert await rpc.servers[1].call("get_config") == job_config

@@ -376,8 +376,11 @@ async def test_worker_config_bounds_its_buffer_and_concurrent_lookups(tmp_path):
     async def get_config(params: object) -> None:
         return None
 
+    async def health(params: object) -> dict:   # a worker asks it before its first lookup
+        return {"ok": True}
+
     # A peer that counts the lookups it is serving at once (a real RPC server on loopback).
-    server = RpcServer({"lookup": lookup, "get_config": get_config})
+    server = RpcServer({"lookup": lookup, "get_config": get_config, "health": health})
     await server.start()
     (tmp_path / "embedding_config.yml").write_text(EMBEDDING_YAML)
     (tmp_path / "global_config.yml").write_text(

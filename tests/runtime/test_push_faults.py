@@ -7,8 +7,9 @@ answers nothing: the worker's request times out and is sent again, and when the 
 thaws it reads the first request and every retry. The token makes it apply the update
 once: its rows equal those of fault-free servers (in this process, same configuration;
 rows are initialised from the id, so both start equal). A server killed and restarted
-mid-push is configured again by the worker and the push completes; nothing is left in
-flight.
+mid-push lost its rows: the retried update meets the new process, which refuses it, and
+the batch fails naming the server (by default); with ``on_server_restart: continue`` the
+worker configures it again and the push completes; nothing is left in flight.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Adagrad
 from stream_persia.embedding_server import EmbeddingServer
+from stream_persia.errors import ServerRestarted
 from stream_persia.local import RoleProcess
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import SCHEMA, make_batch
@@ -104,11 +106,12 @@ async def fault_free(batch) -> list[np.ndarray]:
             await s.stop()
 
 
-async def started_worker(addresses: list[str]) -> EmbeddingWorker:
+async def started_worker(addresses: list[str], **kw) -> EmbeddingWorker:
     for a in addresses:
         async with RpcClient(a) as c:
             await c.call("configure", CONFIG)
-    worker = EmbeddingWorker(SCHEMA, addresses, rpc_timeout_ms=400, push_retry_ms=15_000)
+    worker = EmbeddingWorker(SCHEMA, addresses, rpc_timeout_ms=400, push_retry_ms=15_000,
+                             **kw)
     await worker.start()
     return worker
 
@@ -144,9 +147,10 @@ async def test_a_frozen_server_applies_a_retried_push_once(servers):
         await worker.stop()
 
 
-async def test_a_server_restarted_mid_push_completes_it(servers):
+@pytest.mark.parametrize("policy", ["fail", "continue"])
+async def test_a_server_restarted_mid_push(servers, policy):
     addresses = [p.address for p in servers]
-    worker = await started_worker(addresses)
+    worker = await started_worker(addresses, on_server_restart=policy)
     try:
         async with RpcClient(worker.address, timeout_ms=30_000) as c:
             await c.call("ingest", {"batch": make_batch(0).to_wire()})
@@ -158,12 +162,28 @@ async def test_a_server_restarted_mid_push_completes_it(servers):
             assert not push.done()
             servers[1] = _server(1, addresses[1].rpartition(":")[2])
             await asyncio.to_thread(lambda: servers[1].start().wait_ready(30))
+            if policy == "fail":
+                # The retried update reaches a process with an empty table: refused there,
+                # and the batch fails naming the server instead of being "applied once".
+                with pytest.raises(ServerRestarted) as err:
+                    await asyncio.wait_for(push, 20)
+                assert f"embedding server 1 ({addresses[1]}) restarted" in str(err.value)
+                front = await c.call("frontier")
+                assert front["inflight"] == 1 and front["failed"][0]["servers"] == \
+                    [addresses[1]] and front["lost"][0]["address"] == addresses[1]
+                assert (await c.call("health"))["ok"] is False
+                async with RpcClient(addresses[1]) as sc:   # nothing applied, not configured
+                    assert (await sc.call("stats"))["updates"] == 0
+                    assert await sc.call("get_config") is None
+                return
             reply = await asyncio.wait_for(push, 20)
             # The fresh server lost the rows: their updates are dropped, and counted.
             assert reply["dropped"] > 0
             front = await c.call("frontier")
             assert (front["inflight"], front["failed"]) == (0, [])
             assert (await c.call("health"))["ok"] is True
+            assert b'persia_embedding_worker_server_restarts_total{server="1"} 1.0' in \
+                await c.call("metrics")
         async with RpcClient(addresses[1]) as sc:   # configured again by the worker
             assert (await sc.call("get_config"))["optimizer"] == CONFIG["optimizer"]
     finally:

@@ -18,7 +18,7 @@ import pytest
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD
 from stream_persia.embedding_server import EmbeddingServer
-from stream_persia.errors import Backpressure, BadInput, Misuse
+from stream_persia.errors import Backpressure, BadInput, Misuse, ServerRestarted
 from stream_persia.rpc import RpcClient
 from stream_persia.sharding import shard_of
 from stream_persia.testing.samples import SCHEMA, make_batch, naive_sum
@@ -224,11 +224,27 @@ async def test_timeout_must_be_a_number_not_a_bool(job):
         assert err.value.field == "timeout_ms"
 
 
-async def test_next_batch_expecting_a_configuration_no_server_holds_is_refused(job):
-    """The caller (an NN worker) configured the servers, but none holds a configuration
-    (all restarted, this worker too): refused naming ``config``, the batch kept; served,
-    with the servers' digest, once they are configured again."""
+async def test_next_batch_expecting_a_configuration_no_server_holds_fails_loudly(job):
+    """The caller (an NN worker) configured the servers, but none holds a configuration:
+    they all restarted (this worker too) and lost their tables. By default that is
+    ServerRestarted naming every server, the batch kept and the worker unhealthy."""
     servers, worker, client = job
+    await client.call("ingest", {"batch": make_batch(0).to_wire()})
+    with pytest.raises(ServerRestarted, match="every server") as err:
+        await client.call("next_batch", {"timeout_ms": 50, "config": "0123456789abcdef"})
+    assert err.value.field == "config"
+    assert all(s.address in str(err.value) for s in servers)
+    health = await client.call("health")
+    assert health["ok"] is False and "every server" in health["error"]
+    assert len(worker.ready) == 1
+
+
+async def test_next_batch_expecting_a_configuration_no_server_holds_is_refused(job):
+    """With ``on_server_restart: continue``: refused naming ``config``, the batch kept;
+    served, with the servers' digest, once they are configured again (the NN side does
+    it)."""
+    servers, worker, client = job
+    worker.router.on_server_restart = "continue"
     await client.call("ingest", {"batch": make_batch(0).to_wire()})
     with pytest.raises(BadInput) as err:
         await client.call("next_batch", {"timeout_ms": 50, "config": "not-a-digest"})

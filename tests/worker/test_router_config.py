@@ -1,11 +1,13 @@
-"""A restarted embedding server is configured again before it serves (ShardRouter).
+"""The router learns the job's configuration, and a server never trains with the defaults.
 
 Two embedding servers run in this process on real loopback sockets. The job configures
 them once (as the NN rank 0 or the API does); the router learns that configuration from
 their replies. A server replaced by a fresh process at the same address (what a
-supervisor's restart gives: the default optimizer and initialisation) refuses the
-router's next request, which configures it with what it learned and retries, so the
-update lands with the job's optimizer.
+supervisor's restart gives: the default optimizer and initialisation, and no rows) fails
+the job by default (tests/worker/test_server_restart.py); with ``on_server_restart:
+continue`` it refuses the router's next request for want of the configuration, and the
+router configures it with what it learned and retries, so the update lands with the job's
+optimizer.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ def ids_on(replica: int, n: int = 8) -> np.ndarray:
     return ids[shard_of(ids, 2) == replica][:n]
 
 
-async def test_a_restarted_server_is_configured_again_before_it_serves():
-    async with running_servers(2) as (servers, router):
+async def test_with_continue_a_restarted_server_is_configured_again_before_it_serves():
+    async with running_servers(2, on_server_restart="continue") as (servers, router):
         await router.broadcast("configure", JOB)
         ids = np.concatenate([ids_on(0), ids_on(1)])
         await router.lookup([(DIM, ids)], "train")
@@ -56,12 +58,13 @@ async def test_a_restarted_server_is_configured_again_before_it_serves():
             assert await router.update([(DIM, ids, grads)]) == (ids.size, 0)
             after, _ = await router.lookup([(DIM, ids)], "eval")
             np.testing.assert_allclose(after[0], rows[0] - 0.5 * grads, atol=1e-6)  # SGD
+            assert router.restarts == [0, 1] and not router.lost   # counted, not failed
         finally:
             await fresh.stop()
 
 
-async def test_a_job_that_never_configures_is_served_as_before():
-    async with running_servers(2) as (servers, router):
+async def test_with_continue_a_job_that_never_configures_is_served_as_before():
+    async with running_servers(2, on_server_restart="continue") as (servers, router):
         ids = np.concatenate([ids_on(0), ids_on(1)])
         await router.lookup([(DIM, ids)], "train")
         assert router.config is None
@@ -71,6 +74,7 @@ async def test_a_job_that_never_configures_is_served_as_before():
         try:
             await router.lookup([(DIM, ids)], "train")   # no digest sent, none refused
             assert await router.clients[1].call("get_config") is None
+            assert router.restarts == [0, 1]
         finally:
             await fresh.stop()
 
@@ -132,8 +136,10 @@ async def test_a_request_right_behind_a_configure_sees_it():
 
 async def test_a_restarted_worker_learns_before_its_first_request():
     """A worker that restarts together with server 1 (a new router, a fresh server 1)
-    learns the configuration from server 0 before anything is sent, and configures
-    server 1 first: the first batch's rows on server 1 come from the job's range."""
+    before the job trained anything learns the configuration from server 0 before
+    anything is sent, and configures server 1 first: the first batch's rows on server 1
+    come from the job's range. (Had server 0 held rows, server 1 would have lost some:
+    tests/worker/test_server_restart.py.)"""
     async with running_servers(2) as (servers, old_router):
         await old_router.broadcast("configure", JOB)
         job = await old_router.clients[0].call("get_config")
