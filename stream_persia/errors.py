@@ -97,6 +97,17 @@ class ServerRestarted(RemoteError):
     kind = "server_restarted"
 
 
+class StreamReplay(Misuse):
+    """Serving or applying a Kafka batch would train it a second time: the embedding
+    servers already applied the updates of that partition's batches at or after its offset
+    (a worker restarted alone starts its partitions over, or two workers read one
+    partition). Nothing is served or applied; a restore of a checkpoint rewinds the
+    servers and the stream together (:mod:`stream_persia.watermarks`). ``field`` is
+    ``offset``."""
+
+    kind = "stream_replay"
+
+
 class AuthError(RemoteError):
     """An RPC peer refused the connection's authentication, or failed ours: the job's
     role secret is missing or differs (``field`` names the setting)."""
@@ -119,8 +130,8 @@ class InternalError(PersiaError):
 _BY_KIND: dict[str, type[PersiaError]] = {
     cls.kind: cls
     for cls in (PersiaError, BadInput, ConfigError, WireError, Misuse, RemoteError,
-                PeerUnavailable, RemoteTimeout, PushFailed, ServerRestarted, AuthError,
-                Backpressure, InternalError)
+                PeerUnavailable, RemoteTimeout, PushFailed, ServerRestarted, StreamReplay,
+                AuthError, Backpressure, InternalError)
 }
 
 

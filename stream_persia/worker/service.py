@@ -18,8 +18,9 @@ RPC methods (params → result):
 - ``health`` → ``{"ok", "role", "replica_index", ..., "error"}``: ``ok`` is false, and
   ``error`` says why, when a background task failed (the Kafka ingest loop: the launched
   role then exits with status 1, :mod:`stream_persia.supervisor`), batches whose
-  gradient push failed are held (below), or an embedding server restarted and lost its
-  table (*Embedding servers that restart*, below; the launched role exits 1 too).
+  gradient push failed are held (below), an embedding server restarted and lost its
+  table (*Embedding servers that restart*, below; the launched role exits 1 too), or
+  serving its stream would train batches twice (*Stream replays*, below).
 - ``ingest {"batch": PersiaBatch wire dict, "timeout_ms"?}`` → ``{"batch_id"}`` —
   broker-less ingest; waits while ingest is paused or the ready buffer is full
   (``Backpressure`` after the timeout); bad batches are refused with ``BadInput`` naming
@@ -28,8 +29,9 @@ RPC methods (params → result):
   arrived. ``config``: the configuration digest the caller set on the servers; while no
   server holds any (all restarted), ``ServerRestarted`` naming them, or with
   ``on_server_restart: continue`` a Misuse on field ``config`` (the NN side configures
-  them again; see :mod:`stream_persia.worker.router`). The batch carries the digest the
-  servers hold (``config``) once the worker knows it.
+  them again; see :mod:`stream_persia.worker.router`); ``StreamReplay`` while the worker
+  refuses its stream (*Stream replays*). The batch carries the digest the servers hold
+  (``config``) once the worker knows it.
 - ``push_gradients {"batch_id", "grads": {slot: f32 grad | None}, "timeout_ms"?}`` →
   ``{"applied", "dropped", "skipped_slots"}``; replies only after every server applied the
   update. See *Gradient pushes* below for retries, duplicates and failed batches.
@@ -48,7 +50,8 @@ RPC methods (params → result):
   and consume again from ``offsets`` (restore); offsets the brokers deleted are refused
   first (``KafkaDataLoss``, unless ``kafka.on_data_loss: skip``), nothing dropped, and so
   is a reset while an embedding server found restarted was not restored since
-  (``ServerRestarted``). ``commit_offsets {"offsets"}``: record
+  (``ServerRestarted``); offsets at or below what the servers applied start a stream that
+  is refused (``StreamReplay``, *Stream replays*). ``commit_offsets {"offsets"}``: record
   checkpoint offsets in the consumer group, for lag monitors.
 - ``status`` → buffers, counters, frontier offsets, and with Kafka ``kafka``: lag, paused
   partitions, those stopped on a data loss (``stopped``) and the messages lost where the
@@ -111,6 +114,23 @@ next request, ``health`` and ``reset_stream``), and the worker is healthy. With
 ``continue`` the restart is logged at ERROR and counted, and training goes on without
 the rows.
 
+Stream replays. A worker restarted alone (kill -9, OOM, a pod restart) starts its
+partitions at ``auto_offset_reset`` while the servers hold every update applied since the
+last checkpoint. Every update of a Kafka batch names its topic, partition, offset and the
+worker stream that sends it (``<incarnation>.<n>``, a new ``n`` per ``reset_stream``), so
+the servers keep per partition the highest offset applied (:mod:`stream_persia.watermarks`).
+Before its ingest reads a partition the worker asks them, and a partition it would start
+at or below that is *refused*: never read nor served, ``health`` answers not ok naming the
+topic/partition, the start offset, the watermark and the server, ``next_batch`` raises
+:class:`~stream_persia.errors.StreamReplay` naming them (so does ``reset_stream`` to such
+offsets), and the gauge ``partitions_replay_refused`` counts the partitions. A push the
+servers refuse as a replay (another stream applied that offset: two workers on one
+partition) fails its batch with StreamReplay, kept failed as above, with the same effects.
+The worker then waits for the way back, a restore (its ``reset_stream`` to the
+checkpoint's offsets, once the servers hold the checkpoint's cut), and does not exit: the
+restore needs it to answer. A partition given no start offset whose servers hold a
+restored cut nothing passed since starts at that cut by itself.
+
 A served batch: ``{"batch_id", "requires_grad", "meta", "batch_size",
 "non_id_type_features": [{"name", "data"}], "labels": [{"name", "data"}],
 "embeddings": [{"name", "kind": "sum", "emb": f32 (batch, dim)} |
@@ -139,12 +159,14 @@ from stream_persia.errors import (
     PersiaError,
     PushFailed,
     ServerRestarted,
+    StreamReplay,
     config_digest_param,
 )
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer, auth
 from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
 from stream_persia.supervisor import Supervisor
+from stream_persia.watermarks import RESTORE_HINT, Refusal
 from stream_persia.worker.batchplan import BatchPlan, plan_batch, reduce_gradients
 from stream_persia.worker.buffer import BoundedBuffer
 from stream_persia.worker.frontier import Frontier
@@ -174,6 +196,7 @@ class PendingBatch:
     batch: PersiaBatch
     plan: BatchPlan
     source: tuple[int, int] | None = None       # (partition, offset) when from Kafka
+    stream: tuple[str, str] | None = None       # (topic, writer) of its Kafka stream
     received_s: float = field(default_factory=time.monotonic)
     missing: int = 0                             # ids absent from the servers (eval/infer)
     update: PendingUpdate | None = None          # its gradients per server, once pushed
@@ -248,6 +271,8 @@ class EmbeddingWorker:
         self.push_retry_ms = push_retry_ms
         # Tokens of this process's updates start with it: batch ids restart with a process.
         self.incarnation = secrets.token_hex(8)
+        self._streams = 0                       # Kafka streams started (their writer ids)
+        self._replay: StreamReplay | None = None   # serving would train batches twice
         self._pushed: OrderedDict[int, dict] = OrderedDict()   # recent replies (bounded)
         self._push_tasks: set[asyncio.Task] = set()
         self.ingest_timeout_ms = ingest_timeout_ms
@@ -284,6 +309,8 @@ class EmbeddingWorker:
             "server_restarts_total", "embedding server restarts seen (a new process at its "
             "address, without the rows the old one held)", ("server",))
         m.add_callback("servers", lambda: {"lost": float(len(self.router.lost))})
+        m.add_callback("partitions", lambda: {"replay_refused": float(
+            len(self.kafka.refused) if self.kafka is not None else 0)})
         m.add_callback("buffer", lambda: {"ready": len(self.ready),
                                           "ready_bytes": self.ready.bytes,
                                           "inflight": len(self.inflight),
@@ -372,8 +399,8 @@ class EmbeddingWorker:
         return self.rpc.address
 
     # ----------------------------------------------------------------- ingest
-    def prepare(self, batch: PersiaBatch, source: tuple[int, int] | None = None
-                ) -> PendingBatch:
+    def prepare(self, batch: PersiaBatch, source: tuple[int, int] | None = None,
+                stream: tuple[str, str] | None = None) -> PendingBatch:
         """Validate a decoded batch against the schema and plan its lookups.
 
         The ids' CSR is not checked again: ``PersiaBatch.from_wire`` / ``from_bytes``
@@ -387,7 +414,7 @@ class EmbeddingWorker:
                           requires_grad=batch.requires_grad, csr_checked=True)
         batch_id = self._seq * self.replica_size + self.replica_index
         self._seq += 1
-        pb = PendingBatch(batch_id, batch, plan, source)
+        pb = PendingBatch(batch_id, batch, plan, source, stream)
         pb.nbytes = _batch_nbytes(batch) + plan.nbytes()
         return pb
 
@@ -470,6 +497,9 @@ class EmbeddingWorker:
         }
 
     async def _next_batch(self, params: Any) -> dict | None:
+        if self._replay is not None:   # the NN side must hear it, not wait for batches
+            raise StreamReplay(self._replay.message, field=self._replay.field,
+                               hint=self._replay.hint)
         timeout_ms = self._timeout_ms(params, 1000)
         want = config_digest_param(params)
         if want is not None and self.router.config is None \
@@ -590,7 +620,12 @@ class EmbeddingWorker:
             self.m_nonfinite.labels(name).inc()
         pb.skipped = list(reduced.skipped)
         groups = [(dim, ids, rows) for dim, (ids, rows) in reduced.by_dim.items()]
-        pb.update = self.router.split_update(groups, f"{self.incarnation}-{pb.batch_id}")
+        source = None
+        if pb.stream is not None and pb.source is not None:   # the servers' watermarks
+            source = {"topic": pb.stream[0], "partition": pb.source[0],
+                      "offset": pb.source[1], "writer": pb.stream[1]}
+        pb.update = self.router.split_update(groups, f"{self.incarnation}-{pb.batch_id}",
+                                             source)
 
     async def _apply(self, pb: PendingBatch, retry_s: float) -> dict:
         """Apply ``pb``'s update on every server that has not yet, then release it; on
@@ -618,7 +653,7 @@ class EmbeddingWorker:
         return reply
 
     def _push_failed(self, pb: PendingBatch, err: Exception, retry_s: float
-                     ) -> PushFailed | ServerRestarted:
+                     ) -> PushFailed | ServerRestarted | StreamReplay:
         upd = pb.update
         assert upd is not None
         addresses = self.router.addresses
@@ -638,12 +673,16 @@ class EmbeddingWorker:
         msg = (f"embedding worker {self.replica_index}: the gradients of batch {pb.batch_id}"
                f"{where} could not be applied on embedding server(s) "
                f"{', '.join(pb.failure['servers'])}"
-               + ("" if isinstance(err, ServerRestarted) else f" within {retry_s * 1000:g} ms")
+               + ("" if isinstance(err, (ServerRestarted, StreamReplay))
+                  else f" within {retry_s * 1000:g} ms")
                + f" ({len(upd.replies)} of {len(upd.parts)} servers applied them): {why}")
         log.error("%s; the batch stays in flight, failed: checkpoints refuse until a push of "
                   "it completes or a restore resets the stream", msg)
         if isinstance(err, ServerRestarted):   # pushing it again cannot help: restore
             return ServerRestarted(msg, field="batch_id", hint=err.hint)
+        if isinstance(err, StreamReplay):      # another stream applied it: restore
+            self._replay = StreamReplay(msg, field="batch_id", hint=err.hint)
+            return self._replay
         return PushFailed(msg, field="batch_id",
                           hint="bring the server back and push the batch again (its "
                                "gradients are kept; only the servers missing them get "
@@ -667,14 +706,42 @@ class EmbeddingWorker:
     # ----------------------------------------------------------------- control
     def problems(self) -> list[str]:
         """Why this worker is unhealthy (empty: healthy): a background task failed (the
-        launched role exits), or batches whose push failed are held."""
+        launched role exits), serving its stream would train batches twice (until a
+        restore), or batches whose push failed are held."""
         problems = [self.supervisor.error] if self.supervisor.error else []
+        if self._replay is not None:
+            problems.append(self._replay.message)
         failed = self._failed()
         if failed:
             problems.append(f"{len(failed)} batch(es) whose gradients could not be applied "
                             f"on every embedding server (checkpoints refuse): "
                             f"{self._failed_summary(failed)}")
         return problems
+
+    # ----------------------------------------------------------------- stream replays
+    def new_stream_writer(self) -> str:
+        """A new Kafka stream's id on the servers' watermarks: this process and how many
+        streams it started (each ``reset_stream`` starts one)."""
+        self._streams += 1
+        return f"{self.incarnation}.{self._streams}"
+
+    def stream_checked(self, refused: list[Refusal]) -> None:
+        """A Kafka stream started (:class:`~stream_persia.worker.ingest.KafkaIngest`):
+        report the partitions it refused because the servers applied them already, or,
+        with none refused, withdraw an earlier report (a restore's ``reset_stream``)."""
+        if not refused:
+            if self._replay is not None:
+                log.warning("embedding worker %d: the stream was reset to where the servers "
+                            "stand (a restore); serving again", self.replica_index)
+            self._replay = None
+            return
+        who = f"embedding worker {self.replica_index}"
+        lines = [r.describe(who, self.router.addresses) for r in refused]
+        for line in lines:
+            log.error("%s; waiting for a restore (hint: %s)", line, RESTORE_HINT)
+        more = f"; and {len(lines) - 3} more partition(s)" if len(lines) > 3 else ""
+        self._replay = StreamReplay("; ".join(lines[:3]) + more, field="offset",
+                                    hint=RESTORE_HINT)
 
     # ----------------------------------------------------------------- server restarts
     def _server_restarted(self, s: int) -> None:
@@ -816,6 +883,8 @@ class EmbeddingWorker:
         self.ready.clear()
         self.kafka = self.kafka_factory(offsets)
         await self._start_ingest(self.kafka)
+        if self._replay is not None:   # the offsets start below what the servers applied
+            raise StreamReplay(self._replay.message, field="offsets", hint=self._replay.hint)
         return {"offsets": {str(p): o for p, o in self.frontier.offsets().items()}}
 
     async def _commit_offsets(self, params: Any) -> bool:
