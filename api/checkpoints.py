@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from api.checkpoint_root import CheckpointRoot
+from api.checkpoint_root import CheckpointDir
 from api.mailbox import REPORT_TIMEOUT_S, TERMINAL, MailboxClient
 from api.roles import SERVER, WORKER, Roles
 from api.settings import ApiSettings
@@ -141,7 +141,7 @@ class Checkpoints:
         self.pickup_ttl_s = pickup_ttl_s
         self.report_timeout_s = report_timeout_s
         self.jobs: dict[str, CheckpointJob] = {}
-        self.root = CheckpointRoot(settings.checkpoint_dir)
+        self.root = CheckpointDir(settings.checkpoint_dir)
         # Checkpoints being read here (restored, or the base a cut copies), or deleted.
         self._using: collections.Counter[str] = collections.Counter()
         self._deleting: set[str] = set()
