@@ -80,17 +80,14 @@ class GradientPushes:
         router: the worker's embedding servers.
         metrics: the worker's metrics (the push counters are registered on them).
         name: the worker as messages name it (``embedding worker 0``).
-        retry_ms: ``push_retry_ms``: how long a push retries the servers that have not
-            applied it before the batch fails.
         on_applied: called with a batch's id once every server applied its update, so
             that the worker releases it.
     """
 
     def __init__(self, router: ShardRouter, metrics: RoleMetrics, *, name: str,
-                 retry_ms: float, on_applied: Callable[[int], None]):
+                 on_applied: Callable[[int], None]):
         self.router = router
         self.name = name
-        self.retry_ms = retry_ms
         self._on_applied = on_applied
         # Tokens of this process's updates start with it: batch ids restart with a process.
         self.incarnation = secrets.token_hex(8)
@@ -126,7 +123,8 @@ class GradientPushes:
 
     async def push(self, batch_id: int, plan: BatchPlan, source: tuple[int, int] | None,
                    grads: Any, retry_s: float) -> dict:
-        """Apply a served batch's gradients on every server; the reply once all did.
+        """Apply a served batch's gradients on every server, retrying those that fail for
+        up to ``retry_s``; the reply once all did.
 
         Raises:
             BadInput: (``grads``) not a map of slot name to gradient.

@@ -202,8 +202,9 @@ class EmbeddingWorker:
         self.m_served = m.counter("batches_served_total", "batches served to NN workers")
         self.m_lookup_s = m.histogram("lookup_seconds", "embedding lookup latency",
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
+        self.push_retry_ms = push_retry_ms
         self.pushes = GradientPushes(self.router, m, name=f"embedding worker {replica_index}",
-                                     retry_ms=push_retry_ms, on_applied=self._applied)
+                                     on_applied=self._applied)
         m.add_callback("buffer", lambda: {"ready": len(self.ready),
                                           "ready_bytes": self.ready.bytes,
                                           "inflight": len(self.inflight),
@@ -451,8 +452,7 @@ class EmbeddingWorker:
                            field="batch_id",
                            hint="gradients go to the worker that served the batch; a worker "
                                 "that restarted has forgotten the batches it served")
-        retry_ms = self.pushes.retry_ms
-        retry_s = min(self._timeout_ms(params, retry_ms), retry_ms) / 1000
+        retry_s = min(self._timeout_ms(params, self.push_retry_ms), self.push_retry_ms) / 1000
         return await self.pushes.push(pb.batch_id, pb.plan, pb.source, params.get("grads"),
                                       retry_s)
 
