@@ -37,6 +37,10 @@ async def wait_bounded(aw: Awaitable[T], timeout_s: float) -> T:
     ``CancelledError`` when the inner awaitable finished in the same loop iteration as
     the cancel, and a task stopped that way runs on. The inner awaitable is cancelled
     either way, and given up to 5 s to clean up.
+
+    A result the inner awaitable produced as its caller was cancelled is dropped, so do
+    not wrap one that takes something a caller must give back (``Semaphore.acquire``:
+    that permit would leak); wait for the condition, then take the thing.
     """
     task = asyncio.ensure_future(aw)
     try:

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from stream_persia.backoff import wait_bounded
 from stream_persia.errors import (
     AuthError,
     ConfigError,
@@ -423,11 +424,14 @@ class RpcServer:
 
         timeout_s = self._conn_limits.handshake_timeout_s
         try:
-            await asyncio.wait_for(exchange(), timeout_s)
+            # wait_bounded, not wait_for: stop() cancels this reader, and wait_for (before
+            # 3.12) loses that cancellation when the proof arrives in the same iteration:
+            # the reader would go on to read requests, and stop() wait for the peer.
+            await wait_bounded(exchange(), timeout_s)
         except AuthError as exc:
             self._refuse(conn, exc)
             return False
-        except asyncio.TimeoutError:   # before OSError: TimeoutError is one
+        except TimeoutError:   # before OSError: TimeoutError is one
             self._refuse(conn, AuthError(
                 f"{self.name} requires the job's role secret, and the client at {conn.peer} "
                 f"did not authenticate within {timeout_s:g} s", field=auth.SETTING,
