@@ -54,7 +54,7 @@ from stream_persia.checkpoint import (
     read_manifest,
 )
 from stream_persia.checkpoint._common import Location
-from stream_persia.errors import BadInput, ConfigError, Misuse, PersiaError
+from stream_persia.errors import BadInput, ConfigError, DataLost, Misuse, PersiaError
 from stream_persia.worker.frontier import check_no_failed_push
 
 __all__ = ["Checkpoints", "CheckpointJob", "new_checkpoint_id"]
@@ -494,7 +494,9 @@ class Checkpoints:
 
         Raises:
             Misuse: batches are in flight, or a checkpoint is being taken.
-            BadInput: not a checkpoint.
+            BadInput: not a checkpoint, or its stream offsets are not in the topic.
+            DataLost: the brokers deleted data from its stream offsets on (retention);
+                nothing was changed.
         """
         src = self.resolve(ident)
         if src is None:
@@ -514,15 +516,19 @@ class Checkpoints:
         manifest = await asyncio.to_thread(read_manifest, src)
         servers = self.roles.require(SERVER)
         await self._frontiers()
-        rows = await load_embeddings(src, [s.client for s in servers],
-                                     timeout_ms=SHARD_TIMEOUT_MS)
         parts: dict[str, int] = {}
-        reset = 0
-        if manifest.stream == "kafka" and self.roles.workers:
+        replay = manifest.stream == "kafka" and bool(self.roles.workers)
+        if replay:
             for topic_parts in manifest.offsets.values():
                 parts.update(topic_parts)
-            await self.roles.fanout(self.roles.require(WORKER), "reset_stream",
-                                    {"offsets": parts})
+            # Before anything is loaded: a stream the brokers cannot replay from there
+            # (retention deleted it) refuses the restore and leaves the job as it was.
+            await self._stream_call(ident, "check_stream", parts)
+        rows = await load_embeddings(src, [s.client for s in servers],
+                                     timeout_ms=SHARD_TIMEOUT_MS)
+        reset = 0
+        if replay:
+            await self._stream_call(ident, "reset_stream", parts)
             reset = len(self.roles.workers)
         reloaded = False
         if reload_model and self.predictor is not None and (
@@ -536,6 +542,19 @@ class Checkpoints:
 
         return {"id": checkpoint_id(manifest), "rows": rows, "offsets": parts,
                 "workers_reset": reset, "model_reloaded": reloaded}
+
+
+    async def _stream_call(self, ident: str, method: str, offsets: dict[str, int]) -> None:
+        """``method`` (``check_stream``, ``reset_stream``) on every worker, its refusal
+        (DataLost: 409, BadInput: 422) said of the checkpoint."""
+        try:
+            await self.roles.fanout(self.roles.require(WORKER), method, {"offsets": offsets})
+        except (DataLost, BadInput) as e:
+            cls = DataLost if isinstance(e, DataLost) else BadInput
+            err = cls(f"checkpoint {ident!r} cannot be restored: {e.message}",
+                      field="checkpoint", hint=e.hint)
+            err.peer = getattr(e, "peer", None)  # type: ignore[attr-defined]
+            raise err from None
 
 
 def _exists(url: str) -> bool:

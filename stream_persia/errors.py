@@ -87,6 +87,16 @@ class PushFailed(RemoteError):
     (:mod:`stream_persia.worker.service`). ``field`` is ``batch_id``."""
 
     kind = "push_failed"
+
+
+class DataLost(RemoteError):
+    """Data the job needs is gone from where it was kept (Kafka retention deleted samples
+    a checkpoint would replay: :class:`~stream_persia.kafka.loss.KafkaDataLoss`); asking
+    again does not bring it back. The message names what was lost."""
+
+    kind = "data_lost"
+
+
 class AuthError(RemoteError):
     """An RPC peer refused the connection's authentication, or failed ours: the job's
     role secret is missing or differs (``field`` names the setting)."""
@@ -109,7 +119,8 @@ class InternalError(PersiaError):
 _BY_KIND: dict[str, type[PersiaError]] = {
     cls.kind: cls
     for cls in (PersiaError, BadInput, ConfigError, WireError, Misuse, RemoteError,
-                PeerUnavailable, RemoteTimeout, PushFailed, AuthError, Backpressure, InternalError)
+                PeerUnavailable, RemoteTimeout, PushFailed, DataLost, AuthError, Backpressure,
+                InternalError)
 }
 
 

@@ -42,7 +42,9 @@ RPC methods (params → result):
   batches whose push could not complete (below); they count as in flight too.
 - ``reset_stream {"offsets": {partition: offset}}``: drop buffered and in-flight batches
   and consume again from ``offsets`` (restore); offsets the brokers deleted are refused
-  first (``KafkaDataLoss``, unless ``kafka.on_data_loss: skip``), nothing dropped. ``commit_offsets {"offsets"}``: record
+  first (``KafkaDataLoss``, unless ``kafka.on_data_loss: skip``), nothing dropped.
+  ``check_stream {"offsets"}`` → None: refuses as ``reset_stream`` would, changing nothing
+  (a restore asks before it loads anything). ``commit_offsets {"offsets"}``: record
   checkpoint offsets in the consumer group, for lag monitors.
 - ``status`` → buffers, counters, frontier offsets, and with Kafka ``kafka``: lag, paused
   partitions, those stopped on a data loss (``stopped``) and the messages lost where the
@@ -219,7 +221,8 @@ class EmbeddingWorker:
             "status": self._status, "pause_ingest": self._pause, "resume_ingest": self._resume,
             "servers": self._servers, "metrics": self._metrics,
             "return_batches": self._return_batches, "frontier": self._frontier,
-            "reset_stream": self._reset_stream, "commit_offsets": self._commit_offsets,
+            "reset_stream": self._reset_stream, "check_stream": self._check_stream,
+            "commit_offsets": self._commit_offsets,
             # Replica 0 holds the checkpoint mailbox (checkpoints started over HTTP).
             **(self.mailbox.handlers() if self.mailbox is not None else {}),
         }, host=host, port=port, name=f"embedding-worker-{replica_index}", secret=secret,
@@ -555,16 +558,25 @@ class EmbeddingWorker:
             raise BadInput("partitions and offsets must be >= 0", field="offsets")
         return offsets
 
-    async def _reset_stream(self, params: Any) -> dict:
-        offsets = self._offsets_param(params)
+    async def _check_replayable(self, offsets: dict[int, int]) -> None:
+        """BadInput (no stream, an offset beyond the end) or KafkaDataLoss (deleted) unless
+        the brokers still have ``offsets``."""
         if self.kafka_factory is None:
             raise BadInput("this worker has no Kafka stream to reset (broker-less mode "
                            "cannot replay)", field="offsets",
                            hint="run with --kafka for exactly-once restore")
         if self.kafka is not None:
-            # Offsets the brokers no longer have (or never had) are refused before
-            # anything held here is dropped.
             await self.kafka.check_offsets(offsets)
+
+    async def _check_stream(self, params: Any) -> None:
+        await self._check_replayable(self._offsets_param(params))
+
+    async def _reset_stream(self, params: Any) -> dict:
+        offsets = self._offsets_param(params)
+        # Offsets the brokers no longer have (or never had) are refused before anything
+        # held here is dropped.
+        await self._check_replayable(offsets)
+        if self.kafka is not None:
             await self.kafka.stop()
             retired = self.kafka.stats()
             for key in self._kafka_retired:

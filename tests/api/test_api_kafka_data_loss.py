@@ -11,6 +11,8 @@ test plays the NN worker; while its partition 0 is paused (as backpressure pause
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 
 import pytest
 from aiokafka import AIOKafkaProducer
@@ -132,5 +134,81 @@ async def test_data_loss_is_reported_and_checkpoints_never_pass_it(tmp_path, mod
                     assert offsets == {"0": 3, "1": 4}
                 else:   # the accepted loss is skipped, and counted above
                     assert offsets == {"0": 83, "1": 4}
+        finally:
+            await stop_job(job)
+
+
+async def checkpoint(api, ident: str) -> dict:
+    """Take checkpoint ``ident`` over HTTP; its info once done."""
+    r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": ident})
+    assert r.status_code == 202, r.text
+    async with asyncio.timeout(30):
+        while (info := (await api.client.get(f"/v1/checkpoints/{ident}", headers=AUTH)
+                        ).json())["state"] in ("pending", "running"):
+            await asyncio.sleep(0.05)
+    assert info["state"] == "done", info
+    return info
+
+
+async def test_a_restore_that_kafka_cannot_replay_is_refused_and_changes_nothing(tmp_path):
+    """A checkpoint whose offsets retention deleted since (or that lie past the topic's
+    end) is refused naming the partition and offsets: 409 (422), never a 502 "a role
+    failed"; and the refusal comes before the servers load its rows, so the job trains
+    on as it was."""
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("job", 2)
+        cluster.create_topic("job.dlq", 1)
+        for p in (0, 1):
+            await produce(cluster.bootstrap_servers, p,
+                          [make_batch(10 * p + i).to_bytes() for i in range(3)])
+        cfg = KafkaConfig(bootstrap_servers=cluster.bootstrap_servers, samples_topic="job")
+        job = await start_job(n_servers=1)
+        try:
+            worker = job.workers[0]
+
+            def make(start_offsets):
+                return KafkaIngest(worker, SampleConsumer.from_config(cfg, replica_index=0,
+                                                                      replica_size=1),
+                                   DeadLetterWriter.from_config(cfg),
+                                   start_offsets=start_offsets)
+
+            await asyncio.wait_for(worker.start_kafka_ingest(make), 30)
+            assert await train(worker, 6) == 6
+            async with LiveApi(settings_for(job, checkpoint_dir=str(tmp_path))) as api:
+                info = await checkpoint(api, "cut")
+                assert info["manifest"]["offsets"]["job"] == {"0": 3, "1": 3}
+                # Trained on past the cut: rows a restore would replace.
+                await produce(cluster.bootstrap_servers, 1,
+                              [make_batch(100 + i).to_bytes() for i in range(2)])
+                assert await train(worker, 2) == 2
+                rows = len(job.servers[0].store)
+                # Retention deletes partition 0 from the cut's offset on.
+                consumer = worker.kafka.consumer
+                consumer.pause([0])
+                await produce(cluster.bootstrap_servers, 0, [b"x" * 100_000] * 80)
+                tp = consumer._tps[0]
+                begin = (await consumer._live().beginning_offsets([tp]))[tp]
+                assert begin > 3
+
+                r = await api.client.post("/v1/checkpoints/cut/restore", headers=AUTH)
+                assert r.status_code == 409, r.text
+                err = r.json()["error"]
+                assert (err["kind"], err["field"]) == ("data_lost", "checkpoint"), err
+                assert f"job/0: offsets 3..{begin - 1}" in err["message"], err
+                assert "on_data_loss" in err["hint"]
+                assert len(job.servers[0].store) == rows, "the servers loaded the checkpoint"
+                assert worker.frontier.offsets() == {0: 3, 1: 5}, "the stream was reset"
+
+                # A checkpoint whose offsets lie past the topic's end (another topic's).
+                shutil.copytree(tmp_path / "cut", tmp_path / "elsewhere")
+                manifest = json.loads((tmp_path / "elsewhere/manifest.json").read_text())
+                manifest["offsets"]["job"] = {"0": 10**6, "1": 3}
+                (tmp_path / "elsewhere/manifest.json").write_text(json.dumps(manifest))
+                r = await api.client.post("/v1/checkpoints/elsewhere/restore", headers=AUTH)
+                assert r.status_code == 422, r.text
+                err = r.json()["error"]
+                assert err["field"] == "checkpoint", err
+                assert "offset 1000000 of job/0 is beyond its end" in err["message"], err
+                assert len(job.servers[0].store) == rows
         finally:
             await stop_job(job)
