@@ -56,7 +56,7 @@ from typing import Any
 import yaml
 
 from stream_persia import flags
-from stream_persia.errors import ConfigError, PersiaError
+from stream_persia.errors import ConfigError, PeerUnavailable, PersiaError, RemoteTimeout
 from stream_persia.local import RoleProcess
 from stream_persia.run_report import build_report, plot_report, print_report, served_metrics
 from stream_persia.topology import Topology, load_topology
@@ -350,8 +350,13 @@ class Job:
         """From every embedding worker's ``status``: the partitions stopped on a data loss
         (each a ``DataLoss.to_dict()``), the messages lost and accepted per
         ``topic/partition``, and why a worker's Kafka ingest ended, if it did (a broker
-        gone for ``kafka.broker_timeout_ms``). Best effort: a worker that does not
-        answer reports nothing here (its own exit fails the run)."""
+        gone for ``kafka.broker_timeout_ms``). A worker that cannot be reached or does
+        not answer in time reports nothing here (its own exit fails the run).
+
+        Raises:
+            RuntimeError: a worker refused the poll otherwise (another role secret, a
+                bug): the run's data-loss check must not pass unseen.
+        """
         addresses = [a for a in self.env.get("PERSIA_EMBEDDING_WORKERS", "").split(",") if a]
         if not self.args.kafka or not addresses:
             return [], {}, []
@@ -361,13 +366,17 @@ class Job:
 
         async def go() -> list[Any]:
             replies: list[Any] = []
-            for address in addresses:
+            for i, address in enumerate(addresses):
                 async with RpcClient(address, timeout_ms=5000, name="embedding-worker",
                                      secret=RoleSecret(self.role_secret)) as c:
                     try:
                         replies.append(await c.call("status"))
-                    except PersiaError:
+                    except (PeerUnavailable, RemoteTimeout):
                         replies.append(None)
+                    except PersiaError as e:
+                        raise RuntimeError(f"the Kafka status of embedding-worker-{i} at "
+                                           f"{address} could not be read, so data loss "
+                                           f"cannot be checked: {e}") from e
             return replies
 
         stopped: list[dict[str, Any]] = []
