@@ -435,8 +435,7 @@ class RpcServer:
             self._refuse(conn, AuthError(
                 f"{self.name} requires the job's role secret, and the client at {conn.peer} "
                 f"did not authenticate within {timeout_s:g} s", field=auth.SETTING,
-                hint=f"give every process of the job the same {auth.SECRET_ENV} or "
-                     f"{auth.SECRET_FILE_ENV}"))
+                hint=auth.SAME_SECRET_HINT))
             return False
         except (asyncio.IncompleteReadError, OSError):
             return False   # it went away first (e.g. a TCP health probe): nothing to refuse
@@ -487,8 +486,7 @@ class RpcServer:
                 self._refuse(conn, AuthError(
                     f"{self.name} has no role secret, but the client at {conn.peer} "
                     "presented one", field=auth.SETTING,
-                    hint=f"give every process of the job the same {auth.SECRET_ENV} or "
-                         f"{auth.SECRET_FILE_ENV}"))
+                    hint=auth.SAME_SECRET_HINT))
             else:
                 self._reject(conn, exc)
             return False

@@ -19,7 +19,15 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from api_helpers import AUTH, Job, LiveApi, settings_for, start_job, stop_job
+from api_helpers import (
+    AUTH,
+    Job,
+    LiveApi,
+    settings_for,
+    start_job,
+    stop_job,
+    take_checkpoint,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia.config import KafkaConfig
@@ -106,18 +114,6 @@ async def retention_deletes_partition_0(cluster: Any, worker: Any) -> int:
     return begin
 
 
-async def checkpoint(api: LiveApi, ident: str) -> dict:
-    """Take checkpoint ``ident`` over HTTP; its info once done."""
-    r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": ident})
-    assert r.status_code == 202, r.text
-    async with asyncio.timeout(30):
-        while (info := (await api.client.get(f"/v1/checkpoints/{ident}", headers=AUTH)
-                        ).json())["state"] in ("pending", "running"):
-            await asyncio.sleep(0.05)
-    assert info["state"] == "done", info
-    return info
-
-
 @pytest.mark.parametrize("mode", ["fail", "skip"])
 async def test_data_loss_is_reported_and_checkpoints_never_pass_it(tmp_path, mode):
     async with kafka_job(mode) as (cluster, job, worker):
@@ -150,7 +146,7 @@ async def test_data_loss_is_reported_and_checkpoints_never_pass_it(tmp_path, mod
                 assert kafka["lost_messages"] == {"0": begin - 3}
                 assert sample(metrics, "kafka_consumer_offsets_lost_total") == begin - 3
                 assert sample(metrics, "kafka_consumer_partitions_stopped") == 0
-            info = await checkpoint(api, "cut")
+            info = await take_checkpoint(api, "cut")
             offsets = info["manifest"]["offsets"]["job"]
             if mode == "fail":
                 # The cut records where the loss starts on the stopped partition: a
@@ -167,7 +163,7 @@ async def test_a_restore_that_kafka_cannot_replay_is_refused_and_changes_nothing
     on as it was."""
     async with kafka_job() as (cluster, job, worker), \
             LiveApi(settings_for(job, checkpoint_dir=str(tmp_path))) as api:
-        info = await checkpoint(api, "cut")
+        info = await take_checkpoint(api, "cut")
         assert info["manifest"]["offsets"]["job"] == {"0": 3, "1": 3}
         # Trained on past the cut: rows a restore would replace.
         await produce(cluster.bootstrap_servers, 1,
