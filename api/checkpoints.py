@@ -551,8 +551,8 @@ class Checkpoints:
             await self.roles.fanout(self.roles.require(WORKER), method, {"offsets": offsets})
         except (DataLost, BadInput) as e:
             cls = DataLost if isinstance(e, DataLost) else BadInput
-            err = cls(f"checkpoint {ident!r} cannot be restored: {e.message}",
-                      field="checkpoint", hint=e.hint)
+            err: PersiaError = cls(f"checkpoint {ident!r} cannot be restored: {e.message}",
+                                   field="checkpoint", hint=e.hint)
             err.peer = getattr(e, "peer", None)  # type: ignore[attr-defined]
             raise err from None
 

@@ -30,8 +30,8 @@ MIN_ATTEMPT_S = 2.0   # the least one attempt gets, even when less of the total 
 _CLEANUP_S = 5.0      # how long a cancelled inner awaitable may take to clean up
 
 
-async def wait_bounded(aw: Awaitable[T], timeout_s: float) -> T:
-    """``await aw`` for at most ``timeout_s`` (then ``TimeoutError``), like
+async def wait_bounded(aw: Awaitable[T], timeout_s: float | None) -> T:
+    """``await aw`` for at most ``timeout_s`` (then ``TimeoutError``; None: no bound), like
     ``asyncio.wait_for``, except that a cancellation of the caller is never lost:
     Python 3.10/3.11's ``wait_for`` returns the result instead of raising
     ``CancelledError`` when the inner awaitable finished in the same loop iteration as
