@@ -56,7 +56,13 @@ from typing import Any
 import yaml
 
 from stream_persia import flags
-from stream_persia.errors import ConfigError, PeerUnavailable, PersiaError, RemoteTimeout
+from stream_persia.errors import (
+    ConfigError,
+    DataLost,
+    PeerUnavailable,
+    PersiaError,
+    RemoteTimeout,
+)
 from stream_persia.local import RoleProcess
 from stream_persia.run_report import build_report, plot_report, print_report, served_metrics
 from stream_persia.topology import Topology, load_topology
@@ -205,10 +211,6 @@ def _seconds(raw: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of seconds in [1, 86400], "
                                          f"got {raw!r}")
     return value
-
-
-class DataLost(RuntimeError):
-    """Embedding workers stopped partitions of the samples topic on a data loss."""
 
 
 class Job:
@@ -725,7 +727,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"stream-persia run: checkpoint {ckpt or 'not taken'}; stopping",
                   file=sys.stderr)
             return 128 + stop.signum
-        except (RuntimeError, TimeoutError) as e:
+        except (RuntimeError, TimeoutError, DataLost) as e:
             print(f"stream-persia run: {e}", file=sys.stderr)
             return 1
         finally:
