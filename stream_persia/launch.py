@@ -235,6 +235,7 @@ async def _serve(role: Any, args: argparse.Namespace,
         write_ready_file(args.ready_file, role.address)
         if await _until_signal(supervisor.failed if supervisor is not None else None):
             # A background task failed: health says why for a moment, then exit 1.
+            assert supervisor is not None
             code = 1
             log.error("stopping in %.0f s with exit status 1: %s", EXIT_GRACE_S,
                       supervisor.error)
@@ -243,6 +244,10 @@ async def _serve(role: Any, args: argparse.Namespace,
             await before_stop()
     finally:
         await role.stop()
+    if code and supervisor is not None:
+        # Again, now last in the log: a supervisor shows a failed role's log tail, and the
+        # Kafka client may have logged a line per retry while the role drained.
+        log.error("exit status 1: %s", supervisor.error)
     return code
 
 
