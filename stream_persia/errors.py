@@ -87,6 +87,8 @@ class PushFailed(RemoteError):
     (:mod:`stream_persia.worker.service`). ``field`` is ``batch_id``."""
 
     kind = "push_failed"
+
+
 class ServerRestarted(RemoteError):
     """An embedding server restarted (a new process at its address: kill, OOM, node loss)
     and lost the rows it held, with their optimizer state. A worker that notices it
@@ -95,6 +97,14 @@ class ServerRestarted(RemoteError):
     (``embedding_worker_config.on_server_restart``). ``field`` is ``incarnation``."""
 
     kind = "server_restarted"
+
+
+class DataLost(RemoteError):
+    """Data the job needs is gone from where it was kept (Kafka retention deleted samples
+    a checkpoint would replay: :class:`~stream_persia.kafka.loss.KafkaDataLoss`); asking
+    again does not bring it back. The message names what was lost."""
+
+    kind = "data_lost"
 
 
 class AuthError(RemoteError):
@@ -119,8 +129,8 @@ class InternalError(PersiaError):
 _BY_KIND: dict[str, type[PersiaError]] = {
     cls.kind: cls
     for cls in (PersiaError, BadInput, ConfigError, WireError, Misuse, RemoteError,
-                PeerUnavailable, RemoteTimeout, PushFailed, ServerRestarted, AuthError,
-                Backpressure, InternalError)
+                PeerUnavailable, RemoteTimeout, PushFailed, ServerRestarted, DataLost,
+                AuthError, Backpressure, InternalError)
 }
 
 
