@@ -653,6 +653,19 @@ class EmbeddingWorker:
             raise BadInput("this worker has no Kafka stream to reset (broker-less mode "
                            "cannot replay)", field="offsets",
                            hint="run with --kafka for exactly-once restore")
+        if self.kafka is not None:
+            await self.kafka.check_offsets(offsets)
+
+    async def _check_stream(self, params: Any) -> None:
+        # Asked before a restore loads anything: servers found restarted are not checked
+        # here (the load that follows is what brings them back; reset_stream checks them).
+        await self._check_replayable(self._offsets_param(params))
+
+    async def _reset_stream(self, params: Any) -> dict:
+        offsets = self._offsets_param(params)
+        # Offsets the brokers no longer have (or never had) are refused before anything
+        # held here is dropped.
+        await self._check_replayable(offsets)
         # A restore loaded the servers first: those found restarted are served again now.
         # One still lost was not restored: replaying onto its empty table would not be
         # exactly-once, so nothing is reset.
@@ -662,17 +675,6 @@ class EmbeddingWorker:
             raise ServerRestarted(f"embedding worker {self.replica_index} does not reset its "
                                   f"stream: {first.message}; no checkpoint was restored into "
                                   f"it since", field=first.field, hint=first.hint)
-        if self.kafka is not None:
-            await self.kafka.check_offsets(offsets)
-
-    async def _check_stream(self, params: Any) -> None:
-        await self._check_replayable(self._offsets_param(params))
-
-    async def _reset_stream(self, params: Any) -> dict:
-        offsets = self._offsets_param(params)
-        # Offsets the brokers no longer have (or never had) are refused before anything
-        # held here is dropped.
-        await self._check_replayable(offsets)
         if self.kafka is not None:
             await self.kafka.stop()
             retired = self.kafka.stats()
