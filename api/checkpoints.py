@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from api.checkpoint_root import CheckpointRoot
+from api.checkpoint_root import CheckpointDir
 from api.mailbox import REPORT_TIMEOUT_S, TERMINAL, MailboxClient
 from api.roles import SERVER, WORKER, Roles
 from api.settings import ApiSettings
@@ -56,7 +56,7 @@ from stream_persia.checkpoint import (
     read_manifest,
 )
 from stream_persia.checkpoint._common import Location
-from stream_persia.errors import BadInput, ConfigError, Misuse, PersiaError
+from stream_persia.errors import BadInput, ConfigError, DataLost, Misuse, PersiaError
 from stream_persia.worker.frontier import check_no_failed_push, check_servers_kept
 
 __all__ = ["Checkpoints", "CheckpointJob", "new_checkpoint_id"]
@@ -143,7 +143,7 @@ class Checkpoints:
         self.pickup_ttl_s = pickup_ttl_s
         self.report_timeout_s = report_timeout_s
         self.jobs: dict[str, CheckpointJob] = {}
-        self.root = CheckpointRoot(settings.checkpoint_dir)
+        self.root = CheckpointDir(settings.checkpoint_dir)
         # Checkpoints being read here (restored, or the base a cut copies), or deleted.
         self._using: collections.Counter[str] = collections.Counter()
         self._deleting: set[str] = set()
@@ -503,7 +503,9 @@ class Checkpoints:
 
         Raises:
             Misuse: batches are in flight, or a checkpoint is being taken.
-            BadInput: not a checkpoint.
+            BadInput: not a checkpoint, or its stream offsets are not in the topic.
+            DataLost: the brokers deleted data from its stream offsets on (retention);
+                nothing was changed.
         """
         src = self.resolve(ident)
         if src is None:
@@ -525,15 +527,19 @@ class Checkpoints:
         # Failed batches and servers that restarted are what a restore is for: the load
         # replaces every table and reset_stream drops those batches.
         await self._frontiers(restoring=True)
-        rows = await load_embeddings(src, [s.client for s in servers],
-                                     timeout_ms=SHARD_TIMEOUT_MS)
         parts: dict[str, int] = {}
-        reset = 0
-        if manifest.stream == "kafka" and self.roles.workers:
+        replay = manifest.stream == "kafka" and bool(self.roles.workers)
+        if replay:
             for topic_parts in manifest.offsets.values():
                 parts.update(topic_parts)
-            await self.roles.fanout(self.roles.require(WORKER), "reset_stream",
-                                    {"offsets": parts})
+            # Before anything is loaded: a stream the brokers cannot replay from there
+            # (retention deleted it) refuses the restore and leaves the job as it was.
+            await self._stream_call(ident, "check_stream", parts)
+        rows = await load_embeddings(src, [s.client for s in servers],
+                                     timeout_ms=SHARD_TIMEOUT_MS)
+        reset = 0
+        if replay:
+            await self._stream_call(ident, "reset_stream", parts)
             reset = len(self.roles.workers)
         reloaded = False
         if reload_model and self.predictor is not None and (
@@ -547,6 +553,19 @@ class Checkpoints:
 
         return {"id": checkpoint_id(manifest), "rows": rows, "offsets": parts,
                 "workers_reset": reset, "model_reloaded": reloaded}
+
+
+    async def _stream_call(self, ident: str, method: str, offsets: dict[str, int]) -> None:
+        """``method`` (``check_stream``, ``reset_stream``) on every worker, its refusal
+        (DataLost: 409, BadInput: 422) said of the checkpoint."""
+        try:
+            await self.roles.fanout(self.roles.require(WORKER), method, {"offsets": offsets})
+        except (DataLost, BadInput) as e:
+            cls = DataLost if isinstance(e, DataLost) else BadInput
+            err: PersiaError = cls(f"checkpoint {ident!r} cannot be restored: {e.message}",
+                                   field="checkpoint", hint=e.hint)
+            err.peer = getattr(e, "peer", None)  # type: ignore[attr-defined]
+            raise err from None
 
 
 def _exists(url: str) -> bool:

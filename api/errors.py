@@ -8,6 +8,8 @@ request validation (pydantic)      422    same body; ``field`` is the dotted loc
 body not JSON / not UTF-8          422    ``field`` is ``body`` (FastAPI would say 400)
 BodyTooLarge / too many rows       413    limits of :class:`~api.settings.ApiSettings`
 Misuse                             409    the job is not in a state that allows it
+DataLost                           409    data the request needs is gone (a restore
+                                          whose Kafka offsets retention deleted)
 PeerUnavailable, RemoteTimeout     503    a role is down or slow: retry later
 Backpressure, NotReady             503    a buffer is full / no model yet: retry later
 other RemoteError                  502    a role answered with a failure
@@ -40,6 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stream_persia.errors import (
     Backpressure,
     BadInput,
+    DataLost,
     InternalError,
     Misuse,
     PeerUnavailable,
@@ -72,7 +75,7 @@ def status_of(err: BaseException) -> int:
         return 413
     if isinstance(err, BadInput):
         return 422
-    if isinstance(err, Misuse):
+    if isinstance(err, (Misuse, DataLost)):
         return 409
     if isinstance(err, (PeerUnavailable, RemoteTimeout, Backpressure, NotReady)):
         return 503

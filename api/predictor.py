@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from api.batcher import Job, MicroBatcher
-from api.checkpoint_root import CheckpointRoot
+from api.checkpoint_root import CheckpointDir
 from api.embeddings import LocalTable, cat_slots, non_id_tensors, served_tensors
 from api.errors import NotReady
 from api.features import signature
@@ -85,7 +85,7 @@ class Predictor:
         self.metrics = metrics
         self.source = settings.source
         self._served: Served | None = None
-        self.root = CheckpointRoot(settings.checkpoint_dir)
+        self.root = CheckpointDir(settings.checkpoint_dir)
         self._reload_lock = asyncio.Lock()
         self._loading: str | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="predict")
@@ -170,7 +170,7 @@ class Predictor:
 
     async def reload(self, checkpoint: str) -> dict[str, Any]:
         """Serve the checkpoint a request names: an id or a path/URL right under the
-        checkpoint directory (:class:`~api.checkpoint_root.CheckpointRoot`), nothing else.
+        checkpoint directory (:class:`~api.checkpoint_root.CheckpointDir`), nothing else.
 
         Raises:
             BadInput: ``checkpoint`` names something else, or not a loadable checkpoint

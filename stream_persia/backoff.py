@@ -30,13 +30,17 @@ MIN_ATTEMPT_S = 2.0   # the least one attempt gets, even when less of the total 
 _CLEANUP_S = 5.0      # how long a cancelled inner awaitable may take to clean up
 
 
-async def wait_bounded(aw: Awaitable[T], timeout_s: float) -> T:
-    """``await aw`` for at most ``timeout_s`` (then ``TimeoutError``), like
+async def wait_bounded(aw: Awaitable[T], timeout_s: float | None) -> T:
+    """``await aw`` for at most ``timeout_s`` (then ``TimeoutError``; None: no bound), like
     ``asyncio.wait_for``, except that a cancellation of the caller is never lost:
     Python 3.10/3.11's ``wait_for`` returns the result instead of raising
     ``CancelledError`` when the inner awaitable finished in the same loop iteration as
     the cancel, and a task stopped that way runs on. The inner awaitable is cancelled
     either way, and given up to 5 s to clean up.
+
+    A result the inner awaitable produced as its caller was cancelled is dropped, so do
+    not wrap one that takes something a caller must give back (``Semaphore.acquire``:
+    that permit would leak); wait for the condition, then take the thing.
     """
     task = asyncio.ensure_future(aw)
     try:

@@ -253,11 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         args.script_args = script_args
     if args.command == "launch":
         check_launch(parser, args)
+    root, before = logging.getLogger(), set(logging.getLogger().handlers)
     logging.basicConfig(
         level=flags.level_of(args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:   # a dead broker's flood of one line
-        handler.addFilter(RepeatFilter())
+    for handler in set(root.handlers) - before:   # ours only: a dead broker's flood of one
+        handler.addFilter(RepeatFilter())        # line (not a host's, e.g. pytest's)
     try:
         if args.command == "launch":
             from stream_persia import launch

@@ -87,6 +87,8 @@ class PushFailed(RemoteError):
     (:mod:`stream_persia.worker.service`). ``field`` is ``batch_id``."""
 
     kind = "push_failed"
+
+
 class ServerRestarted(RemoteError):
     """An embedding server restarted (a new process at its address: kill, OOM, node loss)
     and lost the rows it held, with their optimizer state. A worker that notices it
@@ -106,6 +108,14 @@ class StreamReplay(Misuse):
     ``offset``."""
 
     kind = "stream_replay"
+
+
+class DataLost(RemoteError):
+    """Data the job needs is gone from where it was kept (Kafka retention deleted samples
+    a checkpoint would replay: :class:`~stream_persia.kafka.loss.KafkaDataLoss`); asking
+    again does not bring it back. The message names what was lost."""
+
+    kind = "data_lost"
 
 
 class AuthError(RemoteError):
@@ -131,6 +141,7 @@ _BY_KIND: dict[str, type[PersiaError]] = {
     cls.kind: cls
     for cls in (PersiaError, BadInput, ConfigError, WireError, Misuse, RemoteError,
                 PeerUnavailable, RemoteTimeout, PushFailed, ServerRestarted, StreamReplay,
+                DataLost,
                 AuthError, Backpressure, InternalError)
 }
 

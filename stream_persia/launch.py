@@ -289,6 +289,10 @@ async def _serve(role: Any, args: argparse.Namespace,
             await before_stop()
     finally:
         await role.stop()
+    if code and supervisor is not None:
+        # Again, now last in the log: a supervisor shows a failed role's log tail, and the
+        # Kafka client may have logged a line per retry while the role drained.
+        log.error("exit status 1: %s", supervisor.error)
     return code
 
 

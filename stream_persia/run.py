@@ -56,7 +56,13 @@ from typing import Any
 import yaml
 
 from stream_persia import flags
-from stream_persia.errors import ConfigError, PersiaError
+from stream_persia.errors import (
+    ConfigError,
+    DataLost,
+    PeerUnavailable,
+    PersiaError,
+    RemoteTimeout,
+)
 from stream_persia.local import RoleProcess
 from stream_persia.run_report import build_report, plot_report, print_report, served_metrics
 from stream_persia.supervisor import UNHEALTHY_MARK
@@ -208,10 +214,6 @@ def _seconds(raw: str) -> float:
     return value
 
 
-class DataLost(RuntimeError):
-    """Embedding workers stopped partitions of the samples topic on a data loss."""
-
-
 class Job:
     """The processes of one run, started in dependency order and stopped in reverse."""
 
@@ -351,8 +353,13 @@ class Job:
         """From every embedding worker's ``status``: the partitions stopped on a data loss
         (each a ``DataLoss.to_dict()``), the messages lost and accepted per
         ``topic/partition``, and why a worker's Kafka ingest ended, if it did (a broker
-        gone for ``kafka.broker_timeout_ms``). Best effort: a worker that does not
-        answer reports nothing here (its own exit fails the run)."""
+        gone for ``kafka.broker_timeout_ms``). A worker that cannot be reached or does
+        not answer in time reports nothing here (its own exit fails the run).
+
+        Raises:
+            RuntimeError: a worker refused the poll otherwise (another role secret, a
+                bug): the run's data-loss check must not pass unseen.
+        """
         addresses = [a for a in self.env.get("PERSIA_EMBEDDING_WORKERS", "").split(",") if a]
         if not self.args.kafka or not addresses:
             return [], {}, []
@@ -362,13 +369,17 @@ class Job:
 
         async def go() -> list[Any]:
             replies: list[Any] = []
-            for address in addresses:
+            for i, address in enumerate(addresses):
                 async with RpcClient(address, timeout_ms=5000, name="embedding-worker",
                                      secret=RoleSecret(self.role_secret)) as c:
                     try:
                         replies.append(await c.call("status"))
-                    except PersiaError:
+                    except (PeerUnavailable, RemoteTimeout):
                         replies.append(None)
+                    except PersiaError as e:
+                        raise RuntimeError(f"the Kafka status of embedding-worker-{i} at "
+                                           f"{address} could not be read, so data loss "
+                                           f"cannot be checked: {e}") from e
             return replies
 
         stopped: list[dict[str, Any]] = []
@@ -726,7 +737,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"stream-persia run: checkpoint {ckpt or 'not taken'}; stopping",
                   file=sys.stderr)
             return 128 + stop.signum
-        except (RuntimeError, TimeoutError) as e:
+        except (RuntimeError, TimeoutError, DataLost) as e:
             print(f"stream-persia run: {e}", file=sys.stderr)
             return 1
         finally:

@@ -69,7 +69,10 @@ async def restore(request: Request, checkpoint_id: str = _ID,
     consumes again from its offsets, and (by default) the API serves its dense model. 409
     while batches are in flight: stop the NN workers, restore, then start them with
     ``load_checkpoint``. Batches whose push failed and embedding servers that restarted
-    (their tables lost) do not stop it: a restore is the way back from both."""
+    (their tables lost) do not stop it: a restore is the way back from both. 409
+    (``data_lost``) when Kafka no longer holds the samples from the checkpoint's offsets on
+    (retention deleted them; the message names each partition and its offsets), 422 when
+    an offset is beyond its partition's end: nothing is changed."""
     ckpts = _ckpts(request)
     if await ckpts.get(checkpoint_id) is None:
         raise HTTPException(404, f"no checkpoint {checkpoint_id!r}")

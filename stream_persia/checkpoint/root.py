@@ -89,6 +89,16 @@ class CheckpointRoot:
             BadInput: (``field``) not a string, another protocol, a chained URL, a
                 ``.``/``..`` segment in a URL, or outside the root.
         """
+        return self.locate(location, field)[0]
+
+    def locate(self, location: object, field: str) -> tuple[str, list[str]]:
+        """(``location`` as :meth:`confine` returns it, its path segments below the root:
+        ``[]`` for the root itself). The API's checkpoint ids build on this
+        (:mod:`api.checkpoint_root`: one segment, an id).
+
+        Raises:
+            BadInput: as :meth:`confine`.
+        """
         if not isinstance(location, str) or not location:
             raise BadInput(f"{field} must be a non-empty path or URL, got "
                            f"{type(location).__name__}", field=field)
@@ -109,7 +119,7 @@ class CheckpointRoot:
             resolved = os.path.realpath(path)
             if os.path.commonpath([resolved, self.path]) != self.path:
                 raise outside
-            return resolved
+            return resolved, _segments(resolved[len(self.path):])
         segments = _segments(path)
         if any(s in (".", "..") for s in segments) or \
                 posixpath.normpath(path).startswith(".."):
@@ -117,7 +127,7 @@ class CheckpointRoot:
         root = _segments(self.path)
         if segments[:len(root)] != root:
             raise outside
-        return location
+        return location, segments[len(root):]
 
 
 def require_root(root: CheckpointRoot | None, role: str) -> CheckpointRoot:

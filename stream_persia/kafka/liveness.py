@@ -185,8 +185,6 @@ class BrokerWatch:
         self.timeout_s = timeout_s
         self.what = what
         self.probe_every_s = min(_PROBE_EVERY_S, timeout_s / 4)
-        self.probes = 0
-        self.failed_probes = 0
         self._next_probe = time.monotonic() + self.probe_every_s
         self._down_since: float | None = None
 
@@ -211,12 +209,10 @@ class BrokerWatch:
         if now < self._next_probe:
             return
         self._next_probe = now + self.probe_every_s
-        self.probes += 1
         try:
             await wait_bounded(_probe(client, topic),
                                max(self.probe_every_s, min(_MAX_PROBE_S, self.timeout_s)))
         except (KafkaError, OSError, TimeoutError, asyncio.TimeoutError) as e:
-            self.failed_probes += 1
             if self._down_since is None:
                 self._down_since = now
                 log.warning("%s: no Kafka broker at %s answers (%r); giving up after %g s",

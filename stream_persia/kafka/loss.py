@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stream_persia.config.kafka import ON_DATA_LOSS  # the values of kafka.on_data_loss
-from stream_persia.errors import RemoteError
+from stream_persia.errors import DataLost
 
 __all__ = ["ON_DATA_LOSS", "DataLoss", "KafkaDataLoss", "gaps", "ON_DATA_LOSS_HINT"]
 
@@ -90,7 +90,7 @@ class DataLoss:
                 "message": self.describe()}
 
 
-class KafkaDataLoss(RemoteError):
+class KafkaDataLoss(DataLost):
     """Samples the job needs are gone from the broker (see :mod:`stream_persia.kafka.loss`).
 
     Attributes:

@@ -21,10 +21,13 @@
    consumer group (for lag monitors only: restoring uses the manifest).
 4. Barrier; prefetching resumes.
 
-``load_checkpoint(src)`` (every rank): quiesce, barrier, rank 0 loads the embeddings into
-the servers (any number of them: rows are resharded by hash; servers that restarted are
-configured and loaded like the others, and the workers serve them again once they see the
-load) and, for a Kafka stream, has every worker ``reset_stream`` to the manifest's
+``load_checkpoint(src)`` (every rank): quiesce, barrier; for a Kafka stream rank 0 first
+asks every worker whether the brokers still hold the manifest's offsets (``check_stream``:
+a :class:`~stream_persia.errors.DataLost` naming the partitions and offsets retention
+deleted, before anything changed), then loads the embeddings into the servers (any number
+of them: rows are resharded by hash; servers that restarted are configured and loaded like
+the others, and the workers serve them again once they see the load) and has every worker
+``reset_stream`` to those
 offsets; every rank loads the dense model and optimizer state; barrier.
 """
 
@@ -248,11 +251,14 @@ def load_checkpoint(ctx: Any, src_dir: str, *, map_location: Any = None,
     try:
         _barrier(ctx)
         if _rank(ctx) == 0:
+            replay = train and manifest.stream == "kafka"
+            # Before anything is loaded: offsets the brokers no longer have (retention)
+            # refuse the restore (DataLost naming them) and leave the job as it was.
+            for topic_offsets in manifest.offsets.values() if replay else ():
+                cluster.run(cluster.call_workers("check_stream", {"offsets": topic_offsets}))
             cluster.run(load_embeddings(src_dir, cluster.servers))
-            if train and manifest.stream == "kafka":
-                for topic_offsets in manifest.offsets.values():
-                    cluster.run(cluster.call_workers("reset_stream",
-                                                     {"offsets": topic_offsets}))
+            for topic_offsets in manifest.offsets.values() if replay else ():
+                cluster.run(cluster.call_workers("reset_stream", {"offsets": topic_offsets}))
         model = _dense_model(ctx)
         model.load_state_dict(load_torch(src_dir, dense_filename, map_location))
         if train and opt_filename and opt_filename in manifest.files:

@@ -46,7 +46,8 @@ from stream_persia.rpc.local import is_loopback
 from stream_persia.wire import WireLimits
 
 __all__ = ["CONTEXT", "FROM_ENV", "FromEnv", "HANDSHAKE_LIMITS", "MIN_SECRET_CHARS",
-           "NONCE_BYTES", "RoleSecret", "SECRET_ENV", "SECRET_FILE_ENV", "SETTING",
+           "NONCE_BYTES", "RoleSecret", "SAME_SECRET_HINT", "SECRET_ENV", "SECRET_FILE_ENV",
+           "SETTING",
            "SecretSetting", "challenge", "check_bind", "check_challenge", "check_hello", "check_proof",
            "check_welcome", "client_proof", "hello", "is_hello", "mismatch", "new_nonce", "proof",
            "resolve", "welcome"]
@@ -55,6 +56,9 @@ SECRET_ENV: Final = "PERSIA_ROLE_SECRET"
 SECRET_FILE_ENV: Final = "PERSIA_ROLE_SECRET_FILE"
 #: what a refusal names as the setting to fix
 SETTING: Final = f"{SECRET_ENV} / {SECRET_FILE_ENV}"
+#: the hint of every refusal for a missing or different secret
+SAME_SECRET_HINT: Final = (f"give every process of the job the same {SECRET_ENV} or "
+                           f"{SECRET_FILE_ENV}")
 #: shorter secrets are refused: a handshake seen on the network allows an offline guess
 MIN_SECRET_CHARS: Final = 16
 NONCE_BYTES: Final = 32
@@ -212,8 +216,7 @@ def check_hello(msg: Any, peer: str, server: str) -> bytes:
     if not is_hello(msg):
         raise AuthError(f"{server} requires the job's role secret, but the client at {peer} "
                         "sent a request without authenticating", field=SETTING,
-                        hint=f"give every process of the job the same {SECRET_ENV} or "
-                             f"{SECRET_FILE_ENV}")
+                        hint=SAME_SECRET_HINT)
     if msg.get("v") != VERSION:
         raise AuthError(f"{server}: the client at {peer} speaks handshake version "
                         f"{msg.get('v')!r}, this server {VERSION}", field="v",
@@ -232,8 +235,7 @@ def check_challenge(msg: Any, secret: RoleSecret, client_nonce: bytes, peer: str
     if not isinstance(got, bytes) or not hmac.compare_digest(got, want):
         raise AuthError(f"{peer} does not hold this job's role secret (its proof does not "
                         "match): refusing to talk to it", field=SETTING,
-                        hint=f"give every process of the job the same {SECRET_ENV} or "
-                             f"{SECRET_FILE_ENV}")
+                        hint=SAME_SECRET_HINT)
     return server_nonce
 
 
@@ -243,15 +245,13 @@ def check_proof(msg: Any, secret: RoleSecret, client_nonce: bytes, server_nonce:
     if isinstance(msg, dict) and msg.get("auth") == "mismatch":
         raise AuthError(f"{server} refused the client at {peer}: it holds another role "
                         "secret (it found this server's proof wrong)", field=SETTING,
-                        hint=f"give every process of the job the same {SECRET_ENV} or "
-                             f"{SECRET_FILE_ENV}")
+                        hint=SAME_SECRET_HINT)
     got = msg.get("proof") if isinstance(msg, dict) and msg.get("auth") == "proof" else None
     want = proof(secret, b"client", client_nonce, server_nonce)
     if not isinstance(got, bytes) or not hmac.compare_digest(got, want):
         raise AuthError(f"{server} refused the client at {peer}: its role secret does not "
                         "match", field=SETTING,
-                        hint=f"give every process of the job the same {SECRET_ENV} or "
-                             f"{SECRET_FILE_ENV}")
+                        hint=SAME_SECRET_HINT)
 
 
 def check_welcome(msg: Any, peer: str) -> None:

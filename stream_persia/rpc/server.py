@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from stream_persia.backoff import wait_bounded
 from stream_persia.errors import (
     AuthError,
     ConfigError,
@@ -423,16 +424,18 @@ class RpcServer:
 
         timeout_s = self._conn_limits.handshake_timeout_s
         try:
-            await asyncio.wait_for(exchange(), timeout_s)
+            # wait_bounded, not wait_for: stop() cancels this reader, and wait_for (before
+            # 3.12) loses that cancellation when the proof arrives in the same iteration:
+            # the reader would go on to read requests, and stop() wait for the peer.
+            await wait_bounded(exchange(), timeout_s)
         except AuthError as exc:
             self._refuse(conn, exc)
             return False
-        except asyncio.TimeoutError:   # before OSError: TimeoutError is one
+        except TimeoutError:   # before OSError: TimeoutError is one
             self._refuse(conn, AuthError(
                 f"{self.name} requires the job's role secret, and the client at {conn.peer} "
                 f"did not authenticate within {timeout_s:g} s", field=auth.SETTING,
-                hint=f"give every process of the job the same {auth.SECRET_ENV} or "
-                     f"{auth.SECRET_FILE_ENV}"))
+                hint=auth.SAME_SECRET_HINT))
             return False
         except (asyncio.IncompleteReadError, OSError):
             return False   # it went away first (e.g. a TCP health probe): nothing to refuse
@@ -483,8 +486,7 @@ class RpcServer:
                 self._refuse(conn, AuthError(
                     f"{self.name} has no role secret, but the client at {conn.peer} "
                     "presented one", field=auth.SETTING,
-                    hint=f"give every process of the job the same {auth.SECRET_ENV} or "
-                         f"{auth.SECRET_FILE_ENV}"))
+                    hint=auth.SAME_SECRET_HINT))
             else:
                 self._reject(conn, exc)
             return False

@@ -12,14 +12,18 @@ import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
+
+from stream_persia import aio
 from stream_persia.checkpoint.root import CheckpointRoot
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Adagrad
 from stream_persia.embedding_server import EmbeddingServer
-from stream_persia.rpc import auth
+from stream_persia.rpc import RpcClient, auth
+from stream_persia.shard_files import read_shard_file
 from stream_persia.worker.router import ShardRouter
 
-__all__ = ["TEST_CHECKPOINT_ROOT", "restarted", "running_servers"]
+__all__ = ["TEST_CHECKPOINT_ROOT", "dumped_rows", "restarted", "running_servers"]
 
 #: the checkpoint root of test servers unless a test gives its own
 TEST_CHECKPOINT_ROOT = tempfile.gettempdir()
@@ -63,3 +67,19 @@ def restarted(server: EmbeddingServer) -> EmbeddingServer:
     return EmbeddingServer(server.store.capacity, replica_index=server.replica_index,
                            replica_size=server.replica_size, host=host, port=int(port),
                            checkpoint_root=server.checkpoint_root, secret=server.rpc.secret)
+
+
+def dumped_rows(address: str, dump_dir: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Every row of the embedding server at ``address`` (a process of its own: called
+    from synchronous test code), dumped into ``dump_dir`` under its checkpoint root:
+    id -> (weights, optimizer state)."""
+    async def dump() -> dict:
+        async with RpcClient(address) as c:
+            return await c.call("dump", {"dir": dump_dir})
+
+    info = aio.run(dump())
+    rows = {}
+    for chunk in read_shard_file(dump_dir, info["file"]):
+        for i, x in enumerate(chunk["ids"].tolist()):
+            rows[x] = (chunk["weights"][i].copy(), chunk["state"][i].copy())
+    return rows

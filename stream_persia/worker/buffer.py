@@ -9,6 +9,11 @@ item's size once, when it is put, and ``put`` waits while the buffer holds ``max
 items or the item would take it past ``max_bytes`` bytes. One item is always let into an
 empty buffer, however large, so that a single batch bigger than the budget still flows
 (one at a time). Items returned with ``put_front`` may exceed both bounds by that item.
+
+A ``put`` or ``get`` cancelled while it waits neither adds nor takes an item, even when
+room or an item arrived in the same loop iteration (``asyncio.wait_for`` before Python
+3.12 returned then, and the cancellation was lost: :func:`stream_persia.backoff.
+wait_bounded`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from stream_persia.backoff import wait_bounded
 from stream_persia.errors import Backpressure, Misuse
 
 T = TypeVar("T")
@@ -70,8 +76,8 @@ class BoundedBuffer(Generic[T]):
         async with self._changed:
             if not self._fits(size):
                 try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: self._fits(size)),
-                                           timeout)
+                    await wait_bounded(self._changed.wait_for(lambda: self._fits(size)),
+                                       timeout)
                 except TimeoutError:
                     held = (f"{len(self._items)} items"
                             + (f", {self.bytes} bytes" if self.max_bytes is not None else ""))
@@ -95,8 +101,8 @@ class BoundedBuffer(Generic[T]):
         async with self._changed:
             if not self._items:
                 try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: bool(self._items)),
-                                           timeout)
+                    await wait_bounded(self._changed.wait_for(lambda: bool(self._items)),
+                                       timeout)
                 except TimeoutError:
                     return None
             item, size = self._items.popleft()

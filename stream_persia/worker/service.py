@@ -51,7 +51,9 @@ RPC methods (params → result):
   first (``KafkaDataLoss``, unless ``kafka.on_data_loss: skip``), nothing dropped, and so
   is a reset while an embedding server found restarted was not restored since
   (``ServerRestarted``); offsets at or below what the servers applied start a stream that
-  is refused (``StreamReplay``, *Stream replays*). ``commit_offsets {"offsets"}``: record
+  is refused (``StreamReplay``, *Stream replays*). ``check_stream {"offsets"}`` → None:
+  refuses as ``reset_stream`` would for the offsets, changing nothing (a restore asks
+  before it loads anything). ``commit_offsets {"offsets"}``: record
   checkpoint offsets in the consumer group, for lag monitors.
 - ``status`` → buffers, counters, frontier offsets, and with Kafka ``kafka``: lag, paused
   partitions, those stopped on a data loss (``stopped``) and the messages lost where the
@@ -69,34 +71,15 @@ RPC methods (params → result):
   A request's ``dst`` must lie under the worker's checkpoint root
   (:mod:`stream_persia.checkpoint.root`): the NN ranks write there.
 
-Gradient pushes are idempotent per (batch, server) and retried. The first
-``push_gradients`` of a batch reduces its gradients and splits them per owning server
-once, under a token unique to the batch and this worker process (``<incarnation>-<batch
-id>``: batch ids restart with the process, the random incarnation does not repeat). The
-update runs in a task the worker owns (a caller that goes away does not cut it short):
-the servers that fail with a retryable error (unreachable, timed out, busy) are asked
-again, and only they, with backoff for up to ``push_retry_ms`` (or the request's
-``timeout_ms``, if smaller); a server that applied a request whose reply was lost
-recognises the token and answers with its first reply (:mod:`stream_persia.worker.router`,
-:mod:`stream_persia.embedding_server`). A second ``push_gradients`` of a batch whose push
-is under way waits for that push's outcome; one of a batch applied recently (the last
-:data:`PUSHED_MEMORY` batches) gets the first reply again, so an NN worker may retry a push
-whose reply it lost.
-
-A push that cannot complete in that time fails **loudly and never silently pinned**: the
-caller gets :class:`~stream_persia.errors.PushFailed` (field ``batch_id``) naming the batch,
-its Kafka partition and offset, and the servers that did and did not apply it. Its
-gradients may now be on some servers and not others, so the batch is kept *failed*: it
-stays in flight (its frontier offset is not passed, so no checkpoint can claim it), is
-listed in ``frontier``/``status`` (``failed``), makes ``health`` answer ``ok: false``
-naming it, and is counted in ``persia_embedding_worker_batches_push_failed_total``;
-checkpoints refuse, naming it (:func:`stream_persia.worker.frontier.check_no_failed_push`);
-``return_batches`` refuses it (serving it again would apply its gradients twice on the
-servers that took them). It leaves that state when a ``push_gradients`` of its
-``batch_id`` completes (the update first reduced is sent again, to the servers that have
-not applied it; ``grads`` is ignored), or when ``reset_stream`` (a restore) drops it. It
-holds one of the ``max_inflight_batches`` slots until then, so failures that pile up stop
-serving rather than grow memory.
+Gradient pushes are idempotent per (batch, server), retried for up to ``push_retry_ms``,
+and a push that cannot complete fails its batch loudly (:mod:`stream_persia.worker.pushes`):
+a *failed* batch stays in flight (so no checkpoint can claim it), is listed in
+``frontier``/``status`` (``failed``), makes ``health`` answer ``ok: false`` naming it,
+and ``return_batches`` refuses it (serving it again would apply its gradients twice on the
+servers that took them); checkpoints refuse, naming it
+(:func:`stream_persia.worker.frontier.check_no_failed_push`). It holds one of the
+``max_inflight_batches`` slots until a push of it completes or ``reset_stream`` drops it,
+so failures that pile up stop serving rather than grow memory.
 
 Embedding servers that restart. A server process killed and restarted at its address (a
 StatefulSet does it by itself) comes back with an empty table. The router notices it by
@@ -142,9 +125,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -156,8 +137,6 @@ from stream_persia.errors import (
     Backpressure,
     BadInput,
     Misuse,
-    PersiaError,
-    PushFailed,
     ServerRestarted,
     StreamReplay,
     config_digest_param,
@@ -167,21 +146,20 @@ from stream_persia.rpc import RpcServer, auth
 from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
 from stream_persia.supervisor import Supervisor
 from stream_persia.watermarks import RESTORE_HINT, Refusal
-from stream_persia.worker.batchplan import BatchPlan, plan_batch, reduce_gradients
+from stream_persia.worker.batchplan import BatchPlan, plan_batch
 from stream_persia.worker.buffer import BoundedBuffer
 from stream_persia.worker.frontier import Frontier
 from stream_persia.worker.mailbox import CheckpointMailbox
-from stream_persia.worker.router import PendingUpdate, ShardRouter
+from stream_persia.worker.pushes import PUSHED_MEMORY, GradientPushes
+from stream_persia.worker.router import ShardRouter
 
 if TYPE_CHECKING:  # imported by start_kafka_ingest: a broker-less worker never loads aiokafka
     from stream_persia.worker.ingest import KafkaIngest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EmbeddingWorker", "PendingBatch", "PUSHED_MEMORY"]
+__all__ = ["EmbeddingWorker", "PendingBatch"]
 
-#: Replies of recently applied batches a worker keeps, to answer a repeated push.
-PUSHED_MEMORY = 1024
 #: The supervisor's name for the condition "an embedding server restarted and is lost".
 SERVERS_LOST = "embedding-servers"
 #: How long ``health`` waits for a lost server to say whether it was restored since.
@@ -199,10 +177,6 @@ class PendingBatch:
     stream: tuple[str, str] | None = None       # (topic, writer) of its Kafka stream
     received_s: float = field(default_factory=time.monotonic)
     missing: int = 0                             # ids absent from the servers (eval/infer)
-    update: PendingUpdate | None = None          # its gradients per server, once pushed
-    skipped: list[str] = field(default_factory=list)   # slots with non-finite gradients
-    pushing: asyncio.Task | None = None          # the push under way
-    failure: dict | None = None                  # why its last push could not complete
     nbytes: int = 0                              # its arrays' bytes (the ready buffer's bound)
 
 
@@ -268,13 +242,8 @@ class EmbeddingWorker:
         self.inflight: dict[int, PendingBatch] = {}
         self._inflight_room = asyncio.Semaphore(max_inflight_batches)
         self.frontier = Frontier()
-        self.push_retry_ms = push_retry_ms
-        # Tokens of this process's updates start with it: batch ids restart with a process.
-        self.incarnation = secrets.token_hex(8)
         self._streams = 0                       # Kafka streams started (their writer ids)
         self._replay: StreamReplay | None = None   # serving would train batches twice
-        self._pushed: OrderedDict[int, dict] = OrderedDict()   # recent replies (bounded)
-        self._push_tasks: set[asyncio.Task] = set()
         self.ingest_timeout_ms = ingest_timeout_ms
         self.ingest_paused = asyncio.Event()    # set = paused (control plane)
         self._ingest_resumed = asyncio.Event()  # set (then replaced) by resume_ingest
@@ -292,30 +261,23 @@ class EmbeddingWorker:
         self.m_rejected = m.counter("batches_rejected_total", "batches refused or dead-lettered",
                                     ("reason",))
         self.m_served = m.counter("batches_served_total", "batches served to NN workers")
-        self.m_applied = m.counter("batches_applied_total", "batches whose gradients applied")
-        self.m_push_failed = m.counter("batches_push_failed_total",
-                                       "gradient pushes that could not complete on every "
-                                       "server within push_retry_ms (the batch stays failed)")
-        self.m_push_repeated = m.counter("push_repeated_total",
-                                         "pushes of a batch already applied or being pushed, "
-                                         "answered without applying again")
-        self.m_nonfinite = m.counter("nonfinite_gradient_slots_total",
-                                     "slot gradients skipped for NaN/Inf", ("slot",))
         self.m_lookup_s = m.histogram("lookup_seconds", "embedding lookup latency",
-                                      buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
-        self.m_update_s = m.histogram("update_seconds", "gradient apply latency",
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
         self.m_server_restarts = m.counter(
             "server_restarts_total", "embedding server restarts seen (a new process at its "
             "address, without the rows the old one held)", ("server",))
         m.add_callback("servers", lambda: {"lost": float(len(self.router.lost))})
+        self.push_retry_ms = push_retry_ms
+        self.pushes = GradientPushes(self.router, m, name=f"embedding worker {replica_index}",
+                                     on_applied=self._applied,
+                                     on_replay=self._replayed)
         m.add_callback("partitions", lambda: {"replay_refused": float(
             len(self.kafka.refused) if self.kafka is not None else 0)})
         m.add_callback("buffer", lambda: {"ready": len(self.ready),
                                           "ready_bytes": self.ready.bytes,
                                           "inflight": len(self.inflight),
                                           "pending": self.frontier.pending(),
-                                          "failed": len(self._failed())})
+                                          "failed": len(self.pushes.failed())})
         # Long-running tasks (the Kafka ingest loop) are watched: one that fails makes
         # health answer not ok and the launched role exit 1 (stream_persia.supervisor).
         self.supervisor = Supervisor(f"embedding worker {replica_index}", m)
@@ -325,7 +287,8 @@ class EmbeddingWorker:
             "status": self._status, "pause_ingest": self._pause, "resume_ingest": self._resume,
             "servers": self._servers, "metrics": self._metrics,
             "return_batches": self._return_batches, "frontier": self._frontier,
-            "reset_stream": self._reset_stream, "commit_offsets": self._commit_offsets,
+            "reset_stream": self._reset_stream, "check_stream": self._check_stream,
+            "commit_offsets": self._commit_offsets,
             # Replica 0 holds the checkpoint mailbox (checkpoints started over HTTP).
             **(self.mailbox.handlers() if self.mailbox is not None else {}),
         }, host=host, port=port, name=f"embedding-worker-{replica_index}", secret=secret,
@@ -380,19 +343,12 @@ class EmbeddingWorker:
         if self.kafka is not None:
             await self.kafka.stop()
         await self.rpc.stop()   # drains requests, pushes waiting on their task included
-        await self._cancel_pushes()
-        failed = self._failed()
+        failed = await self.pushes.reset()
         if failed:
             log.error("embedding worker %d stops with %d failed batch(es) whose gradients "
                       "only some servers applied: %s", self.replica_index, len(failed),
-                      self._failed_summary(failed))
+                      self.pushes.summary(failed))
         await self.router.close()
-
-    async def _cancel_pushes(self) -> None:
-        tasks = list(self._push_tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
     @property
     def address(self) -> str:
@@ -580,11 +536,11 @@ class EmbeddingWorker:
         if not isinstance(params, dict):
             raise BadInput("push_gradients takes a map", field="params")
         batch_id = params.get("batch_id")
-        valid_id = isinstance(batch_id, int) and not isinstance(batch_id, bool)
-        if valid_id and (first := self._pushed.get(batch_id)) is not None:
-            self.m_push_repeated.inc()
-            return {**first, "duplicate": True}   # applied; its reply was lost on the way
-        pb = self.inflight.get(batch_id) if valid_id else None
+        pb = None
+        if isinstance(batch_id, int) and not isinstance(batch_id, bool):
+            if (first := self.pushes.recent(batch_id)) is not None:
+                return first   # applied; its reply was lost on the way
+            pb = self.inflight.get(batch_id)
         if pb is None:
             raise BadInput(f"batch_id {batch_id!r} is not a batch in flight on this worker "
                            f"(nor one of the last {PUSHED_MEMORY} it applied)",
@@ -592,112 +548,14 @@ class EmbeddingWorker:
                            hint="gradients go to the worker that served the batch; a worker "
                                 "that restarted has forgotten the batches it served")
         retry_s = min(self._timeout_ms(params, self.push_retry_ms), self.push_retry_ms) / 1000
-        if pb.pushing is not None:
-            self.m_push_repeated.inc()   # a retry overtook the push: share its outcome
-        else:
-            if pb.update is None:
-                self._reduce(pb, params.get("grads"))
-            # else: a failed batch pushed again: the update first reduced (grads ignored)
-            task = asyncio.get_running_loop().create_task(
-                self._apply(pb, retry_s), name=f"push-{pb.batch_id}")
-            pb.pushing = task
-            self._push_tasks.add(task)
-            task.add_done_callback(self._push_done)
-        return await asyncio.shield(pb.pushing)
+        return await self.pushes.push(pb.batch_id, pb.plan, pb.source, params.get("grads"),
+                                      retry_s, stream=pb.stream)
 
-    def _push_done(self, task: asyncio.Task) -> None:
-        self._push_tasks.discard(task)
-        if not task.cancelled():
-            task.exception()   # retrieved: every waiter got it already
-
-    def _reduce(self, pb: PendingBatch, grads: Any) -> None:
-        """Reduce a batch's gradients per unique id and split them per server, once."""
-        if not isinstance(grads, dict):
-            raise BadInput("grads must be a map of slot name -> gradient (None: no gradient)",
-                           field="grads", hint=f"slots: {sorted(pb.plan.names)}")
-        reduced = reduce_gradients(pb.plan, grads)
-        for name in reduced.skipped:
-            self.m_nonfinite.labels(name).inc()
-        pb.skipped = list(reduced.skipped)
-        groups = [(dim, ids, rows) for dim, (ids, rows) in reduced.by_dim.items()]
-        source = None
-        if pb.stream is not None and pb.source is not None:   # the servers' watermarks
-            source = {"topic": pb.stream[0], "partition": pb.source[0],
-                      "offset": pb.source[1], "writer": pb.stream[1]}
-        pb.update = self.router.split_update(groups, f"{self.incarnation}-{pb.batch_id}",
-                                             source)
-
-    async def _apply(self, pb: PendingBatch, retry_s: float) -> dict:
-        """Apply ``pb``'s update on every server that has not yet, then release it; on
-        failure mark it failed (module docstring) and raise PushFailed."""
-        assert pb.update is not None
-        t0 = time.perf_counter()
-        try:
-            applied, dropped = await self.router.push(pb.update, retry_s)
-        except Exception as e:   # a bug too: the batch must fail, never stay pinned quietly
-            raise self._push_failed(pb, e, retry_s) from e
-        finally:
-            pb.pushing = None
-        self.m_update_s.observe(time.perf_counter() - t0)
-        if pb.failure is not None:
-            log.warning("embedding worker %d: batch %d failed earlier is now applied on "
-                        "every server", self.replica_index, pb.batch_id)
-        del self.inflight[pb.batch_id]
+    def _applied(self, batch_id: int) -> None:
+        """Every server applied ``batch_id``'s gradients: release it."""
+        pb = self.inflight.pop(batch_id)
         self._inflight_room.release()
         self._settle(pb)
-        self.m_applied.inc()
-        reply = {"applied": applied, "dropped": dropped, "skipped_slots": pb.skipped}
-        self._pushed[pb.batch_id] = reply
-        if len(self._pushed) > PUSHED_MEMORY:
-            self._pushed.popitem(last=False)
-        return reply
-
-    def _push_failed(self, pb: PendingBatch, err: Exception, retry_s: float
-                     ) -> PushFailed | ServerRestarted | StreamReplay:
-        upd = pb.update
-        assert upd is not None
-        addresses = self.router.addresses
-        missing = upd.missing()
-        why = err.message if isinstance(err, PersiaError) else repr(err)
-        pb.failure = {
-            "batch_id": pb.batch_id,
-            "partition": pb.source[0] if pb.source is not None else None,
-            "offset": pb.source[1] if pb.source is not None else None,
-            "servers": [addresses[s] for s in missing],
-            "applied_on": [addresses[s] for s in sorted(upd.replies)],
-            "error": why,
-        }
-        self.m_push_failed.inc()
-        where = (f" (partition {pb.source[0]} offset {pb.source[1]})"
-                 if pb.source is not None else "")
-        msg = (f"embedding worker {self.replica_index}: the gradients of batch {pb.batch_id}"
-               f"{where} could not be applied on embedding server(s) "
-               f"{', '.join(pb.failure['servers'])}"
-               + ("" if isinstance(err, (ServerRestarted, StreamReplay))
-                  else f" within {retry_s * 1000:g} ms")
-               + f" ({len(upd.replies)} of {len(upd.parts)} servers applied them): {why}")
-        log.error("%s; the batch stays in flight, failed: checkpoints refuse until a push of "
-                  "it completes or a restore resets the stream", msg)
-        if isinstance(err, ServerRestarted):   # pushing it again cannot help: restore
-            return ServerRestarted(msg, field="batch_id", hint=err.hint)
-        if isinstance(err, StreamReplay):      # another stream applied it: restore
-            self._replay = StreamReplay(msg, field="batch_id", hint=err.hint)
-            return self._replay
-        return PushFailed(msg, field="batch_id",
-                          hint="bring the server back and push the batch again (its "
-                               "gradients are kept; only the servers missing them get "
-                               "them), or restore the last checkpoint")
-
-    def _failed(self) -> list[dict]:
-        return [pb.failure for pb in self.inflight.values() if pb.failure is not None]
-
-    @staticmethod
-    def _failed_summary(failed: list[dict], limit: int = 3) -> str:
-        shown = "; ".join(f"batch {f['batch_id']}"
-                          + (f" (partition {f['partition']} offset {f['offset']})"
-                             if f["partition"] is not None else "")
-                          + f" missing on {', '.join(f['servers'])}" for f in failed[:limit])
-        return shown + (f"; and {len(failed) - limit} more" if len(failed) > limit else "")
 
     def _settle(self, pb: PendingBatch) -> None:
         if pb.source is not None:
@@ -711,11 +569,11 @@ class EmbeddingWorker:
         problems = [self.supervisor.error] if self.supervisor.error else []
         if self._replay is not None:
             problems.append(self._replay.message)
-        failed = self._failed()
+        failed = self.pushes.failed()
         if failed:
             problems.append(f"{len(failed)} batch(es) whose gradients could not be applied "
                             f"on every embedding server (checkpoints refuse): "
-                            f"{self._failed_summary(failed)}")
+                            f"{self.pushes.summary(failed)}")
         return problems
 
     # ----------------------------------------------------------------- stream replays
@@ -723,7 +581,12 @@ class EmbeddingWorker:
         """A new Kafka stream's id on the servers' watermarks: this process and how many
         streams it started (each ``reset_stream`` starts one)."""
         self._streams += 1
-        return f"{self.incarnation}.{self._streams}"
+        return f"{self.pushes.incarnation}.{self._streams}"
+
+    def _replayed(self, err: StreamReplay) -> None:
+        """A push the servers refused as a replay (another stream applied that offset):
+        stop serving until a restore resets the stream."""
+        self._replay = err
 
     def stream_checked(self, refused: list[Refusal]) -> None:
         """A Kafka stream started (:class:`~stream_persia.worker.ingest.KafkaIngest`):
@@ -781,7 +644,7 @@ class EmbeddingWorker:
             "ready_capacity_bytes": self.ready.max_bytes, "inflight": len(self.inflight),
             "pending": self.frontier.pending(),
             "frontier": {str(p): o for p, o in self.frontier.offsets().items()},
-            "ingest_paused": self.ingest_paused.is_set(), "failed": self._failed(),
+            "ingest_paused": self.ingest_paused.is_set(), "failed": self.pushes.failed(),
         }
         if self.kafka is not None:
             status["kafka"] = await self.kafka.status()
@@ -811,7 +674,7 @@ class EmbeddingWorker:
         if unknown:
             raise BadInput(f"batch ids {unknown} are not in flight on this worker",
                            field="batch_ids")
-        pushed = [i for i in ids if self.inflight[i].update is not None]
+        pushed = [i for i in ids if self.pushes.started(i)]
         if pushed:
             # Pushing or failed: some servers may hold its gradients; served again, they
             # would be applied twice there.
@@ -831,7 +694,7 @@ class EmbeddingWorker:
         return {"stream": "kafka" if self.kafka is not None else "direct",
                 "offsets": {str(p): o for p, o in self.frontier.offsets().items()},
                 "inflight": len(self.inflight), "pending": self.frontier.pending(),
-                "failed": self._failed(), "lost": self._lost_servers()}
+                "failed": self.pushes.failed(), "lost": self._lost_servers()}
 
     @staticmethod
     def _offsets_param(params: Any) -> dict[int, int]:
@@ -847,12 +710,26 @@ class EmbeddingWorker:
             raise BadInput("partitions and offsets must be >= 0", field="offsets")
         return offsets
 
-    async def _reset_stream(self, params: Any) -> dict:
-        offsets = self._offsets_param(params)
+    async def _check_replayable(self, offsets: dict[int, int]) -> None:
+        """BadInput (no stream, an offset beyond the end) or KafkaDataLoss (deleted) unless
+        the brokers still have ``offsets``."""
         if self.kafka_factory is None:
             raise BadInput("this worker has no Kafka stream to reset (broker-less mode "
                            "cannot replay)", field="offsets",
                            hint="run with --kafka for exactly-once restore")
+        if self.kafka is not None:
+            await self.kafka.check_offsets(offsets)
+
+    async def _check_stream(self, params: Any) -> None:
+        # Asked before a restore loads anything: servers found restarted are not checked
+        # here (the load that follows is what brings them back; reset_stream checks them).
+        await self._check_replayable(self._offsets_param(params))
+
+    async def _reset_stream(self, params: Any) -> dict:
+        offsets = self._offsets_param(params)
+        # Offsets the brokers no longer have (or never had) are refused before anything
+        # held here is dropped.
+        await self._check_replayable(offsets)
         # A restore loaded the servers first: those found restarted are served again now.
         # One still lost was not restored: replaying onto its empty table would not be
         # exactly-once, so nothing is reset.
@@ -863,20 +740,16 @@ class EmbeddingWorker:
                                   f"stream: {first.message}; no checkpoint was restored into "
                                   f"it since", field=first.field, hint=first.hint)
         if self.kafka is not None:
-            # Offsets the brokers no longer have (or never had) are refused before
-            # anything held here is dropped.
-            await self.kafka.check_offsets(offsets)
             await self.kafka.stop()
             retired = self.kafka.stats()
             for key in self._kafka_retired:
                 self._kafka_retired[key] += retired.get(key, 0)
             self.kafka = None
-        await self._cancel_pushes()
-        failed = self._failed()
+        failed = await self.pushes.reset()
         if failed:
             log.warning("embedding worker %d: the stream is reset (a restore): dropping %d "
                         "failed batch(es): %s", self.replica_index, len(failed),
-                        self._failed_summary(failed))
+                        self.pushes.summary(failed))
         for _ in range(len(self.inflight)):
             self._inflight_room.release()
         self.inflight.clear()

@@ -195,6 +195,18 @@ class LiveApi:
             await asyncio.wait_for(self.task, 30)
 
 
+async def take_checkpoint(api: LiveApi, ident: str) -> dict:
+    """Take checkpoint ``ident`` over HTTP (``POST /v1/checkpoints``); its info once done."""
+    r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": ident})
+    assert r.status_code == 202, r.text
+    async with asyncio.timeout(30):
+        while (info := (await api.client.get(f"/v1/checkpoints/{ident}", headers=AUTH)
+                        ).json())["state"] in ("pending", "running"):
+            await asyncio.sleep(0.02)
+    assert info["state"] == "done", info
+    return info
+
+
 def settings_for(job: Job | None = None, **kw: Any) -> ApiSettings:
     base: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "token": TOKEN, "schema": SCHEMA}
     if job is not None:

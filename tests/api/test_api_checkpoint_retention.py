@@ -12,24 +12,13 @@ import asyncio
 import os
 
 import pytest
-from api_helpers import AUTH, LiveApi, TwoHeads, settings_for, write_checkpoint
+from api_helpers import AUTH, LiveApi, TwoHeads, settings_for, take_checkpoint, write_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 
 from api import ApiSettings
 from stream_persia.checkpoint import list_checkpoints
 from stream_persia.config import GlobalConfig
 from stream_persia.errors import ConfigError
-
-
-async def take(api: LiveApi, ident: str) -> dict:
-    r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": ident})
-    assert r.status_code == 202, r.text
-    async with asyncio.timeout(30):
-        while (info := (await api.client.get(f"/v1/checkpoints/{ident}", headers=AUTH)
-                        ).json())["state"] in ("pending", "running"):
-            await asyncio.sleep(0.02)
-    assert info["state"] == "done", info
-    return info
 
 
 def on_disk(root: str) -> list[str]:
@@ -50,7 +39,7 @@ async def test_the_api_keeps_the_newest_checkpoints(job, tmp_path):
     async with LiveApi(settings_for(job, checkpoint_dir=root, keep_checkpoints=2)) as api:
         for i in range(5):
             await job.train(1, seed=i)
-            await take(api, f"c{i}")
+            await take_checkpoint(api, f"c{i}")
             assert on_disk(root) == [f"c{k}" for k in range(max(0, i - 1), i + 1)]
         listed = (await api.client.get("/v1/checkpoints", headers=AUTH)).json()
         assert [c["id"] for c in listed["checkpoints"]] == ["c3", "c4"]
@@ -70,7 +59,7 @@ async def test_retention_never_deletes_the_served_model(job, tmp_path):
                                   json={"checkpoint": "reloaded"})
         assert r.status_code == 200, r.text
         for i in range(3):
-            await take(api, f"c{i}")
+            await take_checkpoint(api, f"c{i}")
         # Served, configured to serve (the API retries it after a restart), and newest.
         assert sorted(os.listdir(root)) == ["c2", "configured", "reloaded"]
 

@@ -11,10 +11,23 @@ test plays the NN worker; while its partition 0 is paused (as backpressure pause
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import shutil
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from api_helpers import AUTH, LiveApi, settings_for, start_job, stop_job
+from api_helpers import (
+    AUTH,
+    Job,
+    LiveApi,
+    settings_for,
+    start_job,
+    stop_job,
+    take_checkpoint,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia.config import KafkaConfig
@@ -60,8 +73,10 @@ async def train(worker, n: int) -> int:
     return got
 
 
-@pytest.mark.parametrize("mode", ["fail", "skip"])
-async def test_data_loss_is_reported_and_checkpoints_never_pass_it(tmp_path, mode):
+@contextlib.asynccontextmanager
+async def kafka_job(on_data_loss: str = "fail") -> AsyncIterator[tuple[Any, Job, Any]]:
+    """(broker, job, its worker): topic ``job`` of 2 partitions holding 3 batches each,
+    one embedding server, one worker fed from the topic that trained all 6."""
     with MockKafkaCluster() as cluster:
         cluster.create_topic("job", 2)
         cluster.create_topic("job.dlq", 1)
@@ -69,7 +84,7 @@ async def test_data_loss_is_reported_and_checkpoints_never_pass_it(tmp_path, mod
             await produce(cluster.bootstrap_servers, p,
                           [make_batch(10 * p + i).to_bytes() for i in range(3)])
         cfg = KafkaConfig(bootstrap_servers=cluster.bootstrap_servers, samples_topic="job",
-                          on_data_loss=mode)
+                          on_data_loss=on_data_loss)
         job = await start_job(n_servers=1)
         try:
             worker = job.workers[0]
@@ -82,55 +97,98 @@ async def test_data_loss_is_reported_and_checkpoints_never_pass_it(tmp_path, mod
 
             await asyncio.wait_for(worker.start_kafka_ingest(make), 30)
             assert await train(worker, 6) == 6
-            consumer = worker.kafka.consumer
-            consumer.pause([0])
-            await produce(cluster.bootstrap_servers, 0, [b"x" * 100_000] * 80)
-            tp = consumer._tps[0]
-            begin = (await consumer._live().beginning_offsets([tp]))[tp]
-            assert begin > 3
-            consumer.resume([0])
-            await produce(cluster.bootstrap_servers, 1, [make_batch(100).to_bytes()])
-            # fail: partition 1's batch only; skip: that one and the 100 KB junk records
-            # left on partition 0, which are dead-lettered (settled, never served).
-            assert await train(worker, 100) == 1
-            if mode == "skip":   # the junk records are dead-lettered one by one
-                async with asyncio.timeout(60):
-                    while worker.frontier.offsets()[0] < 83:
-                        await asyncio.sleep(0.05)
-
-            async with LiveApi(settings_for(job, checkpoint_dir=str(tmp_path))) as api:
-                status = (await api.client.get("/v1/status", headers=AUTH)).json()
-                kafka = status["workers"][0]["kafka"]
-                assert kafka["on_data_loss"] == mode
-                metrics = (await api.client.get("/metrics", headers=AUTH)).text
-                if mode == "fail":
-                    loss = kafka["stopped"]["0"]
-                    assert (loss["first"], loss["resume"], loss["cause"]) == (3, begin,
-                                                                             "deleted")
-                    assert f"job/0: offsets 3..{begin - 1}" in loss["message"]
-                    assert kafka["lost_messages"] == {}
-                    assert sample(metrics, "kafka_consumer_partitions_stopped") == 1
-                    assert sample(metrics, "kafka_consumer_data_loss_events_total") == 1
-                    assert status["workers"][0]["frontier"] == {"0": 3, "1": 4}
-                else:
-                    assert kafka["stopped"] == {}
-                    assert kafka["lost_messages"] == {"0": begin - 3}
-                    assert sample(metrics, "kafka_consumer_offsets_lost_total") == begin - 3
-                    assert sample(metrics, "kafka_consumer_partitions_stopped") == 0
-                r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": "cut"})
-                assert r.status_code == 202, r.text
-                async with asyncio.timeout(30):
-                    while (info := (await api.client.get("/v1/checkpoints/cut",
-                                                         headers=AUTH)).json()
-                           )["state"] in ("pending", "running"):
-                        await asyncio.sleep(0.05)
-                assert info["state"] == "done", info
-                offsets = info["manifest"]["offsets"]["job"]
-                if mode == "fail":
-                    # The cut records where the loss starts on the stopped partition: a
-                    # restore would read offset 3 again, never claim 3..begin-1 trained.
-                    assert offsets == {"0": 3, "1": 4}
-                else:   # the accepted loss is skipped, and counted above
-                    assert offsets == {"0": 83, "1": 4}
+            yield cluster, job, worker
         finally:
             await stop_job(job)
+
+
+async def retention_deletes_partition_0(cluster: Any, worker: Any) -> int:
+    """Pause partition 0 (as backpressure does), write 8 MiB there so the broker deletes
+    what the worker has not read, and return the partition's new log start (> 3)."""
+    consumer = worker.kafka.consumer
+    consumer.pause([0])
+    await produce(cluster.bootstrap_servers, 0, [b"x" * 100_000] * 80)
+    tp = consumer._tps[0]
+    begin = (await consumer._live().beginning_offsets([tp]))[tp]
+    assert begin > 3
+    return begin
+
+
+@pytest.mark.parametrize("mode", ["fail", "skip"])
+async def test_data_loss_is_reported_and_checkpoints_never_pass_it(tmp_path, mode):
+    async with kafka_job(mode) as (cluster, job, worker):
+        begin = await retention_deletes_partition_0(cluster, worker)
+        worker.kafka.consumer.resume([0])
+        await produce(cluster.bootstrap_servers, 1, [make_batch(100).to_bytes()])
+        # fail: partition 1's batch only; skip: that one and the 100 KB junk records
+        # left on partition 0, which are dead-lettered (settled, never served).
+        assert await train(worker, 100) == 1
+        if mode == "skip":   # the junk records are dead-lettered one by one
+            async with asyncio.timeout(60):
+                while worker.frontier.offsets()[0] < 83:
+                    await asyncio.sleep(0.05)
+
+        async with LiveApi(settings_for(job, checkpoint_dir=str(tmp_path))) as api:
+            status = (await api.client.get("/v1/status", headers=AUTH)).json()
+            kafka = status["workers"][0]["kafka"]
+            assert kafka["on_data_loss"] == mode
+            metrics = (await api.client.get("/metrics", headers=AUTH)).text
+            if mode == "fail":
+                loss = kafka["stopped"]["0"]
+                assert (loss["first"], loss["resume"], loss["cause"]) == (3, begin, "deleted")
+                assert f"job/0: offsets 3..{begin - 1}" in loss["message"]
+                assert kafka["lost_messages"] == {}
+                assert sample(metrics, "kafka_consumer_partitions_stopped") == 1
+                assert sample(metrics, "kafka_consumer_data_loss_events_total") == 1
+                assert status["workers"][0]["frontier"] == {"0": 3, "1": 4}
+            else:
+                assert kafka["stopped"] == {}
+                assert kafka["lost_messages"] == {"0": begin - 3}
+                assert sample(metrics, "kafka_consumer_offsets_lost_total") == begin - 3
+                assert sample(metrics, "kafka_consumer_partitions_stopped") == 0
+            info = await take_checkpoint(api, "cut")
+            offsets = info["manifest"]["offsets"]["job"]
+            if mode == "fail":
+                # The cut records where the loss starts on the stopped partition: a
+                # restore would read offset 3 again, never claim 3..begin-1 trained.
+                assert offsets == {"0": 3, "1": 4}
+            else:   # the accepted loss is skipped, and counted above
+                assert offsets == {"0": 83, "1": 4}
+
+
+async def test_a_restore_that_kafka_cannot_replay_is_refused_and_changes_nothing(tmp_path):
+    """A checkpoint whose offsets retention deleted since (or that lie past the topic's
+    end) is refused naming the partition and offsets: 409 (422), never a 502 "a role
+    failed"; and the refusal comes before the servers load its rows, so the job trains
+    on as it was."""
+    async with kafka_job() as (cluster, job, worker), \
+            LiveApi(settings_for(job, checkpoint_dir=str(tmp_path))) as api:
+        info = await take_checkpoint(api, "cut")
+        assert info["manifest"]["offsets"]["job"] == {"0": 3, "1": 3}
+        # Trained on past the cut: rows a restore would replace.
+        await produce(cluster.bootstrap_servers, 1,
+                      [make_batch(100 + i).to_bytes() for i in range(2)])
+        assert await train(worker, 2) == 2
+        rows = len(job.servers[0].store)
+        begin = await retention_deletes_partition_0(cluster, worker)
+
+        r = await api.client.post("/v1/checkpoints/cut/restore", headers=AUTH)
+        assert r.status_code == 409, r.text
+        err = r.json()["error"]
+        assert (err["kind"], err["field"]) == ("data_lost", "checkpoint"), err
+        assert f"job/0: offsets 3..{begin - 1}" in err["message"], err
+        assert "on_data_loss" in err["hint"]
+        assert len(job.servers[0].store) == rows, "the servers loaded the checkpoint"
+        assert worker.frontier.offsets() == {0: 3, 1: 5}, "the stream was reset"
+
+        # A checkpoint whose offsets lie past the topic's end (another topic's).
+        shutil.copytree(tmp_path / "cut", tmp_path / "elsewhere")
+        manifest = json.loads((tmp_path / "elsewhere/manifest.json").read_text())
+        manifest["offsets"]["job"] = {"0": 10**6, "1": 3}
+        (tmp_path / "elsewhere/manifest.json").write_text(json.dumps(manifest))
+        r = await api.client.post("/v1/checkpoints/elsewhere/restore", headers=AUTH)
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["field"] == "checkpoint", err
+        assert "offset 1000000 of job/0 is beyond its end" in err["message"], err
+        assert len(job.servers[0].store) == rows

@@ -23,8 +23,8 @@ import pytest
 from api_helpers import TOKEN, TwoHeads, settings_for, write_checkpoint
 from api_helpers import LiveApi as _LiveApi
 
-from api.checkpoint_root import CheckpointRoot
-from stream_persia.errors import BadInput
+from api.checkpoint_root import CheckpointDir
+from stream_persia.errors import BadInput, ConfigError
 
 HOSTILE = [
     # path traversal and paths outside the root
@@ -215,7 +215,7 @@ def test_a_remote_root_takes_ids_and_urls_under_its_prefix_only():
     """With an fsspec root (``memory://`` here, ``s3://bucket/ckpt`` in production) a
     request may give an id or a URL right under that prefix, spelled as configured or as
     fsspec writes it; the decision is made on the text, before any filesystem is used."""
-    root = CheckpointRoot("memory://ckpts")
+    root = CheckpointDir("memory://ckpts")
     assert root.resolve("ckpt-1") == "memory:///ckpts/ckpt-1"
     assert root.resolve("memory://ckpts/ckpt-1") == "memory:///ckpts/ckpt-1"
     assert root.resolve("memory:///ckpts/ckpt-1/") == "memory:///ckpts/ckpt-1"
@@ -228,4 +228,13 @@ def test_a_remote_root_takes_ids_and_urls_under_its_prefix_only():
     assert root.id_of("memory:///ckpts/ckpt-1") == "ckpt-1"
     assert root.id_of("memory:///elsewhere/ckpt-1") is None
     with pytest.raises(BadInput, match="PERSIA_CHECKPOINT_DIR|no checkpoint directory"):
-        CheckpointRoot(None).resolve("ckpt-1")
+        CheckpointDir(None).resolve("ckpt-1")
+
+
+@pytest.mark.parametrize("bad", ["simplecache::s3://bucket/ckpt", "s3://bucket/../ckpt"])
+def test_a_checkpoint_directory_that_cannot_be_a_root_is_refused_naming_it(bad):
+    """The roles' confinement refuses such a root, so the API does too, at start-up and
+    naming its own setting."""
+    with pytest.raises(ConfigError) as err:
+        CheckpointDir(bad)
+    assert err.value.field == "checkpoint_dir"

@@ -61,15 +61,13 @@ import numpy as np
 import pytest
 import torch
 
-from stream_persia import aio
 from stream_persia.checkpoint.reader import latest_checkpoint
 from stream_persia.config import GlobalConfig, KafkaConfig
 from stream_persia.ctx import DataCtx
 from stream_persia.local import RoleProcess
-from stream_persia.rpc import RpcClient
-from stream_persia.shard_files import read_shard_file
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
+from stream_persia.testing.servers import dumped_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -140,18 +138,7 @@ class Job:
 
     def rows(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Every row of the server: id -> (weights, optimizer state)."""
-        dump_dir = self.tmp / f"{self.name}-dump"
-
-        async def dump():
-            async with RpcClient(self.server.address) as c:
-                return await c.call("dump", {"dir": str(dump_dir)})
-
-        info = aio.run(dump())
-        rows = {}
-        for chunk in read_shard_file(str(dump_dir), info["file"]):
-            for i, x in enumerate(chunk["ids"].tolist()):
-                rows[x] = (chunk["weights"][i].copy(), chunk["state"][i].copy())
-        return rows
+        return dumped_rows(self.server.address, str(self.tmp / f"{self.name}-dump"))
 
     def kill_nn(self) -> None:
         if self.nn is not None and self.nn.poll() is None:

@@ -5,12 +5,14 @@ with Kafka the stream resumes at the first batch after the cut.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from aiokafka import AIOKafkaProducer
 from nn_helpers import SumModel
 
 from stream_persia.checkpoint import read_manifest, verify
@@ -18,8 +20,9 @@ from stream_persia.config import GlobalConfig, KafkaConfig
 from stream_persia.ctx import DataCtx, TrainCtx, eval_ctx
 from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding.optim import Adagrad
-from stream_persia.errors import Misuse
+from stream_persia.errors import DataLost, Misuse
 from stream_persia.local import RoleProcess
+from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.samples import EMBEDDING_YAML, SCHEMA, make_batch
 
 IN_DIM = 3 + 8 + 8 + 4
@@ -165,3 +168,56 @@ def test_kafka_checkpoint_replays_the_stream_from_the_cut(job_factory, kafka_bro
                 _step(ctx, tb)
     assert metas == [f"batch-{i}".encode() for i in range(14)]
     assert replayed == metas[8:14], "training resumes at the first batch after the cut"
+
+
+def test_a_kafka_restore_the_broker_cannot_replay_changes_nothing(job_factory, tmp_path):
+    """load_checkpoint of a cut whose offsets retention has deleted since raises DataLost
+    naming them before the servers load anything: the job trains on as it was. (Its own
+    mock broker: retention there keeps ~5 MiB per partition.)"""
+    with MockKafkaCluster() as cluster:
+        topic = "samples"
+        cluster.create_topic(topic, 1)
+        cluster.create_topic(f"{topic}.dlq", 1)
+        job = job_factory(SCHEMA, workers=0)
+        (tmp_path / "embedding_config.yml").write_text(EMBEDDING_YAML)
+        worker = RoleProcess("embedding-worker", [
+            "--embedding-config", str(tmp_path / "embedding_config.yml"),
+            "--embedding-servers", job.servers[0].address,
+            "--kafka", cluster.bootstrap_servers, "--topic", topic, "--num-partitions", "1"],
+            log_path=tmp_path / "worker.log")
+        ck = str(tmp_path / "ck")
+        with worker:
+            with DataCtx(kafka_bootstrap_servers=cluster.bootstrap_servers,
+                         global_config=GlobalConfig(kafka=KafkaConfig(samples_topic=topic))
+                         ) as dc:
+                for i in range(12):
+                    dc.send_data(make_batch(i))
+            workers = SimpleNamespace(worker_addresses=[worker.address])
+            model = SumModel(IN_DIM)
+            with _ctx(workers, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+                for n, tb in enumerate(DataLoader(StreamingDataset(), max_batches=12,
+                                                  timeout_ms=20_000), 1):
+                    _step(ctx, tb)
+                    if n == 8:
+                        ctx.dump_checkpoint(ck)
+                probe = make_batch(0, requires_grad=False)
+                trained = _eval_embeddings(workers, probe)
+                asyncio.run(_produce(cluster.bootstrap_servers, topic,
+                                     [b"x" * 100_000] * 80))   # retention deletes 8..
+                with pytest.raises(DataLost, match=rf"{topic}/0: offsets 8\.\.") as err:
+                    ctx.load_checkpoint(ck)
+                assert "on_data_loss" in (err.value.hint or "")
+                for now, before in zip(_eval_embeddings(workers, probe), trained,
+                                       strict=True):
+                    np.testing.assert_array_equal(now, before)
+
+
+async def _produce(bootstrap: str, topic: str, values: list[bytes]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        for v in values:
+            await producer.send(topic, v, partition=0)
+        await producer.flush()
+    finally:
+        await producer.stop()

@@ -20,13 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from stream_persia import aio
 from stream_persia.config import GlobalConfig, KafkaConfig
 from stream_persia.ctx import DataCtx
 from stream_persia.local import RoleProcess
-from stream_persia.rpc import RpcClient
-from stream_persia.shard_files import read_shard_file
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
+from stream_persia.testing.servers import dumped_rows
 
 HERE = Path(__file__).resolve().parent
 N, K = 12, 5
@@ -55,16 +53,7 @@ class Job:
 
     def embedding_rows(self, dump_dir: Path) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Every row of the server: id -> (weights, optimizer state)."""
-        async def dump():
-            async with RpcClient(self.server.address) as c:
-                return await c.call("dump", {"dir": str(dump_dir)})
-
-        info = aio.run(dump())
-        rows = {}
-        for chunk in read_shard_file(str(dump_dir), info["file"]):
-            for i, x in enumerate(chunk["ids"].tolist()):
-                rows[x] = (chunk["weights"][i].copy(), chunk["state"][i].copy())
-        return rows
+        return dumped_rows(self.server.address, str(dump_dir))
 
     def kill(self) -> None:
         self.worker.kill()

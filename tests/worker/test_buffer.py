@@ -65,3 +65,27 @@ def test_the_byte_budget_is_a_validated_config_key():
     with pytest.raises(ConfigError) as err:
         GlobalConfig.from_dict({"embedding_worker_config": {"ready_buffer_bytes": 1000}})
     assert "ready_buffer_bytes" in str(err.value)
+
+
+async def test_a_wait_cancelled_as_it_ends_neither_takes_nor_adds_an_item():
+    """The worker's RPC handlers wait in get/put and are cancelled when it stops; an item
+    (or room) arriving in the loop iteration of the cancel must not be taken (or filled)
+    by a caller that is gone: asyncio.wait_for, before 3.12, returned and lost the cancel."""
+    buf: BoundedBuffer[str] = BoundedBuffer(1, "ready buffer")
+    getter = asyncio.ensure_future(buf.get(timeout=10))
+    for _ in range(3):
+        await asyncio.sleep(0)            # the getter waits for an item
+    await buf.put("batch")                # wakes it ...
+    getter.cancel()                       # ... in the iteration it is cancelled in
+    with pytest.raises(asyncio.CancelledError):
+        await getter
+    assert len(buf) == 1, "a cancelled get took the item"
+
+    putter = asyncio.ensure_future(buf.put("late", timeout=10))
+    for _ in range(3):
+        await asyncio.sleep(0)            # the putter waits for room
+    assert await buf.get() == "batch"     # makes room ...
+    putter.cancel()                       # ... in the iteration it is cancelled in
+    with pytest.raises(asyncio.CancelledError):
+        await putter
+    assert len(buf) == 0, "a cancelled put added its item"
