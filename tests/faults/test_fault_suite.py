@@ -48,6 +48,7 @@ prints its seed and kill point). ``STREAM_PERSIA_FAULT_TRIALS=K`` runs K seeds p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -65,6 +66,7 @@ from stream_persia.checkpoint.reader import latest_checkpoint
 from stream_persia.config import GlobalConfig, KafkaConfig
 from stream_persia.ctx import DataCtx
 from stream_persia.local import RoleProcess
+from stream_persia.rpc import RpcClient
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 from stream_persia.testing.servers import dumped_rows
@@ -384,7 +386,7 @@ def test_a_worker_restarted_at_its_address_refuses_the_replay_then_restore_train
             async with RpcClient(address) as c:
                 return await c.call("health")
 
-        reply = aio.run(health())
+        reply = asyncio.run(health())
         assert reply["ok"] is False and f"{topic}/0 from offset 0" in reply["error"]
         nn_log = job.nn_log.read_text()
         print("  the NN worker failed on "
