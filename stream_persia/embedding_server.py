@@ -18,7 +18,7 @@ RPC methods (params → result):
   group with ``"index"`` (int32) and ``"offsets"`` (int64) is a pooled lookup
   (:mod:`stream_persia.segments`): its entry is the ``(len(offsets) - 1, dim)`` segment
   sums of the rows instead of the rows.
-- ``update {"groups": [{"dim", "ids", "grads"}], "token"?, "incarnation"?}`` →
+- ``update {"groups": [{"dim", "ids", "grads"}], "token"?, "incarnation"?, "source"?}`` →
   ``{"applied": int, "dropped": int}``. ``token`` (a string of 1-64 characters, unique to one batch's update on this
   server: the embedding workers send ``<worker incarnation>-<batch id>``) makes the update
   idempotent: the server remembers the tokens of the last ``update_tokens`` updates
@@ -32,6 +32,19 @@ RPC methods (params → result):
   evicted_young_total``; raise ``update_tokens``). Duplicates are counted in
   ``persia_embedding_server_update_tokens_duplicates_total``. A restarted server
   remembers nothing (nor holds the rows the first update changed).
+  ``source`` (``{"topic", "partition", "offset", "writer"}``: the Kafka batch the update
+  is for, and the worker stream that sends it) advances that partition's *stream
+  watermark*, the highest offset applied; an update at or below a watermark another
+  stream set is refused with :class:`~stream_persia.errors.StreamReplay` (field
+  ``offset``), nothing applied: it would train that batch a second time
+  (:mod:`stream_persia.watermarks`; counted in
+  ``persia_embedding_server_stream_replays_refused_total``; the gauge
+  ``persia_embedding_server_stream_partitions`` counts the partitions tracked). The
+  token is checked first: a retried push is a duplicate, not a replay.
+- ``watermarks {"topic"?}`` → ``{"topics": {topic: {partition: {"offset", "writer"}}}}``:
+  every partition's watermark (of ``topic`` only, when given; ``writer`` None: set by a
+  load), read on the store thread after the updates received before it. Workers ask it
+  before they serve a partition.
 - **Incarnation.** Each server process draws a random ``incarnation`` (16 hex digits) when
   it starts; a process restarted at the same address (kill -9, OOM, a lost node, a
   StatefulSet bringing the pod back) has another one and none of the rows the previous
@@ -44,7 +57,8 @@ RPC methods (params → result):
   the incarnation and counts in ``loads``: it is the legitimate way to replace the table,
   and ``loads`` > 0 tells a router that a restarted server was restored since
   (:mod:`stream_persia.worker.router`).
-- ``size`` → int, ``clear`` → None
+- ``size`` → int, ``clear`` → None (drops the rows and the stream watermarks: a job that
+  trains the stream again on purpose clears the servers first)
 - ``stats`` → ``{"rows", "capacity", "lookups", "misses", "admissions", "evictions",
   "updates", "dropped_updates", "loads"}``: the store's levels (``rows``, ``capacity``) and
   this server's counters (:data:`COUNTERS`, continuous across loads; ``loads`` counts the
@@ -66,17 +80,23 @@ RPC methods (params → result):
   a server restarted mid-job is failed by its incarnation first (above), and configured
   from what they learned only where the job opted to go on
   (``embedding_worker_config.on_server_restart: continue``).
-- ``dump {"dir": url}`` → ``{"file", "rows", "bytes", "sha256", "config"}`` — the shard as
-  one file; ``config`` is the store's configuration as ``get_config`` describes it (also
-  when this process was never configured), which the checkpoint manifest records
+- ``dump {"dir": url}`` → ``{"file", "rows", "bytes", "sha256", "config", "watermarks"}`` —
+  the shard as one file; ``config`` is the store's configuration as ``get_config``
+  describes it (also when this process was never configured), which the checkpoint
+  manifest records; ``watermarks`` the stream watermarks at the dump (as ``watermarks``
+  answers them: a checkpoint refuses offsets at or below them).
   ``dump`` and ``load`` take only directories under the server's checkpoint root
   (:mod:`stream_persia.checkpoint.root`; BadInput on field ``dir`` otherwise, Misuse when
   the server has no root), and their errors never quote a file's contents.
-- ``load {"dir": url, "files": [...], "expected"?: {file: {"sha256"?, "bytes"?, "rows"?}}}``
+- ``load {"dir": url, "files": [...], "expected"?: {file: {"sha256"?, "bytes"?, "rows"?}},
+  "cut"?: {topic: {partition: offset}}}``
   → ``{"rows": int}`` — replaces the shard's rows with the rows it owns in every listed
   shard file, so a checkpoint written by S servers loads into S' servers; all or nothing.
   ``expected``, when given, has an entry for every listed file (the manifest's ``files``
-  entry: hex sha256, size in bytes, rows in the file) and nothing else. With
+  entry: hex sha256, size in bytes, rows in the file) and nothing else. ``cut``, a
+  manifest's ``offsets`` (topic → partition → next offset), becomes the stream watermarks
+  with the rows (each offset - 1, as restored); without it the server holds none after
+  the load (the checkpoint records no stream position). With
   ``"stage": true`` the checked table is kept aside instead of swapped in, and the reply
   carries a ``"token"`` for the second phase:
 - ``commit_load {"token"}`` → ``{"rows": int}`` swaps the staged table in (it cannot fail
@@ -128,6 +148,7 @@ from stream_persia.errors import (
     BadInput,
     Misuse,
     ServerRestarted,
+    StreamReplay,
     config_digest_param,
     require,
     require_hex16,
@@ -141,6 +162,7 @@ from stream_persia.shard_files import (
     stage_shard_files,
     write_shard_file,
 )
+from stream_persia.watermarks import Watermarks, parse_cut, parse_source
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +192,7 @@ class _Staged(NamedTuple):
     token: str
     store: Any
     rows: int
+    marks: Watermarks   # the stream watermarks it comes with (the load's ``cut``)
 
 
 def described(optimizer: Any, embedding_config: EmbeddingConfig) -> dict:
@@ -258,6 +281,10 @@ class EmbeddingServer:
                                 if isinstance(checkpoint_root, str) else checkpoint_root)
         self._staged: _Staged | None = None   # read and replaced on the store thread only
         self._config_digest: str | None = None  # set by configure (see get_config)
+        # How far each Kafka partition's updates are applied (stream_persia.watermarks);
+        # store thread only, swapped with the table by a load.
+        self._marks = Watermarks(f"embedding server {replica_index}")
+        self._replays_refused = 0
         # This process, as opposed to one restarted at its address (module docstring).
         self.incarnation = secrets.token_hex(8)
         self._serving = _Serving(
@@ -274,6 +301,9 @@ class EmbeddingServer:
         self.metrics.add_callback("update_tokens", lambda: {
             **{k: float(v) for k, v in self._token_counts.items()},
             "held": float(len(self._tokens))}, counters={"duplicates", "evicted_young"})
+        self.metrics.add_callback("stream", lambda: {
+            "replays_refused": float(self._replays_refused),
+            "partitions": float(len(self._marks))}, counters={"replays_refused"})
         self._req = self.metrics.counter("requests_total", "RPC requests", ("method",))
         self.rpc = RpcServer({
             "health": self._health, "lookup": self._lookup, "update": self._update,
@@ -281,6 +311,7 @@ class EmbeddingServer:
             "configure": self._configure, "dump": self._dump, "load": self._load,
             "commit_load": self._commit_load, "abort_load": self._abort_load,
             "get_config": self._get_config, "metrics": self._metrics,
+            "watermarks": self._watermarks,
         }, host=host, port=port, name=f"embedding-server-{replica_index}", secret=secret,
             connection_limits=connection_limits)
         self.metrics.add_callback("rpc", self.rpc.connection_stats,
@@ -390,6 +421,7 @@ class EmbeddingServer:
             checked.append((ids, grads))
         want = config_digest_param(params)
         self._check_incarnation(params)
+        source = parse_source(params.get("source"))
         token = params.get("token")
         if token is not None and not (isinstance(token, str) and 0 < len(token) <= 64):
             raise BadInput(f"token must be a string of 1-64 characters, got "
@@ -403,11 +435,20 @@ class EmbeddingServer:
                 return {"applied": first[0], "dropped": first[1], "duplicate": True,
                         "config": self._config_digest, "incarnation": self.incarnation,
                         "held": len(self.store)}
+            if source is not None:
+                try:
+                    self._marks.check(source)
+                except StreamReplay as e:
+                    self._replays_refused += 1
+                    log.error("%s", e.message)
+                    raise
             before = self.store.stats()["dropped_updates"]
             for ids, grads in checked:
                 self.store.update(ids, grads)
             dropped = self.store.stats()["dropped_updates"] - before
             applied = sum(int(ids.size) for ids, _ in checked) - dropped
+            if source is not None:
+                self._marks.advance(source)
             if token is not None:
                 self._remember(token, applied, dropped)
             return {"applied": applied, "dropped": dropped, "config": self._config_digest,
@@ -437,7 +478,21 @@ class EmbeddingServer:
 
     async def _clear(self, params: Any) -> None:
         self._req.labels("clear").inc()
-        await self._run(lambda: self.store.clear())   # the store in force on its turn
+
+        def run() -> None:
+            self.store.clear()   # the store in force on its turn
+            self._marks.clear()  # the stream is trained again from scratch, on purpose
+
+        await self._run(run)
+
+    async def _watermarks(self, params: Any) -> dict:
+        self._req.labels("watermarks").inc()
+        topic = params.get("topic") if isinstance(params, dict) else None
+        if topic is not None and not isinstance(topic, str):
+            raise BadInput(f"topic must be a topic name, got {str(topic)[:80]!r}",
+                           field="topic")
+        # On the store thread: after every update received before it.
+        return await self._run(lambda: {"topics": self._marks.to_wire(topic)})
 
     async def _stats(self, params: Any) -> dict:
         return self.store_stats()
@@ -505,12 +560,14 @@ class EmbeddingServer:
         # state's kind), so that a restore can configure a server that holds none.
         return await self._run(
             lambda: {**write_shard_file(self.store.dump(), directory, name),
-                     "config": self._config()})
+                     "config": self._config(), "watermarks": self._marks.to_wire()})
 
     async def _load(self, params: Any) -> dict:
         self._req.labels("load").inc()
         directory, files, expected, stage = check_load_request(params)
         directory = self._confine(directory)
+        marks = Watermarks(f"embedding server {self.replica_index}",
+                           parse_cut(params.get("cut")))
 
         def run() -> dict:
             old = self._serving.store
@@ -525,10 +582,10 @@ class EmbeddingServer:
                 staging.close()
                 raise
             if not stage:
-                self._swap_in(staging)
+                self._swap_in(staging, marks)
                 return {"rows": kept}
             token = secrets.token_hex(8)
-            self._staged = _Staged(token, staging, kept)
+            self._staged = _Staged(token, staging, kept, marks)
             return {"rows": kept, "token": token}
 
         reply = await self._run(run)
@@ -559,10 +616,12 @@ class EmbeddingServer:
                     self.replica_index, staged.token, staged.rows, why)
         return True
 
-    def _swap_in(self, staging: Any) -> None:
-        """Serve ``staging`` from now on (store thread). The reported counters go on from
-        the old store's; the staging store's own counts are the load's, not traffic, and
-        are subtracted. The old store is closed: its memory is freed now."""
+    def _swap_in(self, staging: Any, marks: Watermarks) -> None:
+        """Serve ``staging``, with its stream watermarks ``marks``, from now on (store
+        thread). The reported counters go on from the old store's; the staging store's own
+        counts are the load's, not traffic, and are subtracted. The old store is closed:
+        its memory is freed now."""
+        self._marks = marks
         serving = self._serving
         was, own = serving.store.stats(), staging.stats()
         carried = {k: serving.carried[k] + was[k] - own[k] for k in COUNTERS}
@@ -582,7 +641,7 @@ class EmbeddingServer:
                                f"{self.stage_ttl_s:g} s, or the server restarted",
                                field="token", hint="load again")
             self._staged = None
-            self._swap_in(staged.store)
+            self._swap_in(staged.store, staged.marks)
             return {"rows": staged.rows}
 
         return await self._run(run)

@@ -99,6 +99,17 @@ class ServerRestarted(RemoteError):
     kind = "server_restarted"
 
 
+class StreamReplay(Misuse):
+    """Serving or applying a Kafka batch would train it a second time: the embedding
+    servers already applied the updates of that partition's batches at or after its offset
+    (a worker restarted alone starts its partitions over, or two workers read one
+    partition). Nothing is served or applied; a restore of a checkpoint rewinds the
+    servers and the stream together (:mod:`stream_persia.watermarks`). ``field`` is
+    ``offset``."""
+
+    kind = "stream_replay"
+
+
 class DataLost(RemoteError):
     """Data the job needs is gone from where it was kept (Kafka retention deleted samples
     a checkpoint would replay: :class:`~stream_persia.kafka.loss.KafkaDataLoss`); asking
@@ -129,7 +140,8 @@ class InternalError(PersiaError):
 _BY_KIND: dict[str, type[PersiaError]] = {
     cls.kind: cls
     for cls in (PersiaError, BadInput, ConfigError, WireError, Misuse, RemoteError,
-                PeerUnavailable, RemoteTimeout, PushFailed, ServerRestarted, DataLost,
+                PeerUnavailable, RemoteTimeout, PushFailed, ServerRestarted, StreamReplay,
+                DataLost,
                 AuthError, Backpressure, InternalError)
 }
 

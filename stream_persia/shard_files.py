@@ -238,10 +238,11 @@ def check_load_request(params: Any
     server's ``load`` request, validated (BadInput naming the field)."""
     directory = require(params, "dir", str)
     files = require(params, "files", list)
-    unknown = sorted(map(str, set(params) - {"dir", "files", "expected", "stage"}))
+    # ``cut`` (the stream watermarks a load sets) is the server's: stream_persia.watermarks.
+    unknown = sorted(map(str, set(params) - {"dir", "files", "expected", "stage", "cut"}))
     if unknown:
         raise BadInput(f"unknown load field(s) {unknown}", field=unknown[0],
-                       hint="dir, files, expected, stage")
+                       hint="dir, files, expected, stage, cut")
     stage = params.get("stage", False)
     if not isinstance(stage, bool):
         raise BadInput(f"stage must be true or false, got {stage!r}", field="stage")

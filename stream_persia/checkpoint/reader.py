@@ -126,7 +126,10 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
     it would have. Every server reads every shard file and keeps the rows it owns
     (``shard_of(id, len(server_clients))``), so a checkpoint written by S servers loads into
     S' servers. Each server's rows are replaced: afterwards the servers hold exactly the
-    checkpoint's rows (with their optimizer state and recency order).
+    checkpoint's rows (with their optimizer state and recency order), and, with them, the
+    checkpoint's cut as their stream watermarks (``load``'s ``cut``: the manifest's
+    offsets for a Kafka stream, none for a direct one; :mod:`stream_persia.watermarks`),
+    so that the workers serve the stream from the cut on and never below it.
 
     All or nothing across the servers, in two phases. First every server builds the new
     table beside the one it serves, checking every file against the manifest's size,
@@ -174,9 +177,10 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
     expected = {name: {k: v for k, v in manifest.files[name].items()
                        if k in ("sha256", "bytes", "rows")}
                 for name in manifest.embedding_files}
+    request = {"dir": loc.url, "files": manifest.embedding_files, "expected": expected,
+               "cut": manifest.offsets if manifest.stream == "kafka" else {}}
     staged = await asyncio.gather(*(
-        c.call("load", {"dir": loc.url, "files": manifest.embedding_files,
-                        "expected": expected, "stage": True}, timeout_ms=timeout_ms)
+        c.call("load", {**request, "stage": True}, timeout_ms=timeout_ms)
         for c in server_clients), return_exceptions=True)
     failed = [(i, r) for i, r in enumerate(staged) if isinstance(r, BaseException)]
     loaded = sum(int(r["rows"]) for r in staged if not isinstance(r, BaseException))
@@ -197,7 +201,6 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
         for c, r in zip(server_clients, staged, strict=True)), return_exceptions=True)
     bad = [i for i, r in enumerate(commits) if isinstance(r, BaseException)]
     if bad:
-        request = {"dir": loc.url, "files": manifest.embedding_files, "expected": expected}
         failures = await asyncio.gather(*(
             _roll_forward(server_clients[i], i, len(server_clients), request,
                           int(staged[i]["rows"]), commits[i], timeout_ms, roll_forward_s,

@@ -26,7 +26,8 @@ from stream_persia.checkpoint.manifest import (
     Manifest,
     check_file_name,
 )
-from stream_persia.errors import BadInput, InternalError, Misuse
+from stream_persia.errors import BadInput, InternalError, Misuse, StreamReplay
+from stream_persia.watermarks import RESTORE_HINT
 
 __all__ = ["CheckpointWriter"]
 
@@ -66,6 +67,7 @@ class CheckpointWriter:
         self._files: dict[str, dict[str, Any]] = {}
         self._embedding_files: list[str] = []
         self._server_config: dict[str, Any] | None = None
+        self._server_marks: list[Any] = []   # each server's stream watermarks at its dump
         self._state = "open"
         self._check_replaceable()
         fs = self._dst.fs
@@ -167,6 +169,7 @@ class CheckpointWriter:
             self._files.pop(stale, None)
         self._embedding_files = names
         self._server_config = _one_config(replies)
+        self._server_marks = [r.get("watermarks") for r in replies]
         return list(names)
 
     # ----------------------------------------------------------------- publishing
@@ -188,8 +191,13 @@ class CheckpointWriter:
 
         Raises:
             BadInput: an argument is invalid (nothing is published; the writer stays open).
+            StreamReplay: a Kafka cut whose offsets are at or below what an embedding
+                server had applied when it dumped (its stream watermark): the cut is not
+                consistent, and restoring it would train those batches twice.
         """
         self._check_open()
+        if stream == "kafka":
+            _check_cut(offsets, self._server_marks)
         files = self.files
         manifest = Manifest(
             job=job, step=step, stream=stream, offsets=offsets,
@@ -296,6 +304,29 @@ def _one_config(replies: Sequence[dict]) -> dict[str, Any] | None:
                      hint="configure every server alike (POST /v1/embeddings/configure, "
                           "or TrainCtx does it) and checkpoint again")
     return dict(configs[0])
+
+
+def _check_cut(offsets: dict[str, dict[str, int]], server_marks: Sequence[Any]) -> None:
+    """Refuse a cut that records a partition at or below the offset some server had applied
+    when it dumped (:mod:`stream_persia.watermarks`): every batch at or after the cut must
+    be unapplied in the checkpoint's rows."""
+    for s, marks in enumerate(server_marks):
+        if not isinstance(marks, dict):   # an older server: it says nothing
+            continue
+        for topic, parts in offsets.items():
+            for p, cut in parts.items():
+                mark = (marks.get(topic) or {}).get(str(p))
+                if isinstance(mark, dict) and isinstance(mark.get("offset"), int) \
+                        and mark["offset"] >= int(cut):
+                    by = mark.get("writer") or "a checkpoint restored before"
+                    raise StreamReplay(
+                        f"the checkpoint's offsets record {topic}/{p} at {cut}, but "
+                        f"embedding server {s} holds the updates of that partition up to "
+                        f"offset {mark['offset']} (applied by {by}): restoring it would "
+                        f"train offsets {cut}..{mark['offset']} a second time; nothing "
+                        f"was published (a worker started the partition over, or a batch "
+                        f"was applied after the cut was read)", field="offsets",
+                        hint=RESTORE_HINT)
 
 
 def _fsync_files(directory: str) -> None:

@@ -120,6 +120,7 @@ class SampleConsumer:
         self._tps: dict[int, TopicPartition] = {}
         self._next: dict[int, int] = {}          # offset the next record must have
         self._stopped: dict[int, DataLoss] = {}  # partitions stopped on a loss
+        self._held: set[int] = set()             # partitions never to be read (hold())
         self._lost: dict[int, int] = {}          # messages lost (accepted), per partition
         self._accepted: list[DataLoss] = []      # the latest accepted losses (bounded)
         self.num_partitions = 0
@@ -266,6 +267,27 @@ class SampleConsumer:
             starts[p] = offset
         return starts, losses
 
+    async def seek(self, offsets: Mapping[int, int]) -> None:
+        """Move owned partitions to ``offsets`` before anything was read from them (an
+        embedding worker resuming at the cut restored into its servers), checked as
+        :meth:`start` checks stored offsets.
+
+        Raises:
+            BadInput, KafkaDataLoss: as :meth:`start` (nothing moved).
+        """
+        consumer = self._live()
+        tps = self._owned(offsets)
+        begin, end = await self._log_bounds(consumer, tps)
+        starts, losses = self._plan_starts(offsets, begin, end)
+        refused = [loss for loss in losses if not loss.accepted]
+        if refused:
+            raise KafkaDataLoss(refused, field="start_offsets")
+        for loss in losses:
+            self._accept(loss)
+        for p, offset in starts.items():
+            consumer.seek(self._tps[p], offset)
+            self._next[p] = offset
+
     async def check_offsets(self, offsets: Mapping[int, int]) -> None:
         """Check stored offsets against the brokers as :meth:`start` would, changing
         nothing (a restore checks before it drops what the worker holds).
@@ -381,7 +403,7 @@ class SampleConsumer:
         out: dict[int, list[ConsumerRecord]] = {}
         for tp, records in fetched.items():
             p = tp.partition
-            if not records or p in self._stopped:
+            if not records or p in self._stopped or p in self._held:
                 continue
             holes = gaps(records, self._next[p])
             if holes:
@@ -415,9 +437,18 @@ class SampleConsumer:
 
     def resume(self, partitions: Iterable[int] | None = None) -> None:
         """Fetch ``partitions`` again (all owned ones when None), except those stopped on
-        a data loss: nothing resumes them."""
+        a data loss or held: nothing resumes them."""
         self._live().resume(*(tp for tp in self._owned(partitions)
-                              if tp.partition not in self._stopped))
+                              if tp.partition not in self._stopped
+                              and tp.partition not in self._held))
+
+    def hold(self, partitions: Iterable[int]) -> None:
+        """Never read ``partitions`` again (their stream would replay data the embedding
+        servers applied already: :mod:`stream_persia.watermarks`); nothing resumes them,
+        and records of them fetched already are dropped."""
+        tps = self._owned(partitions)
+        self._held.update(tp.partition for tp in tps)
+        self._live().pause(*tps)
 
     def stopped(self) -> dict[int, DataLoss]:
         """Partitions stopped on a data loss (``on_data_loss="fail"``), with the loss."""

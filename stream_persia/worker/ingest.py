@@ -19,6 +19,17 @@ Failure: when no broker answers for ``kafka.broker_timeout_ms`` (while waiting f
 records, or while retrying a dead letter), the ingest task ends with
 :class:`~stream_persia.kafka.liveness.KafkaUnavailable` naming the bootstrap servers
 (:attr:`KafkaIngest.task`; the worker's supervision turns that into a failed role).
+
+Before it reads anything (at start, and on each ``reset_stream``), the ingest asks every
+embedding server how far it applied each partition (its stream watermarks,
+:mod:`stream_persia.watermarks`), waiting for the servers as it waits for the brokers (up
+to ``kafka.startup_timeout_ms``). A partition without a start offset whose watermarks all
+come from a restore starts at the restored cut; a partition whose start is at or below a
+watermark is *refused*: held (never read, so never served), listed in :meth:`status`
+(``refused``), and reported to the worker (``EmbeddingWorker.stream_checked``: health
+not ok and ``next_batch`` raises ``StreamReplay`` until a restore resets the stream).
+Every update of a batch carries its ``(topic, partition, offset)`` and this stream's
+``writer`` id, so the servers advance the watermarks and refuse another stream's replay.
 """
 
 from __future__ import annotations
@@ -29,9 +40,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from stream_persia.backoff import wait_bounded
+from stream_persia import watermarks
+from stream_persia.backoff import retry_startup, wait_bounded
 from stream_persia.embedding.data import PersiaBatch
-from stream_persia.errors import BadInput, Misuse
+from stream_persia.errors import BadInput, Misuse, PeerUnavailable, RemoteTimeout
 from stream_persia.kafka import DeadLetterWriter, KafkaUnavailable, SampleConsumer
 from stream_persia.worker.frontier import Frontier
 
@@ -62,6 +74,10 @@ class KafkaIngest:
         self.max_records = max_records
         self.backpressure_pauses = 0
         self._task: asyncio.Task | None = None
+        # This stream's id on the servers' watermarks, and the partitions it refused.
+        self.writer: str | None = None
+        self.refused: list[watermarks.Refusal] = []
+        self._stream: tuple[str, str] | None = None
 
     #: The keys of :meth:`stats` that only grow (``consumer_partitions`` is a level).
     COUNTERS = frozenset({*(f"consumer_{k}" for k in SampleConsumer.COUNTERS),
@@ -77,14 +93,57 @@ class KafkaIngest:
         return stats
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        worker, consumer = self.worker, self.consumer
+        topic = consumer.topic
         await self.dead_letters.start()
-        await self.consumer.start(self.start_offsets)
-        self.worker.frontier = Frontier(await self.consumer.positions(),
-                                        allow_gaps=self.consumer.on_data_loss == "skip")
+        await consumer.start(self.start_offsets)
+        marks = await self._watermarks()
+        resumed = {p: o for p, o in watermarks.resume_points(marks).items()
+                   if p in consumer.partitions and p not in self.start_offsets}
+        if resumed:
+            await consumer.seek(resumed)
+            log.info("worker %d: partitions %s of %s resume at the cut restored into the "
+                     "embedding servers (nothing applied since): %s", worker.replica_index,
+                     sorted(resumed), topic, resumed)
+        positions = await consumer.positions()
+        self.writer = worker.new_stream_writer()
+        self._stream = (topic, self.writer)
+        self.refused = watermarks.refusals(topic, marks, positions)
+        if self.refused:
+            consumer.hold([r.partition for r in self.refused])
+        worker.frontier = Frontier(positions, allow_gaps=consumer.on_data_loss == "skip")
+        worker.stream_checked(self.refused)
         self._task = asyncio.create_task(self._run(), name="kafka-ingest")
         log.info("worker %d consumes %s partitions %s from %s", self.worker.replica_index,
                  self.consumer.topic, self.consumer.partitions,
                  self.worker.frontier.offsets())
+
+    async def _watermarks(self) -> dict[int, watermarks.PartitionMark]:
+        """The servers' stream watermarks of this topic, waiting for every server to
+        answer for up to ``kafka.startup_timeout_ms`` (a worker may start before them)."""
+        router = self.worker.router
+
+        def give_up(e: BaseException, attempts: int, spent: float) -> BaseException:
+            return PeerUnavailable(
+                f"embedding worker {self.worker.replica_index} cannot start reading "
+                f"{self.consumer.topic!r}: embedding servers {router.addresses} did not all "
+                f"answer how far they applied it within {spent:.0f} s ({attempts} attempts; "
+                f"{e}); serving the stream without knowing could train batches twice",
+                hint="are the embedding servers running? kafka.startup_timeout_ms bounds "
+                     "the wait")
+
+        return await retry_startup(
+            lambda: router.watermarks(self.consumer.topic),
+            what=f"embedding servers {', '.join(router.addresses)}",
+            timeout_s=self.consumer.startup_timeout_s,
+            retry_on=(PeerUnavailable, RemoteTimeout), give_up=give_up)
 
     @property
     def task(self) -> asyncio.Task | None:
@@ -140,6 +199,7 @@ class KafkaIngest:
                 "on_data_loss": consumer.on_data_loss,
                 "stopped": {str(p): loss.to_dict() for p, loss in consumer.stopped().items()},
                 "lost_messages": {str(p): n for p, n in consumer.lost_messages().items()},
+                "refused": [r.to_dict() for r in self.refused],
                 "running": task is not None and not task.done(),
                 "error": error,
                 "dead_lettered": self.dead_letters.stats().get("written", 0),
@@ -171,8 +231,8 @@ class KafkaIngest:
         try:
             if rec.value is None:
                 raise BadInput("the record has no value", field="value")
-            pb = worker.prepare(PersiaBatch.from_bytes(rec.value), source=(partition,
-                                                                            rec.offset))
+            pb = worker.prepare(PersiaBatch.from_bytes(rec.value),
+                                source=(partition, rec.offset), stream=self._stream)
         except BadInput as e:
             await self._dead_letter(rec, e)
             worker.reject(type(e).__name__)

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from stream_persia.errors import BadInput, PersiaError, PushFailed, ServerRestarted
+from stream_persia.errors import BadInput, PersiaError, PushFailed, ServerRestarted, StreamReplay
 from stream_persia.metrics import RoleMetrics
 from stream_persia.worker.batchplan import BatchPlan, reduce_gradients
 from stream_persia.worker.router import PendingUpdate, ShardRouter
@@ -85,8 +85,10 @@ class GradientPushes:
     """
 
     def __init__(self, router: ShardRouter, metrics: RoleMetrics, *, name: str,
-                 on_applied: Callable[[int], None]):
+                 on_applied: Callable[[int], None],
+                 on_replay: Callable[[StreamReplay], None] | None = None):
         self.router = router
+        self._on_replay = on_replay
         self.name = name
         self._on_applied = on_applied
         # Tokens of this process's updates start with it: batch ids restart with a process.
@@ -122,17 +124,22 @@ class GradientPushes:
         return batch_id in self._pushes
 
     async def push(self, batch_id: int, plan: BatchPlan, source: tuple[int, int] | None,
-                   grads: Any, retry_s: float) -> dict:
+                   grads: Any, retry_s: float,
+                   stream: tuple[str, str] | None = None) -> dict:
         """Apply a served batch's gradients on every server, retrying those that fail for
         up to ``retry_s``; the reply once all did.
 
         Raises:
             BadInput: (``grads``) not a map of slot name to gradient.
             PushFailed: the update could not complete within ``retry_s`` (module docstring).
+            StreamReplay: the servers refused it: another stream applied that offset.
+
+        ``stream`` is the batch's Kafka ``(topic, writer)``: with ``source`` it goes with
+        the update, for the servers' watermarks.
         """
         p = self._pushes.get(batch_id)
         if p is None:
-            p = self._pushes[batch_id] = self._reduce(batch_id, plan, source, grads)
+            p = self._pushes[batch_id] = self._reduce(batch_id, plan, source, grads, stream)
         # else: pushing (this push shares its outcome), or failed (the update first
         # reduced is sent again; grads are ignored)
         if p.task is not None:
@@ -150,7 +157,7 @@ class GradientPushes:
             task.exception()   # retrieved: every waiter got it already
 
     def _reduce(self, batch_id: int, plan: BatchPlan, source: tuple[int, int] | None,
-                grads: Any) -> _Push:
+                grads: Any, stream: tuple[str, str] | None) -> _Push:
         """Reduce a batch's gradients per unique id and split them per server, once."""
         if not isinstance(grads, dict):
             raise BadInput("grads must be a map of slot name -> gradient (None: no gradient)",
@@ -159,7 +166,11 @@ class GradientPushes:
         for name in reduced.skipped:
             self.m_nonfinite.labels(name).inc()
         groups = [(dim, ids, rows) for dim, (ids, rows) in reduced.by_dim.items()]
-        update = self.router.split_update(groups, f"{self.incarnation}-{batch_id}")
+        mark = None
+        if stream is not None and source is not None:   # the servers' watermarks
+            mark = {"topic": stream[0], "partition": source[0], "offset": source[1],
+                    "writer": stream[1]}
+        update = self.router.split_update(groups, f"{self.incarnation}-{batch_id}", mark)
         return _Push(update, source, skipped=list(reduced.skipped))
 
     async def _apply(self, batch_id: int, p: _Push, retry_s: float) -> dict:
@@ -186,7 +197,7 @@ class GradientPushes:
         return reply
 
     def _failed(self, batch_id: int, p: _Push, err: Exception, retry_s: float
-                ) -> PushFailed | ServerRestarted:
+                ) -> PushFailed | ServerRestarted | StreamReplay:
         upd = p.update
         addresses = self.router.addresses
         why = err.message if isinstance(err, PersiaError) else repr(err)
@@ -201,14 +212,19 @@ class GradientPushes:
         self.m_failed.inc()
         where = (f" (partition {p.source[0]} offset {p.source[1]})"
                  if p.source is not None else "")
-        restarted = isinstance(err, ServerRestarted)
+        restarted = isinstance(err, (ServerRestarted, StreamReplay))
         msg = (f"{self.name}: the gradients of batch {batch_id}{where} could not be applied "
                f"on embedding server(s) {', '.join(p.failure['servers'])}"
                + ("" if restarted else f" within {retry_s * 1000:g} ms")
                + f" ({len(upd.replies)} of {len(upd.parts)} servers applied them): {why}")
         log.error("%s; the batch stays in flight, failed: checkpoints refuse until a push of "
                   "it completes or a restore resets the stream", msg)
-        if restarted:   # the server lost its table: pushing again cannot help, restore
+        if isinstance(err, StreamReplay):   # another stream applied it: restore
+            replay = StreamReplay(msg, field="batch_id", hint=err.hint)
+            if self._on_replay is not None:
+                self._on_replay(replay)
+            return replay
+        if isinstance(err, ServerRestarted):   # the server lost its table: restore
             return ServerRestarted(msg, field="batch_id", hint=err.hint)
         return PushFailed(msg, field="batch_id",
                           hint="bring the server back and push the batch again (its "

@@ -63,7 +63,11 @@ only, with exponential backoff until the push's deadline; the servers that repli
 never asked again. A reply thus means the server applied the update exactly once, and a
 timed-out request that the server did apply is recognised when it is retried; a retry that
 reaches a process restarted meanwhile is refused by its incarnation (above), and fails the
-batch with ``on_server_restart: fail``.
+batch with ``on_server_restart: fail``. An update of a Kafka batch also carries the batch's
+``source`` (topic, partition, offset and the worker stream sending it): the servers keep
+per partition the highest offset applied and refuse another stream's replay
+(:class:`~stream_persia.errors.StreamReplay`, final, not retried); :meth:`ShardRouter.
+watermarks` reads them (:mod:`stream_persia.watermarks`).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stream_persia import segments
+from stream_persia import segments, watermarks
 from stream_persia.config.global_config import ON_SERVER_RESTART
 from stream_persia.errors import (
     Backpressure,
@@ -127,6 +131,7 @@ class PendingUpdate:
 
     token: str | None
     parts: dict[int, list[dict]]
+    source: dict | None = None   # the Kafka batch it is for (stream_persia.watermarks)
     replies: dict[int, dict] = field(default_factory=dict)
     errors: dict[int, PersiaError] = field(default_factory=dict)
 
@@ -413,6 +418,15 @@ class ShardRouter:
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
 
+    async def watermarks(self, topic: str, timeout_ms: float | None = None
+                         ) -> dict[int, watermarks.PartitionMark]:
+        """Per partition of ``topic``, the highest stream watermark over every server
+        (:func:`stream_persia.watermarks.merge`): how far they applied it. Every server
+        must answer (one that does not may hold the highest): its error is raised."""
+        replies = await asyncio.gather(*(c.call("watermarks", {"topic": topic}, timeout_ms)
+                                         for c in self.clients))
+        return watermarks.merge(replies, topic)
+
     async def broadcast(self, method: str, params: Any = None) -> list[Any]:
         """Call ``method`` on every server; results in replica-index order."""
         return list(await asyncio.gather(*(c.call(method, params) for c in self.clients)))
@@ -471,14 +485,17 @@ class ShardRouter:
         return segments.split(index, offsets, shard_of(ids, self.num_shards), self.num_shards)
 
     def split_update(self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]],
-                     token: str | None = None) -> PendingUpdate:
+                     token: str | None = None, source: dict | None = None) -> PendingUpdate:
         """``[(dim, ids, grads)]`` split into one request per owning server (one stable
-        argsort per group; no per-id Python work)."""
+        argsort per group; no per-id Python work). ``source``: the Kafka batch the update
+        is for (``update``'s ``source``: the servers advance, and check, that partition's
+        stream watermark; :mod:`stream_persia.watermarks`)."""
         if not groups:   # nothing to apply (no gradients): no request at all
-            return PendingUpdate(token, {})
+            return PendingUpdate(token, {}, source)
         if self.num_shards == 1:
             return PendingUpdate(token, {0: [
-                {"dim": d, "ids": i, "grads": np.ascontiguousarray(g)} for d, i, g in groups]})
+                {"dim": d, "ids": i, "grads": np.ascontiguousarray(g)} for d, i, g in groups]},
+                source)
         splits = [split_by_shard(ids, self.num_shards) for _, ids, _ in groups]
         parts: dict[int, list[dict]] = {}
         for s in range(self.num_shards):
@@ -490,7 +507,7 @@ class ShardRouter:
                                 "grads": np.ascontiguousarray(grads[pos])})
             if sub:
                 parts[s] = sub
-        return PendingUpdate(token, parts)
+        return PendingUpdate(token, parts, source)
 
     async def push(self, update: PendingUpdate, retry_s: float = 0.0) -> tuple[int, int]:
         """Send ``update`` to every server that has not applied it yet; returns (applied,
@@ -547,6 +564,8 @@ class ShardRouter:
         params: dict[str, Any] = {"groups": update.parts[s]}
         if update.token is not None:
             params["token"] = update.token
+        if update.source is not None:
+            params["source"] = update.source
         return params
 
     async def update(self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]],

@@ -18,8 +18,9 @@ RPC methods (params → result):
 - ``health`` → ``{"ok", "role", "replica_index", ..., "error"}``: ``ok`` is false, and
   ``error`` says why, when a background task failed (the Kafka ingest loop: the launched
   role then exits with status 1, :mod:`stream_persia.supervisor`), batches whose
-  gradient push failed are held (below), or an embedding server restarted and lost its
-  table (*Embedding servers that restart*, below; the launched role exits 1 too).
+  gradient push failed are held (below), an embedding server restarted and lost its
+  table (*Embedding servers that restart*, below; the launched role exits 1 too), or
+  serving its stream would train batches twice (*Stream replays*, below).
 - ``ingest {"batch": PersiaBatch wire dict, "timeout_ms"?}`` → ``{"batch_id"}`` —
   broker-less ingest; waits while ingest is paused or the ready buffer is full
   (``Backpressure`` after the timeout); bad batches are refused with ``BadInput`` naming
@@ -28,8 +29,9 @@ RPC methods (params → result):
   arrived. ``config``: the configuration digest the caller set on the servers; while no
   server holds any (all restarted), ``ServerRestarted`` naming them, or with
   ``on_server_restart: continue`` a Misuse on field ``config`` (the NN side configures
-  them again; see :mod:`stream_persia.worker.router`). The batch carries the digest the
-  servers hold (``config``) once the worker knows it.
+  them again; see :mod:`stream_persia.worker.router`); ``StreamReplay`` while the worker
+  refuses its stream (*Stream replays*). The batch carries the digest the servers hold
+  (``config``) once the worker knows it.
 - ``push_gradients {"batch_id", "grads": {slot: f32 grad | None}, "timeout_ms"?}`` →
   ``{"applied", "dropped", "skipped_slots"}``; replies only after every server applied the
   update. See *Gradient pushes* below for retries, duplicates and failed batches.
@@ -48,9 +50,10 @@ RPC methods (params → result):
   and consume again from ``offsets`` (restore); offsets the brokers deleted are refused
   first (``KafkaDataLoss``, unless ``kafka.on_data_loss: skip``), nothing dropped, and so
   is a reset while an embedding server found restarted was not restored since
-  (``ServerRestarted``). ``check_stream {"offsets"}`` → None: refuses as ``reset_stream``
-  would for the offsets, changing nothing (a restore asks before it loads anything).
-  ``commit_offsets {"offsets"}``: record
+  (``ServerRestarted``); offsets at or below what the servers applied start a stream that
+  is refused (``StreamReplay``, *Stream replays*). ``check_stream {"offsets"}`` → None:
+  refuses as ``reset_stream`` would for the offsets, changing nothing (a restore asks
+  before it loads anything). ``commit_offsets {"offsets"}``: record
   checkpoint offsets in the consumer group, for lag monitors.
 - ``status`` → buffers, counters, frontier offsets, and with Kafka ``kafka``: lag, paused
   partitions, those stopped on a data loss (``stopped``) and the messages lost where the
@@ -94,6 +97,23 @@ next request, ``health`` and ``reset_stream``), and the worker is healthy. With
 ``continue`` the restart is logged at ERROR and counted, and training goes on without
 the rows.
 
+Stream replays. A worker restarted alone (kill -9, OOM, a pod restart) starts its
+partitions at ``auto_offset_reset`` while the servers hold every update applied since the
+last checkpoint. Every update of a Kafka batch names its topic, partition, offset and the
+worker stream that sends it (``<incarnation>.<n>``, a new ``n`` per ``reset_stream``), so
+the servers keep per partition the highest offset applied (:mod:`stream_persia.watermarks`).
+Before its ingest reads a partition the worker asks them, and a partition it would start
+at or below that is *refused*: never read nor served, ``health`` answers not ok naming the
+topic/partition, the start offset, the watermark and the server, ``next_batch`` raises
+:class:`~stream_persia.errors.StreamReplay` naming them (so does ``reset_stream`` to such
+offsets), and the gauge ``partitions_replay_refused`` counts the partitions. A push the
+servers refuse as a replay (another stream applied that offset: two workers on one
+partition) fails its batch with StreamReplay, kept failed as above, with the same effects.
+The worker then waits for the way back, a restore (its ``reset_stream`` to the
+checkpoint's offsets, once the servers hold the checkpoint's cut), and does not exit: the
+restore needs it to answer. A partition given no start offset whose servers hold a
+restored cut nothing passed since starts at that cut by itself.
+
 A served batch: ``{"batch_id", "requires_grad", "meta", "batch_size",
 "non_id_type_features": [{"name", "data"}], "labels": [{"name", "data"}],
 "embeddings": [{"name", "kind": "sum", "emb": f32 (batch, dim)} |
@@ -118,12 +138,14 @@ from stream_persia.errors import (
     BadInput,
     Misuse,
     ServerRestarted,
+    StreamReplay,
     config_digest_param,
 )
 from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer, auth
 from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
 from stream_persia.supervisor import Supervisor
+from stream_persia.watermarks import RESTORE_HINT, Refusal
 from stream_persia.worker.batchplan import BatchPlan, plan_batch
 from stream_persia.worker.buffer import BoundedBuffer
 from stream_persia.worker.frontier import Frontier
@@ -152,6 +174,7 @@ class PendingBatch:
     batch: PersiaBatch
     plan: BatchPlan
     source: tuple[int, int] | None = None       # (partition, offset) when from Kafka
+    stream: tuple[str, str] | None = None       # (topic, writer) of its Kafka stream
     received_s: float = field(default_factory=time.monotonic)
     missing: int = 0                             # ids absent from the servers (eval/infer)
     nbytes: int = 0                              # its arrays' bytes (the ready buffer's bound)
@@ -219,6 +242,8 @@ class EmbeddingWorker:
         self.inflight: dict[int, PendingBatch] = {}
         self._inflight_room = asyncio.Semaphore(max_inflight_batches)
         self.frontier = Frontier()
+        self._streams = 0                       # Kafka streams started (their writer ids)
+        self._replay: StreamReplay | None = None   # serving would train batches twice
         self.ingest_timeout_ms = ingest_timeout_ms
         self.ingest_paused = asyncio.Event()    # set = paused (control plane)
         self._ingest_resumed = asyncio.Event()  # set (then replaced) by resume_ingest
@@ -244,7 +269,10 @@ class EmbeddingWorker:
         m.add_callback("servers", lambda: {"lost": float(len(self.router.lost))})
         self.push_retry_ms = push_retry_ms
         self.pushes = GradientPushes(self.router, m, name=f"embedding worker {replica_index}",
-                                     on_applied=self._applied)
+                                     on_applied=self._applied,
+                                     on_replay=self._replayed)
+        m.add_callback("partitions", lambda: {"replay_refused": float(
+            len(self.kafka.refused) if self.kafka is not None else 0)})
         m.add_callback("buffer", lambda: {"ready": len(self.ready),
                                           "ready_bytes": self.ready.bytes,
                                           "inflight": len(self.inflight),
@@ -327,8 +355,8 @@ class EmbeddingWorker:
         return self.rpc.address
 
     # ----------------------------------------------------------------- ingest
-    def prepare(self, batch: PersiaBatch, source: tuple[int, int] | None = None
-                ) -> PendingBatch:
+    def prepare(self, batch: PersiaBatch, source: tuple[int, int] | None = None,
+                stream: tuple[str, str] | None = None) -> PendingBatch:
         """Validate a decoded batch against the schema and plan its lookups.
 
         The ids' CSR is not checked again: ``PersiaBatch.from_wire`` / ``from_bytes``
@@ -342,7 +370,7 @@ class EmbeddingWorker:
                           requires_grad=batch.requires_grad, csr_checked=True)
         batch_id = self._seq * self.replica_size + self.replica_index
         self._seq += 1
-        pb = PendingBatch(batch_id, batch, plan, source)
+        pb = PendingBatch(batch_id, batch, plan, source, stream)
         pb.nbytes = _batch_nbytes(batch) + plan.nbytes()
         return pb
 
@@ -425,6 +453,9 @@ class EmbeddingWorker:
         }
 
     async def _next_batch(self, params: Any) -> dict | None:
+        if self._replay is not None:   # the NN side must hear it, not wait for batches
+            raise StreamReplay(self._replay.message, field=self._replay.field,
+                               hint=self._replay.hint)
         timeout_ms = self._timeout_ms(params, 1000)
         want = config_digest_param(params)
         if want is not None and self.router.config is None \
@@ -518,7 +549,7 @@ class EmbeddingWorker:
                                 "that restarted has forgotten the batches it served")
         retry_s = min(self._timeout_ms(params, self.push_retry_ms), self.push_retry_ms) / 1000
         return await self.pushes.push(pb.batch_id, pb.plan, pb.source, params.get("grads"),
-                                      retry_s)
+                                      retry_s, stream=pb.stream)
 
     def _applied(self, batch_id: int) -> None:
         """Every server applied ``batch_id``'s gradients: release it."""
@@ -533,14 +564,47 @@ class EmbeddingWorker:
     # ----------------------------------------------------------------- control
     def problems(self) -> list[str]:
         """Why this worker is unhealthy (empty: healthy): a background task failed (the
-        launched role exits), or batches whose push failed are held."""
+        launched role exits), serving its stream would train batches twice (until a
+        restore), or batches whose push failed are held."""
         problems = [self.supervisor.error] if self.supervisor.error else []
+        if self._replay is not None:
+            problems.append(self._replay.message)
         failed = self.pushes.failed()
         if failed:
             problems.append(f"{len(failed)} batch(es) whose gradients could not be applied "
                             f"on every embedding server (checkpoints refuse): "
                             f"{self.pushes.summary(failed)}")
         return problems
+
+    # ----------------------------------------------------------------- stream replays
+    def new_stream_writer(self) -> str:
+        """A new Kafka stream's id on the servers' watermarks: this process and how many
+        streams it started (each ``reset_stream`` starts one)."""
+        self._streams += 1
+        return f"{self.pushes.incarnation}.{self._streams}"
+
+    def _replayed(self, err: StreamReplay) -> None:
+        """A push the servers refused as a replay (another stream applied that offset):
+        stop serving until a restore resets the stream."""
+        self._replay = err
+
+    def stream_checked(self, refused: list[Refusal]) -> None:
+        """A Kafka stream started (:class:`~stream_persia.worker.ingest.KafkaIngest`):
+        report the partitions it refused because the servers applied them already, or,
+        with none refused, withdraw an earlier report (a restore's ``reset_stream``)."""
+        if not refused:
+            if self._replay is not None:
+                log.warning("embedding worker %d: the stream was reset to where the servers "
+                            "stand (a restore); serving again", self.replica_index)
+            self._replay = None
+            return
+        who = f"embedding worker {self.replica_index}"
+        lines = [r.describe(who, self.router.addresses) for r in refused]
+        for line in lines:
+            log.error("%s; waiting for a restore (hint: %s)", line, RESTORE_HINT)
+        more = f"; and {len(lines) - 3} more partition(s)" if len(lines) > 3 else ""
+        self._replay = StreamReplay("; ".join(lines[:3]) + more, field="offset",
+                                    hint=RESTORE_HINT)
 
     # ----------------------------------------------------------------- server restarts
     def _server_restarted(self, s: int) -> None:
@@ -692,6 +756,8 @@ class EmbeddingWorker:
         self.ready.clear()
         self.kafka = self.kafka_factory(offsets)
         await self._start_ingest(self.kafka)
+        if self._replay is not None:   # the offsets start below what the servers applied
+            raise StreamReplay(self._replay.message, field="offsets", hint=self._replay.hint)
         return {"offsets": {str(p): o for p, o in self.frontier.offsets().items()}}
 
     async def _commit_offsets(self, params: Any) -> bool:

@@ -25,6 +25,16 @@ empty table (the embedding worker, when it saw the restart, exits 1). Then the n
 checkpoint is restored into the restarted server (with a fresh worker and NN worker),
 and every batch is trained exactly once as above.
 
+An embedding worker may come back by itself too (a StatefulSet restarting its pod): with
+no checkpoint to start from, the new process would read its partition from the start
+while the server still holds every update applied since the last checkpoint. That trial
+kills the worker at a random point and starts it again at its address while the NN worker
+keeps running: the new worker must refuse to serve the partition (the server's stream
+watermark says it was applied; stream_persia.watermarks), naming it, the NN worker must
+fail in bounded time, and no batch may be trained twice. Then a fresh NN worker restores
+the newest checkpoint through a fresh worker (which refuses the partition too until the
+restore resets its stream), and every batch is trained exactly once.
+
 The broker is the one victim a restore cannot survive: the test broker keeps its data in
 memory, so a killed broker loses the stream. There the run must fail loudly, in bounded
 time, naming the broker, and a restore must refuse the lost stream instead of training
@@ -38,6 +48,7 @@ prints its seed and kill point). ``STREAM_PERSIA_FAULT_TRIALS=K`` runs K seeds p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -55,6 +66,7 @@ from stream_persia.checkpoint.reader import latest_checkpoint
 from stream_persia.config import GlobalConfig, KafkaConfig
 from stream_persia.ctx import DataCtx
 from stream_persia.local import RoleProcess
+from stream_persia.rpc import RpcClient
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 from stream_persia.testing.servers import dumped_rows
@@ -89,6 +101,7 @@ class Job:
     def __init__(self, tmp: Path, name: str, bootstrap: str, topic: str,
                  server: RoleProcess | None = None):
         self.tmp, self.name = tmp, name
+        self.bootstrap, self.topic = bootstrap, topic
         cfg = tmp / "embedding_config.yml"
         cfg.write_text(EMBEDDING_YAML)
         gcfg = tmp / "global_config.yml"
@@ -96,15 +109,21 @@ class Job:
         if server is None:
             server = start_server(tmp, f"{name}-server")
         self.server = server
-        address = self.server.wait_ready()
-        self.worker = RoleProcess("embedding-worker", [
-            "--embedding-config", str(cfg), "--global-config", str(gcfg),
-            "--embedding-servers", address, "--kafka",
-            bootstrap, "--topic", topic, "--num-partitions", "1"],
-            log_path=tmp / f"{name}-worker.log", name=f"{name}-worker").start()
+        self.server.wait_ready()
+        self.worker = self.start_worker(f"{name}-worker")
         self.worker.wait_ready()
         self.nn: subprocess.Popen | None = None
         self.nn_log = tmp / f"{name}-nn.log"
+
+    def start_worker(self, name: str, port: str | None = None) -> RoleProcess:
+        """An embedding worker process of this job (on ``port``: a restart at its address)."""
+        return RoleProcess("embedding-worker", [
+            "--embedding-config", str(self.tmp / "embedding_config.yml"),
+            "--global-config", str(self.tmp / "global_config.yml"),
+            "--embedding-servers", self.server.wait_ready(), "--kafka", self.bootstrap,
+            "--topic", self.topic, "--num-partitions", "1",
+            *(["--port", port] if port else [])],
+            log_path=self.tmp / f"{name}.log", name=name).start()
 
     def train(self, out: Path, *flags: str) -> subprocess.Popen:
         with open(self.nn_log, "ab") as log:
@@ -330,6 +349,67 @@ def test_a_server_restarted_at_its_address_fails_the_run_then_restore_trains_onc
     assert C <= step <= len(_metas(tmp_path / "part")) and step % C == 0
     # The operator's way back: restore the newest checkpoint, into the restarted server.
     rest = Job(tmp_path, "rest", broker.bootstrap_servers, topic, server=server)
+    try:
+        rest.train(tmp_path / "rest", str(N - step), "--restore", latest.path)
+        rest.finish()
+        _check_exactly_once(tmp_path, rest, stream, step)
+    finally:
+        rest.stop()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("seed", [SEED + t for t in range(TRIALS)])
+def test_a_worker_restarted_at_its_address_refuses_the_replay_then_restore_trains_once(
+        tmp_path, broker, stream, seed):
+    topic = stream[0]
+    trained_before_kill, extra_s = _kill_point(random.Random(seed))
+    print(f"trial embedding-worker-restarted seed={seed}: kill after {trained_before_kill} "
+          f"batches + {extra_s * 1000:.0f} ms, restart at the same port")
+    ck = tmp_path / "ck"
+    job = Job(tmp_path, "part", broker.bootstrap_servers, topic)
+    restarted = None
+    try:
+        job.train(tmp_path / "part", str(N), "--checkpoint-every", str(C), "--ckpt", str(ck),
+                  "--step-sleep", str(STEP_SLEEP_S))
+        _wait_trained(job, tmp_path / "part", trained_before_kill)
+        time.sleep(extra_s)
+        address = job.worker.address
+        assert address is not None
+        job.worker.kill()       # the NN worker keeps running
+        restarted = job.start_worker("part-worker-restarted", address.rpartition(":")[2])
+        _expect_loud_failure(job, "embedding worker (restarted)")
+        assert restarted.wait_ready() == address
+        log = restarted.log_tail(1 << 20)
+        assert f"refuses to serve {topic}/0 from offset 0" in log, log[-3000:]
+
+        async def health() -> dict:
+            async with RpcClient(address) as c:
+                return await c.call("health")
+
+        reply = asyncio.run(health())
+        assert reply["ok"] is False and f"{topic}/0 from offset 0" in reply["error"]
+        nn_log = job.nn_log.read_text()
+        print("  the NN worker failed on "
+              + ("the refused replay" if "refuses to serve" in nn_log
+                 else "the batch its old worker served"))
+        part_metas = _metas(tmp_path / "part")
+        assert len(part_metas) == len(set(part_metas)), f"a batch trained twice: {part_metas}"
+        assert part_metas == stream[1][:len(part_metas)]
+        latest = latest_checkpoint(str(ck))
+        assert latest is not None, "no complete checkpoint although one was due"
+        step = latest.step
+        assert C <= step <= len(part_metas) and step % C == 0
+    except BaseException:
+        job.server.kill()
+        raise
+    finally:
+        job.kill_nn()
+        job.worker.kill()
+        if restarted is not None:
+            restarted.kill()
+
+    # The operator's way back: an NN worker that restores the newest checkpoint.
+    rest = Job(tmp_path, "rest", broker.bootstrap_servers, topic, server=job.server)
     try:
         rest.train(tmp_path / "rest", str(N - step), "--restore", latest.path)
         rest.finish()

@@ -31,14 +31,16 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.kafka
 
 
-def worker_args(tmp: Path, bootstrap: str, startup_timeout_ms: int) -> list[str]:
+def worker_args(tmp: Path, bootstrap: str, startup_timeout_ms: int,
+                servers: str | None = None) -> list[str]:
     (tmp / "embedding_config.yml").write_text(EMBEDDING_YAML)
     (tmp / "global_config.yml").write_text(
         f"kafka:\n  startup_timeout_ms: {startup_timeout_ms}\n")
     return ["--embedding-config", str(tmp / "embedding_config.yml"),
             "--global-config", str(tmp / "global_config.yml"),
-            # no server is contacted at start; the worker only needs their addresses
-            "--embedding-servers", f"127.0.0.1:{free_port()}",
+            # Once the broker answers, a worker asks its servers how far they applied the
+            # topic (stream_persia.watermarks) before it reads it.
+            "--embedding-servers", servers or f"127.0.0.1:{free_port()}",
             "--kafka", bootstrap, "--topic", "samples"]
 
 
@@ -48,7 +50,9 @@ def test_a_worker_started_before_the_broker_starts_when_it_comes(tmp_path):
         cluster.create_topic("samples", 2)
         cluster.create_topic("samples.dlq", 1)
         proxy = LateProxy(cluster.bootstrap_servers)
-        worker = RoleProcess("embedding-worker", worker_args(tmp_path, proxy.address, 60_000))
+        server = RoleProcess("embedding-server", log_path=tmp_path / "server.log").start()
+        worker = RoleProcess("embedding-worker", worker_args(tmp_path, proxy.address, 60_000,
+                                                             server.wait_ready()))
         try:
             worker.start()
             deadline = time.monotonic() + 60     # until it has tried (and logged it)
@@ -60,6 +64,7 @@ def test_a_worker_started_before_the_broker_starts_when_it_comes(tmp_path):
             worker.wait_ready(60)
         finally:
             worker.stop()
+            server.stop()
             proxy.close()
 
 

@@ -1,0 +1,152 @@
+"""The stream watermarks' bookkeeping (stream_persia.watermarks), without sockets: how a
+server advances and checks them, restores them from a cut, and how a worker merges every
+server's into where it may start a partition."""
+
+from __future__ import annotations
+
+import pytest
+
+from stream_persia.errors import BadInput, StreamReplay
+from stream_persia.watermarks import (
+    Mark,
+    PartitionMark,
+    Source,
+    Watermarks,
+    merge,
+    parse_cut,
+    parse_source,
+    refusals,
+    resume_points,
+)
+
+
+def src(offset: int, writer: str = "a.1", partition: int = 0, topic: str = "t") -> Source:
+    return Source(topic, partition, offset, writer)
+
+
+def apply(marks: Watermarks, source: Source) -> None:
+    marks.check(source)
+    marks.advance(source)
+
+
+def test_one_writer_advances_its_mark_in_any_order():
+    marks = Watermarks("embedding server 0")
+    for o in (0, 2, 1, 5, 3):        # pushes overlap with staleness > 1
+        apply(marks, src(o))
+    assert marks.get("t", 0) == Mark(5, "a.1")
+    apply(marks, src(4))              # still the same writer: below the mark is fine
+    assert marks.get("t", 0) == Mark(5, "a.1")
+    apply(marks, src(0, partition=1))
+    assert marks.to_wire() == {"t": {"0": {"offset": 5, "writer": "a.1"},
+                                     "1": {"offset": 0, "writer": "a.1"}}}
+
+
+def test_another_writer_at_or_below_the_mark_is_a_replay():
+    marks = Watermarks("embedding server 3")
+    for o in range(4):
+        apply(marks, src(o))
+    for o in (0, 3):
+        with pytest.raises(StreamReplay) as err:
+            apply(marks, src(o, writer="b.1"))
+        msg = str(err.value)
+        assert f"embedding server 3 refuses the update of t/0 offset {o} from stream b.1" in msg
+        assert "up to offset 3 (applied by stream a.1)" in msg
+        assert err.value.field == "offset"
+    assert marks.get("t", 0) == Mark(3, "a.1")        # nothing changed
+    apply(marks, src(4, writer="b.1"))                 # past it: the new stream takes over
+    assert marks.get("t", 0) == Mark(4, "b.1")
+    with pytest.raises(StreamReplay):                  # and the old one is refused now
+        apply(marks, src(4, writer="a.1"))
+    apply(marks, src(0, writer="a.1", topic="u"))      # topics are apart
+
+
+def test_a_cut_restores_marks_that_refuse_every_writer_below_it():
+    marks = Watermarks("embedding server 0", parse_cut({"t": {"0": 5, "1": 0}}))
+    assert marks.get("t", 0) == Mark(4, None) and marks.get("t", 1) == Mark(-1, None)
+    with pytest.raises(StreamReplay, match="applied by a checkpoint restored since"):
+        apply(marks, src(4))
+    apply(marks, src(5))
+    apply(marks, src(0, partition=1))
+    assert marks.get("t", 0) == Mark(5, "a.1")
+    marks.clear()
+    assert len(marks) == 0 and marks.to_wire() == {}
+    apply(marks, src(0, writer="b.1"))                 # cleared: the stream starts over
+
+
+def test_the_partitions_a_server_tracks_are_bounded(monkeypatch):
+    monkeypatch.setattr("stream_persia.watermarks.MAX_PARTITIONS", 3)
+    marks = Watermarks("embedding server 0")
+    for p in range(3):
+        apply(marks, src(0, partition=p))
+    apply(marks, src(5, partition=2))           # known ones go on
+    with pytest.raises(BadInput) as err:
+        apply(marks, src(0, partition=3))
+    assert err.value.field == "source.partition" and len(marks) == 3
+    with pytest.raises(BadInput, match="more than 3"):
+        parse_cut({"t": {"0": 1, "1": 1}, "u": {"0": 1, "1": 1}})
+    assert marks.to_wire("nope") == {} and list(marks.to_wire("t")) == ["t"]
+
+
+def test_gaps_are_fine_it_is_a_high_watermark():
+    marks = Watermarks("embedding server 0")
+    for o in (0, 1, 7, 100):          # on_data_loss: skip, dead letters, eval batches
+        apply(marks, src(o))
+    assert marks.get("t", 0) == Mark(100, "a.1")
+
+
+@pytest.mark.parametrize("value,field", [
+    ("x", "source"),
+    ({"topic": "t", "partition": 0, "offset": 0}, "source.writer"),
+    ({"topic": "t", "partition": 0, "offset": 0, "writer": ""}, "source.writer"),
+    ({"topic": "t", "partition": 0, "offset": 0, "writer": "w" * 65}, "source.writer"),
+    ({"topic": "", "partition": 0, "offset": 0, "writer": "w"}, "source.topic"),
+    ({"topic": "t" * 250, "partition": 0, "offset": 0, "writer": "w"}, "source.topic"),
+    ({"topic": "t", "partition": -1, "offset": 0, "writer": "w"}, "source.partition"),
+    ({"topic": "t", "partition": True, "offset": 0, "writer": "w"}, "source.partition"),
+    ({"topic": "t", "partition": 0, "offset": 1 << 63, "writer": "w"}, "source.offset"),
+    ({"topic": "t", "partition": 0, "offset": "3", "writer": "w"}, "source.offset"),
+    ({"topic": "t", "partition": 0, "offset": 0, "writer": "w", "x": 1}, "source.x"),
+])
+def test_a_bad_source_is_refused_naming_the_field(value, field):
+    with pytest.raises(BadInput) as err:
+        parse_source(value)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("value,field", [
+    ([], "cut"), ({"t": []}, "cut.t"), ({"t": {"x": 1}}, "cut.t.x"),
+    ({"t": {"0": -1}}, "cut.t.0"), ({"": {"0": 1}}, "cut"),
+])
+def test_a_bad_cut_is_refused_naming_the_field(value, field):
+    with pytest.raises(BadInput) as err:
+        parse_cut(value)
+    assert err.value.field == field
+
+
+def test_parse_accepts_the_wire_forms():
+    assert parse_source(None) is None
+    assert parse_source(src(3).to_wire()) == src(3)
+    assert parse_cut(None) == {} and parse_cut({"t": {"2": 7, 3: 1}}) == {"t": {2: 7, 3: 1}}
+
+
+def test_a_worker_merges_every_servers_marks():
+    s0 = Watermarks("s0", parse_cut({"t": {"0": 5, "1": 5, "2": 5}}))
+    s1 = Watermarks("s1", parse_cut({"t": {"0": 5, "1": 5, "2": 5}}))
+    apply(s1, src(5, partition=1))    # partition 1 trained past the cut, on server 1 only
+    apply(s0, src(9, partition=3))
+    marks = merge([{"topics": s0.to_wire()}, {"topics": s1.to_wire()}], "t")
+    assert marks == {0: PartitionMark(4, 0, None, True), 1: PartitionMark(5, 1, "a.1", False),
+                     2: PartitionMark(4, 0, None, True), 3: PartitionMark(9, 0, "a.1", False)}
+    assert merge([{"topics": s0.to_wire()}], "other") == {}
+    # Where a partition given no start offset starts: at a restored cut nothing passed.
+    assert resume_points(marks) == {0: 5, 2: 5}
+    refused = refusals("t", marks, {0: 5, 1: 5, 2: 0, 3: 10, 4: 0})
+    assert [(r.partition, r.start, r.mark.offset) for r in refused] == [(1, 5, 5), (2, 0, 4)]
+    text = refused[0].describe("embedding worker 0", ["h0:1", "h1:2"])
+    assert "embedding worker 0 refuses to serve t/1 from offset 5" in text
+    assert "embedding server 1 (h1:2) holds the updates of that partition up to offset 5" \
+        in text
+    assert refused[0].to_dict() == {"topic": "t", "partition": 1, "start": 5, "watermark": 5,
+                                    "server": 1, "writer": "a.1"}
+    with pytest.raises(BadInput):
+        merge([{"nope": 1}], "t")
