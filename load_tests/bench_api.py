@@ -74,7 +74,7 @@ async def build_checkpoint(dst: str) -> None:
     """Every id of the vocabulary in every slot, in one server, with a scripted model."""
     # The default optimizer (Adagrad), so that `launch embedding-server` can load the dump.
     server = EmbeddingServer(10 * VOCAB, None, EmbeddingConfig((-0.5, 0.5)),
-                             checkpoint_root=dst)
+                             checkpoint_root=os.path.dirname(dst))   # its staging beside it
     await server.start()
     client = RpcClient(server.address)
     try:
@@ -220,7 +220,8 @@ def start_roles(ckpt: str, workdir: str) -> tuple[list[subprocess.Popen], dict[s
 
     yaml = Path(workdir) / "embedding_config.yml"
     yaml.write_text(EMBEDDING_YAML)
-    server = RoleProcess("embedding-server", ["--port", "0", "--checkpoint-root", ckpt])
+    server = RoleProcess("embedding-server", ["--port", "0", "--checkpoint-root",
+                                                os.path.dirname(ckpt)])
     server.start()
     s_addr = server.wait_ready(120)
     worker = RoleProcess("embedding-worker", ["--port", "0", "--embedding-servers", s_addr,
