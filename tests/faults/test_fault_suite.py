@@ -63,13 +63,10 @@ import pytest
 import torch
 
 from stream_persia.checkpoint.reader import latest_checkpoint
-from stream_persia.config import GlobalConfig, KafkaConfig
-from stream_persia.ctx import DataCtx
 from stream_persia.local import RoleProcess
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.kafka_mock import MockKafkaCluster
-from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
-from stream_persia.testing.servers import dumped_rows
+from stream_persia.testing.roles import KafkaRoles, fill_topic, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -87,43 +84,15 @@ kafka: {broker_timeout_ms: 5000}
 """
 
 
-def start_server(tmp: Path, name: str, port: str | None = None) -> RoleProcess:
-    """An embedding server process (on ``port``: a restart at the same address)."""
-    return RoleProcess("embedding-server", ["--checkpoint-root", str(tmp),
-                                            *(["--port", port] if port else [])],
-                       log_path=tmp / f"{name}.log", name=name).start()
-
-
-class Job:
+class Job(KafkaRoles):
     """An embedding server and an embedding worker (Kafka ingest) as processes, plus the
     NN worker script. ``server``: one already running (it outlives this job's others)."""
 
     def __init__(self, tmp: Path, name: str, bootstrap: str, topic: str,
                  server: RoleProcess | None = None):
-        self.tmp, self.name = tmp, name
-        self.bootstrap, self.topic = bootstrap, topic
-        cfg = tmp / "embedding_config.yml"
-        cfg.write_text(EMBEDDING_YAML)
-        gcfg = tmp / "global_config.yml"
-        gcfg.write_text(GLOBAL_YAML)
-        if server is None:
-            server = start_server(tmp, f"{name}-server")
-        self.server = server
-        self.server.wait_ready()
-        self.worker = self.start_worker(f"{name}-worker")
-        self.worker.wait_ready()
+        super().__init__(tmp, name, bootstrap, topic, server=server, global_yaml=GLOBAL_YAML)
         self.nn: subprocess.Popen | None = None
         self.nn_log = tmp / f"{name}-nn.log"
-
-    def start_worker(self, name: str, port: str | None = None) -> RoleProcess:
-        """An embedding worker process of this job (on ``port``: a restart at its address)."""
-        return RoleProcess("embedding-worker", [
-            "--embedding-config", str(self.tmp / "embedding_config.yml"),
-            "--global-config", str(self.tmp / "global_config.yml"),
-            "--embedding-servers", self.server.wait_ready(), "--kafka", self.bootstrap,
-            "--topic", self.topic, "--num-partitions", "1",
-            *(["--port", port] if port else [])],
-            log_path=self.tmp / f"{name}.log", name=name).start()
 
     def train(self, out: Path, *flags: str) -> subprocess.Popen:
         with open(self.nn_log, "ab") as log:
@@ -138,10 +107,6 @@ class Job:
         code = self.nn.wait(timeout)
         assert code == 0, f"NN worker failed ({code}):\n{self.nn_log.read_text()[-3000:]}"
 
-    def rows(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Every row of the server: id -> (weights, optimizer state)."""
-        return dumped_rows(self.server.address, str(self.tmp / f"{self.name}-dump"))
-
     def kill_nn(self) -> None:
         if self.nn is not None and self.nn.poll() is None:
             os.killpg(self.nn.pid, 9)
@@ -149,13 +114,11 @@ class Job:
 
     def kill_all(self) -> None:
         self.kill_nn()
-        self.worker.kill()
-        self.server.kill()
+        self.kill()
 
     def stop(self) -> None:
         self.kill_nn()
-        self.worker.stop()
-        self.server.stop()
+        super().stop()
 
 
 def _metas(out: Path) -> list[str]:
@@ -163,14 +126,6 @@ def _metas(out: Path) -> list[str]:
         return json.loads((out / "metas.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return []
-
-
-def _fill(bootstrap: str, topic: str) -> None:
-    with DataCtx(kafka_bootstrap_servers=bootstrap,
-                 global_config=GlobalConfig(kafka=KafkaConfig(samples_topic=topic)),
-                 max_inflight=1) as dc:
-        for i in range(N):
-            dc.send_data(make_batch(i, seed=5))
 
 
 def _wait_trained(job: Job, out: Path, count: int, timeout: float = 90) -> None:
@@ -194,7 +149,7 @@ def stream(broker, tmp_path_factory):
     topic = f"faults-{os.getpid()}"
     broker.create_topic(topic, 1)
     broker.create_topic(f"{topic}.dlq", 1)
-    _fill(broker.bootstrap_servers, topic)
+    fill_topic(broker.bootstrap_servers, topic, N, seed=5)
     tmp = tmp_path_factory.mktemp("uninterrupted")
     job = Job(tmp, "full", broker.bootstrap_servers, topic)
     try:
@@ -258,28 +213,26 @@ def test_kill_a_role_then_restore_trains_every_batch_once(tmp_path, broker, stre
     finally:
         job.kill_all()
 
+    _restore_newest_and_check(tmp_path, broker.bootstrap_servers, stream, ck)
+
+
+def _restore_newest_and_check(tmp_path: Path, bootstrap: str, stream: tuple, ck: Path,
+                              server: RoleProcess | None = None) -> None:
+    """The operator's way back: an NN worker (with a fresh embedding worker, and a fresh
+    server unless ``server``) restores the newest checkpoint and trains the rest of the
+    stream; then every batch was trained exactly once (:func:`_check_exactly_once`)."""
     latest = latest_checkpoint(str(ck))
     assert latest is not None, "no complete checkpoint although one was due"
     step = latest.step
     part_metas = _metas(tmp_path / "part")
     assert C <= step <= len(part_metas) and step % C == 0, (step, len(part_metas))
-
-    rest = Job(tmp_path, "rest", broker.bootstrap_servers, topic)
+    rest = Job(tmp_path, "rest", bootstrap, stream[0], server=server)
     try:
         rest.train(tmp_path / "rest", str(N - step), "--restore", latest.path)
         rest.finish()
-        rest_rows = rest.rows()
+        _check_exactly_once(tmp_path, rest, stream, step)
     finally:
         rest.stop()
-    rest_metas = _metas(tmp_path / "rest")
-    assert part_metas[:step] + rest_metas == full_metas, "every batch trained exactly once"
-    rest_dense = torch.load(tmp_path / "rest" / "dense.pt")
-    for name, value in full_dense.items():
-        torch.testing.assert_close(rest_dense[name], value, atol=1e-6, rtol=0)
-    assert set(rest_rows) == set(full_rows)
-    for x, (w, s) in full_rows.items():
-        np.testing.assert_allclose(rest_rows[x][0], w, atol=1e-6, rtol=0)
-        np.testing.assert_allclose(rest_rows[x][1], s, atol=1e-6, rtol=0)
 
 
 def _check_exactly_once(tmp_path: Path, rest: Job, stream: tuple, step: int) -> None:
@@ -343,18 +296,8 @@ def test_a_server_restarted_at_its_address_fails_the_run_then_restore_trains_onc
         job.kill_nn()
         job.worker.kill()
 
-    latest = latest_checkpoint(str(ck))
-    assert latest is not None, "no complete checkpoint although one was due"
-    step = latest.step
-    assert C <= step <= len(_metas(tmp_path / "part")) and step % C == 0
     # The operator's way back: restore the newest checkpoint, into the restarted server.
-    rest = Job(tmp_path, "rest", broker.bootstrap_servers, topic, server=server)
-    try:
-        rest.train(tmp_path / "rest", str(N - step), "--restore", latest.path)
-        rest.finish()
-        _check_exactly_once(tmp_path, rest, stream, step)
-    finally:
-        rest.stop()
+    _restore_newest_and_check(tmp_path, broker.bootstrap_servers, stream, ck, server)
 
 
 @pytest.mark.timeout(600)
@@ -395,10 +338,6 @@ def test_a_worker_restarted_at_its_address_refuses_the_replay_then_restore_train
         part_metas = _metas(tmp_path / "part")
         assert len(part_metas) == len(set(part_metas)), f"a batch trained twice: {part_metas}"
         assert part_metas == stream[1][:len(part_metas)]
-        latest = latest_checkpoint(str(ck))
-        assert latest is not None, "no complete checkpoint although one was due"
-        step = latest.step
-        assert C <= step <= len(part_metas) and step % C == 0
     except BaseException:
         job.server.kill()
         raise
@@ -409,13 +348,7 @@ def test_a_worker_restarted_at_its_address_refuses_the_replay_then_restore_train
             restarted.kill()
 
     # The operator's way back: an NN worker that restores the newest checkpoint.
-    rest = Job(tmp_path, "rest", broker.bootstrap_servers, topic, server=job.server)
-    try:
-        rest.train(tmp_path / "rest", str(N - step), "--restore", latest.path)
-        rest.finish()
-        _check_exactly_once(tmp_path, rest, stream, step)
-    finally:
-        rest.stop()
+    _restore_newest_and_check(tmp_path, broker.bootstrap_servers, stream, ck, job.server)
 
 
 @pytest.mark.timeout(300)
@@ -430,7 +363,7 @@ def test_killed_broker_fails_the_run_loudly_and_restore_refuses_the_lost_stream(
     try:
         own.create_topic(topic, 1)
         own.create_topic(f"{topic}.dlq", 1)
-        _fill(own.bootstrap_servers, topic)
+        fill_topic(own.bootstrap_servers, topic, N, seed=5)
         ck = tmp_path / "ck"
         job = Job(tmp_path, "part", own.bootstrap_servers, topic)
         try:

@@ -25,12 +25,9 @@ import torch
 from nn_helpers import LEARNABLE_SCHEMA, learnable_batches
 
 from stream_persia import aio
-from stream_persia.config import GlobalConfig, KafkaConfig
-from stream_persia.ctx import DataCtx
 from stream_persia.local import RoleProcess
 from stream_persia.rpc import RpcClient
-from stream_persia.shard_files import read_shard_file
-from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
+from stream_persia.testing.roles import KafkaRoles, fill_topic
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "restore_train.py"
@@ -38,22 +35,8 @@ N = 12
 DRAINED_WITHIN_S = 30.0
 
 
-class Job:
+class Job(KafkaRoles):
     """An embedding server and an embedding worker (Kafka ingest), as processes."""
-
-    def __init__(self, tmp: Path, name: str, bootstrap: str, topic: str):
-        self.tmp, self.name = tmp, name
-        cfg = tmp / "embedding_config.yml"
-        cfg.write_text(EMBEDDING_YAML)
-        self.server = RoleProcess("embedding-server", ["--checkpoint-root", str(tmp)],
-                                  log_path=tmp / f"{name}-server.log",
-                                  name=f"{name}-server").start()
-        server = self.server.wait_ready()
-        self.worker = RoleProcess("embedding-worker", [
-            "--embedding-config", str(cfg), "--embedding-servers", server, "--kafka",
-            bootstrap, "--topic", topic, "--num-partitions", "1"],
-            log_path=tmp / f"{name}-worker.log", name=f"{name}-worker").start()
-        self.worker.wait_ready()
 
     def train(self, out: Path, *flags: str) -> None:
         """The training script in this process's child (no launcher), to completion."""
@@ -78,24 +61,6 @@ class Job:
 
         return aio.run(go())
 
-    def rows(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        dump_dir = self.tmp / f"{self.name}-dump"
-
-        async def dump():
-            async with RpcClient(self.server.address) as c:
-                return await c.call("dump", {"dir": str(dump_dir)})
-
-        info = aio.run(dump())
-        rows = {}
-        for chunk in read_shard_file(str(dump_dir), info["file"]):
-            for i, x in enumerate(chunk["ids"].tolist()):
-                rows[x] = (chunk["weights"][i].copy(), chunk["state"][i].copy())
-        return rows
-
-    def stop(self) -> None:
-        self.worker.stop()
-        self.server.stop()
-
 
 def _metas(out: Path) -> list[str]:
     try:
@@ -119,11 +84,7 @@ def test_sigterm_drains_the_nn_worker_and_a_restore_trains_the_rest_once(
         tmp_path, kafka_broker, kafka_topic):
     topic = kafka_topic(1)
     kafka_broker.create_topic(f"{topic}.dlq", 1)
-    with DataCtx(kafka_bootstrap_servers=kafka_broker.bootstrap_servers,
-                 global_config=GlobalConfig(kafka=KafkaConfig(samples_topic=topic)),
-                 max_inflight=1) as dc:
-        for i in range(N):
-            dc.send_data(make_batch(i, seed=3))
+    fill_topic(kafka_broker.bootstrap_servers, topic, N, seed=3)
 
     # 1. Uninterrupted: N batches.
     full = Job(tmp_path, "full", kafka_broker.bootstrap_servers, topic)

@@ -20,44 +20,20 @@ import numpy as np
 import pytest
 import torch
 
-from stream_persia.config import GlobalConfig, KafkaConfig
-from stream_persia.ctx import DataCtx
-from stream_persia.local import RoleProcess
-from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
-from stream_persia.testing.servers import dumped_rows
+from stream_persia.testing.roles import KafkaRoles, fill_topic
 
 HERE = Path(__file__).resolve().parent
 N, K = 12, 5
 
 
-class Job:
+class Job(KafkaRoles):
     """One embedding server and one embedding worker (Kafka ingest) as processes."""
-
-    def __init__(self, tmp: Path, name: str, bootstrap: str, topic: str):
-        cfg = tmp / "embedding_config.yml"
-        cfg.write_text(EMBEDDING_YAML)
-        self.server = RoleProcess("embedding-server", ["--checkpoint-root", str(tmp)],
-                                  log_path=tmp / f"{name}-server.log",
-                                  name=f"{name}-server").start()
-        server = self.server.wait_ready()
-        self.worker = RoleProcess("embedding-worker", [
-            "--embedding-config", str(cfg), "--embedding-servers", server, "--kafka",
-            bootstrap, "--topic", topic, "--num-partitions", "1"],
-            log_path=tmp / f"{name}-worker.log", name=f"{name}-worker").start()
-        self.worker.wait_ready()
 
     def nn(self, out: Path, *flags: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(HERE / "restore_train.py"),
                                  self.worker.address, str(out), "--batches", *flags],
                                 start_new_session=True)
 
-    def embedding_rows(self, dump_dir: Path) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Every row of the server: id -> (weights, optimizer state)."""
-        return dumped_rows(self.server.address, str(dump_dir))
-
-    def kill(self) -> None:
-        self.worker.kill()
-        self.server.kill()
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -69,17 +45,13 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> None:
 def test_restore_equals_uninterrupted(tmp_path, kafka_broker, kafka_topic):
     topic = kafka_topic(1)
     kafka_broker.create_topic(f"{topic}.dlq", 1)
-    with DataCtx(kafka_bootstrap_servers=kafka_broker.bootstrap_servers,
-                 global_config=GlobalConfig(kafka=KafkaConfig(samples_topic=topic)),
-                 max_inflight=1) as dc:
-        for i in range(N):
-            dc.send_data(make_batch(i, seed=3))
+    fill_topic(kafka_broker.bootstrap_servers, topic, N, seed=3)
 
     # 1. Uninterrupted: N batches.
     full = Job(tmp_path, "full", kafka_broker.bootstrap_servers, topic)
     try:
         _finish(full.nn(tmp_path / "full", str(N)))
-        full_rows = full.embedding_rows(tmp_path / "full-dump")
+        full_rows = full.rows(tmp_path / "full-dump")
     finally:
         full.worker.stop()
         full.server.stop()
@@ -102,7 +74,7 @@ def test_restore_equals_uninterrupted(tmp_path, kafka_broker, kafka_topic):
     rest = Job(tmp_path, "rest", kafka_broker.bootstrap_servers, topic)
     try:
         _finish(rest.nn(tmp_path / "rest", str(N - K), "--restore", str(ck)))
-        rest_rows = rest.embedding_rows(tmp_path / "rest-dump")
+        rest_rows = rest.rows(tmp_path / "rest-dump")
     finally:
         rest.worker.stop()
         rest.server.stop()
