@@ -162,7 +162,7 @@ from stream_persia.shard_files import (
     stage_shard_files,
     write_shard_file,
 )
-from stream_persia.watermarks import Watermarks, parse_cut, parse_source
+from stream_persia.watermarks import Watermarks, check_topic, parse_cut, parse_source
 
 log = logging.getLogger(__name__)
 
@@ -487,10 +487,12 @@ class EmbeddingServer:
 
     async def _watermarks(self, params: Any) -> dict:
         self._req.labels("watermarks").inc()
-        topic = params.get("topic") if isinstance(params, dict) else None
-        if topic is not None and not isinstance(topic, str):
-            raise BadInput(f"topic must be a topic name, got {str(topic)[:80]!r}",
-                           field="topic")
+        if params is not None and not isinstance(params, dict):
+            raise BadInput(f"params must be a map {{topic?}}, got {type(params).__name__}",
+                           field="params")
+        topic = (params or {}).get("topic")
+        if topic is not None:
+            topic = check_topic(topic, "topic")
         # On the store thread: after every update received before it.
         return await self._run(lambda: {"topics": self._marks.to_wire(topic)})
 

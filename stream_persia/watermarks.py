@@ -69,7 +69,7 @@ from typing import Any, NamedTuple
 
 from stream_persia.errors import BadInput, StreamReplay
 
-__all__ = ["Mark", "PartitionMark", "Refusal", "Source", "Watermarks", "merge", "parse_cut",
+__all__ = ["Mark", "check_topic", "PartitionMark", "Refusal", "Source", "Watermarks", "merge", "parse_cut",
            "parse_source", "refusals", "resume_points", "RESTORE_HINT"]
 
 #: Kafka's own bound on a topic name.
@@ -92,7 +92,8 @@ def _int(value: Any, field: str, lo: int) -> int:
     return value
 
 
-def _topic(value: Any, field: str) -> str:
+def check_topic(value: Any, field: str) -> str:
+    """``value`` as a Kafka topic name (BadInput naming ``field`` otherwise)."""
     if not isinstance(value, str) or not 0 < len(value) <= MAX_TOPIC_CHARS:
         raise BadInput(f"{field} must be a topic name of 1-{MAX_TOPIC_CHARS} characters, got "
                        f"{str(value)[:80]!r}", field=field)
@@ -134,7 +135,7 @@ def parse_source(value: Any) -> Source | None:
     if not isinstance(writer, str) or not 0 < len(writer) <= MAX_WRITER_CHARS:
         raise BadInput(f"source.writer must be a string of 1-{MAX_WRITER_CHARS} characters, "
                        f"got {str(writer)[:80]!r}", field="source.writer")
-    return Source(_topic(value.get("topic"), "source.topic"),
+    return Source(check_topic(value.get("topic"), "source.topic"),
                   _int(value.get("partition"), "source.partition", 0),
                   _int(value.get("offset"), "source.offset", 0), writer)
 
@@ -153,7 +154,7 @@ def parse_cut(value: Any) -> dict[str, dict[int, int]]:
                        field="cut")
     for topic, parts in value.items():
         where = f"cut.{str(topic)[:80]}"
-        _topic(topic, "cut")
+        check_topic(topic, "cut")
         if not isinstance(parts, dict):
             raise BadInput(f"{where} must map partition -> next offset, got "
                            f"{type(parts).__name__}", field=where)
@@ -215,10 +216,8 @@ class Watermarks:
         """Record that ``src``'s update was applied (after :meth:`check`)."""
         key = (src.topic, src.partition)
         mark = self._marks.get(key)
-        if mark is None or src.offset > mark.offset:
+        if mark is None or src.offset > mark.offset:   # never lower a mark
             self._marks[key] = Mark(src.offset, src.writer)
-        elif mark.writer != src.writer:   # unreachable after check(); never lower a mark
-            raise StreamReplay(f"{self.who}: {src} is below {mark}", field="offset")
 
     def clear(self) -> None:
         self._marks.clear()

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from stream_persia import watermarks
 from stream_persia.checkpoint._common import (
     DEFAULT_SHARD_TIMEOUT_MS,
     HashingWriter,
@@ -308,25 +309,22 @@ def _one_config(replies: Sequence[dict]) -> dict[str, Any] | None:
 
 def _check_cut(offsets: dict[str, dict[str, int]], server_marks: Sequence[Any]) -> None:
     """Refuse a cut that records a partition at or below the offset some server had applied
-    when it dumped (:mod:`stream_persia.watermarks`): every batch at or after the cut must
-    be unapplied in the checkpoint's rows."""
-    for s, marks in enumerate(server_marks):
-        if not isinstance(marks, dict):   # an older server: it says nothing
-            continue
-        for topic, parts in offsets.items():
-            for p, cut in parts.items():
-                mark = (marks.get(topic) or {}).get(str(p))
-                if isinstance(mark, dict) and isinstance(mark.get("offset"), int) \
-                        and mark["offset"] >= int(cut):
-                    by = mark.get("writer") or "a checkpoint restored before"
-                    raise StreamReplay(
-                        f"the checkpoint's offsets record {topic}/{p} at {cut}, but "
-                        f"embedding server {s} holds the updates of that partition up to "
-                        f"offset {mark['offset']} (applied by {by}): restoring it would "
-                        f"train offsets {cut}..{mark['offset']} a second time; nothing "
-                        f"was published (a worker started the partition over, or a batch "
-                        f"was applied after the cut was read)", field="offsets",
-                        hint=RESTORE_HINT)
+    when it dumped (the rule a worker's start obeys, :func:`stream_persia.watermarks.
+    refusals`): every batch at or after the cut must be unapplied in the checkpoint's rows.
+    A server that sent no watermarks (an older one) says nothing."""
+    replies = [{"topics": m if isinstance(m, dict) else {}} for m in server_marks]
+    for topic, parts in offsets.items():
+        starts = {int(p): int(o) for p, o in parts.items()}
+        for r in watermarks.refusals(topic, watermarks.merge(replies, topic), starts):
+            m = r.mark
+            by = m.writer or "a checkpoint restored before"
+            raise StreamReplay(
+                f"the checkpoint's offsets record {topic}/{r.partition} at {r.start}, but "
+                f"embedding server {m.server} holds the updates of that partition up to "
+                f"offset {m.offset} (applied by {by}): restoring it would train offsets "
+                f"{r.start}..{m.offset} a second time; nothing was published (a worker "
+                f"started the partition over, or a batch was applied after the cut was "
+                f"read)", field="offsets", hint=RESTORE_HINT)
 
 
 def _fsync_files(directory: str) -> None:

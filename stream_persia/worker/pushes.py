@@ -40,6 +40,7 @@ from typing import Any, TypedDict
 
 from stream_persia.errors import BadInput, PersiaError, PushFailed, ServerRestarted, StreamReplay
 from stream_persia.metrics import RoleMetrics
+from stream_persia.watermarks import Source
 from stream_persia.worker.batchplan import BatchPlan, reduce_gradients
 from stream_persia.worker.router import PendingUpdate, ShardRouter
 
@@ -168,8 +169,7 @@ class GradientPushes:
         groups = [(dim, ids, rows) for dim, (ids, rows) in reduced.by_dim.items()]
         mark = None
         if stream is not None and source is not None:   # the servers' watermarks
-            mark = {"topic": stream[0], "partition": source[0], "offset": source[1],
-                    "writer": stream[1]}
+            mark = Source(stream[0], source[0], source[1], stream[1]).to_wire()
         update = self.router.split_update(groups, f"{self.incarnation}-{batch_id}", mark)
         return _Push(update, source, skipped=list(reduced.skipped))
 

@@ -189,3 +189,22 @@ async def test_two_workers_reading_one_partition_cannot_both_apply_it(kafka_brok
                 await c.close()
             for w in workers:
                 await w.stop()
+
+
+async def test_hostile_watermark_requests_are_refused_naming_the_field():
+    """A ``watermarks`` request whose topic no Kafka topic could have, or whose params are
+    not a map, is refused naming it (it was answered with no marks: nothing to see)."""
+    async with running_servers(1) as (servers, router):
+        c = router.clients[0]
+        await c.call("update", update(ids_on(0, 1), 3, topic="t"))
+        for params, field in (({"topic": "x" * 300}, "topic"), ({"topic": 5}, "topic"),
+                              ([1], "params")):
+            with pytest.raises(BadInput) as err:
+                await c.call("watermarks", params)
+            assert err.value.field == field
+        # Reordered keys in an update's source are the same source.
+        await c.call("update", {**update(ids_on(0, 1), None),
+                                "source": {"writer": "a.1", "offset": 4, "partition": 0,
+                                           "topic": "t"}})
+        assert (await c.call("watermarks", {"topic": "t"}))["topics"]["t"]["0"] == \
+            {"offset": 4, "writer": "a.1"}
