@@ -175,3 +175,49 @@ def test_a_run_whose_broker_is_killed_fails_in_bounded_time_naming_it(tmp_path):
     assert proc.returncode == 1, out[-4000:]
     assert f"no Kafka broker at {servers}" in out, out[-4000:]
     assert took < 90, took      # 5 s without a broker, the roles' shutdown, a margin
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_started_before_its_servers_waits_and_without_them_exits_naming_them(
+        tmp_path):
+    """Before it reads a partition a worker asks its servers how far they applied it
+    (stream_persia.watermarks): one started before them (pod start order) waits, within
+    ``kafka.startup_timeout_ms``, and starts when they come; with none ever it exits
+    non-zero naming them instead of serving a stream it cannot check."""
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("samples", 1)
+        cluster.create_topic("samples.dlq", 1)
+        port = free_port()
+        late = tmp_path / "late"
+        late.mkdir()
+        worker = RoleProcess("embedding-worker", worker_args(
+            late, cluster.bootstrap_servers, 60_000, f"127.0.0.1:{port}"),
+            log_path=late / "worker.log")
+        server = RoleProcess("embedding-server", ["--port", str(port)],
+                             log_path=late / "server.log")
+        try:
+            worker.start()
+            time.sleep(3)                      # it waits for the servers, it does not exit
+            assert worker.alive(), worker.log_tail()
+            server.start().wait_ready()
+            worker.wait_ready(60)
+        finally:
+            worker.stop()
+            server.stop()
+
+        never = tmp_path / "never"
+        never.mkdir()
+        servers = f"127.0.0.1:{free_port()}"
+        worker = RoleProcess("embedding-worker", worker_args(
+            never, cluster.bootstrap_servers, 2000, servers), log_path=never / "worker.log")
+        t0 = time.monotonic()
+        try:
+            worker.start()
+            worker.proc.wait(60)
+            took = time.monotonic() - t0
+            assert worker.proc.returncode != 0
+            assert f"embedding servers ['{servers}'] did not all answer" in \
+                worker.log_tail(20_000), worker.log_tail()
+            assert 2 <= took < 30
+        finally:
+            worker.stop()
