@@ -13,7 +13,7 @@ from stream_persia.local import RoleProcess
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 from stream_persia.testing.servers import dumped_rows
 
-__all__ = ["KafkaRoles", "fill_topic", "start_server"]
+__all__ = ["KafkaRoles", "assert_same_training", "fill_topic", "start_server"]
 
 
 def fill_topic(bootstrap: str, topic: str, n: int, seed: int) -> None:
@@ -82,3 +82,20 @@ class KafkaRoles:
     def kill(self) -> None:
         self.worker.kill()
         self.server.kill()
+
+
+def assert_same_training(expected_dense: Path, dense: Path,
+                         expected_rows: dict[int, tuple[np.ndarray, np.ndarray]],
+                         rows: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+    """Two runs trained the same model: their saved dense ``state_dict`` files and every
+    embedding row (weights and optimizer state, :meth:`KafkaRoles.rows`) equal within
+    1e-6, and they hold the same ids."""
+    import torch
+
+    want, got = torch.load(expected_dense), torch.load(dense)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, atol=1e-6, rtol=0)
+    assert set(rows) == set(expected_rows)
+    for x, (w, s) in expected_rows.items():
+        np.testing.assert_allclose(rows[x][0], w, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(rows[x][1], s, atol=1e-6, rtol=0)

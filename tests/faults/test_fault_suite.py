@@ -58,15 +58,18 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from stream_persia.checkpoint.reader import latest_checkpoint
 from stream_persia.local import RoleProcess
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.kafka_mock import MockKafkaCluster
-from stream_persia.testing.roles import KafkaRoles, fill_topic, start_server
+from stream_persia.testing.roles import (
+    KafkaRoles,
+    assert_same_training,
+    fill_topic,
+    start_server,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -160,7 +163,7 @@ def stream(broker, tmp_path_factory):
         job.stop()
     metas = _metas(tmp / "out")
     assert metas == [f"batch-{i}" for i in range(N)]
-    return topic, metas, torch.load(tmp / "out" / "dense.pt"), rows
+    return topic, metas, tmp / "out" / "dense.pt", rows
 
 
 def _kill_point(rng: random.Random) -> tuple[int, float]:
@@ -243,13 +246,7 @@ def _check_exactly_once(tmp_path: Path, rest: Job, stream: tuple, step: int) -> 
     part_metas = _metas(tmp_path / "part")
     rest_metas = _metas(tmp_path / "rest")
     assert part_metas[:step] + rest_metas == full_metas, "every batch trained exactly once"
-    rest_dense = torch.load(tmp_path / "rest" / "dense.pt")
-    for name, value in full_dense.items():
-        torch.testing.assert_close(rest_dense[name], value, atol=1e-6, rtol=0)
-    assert set(rest_rows) == set(full_rows)
-    for x, (w, s) in full_rows.items():
-        np.testing.assert_allclose(rest_rows[x][0], w, atol=1e-6, rtol=0)
-        np.testing.assert_allclose(rest_rows[x][1], s, atol=1e-6, rtol=0)
+    assert_same_training(full_dense, tmp_path / "rest" / "dense.pt", full_rows, rest_rows)
 
 
 @pytest.mark.timeout(600)

@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from nn_helpers import LEARNABLE_SCHEMA, learnable_batches
@@ -27,7 +26,7 @@ from nn_helpers import LEARNABLE_SCHEMA, learnable_batches
 from stream_persia import aio
 from stream_persia.local import RoleProcess
 from stream_persia.rpc import RpcClient
-from stream_persia.testing.roles import KafkaRoles, fill_topic
+from stream_persia.testing.roles import KafkaRoles, assert_same_training, fill_topic
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "restore_train.py"
@@ -140,14 +139,9 @@ def test_sigterm_drains_the_nn_worker_and_a_restore_trains_the_rest_once(
     finally:
         rest.stop()
     assert trained + _metas(tmp_path / "rest") == full_metas, "every batch trained once"
-    dense_full = torch.load(tmp_path / "full" / "dense.pt")
-    dense_rest = torch.load(tmp_path / "rest" / "dense.pt")
-    for name, value in dense_full.items():
-        torch.testing.assert_close(dense_rest[name], value, atol=1e-6, rtol=0)
-    assert set(rest_rows) == set(full_rows) and len(full_rows) > 100
-    for x, (w, s) in full_rows.items():
-        np.testing.assert_allclose(rest_rows[x][0], w, atol=1e-6, rtol=0)
-        np.testing.assert_allclose(rest_rows[x][1], s, atol=1e-6, rtol=0)
+    assert len(full_rows) > 100
+    assert_same_training(tmp_path / "full" / "dense.pt", tmp_path / "rest" / "dense.pt",
+                         full_rows, rest_rows)
 
 
 def _launch_ddp(job, out: Path, *script_args: str) -> RoleProcess:

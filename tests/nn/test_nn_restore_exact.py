@@ -16,11 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
-from stream_persia.testing.roles import KafkaRoles, fill_topic
+from stream_persia.testing.roles import KafkaRoles, assert_same_training, fill_topic
 
 HERE = Path(__file__).resolve().parent
 N, K = 12, 5
@@ -85,11 +83,6 @@ def test_restore_equals_uninterrupted(tmp_path, kafka_broker, kafka_topic):
     assert full_metas == [f"batch-{i}" for i in range(N)]
     assert part_metas + rest_metas == full_metas, "every batch trained exactly once"
 
-    dense_full = torch.load(tmp_path / "full" / "dense.pt")
-    dense_rest = torch.load(tmp_path / "rest" / "dense.pt")
-    for name, value in dense_full.items():
-        torch.testing.assert_close(dense_rest[name], value, atol=1e-6, rtol=0)
-    assert set(rest_rows) == set(full_rows) and len(full_rows) > 100
-    for x, (w, s) in full_rows.items():
-        np.testing.assert_allclose(rest_rows[x][0], w, atol=1e-6, rtol=0)
-        np.testing.assert_allclose(rest_rows[x][1], s, atol=1e-6, rtol=0)
+    assert len(full_rows) > 100
+    assert_same_training(tmp_path / "full" / "dense.pt", tmp_path / "rest" / "dense.pt",
+                         full_rows, rest_rows)
