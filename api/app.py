@@ -6,7 +6,7 @@ and the checkpoint manager. Shutdown stops them in reverse order: queued inferen
 requests finish, checkpoint tasks are cancelled, connections close.
 
 Middleware, outermost first: request metrics per route template, the request body limit
-(413), then the 500 answer to an unexpected exception. Error mapping: :mod:`api.errors`.
+(413), then the 500 answer to an unexpected exception. Error mapping: :mod:`stream_persia.api.errors`.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from stream_persia.api.auth import document_security
+from stream_persia.api.checkpoints import Checkpoints
+from stream_persia.api.errors import UnhandledErrors, install_error_handlers
+from stream_persia.api.limits import BodySizeLimit
+from stream_persia.api.metrics import ApiMetrics, HttpMetricsMiddleware
+from stream_persia.api.predictor import Predictor
+from stream_persia.api.roles import Roles
+from stream_persia.api.routers import checkpoints, control, health, predict
+from stream_persia.api.settings import ApiSettings
 
 import stream_persia
-from api.auth import document_security
-from api.checkpoints import Checkpoints
-from api.errors import UnhandledErrors, install_error_handlers
-from api.limits import BodySizeLimit
-from api.metrics import ApiMetrics, HttpMetricsMiddleware
-from api.predictor import Predictor
-from api.roles import Roles
-from api.routers import checkpoints, control, health, predict
-from api.settings import ApiSettings
-from stream_persia.supervisor import Supervisor
+from stream_persia.core.supervisor import Supervisor
 
 __all__ = ["create_app"]
 
@@ -108,7 +108,7 @@ def create_app(settings: ApiSettings | None = None, *, checkpoints_factory=None)
     app.state.settings = settings
     app.state.metrics = metrics
     # Long-running tasks of the API (the micro-batcher): one that fails makes /readyz 503
-    # naming it, and `launch api` exit 1 (stream_persia.supervisor, api.server).
+    # naming it, and `launch api` exit 1 (stream_persia.core.supervisor, stream_persia.api.server).
     app.state.supervisor = Supervisor("api")
     install_error_handlers(app)
     app.add_middleware(UnhandledErrors)   # innermost: the metrics see its 500s

@@ -4,7 +4,7 @@ One shared secret (``PERSIA_API_TOKEN`` / ``PERSIA_API_TOKEN_FILE`` or ``api.tok
 ``api.token_file``): a request without ``Authorization: Bearer <token>`` gets 401 with
 ``WWW-Authenticate: Bearer``, one with a different token gets 403. Tokens are compared in
 constant time. With no token configured the routes are open, which
-:meth:`~api.settings.ApiSettings.check_bind` allows only on a loopback address.
+:meth:`~stream_persia.api.settings.ApiSettings.check_bind` allows only on a loopback address.
 
 The OpenAPI document says what this instance enforces (:func:`document_security`):
 ``security: [{"bearerAuth": []}]`` and 401/403 on routes that check the token, and an

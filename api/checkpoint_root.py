@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import re
 
-from api.schemas import CHECKPOINT_ID_PATTERN
+from stream_persia.api.schemas import CHECKPOINT_ID_PATTERN
+
 from stream_persia.checkpoint._common import Location
 from stream_persia.checkpoint.root import CheckpointRoot
 from stream_persia.errors import BadInput, ConfigError

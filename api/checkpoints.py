@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from api.checkpoint_root import CheckpointDir
-from api.mailbox import REPORT_TIMEOUT_S, TERMINAL, MailboxClient
-from api.roles import SERVER, WORKER, Roles
-from api.settings import ApiSettings
+from stream_persia.api.checkpoint_root import CheckpointDir
+from stream_persia.api.mailbox import REPORT_TIMEOUT_S, TERMINAL, MailboxClient
+from stream_persia.api.roles import SERVER, WORKER, Roles
+from stream_persia.api.settings import ApiSettings
+
 from stream_persia.checkpoint import (
     CheckpointWriter,
     Manifest,
@@ -97,7 +98,7 @@ class CheckpointJob:
 
 
 def _manifest_info(m: Manifest) -> dict[str, Any]:
-    from api.model import checkpoint_id
+    from stream_persia.api.model import checkpoint_id
 
     created = datetime.fromisoformat(m.created_at.replace("Z", "+00:00")).timestamp()
     return {"id": checkpoint_id(m), "state": "done", "dst": m.path or "",
@@ -549,7 +550,7 @@ class Checkpoints:
                 reloaded = True
             except PersiaError as e:
                 log.warning("restored %s but could not serve its model: %s", src, e)
-        from api.model import checkpoint_id
+        from stream_persia.api.model import checkpoint_id
 
         return {"id": checkpoint_id(manifest), "rows": rows, "offsets": parts,
                 "workers_reset": reset, "model_reloaded": reloaded}
@@ -577,7 +578,7 @@ def _carry_dense(writer: CheckpointWriter, base: Manifest | None) -> str | None:
     """Copy the dense files of ``base`` into ``writer`` (blocking); returns base's id."""
     if base is None:
         return None
-    from api.model import checkpoint_id
+    from stream_persia.api.model import checkpoint_id
 
     loc = Location(base.path or "")
     for name in (base.dense_filename, base.opt_filename, base.jit_filename):

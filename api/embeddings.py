@@ -4,7 +4,7 @@
   ``infer``: nothing inserted, recency untouched), which plans and pools it exactly as it
   does for training; the served slots become tensors here.
 - **local**: the rows of a checkpoint's shard files are loaded into a read-only
-  :class:`~stream_persia.embedding.store.EmbeddingStore` inside the API process
+  :class:`~stream_persia.server.store.EmbeddingStore` inside the API process
   (single-node serving). A micro-batch of requests is planned, looked up and pooled in
   one pass with the worker's own functions (:mod:`stream_persia.worker.pooling`), so the
   result equals what a worker would serve.
@@ -28,11 +28,11 @@ import torch
 from stream_persia.checkpoint import Manifest
 from stream_persia.checkpoint._common import Location
 from stream_persia.config import EmbeddingSchema
-from stream_persia.embedding.data import IDTypeFeature, PersiaBatch
-from stream_persia.embedding.optim import SGD
-from stream_persia.embedding.store import EmbeddingStore
+from stream_persia.core.data import IDTypeFeature, PersiaBatch
+from stream_persia.core.optim import SGD
 from stream_persia.errors import BadInput
-from stream_persia.shard_files import read_shard_file
+from stream_persia.server.shard_files import read_shard_file
+from stream_persia.server.store import EmbeddingStore
 from stream_persia.worker import pooling
 
 __all__ = ["LocalTable", "as_tensor", "served_tensors", "concat_features", "non_id_tensors",

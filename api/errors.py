@@ -6,7 +6,7 @@ error                             status  why
 BadInput (WireError, ConfigError)  422    the request is wrong; ``field`` names where
 request validation (pydantic)      422    same body; ``field`` is the dotted location
 body not JSON / not UTF-8          422    ``field`` is ``body`` (FastAPI would say 400)
-BodyTooLarge / too many rows       413    limits of :class:`~api.settings.ApiSettings`
+BodyTooLarge / too many rows       413    limits of :class:`~stream_persia.api.settings.ApiSettings`
 Misuse                             409    the job is not in a state that allows it
 DataLost                           409    data the request needs is gone (a restore
                                           whose Kafka offsets retention deleted)
@@ -23,7 +23,7 @@ after sending its 500 (so that the server can log it), and uvicorn then closes t
 connection, so the client's next request on the same keep-alive connection failed.
 
 Body: ``{"error": {"kind", "type", "message", "field", "hint", "peer"}}`` (see
-:class:`api.schemas.ErrorBody`). ``peer`` names the role that failed for 502/503.
+:class:`stream_persia.api.schemas.ErrorBody`). ``peer`` names the role that failed for 502/503.
 """
 
 from __future__ import annotations

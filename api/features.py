@@ -9,14 +9,14 @@ where ``ids_of_sample_i`` is a list of uint64 ids (possibly empty) or one id. A 
 samples are all single ids becomes an ``IDTypeFeatureWithSingleID``. Non-ID rows are
 nested lists of numbers, read as float32, and every sample must have the same shape. The
 order of the keys does not matter: the predictor matches slots and non-ID features to
-the served model's inputs by name (:mod:`api.inputs`).
+the served model's inputs by name (:mod:`stream_persia.api.inputs`).
 
 msgpack (``application/msgpack``): the bytes of ``PersiaBatch.to_bytes()``, decoded
 without copying under the wire limits; dtypes are kept as sent.
 
 Either way the batch is checked against the embedding schema (unknown slots are
 rejected, naming the slot and listing the known ones) and the row limit, and every
-problem is a :class:`BadInput` (422) or :class:`~api.errors.TooLarge` (413) naming the
+problem is a :class:`BadInput` (422) or :class:`~stream_persia.api.errors.TooLarge` (413) naming the
 field, never an unhandled exception.
 """
 
@@ -27,11 +27,11 @@ import json
 from typing import Any
 
 import numpy as np
+from stream_persia.api.errors import TooLarge
 
-from api.errors import TooLarge
-from stream_persia import wire
 from stream_persia.config import EmbeddingSchema
-from stream_persia.embedding.data import (
+from stream_persia.core import wire
+from stream_persia.core.data import (
     IDTypeFeature,
     IDTypeFeatureWithSingleID,
     NonIDTypeFeature,

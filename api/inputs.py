@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from stream_persia.checkpoint import Manifest
 from stream_persia.config import EmbeddingSchema
-from stream_persia.embedding.data import PersiaBatch
+from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import BadInput, ConfigError
 
 __all__ = ["ModelInputs", "NonIdInput"]

@@ -12,8 +12,7 @@ from typing import Any
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from api.errors import error_body
+from stream_persia.api.errors import error_body
 
 __all__ = ["BodySizeLimit"]
 

@@ -19,7 +19,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stream_persia.metrics import RoleMetrics
+from stream_persia.core.metrics import RoleMetrics
 
 __all__ = ["ApiMetrics", "HttpMetricsMiddleware", "merge_role_metrics"]
 

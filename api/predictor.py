@@ -26,18 +26,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from stream_persia.api.batcher import Job, MicroBatcher
+from stream_persia.api.checkpoint_root import CheckpointDir
+from stream_persia.api.embeddings import LocalTable, cat_slots, non_id_tensors, served_tensors
+from stream_persia.api.errors import NotReady
+from stream_persia.api.features import signature
+from stream_persia.api.inputs import ModelInputs
+from stream_persia.api.metrics import ApiMetrics
+from stream_persia.api.model import DenseModel, load_dense
+from stream_persia.api.roles import WORKER, Roles
+from stream_persia.api.settings import ApiSettings
 
-from api.batcher import Job, MicroBatcher
-from api.checkpoint_root import CheckpointDir
-from api.embeddings import LocalTable, cat_slots, non_id_tensors, served_tensors
-from api.errors import NotReady
-from api.features import signature
-from api.inputs import ModelInputs
-from api.metrics import ApiMetrics
-from api.model import DenseModel, load_dense
-from api.roles import WORKER, Roles
-from api.settings import ApiSettings
-from stream_persia.embedding.data import PersiaBatch
+from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import BadInput, ConfigError, PeerUnavailable, PersiaError
 
 __all__ = ["Predictor", "Served", "Prediction", "predictions_json"]
@@ -170,7 +170,7 @@ class Predictor:
 
     async def reload(self, checkpoint: str) -> dict[str, Any]:
         """Serve the checkpoint a request names: an id or a path/URL right under the
-        checkpoint directory (:class:`~api.checkpoint_root.CheckpointDir`), nothing else.
+        checkpoint directory (:class:`~stream_persia.api.checkpoint_root.CheckpointDir`), nothing else.
 
         Raises:
             BadInput: ``checkpoint`` names something else, or not a loadable checkpoint
@@ -221,7 +221,7 @@ class Predictor:
     # ----------------------------------------------------------------- predict
     async def predict(self, batch: PersiaBatch) -> Prediction:
         """Score one validated batch (micro-batched with concurrent requests). Its
-        features are put in the served model's order by name first (:mod:`api.inputs`),
+        features are put in the served model's order by name first (:mod:`stream_persia.api.inputs`),
         so requests that differ only in their order share forward passes.
 
         Raises:

@@ -21,10 +21,11 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from api.app import create_app
-from api.settings import ApiSettings
-from stream_persia import aio
-from stream_persia.supervisor import EXIT_GRACE_S, Supervisor
+from stream_persia.api.app import create_app
+from stream_persia.api.settings import ApiSettings
+
+from stream_persia.core import aio
+from stream_persia.core.supervisor import EXIT_GRACE_S, Supervisor
 
 __all__ = ["serve", "bind_socket"]
 

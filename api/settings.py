@@ -99,7 +99,7 @@ class ApiSettings:
             inference is unavailable until one is given).
         checkpoint_dir: root of checkpoints started over HTTP (None: those routes 409),
             and the only place a request may name a checkpoint in (reload, restore,
-            delete; :mod:`api.checkpoint_root`).
+            delete; :mod:`stream_persia.api.checkpoint_root`).
         keep_checkpoints: complete checkpoints kept under ``checkpoint_dir`` after each
             one the API takes (0: every one); ``common_config.checkpointing_config
             .keep_checkpoints``.

@@ -1,8 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 # cython: initializedcheck=False, nonecheck=False
-"""Segment kernels of the pooled lookup path (``stream_persia._segments``).
+"""Segment kernels of the pooled lookup path (``stream_persia.kernels._segments``).
 
-Use them through :mod:`stream_persia.segments`, which validates arguments, documents the
+Use them through :mod:`stream_persia.kernels.segments`, which validates arguments, documents the
 semantics and holds the numpy twins these loops must match bit for bit. Every loop runs
 without the GIL; each float is summed in the order its terms appear, starting from 0.0, as
 the twins and torch's ``embedding_bag`` do.

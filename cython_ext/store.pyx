@@ -1,9 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 # cython: initializedcheck=False, nonecheck=False
-"""Cython LRU embedding store (``stream_persia.embedding._cstore``).
+"""Cython LRU embedding store (``stream_persia.server._cstore``).
 
 Same interface and the same results, bit for bit, as the pure-Python twin
-``stream_persia.embedding._pystore.PyEmbeddingStore``, which documents the semantics, the
+``stream_persia.server._pystore.PyEmbeddingStore``, which documents the semantics, the
 validation and the hash functions both use. Layout, chosen for memory (about 50 bytes of
 bookkeeping per row at full load) and for loops that run without the GIL:
 
@@ -35,9 +35,9 @@ from libc.string cimport memcpy, memset
 
 import numpy as np
 
-from stream_persia import segments as _segments
-from stream_persia.embedding import _pystore as _py
-from stream_persia.embedding.optim import as_optimizer
+from stream_persia.kernels import segments as _segments
+from stream_persia.server import _pystore as _py
+from stream_persia.core.optim import as_optimizer
 from stream_persia.errors import BadInput, Misuse
 
 # This module's Cython is split by responsibility into the .pxi files included here (they

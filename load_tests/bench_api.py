@@ -39,11 +39,11 @@ import httpx  # health probes only; the load uses Conn below
 import numpy as np
 import torch
 
-from stream_persia import aio
 from stream_persia.checkpoint import JIT_FILENAME, CheckpointWriter
+from stream_persia.core import aio
 from stream_persia.embedding import EmbeddingConfig
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.rpc import RpcClient
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.samples import EMBEDDING_YAML, SCHEMA
 
 VOCAB = 5000
@@ -103,7 +103,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from stream_persia.checkpoint import read_manifest
 from stream_persia.checkpoint._common import Location
-from stream_persia.shard_files import read_shard_file
+from stream_persia.server.shard_files import read_shard_file
 from stream_persia.testing.samples import SCHEMA
 
 ckpt, port = sys.argv[1], int(sys.argv[2])
@@ -202,7 +202,7 @@ def start_api(ckpt: str, workdir: str, source: str, extra_env: dict[str, str],
     yaml = Path(workdir) / "embedding_config.yml"
     yaml.write_text(EMBEDDING_YAML)
     env = {**os.environ, **extra_env, "PERSIA_EMBEDDING_CONFIG": str(yaml)}
-    cmd = [sys.executable, "-m", "stream_persia.cli", "launch", "api", "--port", "0",
+    cmd = [sys.executable, "-m", "stream_persia.launch.cli", "launch", "api", "--port", "0",
            "--model", ckpt, "--embeddings", source, "--ready-file", str(ready),
            "--log-level", "warning", *extra_args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -216,7 +216,7 @@ def start_api(ckpt: str, workdir: str, source: str, extra_env: dict[str, str],
 
 def start_roles(ckpt: str, workdir: str) -> tuple[list[subprocess.Popen], dict[str, str]]:
     """One embedding server (loaded from the checkpoint) and one worker, as processes."""
-    from stream_persia.local import RoleProcess
+    from stream_persia.launch.processes import RoleProcess
 
     yaml = Path(workdir) / "embedding_config.yml"
     yaml.write_text(EMBEDDING_YAML)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from stream_persia import segments
+from stream_persia.kernels import segments
 from stream_persia.worker import batchplan, pooling
 from stream_persia.worker.pooling import (
     merge_lookups,

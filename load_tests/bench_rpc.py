@@ -23,12 +23,12 @@ import time
 
 import numpy as np
 
-from stream_persia import aio
+from stream_persia.core import aio
 from stream_persia.rpc import RpcClient
 
 SERVER = r"""
 import sys
-from stream_persia import aio
+from stream_persia.core import aio
 from stream_persia.rpc import RpcServer
 
 async def echo(p):

@@ -34,9 +34,9 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from stream_persia.embedding._pystore import PyEmbeddingStore, mix64  # noqa: E402
 from stream_persia.embedding.optim import Adagrad  # noqa: E402
-from stream_persia.embedding.store import CEmbeddingStore  # noqa: E402
+from stream_persia.server._pystore import PyEmbeddingStore, mix64  # noqa: E402
+from stream_persia.server.store import CEmbeddingStore  # noqa: E402
 
 DIM, CAPACITY, UNIVERSE, BATCH = 16, 1_000_000, 10_000_000, 65_536
 OPT = Adagrad(lr=1e-2)

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ingest import embedding_yaml, make_batches  # noqa: E402
 
-from stream_persia import launch  # noqa: E402
 from stream_persia.config import load_embedding_config  # noqa: E402
 from stream_persia.embedding.data import PersiaBatch  # noqa: E402
 from stream_persia.embedding.optim import Adagrad  # noqa: E402
-from stream_persia.embedding.sharded import make_store  # noqa: E402
+from stream_persia.launch import roles as launch  # noqa: E402
+from stream_persia.server.sharded import make_store  # noqa: E402
 from stream_persia.worker import batchplan  # noqa: E402
 
 

@@ -208,7 +208,7 @@ def main() -> None:
     if args.batches <= args.warmup:
         raise SystemExit("--batches must exceed --warmup")
 
-    from stream_persia.local import RoleProcess
+    from stream_persia.launch.processes import RoleProcess
 
     load_before = os.getloadavg()[0]
     data = make_data(args.batches, args.vocab, 0)

@@ -19,7 +19,7 @@ import time
 import msgpack
 import numpy as np
 
-from stream_persia import wire
+from stream_persia.core import wire
 from stream_persia.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
 
 

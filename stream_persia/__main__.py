@@ -2,6 +2,6 @@
 
 import sys
 
-from stream_persia.cli import main
+from stream_persia.launch.cli import main
 
 sys.exit(main())

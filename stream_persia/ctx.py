@@ -7,7 +7,7 @@ data loader process never pays for importing torch.
 
 from typing import TYPE_CHECKING, Any
 
-from stream_persia.data_ctx import DataCtx
+from stream_persia.loader.data_ctx import DataCtx
 
 if TYPE_CHECKING:  # resolved lazily by __getattr__ below
     from stream_persia.nn.embedding_ctx import EmbeddingCtx, InferCtx, PreprocessMode, eval_ctx

@@ -104,7 +104,7 @@ class StreamReplay(Misuse):
     servers already applied the updates of that partition's batches at or after its offset
     (a worker restarted alone starts its partitions over, or two workers read one
     partition). Nothing is served or applied; a restore of a checkpoint rewinds the
-    servers and the stream together (:mod:`stream_persia.watermarks`). ``field`` is
+    servers and the stream together (:mod:`stream_persia.core.watermarks`). ``field`` is
     ``offset``."""
 
     kind = "stream_replay"

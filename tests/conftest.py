@@ -12,7 +12,7 @@ pytest_plugins = ["stream_persia.testing.pytest_plugin"]
 
 
 def pytest_report_header(config):
-    from stream_persia.embedding import store
+    from stream_persia.server import store
 
     lines = [f"stream-persia embedding store: {store.IMPLEMENTATION}"
              f" (STREAM_PERSIA_PURE_PYTHON={os.environ.get('STREAM_PERSIA_PURE_PYTHON', '')!r})"]

@@ -1,4 +1,4 @@
-"""stream_persia.backoff: bounded start-up retries, and a wait that never loses a cancel."""
+"""stream_persia.core.backoff: bounded start-up retries, and a wait that never loses a cancel."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from stream_persia.backoff import retry_startup, wait_bounded
+from stream_persia.core.backoff import retry_startup, wait_bounded
 from stream_persia.errors import PeerUnavailable
 
 pytestmark = pytest.mark.timeout(30)

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from stream_persia import cli, launch, produce
-from stream_persia.local import RoleProcess
+from stream_persia.launch import cli
+from stream_persia.launch import roles as launch
+from stream_persia.launch.processes import RoleProcess
+from stream_persia.loader import produce
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGY = str(ROOT / "topologies" / "synthetic_ctr")
@@ -267,7 +269,7 @@ def test_the_console_script_exits_2_naming_the_flag(tmp_path, argv):
     out = tmp_path / "run"
     if argv[0] == "run":
         argv = [*argv, "--output-dir", str(out)]
-    proc = subprocess.run([sys.executable, "-m", "stream_persia.cli", *argv],
+    proc = subprocess.run([sys.executable, "-m", "stream_persia.launch.cli", *argv],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert f"argument {argv[2]}" in proc.stderr

@@ -26,7 +26,7 @@ from stream_persia.config.global_config import INERT_KEYS
 from stream_persia.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH, API_SETTINGS = "stream_persia/launch.py", "api/settings.py"
+LAUNCH, API_SETTINGS = "stream_persia/launch/roles.py", "api/settings.py"
 CONSUMER, PRODUCER = "stream_persia/kafka/consumer.py", "stream_persia/kafka/producer.py"
 KAFKA_CONFIG, POOLING = "stream_persia/config/kafka.py", "stream_persia/worker/pooling.py"
 
@@ -48,7 +48,7 @@ READ: dict[str, list[tuple[str, str]]] = {
     "embedding_parameter_server_config.store_threads": [(LAUNCH, r"cfg\.store_threads")],
     "embedding_parameter_server_config.update_tokens": [
         (LAUNCH, r"cfg\.update_tokens"),
-        ("stream_persia/embedding_server.py", r"len\(tokens\) > self\.update_tokens")],
+        ("stream_persia/server/service.py", r"len\(tokens\) > self\.update_tokens")],
     "embedding_worker_config.push_retry_ms": [(LAUNCH, r"wc\.push_retry_ms")],
     "embedding_worker_config.on_server_restart": [
         (LAUNCH, r"on_server_restart=wc\.on_server_restart"),

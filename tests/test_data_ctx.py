@@ -18,12 +18,11 @@ import numpy as np
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from stream_persia.aio import LoopThread
+from stream_persia.core.aio import LoopThread
 from stream_persia.ctx import DataCtx
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.data import IDTypeFeature, PersiaBatch
 from stream_persia.embedding.optim import SGD
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.errors import (
     Backpressure,
     BadInput,
@@ -33,6 +32,7 @@ from stream_persia.errors import (
     RemoteError,
 )
 from stream_persia.rpc import RpcClient
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.worker.service import EmbeddingWorker

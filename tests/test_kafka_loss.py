@@ -23,12 +23,11 @@ from collections import namedtuple
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from stream_persia.aio import LoopThread
 from stream_persia.config import KafkaConfig
+from stream_persia.core.aio import LoopThread
 from stream_persia.ctx import DataCtx
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.errors import ConfigError, InternalError, PeerUnavailable, RemoteError
 from stream_persia.kafka import (
     BatchProducer,
@@ -40,6 +39,7 @@ from stream_persia.kafka import (
     topic_partitions,
 )
 from stream_persia.kafka.loss import gaps
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.proxy import LateProxy, free_port
 from stream_persia.testing.samples import SCHEMA, make_batch

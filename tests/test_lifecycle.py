@@ -1,4 +1,4 @@
-"""The drain request of :mod:`stream_persia.lifecycle`, in a fresh process each (it
+"""The drain request of :mod:`stream_persia.core.lifecycle`, in a fresh process each (it
 handles signals for the whole process): SIGTERM outside a ``TrainCtx`` unwinds, inside it
 only asks for a drain, a second one is a hard stop, and the stop file and a vanished
 parent ask for a drain too. (Whole NN workers: tests/nn/test_nn_drain.py.)"""
@@ -23,7 +23,7 @@ def run(code: str, *args: str) -> subprocess.CompletedProcess:
 def test_sigterm_outside_training_unwinds_the_script():
     out = run('''
         import os, signal, time
-        from stream_persia.lifecycle import StopRequested, drain
+        from stream_persia.core.lifecycle import StopRequested, drain
         drain.install()
         try:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -37,7 +37,7 @@ def test_sigterm_outside_training_unwinds_the_script():
 def test_sigterm_while_training_asks_for_a_drain_and_a_second_one_kills():
     out = run('''
         import os, signal, sys, time
-        from stream_persia.lifecycle import drain
+        from stream_persia.core.lifecycle import drain
         drain.install()
         leave = drain.enter_training()
         os.kill(os.getpid(), signal.SIGTERM)
@@ -54,7 +54,7 @@ def test_sigterm_while_training_asks_for_a_drain_and_a_second_one_kills():
 def test_a_train_context_handles_sigterm_only_while_entered():
     out = run('''
         import signal
-        from stream_persia.lifecycle import drain
+        from stream_persia.core.lifecycle import drain
         leave = drain.enter_training()
         print(signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL)
         leave()
@@ -67,7 +67,7 @@ def test_the_stop_file_asks_for_a_drain(tmp_path):
     stop = tmp_path / "stop"
     out = run('''
         import pathlib, sys, time
-        from stream_persia.lifecycle import drain
+        from stream_persia.core.lifecycle import drain
         drain.install(stop_file=sys.argv[1])
         leave = drain.enter_training()
         pathlib.Path(sys.argv[1]).touch()
@@ -83,7 +83,7 @@ def test_the_stop_file_asks_for_a_drain(tmp_path):
 def test_a_forked_child_takes_the_default_action():
     out = run('''
         import os, signal, time
-        from stream_persia.lifecycle import drain
+        from stream_persia.core.lifecycle import drain
         drain.install()
         leave = drain.enter_training()
         r, w = os.pipe()

@@ -1,4 +1,4 @@
-"""Role metrics (:mod:`stream_persia.metrics`) as Prometheus reads them from a role's text.
+"""Role metrics (:mod:`stream_persia.core.metrics`) as Prometheus reads them from a role's text.
 
 What a component counts (lookups, records consumed) is exported as a counter named
 ``<name>_total``, so ``rate()`` applies; what it measures now (rows, buffer depth) stays a
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from stream_persia.config import KafkaConfig
-from stream_persia.embedding_server import COUNTERS, EmbeddingServer
+from stream_persia.core.metrics import RoleMetrics
 from stream_persia.errors import Misuse
 from stream_persia.kafka import BatchProducer, DeadLetterWriter, SampleConsumer
-from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcClient
+from stream_persia.server.service import COUNTERS, EmbeddingServer
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.worker.ingest import KafkaIngest
 from stream_persia.worker.service import EmbeddingWorker

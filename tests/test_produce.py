@@ -17,13 +17,12 @@ import numpy as np
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from stream_persia.aio import LoopThread
+from stream_persia.core.aio import LoopThread
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.data import PersiaBatch
 from stream_persia.embedding.optim import SGD
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.errors import BadInput, ConfigError
-from stream_persia.produce import (
+from stream_persia.loader.produce import (
     Progress,
     Summary,
     add_arguments,
@@ -33,6 +32,7 @@ from stream_persia.produce import (
     read_chunks,
     split_ids,
 )
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.samples import SCHEMA
 from stream_persia.worker.service import EmbeddingWorker
 
@@ -42,7 +42,7 @@ MAPPING = textwrap.dedent('''
     import numpy as np
     from stream_persia.embedding.data import (IDTypeFeature, IDTypeFeatureWithSingleID,
                                               Label, NonIDTypeFeature, PersiaBatch)
-    from stream_persia.produce import split_ids
+    from stream_persia.loader.produce import split_ids
 
 
     def make_batch(columns, batch_index):
@@ -249,7 +249,7 @@ def test_progress_redraws_on_a_terminal_and_logs_otherwise(caplog):
     assert text.startswith("\r\x1b[K") and text.endswith("\n")
     assert "2,048 rows in 2 batches" in text and "1,024 rows/s" in text and "1.50 MB/s" in text
     quiet = io.StringIO()
-    with caplog.at_level(logging.INFO, logger="stream_persia.produce"):
+    with caplog.at_level(logging.INFO, logger="stream_persia.loader.produce"):
         Progress(quiet, tty=False, interval_s=0).update(Summary(rows=5, batches=1))
     assert quiet.getvalue() == "" and "5 rows in 1 batches" in caplog.text
     parser = argparse.ArgumentParser()
@@ -263,7 +263,7 @@ def test_progress_redraws_on_a_terminal_and_logs_otherwise(caplog):
 def cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PERSIA_GLOBAL_CONFIG", "PERSIA_EMBEDDING_CONFIG")}
-    return subprocess.run([sys.executable, "-m", "stream_persia.cli", "produce", *argv],
+    return subprocess.run([sys.executable, "-m", "stream_persia.launch.cli", "produce", *argv],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from stream_persia import aio, wire
-from stream_persia.aio import LoopThread
+from stream_persia.core import aio, wire
+from stream_persia.core.aio import LoopThread
 from stream_persia.errors import (
     BadInput,
     ConfigError,
@@ -375,7 +375,7 @@ def test_wait_ready_waits_for_a_late_server_and_times_out_on_a_dead_one(run):
 
 SERVER_SCRIPT = r"""
 import asyncio, sys
-from stream_persia import aio
+from stream_persia.core import aio
 from stream_persia.rpc import RpcServer
 
 async def echo(p):
@@ -646,7 +646,7 @@ def test_aio_run_uses_uvloop_when_available(monkeypatch):
 
 def test_loop_thread_run_reraises_the_coroutines_own_timeout():
     """A TimeoutError subclass raised by the coroutine is its result, not run()'s timeout."""
-    from stream_persia.aio import LoopThread
+    from stream_persia.core.aio import LoopThread
     from stream_persia.errors import RemoteTimeout
 
     async def fails():

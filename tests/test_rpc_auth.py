@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from stream_persia import wire
+from stream_persia.core import wire
 from stream_persia.errors import AuthError, ConfigError, PeerUnavailable
 from stream_persia.rpc import RpcClient, RpcServer, auth, parse_address
 from stream_persia.rpc.auth import RoleSecret
@@ -283,7 +283,7 @@ async def test_without_a_secret_a_server_binds_loopback_only():
 def test_launching_a_role_on_a_public_address_without_a_secret_exits_2(role, tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in (auth.SECRET_ENV, auth.SECRET_FILE_ENV)}
-    args = [sys.executable, "-m", "stream_persia.cli", "launch", role, "--host", "0.0.0.0",
+    args = [sys.executable, "-m", "stream_persia.launch.cli", "launch", role, "--host", "0.0.0.0",
             "--ready-file", str(tmp_path / "ready")]
     if role == "embedding-worker":
         import yaml

@@ -11,7 +11,7 @@ import struct
 import numpy as np
 import pytest
 
-from stream_persia import wire
+from stream_persia.core import wire
 from stream_persia.rpc import RpcClient, RpcServer, framing, parse_address, transport
 
 uvloop = pytest.importorskip("uvloop")

@@ -14,8 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from stream_persia import wire
 from stream_persia.config import GlobalConfig
+from stream_persia.core import wire
 from stream_persia.errors import ConfigError, PeerUnavailable
 from stream_persia.rpc import RpcClient, RpcServer, parse_address
 from stream_persia.rpc.auth import RoleSecret
@@ -166,8 +166,8 @@ async def test_a_connection_stays_lean_until_its_traffic_needs_more():
 
 SERVER = r"""
 import sys
-from stream_persia import aio
-from stream_persia.launch import keep_freed_memory
+from stream_persia.core import aio
+from stream_persia.launch.roles import keep_freed_memory
 from stream_persia.rpc import RpcServer
 
 async def echo(p):

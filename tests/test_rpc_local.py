@@ -118,7 +118,7 @@ async def test_the_name_is_released_on_stop_and_a_stopped_peer_is_named():
 
 def test_the_roles_event_loop_uses_it_too():
     """Roles run on aio.run's loop (uvloop where installed), not pytest's."""
-    from stream_persia import aio
+    from stream_persia.core import aio
 
     async def main() -> str:
         server = RpcServer({"echo": echo}, host="127.0.0.1", port=0)

@@ -1,4 +1,4 @@
-"""stable_hash64 / shard_of / split_by_shard / static_partitions (stream_persia.sharding)."""
+"""stable_hash64 / shard_of / split_by_shard / static_partitions (stream_persia.kernels.sharding)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from stream_persia.config import EmbeddingSchema
 from stream_persia.errors import BadInput, Misuse
-from stream_persia.sharding import (
+from stream_persia.kernels.sharding import (
     ShardSplit,
     shard_of,
     split_by_shard,

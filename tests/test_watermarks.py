@@ -1,4 +1,4 @@
-"""The stream watermarks' bookkeeping (stream_persia.watermarks), without sockets: how a
+"""The stream watermarks' bookkeeping (stream_persia.core.watermarks), without sockets: how a
 server advances and checks them, restores them from a cut, and how a worker merges every
 server's into where it may start a partition."""
 
@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from stream_persia.errors import BadInput, StreamReplay
-from stream_persia.watermarks import (
+from stream_persia.core.watermarks import (
     Mark,
     PartitionMark,
     Source,
@@ -18,6 +17,7 @@ from stream_persia.watermarks import (
     refusals,
     resume_points,
 )
+from stream_persia.errors import BadInput, StreamReplay
 
 
 def src(offset: int, writer: str = "a.1", partition: int = 0, topic: str = "t") -> Source:
@@ -74,7 +74,7 @@ def test_a_cut_restores_marks_that_refuse_every_writer_below_it():
 
 
 def test_the_partitions_a_server_tracks_are_bounded(monkeypatch):
-    monkeypatch.setattr("stream_persia.watermarks.MAX_PARTITIONS", 3)
+    monkeypatch.setattr("stream_persia.core.watermarks.MAX_PARTITIONS", 3)
     marks = Watermarks("embedding server 0")
     for p in range(3):
         apply(marks, src(0, partition=p))

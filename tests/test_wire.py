@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from stream_persia import wire
+from stream_persia.core import wire
+from stream_persia.core.wire import DEFAULT_LIMITS, WireLimits, pack, unpack
 from stream_persia.errors import BadInput, ConfigError, WireError
-from stream_persia.wire import DEFAULT_LIMITS, WireLimits, pack, unpack
 
 FAST = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

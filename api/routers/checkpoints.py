@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
-
-from api.auth import require_token
-from api.checkpoints import Checkpoints
-from api.schemas import (
+from stream_persia.api.auth import require_token
+from stream_persia.api.checkpoints import Checkpoints
+from stream_persia.api.schemas import (
     CHECKPOINT_ID_PATTERN,
     ERRORS,
     CheckpointAccepted,

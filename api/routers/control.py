@@ -8,10 +8,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from prometheus_client.parser import text_string_to_metric_families
-
-from api.auth import require_token
-from api.roles import SERVER, WORKER, Role, Roles
-from api.schemas import (
+from stream_persia.api.auth import require_token
+from stream_persia.api.roles import SERVER, WORKER, Role, Roles
+from stream_persia.api.schemas import (
     ERRORS,
     Applied,
     EmbeddingConfigRequest,
@@ -22,8 +21,9 @@ from api.schemas import (
     TrainingStatus,
     WorkerStatus,
 )
-from stream_persia.embedding import EmbeddingConfig
-from stream_persia.embedding.optim import optimizer_from_dict
+
+from stream_persia.core.embedding_config import EmbeddingConfig
+from stream_persia.core.optim import optimizer_from_dict
 from stream_persia.errors import BadInput, PersiaError
 
 router = APIRouter(prefix="/v1", tags=["control"], dependencies=[Depends(require_token)],

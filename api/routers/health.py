@@ -6,11 +6,11 @@ import asyncio
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from stream_persia.api.metrics import merge_role_metrics
+from stream_persia.api.schemas import Liveness, Readiness
 
-from api.metrics import merge_role_metrics
-from api.schemas import Liveness, Readiness
+from stream_persia.core.metrics import CONTENT_TYPE
 from stream_persia.errors import PersiaError
-from stream_persia.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["health"])
 

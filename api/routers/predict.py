@@ -4,18 +4,25 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
+from stream_persia.api.auth import PREDICT_AUTH_MARK, require_predict_token, require_token
+from stream_persia.api.errors import NotReady
+from stream_persia.api.features import JSON_TYPES, MSGPACK_TYPES, parse_json, parse_msgpack
+from stream_persia.api.predictor import Prediction, predictions_json
+from stream_persia.api.schemas import (
+    ERRORS,
+    ErrorBody,
+    ModelInfo,
+    PredictRequest,
+    PredictResponse,
+    ReloadRequest,
+)
 
-from api.auth import PREDICT_AUTH_MARK, require_predict_token, require_token
-from api.errors import NotReady
-from api.features import JSON_TYPES, MSGPACK_TYPES, parse_json, parse_msgpack
-from api.predictor import Prediction, predictions_json
-from api.schemas import ERRORS, ErrorBody, ModelInfo, PredictRequest, PredictResponse, ReloadRequest
-from stream_persia import wire
+from stream_persia.core import wire
 
 router = APIRouter(prefix="/v1", tags=["inference"])
 
 _REQUEST_SCHEMA = PredictRequest.model_json_schema()
-_MSGPACK_NOTE = ("the bytes of PersiaBatch.to_bytes() (stream_persia.embedding.data); "
+_MSGPACK_NOTE = ("the bytes of PersiaBatch.to_bytes() (stream_persia.core.data); "
                  "answer in msgpack too with Accept: application/msgpack")
 
 

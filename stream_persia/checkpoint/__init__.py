@@ -5,7 +5,7 @@ A checkpoint is one directory (a local path, or any fsspec URL such as ``s3://b/
     manifest.json                          written last; see checkpoint.manifest
     dense.pt, opt.pt, jit_dense.pt         torch.save of the dense model / optimizer
     embedding-shard-00000-of-00002.bin     one file per embedding server (rows + optimizer
-    embedding-shard-00001-of-00002.bin     state; format in stream_persia.shard_files)
+    embedding-shard-00001-of-00002.bin     state; format in stream_persia.server.shard_files)
 
 The manifest records every file's sha256 and size, the Kafka offsets of the cut (topic →
 partition → next offset) and the number of servers that wrote it. Restoring loads the rows

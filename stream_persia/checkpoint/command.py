@@ -7,9 +7,9 @@ import json
 import sys
 from typing import Any, TextIO
 
-from stream_persia import flags
 from stream_persia.checkpoint.manifest import Manifest
 from stream_persia.checkpoint.reader import list_checkpoints, read_manifest, verify
+from stream_persia.launch import flags
 
 
 def add_parser(sub: Any) -> None:

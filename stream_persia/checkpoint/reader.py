@@ -128,13 +128,13 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
     S' servers. Each server's rows are replaced: afterwards the servers hold exactly the
     checkpoint's rows (with their optimizer state and recency order), and, with them, the
     checkpoint's cut as their stream watermarks (``load``'s ``cut``: the manifest's
-    offsets for a Kafka stream, none for a direct one; :mod:`stream_persia.watermarks`),
+    offsets for a Kafka stream, none for a direct one; :mod:`stream_persia.core.watermarks`),
     so that the workers serve the stream from the cut on and never below it.
 
     All or nothing across the servers, in two phases. First every server builds the new
     table beside the one it serves, checking every file against the manifest's size,
     sha256 and row count as it reads it (``load`` with ``stage``: see
-    :mod:`stream_persia.embedding_server` and :mod:`stream_persia.shard_files`). Only when
+    :mod:`stream_persia.server.service` and :mod:`stream_persia.server.shard_files`). Only when
     every server has staged its table, and the rows they kept add up to the checkpoint's,
     are the tables swapped in (``commit_load``, which allocates nothing and so cannot run
     out of memory). If any server fails to stage, the others drop what they staged and

@@ -94,7 +94,7 @@ class CheckpointRoot:
     def locate(self, location: object, field: str) -> tuple[str, list[str]]:
         """(``location`` as :meth:`confine` returns it, its path segments below the root:
         ``[]`` for the root itself). The API's checkpoint ids build on this
-        (:mod:`api.checkpoint_root`: one segment, an id).
+        (:mod:`stream_persia.api.checkpoint_root`: one segment, an id).
 
         Raises:
             BadInput: as :meth:`confine`.

@@ -12,7 +12,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from stream_persia import watermarks
 from stream_persia.checkpoint._common import (
     DEFAULT_SHARD_TIMEOUT_MS,
     HashingWriter,
@@ -27,8 +26,9 @@ from stream_persia.checkpoint.manifest import (
     Manifest,
     check_file_name,
 )
+from stream_persia.core import watermarks
+from stream_persia.core.watermarks import RESTORE_HINT
 from stream_persia.errors import BadInput, InternalError, Misuse, StreamReplay
-from stream_persia.watermarks import RESTORE_HINT
 
 __all__ = ["CheckpointWriter"]
 
@@ -309,7 +309,7 @@ def _one_config(replies: Sequence[dict]) -> dict[str, Any] | None:
 
 def _check_cut(offsets: dict[str, dict[str, int]], server_marks: Sequence[Any]) -> None:
     """Refuse a cut that records a partition at or below the offset some server had applied
-    when it dumped (the rule a worker's start obeys, :func:`stream_persia.watermarks.
+    when it dumped (the rule a worker's start obeys, :func:`stream_persia.core.watermarks.
     refusals`): every batch at or after the cut must be unapplied in the checkpoint's rows.
     A server that sent no watermarks (an older one) says nothing."""
     replies = [{"topics": m if isinstance(m, dict) else {}} for m in server_marks]

@@ -61,7 +61,7 @@ from stream_persia.config._base import (
     section_to_dict,
 )
 from stream_persia.config.kafka import KafkaConfig
-from stream_persia.embedding import MAX_CAPACITY
+from stream_persia.core.embedding_config import MAX_CAPACITY
 from stream_persia.errors import ConfigError
 
 #: The most threads (internal shards) one embedding server's store may have.
@@ -231,12 +231,12 @@ class EmbeddingParameterServerConfig(_Section):
     commit; after it the staged table is dropped, so a restore whose coordinator died does
     not pin the memory (see :func:`stream_persia.checkpoint.load_embeddings`).
     ``store_threads``: the internal shards of each server's store, each looked up and
-    updated on its own thread (:mod:`stream_persia.embedding.sharded`); 1 (the default):
+    updated on its own thread (:mod:`stream_persia.server.sharded`); 1 (the default):
     one store on one thread. PERSIA's ``num_hashmap_internal_shards`` only set lock
     striping, and at its default of 100 would be far too many threads.
     ``update_tokens``: how many recent gradient updates a server remembers by token, so
     that a worker's retry of one is answered without applying it twice
-    (:mod:`stream_persia.embedding_server`); it must exceed the updates a server takes
+    (:mod:`stream_persia.server.service`); it must exceed the updates a server takes
     within a worker's ``push_retry_ms``.
     """
 

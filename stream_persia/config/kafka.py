@@ -1,7 +1,7 @@
 """The ``kafka`` section of ``global_config.yml`` (stream-persia's own; PERSIA used NATS).
 
 Partition assignment is **static by replica index**: embedding worker ``i`` of ``W``
-consumes partitions ``p`` with ``p % W == i`` (:func:`stream_persia.sharding.
+consumes partitions ``p`` with ``p % W == i`` (:func:`stream_persia.kernels.sharding.
 static_partitions`). There is no consumer group: offsets are committed only inside a
 checkpoint (exactly once, with the embeddings they produced), a restarted replica takes
 its own partitions back, and no rebalance can move a partition in the middle of a batch.

@@ -14,7 +14,7 @@ timer.
 Samples topic records (written by :class:`BatchProducer`)::
 
     key     batch id as UTF-8 text (or absent)
-    value   PersiaBatch.to_bytes()  (stream_persia.wire format, DESIGN §5)
+    value   PersiaBatch.to_bytes()  (stream_persia.core.wire format, DESIGN §5)
 
 Dead-letter records (``<samples topic>.dlq``, written by :class:`DeadLetterWriter`)::
 

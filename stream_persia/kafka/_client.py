@@ -17,7 +17,7 @@ from stream_persia.kafka.liveness import (
     stop_client,
     stop_producer,
 )
-from stream_persia.sharding import static_partitions
+from stream_persia.kernels.sharding import static_partitions
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ H_TOPIC, H_PARTITION, H_OFFSET = ("persia-source-topic", "persia-source-partitio
 def partitions_for_replica(num_partitions: int, replica_index: int,
                            replica_size: int) -> list[int]:
     """Partitions owned by one embedding worker: every ``p`` with ``p % replica_size ==
-    replica_index`` (:func:`stream_persia.sharding.static_partitions`), checked as flags.
+    replica_index`` (:func:`stream_persia.kernels.sharding.static_partitions`), checked as flags.
 
     Raises:
         ConfigError: naming ``--replica-index``/``--replica-size`` when they are out of

@@ -14,7 +14,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 
-from stream_persia.backoff import wait_bounded
+from stream_persia.core.backoff import wait_bounded
 from stream_persia.errors import BadInput, ConfigError, Misuse
 from stream_persia.kafka._client import (
     DEFAULT_FETCH_MAX_WAIT_MS,
@@ -444,7 +444,7 @@ class SampleConsumer:
 
     def hold(self, partitions: Iterable[int]) -> None:
         """Never read ``partitions`` again (their stream would replay data the embedding
-        servers applied already: :mod:`stream_persia.watermarks`); nothing resumes them,
+        servers applied already: :mod:`stream_persia.core.watermarks`); nothing resumes them,
         and records of them fetched already are dropped."""
         tps = self._owned(partitions)
         self._held.update(tp.partition for tp in tps)

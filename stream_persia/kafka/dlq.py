@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 from aiokafka import AIOKafkaProducer, ConsumerRecord
 from aiokafka.errors import KafkaError
 
-from stream_persia.backoff import wait_bounded
+from stream_persia.core.backoff import wait_bounded
 from stream_persia.errors import BadInput
 from stream_persia.kafka._client import (
     H_KIND,
@@ -92,7 +92,7 @@ class DeadLetterWriter(ProducerUser):
             headers.append((H_KIND, kind.encode()))
         try:
             # wait_bounded, not wait_for: ingest is cancelled while it waits here, and
-            # wait_for can lose that cancellation (see stream_persia.backoff).
+            # wait_for can lose that cancellation (see stream_persia.core.backoff).
             await wait_bounded(
                 producer.send_and_wait(self.topic, bytes(raw_value), key=key, headers=headers),
                 self.send_timeout_s)

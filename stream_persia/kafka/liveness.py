@@ -2,7 +2,7 @@
 
 - :func:`start_client`: a producer or consumer started before Kafka is reachable keeps
   trying for ``kafka.startup_timeout_ms`` (default 60 s; exponential backoff, each failure
-  logged, :mod:`stream_persia.backoff`), then fails with :class:`KafkaUnavailable` naming
+  logged, :mod:`stream_persia.core.backoff`), then fails with :class:`KafkaUnavailable` naming
   the bootstrap servers.
 - :class:`BrokerWatch`: aiokafka never gives up on a broker that went away (its fetcher
   and sender reconnect forever), so a job would stall until an outer timeout. A waiting
@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 from aiokafka.errors import KafkaConnectionError, KafkaError
 from aiokafka.protocol.metadata import MetadataRequest
 
-from stream_persia.backoff import retry_startup, wait_bounded
+from stream_persia.core.backoff import retry_startup, wait_bounded
 from stream_persia.errors import PeerUnavailable
 
 __all__ = ["KafkaUnavailable", "start_client", "stop_client", "stop_producer", "BrokerWatch",

@@ -13,7 +13,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
-from stream_persia.backoff import wait_bounded
+from stream_persia.core.backoff import wait_bounded
 from stream_persia.errors import (
     Backpressure,
     BadInput,

@@ -9,7 +9,7 @@
 - :mod:`~stream_persia.nn.checkpoint_poller`: checkpoints requested over HTTP, taken at a
   step boundary.
 
-Users import these from :mod:`stream_persia.ctx` and :mod:`stream_persia.data`.
+Users import these from :mod:`stream_persia.ctx` and :mod:`stream_persia.nn.data`.
 """
 
 from stream_persia.nn.batch import EmbeddingSlot, PersiaTrainingBatch

@@ -160,7 +160,7 @@ def input_signature(batch: PersiaTrainingBatch) -> dict[str, Any]:
     """What the model receives from ``batch``, in order: its ID slots and its non-ID
     features (name, dtype, per-sample shape). ``dump_checkpoint`` records it in the
     manifest (``extra["inputs"]``) so that the API can match inference requests to the
-    model's inputs by name (:mod:`api.inputs`)."""
+    model's inputs by name (:mod:`stream_persia.api.inputs`)."""
     return {"id_type_features": [slot.name for slot in batch.id_type_feature_embeddings],
             "non_id_type_features": [
                 {"name": name, "dtype": str(t.dtype).removeprefix("torch."),

@@ -2,7 +2,7 @@
 
 NN workers find embedding workers from ``embedding_workers=[...]`` or the environment
 (``PERSIA_EMBEDDING_WORKERS``, comma-separated ``host:port``) and the embedding servers
-from a worker's ``servers`` RPC. Every call runs on one :class:`~stream_persia.aio.
+from a worker's ``servers`` RPC. Every call runs on one :class:`~stream_persia.core.aio.
 LoopThread` owned by the context, so the synchronous training loop never blocks on the
 network except where it must wait for a result.
 """
@@ -15,7 +15,7 @@ import os
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from stream_persia.aio import LoopThread
+from stream_persia.core.aio import LoopThread
 from stream_persia.errors import ConfigError, PeerUnavailable
 from stream_persia.rpc import RpcClient
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from stream_persia.embedding import EmbeddingConfig
-from stream_persia.embedding.data import PersiaBatch
+from stream_persia.core.data import PersiaBatch
+from stream_persia.core.embedding_config import EmbeddingConfig
 from stream_persia.errors import BadInput, Misuse
 from stream_persia.nn.batch import PersiaTrainingBatch, from_served
 from stream_persia.nn.cluster import Cluster

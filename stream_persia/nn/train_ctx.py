@@ -2,7 +2,7 @@
 
 Per step (``forward`` then ``backward``):
 
-1. The batch arrives from the :class:`~stream_persia.data.DataLoader` with its embeddings,
+1. The batch arrives from the :class:`~stream_persia.nn.data.DataLoader` with its embeddings,
    already looked up by the embedding worker under a staleness permit.
 2. ``forward`` builds leaf tensors for the embeddings and runs the model (under
    ``torch.autocast`` with ``mixed_precision`` on CUDA).
@@ -29,7 +29,7 @@ from the next ``forward``/``backward``): the loop stops instead of training on; 
 the newest checkpoint (``load_checkpoint``).
 
 Stopping: SIGTERM (to the rank, or to ``stream-persia launch nn-worker``) while the
-context is entered requests a drain (:mod:`stream_persia.lifecycle`): the ``DataLoader``
+context is entered requests a drain (:mod:`stream_persia.core.lifecycle`): the ``DataLoader``
 ends its iteration before the next step, at the same step on every rank, with its
 untrained batches handed back and every push answered, and the script's code after the
 loop leaves the context cleanly. Where SIGTERM had its default action, the context handles
@@ -50,15 +50,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from stream_persia.distributed import DistributedBaseOption, get_default_distributed_option
-from stream_persia.embedding import EmbeddingConfig
-from stream_persia.embedding.optim import Optimizer
-from stream_persia.env import get_rank, get_world_size
+from stream_persia.core.embedding_config import EmbeddingConfig
+from stream_persia.core.lifecycle import drain
+from stream_persia.core.optim import Optimizer
 from stream_persia.errors import Misuse, PeerUnavailable, RemoteTimeout
-from stream_persia.lifecycle import drain
 from stream_persia.nn.batch import PersiaTrainingBatch, input_signature
 from stream_persia.nn.checkpoint_poller import NnCheckpointPoller
+from stream_persia.nn.distributed import DistributedBaseOption, get_default_distributed_option
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
+from stream_persia.nn.env import get_rank, get_world_size
 from stream_persia.nn.loader import HELD, PUSHING, StreamPrefetcher, Ticket
 
 __all__ = ["TrainCtx"]
@@ -74,7 +74,7 @@ class TrainCtx(EmbeddingCtx):
     """Train a model whose sparse part lives on the embedding servers.
 
     Args:
-        embedding_optimizer: ``stream_persia.embedding.optim`` SGD/Adagrad/Adam, applied on
+        embedding_optimizer: ``stream_persia.core.optim`` SGD/Adagrad/Adam, applied on
             the embedding servers (sent to every server on enter).
         dense_optimizer: the ``torch.optim`` optimizer of the dense model.
         grad_scalar_update_factor: the loss scale is divided by this when a checked step
@@ -86,7 +86,7 @@ class TrainCtx(EmbeddingCtx):
             direct ``lookup_batch`` calls).
         mixed_precision: torch.amp autocast (float16) + GradScaler; CUDA only. PERSIA's
             default True is kept: on CPU it is ignored with a log line.
-        distributed_option: :class:`~stream_persia.distributed.DDPOption`, used when
+        distributed_option: :class:`~stream_persia.nn.distributed.DDPOption`, used when
             ``WORLD_SIZE > 1`` (default: DDP, nccl on CUDA, gloo on CPU).
         model, embedding_config, device_id, embedding_workers, ready_timeout_s,
             rpc_timeout_ms, threadpool_worker_size: see :class:`EmbeddingCtx`.
@@ -114,7 +114,7 @@ class TrainCtx(EmbeddingCtx):
                          embedding_workers=embedding_workers, ready_timeout_s=ready_timeout_s,
                          rpc_timeout_ms=rpc_timeout_ms)
         if not isinstance(embedding_optimizer, Optimizer):
-            raise Misuse(f"embedding_optimizer must be a stream_persia.embedding.optim "
+            raise Misuse(f"embedding_optimizer must be a stream_persia.core.optim "
                          f"optimizer (SGD, Adagrad, Adam), got {embedding_optimizer!r}",
                          field="embedding_optimizer")
         if not isinstance(dense_optimizer, torch.optim.Optimizer):
@@ -195,7 +195,7 @@ class TrainCtx(EmbeddingCtx):
             super()._exit(False)
             raise
         # From here a stop request (SIGTERM) drains at the next step boundary
-        # (stream_persia.lifecycle; the DataLoader looks at it before every step).
+        # (stream_persia.core.lifecycle; the DataLoader looks at it before every step).
         self._leave_drain = drain.enter_training()
 
     def _configure_servers(self) -> None:

@@ -6,7 +6,7 @@ A connection carries frames both ways::
 
     frame   = length body
     length  = 4-byte big-endian unsigned int: the byte length of body (1 .. max_frame_bytes)
-    body    = stream_persia.wire.pack(message)       (format version inside; numpy arrays
+    body    = stream_persia.core.wire.pack(message)       (format version inside; numpy arrays
                                                       as ext types, decoded without copying)
 
     request = {"id": int, "m": str, "p": any}        client -> server; "p" is the handler's

@@ -41,9 +41,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from stream_persia.core.wire import WireLimits
 from stream_persia.errors import AuthError, ConfigError, WireError
 from stream_persia.rpc.local import is_loopback
-from stream_persia.wire import WireLimits
 
 __all__ = ["CONTEXT", "FROM_ENV", "FromEnv", "HANDSHAKE_LIMITS", "MIN_SECRET_CHARS",
            "NONCE_BYTES", "RoleSecret", "SAME_SECRET_HINT", "SECRET_ENV", "SECRET_FILE_ENV",

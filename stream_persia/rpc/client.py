@@ -18,7 +18,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from stream_persia.aio import run_until
+from stream_persia.core.aio import run_until
 from stream_persia.errors import (
     AuthError,
     BadInput,

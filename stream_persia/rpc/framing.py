@@ -1,7 +1,7 @@
 """RPC frames and messages: pure logic, no sockets (schema in :mod:`stream_persia.rpc`).
 
 A frame is a 4-byte big-endian unsigned body length followed by the body, which is one
-:func:`stream_persia.wire.pack` message. The length is checked against
+:func:`stream_persia.core.wire.pack` message. The length is checked against
 ``WireLimits.max_frame_bytes`` before a byte of the body is read, so a peer cannot make us
 allocate more than the limit. :mod:`stream_persia.rpc.transport` moves frames over a
 connection.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from typing import Any, NamedTuple
 
-from stream_persia import wire
+from stream_persia.core import wire
 from stream_persia.errors import PersiaError, WireError
 
 __all__ = ["HEADER", "MalformedRequest", "Reply", "Request", "Unidentifiable", "check_length",

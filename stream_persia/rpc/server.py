@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stream_persia.backoff import wait_bounded
+from stream_persia.core.backoff import wait_bounded
 from stream_persia.errors import (
     AuthError,
     ConfigError,

@@ -3,7 +3,7 @@
 Receiving uses ``asyncio.BufferedProtocol``: the socket reads into buffers this class
 hands out. Small frames are cut out of one reusable scratch buffer; the body of a large
 one gets a buffer of exactly its size, which the socket then fills directly and
-:func:`stream_persia.wire.unpack` decodes without copying (arrays are views of it, and a
+:func:`stream_persia.core.wire.unpack` decodes without copying (arrays are views of it, and a
 fresh buffer per frame keeps them valid). ``StreamReader.readexactly`` instead copies
 every byte twice (into its buffer, then out of it) and shifts what follows; on the 5 MB
 lookup reply of a 1024 x 26-slot batch that cost the embedding worker ~4 ms of CPU.
@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from stream_persia import wire
+from stream_persia.core import wire
 from stream_persia.rpc import local
 from stream_persia.rpc.framing import HEADER, Unidentifiable, check_length
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from stream_persia.config import GlobalConfig, KafkaConfig
 from stream_persia.ctx import DataCtx
-from stream_persia.local import RoleProcess
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 from stream_persia.testing.servers import dumped_rows
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from stream_persia.config import EmbeddingSchema
-from stream_persia.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
+from stream_persia.core.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
 
 SCHEMA_DICT = {
     "feature_index_prefix_bit": 8,

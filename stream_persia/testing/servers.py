@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from stream_persia import aio
 from stream_persia.checkpoint.root import CheckpointRoot
-from stream_persia.embedding import EmbeddingConfig
-from stream_persia.embedding.optim import Adagrad
-from stream_persia.embedding_server import EmbeddingServer
+from stream_persia.core import aio
+from stream_persia.core.embedding_config import EmbeddingConfig
+from stream_persia.core.optim import Adagrad
 from stream_persia.rpc import RpcClient, auth
-from stream_persia.shard_files import read_shard_file
+from stream_persia.server.service import EmbeddingServer
+from stream_persia.server.shard_files import read_shard_file
 from stream_persia.worker.router import ShardRouter
 
 __all__ = ["TEST_CHECKPOINT_ROOT", "dumped_rows", "restarted", "running_servers"]

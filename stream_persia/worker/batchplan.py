@@ -2,7 +2,7 @@
 
 Plain summation slots (``embedding_summation: true`` without a hash stack: almost every
 slot of a CTR model) are pooled **on the embedding servers**: per dim, the worker sends the
-batch's distinct ids with the pooled-lookup structure of :mod:`stream_persia.segments`
+batch's distinct ids with the pooled-lookup structure of :mod:`stream_persia.kernels.segments`
 (every occurrence's position among the ids and one segment per (slot, sample)), and each
 server returns the ``(slots x batch, dim)`` sums of the rows it owns. That is what
 TorchRec's row-wise sharding does with partial pooling, and it moves about a third of the
@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from stream_persia import segments
 from stream_persia.errors import BadInput, Misuse
+from stream_persia.kernels import segments
 from stream_persia.worker import pooling
 
 __all__ = ["BatchPlan", "PooledGroup", "plan_batch", "pooled_on_servers", "pools_on_worker",

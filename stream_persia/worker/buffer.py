@@ -12,7 +12,7 @@ empty buffer, however large, so that a single batch bigger than the budget still
 
 A ``put`` or ``get`` cancelled while it waits neither adds nor takes an item, even when
 room or an item arrived in the same loop iteration (``asyncio.wait_for`` before Python
-3.12 returned then, and the cancellation was lost: :func:`stream_persia.backoff.
+3.12 returned then, and the cancellation was lost: :func:`stream_persia.core.backoff.
 wait_bounded`).
 """
 
@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from stream_persia.backoff import wait_bounded
+from stream_persia.core.backoff import wait_bounded
 from stream_persia.errors import Backpressure, Misuse
 
 T = TypeVar("T")

@@ -22,7 +22,7 @@ records, or while retrying a dead letter), the ingest task ends with
 
 Before it reads anything (at start, and on each ``reset_stream``), the ingest asks every
 embedding server how far it applied each partition (its stream watermarks,
-:mod:`stream_persia.watermarks`), waiting for the servers as it waits for the brokers (up
+:mod:`stream_persia.core.watermarks`), waiting for the servers as it waits for the brokers (up
 to ``kafka.startup_timeout_ms``). A partition without a start offset whose watermarks all
 come from a restore starts at the restored cut; a partition whose start is at or below a
 watermark is *refused*: held (never read, so never served), listed in :meth:`status`
@@ -40,9 +40,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from stream_persia import watermarks
-from stream_persia.backoff import retry_startup, wait_bounded
-from stream_persia.embedding.data import PersiaBatch
+from stream_persia.core import watermarks
+from stream_persia.core.backoff import retry_startup, wait_bounded
+from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import BadInput, Misuse, PeerUnavailable, RemoteTimeout
 from stream_persia.kafka import DeadLetterWriter, KafkaUnavailable, SampleConsumer
 from stream_persia.worker.frontier import Frontier

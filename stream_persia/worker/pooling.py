@@ -51,11 +51,11 @@ from typing import Any
 
 import numpy as np
 
-from stream_persia import segments
 from stream_persia.config.embedding import apply_index_prefix
-from stream_persia.embedding.data import check_csr as check_feature_csr
+from stream_persia.core.data import check_csr as check_feature_csr
 from stream_persia.errors import BadInput, ConfigError, Misuse
-from stream_persia.sharding import mix64_inplace
+from stream_persia.kernels import segments
+from stream_persia.kernels.sharding import mix64_inplace
 
 __all__ = [
     "SEGMENT_SUM_IMPLEMENTATION", "BatchGradients", "MergedLookup", "SlotOutput", "SlotPlan",
@@ -247,7 +247,7 @@ class SlotPlan:
 def check_csr(name: str, values: Any, offsets: Any) -> tuple[np.ndarray, np.ndarray]:
     """One slot's CSR ids checked: ``(values, offsets)`` as uint64 and int64 arrays.
 
-    The check of :func:`stream_persia.embedding.data.check_csr` (offsets of any integer
+    The check of :func:`stream_persia.core.data.check_csr` (offsets of any integer
     dtype), naming the field ``id_type_features.<name>``.
 
     Raises:

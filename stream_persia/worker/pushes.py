@@ -9,7 +9,7 @@ short): the servers that fail with a retryable error (unreachable, timed out, bu
 asked again, and only they, with backoff for up to ``push_retry_ms`` (or the request's
 ``timeout_ms``, if smaller); a server that applied a request whose reply was lost
 recognises the token and answers with its first reply (:mod:`stream_persia.worker.router`,
-:mod:`stream_persia.embedding_server`). A second push of a batch whose push is under way
+:mod:`stream_persia.server.service`). A second push of a batch whose push is under way
 waits for that push's outcome; one of a batch applied recently (the last
 :data:`PUSHED_MEMORY` batches) gets the first reply again, so an NN worker may retry a push
 whose reply it lost.
@@ -38,9 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+from stream_persia.core.metrics import RoleMetrics
+from stream_persia.core.watermarks import Source
 from stream_persia.errors import BadInput, PersiaError, PushFailed, ServerRestarted, StreamReplay
-from stream_persia.metrics import RoleMetrics
-from stream_persia.watermarks import Source
 from stream_persia.worker.batchplan import BatchPlan, reduce_gradients
 from stream_persia.worker.router import PendingUpdate, ShardRouter
 

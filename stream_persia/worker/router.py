@@ -4,10 +4,10 @@ Ids go to shard ``sharding.shard_of(id, S)``. One request per server carries eve
 a batch, all servers are called concurrently, and the replies are scattered back into
 per-group arrays in the caller's id order, or, for pooled lookups, their partial sums are
 added. Splitting is one stable argsort per group, or one pass of
-:func:`stream_persia.segments.split` (no per-id Python work).
+:func:`stream_persia.kernels.segments.split` (no per-id Python work).
 
 **A server that restarted lost its table, and the job is told.** Every embedding server
-process has a random *incarnation* (:mod:`stream_persia.embedding_server`); a process
+process has a random *incarnation* (:mod:`stream_persia.server.service`); a process
 killed and restarted at the same address (kill -9, OOM, a lost node, a StatefulSet
 bringing the pod back) has another one and an empty table: every row the old one held, its
 optimizer state and the contribution of every sample trained so far to those rows are
@@ -57,7 +57,7 @@ Updates are idempotent and retried (:meth:`ShardRouter.push`). A batch's update 
 once into one request per owning server (:meth:`ShardRouter.split_update`, a
 :class:`PendingUpdate`), each carrying the batch's token (``<worker incarnation>-<batch
 id>``; the servers remember recent tokens and answer a repeated one with the first reply
-without applying it, see :mod:`stream_persia.embedding_server`). A request that fails
+without applying it, see :mod:`stream_persia.server.service`). A request that fails
 because the server is unreachable, timed out, or was busy is sent again, to that server
 only, with exponential backoff until the push's deadline; the servers that replied are
 never asked again. A reply thus means the server applied the update exactly once, and a
@@ -67,7 +67,7 @@ batch with ``on_server_restart: fail``. An update of a Kafka batch also carries 
 ``source`` (topic, partition, offset and the worker stream sending it): the servers keep
 per partition the highest offset applied and refuse another stream's replay
 (:class:`~stream_persia.errors.StreamReplay`, final, not retried); :meth:`ShardRouter.
-watermarks` reads them (:mod:`stream_persia.watermarks`).
+watermarks` reads them (:mod:`stream_persia.core.watermarks`).
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stream_persia import segments, watermarks
 from stream_persia.config.global_config import ON_SERVER_RESTART
+from stream_persia.core import watermarks
 from stream_persia.errors import (
     Backpressure,
     BadInput,
@@ -94,8 +94,9 @@ from stream_persia.errors import (
     RemoteTimeout,
     ServerRestarted,
 )
+from stream_persia.kernels import segments
+from stream_persia.kernels.sharding import shard_of, split_by_shard
 from stream_persia.rpc import RpcClient, auth
-from stream_persia.sharding import shard_of, split_by_shard
 
 __all__ = ["ON_SERVER_RESTART", "LostServer", "PendingUpdate", "ShardRouter"]
 
@@ -131,7 +132,7 @@ class PendingUpdate:
 
     token: str | None
     parts: dict[int, list[dict]]
-    source: dict | None = None   # the Kafka batch it is for (stream_persia.watermarks)
+    source: dict | None = None   # the Kafka batch it is for (stream_persia.core.watermarks)
     replies: dict[int, dict] = field(default_factory=dict)
     errors: dict[int, PersiaError] = field(default_factory=dict)
 
@@ -421,7 +422,7 @@ class ShardRouter:
     async def watermarks(self, topic: str, timeout_ms: float | None = None
                          ) -> dict[int, watermarks.PartitionMark]:
         """Per partition of ``topic``, the highest stream watermark over every server
-        (:func:`stream_persia.watermarks.merge`): how far they applied it. Every server
+        (:func:`stream_persia.core.watermarks.merge`): how far they applied it. Every server
         must answer (one that does not may hold the highest): its error is raised."""
         replies = await asyncio.gather(*(c.call("watermarks", {"topic": topic}, timeout_ms)
                                          for c in self.clients))
@@ -437,7 +438,7 @@ class ShardRouter:
         group and the missing count.
 
         A group is ``(dim, ids)``: the rows of ``ids``, ``(len(ids), dim)``; or ``(dim,
-        ids, index, offsets)``, a pooled lookup (:mod:`stream_persia.segments`): the
+        ids, index, offsets)``, a pooled lookup (:mod:`stream_persia.kernels.segments`): the
         ``(len(offsets) - 1, dim)`` segment sums, which every server pools over the rows
         it owns and this adds up in server order. With one server the arrays are
         read-only views of its reply.
@@ -489,7 +490,7 @@ class ShardRouter:
         """``[(dim, ids, grads)]`` split into one request per owning server (one stable
         argsort per group; no per-id Python work). ``source``: the Kafka batch the update
         is for (``update``'s ``source``: the servers advance, and check, that partition's
-        stream watermark; :mod:`stream_persia.watermarks`)."""
+        stream watermark; :mod:`stream_persia.core.watermarks`)."""
         if not groups:   # nothing to apply (no gradients): no request at all
             return PendingUpdate(token, {}, source)
         if self.num_shards == 1:

@@ -17,7 +17,7 @@ RPC methods (params → result):
 
 - ``health`` → ``{"ok", "role", "replica_index", ..., "error"}``: ``ok`` is false, and
   ``error`` says why, when a background task failed (the Kafka ingest loop: the launched
-  role then exits with status 1, :mod:`stream_persia.supervisor`), batches whose
+  role then exits with status 1, :mod:`stream_persia.core.supervisor`), batches whose
   gradient push failed are held (below), an embedding server restarted and lost its
   table (*Embedding servers that restart*, below; the launched role exits 1 too), or
   serving its stream would train batches twice (*Stream replays*, below).
@@ -91,7 +91,7 @@ push that needs it fails its batch with ``ServerRestarted`` (kept failed as abov
 it again cannot help), ``health`` answers not ok naming it, ``frontier`` lists it (so
 checkpoints refuse), the metrics count it (``server_restarts_total{server}``, gauge
 ``servers_lost``), and the supervisor has a launched worker exit 1 after
-:data:`~stream_persia.supervisor.EXIT_GRACE_S`. A restore is the way back: once a load
+:data:`~stream_persia.core.supervisor.EXIT_GRACE_S`. A restore is the way back: once a load
 replaced the server's table (its ``loads``), the router serves it again (checked on the
 next request, ``health`` and ``reset_stream``), and the worker is healthy. With
 ``continue`` the restart is logged at ERROR and counted, and training goes on without
@@ -101,7 +101,7 @@ Stream replays. A worker restarted alone (kill -9, OOM, a pod restart) starts it
 partitions at ``auto_offset_reset`` while the servers hold every update applied since the
 last checkpoint. Every update of a Kafka batch names its topic, partition, offset and the
 worker stream that sends it (``<incarnation>.<n>``, a new ``n`` per ``reset_stream``), so
-the servers keep per partition the highest offset applied (:mod:`stream_persia.watermarks`).
+the servers keep per partition the highest offset applied (:mod:`stream_persia.core.watermarks`).
 Before its ingest reads a partition the worker asks them, and a partition it would start
 at or below that is *refused*: never read nor served, ``health`` answers not ok naming the
 topic/partition, the start offset, the watermark and the server, ``next_batch`` raises
@@ -132,7 +132,10 @@ from typing import TYPE_CHECKING, Any
 
 from stream_persia.checkpoint.root import CheckpointRoot
 from stream_persia.config import EmbeddingSchema
-from stream_persia.embedding.data import PersiaBatch
+from stream_persia.core.data import PersiaBatch
+from stream_persia.core.metrics import RoleMetrics
+from stream_persia.core.supervisor import Supervisor
+from stream_persia.core.watermarks import RESTORE_HINT, Refusal
 from stream_persia.errors import (
     Backpressure,
     BadInput,
@@ -141,11 +144,8 @@ from stream_persia.errors import (
     StreamReplay,
     config_digest_param,
 )
-from stream_persia.metrics import RoleMetrics
 from stream_persia.rpc import RpcServer, auth
 from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
-from stream_persia.supervisor import Supervisor
-from stream_persia.watermarks import RESTORE_HINT, Refusal
 from stream_persia.worker.batchplan import BatchPlan, plan_batch
 from stream_persia.worker.buffer import BoundedBuffer
 from stream_persia.worker.frontier import Frontier
@@ -279,7 +279,7 @@ class EmbeddingWorker:
                                           "pending": self.frontier.pending(),
                                           "failed": len(self.pushes.failed())})
         # Long-running tasks (the Kafka ingest loop) are watched: one that fails makes
-        # health answer not ok and the launched role exit 1 (stream_persia.supervisor).
+        # health answer not ok and the launched role exit 1 (stream_persia.core.supervisor).
         self.supervisor = Supervisor(f"embedding worker {replica_index}", m)
         self.rpc = RpcServer({
             "health": self._health, "ingest": self._ingest, "next_batch": self._next_batch,

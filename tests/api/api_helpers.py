@@ -16,14 +16,14 @@ import httpx
 import numpy as np
 import torch
 import uvicorn
+from stream_persia.api import ApiSettings, create_app
+from stream_persia.api.server import bind_socket
 
-from api import ApiSettings, create_app
-from api.server import bind_socket
 from stream_persia.checkpoint import JIT_FILENAME, CheckpointWriter
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.rpc import RpcClient
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT
 from stream_persia.worker.service import EmbeddingWorker
@@ -220,7 +220,7 @@ def settings_for(job: Job | None = None, **kw: Any) -> ApiSettings:
 def threaded_job_and_api(tmp_dir: str, **settings_kw: Any):
     """For synchronous tests: a trained job and the API serving a checkpoint of it, all on
     a background loop thread. Yields ``(url, job)``."""
-    from stream_persia.aio import LoopThread
+    from stream_persia.core.aio import LoopThread
 
     lt = LoopThread(name="api-test")
     job = lt.run(start_job(), timeout=60)

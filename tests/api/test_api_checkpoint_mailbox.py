@@ -14,8 +14,8 @@ import threading
 import pytest
 import torch
 from api_helpers import AUTH, Click, LiveApi, settings_for
+from stream_persia.api.checkpoints import Checkpoints
 
-from api.checkpoints import Checkpoints
 from stream_persia.checkpoint import read_manifest
 from stream_persia.checkpoint.root import CheckpointRoot
 from stream_persia.ctx import TrainCtx

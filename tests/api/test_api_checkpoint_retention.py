@@ -14,8 +14,8 @@ import os
 import pytest
 from api_helpers import AUTH, LiveApi, TwoHeads, settings_for, take_checkpoint, write_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
+from stream_persia.api import ApiSettings
 
-from api import ApiSettings
 from stream_persia.checkpoint import list_checkpoints
 from stream_persia.config import GlobalConfig
 from stream_persia.errors import ConfigError

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 import torch
 from api_helpers import AUTH, Click, LiveApi, settings_for, start_job, stop_job
+from stream_persia.api.checkpoints import Checkpoints
 
-from api.checkpoints import Checkpoints
 from stream_persia.checkpoint import load_torch, read_manifest
 from stream_persia.config import KafkaConfig
 from stream_persia.ctx import TrainCtx
@@ -202,7 +202,7 @@ async def test_http_checkpoint_reaches_two_ddp_ranks_at_the_same_step(tmp_path):
                "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
         async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "stream_persia.cli", "launch", "nn-worker",
+                sys.executable, "-m", "stream_persia.launch.cli", "launch", "nn-worker",
                 "--nproc-per-node", "2", "--nnodes", "1", "--node-rank", "0",
                 str(here / "ddp_checkpoint_train.py"), "--", str(tmp_path), env=env,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from stream_persia.api.embeddings import LocalTable, cat_slots, concat_features, non_id_tensors
 
-from api.embeddings import LocalTable, cat_slots, concat_features, non_id_tensors
 from stream_persia.config import EmbeddingSchema
 from stream_persia.embedding.data import IDTypeFeature, NonIDTypeFeature, PersiaBatch
 from stream_persia.embedding.optim import SGD
-from stream_persia.embedding.store import EmbeddingStore
+from stream_persia.server.store import EmbeddingStore
 from stream_persia.worker import pooling
 
 SCHEMA = EmbeddingSchema.from_dict({

@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from stream_persia.local import RoleProcess
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcServer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -65,7 +65,7 @@ async def test_launch_api_serves_and_drains_on_sigterm(tmp_path):
 
 
 def test_launch_api_refuses_a_public_address_without_a_token():
-    cmd = [sys.executable, "-m", "stream_persia.cli", "launch", "api", "--host", "0.0.0.0",
+    cmd = [sys.executable, "-m", "stream_persia.launch.cli", "launch", "api", "--host", "0.0.0.0",
            "--port", "0"]
     out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr

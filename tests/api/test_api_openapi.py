@@ -16,8 +16,7 @@ import pytest
 from api_helpers import AUTH, TOKEN, settings_for, threaded_job_and_api
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from api import create_app
+from stream_persia.api import create_app
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

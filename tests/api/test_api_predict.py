@@ -9,7 +9,7 @@ import pytest
 import torch
 from api_helpers import AUTH, LiveApi, TwoHeads, settings_for, write_checkpoint
 
-from stream_persia import wire
+from stream_persia.core import wire
 from stream_persia.embedding.data import IDTypeFeature, NonIDTypeFeature, PersiaBatch
 from stream_persia.nn.batch import from_served
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 from api_helpers import AUTH, DenseAndContext, LiveApi, TwoHeads, settings_for, write_checkpoint
+from stream_persia.api.features import signature
+from stream_persia.api.inputs import ModelInputs, NonIdInput
 
-from api.features import signature
-from api.inputs import ModelInputs, NonIdInput
-from stream_persia import wire
+from stream_persia.core import wire
 from stream_persia.embedding.data import NonIDTypeFeature, PersiaBatch
 from stream_persia.nn.batch import from_served, input_signature
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode

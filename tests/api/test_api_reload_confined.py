@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from api_helpers import TOKEN, TwoHeads, settings_for, write_checkpoint
 from api_helpers import LiveApi as _LiveApi
+from stream_persia.api.checkpoint_root import CheckpointDir
 
-from api.checkpoint_root import CheckpointDir
 from stream_persia.errors import BadInput, ConfigError
 
 HOSTILE = [

@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from stream_persia import cli
 from stream_persia.checkpoint import CheckpointWriter, read_manifest
 from stream_persia.embedding.optim import Adagrad
-from stream_persia.embedding_server import EmbeddingServer
+from stream_persia.launch import cli
 from stream_persia.rpc import RpcClient
+from stream_persia.server.service import EmbeddingServer
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_list_orders_by_step(checkpoints, capsys):
 
 def test_not_a_checkpoint_exits_2_from_the_console(tmp_path):
     (tmp_path / "empty").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "stream_persia.cli", "checkpoint", "inspect",
+    proc = subprocess.run([sys.executable, "-m", "stream_persia.launch.cli", "checkpoint", "inspect",
                            str(tmp_path / "empty")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert "incomplete or not a checkpoint" in proc.stderr

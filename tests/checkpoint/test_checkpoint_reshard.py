@@ -23,8 +23,8 @@ import torch
 from stream_persia import checkpoint as ck
 from stream_persia.checkpoint import CheckpointWriter
 from stream_persia.embedding.optim import Adagrad
+from stream_persia.kernels.sharding import shard_of
 from stream_persia.rpc import RpcClient
-from stream_persia.sharding import shard_of
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker.service import EmbeddingWorker

@@ -17,11 +17,11 @@ import pytest
 import test_checkpoint_shard_load as shard_load
 from prometheus_client.parser import text_string_to_metric_families
 
-from stream_persia import embedding_server
 from stream_persia.checkpoint import CheckpointWriter, load_embeddings, read_manifest
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Adagrad, Adam
 from stream_persia.errors import BadInput, PeerUnavailable, RemoteError
+from stream_persia.server import service as embedding_server
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker.router import ShardRouter
 

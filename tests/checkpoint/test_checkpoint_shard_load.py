@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stream_persia import embedding_server, shard_files
 from stream_persia.checkpoint import CheckpointWriter, Manifest
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Adagrad, Adam
-from stream_persia.embedding.store import EmbeddingStore
 from stream_persia.errors import BadInput
-from stream_persia.shard_files import read_shard_file, write_shard_file
+from stream_persia.server import service as embedding_server
+from stream_persia.server import shard_files
+from stream_persia.server.shard_files import read_shard_file, write_shard_file
+from stream_persia.server.store import EmbeddingStore
 from stream_persia.testing.servers import running_servers
 
 DIMS = (8, 4)

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from stream_persia.checkpoint.root import CheckpointRoot
-from stream_persia.cli import build_parser
 from stream_persia.config import GlobalConfig
+from stream_persia.launch.cli import build_parser
 from stream_persia.rpc.auth import SECRET_ENV, SECRET_FILE_ENV, RoleSecret, check_bind
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stream_persia import wire
+from stream_persia.core import wire
 from stream_persia.embedding.data import (
     IDTypeFeature,
     IDTypeFeatureWithSingleID,

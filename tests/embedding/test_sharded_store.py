@@ -11,13 +11,13 @@ import threading
 import numpy as np
 import pytest
 
-from stream_persia import segments
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad, Adam
-from stream_persia.embedding.sharded import ShardedStore, make_store
-from stream_persia.embedding.store import EmbeddingStore
 from stream_persia.errors import BadInput
-from stream_persia.sharding import shard_of, stable_hash64
+from stream_persia.kernels import segments
+from stream_persia.kernels.sharding import shard_of, stable_hash64
+from stream_persia.server.sharded import ShardedStore, make_store
+from stream_persia.server.store import EmbeddingStore
 
 OPTIMIZERS = [SGD(lr=0.1), Adagrad(lr=0.05), Adam(lr=0.01)]
 

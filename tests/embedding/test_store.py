@@ -12,12 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stream_persia.embedding import EmbeddingConfig, store
-from stream_persia.embedding._pystore import PyEmbeddingStore
+from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad, Adam
 from stream_persia.errors import BadInput, Misuse
+from stream_persia.server import store
+from stream_persia.server._pystore import PyEmbeddingStore
 
-CEmbeddingStore = pytest.importorskip("stream_persia.embedding._cstore").CEmbeddingStore
+CEmbeddingStore = pytest.importorskip("stream_persia.server._cstore").CEmbeddingStore
 IMPLS = [pytest.param(CEmbeddingStore, id="cython"), pytest.param(PyEmbeddingStore, id="python")]
 
 
@@ -552,7 +553,7 @@ def test_long_random_sequence_agrees():
 def _first_occurrence_plan(rng, slots, batch, vocab):
     """A worker's pooled lookup (stream_persia.worker.batchplan): distinct ids in first-
     occurrence order, every occurrence's index, one segment per (slot, sample)."""
-    from stream_persia import segments
+    from stream_persia.kernels import segments
 
     lens = rng.integers(0, 4, slots * batch)
     keys = rng.integers(0, vocab, int(lens.sum())).astype(np.uint64)
@@ -562,7 +563,7 @@ def _first_occurrence_plan(rng, slots, batch, vocab):
 
 @pytest.mark.parametrize("train", [True, False])
 def test_pooled_lookup_equals_lookup_then_pool_bit_for_bit(impl, train):
-    from stream_persia import segments
+    from stream_persia.kernels import segments
 
     rng = np.random.default_rng(3)
     cfg = EmbeddingConfig(admit_probability=0.7)
@@ -582,7 +583,7 @@ def test_pooled_lookup_equals_lookup_then_pool_bit_for_bit(impl, train):
 def test_pooled_lookup_that_evicts_within_the_call(impl):
     """More new ids than free capacity: rows admitted early in the call are evicted by
     later ones, and every sum still holds the row each id had when it was looked up."""
-    from stream_persia import segments
+    from stream_persia.kernels import segments
 
     a, b = impl(50, SGD(0.1)), impl(50, SGD(0.1))
     ids = np.arange(1, 121, dtype=np.uint64)

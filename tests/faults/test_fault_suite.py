@@ -30,7 +30,7 @@ no checkpoint to start from, the new process would read its partition from the s
 while the server still holds every update applied since the last checkpoint. That trial
 kills the worker at a random point and starts it again at its address while the NN worker
 keeps running: the new worker must refuse to serve the partition (the server's stream
-watermark says it was applied; stream_persia.watermarks), naming it, the NN worker must
+watermark says it was applied; stream_persia.core.watermarks), naming it, the NN worker must
 fail in bounded time, and no batch may be trained twice. Then a fresh NN worker restores
 the newest checkpoint through a fresh worker (which refuses the partition too until the
 restore resets its stream), and every batch is trained exactly once.
@@ -61,7 +61,7 @@ from pathlib import Path
 import pytest
 
 from stream_persia.checkpoint.reader import latest_checkpoint
-from stream_persia.local import RoleProcess
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.roles import (

@@ -13,11 +13,11 @@ import threading
 import numpy as np
 import torch
 
-from stream_persia.aio import LoopThread
 from stream_persia.config import EmbeddingSchema
-from stream_persia.data_ctx import DataCtx
+from stream_persia.core.aio import LoopThread
 from stream_persia.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
-from stream_persia.embedding_server import EmbeddingServer
+from stream_persia.loader.data_ctx import DataCtx
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT, restarted
 from stream_persia.worker.service import EmbeddingWorker
 

@@ -254,7 +254,7 @@ def test_setup_seed_repeats_torch_and_numpy():
 
 # ---------------------------------------------------------------------------- served batches
 def _served_frame() -> dict:
-    from stream_persia import wire
+    from stream_persia.core import wire
 
     served = {"batch_id": 7, "requires_grad": True, "meta": b"m", "batch_size": 2,
               "non_id_type_features": [{"name": "d", "data": np.ones((2, 3), np.float32)}],

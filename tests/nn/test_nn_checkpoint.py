@@ -21,7 +21,7 @@ from stream_persia.ctx import DataCtx, TrainCtx, eval_ctx
 from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding.optim import Adagrad
 from stream_persia.errors import DataLost, Misuse
-from stream_persia.local import RoleProcess
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.samples import EMBEDDING_YAML, SCHEMA, make_batch
 

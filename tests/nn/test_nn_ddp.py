@@ -19,7 +19,7 @@ import torch
 from nn_helpers import LEARNABLE_SCHEMA, learnable_batches
 
 from stream_persia.errors import ConfigError
-from stream_persia.launch import nn_worker_command
+from stream_persia.launch.roles import nn_worker_command
 
 HERE = Path(__file__).resolve().parent
 
@@ -32,7 +32,7 @@ def test_two_ranks_keep_identical_dense_parameters(job_factory, tmp_path):
            "PERSIA_NN_WORKER_ENTRY": str(HERE / "ddp_train.py"),
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, "-m", "stream_persia.cli", "launch", "nn-worker",
+        [sys.executable, "-m", "stream_persia.launch.cli", "launch", "nn-worker",
          "--nproc-per-node", "2", "--nnodes", "1", "--node-rank", "0", "--", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -77,7 +77,7 @@ def test_launcher_refuses_bad_settings(kw, field):
 
 
 def test_launcher_takes_the_entry_from_the_environment(monkeypatch):
-    from stream_persia.cli import build_parser
+    from stream_persia.launch.cli import build_parser
 
     monkeypatch.setenv("PERSIA_NN_WORKER_ENTRY", "/somewhere/train.py")
     args = build_parser().parse_args(["launch", "nn-worker", "--nproc-per-node", "3"])

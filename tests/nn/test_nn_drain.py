@@ -23,8 +23,8 @@ import pytest
 import torch
 from nn_helpers import LEARNABLE_SCHEMA, learnable_batches
 
-from stream_persia import aio
-from stream_persia.local import RoleProcess
+from stream_persia.core import aio
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.roles import KafkaRoles, assert_same_training, fill_topic
 

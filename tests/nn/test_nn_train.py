@@ -432,7 +432,7 @@ def test_a_crashed_prefetch_task_reaches_the_training_thread():
     raises its error instead of waiting as if the stream had run dry."""
     from types import SimpleNamespace
 
-    from stream_persia.aio import LoopThread
+    from stream_persia.core.aio import LoopThread
     from stream_persia.nn.loader import StreamPrefetcher
 
     with LoopThread(name="test-prefetch") as lt:

@@ -21,8 +21,8 @@ import pytest
 
 from stream_persia.errors import ConfigError
 from stream_persia.kafka import topic_partitions
-from stream_persia.local import RoleProcess
-from stream_persia.run import ensure_topic
+from stream_persia.launch.processes import RoleProcess
+from stream_persia.launch.run import ensure_topic
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.proxy import LateProxy, free_port
 from stream_persia.testing.samples import EMBEDDING_YAML
@@ -39,7 +39,7 @@ def worker_args(tmp: Path, bootstrap: str, startup_timeout_ms: int,
     return ["--embedding-config", str(tmp / "embedding_config.yml"),
             "--global-config", str(tmp / "global_config.yml"),
             # Once the broker answers, a worker asks its servers how far they applied the
-            # topic (stream_persia.watermarks) before it reads it.
+            # topic (stream_persia.core.watermarks) before it reads it.
             "--embedding-servers", servers or f"127.0.0.1:{free_port()}",
             "--kafka", bootstrap, "--topic", "samples"]
 
@@ -103,7 +103,7 @@ def test_run_makes_its_topic_on_a_broker_without_the_admin_api():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("flag", [["--on-data-loss", "skip"], ["--broker-timeout-s", "5"]])
 def test_kafka_only_run_flags_are_refused_without_kafka(tmp_path, flag):
-    proc = subprocess.run([sys.executable, "-m", "stream_persia.cli", "run",
+    proc = subprocess.run([sys.executable, "-m", "stream_persia.launch.cli", "run",
                            "topologies/synthetic_ctr", "--output-dir", str(tmp_path), *flag],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
@@ -120,7 +120,7 @@ def test_a_run_whose_broker_deleted_unread_samples_fails_naming_the_loss(tmp_pat
     with MockKafkaCluster() as cluster:
         t0 = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "stream_persia.cli", "run", "topologies/synthetic_ctr",
+            [sys.executable, "-m", "stream_persia.launch.cli", "run", "topologies/synthetic_ctr",
              "--samples", "3e5", "--predict-samples", "0",
              "--kafka", cluster.bootstrap_servers, "--output-dir", str(tmp_path)],
             cwd=ROOT, capture_output=True, text=True, timeout=540)
@@ -147,7 +147,7 @@ def test_a_run_whose_broker_is_killed_fails_in_bounded_time_naming_it(tmp_path):
     cluster.create_topic("killed.samples", 16)
     cluster.create_topic("killed.samples.dlq", 1)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stream_persia.cli", "run", "topologies/synthetic_ctr",
+        [sys.executable, "-m", "stream_persia.launch.cli", "run", "topologies/synthetic_ctr",
          "--samples", "2e5", "--predict-samples", "0", "--broker-timeout-s", "5",
          "--kafka", cluster.bootstrap_servers, "--topic", "killed.samples",
          "--output-dir", str(tmp_path)],
@@ -181,7 +181,7 @@ def test_a_run_whose_broker_is_killed_fails_in_bounded_time_naming_it(tmp_path):
 def test_a_worker_started_before_its_servers_waits_and_without_them_exits_naming_them(
         tmp_path):
     """Before it reads a partition a worker asks its servers how far they applied it
-    (stream_persia.watermarks): one started before them (pod start order) waits, within
+    (stream_persia.core.watermarks): one started before them (pod start order) waits, within
     ``kafka.startup_timeout_ms``, and starts when they come; with none ever it exits
     non-zero naming them instead of serving a stream it cannot check."""
     with MockKafkaCluster() as cluster:

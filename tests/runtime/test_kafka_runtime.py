@@ -24,17 +24,17 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from stream_persia import wire
 from stream_persia.config import GlobalConfig, KafkaConfig
-from stream_persia.data_ctx import DataCtx
+from stream_persia.core import wire
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.data import PersiaBatch
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import PeerUnavailable, RemoteError
 from stream_persia.kafka import BatchProducer, parse_dead_letter
-from stream_persia.local import RoleProcess
+from stream_persia.kernels.sharding import shard_of
+from stream_persia.launch.processes import RoleProcess
+from stream_persia.loader.data_ctx import DataCtx
 from stream_persia.rpc import RpcClient
-from stream_persia.sharding import shard_of
 from stream_persia.testing.samples import EMBEDDING_YAML, SCHEMA, make_batch, naive_sum
 
 LR = 0.1

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from stream_persia import launch
 from stream_persia.errors import ConfigError
+from stream_persia.launch import roles as launch
 
 ROUNDS = """
 import resource, sys
 import numpy as np
-from stream_persia import launch
+from stream_persia.launch import roles as launch
 print(launch.keep_freed_memory(int(sys.argv[1])))
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stream_persia.data_ctx import DataCtx
 from stream_persia.errors import BadInput, PeerUnavailable
-from stream_persia.launch import KEEP_FREED_ENV
-from stream_persia.local import RoleProcess
+from stream_persia.launch.processes import RoleProcess
+from stream_persia.launch.roles import KEEP_FREED_ENV
+from stream_persia.loader.data_ctx import DataCtx
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 
@@ -42,7 +42,7 @@ def free_port() -> int:
 
 
 def launch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stream_persia.cli", "launch", *args],
+    return subprocess.run([sys.executable, "-m", "stream_persia.launch.cli", "launch", *args],
                           capture_output=True, text=True, timeout=60)
 
 

@@ -23,10 +23,10 @@ import pytest
 
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Adagrad
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.errors import ServerRestarted
-from stream_persia.local import RoleProcess
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.worker.service import EmbeddingWorker
 

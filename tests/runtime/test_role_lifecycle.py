@@ -1,6 +1,6 @@
 """Roles never outlive the process that started them, even one killed with SIGKILL.
 
-Roles run in sessions of their own (:class:`~stream_persia.local.RoleProcess`), so no
+Roles run in sessions of their own (:class:`~stream_persia.launch.processes.RoleProcess`), so no
 signal for their starter reaches them; a starter killed with ``kill -9`` cannot stop them
 either. Each role watches its parent instead (``PERSIA_PARENT_PID``) and drains once it is
 gone; ``launch nn-worker`` takes torchrun and its ranks (sessions of their own again) with
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from stream_persia.core.lifecycle import PARENT_PID_ENV, ParentWatch, descendants
 from stream_persia.errors import ConfigError
-from stream_persia.lifecycle import PARENT_PID_ENV, ParentWatch, descendants
-from stream_persia.local import RoleProcess
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.testing.proxy import free_port
 from stream_persia.testing.samples import EMBEDDING_YAML
 
@@ -33,7 +33,7 @@ GONE_WITHIN_S = 30.0
 STARTER = textwrap.dedent('''\
     import sys, time
 
-    from stream_persia.local import RoleProcess
+    from stream_persia.launch.processes import RoleProcess
 
     out = sys.argv[1]
     server = RoleProcess("embedding-server", ["--checkpoint-root", out],

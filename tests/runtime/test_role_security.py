@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from stream_persia.embedding.optim import SGD
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.errors import AuthError, BadInput, Misuse
-from stream_persia.local import RoleProcess
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient, auth
 from stream_persia.rpc.auth import RoleSecret
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.samples import SCHEMA
 from stream_persia.worker.service import EmbeddingWorker
 

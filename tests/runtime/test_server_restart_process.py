@@ -13,10 +13,10 @@ import time
 import numpy as np
 import pytest
 
+from stream_persia.core.supervisor import EXIT_GRACE_S
 from stream_persia.errors import ServerRestarted
-from stream_persia.local import RoleProcess
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
-from stream_persia.supervisor import EXIT_GRACE_S
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 
 

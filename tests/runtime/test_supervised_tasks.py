@@ -21,11 +21,11 @@ import uuid
 
 import pytest
 
+from stream_persia.core.metrics import RoleMetrics
+from stream_persia.core.supervisor import EXIT_GRACE_S, Supervisor
 from stream_persia.kafka import BatchProducer
-from stream_persia.local import RoleProcess
-from stream_persia.metrics import RoleMetrics
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
-from stream_persia.supervisor import EXIT_GRACE_S, Supervisor
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 
 LAUNCHER = '''\
@@ -44,7 +44,7 @@ async def crashing_one(self, partition, rec):
 
 ingest.KafkaIngest._one = crashing_one
 
-from stream_persia.cli import main  # noqa: E402
+from stream_persia.launch.cli import main  # noqa: E402
 
 sys.exit(main(sys.argv[1:]))
 '''
@@ -164,7 +164,7 @@ async def test_a_crashed_ingest_task_fails_health_and_exits_the_worker_nonzero(
 API_LAUNCHER = '''\
 import sys
 
-from api import batcher
+from stream_persia.api import batcher
 
 _collect = batcher.MicroBatcher._collect
 
@@ -175,7 +175,7 @@ async def crashing_collect(self):
 
 batcher.MicroBatcher._collect = crashing_collect
 
-from stream_persia.cli import main  # noqa: E402
+from stream_persia.launch.cli import main  # noqa: E402
 
 sys.exit(main(sys.argv[1:]))
 '''

@@ -23,7 +23,7 @@ import pytest
 
 from stream_persia.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
 from stream_persia.kafka import BatchProducer
-from stream_persia.local import RoleProcess
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import EMBEDDING_YAML
 

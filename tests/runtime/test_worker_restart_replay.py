@@ -4,7 +4,7 @@ A job trains Kafka batches, checkpoints, trains more; then its embedding worker 
 with SIGKILL (a crash, an OOM kill, a Kubernetes pod restart) and a fresh one starts on the
 same topic. With no checkpoint to start from it would start the partition over, while the
 embedding server still holds every update since the cut: the batches in between would be
-trained a second time. The server's stream watermark (stream_persia.watermarks) tells the
+trained a second time. The server's stream watermark (stream_persia.core.watermarks) tells the
 fresh worker: it refuses the partition (health names it, the NN side's ``next_batch``
 raises; it stays up for the restore) and no row changes. A restore of the checkpoint is the
 way back, by ``reset_stream`` or by a worker that starts after the restore (it resumes at
@@ -26,9 +26,9 @@ import pytest
 from stream_persia.checkpoint import CheckpointWriter, cut_offsets, load_embeddings
 from stream_persia.errors import StreamReplay
 from stream_persia.kafka import BatchProducer
-from stream_persia.local import RoleProcess
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
-from stream_persia.shard_files import read_shard_file
+from stream_persia.server.shard_files import read_shard_file
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 
 pytestmark = pytest.mark.kafka

@@ -17,10 +17,10 @@ import pytest
 
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.errors import Backpressure, BadInput, Misuse, ServerRestarted
+from stream_persia.kernels.sharding import shard_of
 from stream_persia.rpc import RpcClient
-from stream_persia.sharding import shard_of
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.samples import SCHEMA, make_batch, naive_sum
 from stream_persia.worker.service import EmbeddingWorker
 

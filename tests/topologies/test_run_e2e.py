@@ -22,7 +22,7 @@ ADULT = ROOT.parent / "shared" / "data" / "adult"
 
 
 def run(topology: str, out: Path, *flags: str, timeout: float = 420) -> dict:
-    cmd = [sys.executable, "-m", "stream_persia.cli", "run", f"topologies/{topology}",
+    cmd = [sys.executable, "-m", "stream_persia.launch.cli", "run", f"topologies/{topology}",
            "--output-dir", str(out), *flags]
     # `run` streams through the broker KAFKA_BOOTSTRAP_SERVERS names: the Kafka tests pass
     # --kafka themselves, the others are broker-less whatever the shell has set.
@@ -104,7 +104,7 @@ def test_adult_income_accuracy_gates(tmp_path):
 
 
 def test_bad_topology_is_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "stream_persia.cli", "run", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "stream_persia.launch.cli", "run", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "topology.yml" in proc.stderr
@@ -145,7 +145,7 @@ def test_ctrl_c_checkpoints_then_stops(tmp_path):
     import signal
     import time
 
-    cmd = [sys.executable, "-m", "stream_persia.cli", "run", "topologies/synthetic_ctr",
+    cmd = [sys.executable, "-m", "stream_persia.launch.cli", "run", "topologies/synthetic_ctr",
            "--samples", "2000000", "--eval-samples", "2000", "--output-dir", str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

@@ -1,5 +1,5 @@
 """``stream-persia run --kafka`` polls every embedding worker's status for data loss
-(:func:`stream_persia.run.check_kafka`): a worker that cannot be reached reports nothing
+(:func:`stream_persia.launch.run.check_kafka`): a worker that cannot be reached reports nothing
 (its own exit fails the run), but any other refusal fails the run naming the worker, so
 that the data-loss check is never silently off (another role secret, a bug).
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from stream_persia.aio import LoopThread
-from stream_persia.cli import build_parser
+from stream_persia.core.aio import LoopThread
+from stream_persia.launch.cli import build_parser
+from stream_persia.launch.run import Job, check_kafka
+from stream_persia.launch.topology import load_topology
 from stream_persia.rpc.auth import RoleSecret
-from stream_persia.run import Job, check_kafka
 from stream_persia.testing.proxy import free_port
 from stream_persia.testing.samples import SCHEMA
-from stream_persia.topology import load_topology
 from stream_persia.worker.service import EmbeddingWorker
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -70,7 +70,7 @@ def wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float) ->
 ])
 def test_a_stop_signal_stops_every_role_of_the_run(tmp_path, sig, times, checkpoint):
     out, log = tmp_path / "run", tmp_path / "run.err"
-    cmd = [sys.executable, "-m", "stream_persia.cli", "run", "topologies/synthetic_ctr",
+    cmd = [sys.executable, "-m", "stream_persia.launch.cli", "run", "topologies/synthetic_ctr",
            "--output-dir", str(out), "--samples", "2e6", "--eval-samples", "1000",
            "--predict-samples", "0", "--no-gates", "--stop-checkpoint-s", "60"]
     groups: set[int] = set()
@@ -135,7 +135,7 @@ def test_roles_do_not_outlive_a_run_killed_with_sigkill(tmp_path):
     """``kill -9`` of ``run`` itself: it cannot stop its roles, so each role notices that
     its parent is gone and stops (``PERSIA_PARENT_PID``), torchrun and its ranks too."""
     out, log = tmp_path / "run", tmp_path / "run.err"
-    cmd = [sys.executable, "-m", "stream_persia.cli", "run", "topologies/synthetic_ctr",
+    cmd = [sys.executable, "-m", "stream_persia.launch.cli", "run", "topologies/synthetic_ctr",
            "--output-dir", str(out), "--samples", "2e6", "--eval-samples", "1000",
            "--predict-samples", "0", "--no-gates"]
     roles: set[int] = set()

@@ -18,13 +18,13 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_persia import segments
 from stream_persia.config import EmbeddingSchema
 from stream_persia.embedding.data import IDTypeFeature, PersiaBatch
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import BadInput, Misuse
+from stream_persia.kernels import segments
+from stream_persia.kernels.sharding import mix64_inplace
 from stream_persia.rpc import RpcClient
-from stream_persia.sharding import mix64_inplace
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker import batchplan, pooling

@@ -19,9 +19,9 @@ import pytest
 from stream_persia.checkpoint import cut_offsets
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Adagrad
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.errors import BadInput, Misuse, PushFailed
 from stream_persia.rpc import RpcClient
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.worker.frontier import check_no_failed_push
 from stream_persia.worker.service import EmbeddingWorker

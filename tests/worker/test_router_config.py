@@ -21,7 +21,7 @@ import pytest
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad
 from stream_persia.errors import BadInput, Misuse, PeerUnavailable
-from stream_persia.sharding import shard_of
+from stream_persia.kernels.sharding import shard_of
 from stream_persia.testing.servers import restarted, running_servers
 from stream_persia.worker.router import ShardRouter
 

@@ -1,4 +1,4 @@
-"""Segment kernels of the pooled lookup path (stream_persia.segments).
+"""Segment kernels of the pooled lookup path (stream_persia.kernels.segments).
 
 The Cython loops and their numpy twins agree bit for bit on random lookups; both match
 naive per-occurrence references (Python loops, torch's ``embedding_bag``, and for
@@ -19,13 +19,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_persia import segments
 from stream_persia.config.embedding import apply_index_prefix
 from stream_persia.errors import BadInput, Misuse
+from stream_persia.kernels import segments
 
 IMPLS = ["cython", "python"]
 HAS_C = segments._c is not None
-needs_c = pytest.mark.skipif(not HAS_C, reason="stream_persia._segments is not built")
+needs_c = pytest.mark.skipif(not HAS_C, reason="stream_persia.kernels._segments is not built")
 SETTINGS = settings(max_examples=50, deadline=None)
 
 
@@ -329,7 +329,7 @@ FIELDS = {"pool": "groups[0]", "scatter": "gradients", "split": "split",
 def test_malformed_lookups_are_refused_naming_the_field(impl, kernel, index, offsets, suffix,
                                                         monkeypatch):
     if impl == "cython" and not HAS_C:
-        pytest.skip("stream_persia._segments is not built")
+        pytest.skip("stream_persia.kernels._segments is not built")
     monkeypatch.setattr(segments, "IMPLEMENTATION", impl)
     with pytest.raises(BadInput) as err:
         call_kernel(kernel, index, offsets)
@@ -340,7 +340,7 @@ def test_malformed_lookups_are_refused_naming_the_field(impl, kernel, index, off
 @pytest.mark.parametrize("owner", [[0, -1, 1], [0, 2, 1], [0, 1, 5]])
 def test_split_refuses_an_owner_out_of_range(impl, owner, monkeypatch):
     if impl == "cython" and not HAS_C:
-        pytest.skip("stream_persia._segments is not built")
+        pytest.skip("stream_persia.kernels._segments is not built")
     monkeypatch.setattr(segments, "IMPLEMENTATION", impl)
     with pytest.raises(BadInput) as err:
         segments.split(GOOD_INDEX, GOOD_OFFSETS, np.array(owner, I64), 2)
@@ -354,7 +354,7 @@ def test_scatter_refuses_gradients_or_mask_not_one_per_segment(impl, grads_rows,
     # The Cython loop reads grads[s] and active[s] for every segment s without bounds
     # checks: a short array must be refused before it runs, not read past its end.
     if impl == "cython" and not HAS_C:
-        pytest.skip("stream_persia._segments is not built")
+        pytest.skip("stream_persia.kernels._segments is not built")
     monkeypatch.setattr(segments, "IMPLEMENTATION", impl)
     with pytest.raises(BadInput):
         segments.scatter(np.ones((grads_rows, 2), np.float32), np.array([0, 1, 2], I32),
@@ -441,7 +441,7 @@ def csr_slots(draw, max_slots=4, max_batch=6, max_len=4):
 @given(slots=csr_slots())
 def test_pooled_lookup_equals_the_reference(impl, slots):
     if impl == "cython" and not HAS_C:
-        pytest.skip("stream_persia._segments is not built")
+        pytest.skip("stream_persia.kernels._segments is not built")
     values, offsets, prefixes, bits, sqrt = slots
     want = reference_pooled_lookup(values, offsets, prefixes, bits, sqrt)
     with implementation(impl):
@@ -504,7 +504,7 @@ BAD_SLOTS = [  # (values, offsets, the field's suffix); slot 1 is the bad one
 def test_pooled_lookup_refuses_malformed_slots_naming_the_slot(impl, values, offsets, suffix,
                                                                 monkeypatch):
     if impl == "cython" and not HAS_C:
-        pytest.skip("stream_persia._segments is not built")
+        pytest.skip("stream_persia.kernels._segments is not built")
     monkeypatch.setattr(segments, "IMPLEMENTATION", impl)
     with pytest.raises(BadInput) as err:
         segments.pooled_lookup([GOOD_VALUES, values], [GOOD_CSR, offsets], [0, 1 << 56], 8,
@@ -516,7 +516,7 @@ def test_pooled_lookup_refuses_malformed_slots_naming_the_slot(impl, values, off
 def test_pooled_lookup_checks_every_slot_s_types_before_any_offsets(impl, monkeypatch):
     # Both implementations name the same slot when several are malformed.
     if impl == "cython" and not HAS_C:
-        pytest.skip("stream_persia._segments is not built")
+        pytest.skip("stream_persia.kernels._segments is not built")
     monkeypatch.setattr(segments, "IMPLEMENTATION", impl)
     with pytest.raises(BadInput) as err:
         segments.pooled_lookup([GOOD_VALUES, GOOD_VALUES.astype(I64)],

@@ -20,14 +20,14 @@ import pytest
 
 from stream_persia.checkpoint import CheckpointWriter, cut_offsets, load_embeddings
 from stream_persia.config import GlobalConfig, KafkaConfig
+from stream_persia.core.supervisor import Supervisor
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad
-from stream_persia.embedding_server import EmbeddingServer
 from stream_persia.errors import BadInput, ConfigError, PersiaError, ServerRestarted
 from stream_persia.kafka import BatchProducer, DeadLetterWriter, SampleConsumer
+from stream_persia.kernels.sharding import shard_of
 from stream_persia.rpc import RpcClient
-from stream_persia.sharding import shard_of
-from stream_persia.supervisor import Supervisor
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT, restarted, running_servers
 from stream_persia.worker.frontier import check_servers_kept

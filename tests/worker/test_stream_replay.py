@@ -1,4 +1,4 @@
-"""The embedding servers' stream watermarks over real sockets (stream_persia.watermarks):
+"""The embedding servers' stream watermarks over real sockets (stream_persia.core.watermarks):
 an update carrying its batch's (topic, partition, offset) advances them, another stream's
 replay is refused with nothing applied, a retried push stays a duplicate, and they follow
 the rows through dump, load (into any number of servers), clear and a checkpoint commit.
@@ -13,8 +13,8 @@ from stream_persia.checkpoint import CheckpointWriter, cut_offsets, load_embeddi
 from stream_persia.config import KafkaConfig
 from stream_persia.errors import BadInput, PushFailed, StreamReplay
 from stream_persia.kafka import BatchProducer, DeadLetterWriter, SampleConsumer
+from stream_persia.kernels.sharding import shard_of
 from stream_persia.rpc import RpcClient
-from stream_persia.sharding import shard_of
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker.ingest import KafkaIngest

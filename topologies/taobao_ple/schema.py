@@ -31,7 +31,7 @@ from stream_persia.embedding.data import (
     Label,
     PersiaBatch,
 )
-from stream_persia.sharding import stable_hash64
+from stream_persia.kernels.sharding import stable_hash64
 
 __all__ = ["COLUMNS", "LABELS", "BUCKETS", "MULTI_ID", "SINGLE_ID", "SLOTS", "PRICE_BUCKETS",
            "DIM", "RawChunk", "encode_ids", "to_persia_batch", "read_csv"]

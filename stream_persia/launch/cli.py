@@ -7,7 +7,7 @@ Commands:
   ``data-loader``, ``nn-worker`` (the training script under torchrun: ``--nproc-per-node``,
   ``--nnodes``, ``--node-rank``; script from ``PERSIA_NN_WORKER_ENTRY`` by default).
 - ``launch api``: the HTTP control plane and online inference (package ``api``; uvicorn).
-- ``produce``: stream a dataset file into the samples topic (see ``stream_persia.produce``).
+- ``produce``: stream a dataset file into the samples topic (see ``stream_persia.loader.produce``).
 - ``checkpoint inspect DIR [--json] [--verify]``, ``checkpoint list ROOT``: show checkpoints
   (see ``stream_persia.checkpoint``); exit 2 for a directory that is not a checkpoint.
 
@@ -17,7 +17,7 @@ CONFIG``, ``PERSIA_GLOBAL_CONFIG``, ``PERSIA_DATALOADER_ENTRY``, ``REPLICA_INDEX
 comma-separated ``host:port`` lists, ``KAFKA_BOOTSTRAP_SERVERS``, ``PERSIA_CHECKPOINT_ROOT``,
 and the job's role secret ``PERSIA_ROLE_SECRET`` / ``PERSIA_ROLE_SECRET_FILE``, which every
 role needs to listen beyond loopback and every RPC client presents), then the config files.
-Every flag is checked when parsed (:mod:`stream_persia.flags`), environment defaults
+Every flag is checked when parsed (:mod:`stream_persia.launch.flags`), environment defaults
 included, and each role takes only the flags it acts on: a bad one ends the command with
 exit status 2 and a message naming it, before anything starts.
 """
@@ -29,11 +29,11 @@ import logging
 import os
 import sys
 
-from stream_persia import flags
 from stream_persia.config.global_config import MAX_STORE_THREADS
-from stream_persia.embedding import MAX_CAPACITY
+from stream_persia.core.embedding_config import MAX_CAPACITY
+from stream_persia.core.logger import RepeatFilter
 from stream_persia.errors import PersiaError
-from stream_persia.logger import RepeatFilter
+from stream_persia.launch import flags
 
 ROLE_ALIASES = {"embedding-parameter-server": "embedding-server"}
 
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "boundary and finish before torchrun is stopped (default 60)")
     _add_configs(nw)
 
-    from stream_persia import produce
+    from stream_persia.loader import produce
 
     produce.add_arguments(sub.add_parser(
         "produce", help="stream a dataset file (CSV/TSV/npz) through a mapping into a job"))
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     checkpoint_command.add_parser(sub)
 
-    from stream_persia import run
+    from stream_persia.launch import run
 
     rp = sub.add_parser("run", help="run every role of a topology on this machine, end to end",
                         description=run.__doc__.split("\n\n")[0])
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _split(raw: str | None) -> list[str]:
-    """A checked ``host:port,...`` flag (:func:`stream_persia.flags.addresses`) as a list."""
+    """A checked ``host:port,...`` flag (:func:`stream_persia.launch.flags.addresses`) as a list."""
     return [a for a in (raw or "").split(",") if a]
 
 
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         handler.addFilter(RepeatFilter())        # line (not a host's, e.g. pytest's)
     try:
         if args.command == "launch":
-            from stream_persia import launch
+            from stream_persia.launch import roles as launch
 
             role = ROLE_ALIASES.get(args.role, args.role)
             for name in ("embedding_servers", "embedding_workers"):
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                     setattr(args, name, _split(getattr(args, name)))
             return launch.ROLES[role](args)
         if args.command == "produce":
-            from stream_persia import produce
+            from stream_persia.loader import produce
 
             return produce.main(args)
         if args.command == "checkpoint":
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return checkpoint_command.run(args)
         if args.command == "run":
-            from stream_persia import run
+            from stream_persia.launch import run
 
             return run.main(args)
     except PersiaError as e:

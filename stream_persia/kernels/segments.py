@@ -36,13 +36,13 @@ import numpy as np
 
 from stream_persia.config.embedding import apply_index_prefix
 from stream_persia.errors import BadInput, Misuse
-from stream_persia.sharding import stable_hash64
+from stream_persia.kernels.sharding import stable_hash64
 
 __all__ = ["IMPLEMENTATION", "Split", "factorize", "pooled_lookup", "pool", "scatter", "split",
            "split_part", "internal_owner", "check_pooled", "check_types", "raise_for"]
 
 try:
-    from stream_persia import _segments as _c
+    from stream_persia.kernels import _segments as _c
 except ImportError:  # a source checkout that was never built: the twins run
     _c = None
 
@@ -300,9 +300,9 @@ class Split:
 
 
 def internal_owner(ids: np.ndarray, parts: int) -> np.ndarray:
-    """The internal shard (store thread, :mod:`stream_persia.embedding.sharded`) of each id
+    """The internal shard (store thread, :mod:`stream_persia.server.sharded`) of each id
     of an embedding server: ``(stable_hash64(id) >> 32) % parts`` (int64). The high half of
-    the hash that routes ids to servers (:func:`stream_persia.sharding.shard_of` reduces the
+    the hash that routes ids to servers (:func:`stream_persia.kernels.sharding.shard_of` reduces the
     whole of it modulo the server count, so for power-of-two counts only its low bits): the
     two are independent, and every server's ids spread over all its internal shards."""
     ids = np.ascontiguousarray(ids, dtype=np.uint64)
@@ -317,7 +317,7 @@ def split_part(index: np.ndarray, offsets: np.ndarray, owner: np.ndarray, part: 
                parts: int) -> Split:
     """``split(index, offsets, owner, parts)[part]``, cut without the other parts: one pass
     over the ids and one over the occurrences, so that several parts can be cut at once on
-    their own threads (:class:`stream_persia.embedding.sharded.ShardedStore`)."""
+    their own threads (:class:`stream_persia.server.sharded.ShardedStore`)."""
     owner = np.ascontiguousarray(owner, dtype=np.int64)
     check_types(index, offsets, "split")
     if not 0 <= part < parts:

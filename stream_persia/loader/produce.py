@@ -11,7 +11,7 @@
 
 The file is read in chunks of ``--batch-size`` rows (memory stays bounded by one chunk);
 each chunk goes through the user's mapping, and the ``PersiaBatch`` it returns is sent
-with :class:`~stream_persia.data_ctx.DataCtx` (Kafka, or broker-less straight to the
+with :class:`~stream_persia.loader.data_ctx.DataCtx` (Kafka, or broker-less straight to the
 embedding workers; the destination is resolved as DataCtx does).
 
 **The mapping** (``--mapping pkg.module[:function]`` or ``--mapping path/file.py[:function]``;
@@ -34,7 +34,7 @@ the function defaults to ``make_batch``; a file's folder is put on ``sys.path`` 
     (``columns["x"].astype(np.float32)``) where a fixed dtype matters. Blank lines are
     skipped; a row with the wrong number of fields stops the run, naming its line.
     ``.gz`` files are read compressed. :func:`split_ids` (from
-    :mod:`stream_persia.readers`, re-exported here) turns a column of ``"1|2|3"``
+    :mod:`stream_persia.loader.readers`, re-exported here) turns a column of ``"1|2|3"``
     strings into CSR ids for ``IDTypeFeature.from_csr``.
   * npz: every array of the archive, keyed by its name, sliced along axis 0 (all arrays
     need the same length); dtype and trailing dimensions as stored.
@@ -65,11 +65,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from stream_persia import flags
 from stream_persia.config.kafka import COMPRESSION_TYPES
-from stream_persia.embedding.data import PersiaBatch
+from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import BadInput, ConfigError, PersiaError
-from stream_persia.readers import FORMATS, Columns, detect_format, read_chunks, split_ids
+from stream_persia.launch import flags
+from stream_persia.loader.readers import FORMATS, Columns, detect_format, read_chunks, split_ids
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def _call(mapping: Mapping, name: str, columns: Columns, index: int, first_row: 
     if batch is not None and not isinstance(batch, PersiaBatch):
         raise BadInput(f"mapping {name} returned a {type(batch).__name__} for {where}",
                        field="--mapping",
-                       hint="return a stream_persia.embedding.data.PersiaBatch, or None to "
+                       hint="return a stream_persia.core.data.PersiaBatch, or None to "
                             "skip the chunk")
     return batch
 
@@ -318,7 +318,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run ``stream-persia produce``; returns the exit status."""
     from stream_persia.config._base import parse_addresses
-    from stream_persia.data_ctx import DataCtx
+    from stream_persia.loader.data_ctx import DataCtx
 
     summary = Summary()
     progress = Progress(enabled=not args.no_progress)

@@ -1,15 +1,15 @@
-"""The broker-less path of :class:`~stream_persia.data_ctx.DataCtx`: pipelined ``ingest``
+"""The broker-less path of :class:`~stream_persia.loader.data_ctx.DataCtx`: pipelined ``ingest``
 RPCs to the embedding workers, round-robin, with at most ``max_inflight`` unacknowledged.
 
 A synchronous caller thread submits batches; the RPCs run on a
-:class:`~stream_persia.aio.LoopThread`. Each send offers its batch to the workers in turn
+:class:`~stream_persia.core.aio.LoopThread`. Each send offers its batch to the workers in turn
 (a worker acknowledges once the batch is in its ready buffer, waiting while that buffer is
 full) until one takes it or ``timeout_ms`` passes. A send whose connection drops or times
 out is retried on the next worker, so a batch may be ingested twice (at least once).
 
 Before the first batch is offered, every worker must answer (:meth:`DirectSender.
 wait_for_workers`: bounded by ``startup_timeout_s``, with backoff and each failure logged,
-:mod:`stream_persia.backoff`), so a data loader started before its embedding workers
+:mod:`stream_persia.core.backoff`), so a data loader started before its embedding workers
 waits for them, and one whose workers never come fails naming them.
 """
 
@@ -20,9 +20,9 @@ import concurrent.futures
 import logging
 import threading
 
-from stream_persia.aio import LoopThread
-from stream_persia.backoff import retry_startup
-from stream_persia.embedding.data import PersiaBatch
+from stream_persia.core.aio import LoopThread
+from stream_persia.core.backoff import retry_startup
+from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import Backpressure, Misuse, PeerUnavailable, PersiaError, RemoteTimeout
 from stream_persia.rpc import RpcClient
 

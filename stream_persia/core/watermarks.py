@@ -10,7 +10,7 @@ silently. So the servers record, per topic and partition, the highest offset the
 an update for (its *watermark*), and no partition is served from at or below it.
 
 **Servers** (:class:`Watermarks`, kept on an embedding server's store thread, so always
-consistent with its rows; :mod:`stream_persia.embedding_server`):
+consistent with its rows; :mod:`stream_persia.server.service`):
 
 - an ``update`` that carries a ``source`` (every update of a Kafka batch does) advances
   the watermark of its topic/partition to its offset. It is refused with

@@ -55,7 +55,7 @@ from typing import Any
 
 import yaml
 
-from stream_persia import flags
+from stream_persia.core.supervisor import UNHEALTHY_MARK
 from stream_persia.errors import (
     ConfigError,
     DataLost,
@@ -63,10 +63,10 @@ from stream_persia.errors import (
     PersiaError,
     RemoteTimeout,
 )
-from stream_persia.local import RoleProcess
-from stream_persia.run_report import build_report, plot_report, print_report, served_metrics
-from stream_persia.supervisor import UNHEALTHY_MARK
-from stream_persia.topology import Topology, load_topology
+from stream_persia.launch import flags
+from stream_persia.launch.processes import RoleProcess
+from stream_persia.launch.report import build_report, plot_report, print_report, served_metrics
+from stream_persia.launch.topology import Topology, load_topology
 
 __all__ = ["add_arguments", "main"]
 
@@ -363,7 +363,7 @@ class Job:
         addresses = [a for a in self.env.get("PERSIA_EMBEDDING_WORKERS", "").split(",") if a]
         if not self.args.kafka or not addresses:
             return [], {}, []
-        from stream_persia import aio
+        from stream_persia.core import aio
         from stream_persia.rpc import RpcClient
         from stream_persia.rpc.auth import RoleSecret
 
@@ -398,7 +398,7 @@ class Job:
 
 
 def _why(role: RoleProcess) -> str:
-    """The reason a role gave for exiting 1 (its supervisor's line, stream_persia/supervisor),
+    """The reason a role gave for exiting 1 (its supervisor's line, stream_persia/core/supervisor),
     if its log has one: the log's tail may be another library's noise."""
     for line in reversed(role.log_tail(1 << 20).splitlines()):
         if UNHEALTHY_MARK in line:
@@ -437,7 +437,7 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int, *, create: bool,
         ConfigError: naming ``--topic`` (missing, or not creatable) or ``--partitions``
             (too few partitions for the embedding workers).
     """
-    from stream_persia import aio
+    from stream_persia.core import aio
     from stream_persia.kafka import topic_partitions
 
     async def admin_create() -> None:
@@ -599,7 +599,7 @@ class StopSignals:
     """Turns SIGINT, SIGTERM and SIGHUP into :class:`Stopped` in the main thread while
     installed (a context manager), so that every one of them stops the roles as Ctrl-C does.
 
-    The roles run in their own sessions (:class:`~stream_persia.local.RoleProcess`), so a
+    The roles run in their own sessions (:class:`~stream_persia.launch.processes.RoleProcess`), so a
     signal for this process never reaches them by itself: without this, SIGTERM would end
     ``run`` and leave them running. Inside :meth:`deferred` (while a role is spawned, so
     none can escape unrecorded) a signal is raised on leaving it. Once one was raised,

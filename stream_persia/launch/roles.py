@@ -5,11 +5,11 @@ taking new work, lets in-flight requests finish, and exits 0 (``nn-worker``: its
 at a step boundary, :func:`nn_worker`; an embedding worker still waiting for its broker at
 start just stops). A role started with ``PERSIA_PARENT_PID`` (by ``stream-persia run``)
 sends itself SIGTERM once that parent is gone, even killed with SIGKILL
-(:mod:`stream_persia.lifecycle`). A role whose supervised
-background task fails (:mod:`stream_persia.supervisor`: the embedding worker's Kafka
+(:mod:`stream_persia.core.lifecycle`). A role whose supervised
+background task fails (:mod:`stream_persia.core.supervisor`: the embedding worker's Kafka
 ingest loop), or that reports a condition it cannot work on (the embedding worker: an
 embedding server restarted and lost its table), answers ``health`` not ok for
-:data:`~stream_persia.supervisor.EXIT_GRACE_S`, then drains the same way and exits 1
+:data:`~stream_persia.core.supervisor.EXIT_GRACE_S`, then drains the same way and exits 1
 (unless the condition was resolved meanwhile). With ``--ready-file`` the
 role writes its RPC ``host:port`` there once it is listening (atomically), which is how
 ``stream-persia run`` and the tests learn ports chosen by the OS.
@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stream_persia import aio
 from stream_persia.checkpoint.root import CheckpointRoot
 from stream_persia.config import (
     EmbeddingSchema,
@@ -48,13 +47,14 @@ from stream_persia.config import (
     load_global_config,
     resolve_bootstrap_servers,
 )
+from stream_persia.core import aio
+from stream_persia.core.supervisor import EXIT_GRACE_S
 from stream_persia.errors import ConfigError
 from stream_persia.rpc.auth import RoleSecret, check_bind
 from stream_persia.rpc.server import ConnectionLimits
-from stream_persia.supervisor import EXIT_GRACE_S
 
 if TYPE_CHECKING:
-    from stream_persia.lifecycle import ParentWatch
+    from stream_persia.core.lifecycle import ParentWatch
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> N
         return
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from stream_persia.metrics import CONTENT_TYPE
+    from stream_persia.core.metrics import CONTENT_TYPE
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
@@ -265,7 +265,7 @@ async def _serve(role: Any, args: argparse.Namespace,
     role.metrics.gauge("malloc_keep_freed_bytes",
                        f"free heap kept for reuse ({KEEP_FREED_ENV}; 0: glibc's defaults)"
                        ).set(keep_freed_memory())
-    supervisor = getattr(role, "supervisor", None)   # stream_persia.supervisor
+    supervisor = getattr(role, "supervisor", None)   # stream_persia.core.supervisor
     code = 0
     try:
         serve_metrics(args.metrics_port, args.host, role.metrics.render)
@@ -297,7 +297,7 @@ async def _serve(role: Any, args: argparse.Namespace,
 
 
 def embedding_server(args: argparse.Namespace) -> int:
-    from stream_persia.embedding_server import EmbeddingServer
+    from stream_persia.server.service import EmbeddingServer
 
     gc = global_config(args)
     if args.embedding_config:
@@ -432,7 +432,7 @@ class _LoaderStopped(BaseException):
 
 def nn_worker_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line that ``launch nn-worker`` runs (static rendezvous). Each
-    rank runs the script through :mod:`stream_persia.rank` (how it stops)."""
+    rank runs the script through :mod:`stream_persia.launch.rank` (how it stops)."""
     entry = entry_script(args.entry, "NN worker", "PERSIA_NN_WORKER_ENTRY")
     for name, value, lo in (("--nproc-per-node", args.nproc_per_node, 1),
                             ("--nnodes", args.nnodes, 1), ("--node-rank", args.node_rank, 0)):
@@ -447,13 +447,13 @@ def nn_worker_command(args: argparse.Namespace) -> list[str]:
             raise ConfigError("--master-port (or MASTER_PORT) is needed with --nnodes > 1: "
                               "every node must use the same rendezvous port",
                               field="--master-port")
-        from stream_persia.utils import find_free_port
+        from stream_persia.nn.utils import find_free_port
 
         port = find_free_port()
     return [sys.executable, "-m", "torch.distributed.run",
             f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
             f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-            f"--master-port={port}", "--module", "stream_persia.rank", str(entry),
+            f"--master-port={port}", "--module", "stream_persia.launch.rank", str(entry),
             *args.script_args]
 
 
@@ -471,7 +471,7 @@ def nn_worker(args: argparse.Namespace) -> int:
     torchrun sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
     ``MASTER_PORT`` for each process, which ``TrainCtx`` reads.
 
-    SIGTERM or SIGINT drains (:mod:`stream_persia.lifecycle`): this process creates the
+    SIGTERM or SIGINT drains (:mod:`stream_persia.core.lifecycle`): this process creates the
     node's stop file, every rank stops training at the next step boundary (the same step
     on every rank), returns its untrained batches, waits for its gradient pushes and
     finishes its script, and the role exits with torchrun's status (0). Signals are not
@@ -486,7 +486,7 @@ def nn_worker(args: argparse.Namespace) -> int:
     import tempfile
     import time
 
-    from stream_persia import lifecycle
+    from stream_persia.core import lifecycle
 
     cmd = nn_worker_command(args)
     RoleSecret.from_env()   # checked before torchrun starts the ranks, which present it
@@ -545,7 +545,7 @@ def nn_worker(args: argparse.Namespace) -> int:
 def api(args: argparse.Namespace) -> int:
     """``launch api``: the HTTP control plane and inference service (uvicorn; SIGTERM
     drains in-flight requests and exits 0)."""
-    from api.settings import ApiSettings
+    from stream_persia.api.settings import ApiSettings
 
     RoleSecret.from_env()   # the API's clients of the roles present it
     gc = load_global_config(args.global_config) if args.global_config else None
@@ -559,7 +559,7 @@ def api(args: argparse.Namespace) -> int:
         predict_requires_token=True if args.predict_auth else None,
         batch_wait_ms=args.batch_wait_ms, max_batch_rows=args.max_batch_rows)
     settings.check_bind()   # before importing the app: a refusal should be quick
-    from api.server import serve
+    from stream_persia.api.server import serve
 
     return serve(settings, ready_file=args.ready_file, log_level=str(args.log_level).lower())
 
@@ -570,13 +570,13 @@ _PARENT_WATCH: ParentWatch | None = None
 
 def _with_parent_watch(role: Callable[[argparse.Namespace], int]
                        ) -> Callable[[argparse.Namespace], int]:
-    """Run ``role`` under a :class:`~stream_persia.lifecycle.ParentWatch` when the
+    """Run ``role`` under a :class:`~stream_persia.core.lifecycle.ParentWatch` when the
     environment names the starter's pid (``PERSIA_PARENT_PID``: ``stream-persia run`` and
-    :class:`~stream_persia.local.RoleProcess` set it): once the starter is gone, even
+    :class:`~stream_persia.launch.processes.RoleProcess` set it): once the starter is gone, even
     killed with SIGKILL, the role gets SIGTERM and drains instead of running orphaned."""
     def run(args: argparse.Namespace) -> int:
         global _PARENT_WATCH
-        from stream_persia.lifecycle import ParentWatch
+        from stream_persia.core.lifecycle import ParentWatch
 
         watch = ParentWatch.from_env()
         if watch is None:

@@ -2,7 +2,7 @@
 gzipped) and npz, one pass at a time, with memory bounded by one chunk.
 
 A chunk is a dict of arrays sharing their first axis (the chunk's rows); see
-:mod:`stream_persia.produce` for the exact contract (names, dtype inference, npz slicing).
+:mod:`stream_persia.loader.produce` for the exact contract (names, dtype inference, npz slicing).
 Errors name the file and the line or array that is wrong.
 """
 

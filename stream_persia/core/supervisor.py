@@ -11,7 +11,7 @@ returned although it should run until cancelled. A failure
 - makes the role unhealthy: its ``health`` answers ``ok: false`` with :attr:`error`
   ("the background task 'kafka-ingest' failed: ..."), so the API's ``/readyz`` and
   anything else probing it see why;
-- sets :attr:`failed`, which the role's main loop (:func:`stream_persia.launch._serve`)
+- sets :attr:`failed`, which the role's main loop (:func:`stream_persia.launch.roles._serve`)
   waits on beside SIGTERM and SIGINT. The role keeps answering for
   :data:`EXIT_GRACE_S` (so a probe polling it can read the reason), then drains and stops
   as on SIGTERM and exits with status 1; ``stream-persia run`` sees a role exit and fails
@@ -71,7 +71,7 @@ class Supervisor:
 
     Args:
         role: the role's name for messages, e.g. ``"embedding worker 0"``.
-        metrics: the role's :class:`~stream_persia.metrics.RoleMetrics`, to count failures.
+        metrics: the role's :class:`~stream_persia.core.metrics.RoleMetrics`, to count failures.
     """
 
     def __init__(self, role: str, metrics: Any = None):

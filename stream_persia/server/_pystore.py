@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from stream_persia import segments
-from stream_persia.embedding import MAX_CAPACITY, EmbeddingConfig
-from stream_persia.embedding.optim import Optimizer, as_optimizer
+from stream_persia.core.embedding_config import MAX_CAPACITY, EmbeddingConfig
+from stream_persia.core.optim import Optimizer, as_optimizer
 from stream_persia.errors import BadInput, Misuse
-from stream_persia.sharding import stable_hash64
+from stream_persia.kernels import segments
+from stream_persia.kernels.sharding import stable_hash64
 
 __all__ = ["PyEmbeddingStore", "mix64", "initial_rows", "admit_uniform"]
 
@@ -325,7 +325,7 @@ class PyEmbeddingStore:
         """Segment sums of the rows of ``ids``: float32 ``(len(offsets) - 1, dim)`` whose
         row s adds ``lookup(ids, dim, train)[index[offsets[s]:offsets[s+1]]]`` in order
         from 0.0 (zeros for an empty segment), with the same effects on the store as
-        ``lookup``; a pooled lookup of :mod:`stream_persia.segments`. ``index`` (int32)
+        ``lookup``; a pooled lookup of :mod:`stream_persia.kernels.segments`. ``index`` (int32)
         and ``offsets`` (int64) are checked before the store is touched: a malformed one
         is a BadInput naming ``lookup_pooled.index`` or ``lookup_pooled.offsets``."""
         self._open()

@@ -10,7 +10,7 @@ Interface (see ``_pystore.PyEmbeddingStore`` for the full contract):
 
 - ``lookup(ids: uint64 (n,), dim: int, train: bool = True) -> float32 (n, dim)``
 - ``lookup_pooled(ids, dim, index: int32, offsets: int64, train=True) -> float32 (k, dim)``:
-  the segment sums of a pooled lookup (:mod:`stream_persia.segments`), equal bit for bit
+  the segment sums of a pooled lookup (:mod:`stream_persia.kernels.segments`), equal bit for bit
   to ``segments.pool(lookup(ids, dim, train), index, offsets)``; the Cython store adds the
   rows where they lie instead of copying them out (what embedding servers answer)
 - ``update(ids: uint64 (n,), grads: float32 (n, dim)) -> None``
@@ -27,13 +27,13 @@ from __future__ import annotations
 import os
 import warnings
 
-from stream_persia.embedding._pystore import PyEmbeddingStore
+from stream_persia.server._pystore import PyEmbeddingStore
 
 __all__ = ["EmbeddingStore", "IMPLEMENTATION", "PyEmbeddingStore", "CEmbeddingStore"]
 
 CEmbeddingStore: type | None
 try:
-    from stream_persia.embedding._cstore import CEmbeddingStore
+    from stream_persia.server._cstore import CEmbeddingStore
 except ImportError as exc:  # a source checkout that was never built
     CEmbeddingStore = None
     if os.environ.get("STREAM_PERSIA_PURE_PYTHON") != "1":

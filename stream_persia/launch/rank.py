@@ -1,9 +1,9 @@
-"""The process of one NN rank: ``torchrun ... -m stream_persia.rank SCRIPT ARGS...``.
+"""The process of one NN rank: ``torchrun ... -m stream_persia.launch.rank SCRIPT ARGS...``.
 
 ``stream-persia launch nn-worker`` has torchrun start every rank through this module, which
 runs the user's training script as ``python SCRIPT ARGS`` would (``__main__``, ``sys.argv``,
 the script's folder first on ``sys.path``) after arranging how the rank stops
-(:mod:`stream_persia.lifecycle`): SIGTERM, the node's stop file
+(:mod:`stream_persia.core.lifecycle`): SIGTERM, the node's stop file
 (``PERSIA_NN_STOP_FILE``, created by ``launch nn-worker`` when it is asked to stop) or
 ``torchrun`` disappearing request a drain. While a ``TrainCtx`` is entered the rank then
 stops training at the next step boundary (at the same step on every rank), returns its
@@ -20,12 +20,12 @@ import runpy
 import sys
 from pathlib import Path
 
-from stream_persia.lifecycle import STOP_FILE_ENV, StopRequested, drain
+from stream_persia.core.lifecycle import STOP_FILE_ENV, StopRequested, drain
 
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m stream_persia.rank SCRIPT [ARGS...]", file=sys.stderr)
+        print("usage: python -m stream_persia.launch.rank SCRIPT [ARGS...]", file=sys.stderr)
         return 2
     entry = Path(argv[0])
     try:

@@ -5,7 +5,7 @@ ids whose shard is its ``replica_index`` in an :class:`EmbeddingStore` and appli
 embedding optimizer in place. It is a thin asyncio layer around the store: every store
 call runs on one dedicated thread (the Cython store releases the GIL), which both keeps
 the event loop free to read frames and serialises access to the store. With
-``store_threads`` > 1 the store is a :class:`~stream_persia.embedding.sharded.ShardedStore`,
+``store_threads`` > 1 the store is a :class:`~stream_persia.server.sharded.ShardedStore`,
 which that thread fans out over its internal shards' threads for each call.
 
 RPC methods (params → result):
@@ -16,7 +16,7 @@ RPC methods (params → result):
   ``{"rows": [float32 (n, dim)], "missing": int}`` (one entry per group, in order;
   ``missing`` counts ids absent from the store; eval/infer never insert or refresh). A
   group with ``"index"`` (int32) and ``"offsets"`` (int64) is a pooled lookup
-  (:mod:`stream_persia.segments`): its entry is the ``(len(offsets) - 1, dim)`` segment
+  (:mod:`stream_persia.kernels.segments`): its entry is the ``(len(offsets) - 1, dim)`` segment
   sums of the rows instead of the rows.
 - ``update {"groups": [{"dim", "ids", "grads"}], "token"?, "incarnation"?, "source"?}`` →
   ``{"applied": int, "dropped": int}``. ``token`` (a string of 1-64 characters, unique to one batch's update on this
@@ -37,7 +37,7 @@ RPC methods (params → result):
   watermark*, the highest offset applied; an update at or below a watermark another
   stream set is refused with :class:`~stream_persia.errors.StreamReplay` (field
   ``offset``), nothing applied: it would train that batch a second time
-  (:mod:`stream_persia.watermarks`; counted in
+  (:mod:`stream_persia.core.watermarks`; counted in
   ``persia_embedding_server_stream_replays_refused_total``; the gauge
   ``persia_embedding_server_stream_partitions`` counts the partitions tracked). The
   token is checked first: a retried push is a duplicate, not a replay.
@@ -110,7 +110,7 @@ RPC methods (params → result):
   ``embedding_parameter_server_config.restore_stage_ttl_s`` for a launched server.
 
 The shard file format and the all-or-nothing load procedure (its checks, errors and
-memory peak) are described in :mod:`stream_persia.shard_files`.
+memory peak) are described in :mod:`stream_persia.server.shard_files`.
 
 A successful load swaps in a new store, whose own counters and admission draws start
 from zero; the counters the server reports (``stats``, the metrics) go on from where they
@@ -138,12 +138,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stream_persia import segments
 from stream_persia.checkpoint.root import CheckpointRoot, require_root
-from stream_persia.embedding import EmbeddingConfig
-from stream_persia.embedding import optim as optim_mod
-from stream_persia.embedding.sharded import make_store
-from stream_persia.embedding.store import IMPLEMENTATION
+from stream_persia.core import optim as optim_mod
+from stream_persia.core.embedding_config import EmbeddingConfig
+from stream_persia.core.metrics import RoleMetrics
+from stream_persia.core.watermarks import Watermarks, check_topic, parse_cut, parse_source
 from stream_persia.errors import (
     BadInput,
     Misuse,
@@ -153,16 +152,17 @@ from stream_persia.errors import (
     require,
     require_hex16,
 )
-from stream_persia.metrics import RoleMetrics
+from stream_persia.kernels import segments
 from stream_persia.rpc import RpcServer, auth
 from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
-from stream_persia.shard_files import (
+from stream_persia.server.shard_files import (
     check_load_request,
     shard_file_name,
     stage_shard_files,
     write_shard_file,
 )
-from stream_persia.watermarks import Watermarks, check_topic, parse_cut, parse_source
+from stream_persia.server.sharded import make_store
+from stream_persia.server.store import IMPLEMENTATION
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class EmbeddingServer:
         stage_ttl_s: how long a staged load (``load`` with ``stage``) waits for its
             ``commit_load`` before it is dropped and its memory freed.
         store_threads: internal shards of the store, each looked up and updated on its own
-            thread (:mod:`stream_persia.embedding.sharded`); 1: one store, one thread.
+            thread (:mod:`stream_persia.server.sharded`); 1: one store, one thread.
         checkpoint_root: where ``dump`` and ``load`` may write and read (a local
             directory or an fsspec URL prefix); None: they are refused.
         secret: the job's role secret clients must prove (see :class:`RpcServer`).
@@ -281,7 +281,7 @@ class EmbeddingServer:
                                 if isinstance(checkpoint_root, str) else checkpoint_root)
         self._staged: _Staged | None = None   # read and replaced on the store thread only
         self._config_digest: str | None = None  # set by configure (see get_config)
-        # How far each Kafka partition's updates are applied (stream_persia.watermarks);
+        # How far each Kafka partition's updates are applied (stream_persia.core.watermarks);
         # store thread only, swapped with the table by a load.
         self._marks = Watermarks(f"embedding server {replica_index}")
         self._replays_refused = 0

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from stream_persia.topology import Topology
-from stream_persia.utils import roc_auc
+from stream_persia.launch.topology import Topology
+from stream_persia.nn.utils import roc_auc
 
 __all__ = ["served_metrics", "build_report", "plot_report", "print_report"]
 

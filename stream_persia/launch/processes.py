@@ -1,12 +1,12 @@
 """Run roles as local child processes (``stream-persia run`` and the integration tests).
 
-Each role is started as ``python -m stream_persia.cli launch <role> ... --ready-file F``
+Each role is started as ``python -m stream_persia.launch.cli launch <role> ... --ready-file F``
 and is ready when F holds its ``host:port``. Children are put in their own process group
 and stopped with SIGTERM (then SIGKILL after a grace period, for the role's whole process
 tree: torchrun's ranks run in sessions of their own), so nothing outlives its owner. Nor
 does a role outlive this process when it dies without stopping them, ``kill -9``
 included: each role gets ``PERSIA_PARENT_PID`` and drains once its parent is gone
-(:mod:`stream_persia.lifecycle`).
+(:mod:`stream_persia.core.lifecycle`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from stream_persia.core.lifecycle import PARENT_PID_ENV, descendants
 from stream_persia.errors import RemoteTimeout
-from stream_persia.lifecycle import PARENT_PID_ENV, descendants
 
 __all__ = ["RoleProcess", "QUIET_ROLES"]
 
@@ -61,7 +61,7 @@ class RoleProcess:
                "PYTHONUNBUFFERED": "1"}
         Path(self._dir).mkdir(parents=True, exist_ok=True)   # again after a stop()
         self.ready_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "stream_persia.cli", "launch", self.role, *self.args]
+        cmd = [sys.executable, "-m", "stream_persia.launch.cli", "launch", self.role, *self.args]
         if self.listens:
             cmd += ["--ready-file", str(self.ready_file)]
         with open(self.log_path, "ab") as log:

@@ -5,14 +5,14 @@ Format (``embedding-shard-<i>-of-<n>.bin``, see :func:`shard_file_name`): a sequ
 records, each a 4-byte big-endian length followed by a ``wire.pack``-ed store chunk (see
 ``EmbeddingStore.dump``), oldest rows first so loading reproduces LRU order.
 
-Restoring a shard (the server's ``load``, :mod:`stream_persia.embedding_server`) is all or
+Restoring a shard (the server's ``load``, :mod:`stream_persia.server.service`) is all or
 nothing. The files are streamed into a fresh staging store built with the server's
 capacity, optimizer and embedding config (:func:`stage_shard_files`), which replaces the
 serving store only after every listed file has been read to its end and passed every
 check; on any failure the staging store is dropped and the server holds exactly what it
 held before (rows, LRU order, optimizer state, counters). On success the server's
 reported counters go on from where they were, leaving out what the load itself counted
-(see :mod:`stream_persia.embedding_server`). The checks, in order:
+(see :mod:`stream_persia.server.service`). The checks, in order:
 
 1. the request (checked by the server before any file is touched): plain, distinct file
    names; a well-formed ``expected``;
@@ -58,10 +58,10 @@ from typing import Any
 
 import numpy as np
 
-from stream_persia import wire
-from stream_persia.embedding._pystore import check_chunk
+from stream_persia.core import wire
 from stream_persia.errors import BadInput, RemoteError, WireError, require
-from stream_persia.sharding import shard_of
+from stream_persia.kernels.sharding import shard_of
+from stream_persia.server._pystore import check_chunk
 
 __all__ = ["check_load_request", "is_plain_file_name", "read_shard_file", "shard_file_name",
            "stage_shard_files", "write_shard_file"]
@@ -238,7 +238,7 @@ def check_load_request(params: Any
     server's ``load`` request, validated (BadInput naming the field)."""
     directory = require(params, "dir", str)
     files = require(params, "files", list)
-    # ``cut`` (the stream watermarks a load sets) is the server's: stream_persia.watermarks.
+    # ``cut`` (the stream watermarks a load sets) is the server's: stream_persia.core.watermarks.
     unknown = sorted(map(str, set(params) - {"dir", "files", "expected", "stage", "cut"}))
     if unknown:
         raise BadInput(f"unknown load field(s) {unknown}", field=unknown[0],

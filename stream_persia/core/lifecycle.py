@@ -8,7 +8,7 @@ step), hands its prefetched but untrained batches back to their workers and wait
 every pending gradient push; the script's own code then leaves its ``TrainCtx`` as at the
 end of the stream. A stop is requested by
 
-- SIGTERM, while :meth:`Drain.install` (the rank entry :mod:`stream_persia.rank`, for the
+- SIGTERM, while :meth:`Drain.install` (the rank entry :mod:`stream_persia.launch.rank`, for the
   whole process) or a ``TrainCtx`` (for its lifetime, where SIGTERM had its default action)
   holds the handler. Outside a ``TrainCtx`` there is nothing to drain: the handler raises
   :class:`StopRequested` (the rank entry exits 0). A second SIGTERM takes the default
@@ -20,7 +20,7 @@ end of the stream. A stop is requested by
 - the parent process disappearing (see below).
 
 **Children die with their parent.** ``stream-persia run`` and the tests start roles in
-their own sessions (:class:`~stream_persia.local.RoleProcess`), so nothing stops them when
+their own sessions (:class:`~stream_persia.launch.processes.RoleProcess`), so nothing stops them when
 the starter dies, not even ``kill -9``. A role started with ``PERSIA_PARENT_PID`` in its
 environment (``RoleProcess`` sets it) watches its parent process (:class:`ParentWatch`,
 one thread, every :data:`POLL_S`): once its parent pid is no longer that one (the starter

@@ -1,9 +1,9 @@
 """An embedding store cut into internal shards that work on their own threads.
 
-One :class:`~stream_persia.embedding.store.EmbeddingStore` runs a call on one core. An
+One :class:`~stream_persia.server.store.EmbeddingStore` runs a call on one core. An
 embedding server with ``store_threads: k`` (``embedding_parameter_server_config``) holds a
 :class:`ShardedStore` instead: ``k`` stores, each owning the ids whose
-:func:`~stream_persia.segments.internal_owner` is its index. Every batched call is split
+:func:`~stream_persia.kernels.segments.internal_owner` is its index. Every batched call is split
 by owner, the parts run concurrently (the caller's thread takes part 0, a pool of
 ``k - 1`` threads the others; the Cython store releases the GIL), and the results are put
 back in the caller's order. The owners are hashed once; each part is then cut out on its
@@ -20,7 +20,7 @@ What differs from one store of the same total capacity:
   in PERSIA.
 - **Pooled lookups add per-shard partial sums**, in shard order: equal to the sums of the
   rows up to float rounding, as with several servers
-  (:func:`stream_persia.segments.split`).
+  (:func:`stream_persia.kernels.segments.split`).
 - **Admission draws** (``admit_probability`` < 1) are counted per shard, so which ids a
   partial admission keeps differs from one store (as it does with another server count).
 - **Errors after the checks**: every argument is checked before any shard runs, and a
@@ -45,11 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from stream_persia import segments
 from stream_persia.config.global_config import MAX_STORE_THREADS
-from stream_persia.embedding import _pystore as _py
-from stream_persia.embedding.store import EmbeddingStore
 from stream_persia.errors import BadInput
+from stream_persia.kernels import segments
+from stream_persia.server import _pystore as _py
+from stream_persia.server.store import EmbeddingStore
 
 __all__ = ["ShardedStore", "make_store"]
 

@@ -9,7 +9,7 @@ Two paths behind one interface, chosen once when the context is built (:attr:`Da
   exactly-once training need this path.**
 - ``"direct"`` (broker-less, PERSIA's own path): batches go straight to the embedding
   workers over RPC (``ingest``), round-robin, starting at ``REPLICA_INDEX``
-  (:mod:`stream_persia.direct_sender`). Same validation, bounded buffers and
+  (:mod:`stream_persia.loader.direct_sender`). Same validation, bounded buffers and
   backpressure, but nothing is replayable.
 
 Where the destination comes from (first match wins): the ``embedding_workers`` or
@@ -67,7 +67,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from stream_persia.aio import LoopThread
 from stream_persia.config import (
     EmbeddingSchema,
     GlobalConfig,
@@ -76,7 +75,8 @@ from stream_persia.config import (
     resolve_bootstrap_servers,
 )
 from stream_persia.config._base import parse_addresses
-from stream_persia.embedding.data import PersiaBatch
+from stream_persia.core.aio import LoopThread
+from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import (
     BadInput,
     ConfigError,
@@ -255,7 +255,7 @@ class DataCtx:
                 if self.bootstrap:
                     _run(loop, self._start_kafka())
                 else:
-                    from stream_persia.direct_sender import DirectSender
+                    from stream_persia.loader.direct_sender import DirectSender
 
                     self._direct = DirectSender(
                         self.workers, loop, max_inflight=self.max_inflight,
@@ -354,7 +354,7 @@ class DataCtx:
         if not isinstance(persia_batch, PersiaBatch):
             raise BadInput(f"send_data takes a PersiaBatch, got {type(persia_batch).__name__}",
                            field="persia_batch",
-                           hint="build one with stream_persia.embedding.data.PersiaBatch")
+                           hint="build one with stream_persia.core.data.PersiaBatch")
         with self._exclusive("send_data"):
             loop = self._live()
             if self.schema is not None:

@@ -1,0 +1,11 @@
+"""Starting a job: the console script, each role's entry point, and ``run``.
+
+- :mod:`~stream_persia.launch.cli`: the ``stream-persia`` console script;
+  :mod:`~stream_persia.launch.flags`: its checked argparse types.
+- :mod:`~stream_persia.launch.roles`: ``launch <role>`` (server, worker, NN, API).
+- :mod:`~stream_persia.launch.run`: ``run TOPOLOGY`` (every role on this machine);
+  :mod:`~stream_persia.launch.report`: its report and plot;
+  :mod:`~stream_persia.launch.topology`: ``topology.yml``.
+- :mod:`~stream_persia.launch.processes`: role child processes;
+  :mod:`~stream_persia.launch.rank`: one NN rank under torchrun.
+"""
