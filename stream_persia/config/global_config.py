@@ -36,7 +36,7 @@ does not have (incremental update, pushed metrics, Eval/Infer jobs, servers prel
 a checkpoint, dropping late batches). The only exceptions are :data:`INERT_KEYS`: PERSIA
 keys accepted so that PERSIA's files load, each of which has no effect in PERSIA either
 under the values accepted here, or only tuned the speed of a PERSIA internal that
-stream-persia does not have. ``tests/test_config_keys.py`` fails on a key that is none of
+stream-persia does not have. ``tests/config/test_config_keys.py`` fails on a key that is none of
 these.
 """
 

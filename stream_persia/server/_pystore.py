@@ -2,7 +2,7 @@
 
 :class:`PyEmbeddingStore` is the readable reference: the Cython ``CEmbeddingStore``
 (``cython_ext/store.pyx``) must give the same lookups, dumps and stats, bit for bit, for the
-same call sequence (``tests/embedding/test_store.py`` checks it). This module also holds
+same call sequence (``tests/server/test_store.py`` checks it). This module also holds
 what both share: argument validation (so errors read the same) and the two hash functions
 that make behaviour deterministic:
 

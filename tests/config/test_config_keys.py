@@ -25,7 +25,7 @@ from stream_persia.config import EmbeddingSchema, GlobalConfig, HashStackConfig,
 from stream_persia.config.global_config import INERT_KEYS
 from stream_persia.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCH, API_SETTINGS = "stream_persia/launch/roles.py", "api/settings.py"
 CONSUMER, PRODUCER = "stream_persia/kafka/consumer.py", "stream_persia/kafka/producer.py"
 KAFKA_CONFIG, POOLING = "stream_persia/config/kafka.py", "stream_persia/worker/pooling.py"

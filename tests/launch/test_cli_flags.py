@@ -21,7 +21,7 @@ from stream_persia.launch import roles as launch
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.loader import produce
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = str(ROOT / "topologies" / "synthetic_ctr")
 # Environment defaults of the parsers: none may leak in from the shell running the tests.
 ENV_DEFAULTS = ("REPLICA_INDEX", "REPLICA_SIZE", "NPROC_PER_NODE", "NNODES", "NODE_RANK",
