@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 from stream_persia.checkpoint.manifest import Manifest
 from stream_persia.checkpoint.reader import list_checkpoints, read_manifest, verify
-from stream_persia.launch import flags
+from stream_persia.config import flags
 
 
 def add_parser(sub: Any) -> None:

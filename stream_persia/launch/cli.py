@@ -17,7 +17,7 @@ CONFIG``, ``PERSIA_GLOBAL_CONFIG``, ``PERSIA_DATALOADER_ENTRY``, ``REPLICA_INDEX
 comma-separated ``host:port`` lists, ``KAFKA_BOOTSTRAP_SERVERS``, ``PERSIA_CHECKPOINT_ROOT``,
 and the job's role secret ``PERSIA_ROLE_SECRET`` / ``PERSIA_ROLE_SECRET_FILE``, which every
 role needs to listen beyond loopback and every RPC client presents), then the config files.
-Every flag is checked when parsed (:mod:`stream_persia.launch.flags`), environment defaults
+Every flag is checked when parsed (:mod:`stream_persia.config.flags`), environment defaults
 included, and each role takes only the flags it acts on: a bad one ends the command with
 exit status 2 and a message naming it, before anything starts.
 """
@@ -29,11 +29,11 @@ import logging
 import os
 import sys
 
+from stream_persia.config import flags
 from stream_persia.config.global_config import MAX_STORE_THREADS
 from stream_persia.core.embedding_config import MAX_CAPACITY
 from stream_persia.core.logger import RepeatFilter
 from stream_persia.errors import PersiaError
-from stream_persia.launch import flags
 
 ROLE_ALIASES = {"embedding-parameter-server": "embedding-server"}
 
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _split(raw: str | None) -> list[str]:
-    """A checked ``host:port,...`` flag (:func:`stream_persia.launch.flags.addresses`) as a list."""
+    """A checked ``host:port,...`` flag (:func:`stream_persia.config.flags.addresses`) as a list."""
     return [a for a in (raw or "").split(",") if a]
 
 

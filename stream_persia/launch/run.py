@@ -55,6 +55,7 @@ from typing import Any
 
 import yaml
 
+from stream_persia.config import flags
 from stream_persia.core.supervisor import UNHEALTHY_MARK
 from stream_persia.errors import (
     ConfigError,
@@ -63,7 +64,6 @@ from stream_persia.errors import (
     PersiaError,
     RemoteTimeout,
 )
-from stream_persia.launch import flags
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.launch.report import build_report, plot_report, print_report, served_metrics
 from stream_persia.launch.topology import Topology, load_topology

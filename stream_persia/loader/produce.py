@@ -65,10 +65,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from stream_persia.config import flags
 from stream_persia.config.kafka import COMPRESSION_TYPES
 from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import BadInput, ConfigError, PersiaError
-from stream_persia.launch import flags
 from stream_persia.loader.readers import FORMATS, Columns, detect_format, read_chunks, split_ids
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ def logged():
 def test_a_repeated_line_passes_once_per_window_then_says_how_many_were_dropped(
         logged, monkeypatch):
     logger, lines, clock, _ = logged
-    monkeypatch.setattr("stream_persia.logger.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("stream_persia.core.logger.time.monotonic", lambda: clock[0])
     for _ in range(50):
         logger.error("Unable connect to node with id %s: %s", 1, "refused")
     logger.error("the role is unhealthy")          # another line is never held back
@@ -47,7 +47,7 @@ def test_a_repeated_line_passes_once_per_window_then_says_how_many_were_dropped(
 
 def test_levels_and_loggers_are_told_apart_and_memory_is_bounded(logged, monkeypatch):
     logger, lines, clock, flt = logged
-    monkeypatch.setattr("stream_persia.logger.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("stream_persia.core.logger.time.monotonic", lambda: clock[0])
     logger.warning("x")
     logger.error("x")
     logging.getLogger("test.repeat.child").error("x")   # reaches the same handler
