@@ -32,6 +32,8 @@ reachable from every server under the same path or URL (shared filesystem or obj
 store); an in-memory ``memory://`` URL only works with servers in the same process.
 """
 
+from stream_persia.checkpoint.cut import Cut, read_cut, stream_cut
+from stream_persia.checkpoint.digest import check_config, config_digest
 from stream_persia.checkpoint.manifest import (
     DENSE_FILENAME,
     FORMAT_VERSION,
@@ -39,7 +41,6 @@ from stream_persia.checkpoint.manifest import (
     MANIFEST_NAME,
     OPT_FILENAME,
     Manifest,
-    cut_offsets,
 )
 from stream_persia.checkpoint.reader import (
     latest_checkpoint,
@@ -54,6 +55,7 @@ from stream_persia.checkpoint.writer import CheckpointWriter
 
 __all__ = [
     "CheckpointWriter", "Manifest", "read_manifest", "verify", "load_embeddings", "load_torch",
-    "list_checkpoints", "latest_checkpoint", "cut_offsets", "FORMAT_VERSION", "MANIFEST_NAME",
+    "list_checkpoints", "latest_checkpoint", "Cut", "read_cut", "stream_cut",
+    "config_digest", "check_config", "FORMAT_VERSION", "MANIFEST_NAME",
     "DENSE_FILENAME", "OPT_FILENAME", "JIT_FILENAME", "prune_checkpoints", "delete_checkpoint",
 ]
