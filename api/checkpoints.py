@@ -44,6 +44,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -402,7 +403,7 @@ class Checkpoints:
             job.error = (f"the NN ranks did not take it ({why}), and the API could not "
                          f"either: {e.message}")
 
-    async def _call_workers(self, method: str) -> list[dict[str, Any]]:
+    async def _call_workers(self, method: str) -> Sequence[dict[str, Any]]:
         workers = self.roles.workers
         return await self.roles.fanout(workers, method) if workers else []
 

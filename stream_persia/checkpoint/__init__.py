@@ -27,6 +27,10 @@ Atomicity (a checkpoint is visible only when complete; readers require the manif
   the manifest last. Until the commit, ``dst`` has no manifest and is not a checkpoint;
   so to keep the previous checkpoint, give each one its own ``dst`` (``ROOT/step-N``).
 
+The cut the offsets record is computed in one place for every taker (NN rank 0 and the
+API): :mod:`stream_persia.checkpoint.cut`. The manifest's ``config_digest`` is the job's
+embedding schema, written and checked on restore by :mod:`stream_persia.checkpoint.digest`.
+
 Embedding servers write their shard files themselves (RPC ``dump``), so ``dst`` must be
 reachable from every server under the same path or URL (shared filesystem or object
 store); an in-memory ``memory://`` URL only works with servers in the same process.

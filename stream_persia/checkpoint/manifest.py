@@ -15,6 +15,8 @@ Schema (format version 1; JSON object, every key present, ``null`` where optiona
                        "embedding_config": {...}} | null,
      "extra": {...}}
 
+``config_digest`` is ``schema-v1:<sha256>`` of the job's embedding schema, which a restore
+checks (:mod:`stream_persia.checkpoint.digest`; null: not known, restored unchecked).
 ``server_config`` is the configuration every embedding server held when it dumped its
 shard (the embedding optimizer, whose state the shard files carry, and the
 EmbeddingConfig), as the servers' ``get_config`` describes it; a restore configures the
