@@ -21,7 +21,13 @@ consumed before it applied, none after it, offsets pointing at the first batch a
   (``extra.embeddings_only``).
   If training starts meanwhile the attempt fails (nothing is published) and can be retried.
 
-Restore loads the embedding rows into every server (any server count) and resets every
+Both ways take the same cut (:func:`stream_persia.checkpoint.read_cut`; workers that mix
+Kafka and direct ingest refuse it) and record the same ``config_digest`` (the embedding
+schema, :mod:`stream_persia.checkpoint.digest`).
+
+Restore refuses a checkpoint whose ``config_digest`` is not this job's embedding schema
+(409 naming what differs; one without a digest is restored unchecked). It loads the
+embedding rows into every server (any server count) and resets every
 worker's stream to the checkpoint's offsets; it refuses while batches are in flight,
 since NN ranks that are training would keep their own dense state. Batches whose push
 failed and embedding servers that restarted (their tables lost) do not stop it: a restore
@@ -38,6 +44,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -49,16 +56,19 @@ from stream_persia.api.settings import ApiSettings
 
 from stream_persia.checkpoint import (
     CheckpointWriter,
+    Cut,
     Manifest,
+    check_config,
     delete_checkpoint,
     list_checkpoints,
     load_embeddings,
     prune_checkpoints,
+    read_cut,
     read_manifest,
 )
 from stream_persia.checkpoint._common import Location
+from stream_persia.checkpoint.cut import check_nothing_in_flight
 from stream_persia.errors import BadInput, ConfigError, DataLost, Misuse, PersiaError
-from stream_persia.worker.frontier import check_no_failed_push, check_servers_kept
 
 __all__ = ["Checkpoints", "CheckpointJob", "new_checkpoint_id"]
 
@@ -150,7 +160,6 @@ class Checkpoints:
         self._deleting: set[str] = set()
         gc = settings.global_config
         self.job_name = gc.kafka.job_name if gc is not None else "persia"
-        self.config_digest = gc.digest() if gc is not None else None
 
     async def stop(self) -> None:
         tasks = [j.task for j in self.jobs.values() if j.task is not None and not j.task.done()]
@@ -394,25 +403,22 @@ class Checkpoints:
             job.error = (f"the NN ranks did not take it ({why}), and the API could not "
                          f"either: {e.message}")
 
-    async def _frontiers(self, *, restoring: bool = False) -> list[dict[str, Any]]:
-        """Every worker's ``frontier``, refusing a cut while something is in flight, a
-        batch is only partly applied or a server restarted with an empty table. A restore
-        (``restoring``) replaces both of the last two: only batches that NN ranks may
-        still be training (in flight, not failed) refuse it."""
+    async def _call_workers(self, method: str) -> Sequence[dict[str, Any]]:
         workers = self.roles.workers
-        fronts = await self.roles.fanout(workers, "frontier") if workers else []
-        if not restoring:
-            check_no_failed_push(fronts)   # a batch only partly applied: name it
-            check_servers_kept(fronts)     # a server restarted with an empty table: name it
-        for w, f in zip(workers, fronts, strict=True):
-            busy = int(f.get("inflight", 0)) - (len(f.get("failed") or ()) if restoring else 0)
-            if busy > 0:
-                raise Misuse(f"{w.peer} has {busy} batch(es) in flight (served to "
-                             f"an NN worker, gradients not yet applied), and no NN rank "
-                             f"reports to the checkpoint mailbox",
-                             hint="take the checkpoint from train.py (dump_checkpoint), or "
-                                  "stop the NN workers first")
-        return fronts
+        return await self.roles.fanout(workers, method) if workers else []
+
+    async def _cut(self) -> Cut:
+        """The workers' stream cut (:func:`stream_persia.checkpoint.read_cut`: refused
+        while something is in flight, a batch is only partly applied, a server restarted
+        with an empty table, or the workers mix Kafka and direct ingest)."""
+        return await read_cut(self._call_workers, [w.peer for w in self.roles.workers])
+
+    async def _check_restorable(self) -> None:
+        """Refuse a restore while NN ranks may still be training: batches in flight that
+        did not fail. Failed batches and servers that restarted are what a restore is
+        for: the load replaces every table and reset_stream drops those batches."""
+        check_nothing_in_flight(await self._call_workers("frontier"),
+                                [w.peer for w in self.roles.workers], failed_in_flight=False)
 
     async def _updates(self) -> list[Any]:
         stats = await self.roles.fanout(self.roles.servers, "stats")
@@ -421,23 +427,11 @@ class Checkpoints:
         return [(s.get("updates"), s.get("admissions"), s.get("evictions"), s.get("loads"))
                 for s in stats]
 
-    async def _offsets(self, fronts: list[dict[str, Any]]) -> tuple[dict, str]:
-        if not any(f.get("stream") == "kafka" for f in fronts):
-            return {}, "direct"
-        statuses = await self.roles.fanout(self.roles.workers, "status")
-        topics = {s["kafka"]["topic"] for s in statuses if isinstance(s.get("kafka"), dict)}
-        if len(topics) != 1:
-            raise Misuse(f"embedding workers consume {sorted(topics)}; expected one topic")
-        parts: dict[str, int] = {}
-        for f in fronts:
-            parts.update({str(p): int(o) for p, o in f.get("offsets", {}).items()})
-        return {topics.pop(): parts}, "kafka"
-
     async def _direct(self, job: CheckpointJob, hb: dict[str, Any] | None) -> None:
         servers = self.roles.require(SERVER)
         job.state = "running"
         job.progress = {"phase": "checking that nothing is in flight"}
-        await self._frontiers()
+        await self._cut()
         updates = await self._updates()
         complete = await self._complete()
         base = complete[-1] if complete else None
@@ -460,13 +454,13 @@ class Checkpoints:
                                          timeout_ms=SHARD_TIMEOUT_MS)
             job.progress = {"phase": "checking the cut", "done": len(servers),
                             "total": len(servers)}
-            after = await self._frontiers()   # raises if a batch went in flight meanwhile
+            cut = await self._cut()   # raises if a batch went in flight meanwhile
             if await self._updates() != updates:
                 raise Misuse("training moved while the embeddings were dumped, so the cut is "
                              "not consistent; nothing was published",
                              hint="retry; an NN rank that trains must report to the "
                                   "checkpoint mailbox")
-            offsets, stream = await self._offsets(after)
+            offsets, stream = cut.offsets, cut.stream
             # The dense model of the newest checkpoint belongs to this cut only if nothing
             # was trained since: provable for a Kafka stream (same offsets), never for a
             # direct one. Otherwise the checkpoint holds the embeddings alone.
@@ -485,7 +479,7 @@ class Checkpoints:
                 extra |= {k: base.extra[k] for k in ("heads", "inputs") if k in base.extra}
             manifest = await asyncio.to_thread(
                 lambda: writer.commit(job=self.job_name, step=step, offsets=offsets,
-                                      stream=stream, config_digest=self.config_digest,
+                                      stream=stream, schema=self.settings.schema,
                                       extra=extra))
         except BaseException:
             await asyncio.to_thread(writer.abort)
@@ -503,7 +497,9 @@ class Checkpoints:
         """Load a checkpoint back into the job (servers and stream position).
 
         Raises:
-            Misuse: batches are in flight, or a checkpoint is being taken.
+            Misuse: batches are in flight, a checkpoint is being taken, or the checkpoint
+                was trained with another embedding schema than this job's (its
+                ``config_digest``; the message names what differs).
             BadInput: not a checkpoint, or its stream offsets are not in the topic.
             DataLost: the brokers deleted data from its stream offsets on (retention);
                 nothing was changed.
@@ -525,9 +521,9 @@ class Checkpoints:
     async def _restore(self, ident: str, src: str, reload_model: bool) -> dict[str, Any]:
         manifest = await asyncio.to_thread(read_manifest, src)
         servers = self.roles.require(SERVER)
-        # Failed batches and servers that restarted are what a restore is for: the load
-        # replaces every table and reset_stream drops those batches.
-        await self._frontiers(restoring=True)
+        # Rows of another embedding schema would be read as other slots or dims (409).
+        check_config(manifest, self.settings.schema, f"checkpoint {ident!r}")
+        await self._check_restorable()
         parts: dict[str, int] = {}
         replay = manifest.stream == "kafka" and bool(self.roles.workers)
         if replay:

@@ -27,11 +27,17 @@ Atomicity (a checkpoint is visible only when complete; readers require the manif
   the manifest last. Until the commit, ``dst`` has no manifest and is not a checkpoint;
   so to keep the previous checkpoint, give each one its own ``dst`` (``ROOT/step-N``).
 
+The cut the offsets record is computed in one place for every taker (NN rank 0 and the
+API): :mod:`stream_persia.checkpoint.cut`. The manifest's ``config_digest`` is the job's
+embedding schema, written and checked on restore by :mod:`stream_persia.checkpoint.digest`.
+
 Embedding servers write their shard files themselves (RPC ``dump``), so ``dst`` must be
 reachable from every server under the same path or URL (shared filesystem or object
 store); an in-memory ``memory://`` URL only works with servers in the same process.
 """
 
+from stream_persia.checkpoint.cut import Cut, read_cut, stream_cut
+from stream_persia.checkpoint.digest import check_config, config_digest
 from stream_persia.checkpoint.manifest import (
     DENSE_FILENAME,
     FORMAT_VERSION,
@@ -39,7 +45,6 @@ from stream_persia.checkpoint.manifest import (
     MANIFEST_NAME,
     OPT_FILENAME,
     Manifest,
-    cut_offsets,
 )
 from stream_persia.checkpoint.reader import (
     latest_checkpoint,
@@ -54,6 +59,7 @@ from stream_persia.checkpoint.writer import CheckpointWriter
 
 __all__ = [
     "CheckpointWriter", "Manifest", "read_manifest", "verify", "load_embeddings", "load_torch",
-    "list_checkpoints", "latest_checkpoint", "cut_offsets", "FORMAT_VERSION", "MANIFEST_NAME",
+    "list_checkpoints", "latest_checkpoint", "Cut", "read_cut", "stream_cut",
+    "config_digest", "check_config", "FORMAT_VERSION", "MANIFEST_NAME",
     "DENSE_FILENAME", "OPT_FILENAME", "JIT_FILENAME", "prune_checkpoints", "delete_checkpoint",
 ]

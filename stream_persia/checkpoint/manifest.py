@@ -15,6 +15,8 @@ Schema (format version 1; JSON object, every key present, ``null`` where optiona
                        "embedding_config": {...}} | null,
      "extra": {...}}
 
+``config_digest`` is ``schema-v1:<sha256>`` of the job's embedding schema, which a restore
+checks (:mod:`stream_persia.checkpoint.digest`; null: not known, restored unchecked).
 ``server_config`` is the configuration every embedding server held when it dumped its
 shard (the embedding optimizer, whose state the shard files carry, and the
 EmbeddingConfig), as the servers' ``get_config`` describes it; a restore configures the
@@ -33,16 +35,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
-from stream_persia.errors import BadInput, Misuse
-from stream_persia.worker.frontier import check_no_failed_push, check_servers_kept
+from stream_persia.errors import BadInput
 
 __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "DENSE_FILENAME", "OPT_FILENAME", "JIT_FILENAME",
-           "STREAMS", "Manifest", "check_file_name", "cut_offsets", "utc_now"]
+           "STREAMS", "Manifest", "check_file_name", "utc_now"]
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -57,44 +57,6 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 def utc_now() -> str:
     """The current time as ISO-8601 UTC with a ``Z`` suffix (second precision)."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def cut_offsets(topic: str, frontiers: Sequence[dict[str, Any]]
-                ) -> tuple[str, dict[str, dict[str, int]]]:
-    """The ``stream`` and ``offsets`` of a cut, from every embedding worker's ``frontier``.
-
-    Args:
-        topic: the samples topic the workers consume.
-        frontiers: each worker's ``frontier`` RPC reply (``{"stream", "offsets", "inflight"}``).
-
-    Returns:
-        ``("kafka", {topic: {partition: offset}})``, or ``("direct", {})`` without a broker.
-
-    Raises:
-        Misuse: a worker still has served batches whose gradients are not applied (the cut
-            would not be consistent), or the workers disagree on the stream or an offset.
-        ServerRestarted: a worker found an embedding server restarted (its rows lost).
-    """
-    streams = {f.get("stream") for f in frontiers}
-    if len(streams) != 1 or not streams <= set(STREAMS):
-        raise Misuse(f"embedding workers report streams {sorted(map(str, streams))}, expected "
-                     f"all 'kafka' or all 'direct'")
-    check_no_failed_push(frontiers)   # a batch only partly applied: name it
-    check_servers_kept(frontiers)     # a server restarted with an empty table: name it
-    offsets: dict[str, int] = {}
-    for i, f in enumerate(frontiers):
-        if f.get("inflight"):
-            raise Misuse(f"embedding worker {i} has {f['inflight']} batch(es) in flight: not a "
-                         f"consistent cut", hint="return prefetched batches and wait for "
-                         "gradient pushes before checkpointing")
-        for p, o in (f.get("offsets") or {}).items():
-            if offsets.get(str(p), o) != o:
-                raise Misuse(f"workers disagree on partition {p}: {offsets[str(p)]} and {o}")
-            offsets[str(p)] = o
-    stream = streams.pop()
-    if stream == "direct":
-        return stream, {}
-    return stream, _offsets({topic: offsets})
 
 
 def check_file_name(name: Any, field_name: str = "name") -> str:

@@ -18,6 +18,7 @@ from stream_persia.checkpoint._common import (
     Location,
     check_server_set,
 )
+from stream_persia.checkpoint.digest import SCHEMA_KEY, config_digest
 from stream_persia.checkpoint.manifest import (
     DENSE_FILENAME,
     JIT_FILENAME,
@@ -26,6 +27,7 @@ from stream_persia.checkpoint.manifest import (
     Manifest,
     check_file_name,
 )
+from stream_persia.config.embedding import EmbeddingSchema
 from stream_persia.core import watermarks
 from stream_persia.core.watermarks import RESTORE_HINT
 from stream_persia.errors import BadInput, InternalError, Misuse, StreamReplay
@@ -175,7 +177,7 @@ class CheckpointWriter:
 
     # ----------------------------------------------------------------- publishing
     def commit(self, *, job: str, step: int, offsets: dict[str, dict[str, int]], stream: str,
-               config_digest: str | None = None, extra: dict[str, Any] | None = None
+               schema: EmbeddingSchema | None = None, extra: dict[str, Any] | None = None
                ) -> Manifest:
         """Write ``manifest.json`` (last), then make the checkpoint visible at ``dst``.
 
@@ -184,7 +186,10 @@ class CheckpointWriter:
             offsets: topic → partition → next offset to consume (partition keys may be
                 ints; they are stored as decimal strings). ``{}`` for a direct stream.
             stream: ``"kafka"`` or ``"direct"``.
-            config_digest: digest of the job's configs, checked by whoever restores.
+            schema: the job's embedding schema: its digest becomes the manifest's
+                ``config_digest`` and the schema goes into ``extra["embedding_schema"]``,
+                so that a restore into a job with another schema is refused naming what
+                differs (:mod:`stream_persia.checkpoint.digest`). None: not known (no digest).
             extra: any JSON-serialisable metadata.
 
         Returns:
@@ -200,14 +205,17 @@ class CheckpointWriter:
         if stream == "kafka":
             _check_cut(offsets, self._server_marks)
         files = self.files
+        extra = {} if extra is None else dict(extra)
+        if schema is not None:
+            extra[SCHEMA_KEY] = schema.to_dict()
         manifest = Manifest(
             job=job, step=step, stream=stream, offsets=offsets,
             shard_count=len(self._embedding_files), files=files,
-            embedding_files=list(self._embedding_files), config_digest=config_digest,
+            embedding_files=list(self._embedding_files), config_digest=config_digest(schema),
             dense_filename=DENSE_FILENAME if DENSE_FILENAME in files else None,
             opt_filename=OPT_FILENAME if OPT_FILENAME in files else None,
             jit_filename=JIT_FILENAME if JIT_FILENAME in files else None,
-            server_config=self._server_config, extra={} if extra is None else extra)
+            server_config=self._server_config, extra=extra)
         data = (json.dumps(manifest.to_dict(), indent=2) + "\n").encode()
         if self._dst.local:
             self._check_replaceable()

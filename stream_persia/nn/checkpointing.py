@@ -6,7 +6,9 @@
    worker (``return_batches``: unapplied, first in line again) and wait until every
    gradient push has been answered (the servers applied it).
 2. Barrier: now no rank has anything in flight.
-3. Rank 0 asks every worker for its ``frontier``: with nothing in flight, every batch
+3. Rank 0 asks every worker for its ``frontier`` (the cut:
+   :func:`stream_persia.checkpoint.read_cut`, which also refuses workers that mix Kafka
+   and direct ingest): with nothing in flight, every batch
    before those offsets is applied and none after it, and no worker found an embedding
    server restarted (its table lost: the workers check every server's incarnation then,
    and again after the dump, so a restart in between refuses the checkpoint too;
@@ -21,7 +23,12 @@
    consumer group (for lag monitors only: restoring uses the manifest).
 4. Barrier; prefetching resumes.
 
-``load_checkpoint(src)`` (every rank): quiesce, barrier; for a Kafka stream rank 0 first
+The manifest's ``config_digest`` is the digest of the job's embedding schema (the file
+``PERSIA_EMBEDDING_CONFIG`` names; :mod:`stream_persia.checkpoint.digest`).
+
+``load_checkpoint(src)`` (every rank): refuse a checkpoint whose ``config_digest`` is not
+this job's embedding schema (``Misuse`` naming what differs), quiesce, barrier; for a
+Kafka stream rank 0 first
 asks every worker whether the brokers still hold the manifest's offsets (``check_stream``:
 a :class:`~stream_persia.errors.DataLost` naming the partitions and offsets retention
 deleted, before anything changed), then loads the embeddings into the servers (any number
@@ -34,7 +41,6 @@ offsets; every rank loads the dense model and optimizer state; barrier.
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import io
 import logging
 import os
@@ -47,13 +53,17 @@ import torch
 
 from stream_persia.checkpoint import (
     CheckpointWriter,
+    Cut,
     Manifest,
+    check_config,
     load_embeddings,
     load_torch,
+    read_cut,
     read_manifest,
 )
+from stream_persia.config.embedding import EmbeddingSchema
 from stream_persia.errors import Misuse
-from stream_persia.worker.frontier import check_no_failed_push, check_servers_kept
+from stream_persia.worker.frontier import check_servers_kept
 
 __all__ = ["dump_checkpoint", "dump_embedding", "dump_torch_state_dict", "load_checkpoint",
            "load_embedding", "load_torch_state_dict"]
@@ -82,17 +92,14 @@ def _job_name() -> str:
     return "persia"
 
 
-def _config_digest() -> str | None:
-    """sha256 over the job's config files (as named by the environment), if any."""
-    h = hashlib.sha256()
-    found = False
-    for var in ("PERSIA_EMBEDDING_CONFIG", "PERSIA_GLOBAL_CONFIG"):
-        path = os.environ.get(var)
-        if path and os.path.isfile(path):
-            with open(path, "rb") as f:
-                h.update(var.encode() + b"\0" + f.read() + b"\0")
-            found = True
-    return h.hexdigest() if found else None
+def _schema() -> EmbeddingSchema | None:
+    """The job's embedding schema (the file ``PERSIA_EMBEDDING_CONFIG`` names), if any: its
+    digest goes into every checkpoint written here and is checked by every restore."""
+    if not os.environ.get("PERSIA_EMBEDDING_CONFIG"):
+        return None
+    from stream_persia.config import load_embedding_config
+
+    return load_embedding_config()
 
 
 def _is_train(ctx: Any) -> bool:
@@ -115,36 +122,6 @@ def _dense_model(ctx: Any) -> torch.nn.Module:
     if model is None:
         raise Misuse("the context has no model to checkpoint", field="model")
     return model
-
-
-async def _stream_position(cluster: Any) -> tuple[str, dict[str, dict[str, int]]]:
-    """The cut's stream kind and offsets (topic → partition → next offset)."""
-    frontiers = await cluster.call_workers("frontier")
-    check_no_failed_push(frontiers)   # names a batch whose push failed (pinned, not lost)
-    check_servers_kept(frontiers)     # names a server that restarted with an empty table
-    busy = [(i, f["inflight"]) for i, f in enumerate(frontiers) if f.get("inflight")]
-    if busy:
-        i, n = busy[0]
-        raise Misuse(f"embedding worker {i} still has {n} batch(es) in flight at the "
-                     f"checkpoint: some NN rank did not reach dump_checkpoint, or another "
-                     f"job trains from the same workers",
-                     hint="every rank must call dump_checkpoint at the same step")
-    kinds = {f.get("stream") for f in frontiers}
-    if kinds != {"kafka"}:
-        if "kafka" in kinds:
-            log.warning("some embedding workers read Kafka and some do not: the checkpoint "
-                        "records no offsets and cannot replay the stream")
-        return "direct", {}
-    statuses = await cluster.call_workers("status")
-    offsets: dict[str, dict[str, int]] = {}
-    for f, s in zip(frontiers, statuses, strict=True):
-        topic = (s.get("kafka") or {}).get("topic")
-        if topic is None:
-            raise Misuse("an embedding worker reads Kafka but reports no topic",
-                         field="topic")
-        offsets.setdefault(topic, {}).update({str(p): int(o)
-                                              for p, o in f["offsets"].items()})
-    return "kafka", offsets
 
 
 def dump_checkpoint(ctx: Any, dst_dir: str, *, dense_filename: str = "dense.pt",
@@ -198,9 +175,10 @@ def _write(ctx: Any, cluster: Any, dst_dir: str, *, train: bool, dense_filename:
     """Rank 0's part of :func:`dump_checkpoint`, once every rank is quiet."""
     note("reading the stream position")
     if train:
-        stream, offsets = cluster.run(_stream_position(cluster))
+        cut = cluster.run(read_cut(cluster.call_workers))
     else:   # no training here: the workers' position means nothing for this model
-        stream, offsets = "direct", {}
+        cut = Cut("direct", {})
+    stream, offsets = cut.stream, cut.offsets
     model = _dense_model(ctx)
     jit = None
     if with_jit_model:
@@ -230,7 +208,7 @@ def _write(ctx: Any, cluster: Any, dst_dir: str, *, train: bool, dense_filename:
         note("committing")
         manifest = writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0),
                                  offsets=offsets, stream=stream,
-                                 config_digest=_config_digest(),
+                                 schema=_schema(),
                                  extra={"world_size": getattr(ctx, "world_size", 1),
                                         "dense_filename": dense_filename,
                                         "opt_filename": opt_filename if train else None,
@@ -247,6 +225,8 @@ def load_checkpoint(ctx: Any, src_dir: str, *, map_location: Any = None,
     train = _is_train(ctx)
     cluster = ctx._cluster()
     manifest = read_manifest(src_dir)
+    # Every rank, before anything changes: rows of another embedding schema are refused.
+    check_config(manifest, _schema(), f"checkpoint {src_dir}")
     resume = ctx._quiesce(strict=False) if train else []
     try:
         _barrier(ctx)
@@ -300,7 +280,7 @@ def dump_embedding(ctx: Any, dst_dir: str, blocking: bool = True) -> concurrent.
         with CheckpointWriter(dst_dir) as writer:
             cluster.run(writer.dump_embeddings(cluster.servers))
             writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0), offsets={},
-                          stream="direct", config_digest=_config_digest(),
+                          stream="direct", schema=_schema(),
                           extra={"embedding_only": True})
 
     return _guarded(ctx, dump, blocking)
@@ -309,7 +289,8 @@ def dump_embedding(ctx: Any, dst_dir: str, blocking: bool = True) -> concurrent.
 def load_embedding(ctx: Any, src_dir: str, blocking: bool = True) -> concurrent.futures.Future:
     """Replace the servers' rows by the checkpoint's (resharded to the server count)."""
     cluster = ctx._cluster()
-    read_manifest(src_dir)   # fail here, not in the background, on a wrong path
+    # Fail here, not in the background, on a wrong path or another embedding schema.
+    check_config(read_manifest(src_dir), _schema(), f"checkpoint {src_dir}")
 
     def load() -> None:
         cluster.run(load_embeddings(src_dir, cluster.servers))

@@ -2,19 +2,35 @@
 
 Started with 202, followed to ``done``, listed with its manifest, restored into a job
 with another number of embedding servers; refused (the job fails, nothing is published)
-while a batch is in flight without an NN rank reporting to the mailbox.
+while a batch is in flight without an NN rank reporting to the mailbox, or while the
+workers mix Kafka and direct ingest; a restore into a job with another embedding schema
+is refused (409).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 
 import numpy as np
-from api_helpers import AUTH, LiveApi, TwoHeads, settings_for, start_job, stop_job, write_checkpoint
+import pytest
+from api_helpers import (
+    AUTH,
+    LiveApi,
+    TwoHeads,
+    settings_for,
+    start_job,
+    stop_job,
+    take_checkpoint,
+    write_checkpoint,
+)
 
-from stream_persia.checkpoint import read_manifest, verify
-from stream_persia.testing.samples import SCHEMA, make_batch
+from stream_persia.checkpoint import config_digest, read_manifest, verify
+from stream_persia.config import EmbeddingSchema, KafkaConfig
+from stream_persia.kafka import DeadLetterWriter, SampleConsumer
+from stream_persia.testing.samples import SCHEMA, SCHEMA_DICT, make_batch
+from stream_persia.worker.ingest import KafkaIngest
 
 
 async def wait_done(api: LiveApi, ident: str, timeout_s: float = 30) -> dict:
@@ -150,3 +166,64 @@ async def test_checkpoint_routes_without_a_directory(job):
         assert r.status_code == 409 and r.json()["error"]["field"] == "checkpoint_dir"
         assert (await api.client.get("/v1/checkpoints", headers=AUTH)).json() == {
             "checkpoints": []}
+
+
+async def test_restore_refuses_a_checkpoint_of_another_embedding_schema(job, tmp_path):
+    """The checkpoint records the digest of the embedding schema its rows were trained
+    with; a job started with another one refuses to restore it (409 naming what differs)
+    and keeps its rows; the same schema restores."""
+    root = str(tmp_path / "ckpts")
+    await job.train(3)
+    async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+        info = await take_checkpoint(api, "c1")
+    assert info["manifest"]["config_digest"] == config_digest(SCHEMA)
+    await job.train(2, seed=5)
+    before = rows_of(job)
+    wider = copy.deepcopy(SCHEMA_DICT)
+    wider["slots_config"]["user"]["dim"] = 16
+    async with LiveApi(settings_for(job, checkpoint_dir=root,
+                                    schema=EmbeddingSchema.from_dict(wider))) as api:
+        r = await api.client.post("/v1/checkpoints/c1/restore", headers=AUTH)
+        assert r.status_code == 409, r.text
+        error = r.json()["error"]
+        assert error["field"] == "config_digest"
+        assert "checkpoint 'c1' was trained with another embedding config" in error["message"]
+        assert "slot 'user' has dim 8 in the checkpoint, 16 here" in error["message"]
+        assert config_digest(SCHEMA) in error["message"]
+    got = rows_of(job)
+    assert got.keys() == before.keys()
+    for k, w in before.items():
+        np.testing.assert_array_equal(got[k], w)
+    async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+        r = await api.client.post("/v1/checkpoints/c1/restore", headers=AUTH)
+        assert r.status_code == 200, r.text
+    assert len(rows_of(job)) == sum(info["manifest"]["files"][f]["rows"]
+                                    for f in info["manifest"]["embedding_files"])
+
+
+@pytest.mark.kafka
+async def test_api_cut_refuses_workers_that_mix_kafka_and_direct_ingest(kafka_broker,
+                                                                        kafka_topic, tmp_path):
+    """Worker 0 reads Kafka, worker 1 takes direct ingest: no checkpoint records one
+    stream position for both (restoring it would lose or replay batches), so the cut is
+    refused naming the workers of each kind, and nothing is published."""
+    topic = kafka_topic(partitions=1)
+    job = await start_job(n_workers=2)
+    try:
+        worker = job.workers[0]
+        cfg = KafkaConfig(bootstrap_servers=kafka_broker.bootstrap_servers,
+                          samples_topic=topic, dlq_topic=f"{topic}.dlq", job_name="mixed")
+        await worker.start_kafka_ingest(lambda start: KafkaIngest(
+            worker, SampleConsumer.from_config(cfg, replica_index=0, replica_size=1),
+            DeadLetterWriter.from_config(cfg), start_offsets=start))
+        async with LiveApi(settings_for(job, checkpoint_dir=str(tmp_path / "ck"))) as api:
+            r = await api.client.post("/v1/checkpoints", headers=AUTH)
+            assert r.status_code == 202, r.text
+            info = await wait_done(api, r.json()["id"])
+        assert info["state"] == "failed" and info["manifest"] is None, info
+        w0, w1 = job.worker_addresses
+        assert (f"mix Kafka (embedding-worker-0 {w0}) and direct ingest "
+                f"(embedding-worker-1 {w1})") in info["error"]
+        assert not os.path.exists(info["dst"])
+    finally:
+        await stop_job(job)

@@ -22,6 +22,7 @@ from stream_persia import checkpoint as ck
 from stream_persia.checkpoint import CheckpointWriter, Manifest
 from stream_persia.checkpoint import writer as writer_mod
 from stream_persia.errors import BadInput, Misuse
+from stream_persia.testing.samples import SCHEMA
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker.router import ShardRouter
 
@@ -73,7 +74,7 @@ async def write_checkpoint(dst: str, router: ShardRouter, step: int = 10) -> Man
         w.write_torch(ck.OPT_FILENAME, {"state": {}, "param_groups": [{"lr": 0.01}]})
         await w.dump_embeddings(router.clients)
         return w.commit(job="ctr", step=step, offsets=OFFSETS, stream="kafka",
-                        config_digest="abc123", extra={"nn_ranks": 1})
+                        schema=SCHEMA, extra={"nn_ranks": 1})
 
 
 # ------------------------------------------------------------------- round trip
@@ -93,7 +94,11 @@ async def test_round_trip_restores_rows_and_optimizer_state(tmp_path, scheme):
         assert m.jit_filename is None
         assert m.rows == sum(len(v[0]) for v in before.values())
         back = ck.read_manifest(dst)
-        assert back == m and back.offsets == OFFSETS and back.extra == {"nn_ranks": 1}
+        assert back == m and back.offsets == OFFSETS
+        # The job's embedding schema: its digest, and itself (a refused restore names
+        # what differs).
+        assert back.config_digest == ck.config_digest(SCHEMA)
+        assert back.extra == {"nn_ranks": 1, "embedding_schema": SCHEMA.to_dict()}
         ck.verify(dst)
         assert [x.step for x in ck.list_checkpoints(root)] == [10]
         dense = ck.load_torch(dst, m.dense_filename)
@@ -378,21 +383,6 @@ def test_unknown_format_version_is_a_clear_error(tmp_path):
     with pytest.raises(BadInput, match="not valid JSON"):
         ck.read_manifest(str(tmp_path / "c"))
     assert ck.list_checkpoints(str(tmp_path)) == []
-
-
-def test_cut_offsets_from_worker_frontiers():
-    fronts = [{"stream": "kafka", "offsets": {"0": 10, "2": 4}, "inflight": 0, "pending": 3},
-              {"stream": "kafka", "offsets": {"1": 7}, "inflight": 0, "pending": 0}]
-    assert ck.cut_offsets("samples", fronts) == ("kafka",
-                                                 {"samples": {"0": 10, "1": 7, "2": 4}})
-    assert ck.cut_offsets("samples", [{"stream": "direct", "offsets": {}, "inflight": 0}]) \
-        == ("direct", {})
-    with pytest.raises(Misuse, match="worker 1 has 2 batch"):
-        ck.cut_offsets("t", [fronts[0], {**fronts[1], "inflight": 2}])
-    with pytest.raises(Misuse, match="streams"):
-        ck.cut_offsets("t", [fronts[0], {"stream": "direct", "offsets": {}, "inflight": 0}])
-    with pytest.raises(Misuse, match="partition 0"):
-        ck.cut_offsets("t", [fronts[0], {**fronts[1], "offsets": {"0": 11}}])
 
 
 def test_list_checkpoints_sorted_complete_only(tmp_path):

@@ -10,11 +10,12 @@ import sys
 import numpy as np
 import pytest
 
-from stream_persia.checkpoint import CheckpointWriter, read_manifest
+from stream_persia.checkpoint import CheckpointWriter, config_digest, read_manifest
 from stream_persia.embedding.optim import Adagrad
 from stream_persia.launch import cli
 from stream_persia.rpc import RpcClient
 from stream_persia.server.service import EmbeddingServer
+from stream_persia.testing.samples import SCHEMA
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ async def checkpoints(tmp_path):
             with CheckpointWriter(path) as w:
                 w.write_bytes("dense.pt", b"\0" * 3000)
                 await w.dump_embeddings([client])
-                w.commit(job="ctr-demo", step=step, stream="kafka", config_digest="d1g",
+                w.commit(job="ctr-demo", step=step, stream="kafka", schema=SCHEMA,
                          offsets={"samples": {0: 12 + step, 1: 7}})
             paths.append(path)
         yield tmp_path / "root", paths
@@ -52,7 +53,8 @@ def test_inspect_prints_a_summary(checkpoints, capsys):
     assert code == 0
     for text in (f"checkpoint {path}", "job:           ctr-demo", "step:          200",
                  "stream:        kafka", "samples[0] = 212", "samples[1] = 7",
-                 "embedding shards: 1 (40 rows)", "config digest: d1g",
+                 "embedding shards: 1 (40 rows)",
+                 f"config digest: {config_digest(SCHEMA)}",
                  "embedding-shard-00000-of-00001.bin", "40 rows", "2.9 KiB",
                  read_manifest(path).created_at):
         assert text in out, f"{text!r} missing from:\n{out}"

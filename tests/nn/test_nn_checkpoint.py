@@ -1,6 +1,7 @@
 """Checkpoints from TrainCtx: the cut returns prefetched batches and waits for pushes, the
 files restore the dense model, optimizer, step and embeddings (into any server count), and
-with Kafka the stream resumes at the first batch after the cut.
+with Kafka the stream resumes at the first batch after the cut. Workers that mix Kafka and
+direct ingest refuse the cut; a restore into another embedding schema is refused.
 """
 
 from __future__ import annotations
@@ -15,15 +16,17 @@ import torch
 from aiokafka import AIOKafkaProducer
 from nn_helpers import SumModel
 
-from stream_persia.checkpoint import read_manifest, verify
+from stream_persia.checkpoint import config_digest, read_manifest, verify
 from stream_persia.config import GlobalConfig, KafkaConfig
 from stream_persia.ctx import DataCtx, TrainCtx, eval_ctx
 from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding.optim import Adagrad
 from stream_persia.errors import DataLost, Misuse
+from stream_persia.kafka import DeadLetterWriter, SampleConsumer
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.samples import EMBEDDING_YAML, SCHEMA, make_batch
+from stream_persia.worker.ingest import KafkaIngest
 
 IN_DIM = 3 + 8 + 8 + 4
 
@@ -221,3 +224,68 @@ async def _produce(bootstrap: str, topic: str, values: list[bytes]) -> None:
         await producer.flush()
     finally:
         await producer.stop()
+
+
+def test_restore_refuses_a_checkpoint_of_another_embedding_schema(job_factory, tmp_path,
+                                                                  monkeypatch):
+    """The checkpoint records the digest of the job's embedding schema
+    (PERSIA_EMBEDDING_CONFIG); restoring it where that file says otherwise is refused on
+    every rank before anything changes, naming what differs; the same schema restores."""
+    (tmp_path / "same.yml").write_text(EMBEDDING_YAML)
+    (tmp_path / "wider.yml").write_text(EMBEDDING_YAML.replace("user: {dim: 8}",
+                                                               "user: {dim: 16}"))
+    monkeypatch.setenv("PERSIA_EMBEDDING_CONFIG", str(tmp_path / "same.yml"))
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(4)], background=False)
+    model = SumModel(IN_DIM)
+    ck = str(tmp_path / "ck")
+    with _ctx(job, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        for n, tb in enumerate(DataLoader(StreamingDataset(), max_batches=4), 1):
+            _step(ctx, tb)
+            if n == 2:
+                ctx.dump_checkpoint(ck)
+        manifest = read_manifest(ck)
+        assert manifest.config_digest == config_digest(SCHEMA)
+        probe = make_batch(0, requires_grad=False)
+        trained = _eval_embeddings(job, probe)   # two steps past the cut
+
+        monkeypatch.setenv("PERSIA_EMBEDDING_CONFIG", str(tmp_path / "wider.yml"))
+        with pytest.raises(Misuse, match="slot 'user' has dim 8 in the checkpoint, 16 here"
+                           ) as err:
+            ctx.load_checkpoint(ck)
+        assert err.value.field == "config_digest"
+        assert f"checkpoint {ck} was trained with another embedding config" in str(err.value)
+        with pytest.raises(Misuse, match="slot 'user' has dim 8"):
+            ctx.load_embedding(ck)
+        assert ctx.steps == 4   # nothing changed
+        for now, before in zip(_eval_embeddings(job, probe), trained, strict=True):
+            np.testing.assert_array_equal(now, before)
+
+        monkeypatch.setenv("PERSIA_EMBEDDING_CONFIG", str(tmp_path / "same.yml"))
+        ctx.load_checkpoint(ck)
+        assert ctx.steps == 2 and job.rows() == manifest.rows
+        assert any(not np.array_equal(a, b) for a, b in zip(
+            _eval_embeddings(job, probe), trained, strict=True)), "the cut's rows are back"
+
+
+def test_kafka_and_direct_workers_refuse_the_checkpoint(job_factory, kafka_broker,
+                                                        kafka_topic, tmp_path):
+    """Worker 0 reads Kafka, worker 1 takes direct ingest: the checkpoint is refused naming
+    them (it used to record a 'direct' stream with no offsets, whose restore rolled the
+    Kafka worker's rows back without resetting its stream), and nothing is written."""
+    topic = kafka_topic(1)
+    job = job_factory(SCHEMA, workers=2)
+    worker = job.workers[0]
+    cfg = KafkaConfig(bootstrap_servers=kafka_broker.bootstrap_servers, samples_topic=topic,
+                      dlq_topic=f"{topic}.dlq", job_name="mixed")
+    job.loop.run(worker.start_kafka_ingest(lambda start: KafkaIngest(
+        worker, SampleConsumer.from_config(cfg, replica_index=0, replica_size=1),
+        DeadLetterWriter.from_config(cfg), start_offsets=start)), timeout=30)
+    model = SumModel(IN_DIM)
+    ck = tmp_path / "ck"
+    with _ctx(job, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        with pytest.raises(Misuse, match=r"mix Kafka \(embedding worker 0\) and direct ingest "
+                                         r"\(embedding worker 1\)") as err:
+            ctx.dump_checkpoint(str(ck))
+        assert err.value.field == "stream"
+    assert not ck.exists()

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stream_persia.checkpoint import CheckpointWriter, cut_offsets, load_embeddings
+from stream_persia.checkpoint import CheckpointWriter, load_embeddings, stream_cut
 from stream_persia.errors import StreamReplay
 from stream_persia.kafka import BatchProducer
 from stream_persia.launch.processes import RoleProcess
@@ -121,10 +121,10 @@ async def test_a_worker_restarted_alone_refuses_the_replay_and_a_restore_trains_
     try:
         async with RpcClient(workers[0].address, timeout_ms=20_000) as client:
             trained = await train(client, CUT)
-            stream, offsets = cut_offsets(topic, [await client.call("frontier")])
+            cut = stream_cut([await client.call("frontier")], [topic])
             with CheckpointWriter(ck) as w:
                 await w.dump_embeddings([sc])
-                w.commit(job="replay", step=CUT, offsets=offsets, stream=stream)
+                w.commit(job="replay", step=CUT, offsets=cut.offsets, stream=cut.stream)
             trained += await train(client, PAST)
             assert await client.call("next_batch", {"timeout_ms": 10_000}) is not None
         assert trained == everything[:CUT + PAST]
@@ -160,7 +160,7 @@ async def test_a_worker_restarted_alone_refuses_the_replay_and_a_restore_trains_
             # The way back: restore the checkpoint.
             await load_embeddings(ck, [sc])
             if way_back == "reset_stream":
-                await client.call("reset_stream", {"offsets": offsets[topic]})
+                await client.call("reset_stream", {"offsets": cut.partitions})
                 assert (await client.call("health"))["ok"] is True
                 rest = await train(client, N - CUT)
         if way_back != "reset_stream":

@@ -16,7 +16,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from stream_persia.checkpoint import cut_offsets
+from stream_persia.checkpoint import stream_cut
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Adagrad
 from stream_persia.errors import BadInput, Misuse, PushFailed
@@ -207,7 +207,7 @@ async def test_an_unreachable_server_fails_the_push_loudly_then_it_completes_onc
         assert fwd.address in health["error"]
         assert (await client.call("status"))["failed"] == front["failed"]
         for check in (lambda: check_no_failed_push([front]),
-                      lambda: cut_offsets("samples", [front])):
+                      lambda: stream_cut([front], ["samples"])):
             with pytest.raises(Misuse) as refused:
                 check()
             assert f"batch {bid}" in str(refused.value) and fwd.address in str(refused.value)
@@ -334,7 +334,7 @@ def test_a_checkpoint_names_the_partition_and_offset_of_a_failed_kafka_batch():
                   {"batch_id": 9, "partition": 1, "offset": 3, "servers": ["h:2"],
                    "applied_on": ["h:1"], "error": "refused"}]}]
     with pytest.raises(Misuse) as err:
-        cut_offsets("samples", fronts)
+        stream_cut(fronts, ["samples", "samples"])
     msg = str(err.value)
     assert "embedding worker 1" in msg and "batch 9 (partition 1 offset 3)" in msg
     assert "h:2" in msg and err.value.field == "batch_id"

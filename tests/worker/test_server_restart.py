@@ -18,7 +18,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from stream_persia.checkpoint import CheckpointWriter, cut_offsets, load_embeddings
+from stream_persia.checkpoint import CheckpointWriter, load_embeddings, stream_cut
 from stream_persia.config import GlobalConfig, KafkaConfig
 from stream_persia.core.supervisor import Supervisor
 from stream_persia.embedding import EmbeddingConfig
@@ -297,7 +297,7 @@ async def test_a_worker_fails_loudly_then_a_restore_trains_every_batch_exactly_o
         await train(client, CUT, metas)
         front = await client.call("frontier")
         assert front["lost"] == []
-        _, offsets = cut_offsets(topic, [front])
+        offsets = stream_cut([front], [topic]).offsets
         dst = str(tmp_path / "ck")
         with CheckpointWriter(dst) as w:
             await w.dump_embeddings(direct)
@@ -327,7 +327,7 @@ async def test_a_worker_fails_loudly_then_a_restore_trains_every_batch_exactly_o
         with pytest.raises(ServerRestarted, match=fresh.address):
             check_servers_kept([front])            # no checkpoint records the empty table
         with pytest.raises(PersiaError):
-            cut_offsets(topic, [front])            # (the failed batch refuses it first)
+            stream_cut([front], [topic])           # (the failed batch refuses it first)
         metrics = await client.call("metrics")
         assert b'persia_embedding_worker_server_restarts_total{server="1"} 1.0' in metrics
         assert b"persia_embedding_worker_servers_lost 1.0" in metrics

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stream_persia.checkpoint import CheckpointWriter, cut_offsets, load_embeddings
+from stream_persia.checkpoint import CheckpointWriter, load_embeddings, stream_cut
 from stream_persia.config import KafkaConfig
 from stream_persia.errors import BadInput, PushFailed, StreamReplay
 from stream_persia.kafka import BatchProducer, DeadLetterWriter, SampleConsumer
@@ -101,7 +101,7 @@ async def test_a_checkpoint_restores_its_cut_as_the_marks_of_any_number_of_serve
                         await c.call("update", update(ids_on(s, 2), o))
                 await c.call("update", update(ids_on(s, 2), 6, partition=1))
         front = {"stream": "kafka", "offsets": {"0": 3, "1": 7}, "inflight": 0}
-        stream, offsets = cut_offsets("t", [front])
+        cut = stream_cut([front], ["t"])
         # A cut below what a server applied is refused: its restore would replay it.
         with CheckpointWriter(str(tmp_path / "bad")) as w:
             await w.dump_embeddings(router.clients)
@@ -112,7 +112,7 @@ async def test_a_checkpoint_restores_its_cut_as_the_marks_of_any_number_of_serve
         assert not (tmp_path / "bad").exists()
         with CheckpointWriter(dst) as w:
             await w.dump_embeddings(router.clients)
-            w.commit(job="j", step=1, offsets=offsets, stream=stream)
+            w.commit(job="j", step=1, offsets=cut.offsets, stream=cut.stream)
         # Trained past the cut, then restored: the marks go back to it.
         await router.clients[0].call("update", update(ids_on(0, 2), 9))
     async with running_servers(into) as (servers, router):
