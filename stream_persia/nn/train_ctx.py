@@ -39,6 +39,13 @@ After each ``backward`` the rank looks at the checkpoint mailbox
 (:mod:`stream_persia.worker.mailbox`): a checkpoint started over HTTP is taken right there,
 at the same step on every rank, exactly as ``dump_checkpoint`` from the training script.
 Rank 0's heartbeats go out in the background, so a step never waits for the mailbox.
+
+Size: one class whose step (``forward``/``backward``), gradient push and quiesce share
+its per-step state (the batch being trained and its leaves, the prefetchers, the push
+errors); what it hands off already has a module of its own (prefetching:
+:mod:`~stream_persia.nn.loader`, checkpoints: :mod:`~stream_persia.nn.checkpointing`,
+the mailbox: :mod:`~stream_persia.nn.checkpoint_poller`, the interfaces they see:
+:mod:`~stream_persia.nn.seams`).
 """
 
 from __future__ import annotations
