@@ -18,7 +18,7 @@ import hashlib
 import json
 import numbers
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import yaml
@@ -259,10 +259,10 @@ def at_source(err: ConfigError, source: str) -> ConfigError:
     return rescope(err, "", source)
 
 
-def section_to_dict(obj: Any, redact: bool) -> dict[str, Any]:
-    """A config dataclass as plain data in field order (sections recursively)."""
+def section_to_dict(obj: Any, redact: bool, secrets: Collection[str] = ()) -> dict[str, Any]:
+    """A config dataclass as plain data in field order (sections recursively); with
+    ``redact``, the fields named in ``secrets`` read ``"<redacted>"``."""
     out: dict[str, Any] = {}
-    secrets = getattr(obj, "_SECRETS", ())
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):

@@ -101,8 +101,11 @@ INERT_KEYS: dict[str, str] = {
 class _Section:
     """``to_dict`` shared by the sections."""
 
+    #: fields that ``to_dict(redact=True)`` blanks
+    _SECRETS: ClassVar[tuple[str, ...]] = ()
+
     def to_dict(self, *, redact: bool = False) -> dict[str, Any]:
-        return section_to_dict(self, redact)
+        return section_to_dict(self, redact, self._SECRETS)
 
 
 @dataclass(frozen=True)

@@ -238,7 +238,7 @@ class KafkaConfig:
 
     def to_dict(self, *, redact: bool = False) -> dict[str, Any]:
         """The section's mapping with resolved topic names; ``redact`` blanks secrets."""
-        return section_to_dict(self, redact)
+        return section_to_dict(self, redact, self._SECRETS)
 
 
 def resolve_bootstrap_servers(config: Any = None, cli_value: str | None = None) -> str | None:

@@ -8,6 +8,8 @@
 - :mod:`~stream_persia.nn.checkpointing`: consistent checkpoints from the NN side.
 - :mod:`~stream_persia.nn.checkpoint_poller`: checkpoints requested over HTTP, taken at a
   step boundary.
+- :mod:`~stream_persia.nn.seams`: the contexts as checkpoints, the poller and the
+  DataLoader see them (Protocols), so that those import no context.
 
 Users import these from :mod:`stream_persia.ctx` and :mod:`stream_persia.data`. The names
 below resolve on first use, so that importing a torch-free module of this package

@@ -11,6 +11,8 @@ import time
 from typing import Any
 
 from stream_persia.errors import Misuse, PersiaError
+from stream_persia.nn import checkpointing
+from stream_persia.nn.seams import TrainerSeam
 from stream_persia.worker.mailbox import KEEPALIVES_PER_TIMEOUT, REPORT_TIMEOUT_S
 
 __all__ = ["NnCheckpointPoller"]
@@ -43,7 +45,7 @@ class NnCheckpointPoller:
             the checkpoint without the model class).
     """
 
-    def __init__(self, ctx: Any, *, every_steps: int = 10, min_interval_s: float = 0.5,
+    def __init__(self, ctx: TrainerSeam, *, every_steps: int = 10, min_interval_s: float = 0.5,
                  dump_kwargs: dict[str, Any] | None = None):
         self.ctx = ctx
         self.every_steps = max(1, int(every_steps))
@@ -60,7 +62,7 @@ class NnCheckpointPoller:
 
     @property
     def _rank0(self) -> bool:
-        return getattr(self.ctx, "rank", 0) == 0
+        return self.ctx.rank == 0
 
     # ------------------------------------------------------------------ heartbeats
     def attach(self) -> None:
@@ -70,8 +72,8 @@ class NnCheckpointPoller:
 
     def _send_heartbeat(self) -> None:
         self._sent = time.monotonic()
-        cluster = self.ctx._cluster()
-        params = {"rank": 0, "world_size": int(getattr(self.ctx, "world_size", 1)),
+        cluster = self.ctx.require_cluster()
+        params = {"rank": 0, "world_size": int(self.ctx.world_size),
                   "step": int(self.ctx.steps)}
         self._inflight = cluster.loop.submit(self._heartbeat(cluster, params))
 
@@ -105,7 +107,7 @@ class NnCheckpointPoller:
                 log.debug("checkpoint mailbox heartbeat: %r", e)
 
     def _call(self, method: str, params: Any, timeout_s: float = 10.0) -> Any:
-        cluster = self.ctx._cluster()
+        cluster = self.ctx.require_cluster()
         return cluster.run(cluster.workers[0].call(method, params, timeout_s * 1000))
 
     def _report(self, params: dict[str, Any], *, wait: bool) -> None:
@@ -114,7 +116,7 @@ class NnCheckpointPoller:
             if wait:
                 self._call("checkpoint_report", params)
             else:
-                cluster = self.ctx._cluster()
+                cluster = self.ctx.require_cluster()
                 cluster.loop.submit(self._report_quietly(cluster, params))
         except Exception as e:
             log.warning("could not report checkpoint %s to the mailbox: %r", params["id"], e)
@@ -127,7 +129,7 @@ class NnCheckpointPoller:
             log.debug("checkpoint progress report failed: %r", e)
 
     def _start_keepalive(self, ident: str, every_s: float) -> None:
-        cluster = self.ctx._cluster()
+        cluster = self.ctx.require_cluster()
         self._keepalive = cluster.loop.submit(self._keep_alive(cluster, ident, every_s))
 
     def _stop_keepalive(self) -> None:
@@ -151,7 +153,7 @@ class NnCheckpointPoller:
 
     # ------------------------------------------------------------------ polling
     def _agree(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
-        if getattr(self.ctx, "world_size", 1) <= 1:
+        if self.ctx.world_size <= 1:
             return request
         import torch.distributed as dist
 
@@ -161,7 +163,7 @@ class NnCheckpointPoller:
 
     def step_boundary(self) -> str | None:
         """Poll; returns the id of a checkpoint taken now (every rank calls this)."""
-        multi = getattr(self.ctx, "world_size", 1) > 1
+        multi = self.ctx.world_size > 1
         if multi and self.ctx.steps % self.every_steps:
             return None
         request = None
@@ -198,8 +200,6 @@ class NnCheckpointPoller:
         return request
 
     def _take(self, request: dict[str, Any]) -> str:
-        from stream_persia.nn import checkpointing
-
         ident, dst = request["id"], request["dst"]
         self.taken.append(ident)
         self._seen.add(ident)
@@ -249,7 +249,7 @@ class NnCheckpointPoller:
             self._sent = time.monotonic()
             try:
                 reply = self._call("nn_heartbeat", {
-                    "rank": 0, "world_size": int(getattr(self.ctx, "world_size", 1)),
+                    "rank": 0, "world_size": int(self.ctx.world_size),
                     "step": int(self.ctx.steps)}, timeout_s=5)
                 offer = reply.get("checkpoint") if isinstance(reply, dict) else None
                 if isinstance(offer, dict) and offer.get("id") not in self._seen:

@@ -63,6 +63,7 @@ from stream_persia.checkpoint import (
 )
 from stream_persia.config.embedding import EmbeddingSchema
 from stream_persia.errors import Misuse
+from stream_persia.nn.seams import ContextSeam, TrainerSeam
 from stream_persia.worker.frontier import check_servers_kept
 
 __all__ = ["dump_checkpoint", "dump_embedding", "dump_torch_state_dict", "load_checkpoint",
@@ -102,29 +103,26 @@ def _schema() -> EmbeddingSchema | None:
     return load_embedding_config()
 
 
-def _is_train(ctx: Any) -> bool:
-    from stream_persia.nn.train_ctx import TrainCtx
-
-    return isinstance(ctx, TrainCtx)
-
-
-def _rank(ctx: Any) -> int:
-    return getattr(ctx, "rank", 0)
+def _rank(ctx: ContextSeam) -> int:
+    trainer = ctx.as_trainer()
+    return trainer.rank if trainer is not None else 0
 
 
-def _barrier(ctx: Any) -> None:
-    if _is_train(ctx):
-        ctx.barrier()
+def _barrier(ctx: ContextSeam) -> None:
+    trainer = ctx.as_trainer()
+    if trainer is not None:
+        trainer.barrier()
 
 
-def _dense_model(ctx: Any) -> torch.nn.Module:
-    model = getattr(ctx, "raw_model", None) or ctx.model
+def _dense_model(ctx: ContextSeam) -> torch.nn.Module:
+    trainer = ctx.as_trainer()
+    model = trainer.raw_model if trainer is not None else ctx.model
     if model is None:
         raise Misuse("the context has no model to checkpoint", field="model")
     return model
 
 
-def dump_checkpoint(ctx: Any, dst_dir: str, *, dense_filename: str = "dense.pt",
+def dump_checkpoint(ctx: ContextSeam, dst_dir: str, *, dense_filename: str = "dense.pt",
                     jit_dense_filename: str = "jit_dense.pt", opt_filename: str | None = None,
                     with_jit_model: bool | str = False,
                     progress: Callable[..., None] | None = None,
@@ -141,16 +139,16 @@ def dump_checkpoint(ctx: Any, dst_dir: str, *, dense_filename: str = "dense.pt",
     Returns:
         The committed manifest on rank 0, None on the other ranks.
     """
-    train = _is_train(ctx)
-    cluster = ctx._cluster()
-    resume = ctx._quiesce() if train else []
+    trainer = ctx.as_trainer()
+    cluster = ctx.require_cluster()
+    resume = trainer.quiesce() if trainer is not None else []
     manifest = None
     try:
         _barrier(ctx)
         failure: Exception | None = None
         if _rank(ctx) == 0:
             try:
-                manifest = _write(ctx, cluster, dst_dir, train=train,
+                manifest = _write(ctx, cluster, dst_dir, trainer=trainer,
                                   dense_filename=dense_filename,
                                   jit_dense_filename=jit_dense_filename,
                                   opt_filename=opt_filename, with_jit_model=with_jit_model,
@@ -164,15 +162,17 @@ def dump_checkpoint(ctx: Any, dst_dir: str, *, dense_filename: str = "dense.pt",
         if failure is not None:
             raise failure
     finally:
-        if train:
-            ctx._resume(resume)
+        if trainer is not None:
+            trainer.resume_prefetchers(resume)
     return manifest
 
 
-def _write(ctx: Any, cluster: Any, dst_dir: str, *, train: bool, dense_filename: str,
-           jit_dense_filename: str, opt_filename: str | None, with_jit_model: bool | str,
-           note: Callable[..., None], extra: dict[str, Any]) -> Manifest:
+def _write(ctx: ContextSeam, cluster: Any, dst_dir: str, *, trainer: TrainerSeam | None,
+           dense_filename: str, jit_dense_filename: str, opt_filename: str | None,
+           with_jit_model: bool | str, note: Callable[..., None], extra: dict[str, Any]
+           ) -> Manifest:
     """Rank 0's part of :func:`dump_checkpoint`, once every rank is quiet."""
+    train = trainer is not None
     note("reading the stream position")
     if train:
         cut = cluster.run(read_cut(cluster.call_workers))
@@ -193,10 +193,10 @@ def _write(ctx: Any, cluster: Any, dst_dir: str, *, train: bool, dense_filename:
     with CheckpointWriter(dst_dir) as writer:
         note("writing the dense model")
         writer.write_torch(dense_filename, model.state_dict())
-        if train and opt_filename:
-            writer.write_torch(opt_filename, ctx.dense_optimizer.state_dict())
-            if ctx.grad_scaler is not None:
-                writer.write_torch(GRAD_SCALER_FILENAME, ctx.grad_scaler.state_dict())
+        if trainer is not None and opt_filename:
+            writer.write_torch(opt_filename, trainer.dense_optimizer.state_dict())
+            if trainer.grad_scaler is not None:
+                writer.write_torch(GRAD_SCALER_FILENAME, trainer.grad_scaler.state_dict())
         if jit is not None:
             writer.write_bytes(jit_dense_filename, jit)
         note("dumping embeddings", servers=len(cluster.servers))
@@ -219,15 +219,16 @@ def _write(ctx: Any, cluster: Any, dst_dir: str, *, train: bool, dense_filename:
     return manifest
 
 
-def load_checkpoint(ctx: Any, src_dir: str, *, map_location: Any = None,
+def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
                     dense_filename: str = "dense.pt", opt_filename: str | None = None) -> None:
     """Restore ``ctx``'s job from the checkpoint at ``src_dir``."""
-    train = _is_train(ctx)
-    cluster = ctx._cluster()
+    trainer = ctx.as_trainer()
+    train = trainer is not None
+    cluster = ctx.require_cluster()
     manifest = read_manifest(src_dir)
     # Every rank, before anything changes: rows of another embedding schema are refused.
     check_config(manifest, _schema(), f"checkpoint {src_dir}")
-    resume = ctx._quiesce(strict=False) if train else []
+    resume = trainer.quiesce(strict=False) if trainer is not None else []
     try:
         _barrier(ctx)
         if _rank(ctx) == 0:
@@ -241,18 +242,20 @@ def load_checkpoint(ctx: Any, src_dir: str, *, map_location: Any = None,
                 cluster.run(cluster.call_workers("reset_stream", {"offsets": topic_offsets}))
         model = _dense_model(ctx)
         model.load_state_dict(load_torch(src_dir, dense_filename, map_location))
-        if train and opt_filename and opt_filename in manifest.files:
-            ctx.dense_optimizer.load_state_dict(load_torch(src_dir, opt_filename, map_location))
-            if ctx.grad_scaler is not None and GRAD_SCALER_FILENAME in manifest.files:
-                ctx.grad_scaler.load_state_dict(load_torch(src_dir, GRAD_SCALER_FILENAME))
-        if train:
-            ctx.steps = manifest.step
-            if ctx.input_signature is None and isinstance(manifest.extra.get("inputs"), dict):
-                ctx.input_signature = manifest.extra["inputs"]   # kept in the next checkpoint
+        if trainer is not None and opt_filename and opt_filename in manifest.files:
+            trainer.dense_optimizer.load_state_dict(
+                load_torch(src_dir, opt_filename, map_location))
+            if trainer.grad_scaler is not None and GRAD_SCALER_FILENAME in manifest.files:
+                trainer.grad_scaler.load_state_dict(load_torch(src_dir, GRAD_SCALER_FILENAME))
+        if trainer is not None:
+            trainer.steps = manifest.step
+            if trainer.input_signature is None and isinstance(manifest.extra.get("inputs"),
+                                                              dict):
+                trainer.input_signature = manifest.extra["inputs"]   # kept in the next one
         _barrier(ctx)
     finally:
-        if train:
-            ctx._resume(resume)
+        if trainer is not None:
+            trainer.resume_prefetchers(resume)
 
 
 def _in_thread(fn: Any) -> concurrent.futures.Future:
@@ -268,13 +271,14 @@ def _in_thread(fn: Any) -> concurrent.futures.Future:
     return fut
 
 
-def dump_embedding(ctx: Any, dst_dir: str, blocking: bool = True) -> concurrent.futures.Future:
+def dump_embedding(ctx: ContextSeam, dst_dir: str, blocking: bool = True
+                   ) -> concurrent.futures.Future:
     """Write every server's embedding rows as a checkpoint without dense files.
 
     Blocking, in a TrainCtx, the rank quiesces first, so the rows include every update of
     the batches it trained. Non-blocking, the dump runs beside training and is not a cut.
     """
-    cluster = ctx._cluster()
+    cluster = ctx.require_cluster()
 
     def dump() -> None:
         with CheckpointWriter(dst_dir) as writer:
@@ -286,9 +290,10 @@ def dump_embedding(ctx: Any, dst_dir: str, blocking: bool = True) -> concurrent.
     return _guarded(ctx, dump, blocking)
 
 
-def load_embedding(ctx: Any, src_dir: str, blocking: bool = True) -> concurrent.futures.Future:
+def load_embedding(ctx: ContextSeam, src_dir: str, blocking: bool = True
+                   ) -> concurrent.futures.Future:
     """Replace the servers' rows by the checkpoint's (resharded to the server count)."""
-    cluster = ctx._cluster()
+    cluster = ctx.require_cluster()
     # Fail here, not in the background, on a wrong path or another embedding schema.
     check_config(read_manifest(src_dir), _schema(), f"checkpoint {src_dir}")
 
@@ -298,18 +303,19 @@ def load_embedding(ctx: Any, src_dir: str, blocking: bool = True) -> concurrent.
     return _guarded(ctx, load, blocking)
 
 
-def _guarded(ctx: Any, fn: Any, blocking: bool) -> concurrent.futures.Future:
+def _guarded(ctx: ContextSeam, fn: Any, blocking: bool) -> concurrent.futures.Future:
     if not blocking:
         return _in_thread(fn)
     fut: concurrent.futures.Future = concurrent.futures.Future()
-    resume = ctx._quiesce() if _is_train(ctx) else []
+    trainer = ctx.as_trainer()
+    resume = trainer.quiesce() if trainer is not None else []
     try:
         fut.set_result(fn())
     except Exception as e:
         fut.set_exception(e)
     finally:
-        if resume:
-            ctx._resume(resume)
+        if trainer is not None and resume:
+            trainer.resume_prefetchers(resume)
     return fut
 
 
@@ -355,8 +361,9 @@ def _heads(model: Any) -> dict[str, list[str]]:
     return {}
 
 
-def _inputs(ctx: Any) -> dict[str, Any]:
+def _inputs(ctx: ContextSeam) -> dict[str, Any]:
     """The model's inputs as trained (:func:`stream_persia.nn.batch.input_signature`), so
     that serving matches requests to them by name; nothing if no batch was trained."""
-    sig = getattr(ctx, "input_signature", None)
+    trainer = ctx.as_trainer()
+    sig = trainer.input_signature if trainer is not None else None
     return {"inputs": sig} if sig is not None else {}

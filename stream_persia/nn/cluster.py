@@ -81,7 +81,7 @@ class Cluster:
         self.workers = [RpcClient(a, timeout_ms=self.rpc_timeout_ms,
                                   name=f"embedding worker {i}")
                         for i, a in enumerate(self.worker_addresses)]
-        await self._wait_ready(self.workers, "embedding workers")
+        await self.wait_workers_ready()
         if not need_servers:
             return
         lists = await asyncio.gather(*(w.call("servers") for w in self.workers))
@@ -95,6 +95,14 @@ class Cluster:
         self.server_addresses = servers
         self.servers = [RpcClient(a, timeout_ms=self.rpc_timeout_ms,
                                   name=f"embedding server {i}") for i, a in enumerate(servers)]
+        await self.wait_servers_ready()
+
+    async def wait_workers_ready(self) -> None:
+        """Wait until every embedding worker answers ``health`` (``ready_timeout_s``)."""
+        await self._wait_ready(self.workers, "embedding workers")
+
+    async def wait_servers_ready(self) -> None:
+        """Wait until every embedding server answers ``health`` (``ready_timeout_s``)."""
         await self._wait_ready(self.servers, "embedding servers")
 
     async def _wait_ready(self, clients: list[RpcClient], what: str) -> None:

@@ -37,6 +37,7 @@ from stream_persia.errors import Misuse, RemoteTimeout
 from stream_persia.nn.batch import PersiaTrainingBatch
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, current_ctx
 from stream_persia.nn.loader import HELD, StreamPrefetcher
+from stream_persia.nn.seams import TrainerSeam
 
 __all__ = ["DataLoader", "Dataloder", "IterableDataset", "IterableDatasetBase", "PersiaDataset",
            "StreamingDataset"]
@@ -145,26 +146,26 @@ class DataLoader:
 
     # ------------------------------------------------------------------ stream
     def _stream(self, ctx: EmbeddingCtx) -> Iterator[PersiaTrainingBatch]:
-        from stream_persia.nn.train_ctx import TrainCtx
-
-        if not isinstance(ctx, TrainCtx):
+        trainer = ctx.as_trainer()
+        if trainer is None:
             raise Misuse("DataLoader(StreamingDataset) trains: it needs an active TrainCtx",
                          hint="for evaluation, iterate DataLoader(IterableDataset(...)) "
                               "inside eval_ctx()")
-        cluster = ctx._cluster()
+        cluster = trainer.require_cluster()
         pf = self._prefetcher
         if pf is None or pf.cluster is not cluster:
             pf = StreamPrefetcher(
                 cluster, staleness=self.staleness,
                 buffer_size=min(self.forward_buffer_size, self.dataset.buffer_size),
-                reproducible=self.reproducible, pin=ctx.device.type == "cuda",
-                first_worker=ctx.rank)
-            ctx.register_prefetcher(pf)
+                reproducible=self.reproducible, pin=trainer.device.type == "cuda",
+                first_worker=trainer.rank)
+            trainer.register_prefetcher(pf)
             self._prefetcher = pf
-        return self._stream_batches(ctx, pf)
+        return self._stream_batches(trainer, pf)
 
-    def _stream_batches(self, ctx: Any, pf: StreamPrefetcher) -> Iterator[PersiaTrainingBatch]:
-        cluster = ctx._cluster()
+    def _stream_batches(self, ctx: TrainerSeam, pf: StreamPrefetcher
+                        ) -> Iterator[PersiaTrainingBatch]:
+        cluster = ctx.require_cluster()
         cluster.run(pf.start())
         timeout_s = self.timeout_ms / 1000.0
         count = 0
@@ -173,7 +174,7 @@ class DataLoader:
                 for prev in pf.taken:
                     ctx.release_untrained(prev)
                 batch = None if drain.requested else self._next_batch(pf, timeout_s)
-                if not ctx._all_ranks_agree(batch is not None and not drain.requested):
+                if not ctx.all_ranks_agree(batch is not None and not drain.requested):
                     if drain.requested:
                         log.warning("stop requested (%s): the DataLoader stops after step %d",
                                     drain.reason, ctx.steps)
@@ -182,7 +183,7 @@ class DataLoader:
                     else:
                         log.info("another rank has no batch or was asked to stop: the "
                                  "DataLoader stops after step %d", ctx.steps)
-                    ctx._stream_ended()   # serve a pending HTTP checkpoint request now
+                    ctx.stream_ended()   # serve a pending HTTP checkpoint request now
                     break
                 count += 1
                 yield batch
@@ -194,7 +195,7 @@ class DataLoader:
                     cluster.run(pf.give_back(left))
                 # Every update of this iteration is applied when the loop ends.
                 cluster.run(pf.wait_idle(cluster.rpc_timeout_ms / 1000 + 30))
-                ctx._raise_async_errors()
+                ctx.raise_async_errors()
 
     @staticmethod
     def _next_batch(pf: StreamPrefetcher, timeout_s: float) -> PersiaTrainingBatch | None:

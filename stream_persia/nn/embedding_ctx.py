@@ -29,8 +29,10 @@ import torch
 from stream_persia.core.data import PersiaBatch
 from stream_persia.core.embedding_config import EmbeddingConfig
 from stream_persia.errors import BadInput, Misuse
+from stream_persia.nn import checkpointing
 from stream_persia.nn.batch import PersiaTrainingBatch, from_served
 from stream_persia.nn.cluster import Cluster
+from stream_persia.nn.seams import TrainerSeam
 
 __all__ = ["EmbeddingCtx", "InferCtx", "PreprocessMode", "current_ctx", "eval_ctx"]
 
@@ -153,7 +155,13 @@ class EmbeddingCtx:
         if cluster is not None:
             cluster.close()
 
-    def _cluster(self) -> Cluster:
+    def require_cluster(self) -> Cluster:
+        """The context's RPC clients and loop thread (:class:`~stream_persia.nn.cluster.
+        Cluster`).
+
+        Raises:
+            Misuse: the context is not entered.
+        """
         if self.cluster is None:
             raise Misuse(f"{type(self).__name__} is not entered",
                          hint=f"use `with {type(self).__name__}(...) as ctx:`")
@@ -162,6 +170,11 @@ class EmbeddingCtx:
     @property
     def is_training(self) -> bool:
         return self.preprocess_mode is PreprocessMode.TRAIN
+
+    def as_trainer(self) -> TrainerSeam | None:
+        """This context as a trainer (a ``TrainCtx``), or None: how checkpoints and the
+        DataLoader tell training from evaluation (:mod:`stream_persia.nn.seams`)."""
+        return None
 
     # ------------------------------------------------------------------ features
     def prepare_features(self, persia_training_batch: PersiaTrainingBatch
@@ -241,7 +254,7 @@ class EmbeddingCtx:
         if not isinstance(persia_batch, PersiaBatch):
             raise BadInput(f"expected a PersiaBatch, got {type(persia_batch).__name__}",
                            field="persia_batch")
-        cluster = self._cluster()
+        cluster = self.require_cluster()
         wi = next(self._lookup_rr) % len(cluster.workers)
         pin = self.device.type == "cuda"
         mode = self._lookup_mode()
@@ -266,17 +279,17 @@ class EmbeddingCtx:
     # ------------------------------------------------------------------ servers
     def configure_embedding_parameter_servers(self, embedding_config: EmbeddingConfig) -> None:
         """Apply ``embedding_config`` on every embedding server."""
-        cluster = self._cluster()
+        cluster = self.require_cluster()
         cluster.run(cluster.configure_servers({"embedding_config": embedding_config.to_dict()}))
 
     def get_embedding_size(self) -> list[int]:
         """Embedding rows held by each embedding server, in server order."""
-        cluster = self._cluster()
+        cluster = self.require_cluster()
         return [int(n) for n in cluster.run(cluster.call_servers("size"))]
 
     def clear_embeddings(self) -> None:
         """Remove every embedding row from every embedding server."""
-        cluster = self._cluster()
+        cluster = self.require_cluster()
         cluster.run(cluster.call_servers("clear"))
 
     # ------------------------------------------------------------------ checkpoints
@@ -284,8 +297,6 @@ class EmbeddingCtx:
         """Write the embedding rows (with optimizer state) to ``dst_dir`` as a checkpoint
         without dense files. ``blocking=False`` returns at once; see
         :meth:`wait_for_dump_embedding`."""
-        from stream_persia.nn import checkpointing
-
         self._dump_future = checkpointing.dump_embedding(self, dst_dir, blocking)
         if blocking:
             self.wait_for_dump_embedding()
@@ -299,8 +310,6 @@ class EmbeddingCtx:
     def load_embedding(self, src_dir: str, blocking: bool = True) -> None:
         """Replace every server's rows by those of the checkpoint at ``src_dir`` (any
         number of servers). ``blocking=False``: see :meth:`wait_for_load_embedding`."""
-        from stream_persia.nn import checkpointing
-
         self._load_future = checkpointing.load_embedding(self, src_dir, blocking)
         if blocking:
             self.wait_for_load_embedding()
@@ -315,8 +324,6 @@ class EmbeddingCtx:
                         jit_dense_filename: str = "jit_dense.pt", blocking: bool = True,
                         with_jit_model: bool = False) -> None:
         """Write the dense model and the embeddings to ``dst_dir`` (atomically)."""
-        from stream_persia.nn import checkpointing
-
         checkpointing.dump_checkpoint(self, dst_dir, dense_filename=dense_filename,
                                       jit_dense_filename=jit_dense_filename,
                                       opt_filename=None, with_jit_model=with_jit_model)
@@ -324,24 +331,18 @@ class EmbeddingCtx:
     def load_checkpoint(self, src_dir: str, map_location: str | None = None,
                         dense_filename: str = "dense.pt", blocking: bool = True) -> None:
         """Load the dense model and the embeddings from ``src_dir``."""
-        from stream_persia.nn import checkpointing
-
         checkpointing.load_checkpoint(self, src_dir, map_location=map_location,
                                       dense_filename=dense_filename, opt_filename=None)
 
     def dump_torch_state_dict(self, torch_instance: Any, dst_dir: str, file_name: str,
                               is_jit: bool = False) -> None:
         """Save a model's or optimizer's state dict (or a scripted model) to a file."""
-        from stream_persia.nn import checkpointing
-
         checkpointing.dump_torch_state_dict(torch_instance, dst_dir, file_name, is_jit)
 
     def load_torch_state_dict(self, torch_instance: Any, src_dir: str,
                               map_location: str | None = None,
                               file_name: str = "dense.pt") -> None:
         """Load a state dict saved by :meth:`dump_torch_state_dict` into ``torch_instance``."""
-        from stream_persia.nn import checkpointing
-
         checkpointing.load_torch_state_dict(torch_instance, src_dir, map_location, file_name)
 
 
@@ -387,5 +388,5 @@ class InferCtx(EmbeddingCtx):
 
     def wait_for_serving(self) -> None:
         """Wait until every embedding worker answers (entering the context already did)."""
-        cluster = self._cluster()
-        cluster.run(cluster._wait_ready(cluster.workers, "embedding workers"))
+        cluster = self.require_cluster()
+        cluster.run(cluster.wait_workers_ready())

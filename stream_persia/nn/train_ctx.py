@@ -39,6 +39,13 @@ After each ``backward`` the rank looks at the checkpoint mailbox
 (:mod:`stream_persia.worker.mailbox`): a checkpoint started over HTTP is taken right there,
 at the same step on every rank, exactly as ``dump_checkpoint`` from the training script.
 Rank 0's heartbeats go out in the background, so a step never waits for the mailbox.
+
+Size: one class whose step (``forward``/``backward``), gradient push and quiesce share
+its per-step state (the batch being trained and its leaves, the prefetchers, the push
+errors); what it hands off already has a module of its own (prefetching:
+:mod:`~stream_persia.nn.loader`, checkpoints: :mod:`~stream_persia.nn.checkpointing`,
+the mailbox: :mod:`~stream_persia.nn.checkpoint_poller`, the interfaces they see:
+:mod:`~stream_persia.nn.seams`).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from stream_persia.core.embedding_config import EmbeddingConfig
 from stream_persia.core.lifecycle import drain
 from stream_persia.core.optim import Optimizer
 from stream_persia.errors import Misuse, PeerUnavailable, RemoteTimeout
+from stream_persia.nn import checkpointing
 from stream_persia.nn.batch import PersiaTrainingBatch, input_signature
 from stream_persia.nn.checkpoint_poller import NnCheckpointPoller
 from stream_persia.nn.distributed import DistributedBaseOption, get_default_distributed_option
@@ -182,7 +190,7 @@ class TrainCtx(EmbeddingCtx):
                 self.model = option.convert2distributed_model(self.raw_model, self.device_id)
                 if self.rank > 0 and self._need_servers:
                     # Rank 0 configured the servers before the process group formed.
-                    cluster = self._cluster()
+                    cluster = self.require_cluster()
                     cluster.run(cluster.learn_server_config())
             elif self.distributed_option is not None:
                 log.info("WORLD_SIZE is 1: distributed_option %r is not used",
@@ -204,7 +212,7 @@ class TrainCtx(EmbeddingCtx):
             params["embedding_config"] = self.embedding_config.to_dict()
         # Rank 0 only: DDP's initial broadcast keeps other ranks from training before it.
         if self.rank == 0:
-            cluster = self._cluster()
+            cluster = self.require_cluster()
             cluster.run(cluster.configure_servers(params))
 
     def _exit(self, clean: bool) -> None:
@@ -214,7 +222,7 @@ class TrainCtx(EmbeddingCtx):
             if self.cluster is not None:
                 quiet = False
                 try:
-                    self._quiesce(strict=False)
+                    self.quiesce(strict=False)
                     quiet = True
                 finally:
                     # Nothing in flight now: a pending HTTP checkpoint is served (clean
@@ -239,11 +247,11 @@ class TrainCtx(EmbeddingCtx):
                 if leave_drain is not None:
                     leave_drain()
         if clean:
-            self._raise_async_errors()
+            self.raise_async_errors()
 
     # ------------------------------------------------------------------ training
     def _prepared(self, batch: PersiaTrainingBatch, leaves: list | None) -> None:
-        self._raise_async_errors()
+        self.raise_async_errors()
         if leaves is not None and self.input_signature is None:
             self.input_signature = input_signature(batch)
         self._current = batch
@@ -268,7 +276,7 @@ class TrainCtx(EmbeddingCtx):
                 was already called for it.
             PersiaError: an earlier asynchronous gradient push failed.
         """
-        self._raise_async_errors()
+        self.raise_async_errors()
         freq = embedding_gradient_check_frequency
         if isinstance(freq, bool) or not isinstance(freq, int) or freq < 0:
             raise Misuse(f"embedding_gradient_check_frequency must be an int >= 0, got "
@@ -294,7 +302,7 @@ class TrainCtx(EmbeddingCtx):
         if freq and self.steps % freq == 0:
             flags = [torch.isfinite(g).all() for _, g in grads if g is not None]
             finite = bool(torch.stack(flags).all()) if flags else True
-            finite = self._all_ranks_agree(finite)
+            finite = self.all_ranks_agree(finite)
         self.steps += 1
         opt = self.dense_optimizer
         if not finite:
@@ -330,15 +338,21 @@ class TrainCtx(EmbeddingCtx):
         if self.checkpoint_poller is not None:
             self.checkpoint_poller.step_boundary()
 
-    def _stream_ended(self) -> None:
+    def as_trainer(self) -> TrainCtx:
+        """This context (:mod:`stream_persia.nn.seams`: checkpoints and the DataLoader
+        train through it)."""
+        return self
+
+    def stream_ended(self) -> None:
         """Every rank agreed that the stream ran dry: serve a checkpoint requested over
-        HTTP now rather than when the context exits (the script may evaluate first)."""
+        HTTP now rather than when the context exits (the script may evaluate first).
+        Called by the DataLoader."""
         if self.checkpoint_poller is not None:
             self.checkpoint_poller.serve_pending()
 
     def _push(self, ticket: Ticket, grads: dict[str, np.ndarray | None]) -> None:
         ticket.state = PUSHING
-        cluster = self._cluster()
+        cluster = self.require_cluster()
         cluster.loop.submit(self._push_async(ticket, grads))
 
     async def _push_async(self, ticket: Ticket, grads: dict[str, np.ndarray | None]) -> None:
@@ -356,7 +370,7 @@ class TrainCtx(EmbeddingCtx):
         budget_ms = float(self._rpc_timeout_ms)
         deadline = loop.time() + budget_ms / 1000
         delay = 0.05
-        client = self._cluster().workers[ticket.worker]
+        client = self.require_cluster().workers[ticket.worker]
         try:
             while True:
                 left_ms = max(1.0, (deadline - loop.time()) * 1000)
@@ -382,7 +396,9 @@ class TrainCtx(EmbeddingCtx):
         finally:
             ticket.release()
 
-    def _raise_async_errors(self) -> None:
+    def raise_async_errors(self) -> None:
+        """Raise the first error of an asynchronous gradient push since the last call
+        (and forget the others): the DataLoader and every step call this."""
         if self._errors:
             err = self._errors.pop(0)
             self._errors.clear()
@@ -402,7 +418,7 @@ class TrainCtx(EmbeddingCtx):
         self._push(ticket, {s.name: None for s in batch.id_type_feature_embeddings})
 
     # ------------------------------------------------------------------ coordination
-    def _all_ranks_agree(self, flag: bool) -> bool:
+    def all_ranks_agree(self, flag: bool) -> bool:
         """True only when ``flag`` is True on every rank (an all-reduce with world > 1)."""
         if self.world_size <= 1:
             return flag
@@ -420,18 +436,21 @@ class TrainCtx(EmbeddingCtx):
             dist.barrier()
 
     def register_prefetcher(self, prefetcher: StreamPrefetcher) -> None:
+        """Have :meth:`quiesce` stop ``prefetcher`` too (the DataLoader's stream)."""
         self._prefetchers.append(prefetcher)
 
-    def _quiesce(self, *, strict: bool = True, timeout_s: float | None = None
+    def quiesce(self, *, strict: bool = True, timeout_s: float | None = None
                  ) -> list[StreamPrefetcher]:
         """Stop prefetching, return untrained batches, wait for every pending push.
 
-        Returns the prefetchers that were running (for :meth:`_resume`).
+        Returns the prefetchers that were running (for :meth:`resume_prefetchers`).
+        Checkpoints (:mod:`stream_persia.nn.checkpointing`) take their cut between this
+        and :meth:`resume_prefetchers`.
 
         Raises:
             Misuse: with ``strict``, a batch was forwarded but its backward not called.
         """
-        cluster = self._cluster()
+        cluster = self.require_cluster()
         if strict and self._current is not None and self._current.ticket is not None \
                 and self._current.ticket.state == HELD:
             raise Misuse("a batch was forwarded but backward() was not called for it",
@@ -447,8 +466,9 @@ class TrainCtx(EmbeddingCtx):
         self._current = self._current_leaves = None
         return running
 
-    def _resume(self, prefetchers: list[StreamPrefetcher]) -> None:
-        cluster = self._cluster()
+    def resume_prefetchers(self, prefetchers: list[StreamPrefetcher]) -> None:
+        """Start the prefetchers that :meth:`quiesce` stopped again."""
+        cluster = self.require_cluster()
         for p in prefetchers:
             cluster.run(p.start())
 
@@ -473,8 +493,6 @@ class TrainCtx(EmbeddingCtx):
         offsets, and publishes the checkpoint atomically. ``blocking=False`` is accepted
         but the checkpoint is always written before this returns (the cut needs it).
         """
-        from stream_persia.nn import checkpointing
-
         checkpointing.dump_checkpoint(self, dst_dir, dense_filename=dense_model_filename,
                                       jit_dense_filename=jit_dense_model_filename,
                                       opt_filename=opt_filename, with_jit_model=with_jit_model)
@@ -483,16 +501,14 @@ class TrainCtx(EmbeddingCtx):
                         dense_model_filename: str = "dense.pt", opt_filename: str = "opt.pt",
                         blocking: bool = True) -> None:
         """Restore dense model, optimizer, embeddings and (Kafka) stream position."""
-        from stream_persia.nn import checkpointing
-
         checkpointing.load_checkpoint(self, src_dir, map_location=map_location,
                                       dense_filename=dense_model_filename,
                                       opt_filename=opt_filename)
 
     def wait_servers_ready(self) -> None:
         """Wait until every embedding server answers (entering the context already did)."""
-        cluster = self._cluster()
-        cluster.run(cluster._wait_ready(cluster.servers, "embedding servers"))
+        cluster = self.require_cluster()
+        cluster.run(cluster.wait_servers_ready())
 
 
 def _has_grads(opt: torch.optim.Optimizer) -> bool:

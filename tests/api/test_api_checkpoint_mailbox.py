@@ -156,7 +156,7 @@ def _train_then_hold(worker: str, ended: threading.Event, leave: threading.Event
             ended.set()
             assert leave.wait(30)
             if how == "stream_end":
-                ctx._stream_ended()
+                ctx.stream_ended()
                 ctx.taken_inside = list(ctx.checkpoint_poller.taken)
             if how == "error":
                 raise RuntimeError("the training script failed")
