@@ -30,7 +30,7 @@ from stream_persia.checkpoint._common import Location
 from stream_persia.config import EmbeddingSchema
 from stream_persia.core.data import IDTypeFeature, PersiaBatch
 from stream_persia.core.optim import SGD
-from stream_persia.errors import BadInput
+from stream_persia.core.served import ServedSlot
 from stream_persia.server.shard_files import read_shard_file
 from stream_persia.server.store import EmbeddingStore
 from stream_persia.worker import pooling
@@ -72,16 +72,10 @@ def cat_slots(per_request: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return out
 
 
-def served_tensors(served: dict) -> list[torch.Tensor]:
-    """Embedding tensors of a worker's ``lookup_batch`` reply, in slot order."""
-    out = []
-    for i, e in enumerate(served.get("embeddings") or []):
-        kind = e.get("kind") if isinstance(e, dict) else None
-        if kind not in ("sum", "raw") or not isinstance(e.get("emb"), np.ndarray):
-            raise BadInput(f"embedding worker reply: embeddings[{i}] is malformed",
-                           field=f"embeddings[{i}]")
-        out.append(_slot_tensor(kind == "sum", e["emb"], e.get("index"), e.get("mask")))
-    return out
+def served_tensors(slots: Sequence[ServedSlot]) -> list[torch.Tensor]:
+    """Embedding tensors of a worker's ``lookup_batch`` reply (its slots, checked by
+    :meth:`~stream_persia.core.served.ServedBatch.from_wire`), in slot order."""
+    return [_slot_tensor(not e.is_raw(), e.emb, e.index, e.mask) for e in slots]
 
 
 def concat_features(batches: Sequence[PersiaBatch]) -> list[IDTypeFeature]:

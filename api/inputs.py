@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from stream_persia.checkpoint import Manifest
 from stream_persia.config import EmbeddingSchema
 from stream_persia.core.data import PersiaBatch
+from stream_persia.core.served import ServedSlot
 from stream_persia.errors import BadInput, ConfigError
 
 __all__ = ["ModelInputs", "NonIdInput"]
@@ -137,9 +138,9 @@ class ModelInputs:
         return PersiaBatch(list(ids), non_id_type_features=list(non_id), labels=batch.labels,
                            requires_grad=batch.requires_grad, meta=batch.meta)
 
-    def order_embeddings(self, embeddings: list[dict]) -> list[dict]:
+    def order_embeddings(self, embeddings: Sequence[ServedSlot]) -> Sequence[ServedSlot]:
         """A worker's ``lookup_batch`` embeddings (each with its ``name``) in slot order."""
-        names = [e.get("name") if isinstance(e, dict) else None for e in embeddings]
+        names = [e.name for e in embeddings]
         if self.id_slots is None or names == list(self.id_slots):
             return embeddings
         by_name = dict(zip(names, embeddings, strict=True))

@@ -38,6 +38,7 @@ from stream_persia.api.roles import WORKER, Roles
 from stream_persia.api.settings import ApiSettings
 
 from stream_persia.core.data import PersiaBatch
+from stream_persia.core.served import ServedBatch
 from stream_persia.errors import BadInput, ConfigError, PeerUnavailable, PersiaError
 
 __all__ = ["Predictor", "Served", "Prediction", "predictions_json"]
@@ -247,7 +248,7 @@ class Predictor:
         self.metrics.missing_ids.inc(prediction.missing)
         return prediction
 
-    async def _lookup(self, batch: PersiaBatch) -> dict:
+    async def _lookup(self, batch: PersiaBatch) -> ServedBatch:
         workers = self.roles.require(WORKER)
         start = next(self._rr)
         params = {"batch": batch.to_wire(), "mode": "infer"}
@@ -259,10 +260,7 @@ class Predictor:
             except PeerUnavailable as e:
                 last = e
                 continue
-            if not isinstance(reply, dict):
-                raise BadInput(f"embedding worker answered lookup_batch with "
-                               f"{type(reply).__name__}", field="embeddings")
-            return reply
+            return ServedBatch.from_wire(reply)   # BadInput naming a malformed field
         assert last is not None
         raise last
 
@@ -311,10 +309,10 @@ class Predictor:
         if served.table is not None:
             embeddings, missing = served.table.embed(batches)
         else:
-            embeddings = cat_slots([served_tensors(
-                {"embeddings": served.inputs.order_embeddings(j.payload[1].get("embeddings")
-                                                              or [])}) for j in jobs])
-            missing = [int(j.payload[1].get("missing", 0) or 0) for j in jobs]
+            replies: list[ServedBatch] = [j.payload[1] for j in jobs]
+            embeddings = cat_slots([served_tensors(served.inputs.order_embeddings(r.embeddings))
+                                    for r in replies])
+            missing = [r.missing for r in replies]
         rows = [b.batch_size for b in batches]
         total = sum(rows)
         heads = served.dense.forward(non_id_tensors(batches), embeddings, total)

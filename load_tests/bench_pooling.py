@@ -40,6 +40,7 @@ from stream_persia.worker.pooling import (
     prefix_ids,
     reduce_batch_gradients,
 )
+from stream_persia.worker.shards import PooledLookup
 
 DIM, PREFIX_BITS = 16, 8
 
@@ -114,8 +115,8 @@ def fetch_pooled(plan):
     lookups, and pooled sums of random rows for the pooled ones."""
     rng = np.random.default_rng(0)
     merged, groups = plan.lookup_groups()
-    rows = [rng.standard_normal((len(g[1]), g[0])).astype(np.float32) for g in groups]
-    results = [r if len(g) == 2 else segments.pool(r, g[2], g[3])
+    rows = [rng.standard_normal((len(g.ids), g.dim)).astype(np.float32) for g in groups]
+    results = [segments.pool(r, g.index, g.offsets) if isinstance(g, PooledLookup) else r
                for g, r in zip(groups, rows, strict=True)]
     return merged, groups, rows, results
 
@@ -213,8 +214,8 @@ def main() -> None:
         "outputs": lambda: plan.outputs(merged, results),
         "reduce_gradients": lambda: batchplan.reduce_gradients(plan, grads),
         "(on the server) segments.pool": lambda: [
-            segments.pool(r, g[2], g[3]) for g, r in zip(groups, fetched, strict=True)
-            if len(g) == 4],
+            segments.pool(r, g.index, g.offsets) for g, r in zip(groups, fetched, strict=True)
+            if isinstance(g, PooledLookup)],
     }
     for name, fn in pooled_stages.items():
         print(f"    {name:40s} {timed(fn, args.repeat) * 1e3:8.2f} ms")

@@ -24,6 +24,7 @@ from stream_persia.api.schemas import (
 
 from stream_persia.core.embedding_config import EmbeddingConfig
 from stream_persia.core.optim import optimizer_from_dict
+from stream_persia.core.replies import WorkerStatus as WorkerStatusReply
 from stream_persia.errors import BadInput, PersiaError
 
 router = APIRouter(prefix="/v1", tags=["control"], dependencies=[Depends(require_token)],
@@ -54,7 +55,8 @@ def _applied(text: Any) -> int | None:
     return None
 
 
-def _worker_status(role: Role, health: dict, status: Any) -> WorkerStatus:
+def _worker_status(role: Role, health: dict, status: WorkerStatusReply | PersiaError
+                   ) -> WorkerStatus:
     out = WorkerStatus(index=role.index, address=role.address, healthy=health["healthy"],
                        error=health["error"] or _error(status))
     if isinstance(status, dict):

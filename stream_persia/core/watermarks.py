@@ -67,6 +67,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from stream_persia.core.replies import MarkWire, WatermarksReply
 from stream_persia.errors import BadInput, StreamReplay
 
 __all__ = ["Mark", "check_topic", "PartitionMark", "Refusal", "Source", "Watermarks", "merge", "parse_cut",
@@ -222,10 +223,10 @@ class Watermarks:
     def clear(self) -> None:
         self._marks.clear()
 
-    def to_wire(self, topic: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    def to_wire(self, topic: str | None = None) -> dict[str, dict[str, MarkWire]]:
         """``{topic: {partition (str): {"offset", "writer"}}}`` (the ``watermarks`` reply),
         of every topic or of ``topic`` only."""
-        out: dict[str, dict[str, dict[str, Any]]] = {}
+        out: dict[str, dict[str, MarkWire]] = {}
         for (t, p), mark in sorted(self._marks.items()):
             if topic is None or t == topic:
                 out.setdefault(t, {})[str(p)] = {"offset": mark.offset, "writer": mark.writer}
@@ -242,7 +243,7 @@ class PartitionMark(NamedTuple):
     restored: bool         # every server's mark of the partition is a restored one
 
 
-def merge(replies: Sequence[Any], topic: str) -> dict[int, PartitionMark]:
+def merge(replies: Sequence[WatermarksReply], topic: str) -> dict[int, PartitionMark]:
     """Per partition of ``topic``, the highest watermark of every server's ``watermarks``
     reply (in server order).
 

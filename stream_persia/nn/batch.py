@@ -1,8 +1,8 @@
 """``PersiaTrainingBatch``: a batch with its embeddings, as the NN worker receives it.
 
 An embedding worker serves a batch (``next_batch`` for training, ``lookup_batch`` for
-evaluation and inference) as a wire dict; :func:`from_served` turns it into torch tensors
-on the host. Decoded wire arrays are read-only views of the received frame, and torch
+evaluation and inference) as a wire map (:mod:`stream_persia.core.served`: its schema and
+its one decoder); :func:`from_served` turns it into torch tensors on the host. Decoded wire arrays are read-only views of the received frame, and torch
 does not support read-only tensors (``torch.from_numpy`` warns, and writing through such
 a tensor would write into an immutable ``bytes``), so every array is copied exactly once
 here: into ordinary tensors, or into page-locked ones when the NN worker uses CUDA so
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stream_persia.errors import BadInput
+from stream_persia.core.served import ServedBatch
 
 __all__ = ["EmbeddingSlot", "PersiaTrainingBatch", "from_served", "input_signature"]
 
@@ -103,56 +103,34 @@ def copy_to_tensor(a: np.ndarray, pin: bool = False) -> torch.Tensor:
     return torch.from_numpy(np.array(a, order="C", copy=True))
 
 
-def _array(d: dict, key: str, where: str) -> np.ndarray:
-    a = d.get(key) if isinstance(d, dict) else None
-    if not isinstance(a, np.ndarray):
-        raise BadInput(f"served batch: {where}.{key} is {type(a).__name__}, not an array",
-                       field=f"{where}.{key}")
-    return a
-
-
-def from_served(served: dict, worker_index: int | None = None, *, pin: bool = False
-                ) -> PersiaTrainingBatch:
-    """Build a :class:`PersiaTrainingBatch` from an embedding worker's served batch dict.
+def from_served(served: ServedBatch | object, worker_index: int | None = None, *,
+                pin: bool = False) -> PersiaTrainingBatch:
+    """Build a :class:`PersiaTrainingBatch` from an embedding worker's served batch: a
+    :class:`~stream_persia.core.served.ServedBatch`, or the map it is decoded from.
 
     Raises:
-        BadInput: the dict does not have the documented shape (names the field).
+        BadInput: the map does not have the documented shape (names the field).
     """
-    if not isinstance(served, dict):
-        raise BadInput(f"served batch must be a map, got {type(served).__name__}",
-                       field="batch")
-    slots = []
-    for i, e in enumerate(served.get("embeddings") or []):
-        where = f"embeddings[{i}]"
-        kind = e.get("kind") if isinstance(e, dict) else None
-        if kind == "sum":
-            slots.append(EmbeddingSlot(e["name"], "sum", copy_to_tensor(_array(e, "emb", where),
-                                                                        pin)))
-        elif kind == "raw":
-            slots.append(EmbeddingSlot(
-                e["name"], "raw", copy_to_tensor(_array(e, "emb", where), pin),
-                copy_to_tensor(_array(e, "index", where).astype(np.int64, copy=False), pin),
-                copy_to_tensor(_array(e, "mask", where), pin)))
-        else:
-            raise BadInput(f"served batch: {where}.kind is {kind!r}, not 'sum' or 'raw'",
-                           field=f"{where}.kind")
-    features = served.get("non_id_type_features") or []
-    bid = served.get("batch_id")
-    labels = served.get("labels")
+    sb = served if isinstance(served, ServedBatch) else ServedBatch.from_wire(served)
+    slots = [EmbeddingSlot(e.name, "sum", copy_to_tensor(e.emb, pin)) if e.index is None
+             or e.mask is None else EmbeddingSlot(
+                 e.name, "raw", copy_to_tensor(e.emb, pin),
+                 copy_to_tensor(e.index.astype(np.int64, copy=False), pin),
+                 copy_to_tensor(e.mask, pin))
+             for e in sb.embeddings]
     return PersiaTrainingBatch(
-        non_id_type_features=[copy_to_tensor(_array(f, "data", "non_id_type_features"), pin)
-                              for f in features],
-        non_id_type_feature_names=[f.get("name") for f in features],
-        labels=[copy_to_tensor(_array(f, "data", "labels"), pin) for f in labels]
-        if labels else None,
-        label_names=[f.get("name") for f in labels or []],
+        non_id_type_features=[copy_to_tensor(f.data, pin) for f in sb.non_id_type_features],
+        non_id_type_feature_names=[f.name for f in sb.non_id_type_features],
+        labels=[copy_to_tensor(f.data, pin) for f in sb.labels]
+        if sb.labels is not None else None,
+        label_names=[f.name for f in sb.labels or ()],
         id_type_feature_embeddings=slots,
-        batch_id=bid if isinstance(bid, int) and bid >= 0 else None,
-        requires_grad=bool(served.get("requires_grad", False)),
-        meta=served.get("meta"),
-        batch_size=int(served.get("batch_size", 0)),
+        batch_id=sb.batch_id,
+        requires_grad=sb.requires_grad,
+        meta=sb.meta,
+        batch_size=sb.batch_size,
         worker_index=worker_index,
-        missing=int(served.get("missing", 0) or 0),
+        missing=sb.missing,
     )
 
 

@@ -28,6 +28,7 @@ import logging
 import queue
 from typing import Any
 
+from stream_persia.core.served import ServedBatch
 from stream_persia.errors import Misuse, PersiaError
 from stream_persia.nn.batch import PersiaTrainingBatch, from_served
 
@@ -174,8 +175,9 @@ class StreamPrefetcher:
                     if not self.reproducible:
                         wi = (wi + 1) % n
                     continue
+                served = ServedBatch.from_wire(served)   # BadInput naming a bad field
                 known = self.cluster.server_config
-                if known is not None and served.get("config") not in (None, known["digest"]):
+                if known is not None and served.config not in (None, known["digest"]):
                     await self.cluster.learn_server_config()   # configured since (the API)
                 batch = from_served(served, wi, pin=self.pin)
                 self.served += 1

@@ -142,6 +142,15 @@ from stream_persia.checkpoint.root import CheckpointRoot, require_root
 from stream_persia.core import optim as optim_mod
 from stream_persia.core.embedding_config import EmbeddingConfig
 from stream_persia.core.metrics import RoleMetrics
+from stream_persia.core.replies import (
+    DumpReply,
+    LoadReply,
+    LookupReply,
+    ServerConfig,
+    ServerHealth,
+    UpdateReply,
+    WatermarksReply,
+)
 from stream_persia.core.watermarks import Watermarks, check_topic, parse_cut, parse_source
 from stream_persia.errors import (
     BadInput,
@@ -195,13 +204,16 @@ class _Staged(NamedTuple):
     marks: Watermarks   # the stream watermarks it comes with (the load's ``cut``)
 
 
-def described(optimizer: Any, embedding_config: EmbeddingConfig) -> dict:
+def described(optimizer: optim_mod.Optimizer, embedding_config: EmbeddingConfig
+              ) -> ServerConfig:
     """A configuration as ``get_config`` answers it: ``{"digest", "optimizer",
     "embedding_config"}``, the digest being the first 16 hex digits of the sha256 of the
     other two as sorted JSON. ``configure`` takes it back as it is."""
-    cfg = {"optimizer": optimizer.to_dict(), "embedding_config": embedding_config.to_dict()}
-    text = json.dumps(cfg, sort_keys=True, default=repr).encode()
-    return {"digest": hashlib.sha256(text).hexdigest()[:16], **cfg}
+    optimizer_d, embedding_d = optimizer.to_dict(), embedding_config.to_dict()
+    text = json.dumps({"optimizer": optimizer_d, "embedding_config": embedding_d},
+                      sort_keys=True, default=repr).encode()
+    return {"digest": hashlib.sha256(text).hexdigest()[:16], "optimizer": optimizer_d,
+            "embedding_config": embedding_d}
 
 
 def _ids(group: dict, where: str) -> np.ndarray:
@@ -359,7 +371,7 @@ class EmbeddingServer:
         return {k: float(v) for k, v in self.store_stats().items()}
 
     # ----------------------------------------------------------------- handlers
-    async def _health(self, params: Any) -> dict:
+    async def _health(self, params: Any) -> ServerHealth:
         self._req.labels("health").inc()
         return {"ok": True, "role": "embedding-server", "replica_index": self.replica_index,
                 "replica_size": self.replica_size, "rows": len(self.store),
@@ -378,7 +390,7 @@ class EmbeddingServer:
                 f"was done", field="incarnation",
                 hint="restore the newest checkpoint into the embedding servers")
 
-    async def _lookup(self, params: Any) -> dict:
+    async def _lookup(self, params: Any) -> LookupReply:
         self._req.labels("lookup").inc()
         mode = require(params, "mode", str)
         if mode not in MODES:
@@ -389,7 +401,7 @@ class EmbeddingServer:
         want = config_digest_param(params)
         self._check_incarnation(params)
 
-        def run() -> dict:
+        def run() -> LookupReply:
             self._check_configured(want)
             store = self.store
             # An eval or infer lookup counts each id it finds no row for as a miss: the
@@ -405,7 +417,7 @@ class EmbeddingServer:
 
         return await self._run(run)
 
-    async def _update(self, params: Any) -> dict:
+    async def _update(self, params: Any) -> UpdateReply:
         self._req.labels("update").inc()
         groups = require(params, "groups", list)
         checked = []
@@ -428,7 +440,7 @@ class EmbeddingServer:
                            f"{str(token)[:80]!r}", field="token",
                            hint="one token per batch and server, the same on every retry")
 
-        def run() -> dict:
+        def run() -> UpdateReply:
             self._check_configured(want)
             if token is not None and (first := self._tokens.get(token)) is not None:
                 self._token_counts["duplicates"] += 1
@@ -485,7 +497,7 @@ class EmbeddingServer:
 
         await self._run(run)
 
-    async def _watermarks(self, params: Any) -> dict:
+    async def _watermarks(self, params: Any) -> WatermarksReply:
         self._req.labels("watermarks").inc()
         if params is not None and not isinstance(params, dict):
             raise BadInput(f"params must be a map {{topic?}}, got {type(params).__name__}",
@@ -496,7 +508,7 @@ class EmbeddingServer:
         # On the store thread: after every update received before it.
         return await self._run(lambda: {"topics": self._marks.to_wire(topic)})
 
-    async def _stats(self, params: Any) -> dict:
+    async def _stats(self, params: Any) -> dict[str, int]:
         return self.store_stats()
 
     async def _metrics(self, params: Any) -> bytes:
@@ -531,11 +543,11 @@ class EmbeddingServer:
 
         await self._run(run)
 
-    def _config(self) -> dict:
+    def _config(self) -> ServerConfig:
         """The store's whole configuration and its digest (store thread)."""
         return described(self.store.optimizer, self.store.embedding_config)
 
-    async def _get_config(self, params: Any) -> dict | None:
+    async def _get_config(self, params: Any) -> ServerConfig | None:
         self._req.labels("get_config").inc()
         if self._config_digest is None:
             return None
@@ -553,7 +565,7 @@ class EmbeddingServer:
                                               "learned)")
 
     # ----------------------------------------------------------------- checkpoints
-    async def _dump(self, params: Any) -> dict:
+    async def _dump(self, params: Any) -> DumpReply:
         self._req.labels("dump").inc()
         directory = self._confine(require(params, "dir", str))
         name = shard_file_name(self.replica_index, self.replica_size)
@@ -561,17 +573,17 @@ class EmbeddingServer:
         # The reply names the configuration the rows were written with (their optimizer
         # state's kind), so that a restore can configure a server that holds none.
         return await self._run(
-            lambda: {**write_shard_file(self.store.dump(), directory, name),
-                     "config": self._config(), "watermarks": self._marks.to_wire()})
+            lambda: DumpReply(**write_shard_file(self.store.dump(), directory, name),
+                              config=self._config(), watermarks=self._marks.to_wire()))
 
-    async def _load(self, params: Any) -> dict:
+    async def _load(self, params: Any) -> LoadReply:
         self._req.labels("load").inc()
         directory, files, expected, stage = check_load_request(params)
         directory = self._confine(directory)
         marks = Watermarks(f"embedding server {self.replica_index}",
                            parse_cut(params.get("cut")))
 
-        def run() -> dict:
+        def run() -> LoadReply:
             old = self._serving.store
             staging = make_store(old.capacity, old.optimizer, old.embedding_config,
                                  shards=self.store_threads)
@@ -630,11 +642,11 @@ class EmbeddingServer:
         self._serving = _Serving(staging, carried, serving.loads + 1)
         serving.store.close()
 
-    async def _commit_load(self, params: Any) -> dict:
+    async def _commit_load(self, params: Any) -> LoadReply:
         self._req.labels("commit_load").inc()
         token = _token(params)
 
-        def run() -> dict:
+        def run() -> LoadReply:
             staged = self._staged
             if staged is None or staged.token != token:
                 raise BadInput(f"no staged load {token!r} on embedding server "
@@ -648,7 +660,7 @@ class EmbeddingServer:
 
         return await self._run(run)
 
-    async def _abort_load(self, params: Any) -> dict:
+    async def _abort_load(self, params: Any) -> dict[str, bool]:
         self._req.labels("abort_load").inc()
         token = _token(params)
         return {"aborted": await self._run(self._drop_staged, "aborted", token)}

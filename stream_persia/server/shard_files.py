@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from stream_persia.core import wire
+from stream_persia.core.replies import ShardFileInfo
 from stream_persia.errors import BadInput, RemoteError, WireError, require
 from stream_persia.kernels.sharding import shard_of
 from stream_persia.server._pystore import check_chunk
@@ -138,7 +139,7 @@ def _owned_chunk(chunk: Any, optimizer: Any, replica_index: int,
     return owned
 
 
-def write_shard_file(chunks: Iterator[dict], directory: str, name: str) -> dict:
+def write_shard_file(chunks: Iterator[dict], directory: str, name: str) -> ShardFileInfo:
     """Stream store chunks into ``directory/name`` atomically (temp file + rename)."""
     fs, root = _filesystem(directory)
     fs.makedirs(root, exist_ok=True)

@@ -32,6 +32,7 @@ import numpy as np
 from stream_persia.errors import BadInput, Misuse
 from stream_persia.kernels import segments
 from stream_persia.worker import pooling
+from stream_persia.worker.shards import LookupGroup, PooledLookup, RowLookup
 
 __all__ = ["BatchPlan", "PooledGroup", "plan_batch", "pooled_on_servers", "pools_on_worker",
            "reduce_gradients"]
@@ -110,13 +111,13 @@ class BatchPlan:
         plan = self.classic.get(name)
         return plan is None or plan.summation
 
-    def lookup_groups(self) -> tuple[dict[int, pooling.MergedLookup], list[tuple]]:
+    def lookup_groups(self) -> tuple[dict[int, pooling.MergedLookup], list[LookupGroup]]:
         """The classic merged lookups, and the groups for
-        :meth:`~stream_persia.worker.router.ShardRouter.lookup`: ``(dim, ids)`` for each
-        classic lookup, then ``(dim, ids, index, offsets)`` for each pooled group."""
+        :meth:`~stream_persia.worker.router.ShardRouter.lookup`: a ``RowLookup`` for each
+        classic lookup, then a ``PooledLookup`` for each pooled group."""
         merged = pooling.merge_lookups(self.classic)
-        groups: list[tuple] = [(m.dim, m.ids) for m in merged.values()]
-        groups += [(g.dim, g.ids, g.index, g.offsets) for g in self.pooled.values()]
+        groups: list[LookupGroup] = [RowLookup(m.dim, m.ids) for m in merged.values()]
+        groups += [PooledLookup(g.dim, g.ids, g.index, g.offsets) for g in self.pooled.values()]
         return merged, groups
 
     def outputs(self, merged: Mapping[int, pooling.MergedLookup], results: list[np.ndarray]

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
+from stream_persia.core.replies import FrontierReply
 from stream_persia.errors import InternalError, Misuse, ServerRestarted
 
 __all__ = ["Frontier", "check_no_failed_push", "check_servers_kept"]
 
 
-def check_no_failed_push(frontiers: Sequence[Any]) -> None:
+def check_no_failed_push(frontiers: Sequence[FrontierReply]) -> None:
     """Refuse a checkpoint cut while a worker holds a batch whose gradients only some
     embedding servers applied (the ``failed`` list of each worker's ``frontier`` reply).
 
@@ -59,7 +59,7 @@ def check_no_failed_push(frontiers: Sequence[Any]) -> None:
                      "last checkpoint")
 
 
-def check_servers_kept(frontiers: Sequence[Any]) -> None:
+def check_servers_kept(frontiers: Sequence[FrontierReply]) -> None:
     """Refuse a checkpoint cut while a worker holds an embedding server lost (the ``lost``
     list of each worker's ``frontier`` reply: it restarted and lost its table).
 

@@ -36,13 +36,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
 from stream_persia.core.metrics import RoleMetrics
+from stream_persia.core.replies import FailedPush, PushReply
 from stream_persia.core.watermarks import Source
 from stream_persia.errors import BadInput, PersiaError, PushFailed, ServerRestarted, StreamReplay
 from stream_persia.worker.batchplan import BatchPlan, reduce_gradients
 from stream_persia.worker.router import PendingUpdate, ShardRouter
+from stream_persia.worker.shards import UpdateGroup
 
 __all__ = ["GradientPushes", "FailedPush", "PUSHED_MEMORY"]
 
@@ -50,17 +52,6 @@ log = logging.getLogger(__name__)
 
 #: Replies of recently applied batches a worker keeps, to answer a repeated push.
 PUSHED_MEMORY = 1024
-
-
-class FailedPush(TypedDict):
-    """A batch whose push could not complete (``frontier``/``status``'s ``failed``)."""
-
-    batch_id: int
-    partition: int | None
-    offset: int | None
-    servers: list[str]      # the servers that have not applied it
-    applied_on: list[str]   # those that have
-    error: str
 
 
 @dataclass(eq=False)
@@ -95,7 +86,7 @@ class GradientPushes:
         # Tokens of this process's updates start with it: batch ids restart with a process.
         self.incarnation = secrets.token_hex(8)
         self._pushes: dict[int, _Push] = {}                    # pushed, not yet applied
-        self._pushed: OrderedDict[int, dict] = OrderedDict()   # recent replies (bounded)
+        self._pushed: OrderedDict[int, PushReply] = OrderedDict()   # recent replies (bounded)
         self._tasks: set[asyncio.Task] = set()
         m = metrics
         self.m_applied = m.counter("batches_applied_total", "batches whose gradients applied")
@@ -110,7 +101,7 @@ class GradientPushes:
         self.m_update_s = m.histogram("update_seconds", "gradient apply latency",
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
 
-    def recent(self, batch_id: int) -> dict | None:
+    def recent(self, batch_id: int) -> PushReply | None:
         """The reply of ``batch_id``'s push if it was applied recently (a repeated push,
         whose first reply was lost on the way), else None."""
         first = self._pushed.get(batch_id)
@@ -126,7 +117,7 @@ class GradientPushes:
 
     async def push(self, batch_id: int, plan: BatchPlan, source: tuple[int, int] | None,
                    grads: Any, retry_s: float,
-                   stream: tuple[str, str] | None = None) -> dict:
+                   stream: tuple[str, str] | None = None) -> PushReply:
         """Apply a served batch's gradients on every server, retrying those that fail for
         up to ``retry_s``; the reply once all did.
 
@@ -166,14 +157,14 @@ class GradientPushes:
         reduced = reduce_gradients(plan, grads)
         for name in reduced.skipped:
             self.m_nonfinite.labels(name).inc()
-        groups = [(dim, ids, rows) for dim, (ids, rows) in reduced.by_dim.items()]
+        groups = [UpdateGroup(dim, ids, rows) for dim, (ids, rows) in reduced.by_dim.items()]
         mark = None
         if stream is not None and source is not None:   # the servers' watermarks
             mark = Source(stream[0], source[0], source[1], stream[1]).to_wire()
         update = self.router.split_update(groups, f"{self.incarnation}-{batch_id}", mark)
         return _Push(update, source, skipped=list(reduced.skipped))
 
-    async def _apply(self, batch_id: int, p: _Push, retry_s: float) -> dict:
+    async def _apply(self, batch_id: int, p: _Push, retry_s: float) -> PushReply:
         """Apply ``p`` on every server that has not yet, then release its batch; on
         failure mark it failed and raise PushFailed."""
         t0 = time.perf_counter()
@@ -190,7 +181,7 @@ class GradientPushes:
         del self._pushes[batch_id]
         self._on_applied(batch_id)
         self.m_applied.inc()
-        reply = {"applied": applied, "dropped": dropped, "skipped_slots": p.skipped}
+        reply: PushReply = {"applied": applied, "dropped": dropped, "skipped_slots": p.skipped}
         self._pushed[batch_id] = reply
         if len(self._pushed) > PUSHED_MEMORY:
             self._pushed.popitem(last=False)

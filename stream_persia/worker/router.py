@@ -3,8 +3,8 @@
 Ids go to shard ``sharding.shard_of(id, S)``. One request per server carries every group of
 a batch, all servers are called concurrently, and the replies are scattered back into
 per-group arrays in the caller's id order, or, for pooled lookups, their partial sums are
-added. Splitting is one stable argsort per group, or one pass of
-:func:`stream_persia.kernels.segments.split` (no per-id Python work).
+added. Splitting and gathering are pure (:mod:`stream_persia.worker.shards`: no per-id
+Python work).
 
 **A server that restarted lost its table, and the job is told.** Every embedding server
 process has a random *incarnation* (:mod:`stream_persia.server.service`); a process
@@ -77,13 +77,13 @@ import contextlib
 import logging
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from stream_persia.config.global_config import ON_SERVER_RESTART
 from stream_persia.core import watermarks
+from stream_persia.core.replies import LookupReply, ServerConfig, ServerHealth, WatermarksReply
 from stream_persia.errors import (
     Backpressure,
     BadInput,
@@ -94,9 +94,9 @@ from stream_persia.errors import (
     RemoteTimeout,
     ServerRestarted,
 )
-from stream_persia.kernels import segments
-from stream_persia.kernels.sharding import shard_of, split_by_shard
 from stream_persia.rpc import RpcClient, auth
+from stream_persia.worker import shards
+from stream_persia.worker.shards import LookupGroup, PendingUpdate, UpdateGroup
 
 __all__ = ["ON_SERVER_RESTART", "LostServer", "PendingUpdate", "ShardRouter"]
 
@@ -119,41 +119,6 @@ class LostServer(NamedTuple):
 
     incarnation: str | None   # the restarted process's (None: the server names none)
     error: ServerRestarted
-
-
-@dataclass(eq=False)
-class PendingUpdate:
-    """One batch's update, split per owning server, and what each server answered.
-
-    ``parts`` maps a server index to the groups it owns; ``replies`` gets a server's reply
-    once it applied them (or recognised the token); ``errors`` the last error of a server
-    that has not replied.
-    """
-
-    token: str | None
-    parts: dict[int, list[dict]]
-    source: dict | None = None   # the Kafka batch it is for (stream_persia.core.watermarks)
-    replies: dict[int, dict] = field(default_factory=dict)
-    errors: dict[int, PersiaError] = field(default_factory=dict)
-
-    def missing(self) -> list[int]:
-        """Servers that have not replied yet, in index order."""
-        return [s for s in self.parts if s not in self.replies]
-
-    def done(self) -> bool:
-        return len(self.replies) == len(self.parts)
-
-    def totals(self) -> tuple[int, int]:
-        """(applied, dropped) over the servers that replied."""
-        return (sum(int(r["applied"]) for r in self.replies.values()),
-                sum(int(r["dropped"]) for r in self.replies.values()))
-
-
-def _wire_group(group: tuple) -> dict:
-    if len(group) == 2:
-        return {"dim": group[0], "ids": group[1]}
-    dim, ids, index, offsets = group
-    return {"dim": dim, "ids": ids, "index": index, "offsets": offsets}
 
 
 class ShardRouter:
@@ -185,7 +150,7 @@ class ShardRouter:
                                   secret=secret)
                         for i, a in enumerate(self.addresses)]
         # The servers' configuration as last learned from them (see the module docstring).
-        self.config: dict | None = None
+        self.config: ServerConfig | None = None
         self._asked = False                # a learn() was answered (see _call)
         self._learning = asyncio.Lock()
         self.on_server_restart = on_server_restart
@@ -199,7 +164,7 @@ class ShardRouter:
         self._on_restart = on_restart
         self._on_lost = on_lost
 
-    async def learn(self, *, once: bool = False) -> dict | None:
+    async def learn(self, *, once: bool = False) -> ServerConfig | None:
         """Ask every server for its incarnation and configuration (``health``,
         ``get_config``); adopt the configuration most of them hold and configure the
         servers that hold none with it. Returns what the router knows afterwards (None: no
@@ -256,7 +221,7 @@ class ShardRouter:
                 raise errors[0]
             return self.config
 
-    async def _ask(self, client: RpcClient) -> tuple[dict, dict | None]:
+    async def _ask(self, client: RpcClient) -> tuple[ServerHealth, ServerConfig | None]:
         health, config = await asyncio.gather(client.call("health", None),
                                               client.call("get_config", None))
         return health, config
@@ -268,11 +233,12 @@ class ShardRouter:
                     "configuring it with %s", s, self.addresses[s], self.config["digest"])
         await self.clients[s].call("configure", self.config)   # a get_config reply
 
-    async def _call(self, s: int, method: str, params: dict,
+    async def _call(self, s: int, method: str, params: dict[str, Any],
                     timeout_ms: float | None = None) -> Any:
         """``method`` (lookup or update) on server ``s``, expecting the incarnation and the
-        configuration learned so far; a server that restarted is handled as
-        ``on_server_restart`` says, one that lost its configuration is configured again."""
+        configuration learned so far; its LookupReply or UpdateReply. A server that
+        restarted is handled as ``on_server_restart`` says, one that lost its
+        configuration is configured again."""
         if not self._asked:
             await self.learn(once=True)
         for _ in range(_ATTEMPTS):
@@ -340,7 +306,7 @@ class ShardRouter:
         await asyncio.gather(*(self.check(s, timeout_ms) for s in list(self.lost)),
                              return_exceptions=True)
 
-    def _judge(self, s: int, health: dict) -> None:
+    def _judge(self, s: int, health: ServerHealth) -> None:
         """Act on server ``s``'s ``health`` reply (see :meth:`check`)."""
         now = health.get("incarnation")
         known, lost = self.incarnations[s], self.lost.get(s)
@@ -369,7 +335,7 @@ class ShardRouter:
                                   hint=lost.error.hint)
         self._restarted(s, known, health)
 
-    def _restarted(self, s: int, known: str | None, health: dict,
+    def _restarted(self, s: int, known: str | None, health: ServerHealth,
                    why: str | None = None) -> None:
         """Server ``s`` restarted (``health`` is the new process's, ``known`` the
         incarnation before, None: unknown): count it, then go on or mark it lost."""
@@ -424,91 +390,42 @@ class ShardRouter:
         """Per partition of ``topic``, the highest stream watermark over every server
         (:func:`stream_persia.core.watermarks.merge`): how far they applied it. Every server
         must answer (one that does not may hold the highest): its error is raised."""
-        replies = await asyncio.gather(*(c.call("watermarks", {"topic": topic}, timeout_ms)
-                                         for c in self.clients))
+        replies: list[WatermarksReply] = await asyncio.gather(*(
+            c.call("watermarks", {"topic": topic}, timeout_ms) for c in self.clients))
         return watermarks.merge(replies, topic)
 
     async def broadcast(self, method: str, params: Any = None) -> list[Any]:
         """Call ``method`` on every server; results in replica-index order."""
         return list(await asyncio.gather(*(c.call(method, params) for c in self.clients)))
 
-    async def lookup(self, groups: Sequence[tuple], mode: str
+    async def lookup(self, groups: Sequence[LookupGroup], mode: str
                      ) -> tuple[list[np.ndarray], int]:
         """Look up ``groups`` on the servers owning their ids; returns one float32 array per
-        group and the missing count.
-
-        A group is ``(dim, ids)``: the rows of ``ids``, ``(len(ids), dim)``; or ``(dim,
-        ids, index, offsets)``, a pooled lookup (:mod:`stream_persia.kernels.segments`): the
-        ``(len(offsets) - 1, dim)`` segment sums, which every server pools over the rows
-        it owns and this adds up in server order. With one server the arrays are
-        read-only views of its reply.
+        group and the missing count: a :class:`~stream_persia.worker.shards.RowLookup`'s
+        rows, or a :class:`~stream_persia.worker.shards.PooledLookup`'s segment sums (every
+        server pools the rows it owns; this adds them up in server order). With one
+        server the arrays are read-only views of its reply.
         """
         if self.num_shards == 1:  # nothing to split or scatter back
-            reply = await self._call(
-                0, "lookup", {"mode": mode, "groups": [_wire_group(g) for g in groups]})
+            reply: LookupReply = await self._call(
+                0, "lookup", {"mode": mode, "groups": [g.to_wire() for g in groups]})
             return list(reply["rows"]), int(reply["missing"])
-        parts = [self._split(g) for g in groups]
-        calls, plan = [], []
-        for s in range(self.num_shards):
-            sub, where = [], []
-            for gi, (group, part) in enumerate(zip(groups, parts, strict=True)):
-                if len(group) == 2:
-                    pos = part.positions(s)
-                    if pos.size:
-                        sub.append({"dim": group[0], "ids": group[1][pos]})
-                        where.append((gi, pos))
-                elif part[s].positions.size:
-                    sp = part[s]
-                    sub.append({"dim": group[0], "ids": group[1][sp.positions],
-                                "index": sp.index, "offsets": sp.offsets})
-                    where.append((gi, None))
-            if sub:
-                calls.append(self._call(s, "lookup", {"mode": mode, "groups": sub}))
-                plan.append(where)
-        replies = await asyncio.gather(*calls)
-        out = [np.zeros((len(g[1]) if len(g) == 2 else len(g[3]) - 1, g[0]), dtype=np.float32)
-               for g in groups]
-        missing = 0
-        for reply, where in zip(replies, plan, strict=True):
-            missing += int(reply["missing"])
-            for rows, (gi, pos) in zip(reply["rows"], where, strict=True):
-                if pos is None:
-                    out[gi] += rows         # partial sums, added in server order
-                else:
-                    out[gi][pos] = rows
-        return out, missing
+        plan = shards.plan_lookup(groups, self.num_shards)
+        servers = list(plan.requests)
+        replies: list[LookupReply] = await asyncio.gather(*(
+            self._call(s, "lookup", {"mode": mode, "groups": plan.requests[s]})
+            for s in servers))
+        out = shards.gather_lookup(groups, plan, {s: r["rows"]
+                                                  for s, r in zip(servers, replies, strict=True)})
+        return out, sum(int(r["missing"]) for r in replies)
 
-    def _split(self, group: tuple) -> Any:
-        """A classic group's :class:`ShardSplit`, or a pooled group's per-server parts."""
-        if len(group) == 2:
-            return split_by_shard(group[1], self.num_shards)
-        _, ids, index, offsets = group
-        return segments.split(index, offsets, shard_of(ids, self.num_shards), self.num_shards)
-
-    def split_update(self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]],
-                     token: str | None = None, source: dict | None = None) -> PendingUpdate:
-        """``[(dim, ids, grads)]`` split into one request per owning server (one stable
-        argsort per group; no per-id Python work). ``source``: the Kafka batch the update
-        is for (``update``'s ``source``: the servers advance, and check, that partition's
-        stream watermark; :mod:`stream_persia.core.watermarks`)."""
-        if not groups:   # nothing to apply (no gradients): no request at all
-            return PendingUpdate(token, {}, source)
-        if self.num_shards == 1:
-            return PendingUpdate(token, {0: [
-                {"dim": d, "ids": i, "grads": np.ascontiguousarray(g)} for d, i, g in groups]},
-                source)
-        splits = [split_by_shard(ids, self.num_shards) for _, ids, _ in groups]
-        parts: dict[int, list[dict]] = {}
-        for s in range(self.num_shards):
-            sub = []
-            for (dim, ids, grads), sp in zip(groups, splits, strict=True):
-                pos = sp.positions(s)
-                if pos.size:
-                    sub.append({"dim": dim, "ids": ids[pos],
-                                "grads": np.ascontiguousarray(grads[pos])})
-            if sub:
-                parts[s] = sub
-        return PendingUpdate(token, parts, source)
+    def split_update(self, groups: Sequence[UpdateGroup], token: str | None = None,
+                     source: dict[str, Any] | None = None) -> PendingUpdate:
+        """``groups`` split into one request per owning server (one stable argsort per
+        group; no per-id Python work; no request at all without groups). ``source``: the
+        Kafka batch the update is for (``update``'s ``source``: the servers advance, and
+        check, that partition's stream watermark; :mod:`stream_persia.core.watermarks`)."""
+        return PendingUpdate(token, shards.split_update(groups, self.num_shards), source)
 
     async def push(self, update: PendingUpdate, retry_s: float = 0.0) -> tuple[int, int]:
         """Send ``update`` to every server that has not applied it yet; returns (applied,
@@ -561,7 +478,7 @@ class ShardRouter:
             delay = min(2 * delay, _MAX_RETRY_S)
 
     @staticmethod
-    def _update_params(update: PendingUpdate, s: int) -> dict:
+    def _update_params(update: PendingUpdate, s: int) -> dict[str, Any]:
         params: dict[str, Any] = {"groups": update.parts[s]}
         if update.token is not None:
             params["token"] = update.token
@@ -569,8 +486,8 @@ class ShardRouter:
             params["source"] = update.source
         return params
 
-    async def update(self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]],
-                     token: str | None = None, retry_s: float = 0.0) -> tuple[int, int]:
-        """Send ``[(dim, ids, grads)]`` to the owning servers; returns (applied, dropped).
+    async def update(self, groups: Sequence[UpdateGroup], token: str | None = None,
+                     retry_s: float = 0.0) -> tuple[int, int]:
+        """Send ``groups`` to the owning servers; returns (applied, dropped).
         See :meth:`push` for ``token`` and ``retry_s``."""
         return await self.push(self.split_update(groups, token), retry_s)

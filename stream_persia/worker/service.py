@@ -134,6 +134,14 @@ from stream_persia.checkpoint.root import CheckpointRoot
 from stream_persia.config import EmbeddingSchema
 from stream_persia.core.data import PersiaBatch
 from stream_persia.core.metrics import RoleMetrics
+from stream_persia.core.replies import (
+    FrontierReply,
+    LostServerInfo,
+    PushReply,
+    WorkerHealth,
+    WorkerStatus,
+)
+from stream_persia.core.served import ServedBatchWire, ServedSlotWire
 from stream_persia.core.supervisor import Supervisor
 from stream_persia.core.watermarks import RESTORE_HINT, Refusal
 from stream_persia.errors import (
@@ -422,7 +430,7 @@ class EmbeddingWorker:
                 await asyncio.wait_for(self._ingest_resumed.wait(), min(left, 0.25))
 
     # ----------------------------------------------------------------- serving
-    async def _embed(self, pb: PendingBatch, mode: str) -> list[dict]:
+    async def _embed(self, pb: PendingBatch, mode: str) -> list[ServedSlotWire]:
         t0 = time.perf_counter()
         # Per dim, one pooled lookup of the summation slots (the servers pool them) and
         # one classic lookup of the raw and hash-stacked slots (batchplan).
@@ -431,18 +439,19 @@ class EmbeddingWorker:
             results, missing = await self.router.lookup(groups, mode)
         pooled = pb.plan.outputs(merged, results)
         self.m_lookup_s.observe(time.perf_counter() - t0)
-        out = []
+        out: list[ServedSlotWire] = []
         for name, o in pooled.items():
             if pb.plan.is_summation(name):
                 out.append({"name": name, "kind": "sum", "emb": o.embeddings})
             else:
+                assert o.index is not None and o.mask is not None   # a raw slot's output
                 out.append({"name": name, "kind": "raw", "emb": o.embeddings,
                             "index": o.index, "mask": o.mask})
         pb.missing = missing
         return out
 
     @staticmethod
-    def _served(pb: PendingBatch, embeddings: list[dict]) -> dict:
+    def _served(pb: PendingBatch, embeddings: list[ServedSlotWire]) -> ServedBatchWire:
         b = pb.batch
         return {
             "batch_id": pb.batch_id, "requires_grad": bool(b.requires_grad),
@@ -452,7 +461,7 @@ class EmbeddingWorker:
             "labels": [{"name": f.name, "data": f.data} for f in (b.labels or [])],
         }
 
-    async def _next_batch(self, params: Any) -> dict | None:
+    async def _next_batch(self, params: Any) -> ServedBatchWire | None:
         if self._replay is not None:   # the NN side must hear it, not wait for batches
             raise StreamReplay(self._replay.message, field=self._replay.field,
                                hint=self._replay.hint)
@@ -521,7 +530,7 @@ class EmbeddingWorker:
                      hint="configure the embedding servers again (NN workers do so "
                           "by themselves)")
 
-    async def _lookup_batch(self, params: Any) -> dict:
+    async def _lookup_batch(self, params: Any) -> ServedBatchWire:
         batch = self._batch_param(params, "lookup_batch")
         mode = params.get("mode", "eval")
         if mode not in ("eval", "infer"):
@@ -532,7 +541,7 @@ class EmbeddingWorker:
         served["missing"] = pb.missing
         return served
 
-    async def _push_gradients(self, params: Any) -> dict:
+    async def _push_gradients(self, params: Any) -> PushReply:
         if not isinstance(params, dict):
             raise BadInput("push_gradients takes a map", field="params")
         batch_id = params.get("batch_id")
@@ -624,11 +633,11 @@ class EmbeddingWorker:
             f"{first.message}{more}; checkpoints refuse, lookups and pushes that need it "
             f"fail", field=first.field, hint=first.hint))
 
-    def _lost_servers(self) -> list[dict]:
+    def _lost_servers(self) -> list[LostServerInfo]:
         return [{"server": s, "address": self.router.addresses[s],
                  "error": lost.error.message} for s, lost in sorted(self.router.lost.items())]
 
-    async def _health(self, params: Any) -> dict:
+    async def _health(self, params: Any) -> WorkerHealth:
         if self.router.lost:   # restored since? (a restore replaced the table)
             await self.router.recheck(timeout_ms=HEALTH_PROBE_MS)
         problems = self.problems()
@@ -637,8 +646,8 @@ class EmbeddingWorker:
                 "replica_size": self.replica_size, "ready": len(self.ready),
                 "inflight": len(self.inflight), "error": "; ".join(problems) or None}
 
-    async def _status(self, params: Any) -> dict:
-        status = {
+    async def _status(self, params: Any) -> WorkerStatus:
+        status: WorkerStatus = {
             "replica_index": self.replica_index, "ready": len(self.ready),
             "ready_capacity": self.ready.maxsize, "ready_bytes": self.ready.bytes,
             "ready_capacity_bytes": self.ready.max_bytes, "inflight": len(self.inflight),
@@ -687,7 +696,7 @@ class EmbeddingWorker:
             await self.ready.put_front(pb)
             self._inflight_room.release()
 
-    async def _frontier(self, params: Any) -> dict:
+    async def _frontier(self, params: Any) -> FrontierReply:
         # Every server still the process this worker trained through? A checkpoint must
         # not record a restarted server's empty table as trained (``lost``).
         await self.router.verify()

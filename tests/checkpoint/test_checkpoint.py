@@ -25,6 +25,7 @@ from stream_persia.errors import BadInput, Misuse
 from stream_persia.testing.samples import SCHEMA
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker.router import ShardRouter
+from stream_persia.worker.shards import RowLookup, UpdateGroup
 
 DIMS = (8, 4)
 OFFSETS = {"samples": {"0": 17, "1": 5}}
@@ -34,11 +35,12 @@ async def train_rows(router: ShardRouter, seed: int = 0, rounds: int = 3) -> Non
     """Insert rows of two dims and apply a few Adagrad updates (non-trivial state)."""
     rng = np.random.default_rng(seed)
     for r in range(rounds):
-        groups = [(dim, rng.choice(10_000 * (k + 1), size=150, replace=False).astype(np.uint64)
-                   + np.uint64(k << 40)) for k, dim in enumerate(DIMS)]
+        groups = [RowLookup(dim, rng.choice(10_000 * (k + 1), size=150, replace=False)
+                            .astype(np.uint64) + np.uint64(k << 40))
+                  for k, dim in enumerate(DIMS)]
         await router.lookup(groups, "train")
-        await router.update([(dim, ids, rng.normal(size=(ids.size, dim)).astype(np.float32))
-                             for dim, ids in groups])
+        await router.update([UpdateGroup(g.dim, g.ids, rng.normal(size=(g.ids.size, g.dim))
+                                         .astype(np.float32)) for g in groups])
         del r
 
 
@@ -125,7 +127,7 @@ async def test_servers_with_store_threads_serve_and_restore_the_same_rows(
         async with running_servers(2, store_threads=threads_before) as (servers, router):
             await train_rows(router)
             before = snapshot(servers)
-            probe = [(dim, np.arange(20_000, dtype=np.uint64) + np.uint64(k << 40))
+            probe = [RowLookup(dim, np.arange(20_000, dtype=np.uint64) + np.uint64(k << 40))
                      for k, dim in enumerate(DIMS)]
             want, _ = await plain.lookup(probe, "eval")
             got, _ = await router.lookup(probe, "eval")

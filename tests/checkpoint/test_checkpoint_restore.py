@@ -24,6 +24,7 @@ from stream_persia.errors import BadInput, PeerUnavailable, RemoteError
 from stream_persia.server import service as embedding_server
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker.router import ShardRouter
+from stream_persia.worker.shards import RowLookup
 
 cluster = shard_load.cluster   # the fixture: 2 servers, a checkpoint, trained on since
 observe, probe_ids = shard_load.observe, shard_load.probe_ids
@@ -242,7 +243,7 @@ async def test_an_aborted_load_changes_nothing(cluster):
 
 async def test_a_staged_load_is_dropped_after_its_ttl(tmp_path):
     async with running_servers(1) as (servers, router):
-        await router.lookup([(8, np.arange(5, dtype=np.uint64))], "train")
+        await router.lookup([RowLookup(8, np.arange(5, dtype=np.uint64))], "train")
         with CheckpointWriter(str(tmp_path / "ck")) as w:
             await w.dump_embeddings(router.clients)
             manifest = w.commit(job="j", step=1, offsets={}, stream="direct")

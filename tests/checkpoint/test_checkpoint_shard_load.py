@@ -29,6 +29,7 @@ from stream_persia.server import shard_files
 from stream_persia.server.shard_files import read_shard_file, write_shard_file
 from stream_persia.server.store import EmbeddingStore
 from stream_persia.testing.servers import running_servers
+from stream_persia.worker.shards import RowLookup, UpdateGroup
 
 DIMS = (8, 4)
 
@@ -36,11 +37,11 @@ DIMS = (8, 4)
 async def train(router, seed: int) -> None:
     """Insert 120 rows of each dim and give them non-trivial Adagrad state."""
     rng = np.random.default_rng(seed)
-    groups = [(dim, rng.choice(5_000, size=120, replace=False).astype(np.uint64)
+    groups = [RowLookup(dim, rng.choice(5_000, size=120, replace=False).astype(np.uint64)
                + np.uint64((k + 1) << 40)) for k, dim in enumerate(DIMS)]
     await router.lookup(groups, "train")
-    await router.update([(dim, ids, rng.normal(size=(ids.size, dim)).astype(np.float32))
-                         for dim, ids in groups])
+    await router.update([UpdateGroup(g.dim, g.ids, rng.normal(size=(g.ids.size, g.dim))
+                                     .astype(np.float32)) for g in groups])
 
 
 async def observe(server, client, probe: dict[int, np.ndarray]) -> dict:

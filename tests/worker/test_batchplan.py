@@ -28,6 +28,7 @@ from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker import batchplan, pooling
+from stream_persia.worker.shards import LookupGroup, PooledLookup, RowLookup
 
 SETTINGS = settings(max_examples=25, deadline=None)
 SEGMENT_IMPLS = ["cython", "python"] if segments._c is not None else ["python"]
@@ -96,8 +97,9 @@ def serve_as_one_server(plan):
     merged, groups = plan.lookup_groups()
     results = []
     for group in groups:
-        rows = table(group[1], group[0])
-        results.append(rows if len(group) == 2 else segments.pool(rows, *group[2:]))
+        rows = table(group.ids, group.dim)
+        results.append(segments.pool(rows, group.index, group.offsets)
+                       if isinstance(group, PooledLookup) else rows)
     return plan.outputs(merged, results)
 
 
@@ -180,7 +182,7 @@ def test_summation_slots_without_hash_stack_are_pooled_by_dim():
         assert g.offsets.dtype == np.int64 and g.scale.dtype == np.float32
         assert len(np.unique(g.ids)) == len(g.ids)
     merged, groups = plan.lookup_groups()
-    assert [len(g) for g in groups] == [2] * len(merged) + [4, 4]
+    assert [type(g) for g in groups] == [RowLookup] * len(merged) + [PooledLookup] * 2
 
 
 @pytest.mark.parametrize("segment_impl", SEGMENT_IMPLS)
@@ -527,34 +529,34 @@ async def pooled_lookup_matches_pooled_rows(n):
     feats = features(n, SLOTS, 16, vocab=40)
     plan = batchplan.plan_batch(feats, MIXED)
     merged, groups = plan.lookup_groups()
-    pooled = [g for g in groups if len(g) == 4]
-    n_ids = sum(len(g[1]) for g in groups)
+    pooled = [g for g in groups if isinstance(g, PooledLookup)]
+    n_ids = sum(len(g.ids) for g in groups)
     async with running_servers(n, SGD(lr=0.1)) as (started, router):
         got, missing = await router.lookup(groups, "eval")
         assert missing == n_ids
         for g, sums in zip(groups, got, strict=True):
-            want = (len(g[1]), g[0]) if len(g) == 2 else (len(g[3]) - 1, g[0])
+            want = (len(g.ids) if isinstance(g, RowLookup) else len(g.offsets) - 1, g.dim)
             assert sums.shape == want and sums.dtype == np.float32 and not sums.any()
         assert sum(len(s.store) for s in started) == 0, "eval never inserts"
 
         got, missing = await router.lookup(groups, "train")
         assert missing == 0
         assert sum(len(s.store) for s in started) == n_ids
-        rows, missing = await router.lookup([(g[0], g[1]) for g in pooled], "eval")
+        rows, missing = await router.lookup([RowLookup(g.dim, g.ids) for g in pooled], "eval")
         assert missing == 0
         for g, sums, r in zip(pooled, got[len(merged):], rows, strict=True):
-            want = segments.pool(r, g[2], g[3])
+            want = segments.pool(r, g.index, g.offsets)
             assert want.any()
             if n == 1:
                 assert_same(sums, want)
             else:
-                bound = segments.pool(np.abs(r), g[2], g[3])
+                bound = segments.pool(np.abs(r), g.index, g.offsets)
                 np.testing.assert_array_less(np.abs(sums - want), 1e-6 * bound + 1e-30)
         # The worker's whole batch: rows of every slot equal a classic lookup's.
         outputs = plan.outputs(merged, got)
         classic = pooling.plan_batch(feats, MIXED)
         m = pooling.merge_lookups(classic)
-        fetched, _ = await router.lookup([(d, x.ids) for d, x in m.items()], "eval")
+        fetched, _ = await router.lookup([RowLookup(d, x.ids) for d, x in m.items()], "eval")
         want = pooling.pool_batch(classic, m, dict(zip(m, fetched, strict=True)))
         for name in SLOTS:
             np.testing.assert_allclose(outputs[name].embeddings, want[name].embeddings,
@@ -604,14 +606,15 @@ async def test_a_server_refuses_malformed_pooled_groups_and_keeps_serving():
 
 @pytest.mark.parametrize("n", [1, 3])
 async def test_empty_pooled_groups_and_segments_give_zero_sums(n):
-    groups = [(4, np.zeros(0, np.uint64), np.zeros(0, np.int32), np.zeros(4, np.int64)),
-              (4, np.array([5, 6], np.uint64), np.array([1, 0, 1], np.int32),
-               np.array([0, 0, 3], np.int64)),
-              (4, np.zeros(0, np.uint64))]
+    groups: list[LookupGroup] = [
+        PooledLookup(4, np.zeros(0, np.uint64), np.zeros(0, np.int32), np.zeros(4, np.int64)),
+        PooledLookup(4, np.array([5, 6], np.uint64), np.array([1, 0, 1], np.int32),
+                     np.array([0, 0, 3], np.int64)),
+        RowLookup(4, np.zeros(0, np.uint64))]
     async with running_servers(n, SGD(lr=0.1)) as (_, router):
         await asyncio.wait_for(router.lookup(groups[1:2], "train"), 5)
         (empty, sums, none), missing = await asyncio.wait_for(router.lookup(groups, "eval"), 5)
-        rows, _ = await asyncio.wait_for(router.lookup([(4, groups[1][1])], "eval"), 5)
+        rows, _ = await asyncio.wait_for(router.lookup([RowLookup(4, groups[1].ids)], "eval"), 5)
     assert missing == 0
     assert empty.shape == (3, 4) and not empty.any()
     assert none.shape == (0, 4)

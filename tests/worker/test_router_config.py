@@ -24,6 +24,7 @@ from stream_persia.errors import BadInput, Misuse, PeerUnavailable
 from stream_persia.kernels.sharding import shard_of
 from stream_persia.testing.servers import restarted, running_servers
 from stream_persia.worker.router import ShardRouter
+from stream_persia.worker.shards import RowLookup, UpdateGroup
 
 DIM = 4
 JOB = {"optimizer": SGD(lr=0.5).to_dict(),
@@ -40,7 +41,7 @@ async def test_with_continue_a_restarted_server_is_configured_again_before_it_se
     async with running_servers(2, on_server_restart="continue") as (servers, router):
         await router.broadcast("configure", JOB)
         ids = np.concatenate([ids_on(0), ids_on(1)])
-        await router.lookup([(DIM, ids)], "train")
+        await router.lookup([RowLookup(DIM, ids)], "train")
         learned = await router.clients[0].call("get_config")
         assert router.config == learned and learned["optimizer"] == JOB["optimizer"]
 
@@ -49,14 +50,14 @@ async def test_with_continue_a_restarted_server_is_configured_again_before_it_se
         await fresh.start()
         try:
             assert await router.clients[1].call("get_config") is None
-            rows, _ = await router.lookup([(DIM, ids)], "train")
+            rows, _ = await router.lookup([RowLookup(DIM, ids)], "train")
             assert await router.clients[1].call("get_config") == learned
             # rows admitted after the restart are drawn from the job's range, not the
             # default (-0.01, 0.01)
             assert np.abs(rows[0]).max() <= 0.001
             grads = np.ones((ids.size, DIM), np.float32)
-            assert await router.update([(DIM, ids, grads)]) == (ids.size, 0)
-            after, _ = await router.lookup([(DIM, ids)], "eval")
+            assert await router.update([UpdateGroup(DIM, ids, grads)]) == (ids.size, 0)
+            after, _ = await router.lookup([RowLookup(DIM, ids)], "eval")
             np.testing.assert_allclose(after[0], rows[0] - 0.5 * grads, atol=1e-6)  # SGD
             assert router.restarts == [0, 1] and not router.lost   # counted, not failed
         finally:
@@ -66,13 +67,13 @@ async def test_with_continue_a_restarted_server_is_configured_again_before_it_se
 async def test_with_continue_a_job_that_never_configures_is_served_as_before():
     async with running_servers(2, on_server_restart="continue") as (servers, router):
         ids = np.concatenate([ids_on(0), ids_on(1)])
-        await router.lookup([(DIM, ids)], "train")
+        await router.lookup([RowLookup(DIM, ids)], "train")
         assert router.config is None
         await servers[1].stop()
         fresh = restarted(servers[1])
         await fresh.start()
         try:
-            await router.lookup([(DIM, ids)], "train")   # no digest sent, none refused
+            await router.lookup([RowLookup(DIM, ids)], "train")   # no digest sent, none refused
             assert await router.clients[1].call("get_config") is None
             assert router.restarts == [0, 1]
         finally:
@@ -85,10 +86,10 @@ async def test_a_reconfigured_job_is_learned_again():
     async with running_servers(2) as (_, router):
         await router.broadcast("configure", JOB)
         ids = ids_on(0)
-        await router.lookup([(DIM, ids)], "train")
+        await router.lookup([RowLookup(DIM, ids)], "train")
         first = router.config
         await router.broadcast("configure", {"optimizer": Adagrad(lr=0.2).to_dict()})
-        await router.lookup([(DIM, ids)], "train")
+        await router.lookup([RowLookup(DIM, ids)], "train")
         assert router.config["digest"] != first["digest"]
         assert router.config["optimizer"] == Adagrad(lr=0.2).to_dict()
         assert router.config["embedding_config"] == JOB["embedding_config"]
@@ -148,7 +149,7 @@ async def test_a_restarted_worker_learns_before_its_first_request():
         await fresh.start()
         router = ShardRouter([s.address for s in servers], timeout_ms=5000)
         try:
-            rows, _ = await router.lookup([(DIM, ids_on(1))], "train")
+            rows, _ = await router.lookup([RowLookup(DIM, ids_on(1))], "train")
             assert np.abs(rows[0]).max() <= 0.001
             assert router.config == job
             assert await router.clients[1].call("get_config") == job

@@ -34,6 +34,7 @@ from stream_persia.worker.frontier import check_servers_kept
 from stream_persia.worker.ingest import KafkaIngest
 from stream_persia.worker.router import ShardRouter
 from stream_persia.worker.service import EmbeddingWorker
+from stream_persia.worker.shards import RowLookup, UpdateGroup
 
 DIM = 4
 JOB = {"optimizer": SGD(lr=0.5).to_dict(),
@@ -80,15 +81,15 @@ async def test_a_restarted_server_fails_lookups_and_updates_naming_what_was_lost
     async with running_servers(2) as (servers, router):
         await router.broadcast("configure", JOB)
         ids = np.concatenate([ids_on(0), ids_on(1)])
-        await router.lookup([(DIM, ids)], "train")
+        await router.lookup([RowLookup(DIM, ids)], "train")
         grads = np.ones((ids.size, DIM), np.float32)
-        await router.update([(DIM, ids, grads)])
+        await router.update([UpdateGroup(DIM, ids, grads)])
         old = servers[1].incarnation
 
         fresh = await restart(servers, 1)
-        for attempt in (router.lookup([(DIM, ids)], "train"),
-                        router.lookup([(DIM, ids)], "eval"),
-                        router.update([(DIM, ids, grads)], token="t-1")):
+        for attempt in (router.lookup([RowLookup(DIM, ids)], "train"),
+                        router.lookup([RowLookup(DIM, ids)], "eval"),
+                        router.update([UpdateGroup(DIM, ids, grads)], token="t-1")):
             with pytest.raises(ServerRestarted) as err:
                 await attempt
             msg = str(err.value)
@@ -101,18 +102,18 @@ async def test_a_restarted_server_fails_lookups_and_updates_naming_what_was_lost
         assert await router.clients[1].call("get_config") is None
         assert list(router.lost) == [1] and router.restarts == [0, 1]
         # Server 0 alone still serves what it owns.
-        rows, _ = await router.lookup([(DIM, ids_on(0))], "eval")
+        rows, _ = await router.lookup([RowLookup(DIM, ids_on(0))], "eval")
         assert rows[0].shape == (8, DIM)
 
 
 async def test_a_job_that_never_configures_its_servers_is_failed_too():
     async with running_servers(2) as (servers, router):
         ids = np.concatenate([ids_on(0), ids_on(1)])
-        await router.lookup([(DIM, ids)], "train")
+        await router.lookup([RowLookup(DIM, ids)], "train")
         assert router.config is None
         await restart(servers, 1)
         with pytest.raises(ServerRestarted, match="embedding server 1"):
-            await router.lookup([(DIM, ids)], "train")
+            await router.lookup([RowLookup(DIM, ids)], "train")
 
 
 async def test_an_update_retried_across_a_restart_fails_its_batch_instead_of_landing():
@@ -122,11 +123,11 @@ async def test_an_update_retried_across_a_restart_fails_its_batch_instead_of_lan
     async with running_servers(2) as (servers, router):
         await router.broadcast("configure", JOB)
         ids = np.concatenate([ids_on(0), ids_on(1)])
-        await router.lookup([(DIM, ids)], "train")
+        await router.lookup([RowLookup(DIM, ids)], "train")
         await servers[1].stop()
         fresh = restarted(servers[1])
-        pending = router.split_update([(DIM, ids, np.ones((ids.size, DIM), np.float32))],
-                                      token="w-7")
+        grads = np.ones((ids.size, DIM), np.float32)
+        pending = router.split_update([UpdateGroup(DIM, ids, grads)], token="w-7")
         push = asyncio.ensure_future(router.push(pending, retry_s=10))
         await asyncio.sleep(0.3)            # retrying against the dead address
         assert not push.done()
@@ -143,9 +144,9 @@ async def test_an_update_retried_across_a_restart_fails_its_batch_instead_of_lan
 async def test_with_continue_a_restart_is_counted_and_training_goes_on(caplog):
     async with running_servers(2, on_server_restart="continue") as (servers, router):
         ids = np.concatenate([ids_on(0), ids_on(1)])
-        await router.lookup([(DIM, ids)], "train")
+        await router.lookup([RowLookup(DIM, ids)], "train")
         fresh = await restart(servers, 1)
-        rows, _ = await router.lookup([(DIM, ids)], "train")
+        rows, _ = await router.lookup([RowLookup(DIM, ids)], "train")
         assert rows[0].shape == (16, DIM) and len(fresh.store) == 8
         assert router.restarts == [0, 1] and not router.lost
         assert router.incarnations[1] == fresh.incarnation
@@ -161,18 +162,18 @@ async def test_a_new_worker_meeting_an_unconfigured_server_of_a_trained_job(poli
     restarted after the job configured it (and trained)."""
     async with running_servers(2) as (servers, old):
         await old.broadcast("configure", JOB)
-        await old.lookup([(DIM, ids_on(0))], "train")     # server 0 holds rows
+        await old.lookup([RowLookup(DIM, ids_on(0))], "train")     # server 0 holds rows
         await restart(servers, 1)
         router = ShardRouter([s.address for s in servers], timeout_ms=5000,
                              on_server_restart=policy)
         try:
             if policy == "fail":
                 with pytest.raises(ServerRestarted, match="holds no configuration while"):
-                    await router.lookup([(DIM, ids_on(1))], "train")
+                    await router.lookup([RowLookup(DIM, ids_on(1))], "train")
                 assert list(router.lost) == [1]
                 assert await router.clients[1].call("get_config") is None
             else:
-                rows, _ = await router.lookup([(DIM, ids_on(1))], "train")
+                rows, _ = await router.lookup([RowLookup(DIM, ids_on(1))], "train")
                 assert np.abs(rows[0]).max() <= 0.001   # the job's init, not the default
                 assert router.restarts == [0, 1]
         finally:
@@ -183,17 +184,17 @@ async def test_a_restore_serves_a_restarted_server_again(tmp_path):
     async with running_servers(2) as (servers, router):
         await router.broadcast("configure", JOB)
         ids = np.concatenate([ids_on(0), ids_on(1)])
-        before, _ = await router.lookup([(DIM, ids)], "train")
+        before, _ = await router.lookup([RowLookup(DIM, ids)], "train")
         dst = str(tmp_path / "ck")
         with CheckpointWriter(dst) as w:
             await w.dump_embeddings(router.clients)
             w.commit(job="t", step=1, offsets={}, stream="direct")
-        await router.update([(DIM, ids, np.ones((ids.size, DIM), np.float32))])
+        await router.update([UpdateGroup(DIM, ids, np.ones((ids.size, DIM), np.float32))])
         await restart(servers, 1)
         with pytest.raises(ServerRestarted):
-            await router.lookup([(DIM, ids)], "eval")
+            await router.lookup([RowLookup(DIM, ids)], "eval")
         assert await load_embeddings(dst, router.clients) == 16
-        after, _ = await router.lookup([(DIM, ids)], "eval")   # restored: served again
+        after, _ = await router.lookup([RowLookup(DIM, ids)], "eval")   # restored: served again
         np.testing.assert_array_equal(after[0], before[0])
         assert not router.lost and router.incarnations[1] == servers[1].incarnation
 
