@@ -8,9 +8,9 @@ turns the replies into the manifest's ``stream`` and ``offsets``, refusing every
 which a restore of the result would lose a batch or train one twice:
 
 - a batch whose gradient push failed (only some servers applied it:
-  :func:`~stream_persia.worker.frontier.check_no_failed_push`);
+  :func:`check_no_failed_push`);
 - an embedding server that restarted with an empty table
-  (:func:`~stream_persia.worker.frontier.check_servers_kept`);
+  (:func:`check_servers_kept`);
 - a batch in flight (served to an NN rank, gradients not applied yet:
   :func:`check_nothing_in_flight`);
 - workers that mix Kafka and direct ingest, or read more than one topic, or two workers
@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stream_persia.checkpoint.manifest import STREAMS
-from stream_persia.errors import Misuse
-from stream_persia.worker.frontier import check_no_failed_push, check_servers_kept
+from stream_persia.core.replies import FrontierReply
+from stream_persia.errors import Misuse, ServerRestarted
 
-__all__ = ["Cut", "stream_cut", "read_cut", "check_nothing_in_flight", "worker_names"]
+__all__ = ["Cut", "stream_cut", "read_cut", "check_nothing_in_flight", "check_no_failed_push",
+           "check_servers_kept", "worker_names"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,47 @@ class Cut:
     def partitions(self) -> dict[str, int]:
         """Partition → next offset over the (one) topic: what ``reset_stream`` takes."""
         return {p: o for parts in self.offsets.values() for p, o in parts.items()}
+
+
+def check_no_failed_push(frontiers: Sequence[FrontierReply]) -> None:
+    """Refuse a checkpoint cut while a worker holds a batch whose gradients only some
+    embedding servers applied (the ``failed`` list of each worker's ``frontier`` reply).
+
+    Raises:
+        Misuse: naming the worker, the batch, its partition and offset, and the servers.
+    """
+    for i, f in enumerate(frontiers):
+        failed = (f.get("failed") if isinstance(f, dict) else None) or []
+        if failed:
+            first = failed[0]
+            where = (f" (partition {first.get('partition')} offset {first.get('offset')})"
+                     if first.get("partition") is not None else "")
+            raise Misuse(
+                f"embedding worker {i} holds {len(failed)} batch(es) whose gradient push "
+                f"failed: batch {first.get('batch_id')}{where} is not applied on embedding "
+                f"server(s) {', '.join(map(str, first.get('servers') or []))} "
+                f"({first.get('error')}); a checkpoint now would record it as trained",
+                field="batch_id",
+                hint="bring the server back and push the batch again, or restore the "
+                     "last checkpoint")
+
+
+def check_servers_kept(frontiers: Sequence[FrontierReply]) -> None:
+    """Refuse a checkpoint cut while a worker holds an embedding server lost (the ``lost``
+    list of each worker's ``frontier`` reply: it restarted and lost its table).
+
+    Raises:
+        ServerRestarted: naming the worker, the server, its address and what was lost.
+    """
+    for i, f in enumerate(frontiers):
+        lost = (f.get("lost") if isinstance(f, dict) else None) or []
+        if lost:
+            first = lost[0]
+            raise ServerRestarted(
+                f"embedding worker {i} found {len(lost)} embedding server(s) restarted: "
+                f"{first.get('error')}; a checkpoint now would record the lost rows as "
+                f"trained", field="incarnation",
+                hint="restore the newest checkpoint instead")
 
 
 def worker_names(n: int) -> list[str]:

@@ -61,10 +61,10 @@ from stream_persia.checkpoint import (
     read_cut,
     read_manifest,
 )
+from stream_persia.checkpoint.cut import check_servers_kept
 from stream_persia.config.embedding import EmbeddingSchema
 from stream_persia.errors import Misuse
 from stream_persia.nn.seams import ContextSeam, TrainerSeam
-from stream_persia.worker.frontier import check_servers_kept
 
 __all__ = ["dump_checkpoint", "dump_embedding", "dump_torch_state_dict", "load_checkpoint",
            "load_embedding", "load_torch_state_dict"]

@@ -9,8 +9,9 @@ restore replay exactly the batches whose effect the checkpoint does not contain.
 
 A batch whose gradient push could not complete on every server (see *Gradient pushes* in
 :mod:`stream_persia.worker.service`) stays pending: the frontier never passes it, and
-:func:`check_no_failed_push` makes every checkpoint refuse while one exists, naming it.
-Likewise :func:`check_servers_kept` while a worker holds an embedding server lost (it
+:func:`stream_persia.checkpoint.cut.check_no_failed_push` makes every checkpoint refuse while
+one exists, naming it. Likewise :func:`~stream_persia.checkpoint.cut.check_servers_kept` while
+a worker holds an embedding server lost (it
 restarted and lost its table, :mod:`stream_persia.worker.router`): the cut would record
 the empty table as trained.
 
@@ -28,53 +29,10 @@ refused (``InternalError``) unless the job accepted data loss (``allow_gaps``, f
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 
-from stream_persia.core.replies import FrontierReply
-from stream_persia.errors import InternalError, Misuse, ServerRestarted
+from stream_persia.errors import InternalError
 
-__all__ = ["Frontier", "check_no_failed_push", "check_servers_kept"]
-
-
-def check_no_failed_push(frontiers: Sequence[FrontierReply]) -> None:
-    """Refuse a checkpoint cut while a worker holds a batch whose gradients only some
-    embedding servers applied (the ``failed`` list of each worker's ``frontier`` reply).
-
-    Raises:
-        Misuse: naming the worker, the batch, its partition and offset, and the servers.
-    """
-    for i, f in enumerate(frontiers):
-        failed = (f.get("failed") if isinstance(f, dict) else None) or []
-        if failed:
-            first = failed[0]
-            where = (f" (partition {first.get('partition')} offset {first.get('offset')})"
-                     if first.get("partition") is not None else "")
-            raise Misuse(
-                f"embedding worker {i} holds {len(failed)} batch(es) whose gradient push "
-                f"failed: batch {first.get('batch_id')}{where} is not applied on embedding "
-                f"server(s) {', '.join(map(str, first.get('servers') or []))} "
-                f"({first.get('error')}); a checkpoint now would record it as trained",
-                field="batch_id",
-                hint="bring the server back and push the batch again, or restore the "
-                     "last checkpoint")
-
-
-def check_servers_kept(frontiers: Sequence[FrontierReply]) -> None:
-    """Refuse a checkpoint cut while a worker holds an embedding server lost (the ``lost``
-    list of each worker's ``frontier`` reply: it restarted and lost its table).
-
-    Raises:
-        ServerRestarted: naming the worker, the server, its address and what was lost.
-    """
-    for i, f in enumerate(frontiers):
-        lost = (f.get("lost") if isinstance(f, dict) else None) or []
-        if lost:
-            first = lost[0]
-            raise ServerRestarted(
-                f"embedding worker {i} found {len(lost)} embedding server(s) restarted: "
-                f"{first.get('error')}; a checkpoint now would record the lost rows as "
-                f"trained", field="incarnation",
-                hint="restore the newest checkpoint instead")
+__all__ = ["Frontier"]
 
 
 class _Partition:

@@ -77,7 +77,7 @@ a *failed* batch stays in flight (so no checkpoint can claim it), is listed in
 ``frontier``/``status`` (``failed``), makes ``health`` answer ``ok: false`` naming it,
 and ``return_batches`` refuses it (serving it again would apply its gradients twice on the
 servers that took them); checkpoints refuse, naming it
-(:func:`stream_persia.worker.frontier.check_no_failed_push`). It holds one of the
+(:func:`stream_persia.checkpoint.cut.check_no_failed_push`). It holds one of the
 ``max_inflight_batches`` slots until a push of it completes or ``reset_stream`` drops it,
 so failures that pile up stop serving rather than grow memory.
 

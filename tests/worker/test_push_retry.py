@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from stream_persia.checkpoint import stream_cut
+from stream_persia.checkpoint.cut import check_no_failed_push
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Adagrad
 from stream_persia.errors import BadInput, Misuse, PushFailed
 from stream_persia.rpc import RpcClient
 from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.samples import SCHEMA, make_batch
-from stream_persia.worker.frontier import check_no_failed_push
 from stream_persia.worker.service import EmbeddingWorker
 
 SLOTS = ("user", "item", "tags")

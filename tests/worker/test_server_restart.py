@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from stream_persia.checkpoint import CheckpointWriter, load_embeddings, stream_cut
+from stream_persia.checkpoint.cut import check_servers_kept
 from stream_persia.config import GlobalConfig, KafkaConfig
 from stream_persia.core.supervisor import Supervisor
 from stream_persia.embedding import EmbeddingConfig
@@ -30,7 +31,6 @@ from stream_persia.rpc import RpcClient
 from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT, restarted, running_servers
-from stream_persia.worker.frontier import check_servers_kept
 from stream_persia.worker.ingest import KafkaIngest
 from stream_persia.worker.router import ShardRouter
 from stream_persia.worker.service import EmbeddingWorker
