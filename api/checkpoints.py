@@ -33,6 +33,11 @@ since NN ranks that are training would keep their own dense state. Batches whose
 failed and embedding servers that restarted (their tables lost) do not stop it: a restore
 is the way back from both. NN ranks load the
 dense model themselves (``load_checkpoint``) when they start again.
+
+Size: one module because :class:`Checkpoints` is one state machine: listing, deleting,
+taking (through the NN ranks or directly) and restoring share its lock, its in-use set and
+its job history (a checkpoint being taken or restored cannot be deleted, two restores never
+interleave). Split across modules, that state would have to be passed around unguarded.
 """
 
 from __future__ import annotations
