@@ -1,14 +1,4 @@
-"""PERSIA's ``persia.distributed``: a re-export, so that a PERSIA job ports by changing its import root.
+"""PERSIA's ``persia.distributed``, re-exported from :mod:`stream_persia.nn.distributed` (pinned by tests/test_persia_paths.py)."""
 
-The code lives in :mod:`stream_persia.nn.distributed`; this module only names it under PERSIA's path
-(pinned by ``tests/test_persia_paths.py``).
-"""
-
-from stream_persia.nn.distributed import (  # noqa: F401
-    BaguaDistributedOption,
-    DDPOption,
-    DistributedBaseOption,
-    get_default_distributed_option,
-)
-
-__all__ = ['BaguaDistributedOption', 'DDPOption', 'DistributedBaseOption', 'get_default_distributed_option']
+from stream_persia.nn.distributed import *  # noqa: F403
+from stream_persia.nn.distributed import __all__  # noqa: F401

@@ -1,13 +1,5 @@
-"""PERSIA's ``persia.utils``: a re-export, so that a PERSIA job ports by changing its import root.
+"""PERSIA's ``persia.utils``, re-exported from :mod:`stream_persia.nn.utils` (pinned by tests/test_persia_paths.py)."""
 
-The code lives in :mod:`stream_persia.nn.utils`; this module only names it under PERSIA's path
-(pinned by ``tests/test_persia_paths.py``).
-"""
-
-from stream_persia.nn.utils import (  # noqa: F401
-    find_free_port,
-    roc_auc,
-    setup_seed,
-)
+from stream_persia.nn.utils import find_free_port, roc_auc, setup_seed  # noqa: F401
 
 __all__ = ['find_free_port', 'roc_auc', 'setup_seed']
