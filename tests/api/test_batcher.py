@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from stream_persia.api.batcher import Job, MicroBatcher
+
 from stream_persia.errors import Backpressure, InternalError, Misuse
 
 pytestmark = pytest.mark.timeout(20)
