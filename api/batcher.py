@@ -56,6 +56,7 @@ class MicroBatcher:
         self._queue: asyncio.Queue[Job | None] = asyncio.Queue(max_queue)  # None: stop
         self._task: asyncio.Task | None = None
         self._last_size = 1
+        self._held: list[Job] = []   # taken off the queue by the collector, not yet resolved
         self._closed = False
         self.stats = {"batches": 0, "requests": 0, "rows": 0}
 
@@ -77,8 +78,10 @@ class MicroBatcher:
             return
         self._closed = True
         err = InternalError(f"the inference micro-batcher stopped: {task.exception()!r}")
+        held, self._held = self._held, []
         while not self._queue.empty():
-            job = self._queue.get_nowait()
+            held.append(self._queue.get_nowait())
+        for job in held:
             if job is not None and not job.future.done():
                 job.future.set_exception(err)
 
@@ -119,7 +122,8 @@ class MicroBatcher:
         first = await self._queue.get()
         if first is None:
             return [], True
-        jobs, rows = [first], first.rows
+        jobs = self._held = [first]
+        rows = first.rows
         concurrent = self._last_size > 1 or not self._queue.empty()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.max_wait_s
@@ -167,3 +171,4 @@ class MicroBatcher:
                     for j in live:
                         if not j.future.done():
                             j.future.set_exception(e)
+            self._held = []

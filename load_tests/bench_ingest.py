@@ -16,7 +16,7 @@ worker sends a batch's distinct ids with the segment structure and gets back the
 they lie in its store (``EmbeddingStore.lookup_pooled``).
 
 Every process here, the baseline's included, keeps freed memory for reuse
-(``stream_persia.launch.roles.keep_freed_memory``, as the roles do): with glibc's defaults the
+(``stream_persia.launch.memory.keep_freed_memory``, as the roles do): with glibc's defaults the
 consume-only baseline alternated between rounds at ~450k and ~650k samples/s (page faults
 on fresh buffers), which made the ratio swing with it.
 
@@ -69,7 +69,7 @@ from stream_persia.embedding.data import IDTypeFeature, Label, NonIDTypeFeature,
 from stream_persia.embedding.optim import Adagrad
 from stream_persia.kafka import SampleConsumer, create_producer
 from stream_persia.kernels import segments
-from stream_persia.launch import roles as launch
+from stream_persia.launch import memory as launch
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
 from stream_persia.server.store import EmbeddingStore

@@ -31,7 +31,7 @@ from bench_ingest import embedding_yaml, make_batches  # noqa: E402
 from stream_persia.config import load_embedding_config  # noqa: E402
 from stream_persia.embedding.data import PersiaBatch  # noqa: E402
 from stream_persia.embedding.optim import Adagrad  # noqa: E402
-from stream_persia.launch import roles as launch  # noqa: E402
+from stream_persia.launch import memory as launch  # noqa: E402
 from stream_persia.server.sharded import make_store  # noqa: E402
 from stream_persia.worker import batchplan  # noqa: E402
 

@@ -209,11 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     checkpoint_command.add_parser(sub)
 
-    from stream_persia.launch import run
+    from stream_persia.launch import run, run_args
 
     rp = sub.add_parser("run", help="run every role of a topology on this machine, end to end",
                         description=run.__doc__.split("\n\n")[0])
-    run.add_arguments(rp)
+    run_args.add_arguments(rp)
     _add_log_level(rp, "warning")
     return parser
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc as _gc
 import logging
 import os
 import runpy
@@ -50,6 +49,8 @@ from stream_persia.config import (
 from stream_persia.core import aio
 from stream_persia.core.supervisor import EXIT_GRACE_S
 from stream_persia.errors import ConfigError
+from stream_persia.launch.memory import KEEP_FREED_ENV, freeze_startup_heap, keep_freed_memory
+from stream_persia.launch.stop_signals import stop_signals, unless_stopped, until_signal
 from stream_persia.rpc.auth import RoleSecret, check_bind
 from stream_persia.rpc.server import ConnectionLimits
 
@@ -140,117 +141,6 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> N
     log.info("metrics on http://%s:%d/metrics", host, httpd.server_address[1])
 
 
-def _stop_signals() -> asyncio.Event:
-    """An event that SIGTERM and SIGINT set from now on (on the running loop)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
-
-
-async def _unless_stopped(step: Awaitable[None], stop: asyncio.Event) -> bool:
-    """Run a start-up step (an embedding worker waiting for its broker: up to
-    ``kafka.startup_timeout_ms``); False, with the step cancelled, if SIGTERM/SIGINT came
-    first."""
-    task = asyncio.ensure_future(step)
-    waiting = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiting.cancel()
-    if task.done():
-        task.result()
-        return True
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    log.info("signal received while starting: stopping")
-    return False
-
-
-async def _until_signal(failed: asyncio.Event | None = None,
-                        stop: asyncio.Event | None = None) -> bool:
-    """Wait for SIGTERM/SIGINT (``stop``, from :func:`_stop_signals`), or for ``failed`` (a
-    supervised task of the role failed); True in the second case."""
-    if stop is None:
-        stop = _stop_signals()
-    waits = [asyncio.ensure_future(stop.wait())]
-    if failed is not None:
-        waits.append(asyncio.ensure_future(failed.wait()))
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
-    if stop.is_set():
-        log.info("signal received: draining")
-        return False
-    return True
-
-
-def freeze_startup_heap(young_threshold: int = 20_000) -> None:
-    """Hide every object alive after start-up from the cyclic garbage collector and collect
-    young objects less often.
-
-    A role's steady state allocates short-lived containers per batch (msgpack maps, Kafka
-    records, futures). With the default thresholds each full collection re-scans the
-    modules imported at start-up (torch alone is several hundred thousand objects): in one
-    py-spy profile of load_tests/bench_ingest.py the collector was in about a third of the
-    embedding worker's active samples, and it is absent once the heap is frozen (the
-    benchmark's per-batch CPU did not move beyond its noise). Frozen objects are never
-    collected, which is right for module state; cycles made later are still found.
-    """
-    _gc.collect()
-    _gc.freeze()
-    _, mid, old = _gc.get_threshold()
-    _gc.set_threshold(young_threshold, mid, old)
-
-
-# glibc's mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-KEEP_FREED_ENV = "STREAM_PERSIA_KEEP_FREED_MB"
-
-
-def keep_freed_memory(keep_mb: int | None = None) -> int:
-    """Keep freed heap memory in the process for reuse instead of returning it to the
-    system at once (glibc only; elsewhere a no-op). Returns the bytes of free heap now kept,
-    0 where nothing took effect (disabled, not glibc, or mallopt refused).
-
-    Every batch allocates buffers of a megabyte or more (Kafka records, RPC frames, pooled
-    embeddings) and frees them a moment later. glibc serves blocks that large with a
-    fresh ``mmap`` until a free raises its threshold, and hands the top of the heap back
-    once more than twice that threshold is free, so a role alternates between reusing
-    memory and faulting in (zeroed) new pages. In ``load_tests/bench_ingest.py`` that cost
-    about 25,000 page faults every other round in the consume-only client, and about half
-    of the embedding worker's kernel time (~1.5 against ~0.8 ms per batch with it). Blocks
-    under 32 MiB then come from the heap, and up to
-    ``keep_mb`` MiB of free heap (``STREAM_PERSIA_KEEP_FREED_MB``, default 256; 0 leaves
-    glibc's defaults alone) stay mapped: a role's resident size may stay that much above
-    its live data.
-    """
-    if keep_mb is None:
-        raw = os.environ.get(KEEP_FREED_ENV, "256")
-        try:
-            keep_mb = int(raw)
-        except ValueError:
-            raise ConfigError(f"{KEEP_FREED_ENV}={raw!r} is not a whole number of MiB",
-                              field=KEEP_FREED_ENV, hint="e.g. 256, or 0 to disable") from None
-    if keep_mb < 0 or keep_mb > 1 << 20:
-        raise ConfigError(f"{KEEP_FREED_ENV} must be in [0, {1 << 20}] MiB, got {keep_mb}",
-                          field=KEEP_FREED_ENV)
-    if keep_mb == 0 or not sys.platform.startswith("linux"):
-        return 0
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (e.g. musl has no mallopt)
-        return 0
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    took = mallopt(_M_TRIM_THRESHOLD, keep_mb << 20) and mallopt(_M_MMAP_THRESHOLD, 32 << 20)
-    return keep_mb << 20 if took else 0
-
-
 async def _serve(role: Any, args: argparse.Namespace,
                  before_stop: Callable[[], Awaitable[None]] | None = None,
                  stop: asyncio.Event | None = None) -> int:
@@ -271,8 +161,8 @@ async def _serve(role: Any, args: argparse.Namespace,
         serve_metrics(args.metrics_port, args.host, role.metrics.render)
         write_ready_file(args.ready_file, role.address)
         if stop is None:
-            stop = _stop_signals()
-        while await _until_signal(supervisor.failed if supervisor is not None else None,
+            stop = stop_signals()
+        while await until_signal(supervisor.failed if supervisor is not None else None,
                                   stop):
             # A background task failed: health says why for a moment, then exit 1.
             assert supervisor is not None
@@ -375,8 +265,8 @@ def embedding_worker(args: argparse.Namespace) -> int:
 
             # A worker started before its broker waits for it; SIGTERM meanwhile is a
             # stop with nothing to drain (exit 0), not a death by signal.
-            stop = _stop_signals()
-            if not await _unless_stopped(worker.start_kafka_ingest(make_ingest), stop):
+            stop = stop_signals()
+            if not await unless_stopped(worker.start_kafka_ingest(make_ingest), stop):
                 await worker.stop()
                 return 0
             return await _serve(worker, args, stop=stop)

@@ -40,7 +40,6 @@ by one: 130 Ctrl-C (SIGINT), 143 SIGTERM, 129 SIGHUP.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import importlib.util
 import json
@@ -49,7 +48,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,153 +65,17 @@ from stream_persia.errors import (
 )
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.launch.report import build_report, plot_report, print_report, served_metrics
+from stream_persia.launch.run_args import (
+    PREDICT_SAMPLES,
+    SETTINGS_ENV,
+    check_args,
+    check_topology,
+)
+from stream_persia.launch.samples_topic import ensure_topic
+from stream_persia.launch.stop_signals import Stopped, StopSignals
 from stream_persia.launch.topology import Topology, load_topology
 
-__all__ = ["add_arguments", "main"]
-
-# run flag -> environment variable read by the topology scripts (topologies/common.py)
-SETTINGS_ENV = {
-    "samples": "STREAM_PERSIA_SAMPLES", "epochs": "STREAM_PERSIA_EPOCHS",
-    "batch_size": "STREAM_PERSIA_BATCH_SIZE", "eval_samples": "STREAM_PERSIA_EVAL_SAMPLES",
-    "embedding_staleness": "EMBEDDING_STALENESS", "seed": "STREAM_PERSIA_SEED",
-    "data": "STREAM_PERSIA_DATA",
-}
-
-
-#: The topology settings run flags override: flag dest -> its argparse type.
-#: The same checks apply to a value from the environment (SETTINGS_ENV) that the roles
-#: would otherwise read, so a bad one stops the run before any role starts.
-SETTINGS_TYPES = {
-    "samples": flags.size(0, note=" (0: the whole dataset of a file-backed topology)"),
-    "epochs": flags.size(1),
-    "batch_size": flags.size(1),
-    "eval_samples": flags.size(0, note=" (0: the whole held-out split)"),
-    "embedding_staleness": flags.size(1, note=" (1: synchronous)"),
-    "seed": flags.size(0),
-}
-
-#: Eval samples predicted through the API at the end of a run, by default.
-PREDICT_SAMPLES = 2048
-#: Seconds a stop (Ctrl-C, SIGTERM, SIGHUP) waits for the final checkpoint by default.
-STOP_CHECKPOINT_S = 60.0
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("topology", help="a topology directory (with topology.yml)")
-    p.add_argument("--kafka", **flags.env("KAFKA_BOOTSTRAP_SERVERS", flags.addresses, None),
-                   help="Kafka bootstrap servers: stream through Kafka (env "
-                        "KAFKA_BOOTSTRAP_SERVERS; default: broker-less)")
-    p.add_argument("--topic", type=flags.topic, default=None,
-                   help="with --kafka: an existing samples topic (default: a fresh topic "
-                        "<job>.<run>.samples, created with the admin client, or by the "
-                        "broker's auto-creation where it has no admin API)")
-    p.add_argument("--partitions", type=flags.integer(1, 1_000_000), default=None,
-                   help="with --kafka and no --topic: partitions of the topic created here "
-                        "(default: 4 × workers)")
-    p.add_argument("--on-data-loss", choices=("fail", "skip"), default=None,
-                   help="with --kafka: what embedding workers do with samples the broker "
-                        "deleted before they were read (kafka.on_data_loss): fail (default: "
-                        "stop the partition, and the run fails naming it) or skip (count "
-                        "the loss and go on)")
-    p.add_argument("--broker-timeout-s", type=_seconds, default=None,
-                   help="with --kafka: fail a role once no broker answered for this long "
-                        "(kafka.broker_timeout_ms; default 60)")
-    for flag in ("samples", "epochs", "batch-size", "eval-samples", "seed"):
-        dest = flag.replace("-", "_")
-        p.add_argument(f"--{flag}", type=SETTINGS_TYPES[dest], default=None,
-                       help=f"override run.{dest} (a whole number; 1e6 is accepted)")
-    p.add_argument("--embedding-staleness", type=SETTINGS_TYPES["embedding_staleness"],
-                   default=None,
-                   help="batches an NN rank may hold unapplied (>= 1; 1: synchronous)")
-    p.add_argument("--data", "--data-dir", "--data-file", dest="data", default=None,
-                   help="dataset location for topologies that read one")
-    replicas = flags.integer(1, 1024)
-    p.add_argument("--embedding-servers", type=replicas, default=None, help="replicas (>= 1)")
-    p.add_argument("--embedding-workers", type=replicas, default=None, help="replicas (>= 1)")
-    p.add_argument("--nn-workers", type=replicas, default=None,
-                   help="NN ranks on this machine (>= 1)")
-    p.add_argument("--data-loaders", type=replicas, default=None, help="replicas (>= 1)")
-    p.add_argument("--output-dir", default=None,
-                   help="where logs, metrics, the checkpoint and the report go "
-                        "(default: runs/<job>-<time>)")
-    p.add_argument("--no-api", action="store_true", help="do not start the HTTP API")
-    p.add_argument("--predict-samples", type=flags.integer(0), default=None,
-                   help=f"eval samples predicted through the API at the end (0: none; "
-                        f"default {PREDICT_SAMPLES})")
-    p.add_argument("--no-gates", action="store_true", help="report gates but exit 0")
-    p.add_argument("--timeout-s", type=flags.number(0, lo_open=True), default=3600.0,
-                   help="give up after this long (seconds > 0)")
-    p.add_argument("--stop-checkpoint-s", type=flags.number(0), default=STOP_CHECKPOINT_S,
-                   help="on Ctrl-C, SIGTERM or SIGHUP: longest wait for the final checkpoint "
-                        f"before every role is stopped (0: none; default {STOP_CHECKPOINT_S:g})")
-
-
-def check_topology(topo: Topology, args: argparse.Namespace) -> None:
-    """The topology's ``run:`` settings the roles will read, and flags that need a role the
-    topology does not start (ConfigError naming the file and key, or the flag)."""
-    file = topo.directory / "topology.yml"
-    for key, parse in SETTINGS_TYPES.items():
-        if key in topo.run and getattr(args, key) is None:
-            value = topo.run[key]
-            try:
-                if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-                    raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}")
-                parse(str(value))
-            except argparse.ArgumentTypeError as e:
-                raise ConfigError(f"{file}: run.{key}: {e}", field=f"run.{key}",
-                                  hint=f"fix it there, or override it with "
-                                       f"--{key.replace('_', '-')}") from None
-    if args.data is not None and not topo.data:
-        raise ConfigError(f"--data: {topo.name} reads no dataset (its topology.yml has no "
-                          "data: section)", field="--data", hint="drop --data")
-    if args.data is not None and not Path(args.data).exists():
-        raise ConfigError(f"--data: {args.data} does not exist", field="--data",
-                          hint=f"the dataset {topo.name} reads (see its README)")
-    if not topo.api and args.predict_samples:
-        raise ConfigError(f"--predict-samples predicts through the API, which {topo.name} "
-                          "does not start (roles.api: false)", field="--predict-samples")
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Checks between flags, and of the environment the roles would read; before any role
-    starts. Raises ConfigError naming the flag or variable (exit 2)."""
-    if args.topic is not None and not args.kafka:
-        raise ConfigError("--topic needs --kafka (the broker-less stream has no topic)",
-                          field="--topic", hint="add --kafka HOST:PORT, or drop --topic")
-    if args.partitions is not None and (not args.kafka or args.topic is not None):
-        raise ConfigError("--partitions only sets the partitions of a topic this run "
-                          "creates (with --kafka and without --topic)", field="--partitions",
-                          hint="drop --partitions" + (", or --topic" if args.topic else ""))
-    for flag in ("on_data_loss", "broker_timeout_s"):
-        if getattr(args, flag, None) is not None and not args.kafka:
-            name = "--" + flag.replace("_", "-")
-            raise ConfigError(f"{name} applies to Kafka only", field=name,
-                              hint="add --kafka BOOTSTRAP, or remove it")
-    if args.no_api and args.predict_samples:
-        raise ConfigError("--predict-samples predicts through the API, which --no-api "
-                          "leaves out", field="--predict-samples",
-                          hint="drop one of the two flags")
-    for key, var in SETTINGS_ENV.items():
-        raw = os.environ.get(var, "").strip()
-        if key in SETTINGS_TYPES and getattr(args, key) is None and raw:
-            try:
-                SETTINGS_TYPES[key](raw)
-            except argparse.ArgumentTypeError as e:
-                raise ConfigError(f"environment variable {var}: {e}", field=var,
-                                  hint=f"unset it, or pass --{key.replace('_', '-')}") from None
-
-
-def _seconds(raw: str) -> float:
-    """An argparse type: seconds >= 1 (argparse names the flag in its error)."""
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not 1.0 <= value <= 86_400.0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds in [1, 86400], "
-                                         f"got {raw!r}")
-    return value
-
+__all__ = ["main"]
 
 class Job:
     """The processes of one run, started in dependency order and stopped in reverse."""
@@ -422,86 +285,6 @@ def check_kafka(job: Job) -> dict[str, int]:
     return lost
 
 
-def ensure_topic(bootstrap: str, topic: str, partitions: int, *, create: bool,
-                 min_partitions: int = 1) -> int:
-    """Check the samples topic exists and has at least ``min_partitions`` partitions (one
-    per embedding worker); returns its partitions.
-
-    With ``create``, a missing topic is created with ``partitions`` partitions by the
-    admin client; where the broker has no working admin API (the librdkafka mock: its
-    metadata names no controller), it is asked for the topic by name instead, which
-    brokers with ``auto.create.topics.enable`` (the default, and the mock) answer by
-    creating it with their default partition count.
-
-    Raises:
-        ConfigError: naming ``--topic`` (missing, or not creatable) or ``--partitions``
-            (too few partitions for the embedding workers).
-    """
-    from stream_persia.core import aio
-    from stream_persia.kafka import topic_partitions
-
-    async def admin_create() -> None:
-        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
-        await admin.start()
-        try:
-            await admin.create_topics([NewTopic(topic, partitions, 1)])
-        finally:
-            await admin.close()
-
-    async def auto_create() -> int:
-        from aiokafka import AIOKafkaProducer
-
-        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
-        await producer.start()
-        try:
-            return len(await producer.partitions_for(topic))
-        finally:
-            await producer.stop()
-
-    async def go() -> int:
-        found = await topic_partitions(bootstrap, topic)
-        if found or not create:
-            return found
-        try:
-            await admin_create()
-        except Exception as admin_error:   # the mock fails inside aiokafka (AttributeError)
-            print(f"stream-persia run: creating topic {topic!r} with the admin client failed "
-                  f"({type(admin_error).__name__}: {admin_error}); asking the broker to "
-                  "auto-create it", file=sys.stderr)
-            try:
-                found = await auto_create()
-            except Exception as e:
-                raise ConfigError(
-                    f"cannot create topic {topic!r} on {bootstrap}: the admin client failed "
-                    f"({type(admin_error).__name__}: {admin_error}) and the broker did not "
-                    f"auto-create it ({type(e).__name__}: {e})", field="--topic",
-                    hint=f"create it with {partitions} partitions (e.g. kafka-topics.sh "
-                         f"--create --topic {topic} --partitions {partitions}) and pass "
-                         f"--topic {topic}") from None
-            if found != partitions:
-                print(f"stream-persia run: the broker created {topic!r} with {found} "
-                      f"partitions (its default), not {partitions}", file=sys.stderr)
-            return found
-        for _ in range(100):   # metadata propagates lazily
-            if found := await topic_partitions(bootstrap, topic):
-                return found
-            await asyncio.sleep(0.1)
-        return 0
-
-    found = aio.run(go())
-    if not found:
-        raise ConfigError(f"topic {topic!r} does not exist on {bootstrap}", field="--topic",
-                          hint="create it, or leave --topic out to have a fresh one created")
-    if found < min_partitions:
-        raise ConfigError(f"topic {topic!r} has {found} partitions, fewer than the "
-                          f"{min_partitions} embedding workers", field="--partitions",
-                          hint=f"use a topic with at least {min_partitions} partitions, or "
-                               "fewer --embedding-workers")
-    return found
-
-
 def _read_metrics(out: Path) -> dict[str, Any]:
     try:
         return json.loads((out / "metrics.json").read_text())
@@ -582,85 +365,6 @@ def _checkpoint_on_interrupt(job: Job, budget_s: float) -> str | None:
     except Exception as e:  # best effort: stopping must not hang on a broken API
         print(f"stream-persia run: checkpoint on interrupt failed: {e!r}", file=sys.stderr)
     return None
-
-
-class Stopped(BaseException):
-    """A stop signal (SIGINT, SIGTERM, SIGHUP) arrived; the run exits ``128 + signum``."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-class StopSignals:
-    """Turns SIGINT, SIGTERM and SIGHUP into :class:`Stopped` in the main thread while
-    installed (a context manager), so that every one of them stops the roles as Ctrl-C does.
-
-    The roles run in their own sessions (:class:`~stream_persia.launch.processes.RoleProcess`), so a
-    signal for this process never reaches them by itself: without this, SIGTERM would end
-    ``run`` and leave them running. Inside :meth:`deferred` (while a role is spawned, so
-    none can escape unrecorded) a signal is raised on leaving it. Once one was raised,
-    the run is stopping: a later signal is raised only inside :meth:`interruptible` (it
-    cuts the wait for the final checkpoint short) and ignored elsewhere, and inside
-    :meth:`shielded` (while the roles are stopped) every signal is ignored.
-    """
-
-    def __init__(self) -> None:
-        self._previous: dict[int, Any] = {}
-        self._defer = 0
-        self._shield = False
-        self._stopping = False
-        self._interruptible = False
-        self._pending: int | None = None
-
-    def __enter__(self) -> StopSignals:
-        for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self._shield or (self._stopping and not self._interruptible):
-            return
-        if self._defer:
-            self._pending = self._pending or signum
-            return
-        self._stopping = True
-        raise Stopped(signum)
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        self._defer += 1
-        try:
-            yield
-        finally:
-            self._defer -= 1
-        if not self._defer and self._pending is not None:
-            signum, self._pending = self._pending, None
-            self._stopping = True
-            raise Stopped(signum)
-
-    @contextlib.contextmanager
-    def interruptible(self) -> Iterator[None]:
-        self._interruptible = True
-        try:
-            yield
-        finally:
-            self._interruptible = False
-
-    @contextlib.contextmanager
-    def shielded(self) -> Iterator[None]:
-        self._shield = True
-        try:
-            yield
-        finally:
-            self._shield = False
 
 
 def _serving_inputs(topo: Topology, env: dict[str, str], n: int):

@@ -16,6 +16,11 @@ Who may connect, and for how long (every bound is counted in :meth:`RpcServer.st
   call and closes this one once its own calls have their replies; a request already on
   its way is still served. A peer that keeps it open anyway is closed
   ``GOAWAY_GRACE_S`` later.
+
+Size: one module past 500 lines on purpose: one protocol role, the server end of the
+RPC (one module per role, as aiokafka does). The bounds above all act on the one
+connection table of :class:`RpcServer`; framing, authentication and the Unix socket
+already live beside it (``framing``, ``auth``, ``local``).
 """
 
 from __future__ import annotations

@@ -118,6 +118,11 @@ A served batch: ``{"batch_id", "requires_grad", "meta", "batch_size",
 "non_id_type_features": [{"name", "data"}], "labels": [{"name", "data"}],
 "embeddings": [{"name", "kind": "sum", "emb": f32 (batch, dim)} |
 {"name", "kind": "raw", "emb": f32 (n+1, dim), "index": i64 (batch, k), "mask": bool}]}``.
+
+Size: one module past 500 lines on purpose. The RPC schema above (STYLE.md habit 8) is a
+sixth of it; the rest is one class, the role's RPC surface, whose handlers share its ready
+buffer, in-flight table and router. Its parts already live beside it (``ingest``,
+``pushes``, ``frontier``, ``mailbox``, ``router``, ``batchplan``).
 """
 
 from __future__ import annotations

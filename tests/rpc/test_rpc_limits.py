@@ -167,7 +167,7 @@ async def test_a_connection_stays_lean_until_its_traffic_needs_more():
 SERVER = r"""
 import sys
 from stream_persia.core import aio
-from stream_persia.launch.roles import keep_freed_memory
+from stream_persia.launch.memory import keep_freed_memory
 from stream_persia.rpc import RpcServer
 
 async def echo(p):

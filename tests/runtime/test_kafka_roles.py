@@ -22,7 +22,7 @@ import pytest
 from stream_persia.errors import ConfigError
 from stream_persia.kafka import topic_partitions
 from stream_persia.launch.processes import RoleProcess
-from stream_persia.launch.run import ensure_topic
+from stream_persia.launch.samples_topic import ensure_topic
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.proxy import LateProxy, free_port
 from stream_persia.testing.samples import EMBEDDING_YAML

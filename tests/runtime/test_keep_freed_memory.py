@@ -1,5 +1,5 @@
-"""Roles keep freed heap memory for reuse (launch.keep_freed_memory): a per-batch buffer of
-a megabyte or more stops costing fresh page faults every round."""
+"""Roles keep freed heap memory for reuse (launch.memory.keep_freed_memory): a per-batch
+buffer of a megabyte or more stops costing fresh page faults every round."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from stream_persia.errors import ConfigError
-from stream_persia.launch import roles as launch
+from stream_persia.launch import memory as launch
 
 ROUNDS = """
 import resource, sys
 import numpy as np
-from stream_persia.launch import roles as launch
+from stream_persia.launch import memory as launch
 print(launch.keep_freed_memory(int(sys.argv[1])))
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -24,8 +24,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia.errors import BadInput, PeerUnavailable
+from stream_persia.launch.memory import KEEP_FREED_ENV
 from stream_persia.launch.processes import RoleProcess
-from stream_persia.launch.roles import KEEP_FREED_ENV
 from stream_persia.loader.data_ctx import DataCtx
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch

@@ -89,3 +89,63 @@ async def test_a_wait_cancelled_as_it_ends_neither_takes_nor_adds_an_item():
     with pytest.raises(asyncio.CancelledError):
         await putter
     assert len(buf) == 0, "a cancelled put added its item"
+
+
+# ------------------------------------------------------------------ put_front
+async def test_put_front_returns_an_item_ahead_of_everything_queued():
+    buf: BoundedBuffer[str] = BoundedBuffer(8, "ready buffer")
+    for item in ("a", "b", "c"):
+        await buf.put(item)
+    taken = [await buf.get(), await buf.get()]
+    assert taken == ["a", "b"]
+    # The worker returns served batches newest first, so the oldest ends up at the head.
+    for item in reversed(taken):
+        await buf.put_front(item)
+    await buf.put("d")
+    assert [await buf.get(timeout=0) for _ in range(4)] == ["a", "b", "c", "d"]
+    assert await buf.get(timeout=0) is None
+
+
+async def test_put_front_into_a_full_buffer_never_waits_and_a_put_waits_below_the_bound():
+    """The docstring's promise: a returned item goes in even when the buffer is full,
+    exceeding the bound by that item; it does not take the room a waiting put wants."""
+    buf: BoundedBuffer[str] = BoundedBuffer(2, "ready buffer")
+    await buf.put("a")
+    await buf.put("b")
+    taken = await buf.get()
+    await buf.put("c")                                  # full again: b, c
+    await asyncio.wait_for(buf.put_front(taken), 1)     # never refused nor held
+    assert len(buf) == 3 and buf.full()
+    waiting = asyncio.ensure_future(buf.put("d"))
+    assert await buf.get() == "a"                       # 2 left: still at the bound
+    await asyncio.sleep(0.01)
+    assert not waiting.done(), "a put went past maxsize after a put_front"
+    assert await buf.get() == "b"                       # 1 left: room
+    await asyncio.wait_for(waiting, 1)
+    assert buf.clear() == ["c", "d"]
+
+
+async def test_put_front_counts_its_bytes_and_may_pass_the_byte_budget():
+    buf = sized(100)
+    await buf.put(b"a" * 70)
+    await buf.put(b"b" * 30)
+    assert buf.full() and buf.bytes == 100
+    item = await buf.get()
+    await buf.put(b"c" * 60)                            # 30 + 60 fits
+    await buf.put_front(item)
+    assert (len(buf), buf.bytes) == (3, 160)
+    with pytest.raises(Backpressure) as err:
+        await buf.put(b"d", timeout=0.02)
+    assert "160 bytes" in str(err.value)
+    for _ in range(3):
+        await buf.get()
+    assert (len(buf), buf.bytes) == (0, 0)              # what put_front added came off
+
+
+async def test_put_front_wakes_a_waiting_get():
+    buf: BoundedBuffer[str] = BoundedBuffer(1, "ready buffer")
+    getter = asyncio.ensure_future(buf.get(timeout=10))
+    await asyncio.sleep(0.01)
+    assert not getter.done()
+    await buf.put_front("returned")
+    assert await asyncio.wait_for(getter, 1) == "returned"
