@@ -54,7 +54,6 @@ from typing import Any
 
 import yaml
 
-from stream_persia.config import flags
 from stream_persia.core.supervisor import UNHEALTHY_MARK
 from stream_persia.errors import (
     ConfigError,

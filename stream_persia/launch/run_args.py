@@ -12,8 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
+from stream_persia.config import flags
 from stream_persia.errors import ConfigError
-from stream_persia.launch import flags
 from stream_persia.launch.topology import Topology
 
 __all__ = ["PREDICT_SAMPLES", "SETTINGS_ENV", "SETTINGS_TYPES", "STOP_CHECKPOINT_S",
