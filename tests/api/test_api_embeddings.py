@@ -12,7 +12,7 @@ from stream_persia.config import EmbeddingSchema
 from stream_persia.embedding.data import IDTypeFeature, NonIDTypeFeature, PersiaBatch
 from stream_persia.embedding.optim import SGD
 from stream_persia.server.store import EmbeddingStore
-from stream_persia.worker import pooling
+from stream_persia.worker import batchplan, pooling
 
 SCHEMA = EmbeddingSchema.from_dict({
     "feature_index_prefix_bit": 8,
@@ -51,8 +51,9 @@ def table_with_some_rows(rng: np.random.Generator) -> LocalTable:
 
 def missing_alone(table: LocalTable, batch: PersiaBatch) -> int:
     """The embedding worker's definition: distinct looked-up ids absent, per dim."""
-    merged = pooling.merge_lookups(pooling.plan_batch(batch.id_type_features, SCHEMA,
-                                                      requires_grad=False))
+    plan = batchplan.plan_batch(batch.id_type_features, SCHEMA, requires_grad=False,
+                                server_pooling=False)
+    merged = pooling.merge_lookups(plan.classic)
     return sum(int((~table.store.contains(m.ids)).sum()) for m in merged.values())
 
 

@@ -57,7 +57,7 @@ def state_of(s, key):
 def test_env_flag_picks_the_implementation(flag, expected):
     env = {**os.environ, "STREAM_PERSIA_PURE_PYTHON": flag}
     out = subprocess.run(
-        [sys.executable, "-c", "from stream_persia.embedding import store as s;"
+        [sys.executable, "-c", "from stream_persia.server import store as s;"
          "print(s.IMPLEMENTATION, s.EmbeddingStore.__name__)"],
         env=env, capture_output=True, text=True, check=True).stdout.split()
     assert out == [expected, {"python": "PyEmbeddingStore", "cython": "CEmbeddingStore"}[expected]]
