@@ -36,7 +36,7 @@ from stream_persia.server.shard_files import read_shard_file
 from stream_persia.server.store import EmbeddingStore
 from stream_persia.worker import batchplan, pooling
 
-__all__ = ["LocalTable", "as_tensor", "served_tensors", "concat_features", "non_id_tensors",
+__all__ = ["CheckpointTable", "as_tensor", "served_tensors", "concat_features", "non_id_tensors",
            "cat_slots"]
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def non_id_tensors(batches: Sequence[PersiaBatch]) -> list[torch.Tensor]:
             for j in range(len(batches[0].non_id_type_features))]
 
 
-class LocalTable:
+class CheckpointTable:
     """Every embedding row of one checkpoint, read-only, in this process.
 
     Args:
@@ -121,7 +121,7 @@ class LocalTable:
         self.schema = schema
 
     @classmethod
-    def load(cls, manifest: Manifest, schema: EmbeddingSchema) -> LocalTable:
+    def load(cls, manifest: Manifest, schema: EmbeddingSchema) -> CheckpointTable:
         """Load every shard file the manifest lists (blocking; call off the event loop).
 
         Optimizer state is dropped: serving never updates a row.

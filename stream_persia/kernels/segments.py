@@ -338,14 +338,14 @@ def split_part(index: np.ndarray, offsets: np.ndarray, owner: np.ndarray, part: 
     if IMPLEMENTATION != "cython":
         return split(index, offsets, owner, parts)[part]
     positions = np.empty(len(owner), dtype=np.int64)
-    local_index = np.empty(len(index), dtype=np.int32)
+    part_index = np.empty(len(index), dtype=np.int32)
     part_offsets = np.empty(len(offsets), dtype=np.int64)
     at = np.zeros(2, dtype=np.int64)
-    status = _c.c_split_part(index, offsets, owner, part, positions, local_index,
+    status = _c.c_split_part(index, offsets, owner, part, positions, part_index,
                              part_offsets, at)
     if status:
         raise_for(status, int(at[0]), "split", len(owner))
-    return Split(positions[:at[0]], local_index[:at[1]], part_offsets)
+    return Split(positions[:at[0]], part_index[:at[1]], part_offsets)
 
 
 def split(index: np.ndarray, offsets: np.ndarray, owner: np.ndarray, parts: int
@@ -359,31 +359,31 @@ def split(index: np.ndarray, offsets: np.ndarray, owner: np.ndarray, parts: int
         k, n, m = len(offsets) - 1, len(index), len(owner)
         id_order = np.empty(m, dtype=np.int64)
         id_starts = np.empty(parts + 1, dtype=np.int64)
-        local_index = np.empty(n, dtype=np.int32)
+        part_index = np.empty(n, dtype=np.int32)
         index_starts = np.empty(parts + 1, dtype=np.int64)
         part_offsets = np.empty((parts, k + 1), dtype=np.int64)
         at = np.zeros(1, dtype=np.int64)
-        status = _c.c_split(index, offsets, owner, parts, id_order, id_starts, local_index,
+        status = _c.c_split(index, offsets, owner, parts, id_order, id_starts, part_index,
                             index_starts, part_offsets, at)
         if status:
             raise_for(status, int(at[0]), "split", m)
         return [Split(id_order[id_starts[p]:id_starts[p + 1]],
-                      local_index[index_starts[p]:index_starts[p + 1]], part_offsets[p])
+                      part_index[index_starts[p]:index_starts[p + 1]], part_offsets[p])
                 for p in range(parts)]
     check_pooled(len(owner), index, offsets, "split")
     if len(owner) and (int(owner.min()) < 0 or int(owner.max()) >= parts):
         raise BadInput(f"split: owners must lie in [0, {parts})", field="split.owner")
-    local = np.zeros(len(owner), dtype=np.int32)
+    part_index = np.zeros(len(owner), dtype=np.int32)
     seg_of = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
     out = []
     for p in range(parts):
         mine = owner == p
-        local[mine] = np.arange(int(mine.sum()), dtype=np.int32)
+        part_index[mine] = np.arange(int(mine.sum()), dtype=np.int32)
         occ = mine[index]
         counts = np.bincount(seg_of[occ], minlength=len(offsets) - 1)
         offs = np.zeros(len(offsets), dtype=np.int64)
         np.cumsum(counts, out=offs[1:])
-        out.append(Split(np.flatnonzero(mine).astype(np.int64), local[index[occ]], offs))
+        out.append(Split(np.flatnonzero(mine).astype(np.int64), part_index[index[occ]], offs))
     return out
 
 
