@@ -18,15 +18,12 @@ Everything here is batched numpy; there is no per-id Python loop.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from stream_persia.errors import BadInput
-from stream_persia.kernels.sharding import splitmix64_finalizer_inplace
+from stream_persia.kernels.sharding import as_uint64_ids, splitmix64_finalizer_inplace
 
-__all__ = ["MAX_PREFIX_BIT", "index_prefix", "prefix_ids", "as_uint64_ids", "hash_stack",
-           "unique_inverse", "group_order"]
+__all__ = ["MAX_PREFIX_BIT", "index_prefix", "prefix_ids", "hash_stack", "unique_inverse",
+           "group_order", "sqrt_scale"]
 
 #: Largest accepted ``feature_index_prefix_bit``. Ids keep ``64 - b`` bits; beyond 32 the
 #: id space per group is smaller than 2**32 and hashed ids would collide en masse.
@@ -51,7 +48,8 @@ def prefix_ids(ids: np.ndarray, *, index_prefix: int, prefix_bits: int) -> np.nd
     and the prefix is a multiple of it no larger than ``2**64 - 2**(64-b)``.
 
     Raises:
-        BadInput: ids that are negative or not integers.
+        BadInput: ids that are negative or not integers
+            (:func:`~stream_persia.kernels.sharding.as_uint64_ids`).
     """
     arr = as_uint64_ids(ids)
     if prefix_bits == 0 or index_prefix == 0:
@@ -64,20 +62,6 @@ def prefix_ids(ids: np.ndarray, *, index_prefix: int, prefix_bits: int) -> np.nd
         out += np.uint64(index_prefix)
         return out
     return arr + np.uint64(index_prefix)
-
-
-def as_uint64_ids(ids: Any) -> np.ndarray:
-    """``ids`` as a uint64 array (itself when it is one); signed ids must be >= 0."""
-    arr = np.asarray(ids)
-    if arr.dtype == np.uint64:
-        return arr
-    if arr.dtype.kind == "u" or (arr.dtype.kind == "i" and (arr.size == 0 or arr.min() >= 0)):
-        return arr.astype(np.uint64)
-    if arr.dtype.kind == "i":
-        raise BadInput(f"ids must be non-negative, got minimum {int(arr.min())}", field="ids",
-                       hint="ids are uint64; map signed ids to unsigned before sending")
-    raise BadInput(f"ids must be a uint64 array, got dtype {arr.dtype}", field="ids",
-                   hint="np.asarray(ids, dtype=np.uint64)")
 
 
 # ---------------------------------------------------------------------------- hash stack
@@ -95,6 +79,14 @@ def hash_stack(ids: np.ndarray, rounds: int, embedding_size: int) -> np.ndarray:
     z %= np.uint64(embedding_size)
     z += np.arange(rounds, dtype=np.uint64) * np.uint64(embedding_size)
     return z
+
+
+def sqrt_scale(counts: np.ndarray) -> np.ndarray:
+    """float32 ``1/sqrt(n)`` per sample of ``n`` ids (0 for an empty sample): the factor of
+    a ``sqrt_scaling`` slot's pooled sum and of its gradient. The pooled-lookup kernel
+    computes the same in C (float64, then rounded to float32)."""
+    with np.errstate(divide="ignore"):
+        return np.where(counts > 0, 1.0 / np.sqrt(counts), 0.0).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------- sorting

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from stream_persia.errors import BadInput, Misuse
-from stream_persia.kernels.ids import prefix_ids
+from stream_persia.kernels.ids import prefix_ids, sqrt_scale
 from stream_persia.kernels.sharding import stable_hash64
 from stream_persia.kernels.twins import PURE_PYTHON
 
@@ -184,10 +184,7 @@ def pooled_lookup(values: Sequence[np.ndarray], offsets: Sequence[np.ndarray],
         scale = np.ones(k * batch, dtype=np.float32)
         for i, (off, sqrt) in enumerate(zip(offsets, flags, strict=True)):
             if sqrt:
-                counts = off[1:] - off[:-1]
-                with np.errstate(divide="ignore"):
-                    scale[i * batch:(i + 1) * batch] = np.where(
-                        counts > 0, 1.0 / np.sqrt(counts), 0.0)
+                scale[i * batch:(i + 1) * batch] = sqrt_scale(off[1:] - off[:-1])
     return ids, index, segs, scale
 
 

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from stream_persia.errors import BadInput, Misuse
 
-__all__ = ["splitmix64_finalizer_inplace", "stable_hash64", "stable_hash64_int", "shard_of",
+__all__ = ["as_uint64_ids", "splitmix64_finalizer_inplace", "stable_hash64", "stable_hash64_int", "shard_of",
            "split_by_shard", "ShardSplit", "static_partitions"]
 
 _INCREMENT = np.uint64(0x9E3779B97F4A7C15)
@@ -40,15 +41,24 @@ _MUL2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
-def _as_uint64(ids: np.ndarray) -> np.ndarray:
+def as_uint64_ids(ids: Any) -> np.ndarray:
+    """``ids`` as a uint64 array (itself when it is one); signed ids must be >= 0.
+
+    The one check of id arrays for the kernels (hashing, prefixing).
+
+    Raises:
+        BadInput: negative ids, or a dtype that is not an integer.
+    """
     arr = np.asarray(ids)
     if arr.dtype == np.uint64:
         return arr
     if arr.dtype.kind == "u" or (arr.dtype.kind == "i" and (arr.size == 0 or arr.min() >= 0)):
         return arr.astype(np.uint64)
-    raise BadInput(f"ids must be non-negative integers (uint64), got dtype {arr.dtype}"
-                   + (f" with minimum {arr.min()}" if arr.dtype.kind == "i" else ""),
-                   field="ids", hint="np.asarray(ids, dtype=np.uint64)")
+    if arr.dtype.kind == "i":
+        raise BadInput(f"ids must be non-negative, got minimum {int(arr.min())}", field="ids",
+                       hint="ids are uint64; map signed ids to unsigned before sending")
+    raise BadInput(f"ids must be a uint64 array, got dtype {arr.dtype}", field="ids",
+                   hint="np.asarray(ids, dtype=np.uint64)")
 
 
 def _check_num_shards(num_shards: int) -> int:
@@ -84,7 +94,7 @@ def splitmix64_finalizer_inplace(z: np.ndarray) -> np.ndarray:
 def stable_hash64(ids: np.ndarray) -> np.ndarray:
     """SplitMix64 mix of each id: a new uint64 array of the same shape. Fixed forever."""
     with np.errstate(over="ignore"):
-        z = np.add(_as_uint64(ids), _INCREMENT, dtype=np.uint64)  # a copy: input untouched
+        z = np.add(as_uint64_ids(ids), _INCREMENT, dtype=np.uint64)  # a copy: input untouched
     return splitmix64_finalizer_inplace(z)
 
 
@@ -103,7 +113,7 @@ def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:
     """Index of the embedding server owning each id (int64, in ``[0, num_shards)``)."""
     n = _check_num_shards(num_shards)
     if n == 1:
-        return np.zeros(np.shape(_as_uint64(ids)), dtype=np.int64)
+        return np.zeros(np.shape(as_uint64_ids(ids)), dtype=np.int64)
     return (stable_hash64(ids) % np.uint64(n)).astype(np.int64)
 
 
@@ -170,7 +180,7 @@ def split_by_shard(ids: np.ndarray, num_shards: int) -> ShardSplit:
         replies = [lookup(s, unique_ids[split.positions(s)]) for s in range(len(servers))]
         rows = split.scatter(replies)            # rows[i] belongs to unique_ids[i]
     """
-    ids = _as_uint64(ids)
+    ids = as_uint64_ids(ids)
     if ids.ndim != 1:
         raise Misuse(f"ids must be 1-D, got shape {ids.shape}", field="ids")
     n = _check_num_shards(num_shards)

@@ -46,7 +46,13 @@ import numpy as np
 from stream_persia.core.data import check_csr as check_feature_csr
 from stream_persia.errors import BadInput, ConfigError, Misuse
 from stream_persia.kernels import segments
-from stream_persia.kernels.ids import group_order, hash_stack, prefix_ids, unique_inverse
+from stream_persia.kernels.ids import (
+    group_order,
+    hash_stack,
+    prefix_ids,
+    sqrt_scale,
+    unique_inverse,
+)
 from stream_persia.kernels.segments import segment_sum
 
 __all__ = [
@@ -172,8 +178,7 @@ def plan_slot(values: np.ndarray, offsets: np.ndarray, slot: Any, prefix_bits: i
         n_rows, pool_index = batch, inverse
         pool_starts = offsets[:-1] * reps if rounds else offsets[:-1]
         if slot.sqrt_scaling:
-            with np.errstate(divide="ignore"):
-                scale = np.where(counts > 0, 1.0 / np.sqrt(counts), 0.0).astype(np.float32)
+            scale = sqrt_scale(counts)
         if requires_grad:
             grad_map = partial(_sum_grad_map, inverse, len(lookup_ids), counts, reps)
     else:
