@@ -357,7 +357,7 @@ class Checkpoints:
                     await self._after_nn_left(job)
             else:
                 job.by = "api"
-                await asyncio.wait_for(self._direct(job, hb), self.timeout_s)
+                await asyncio.wait_for(self._by_api(job, hb), self.timeout_s)
             if job.state == "done":
                 await self._retain(job)
         except asyncio.CancelledError:
@@ -396,13 +396,13 @@ class Checkpoints:
     async def _after_nn_left(self, job: CheckpointJob) -> None:
         """The NN ranks never took the request (they stopped training, or no step ended
         within the pickup time): take the cut here, which is safe whenever nothing is in
-        flight (:meth:`_direct` checks)."""
+        flight (:meth:`_by_api` checks)."""
         why = job.error
         log.info("checkpoint %s: the NN ranks did not take it (%s); the API takes it",
                  job.id, why)
         job.by, job.state, job.error = "api", "running", None
         try:
-            await self._direct(job, await self.training())
+            await self._by_api(job, await self.training())
         except PersiaError as e:
             job.state = "failed"
             job.error = (f"the NN ranks did not take it ({why}), and the API could not "
@@ -432,7 +432,7 @@ class Checkpoints:
         return [(s.get("updates"), s.get("admissions"), s.get("evictions"), s.get("loads"))
                 for s in stats]
 
-    async def _direct(self, job: CheckpointJob, hb: dict[str, Any] | None) -> None:
+    async def _by_api(self, job: CheckpointJob, hb: dict[str, Any] | None) -> None:
         servers = self.roles.require(SERVER)
         job.state = "running"
         job.progress = {"phase": "checking that nothing is in flight"}
@@ -444,12 +444,12 @@ class Checkpoints:
         if base_id is not None:
             self._using[base_id] += 1   # its dense files may be copied: not deleted meanwhile
         try:
-            await self._direct_cut(job, hb, base, servers, updates)
+            await self._cut_by_api(job, hb, base, servers, updates)
         finally:
             if base_id is not None:
                 self._release(base_id)
 
-    async def _direct_cut(self, job: CheckpointJob, hb: dict[str, Any] | None,
+    async def _cut_by_api(self, job: CheckpointJob, hb: dict[str, Any] | None,
                           base: Manifest | None, servers: list[Any], updates: list[Any]
                           ) -> None:
         writer = await asyncio.to_thread(CheckpointWriter, job.dst)

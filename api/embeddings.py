@@ -6,7 +6,8 @@
 - **local**: the rows of a checkpoint's shard files are loaded into a read-only
   :class:`~stream_persia.server.store.EmbeddingStore` inside the API process
   (single-node serving). A micro-batch of requests is planned, looked up and pooled in
-  one pass with the worker's own functions (:mod:`stream_persia.worker.pooling`), so the
+  one pass with the worker's own functions (:mod:`stream_persia.worker.batchplan` with
+  ``server_pooling=False``, :mod:`stream_persia.worker.pooling`), so the
   result equals what a worker would serve.
 
 Either way the model receives PERSIA's inputs: a ``(batch, dim)`` tensor for a summation
@@ -33,9 +34,9 @@ from stream_persia.core.optim import SGD
 from stream_persia.core.served import ServedSlot
 from stream_persia.server.shard_files import read_shard_file
 from stream_persia.server.store import EmbeddingStore
-from stream_persia.worker import pooling
+from stream_persia.worker import batchplan, pooling
 
-__all__ = ["LocalTable", "as_tensor", "served_tensors", "concat_features", "non_id_tensors",
+__all__ = ["CheckpointTable", "as_tensor", "served_tensors", "concat_features", "non_id_tensors",
            "cat_slots"]
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def non_id_tensors(batches: Sequence[PersiaBatch]) -> list[torch.Tensor]:
             for j in range(len(batches[0].non_id_type_features))]
 
 
-class LocalTable:
+class CheckpointTable:
     """Every embedding row of one checkpoint, read-only, in this process.
 
     Args:
@@ -114,7 +115,7 @@ class LocalTable:
         self.schema = schema
 
     @classmethod
-    def load(cls, manifest: Manifest, schema: EmbeddingSchema) -> LocalTable:
+    def load(cls, manifest: Manifest, schema: EmbeddingSchema) -> CheckpointTable:
         """Load every shard file the manifest lists (blocking; call off the event loop).
 
         Optimizer state is dropped: serving never updates a row.
@@ -139,8 +140,8 @@ class LocalTable:
             the number of its distinct ids absent from the table.
         """
         # IDTypeFeatures: their CSR was checked when they were decoded or concatenated.
-        plans = pooling.plan_batch(concat_features(batches), self.schema, requires_grad=False,
-                                   csr_checked=True)
+        plans = batchplan.plan_batch(concat_features(batches), self.schema, requires_grad=False,
+                                     csr_checked=True, server_pooling=False).classic
         merged = pooling.merge_lookups(plans)
         rows, present = {}, {}
         for dim, m in merged.items():

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from stream_persia.api.batcher import Job, MicroBatcher
 from stream_persia.api.checkpoint_root import CheckpointDir
-from stream_persia.api.embeddings import LocalTable, cat_slots, non_id_tensors, served_tensors
+from stream_persia.api.embeddings import CheckpointTable, cat_slots, non_id_tensors, served_tensors
 from stream_persia.api.errors import NotReady
 from stream_persia.api.features import signature
 from stream_persia.api.inputs import ModelInputs
@@ -51,7 +51,7 @@ class Served:
     """One loaded checkpoint: dense model plus (local mode) its embedding rows."""
 
     dense: DenseModel
-    table: LocalTable | None
+    table: CheckpointTable | None
     source: str
     inputs: ModelInputs
 
@@ -165,7 +165,7 @@ class Predictor:
                                   field="PERSIA_EMBEDDING_CONFIG",
                                   hint="set PERSIA_EMBEDDING_CONFIG (or use "
                                        "PERSIA_API_EMBEDDINGS=workers)")
-            table = LocalTable.load(dense.manifest, self.settings.schema)
+            table = CheckpointTable.load(dense.manifest, self.settings.schema)
         return Served(dense, table, self.source, ModelInputs.of(dense.manifest,
                                                                 self.settings.schema))
 

@@ -19,7 +19,6 @@ default. Environment variables:
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,22 +30,12 @@ from stream_persia.config import (
     GlobalConfig,
     load_embedding_config,
 )
+from stream_persia.core.hosts import is_loopback
 from stream_persia.errors import ConfigError
 
-__all__ = ["ApiSettings", "EMBEDDING_SOURCES", "is_loopback"]
+__all__ = ["ApiSettings", "EMBEDDING_SOURCES"]
 
 EMBEDDING_SOURCES = ("auto", "workers", "local")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps the server reachable only from this machine."""
-    h = host.strip().strip("[]").lower()
-    if h == "localhost" or h.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
 
 
 def _env(name: str) -> str | None:

@@ -32,14 +32,9 @@ import numpy as np
 import torch
 
 from stream_persia.kernels import segments
-from stream_persia.worker import batchplan, pooling
-from stream_persia.worker.pooling import (
-    merge_lookups,
-    plan_batch,
-    pool_batch,
-    prefix_ids,
-    reduce_batch_gradients,
-)
+from stream_persia.kernels.ids import prefix_ids
+from stream_persia.worker import batchplan
+from stream_persia.worker.pooling import merge_lookups, pool_batch
 from stream_persia.worker.shards import PooledLookup
 
 DIM, PREFIX_BITS = 16, 8
@@ -98,8 +93,14 @@ def make_batch(schema: Schema, batch: int, rng: np.random.Generator) -> list[Fea
     return features
 
 
+def plan_classic(features, schema):
+    """Every slot pooled on the worker (the path before server pooling)."""
+    return batchplan.plan_batch(features, schema, server_pooling=False)
+
+
 def ours(schema, features, rows_by_dim):
-    plans = plan_batch(features, schema)
+    plan = plan_classic(features, schema)
+    plans = plan.classic
     merged = merge_lookups(plans)
     if rows_by_dim is None:  # first call for this batch: "fetch" the rows
         rng = np.random.default_rng(0)
@@ -107,7 +108,7 @@ def ours(schema, features, rows_by_dim):
                 for d, m in merged.items()}
     outputs = pool_batch(plans, merged, rows_by_dim)
     grads = {n: np.ones_like(o.embeddings) for n, o in outputs.items()}
-    return reduce_batch_gradients(plans, grads)
+    return batchplan.reduce_gradients(plan, grads)
 
 
 def fetch_pooled(plan):
@@ -133,7 +134,7 @@ def baseline(schema, features):
     result = []
     for f in features:
         slot = schema.slot(f.name)
-        ids = prefix_ids(f.values, PREFIX_BITS, slot.index_prefix)
+        ids = prefix_ids(f.values, index_prefix=slot.index_prefix, prefix_bits=PREFIX_BITS)
         offsets = torch.from_numpy(f.offsets)
         counts = offsets[1:] - offsets[:-1]
         if not slot.embedding_summation:  # keep the first sample_fixed_size ids
@@ -181,27 +182,28 @@ def main() -> None:
     print(f"batch {args.batch} x {args.slots} slots, {nnz} ids, "
           f"{sum(len(r) for r in rows.values())} distinct; median of {args.repeat} runs")
 
-    plans = plan_batch(features, schema)
+    classic = plan_classic(features, schema)
+    plans = classic.classic
     merged = merge_lookups(plans)
     outputs = pool_batch(plans, merged, rows)
     grads = {n: np.ones_like(o.embeddings) for n, o in outputs.items()}
     stages = {
-        "plan_batch": lambda: plan_batch(features, schema),
+        "plan_batch": lambda: plan_classic(features, schema),
         "merge_lookups": lambda: merge_lookups(plans),
         "pool_batch": lambda: pool_batch(plans, merged, rows),
-        "reduce_batch_gradients": lambda: reduce_batch_gradients(plans, grads),
+        "reduce_gradients (classic)": lambda: batchplan.reduce_gradients(classic, grads),
     }
     base = timed(lambda: baseline(schema, features), args.repeat)
     print(f"{'baseline (torch embedding_bag + autograd)':44s} {1 / base:9.1f} batches/s  1.00x")
     for impl in ("torch", "numpy"):
-        pooling.SEGMENT_SUM_IMPLEMENTATION = impl
+        segments.SEGMENT_SUM_IMPLEMENTATION = impl
         t = timed(lambda: ours(schema, features, rows), args.repeat)
         print(f"{'stream-persia, segment sums: ' + impl:44s} {1 / t:9.1f} batches/s "
               f"{base / t:5.2f}x")
         for name, fn in stages.items():
             print(f"    {name:40s} {timed(fn, args.repeat) * 1e3:8.2f} ms")
 
-    pooling.SEGMENT_SUM_IMPLEMENTATION = "torch"
+    segments.SEGMENT_SUM_IMPLEMENTATION = "torch"
     plan = batchplan.plan_batch(features, schema)
     merged, groups, fetched, results = fetch_pooled(plan)
     outputs = plan.outputs(merged, results)

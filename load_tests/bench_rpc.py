@@ -1,6 +1,6 @@
 """RPC throughput: sequential vs pipelined small calls, and a 1 MiB array echo.
 
-Clients on this host reach the server over a Unix socket (``stream_persia/rpc/local.py``);
+Clients on this host reach the server over a Unix socket (``stream_persia/rpc/unix.py``);
 the last line compares that with TCP loopback, measured the same way.
 
 Runs the server in a child process (so client and server do not share one event loop)
@@ -116,7 +116,7 @@ def main() -> None:
         results = {"asyncio": measure(address, False, args.seconds, args.concurrency)}
         if aio.uvloop_available():
             results["uvloop"] = measure(address, True, args.seconds, args.concurrency)
-        # The same-host Unix socket (stream_persia/rpc/local.py) against plain TCP loopback:
+        # The same-host Unix socket (stream_persia/rpc/unix.py) against plain TCP loopback:
         # the client reads the switch when it connects.
         os.environ["STREAM_PERSIA_RPC_UNIX"] = "0"
         try:

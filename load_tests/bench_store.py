@@ -35,7 +35,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from stream_persia.embedding.optim import Adagrad  # noqa: E402
-from stream_persia.server._pystore import PyEmbeddingStore, mix64  # noqa: E402
+from stream_persia.kernels.sharding import stable_hash64  # noqa: E402
+from stream_persia.server._pystore import PyEmbeddingStore  # noqa: E402
 from stream_persia.server.store import CEmbeddingStore  # noqa: E402
 
 DIM, CAPACITY, UNIVERSE, BATCH = 16, 1_000_000, 10_000_000, 65_536
@@ -132,14 +133,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     t0 = time.perf_counter()
     fill_ids = 0
     while len(cstore) < CAPACITY:
-        cstore.lookup(mix64(zipf.ranks(BATCH).astype(np.uint64)), DIM, True)
+        cstore.lookup(stable_hash64(zipf.ranks(BATCH).astype(np.uint64)), DIM, True)
         fill_ids += BATCH
     fill_s = time.perf_counter() - t0
     raw = 4 * (DIM + OPT.state_width(DIM))
     mem_per_row = cstore.memory_bytes() / len(cstore)
     # As a check on memory_bytes(): the process's RSS growth while a second store is filled
     # with CAPACITY distinct ids (generated beforehand, so that only the store grows).
-    fresh = mix64(np.arange(CAPACITY, dtype=np.uint64) + np.uint64(UNIVERSE))
+    fresh = stable_hash64(np.arange(CAPACITY, dtype=np.uint64) + np.uint64(UNIVERSE))
     rss0 = rss_bytes()
     other = CEmbeddingStore(CAPACITY, OPT)
     for i in range(0, CAPACITY, BATCH):
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     n_c = args.rounds * args.batches
     ranks = [zipf.ranks(BATCH) for _ in range(n_c)]
-    batches = [mix64(r.astype(np.uint64)) for r in ranks]
+    batches = [stable_hash64(r.astype(np.uint64)) for r in ranks]
     idxs = [torch.from_numpy(r % CAPACITY) for r in ranks]
 
     print("copying it into the Python twin ...", file=sys.stderr)

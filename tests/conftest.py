@@ -12,9 +12,12 @@ pytest_plugins = ["stream_persia.testing.pytest_plugin"]
 
 
 def pytest_report_header(config):
+    from stream_persia.kernels import segments
     from stream_persia.server import store
 
-    lines = [f"stream-persia embedding store: {store.IMPLEMENTATION}"
+    lines = [f"stream-persia embedding store: {store.IMPLEMENTATION}, segment kernels: "
+             f"{segments.IMPLEMENTATION}, worker segment sums: "
+             f"{segments.SEGMENT_SUM_IMPLEMENTATION}"
              f" (STREAM_PERSIA_PURE_PYTHON={os.environ.get('STREAM_PERSIA_PURE_PYTHON', '')!r})"]
     kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     lines.append(f"kafka test broker: {kafka or 'librdkafka mock cluster (started by the suite)'}")

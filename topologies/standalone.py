@@ -21,7 +21,7 @@ _TOPOLOGIES = str(Path(__file__).resolve().parent)
 if _TOPOLOGIES not in sys.path:
     sys.path.insert(0, _TOPOLOGIES)
 
-from streamgen import mix64  # noqa: E402
+from streamgen import stable_hash64  # noqa: E402
 
 __all__ = ["RowTable"]
 
@@ -54,7 +54,7 @@ class RowTable:
                 salt = np.arange(ids.shape[1], dtype=np.uint64) * _SALT
             else:
                 salt = np.uint64(slot) * _SALT
-        h = mix64(ids ^ salt) % np.uint64(self.rows)
+        h = stable_hash64(ids ^ salt) % np.uint64(self.rows)
         return torch.from_numpy(h.astype(np.int64))
 
     def step(self, rows: torch.Tensor, grads: torch.Tensor) -> None:

@@ -4,7 +4,8 @@ A generated sample is a pure function of ``(seed, index)``: every random quantit
 hash of the sample index under a key that names the quantity. So any range of a stream
 can be produced anywhere, in any chunking, by any number of data loaders, identically.
 
-- :func:`mix64`: SplitMix64's finaliser, a bijective well-mixed ``uint64 -> uint64``.
+- ``stable_hash64`` (:func:`stream_persia.kernels.sharding.stable_hash64`, re-exported):
+  SplitMix64's finaliser of ``x + golden``, a bijective well-mixed ``uint64 -> uint64``.
 - :func:`key`: a key from small integers (seed, quantity, column...).
 - :func:`unit`, :func:`normal`: uniform in (0, 1) and standard normal from hashes.
 - :func:`zipf_rank`, :func:`zipf_probability`: a bounded power law over ``[0, vocab)``
@@ -16,35 +17,24 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["mix64", "key", "hashed", "unit", "normal", "zipf_rank", "zipf_probability"]
+from stream_persia.kernels.sharding import stable_hash64
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+__all__ = ["stable_hash64", "key", "hashed", "unit", "normal", "zipf_rank", "zipf_probability"]
+
 _MASK = (1 << 64) - 1
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's output function of ``x + golden``: bijective on uint64."""
-    x = np.asarray(x, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        x = x + _GOLDEN
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
-    return x ^ (x >> np.uint64(31))
 
 
 def key(*parts: int) -> np.uint64:
     """A key from integers, hashed in sequence (order matters)."""
     k = np.zeros(1, np.uint64)
     for p in parts:
-        k = mix64(k ^ np.uint64(int(p) & _MASK))
+        k = stable_hash64(k ^ np.uint64(int(p) & _MASK))
     return k[0]
 
 
 def hashed(index: np.ndarray, k: np.uint64) -> np.ndarray:
     """The hash of every index under key ``k``."""
-    return mix64(np.asarray(index).astype(np.uint64) ^ k)
+    return stable_hash64(np.asarray(index).astype(np.uint64) ^ k)
 
 
 def unit(h: np.ndarray) -> np.ndarray:

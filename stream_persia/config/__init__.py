@@ -27,7 +27,6 @@ from stream_persia.config.embedding import (
     EmbeddingSchema,
     HashStackConfig,
     SlotConfig,
-    apply_index_prefix,
 )
 from stream_persia.config.global_config import (
     JOB_TYPES,
@@ -49,7 +48,7 @@ from stream_persia.config.kafka import (
 
 __all__ = [
     "load_embedding_config", "load_global_config",
-    "EmbeddingSchema", "SlotConfig", "HashStackConfig", "apply_index_prefix", "MAX_PREFIX_BIT",
+    "EmbeddingSchema", "SlotConfig", "HashStackConfig", "MAX_PREFIX_BIT",
     "GlobalConfig", "CommonConfig", "MetricsConfig", "CheckpointingConfig", "InferConfig",
     "EmbeddingParameterServerConfig", "EmbeddingWorkerConfig", "KafkaConfig", "ApiConfig",
     "RpcConfig", "JOB_TYPES", "resolve_bootstrap_servers",

@@ -15,7 +15,8 @@ PERSIA's keys and defaults::
 
 **Id prefixes** (PERSIA's formula, kept bit for bit so ids match a PERSIA job's):
 with ``b = feature_index_prefix_bit > 0``, an id of a slot in group ``g`` is stored as
-``id % (2**(64-b) - 1) + ((g + 1) << (64 - b))``. Group indices follow PERSIA: first the
+``id % (2**(64-b) - 1) + ((g + 1) << (64 - b))`` (:mod:`stream_persia.kernels.ids` computes
+both). Group indices follow PERSIA: first the
 groups listed under ``feature_groups`` in file order, then every slot not in a group as a
 group of its own, in ``slots_config`` order. So reordering ``slots_config`` or
 ``feature_groups`` changes the ids of existing embeddings (the config digest changes with
@@ -45,13 +46,10 @@ from stream_persia.config._base import (
     error,
 )
 from stream_persia.errors import BadInput, ConfigError
+from stream_persia.kernels.ids import MAX_PREFIX_BIT, index_prefix, prefix_ids
 
-__all__ = ["HashStackConfig", "SlotConfig", "EmbeddingSchema", "apply_index_prefix",
-           "MAX_PREFIX_BIT"]
+__all__ = ["HashStackConfig", "SlotConfig", "EmbeddingSchema", "MAX_PREFIX_BIT"]
 
-#: Largest accepted ``feature_index_prefix_bit``. Ids keep ``64 - b`` bits; beyond 32 the
-#: id space per group is smaller than 2**32 and hashed ids would collide en masse.
-MAX_PREFIX_BIT = 32
 _MAX_DIM = 1 << 16
 _MAX_SAMPLE_FIXED_SIZE = 1 << 20
 _U64_MAX = (1 << 64) - 1
@@ -134,39 +132,6 @@ class SlotConfig:
                 "hash_stack_config": self.hash_stack_config.to_dict()}
 
 
-def apply_index_prefix(ids: np.ndarray, index_prefix: int, prefix_bit: int) -> np.ndarray:
-    """PERSIA's prefixing of raw ids, vectorised: ``id % (2**(64-b) - 1) + index_prefix``.
-
-    Returns a new uint64 array, or ``ids`` itself (as uint64) when ``prefix_bit`` or
-    ``index_prefix`` is 0. No overflow is possible: the remainder is below ``2**(64-b)``
-    and the prefix is a multiple of it no larger than ``2**64 - 2**(64-b)``.
-    """
-    arr = _as_uint64(ids)
-    if prefix_bit == 0 or index_prefix == 0:
-        return arr
-    modulus = np.uint64((1 << (64 - prefix_bit)) - 1)
-    # uint64 division is ~30x slower than a max, and ids below the modulus (any id space of
-    # fewer than 2**(64-b) - 1 values) are left unchanged by it.
-    if arr.size and arr.max() >= modulus:
-        out = np.remainder(arr, modulus)
-        out += np.uint64(index_prefix)
-        return out
-    return arr + np.uint64(index_prefix)
-
-
-def _as_uint64(ids: Any) -> np.ndarray:
-    arr = np.asarray(ids)
-    if arr.dtype == np.uint64:
-        return arr
-    if arr.dtype.kind == "u" or (arr.dtype.kind == "i" and (arr.size == 0 or arr.min() >= 0)):
-        return arr.astype(np.uint64)
-    if arr.dtype.kind == "i":
-        raise BadInput(f"ids must be non-negative, got minimum {int(arr.min())}", field="ids",
-                       hint="ids are uint64; map signed ids to unsigned before sending")
-    raise BadInput(f"ids must be a uint64 array, got dtype {arr.dtype}", field="ids",
-                   hint="np.asarray(ids, dtype=np.uint64)")
-
-
 @dataclass(frozen=True)
 class EmbeddingSchema:
     """The parsed ``embedding_config.yml``: every slot with its computed ``index_prefix``.
@@ -214,8 +179,8 @@ class EmbeddingSchema:
         for name, slot in slots.items():
             # Always recomputed (a given index_prefix is ignored), so that
             # dataclasses.replace(schema, feature_index_prefix_bit=...) stays consistent.
-            prefix = (index[group_of[name]] + 1) << (64 - b) if b > 0 else 0
-            final[name] = dataclasses.replace(slot, index_prefix=prefix)
+            final[name] = dataclasses.replace(
+                slot, index_prefix=index_prefix(index[group_of[name]], b))
         object.__setattr__(self, "slots", final)
         object.__setattr__(self, "feature_groups", groups)
         object.__setattr__(self, "_group_of", group_of)
@@ -309,7 +274,8 @@ class EmbeddingSchema:
         """Map a slot's raw uint64 ids into its group's id space (vectorised, see module
         docstring). With ``feature_index_prefix_bit == 0`` the ids come back unchanged."""
         slot = self.slot(slot_name)
-        return apply_index_prefix(ids, slot.index_prefix, self.feature_index_prefix_bit)
+        return prefix_ids(ids, index_prefix=slot.index_prefix,
+                          prefix_bits=self.feature_index_prefix_bit)
 
     # ---- (de)serialisation
 

@@ -5,6 +5,15 @@ function applied to ``id + 0x9E3779B97F4A7C15`` (``stable_hash64(0)`` is the fir
 a SplitMix64 generator seeded with 0). Python's ``hash`` cannot be used: it is salted per
 process for strings and differs between builds.
 
+Two functions, two names (the Cython sources call them ``_mix64`` and ``sp_mix64``):
+
+- :func:`splitmix64_finalizer_inplace`: SplitMix64's finaliser alone (``_mix64`` in
+  ``cython_ext/segments.pyx``): the hash stack's bucket function.
+- :func:`stable_hash64` / :func:`stable_hash64_int`: the finaliser of
+  ``z + 0x9E3779B97F4A7C15`` (``sp_mix64`` in ``cython_ext/store_kernels.h``; ``_mix64`` of
+  ``id + 0x9E3779B97F4A7C15`` in ``segments.pyx``): the shard owner, a server's internal
+  shard, and the store's initial rows and admission draws.
+
 **Fixed forever.** Every role must agree on the owner of an id, across versions and
 machines, or lookups go to a server that never saw the id. Checkpoints re-shard rows by
 this hash when loaded into a different number of servers, so changing it would also
@@ -17,12 +26,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from stream_persia.errors import BadInput, Misuse
 
-__all__ = ["mix64_inplace", "stable_hash64", "shard_of", "split_by_shard", "ShardSplit", "static_partitions"]
+__all__ = ["as_uint64_ids", "splitmix64_finalizer_inplace", "stable_hash64", "stable_hash64_int", "shard_of",
+           "split_by_shard", "ShardSplit", "static_partitions"]
 
 _INCREMENT = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -30,15 +41,24 @@ _MUL2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
-def _as_uint64(ids: np.ndarray) -> np.ndarray:
+def as_uint64_ids(ids: Any) -> np.ndarray:
+    """``ids`` as a uint64 array (itself when it is one); signed ids must be >= 0.
+
+    The one check of id arrays for the kernels (hashing, prefixing).
+
+    Raises:
+        BadInput: negative ids, or a dtype that is not an integer.
+    """
     arr = np.asarray(ids)
     if arr.dtype == np.uint64:
         return arr
     if arr.dtype.kind == "u" or (arr.dtype.kind == "i" and (arr.size == 0 or arr.min() >= 0)):
         return arr.astype(np.uint64)
-    raise BadInput(f"ids must be non-negative integers (uint64), got dtype {arr.dtype}"
-                   + (f" with minimum {arr.min()}" if arr.dtype.kind == "i" else ""),
-                   field="ids", hint="np.asarray(ids, dtype=np.uint64)")
+    if arr.dtype.kind == "i":
+        raise BadInput(f"ids must be non-negative, got minimum {int(arr.min())}", field="ids",
+                       hint="ids are uint64; map signed ids to unsigned before sending")
+    raise BadInput(f"ids must be a uint64 array, got dtype {arr.dtype}", field="ids",
+                   hint="np.asarray(ids, dtype=np.uint64)")
 
 
 def _check_num_shards(num_shards: int) -> int:
@@ -52,11 +72,11 @@ def _check_num_shards(num_shards: int) -> int:
     return n
 
 
-def mix64_inplace(z: np.ndarray) -> np.ndarray:
+def splitmix64_finalizer_inplace(z: np.ndarray) -> np.ndarray:
     """SplitMix64's finaliser applied in place to a uint64 array the caller owns; returns it.
 
-    The one implementation of the mixer: the shard hash, the hash stack of the embedding
-    worker and the pure-Python store's initialisation all use it.
+    The one implementation of the finaliser in Python: :func:`stable_hash64` and the hash
+    stack (:func:`stream_persia.kernels.ids.hash_stack`) use it.
     """
     tmp = np.empty_like(z)
     with np.errstate(over="ignore"):  # uint64 arithmetic is meant to wrap modulo 2**64
@@ -74,15 +94,26 @@ def mix64_inplace(z: np.ndarray) -> np.ndarray:
 def stable_hash64(ids: np.ndarray) -> np.ndarray:
     """SplitMix64 mix of each id: a new uint64 array of the same shape. Fixed forever."""
     with np.errstate(over="ignore"):
-        z = np.add(_as_uint64(ids), _INCREMENT, dtype=np.uint64)  # a copy: input untouched
-    return mix64_inplace(z)
+        z = np.add(as_uint64_ids(ids), _INCREMENT, dtype=np.uint64)  # a copy: input untouched
+    return splitmix64_finalizer_inplace(z)
+
+
+_U64 = (1 << 64) - 1
+
+
+def stable_hash64_int(z: int) -> int:
+    """:func:`stable_hash64` of one Python int (the store's admission draw, per miss)."""
+    z = (z + 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
 
 
 def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:
     """Index of the embedding server owning each id (int64, in ``[0, num_shards)``)."""
     n = _check_num_shards(num_shards)
     if n == 1:
-        return np.zeros(np.shape(_as_uint64(ids)), dtype=np.int64)
+        return np.zeros(np.shape(as_uint64_ids(ids)), dtype=np.int64)
     return (stable_hash64(ids) % np.uint64(n)).astype(np.int64)
 
 
@@ -149,7 +180,7 @@ def split_by_shard(ids: np.ndarray, num_shards: int) -> ShardSplit:
         replies = [lookup(s, unique_ids[split.positions(s)]) for s in range(len(servers))]
         rows = split.scatter(replies)            # rows[i] belongs to unique_ids[i]
     """
-    ids = _as_uint64(ids)
+    ids = as_uint64_ids(ids)
     if ids.ndim != 1:
         raise Misuse(f"ids must be 1-D, got shape {ids.shape}", field="ids")
     n = _check_num_shards(num_shards)

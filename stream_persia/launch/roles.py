@@ -213,7 +213,8 @@ def embedding_server(args: argparse.Namespace) -> int:
 
 
 def embedding_worker(args: argparse.Namespace) -> int:
-    from stream_persia.worker import batchplan, pooling
+    from stream_persia.kernels.segments import load_segment_sum
+    from stream_persia.worker import batchplan
     from stream_persia.worker.service import EmbeddingWorker
 
     gc = global_config(args)
@@ -221,7 +222,7 @@ def embedding_worker(args: argparse.Namespace) -> int:
     # Slots pooled on the worker run torch's segment sums on every batch: import torch now
     # (~1 s), not inside the first batch. A job whose slots all pool on the servers never
     # imports it.
-    if batchplan.pools_on_worker(schema) and (torch := pooling.load_segment_sum()) is not None:
+    if batchplan.pools_on_worker(schema) and (torch := load_segment_sum()) is not None:
         torch.set_num_threads(1)   # the kernels are small; leave the cores to the NN worker
     if not args.embedding_servers:
         raise ConfigError("no embedding servers: pass --embedding-servers or set "

@@ -90,8 +90,8 @@ class TrainCtx(EmbeddingCtx):
         backward_buffer_size, backward_workers_size, grad_update_buffer_size: PERSIA's
             tuning knobs of its gradient-sending threads; accepted for compatibility. Here
             gradients go out on the context's event loop, bounded by the staleness.
-        lookup_emb_directly: accepted for compatibility (evaluation lookups are always
-            direct ``lookup_batch`` calls).
+        lookup_emb_directly: accepted for compatibility (evaluation lookups always call
+            the embedding workers' ``lookup_batch``).
         mixed_precision: torch.amp autocast (float16) + GradScaler; CUDA only. PERSIA's
             default True is kept: on CPU it is ignored with a log line.
         distributed_option: :class:`~stream_persia.nn.distributed.DDPOption`, used when

@@ -1,6 +1,6 @@
 """The job secret and the RPC connection handshake: pure logic, no sockets.
 
-Every role's RPC port (and its same-host Unix socket, :mod:`stream_persia.rpc.local`) is
+Every role's RPC port (and its same-host Unix socket, :mod:`stream_persia.rpc.unix`) is
 closed to anyone who does not hold the job's **role secret**, a shared string given to
 every process of the job as ``PERSIA_ROLE_SECRET`` (inline) or ``PERSIA_ROLE_SECRET_FILE``
 (a mounted secret file), the way the API's bearer token is given. A server without a
@@ -41,9 +41,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from stream_persia.core.hosts import is_loopback
 from stream_persia.core.wire import WireLimits
 from stream_persia.errors import AuthError, ConfigError, WireError
-from stream_persia.rpc.local import is_loopback
 
 __all__ = ["CONTEXT", "FROM_ENV", "FromEnv", "HANDSHAKE_LIMITS", "MIN_SECRET_CHARS",
            "NONCE_BYTES", "RoleSecret", "SAME_SECRET_HINT", "SECRET_ENV", "SECRET_FILE_ENV",
@@ -146,7 +146,7 @@ def check_bind(host: str, secret: RoleSecret | None, what: str) -> None:
     Raises:
         ConfigError: naming the secret's settings.
     """
-    if secret is None and not is_loopback(host.strip().strip("[]")):
+    if secret is None and not is_loopback(host):
         raise ConfigError(
             f"{what} would listen on {host} without a role secret: anyone who reaches the "
             "port could clear, reconfigure or dump the job", field=SETTING,

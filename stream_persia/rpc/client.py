@@ -1,5 +1,5 @@
 """RPC client: many concurrent calls pipelined over one lazily (re)connected TCP connection
-(a Unix socket when the server is on this host: :mod:`stream_persia.rpc.local`).
+(a Unix socket when the server is on this host: :mod:`stream_persia.rpc.unix`).
 
 With the job's role secret (:mod:`stream_persia.rpc.auth`, ``PERSIA_ROLE_SECRET(_FILE)`` of
 the process by default), every new connection is authenticated (both ways) before its
@@ -30,7 +30,7 @@ from stream_persia.errors import (
     WireError,
     error_from_dict,
 )
-from stream_persia.rpc import auth, framing, local
+from stream_persia.rpc import auth, framing, unix
 from stream_persia.rpc.framing import wire
 from stream_persia.rpc.transport import FrameProtocol
 
@@ -278,11 +278,11 @@ class RpcClient:
             self._connecting = None
 
     async def _open(self) -> tuple[Any, Any]:
-        """A Unix socket to a same-host server (rpc/local.py), else TCP; authenticated
+        """A Unix socket to a same-host server (rpc/unix.py), else TCP; authenticated
         when the client has a role secret."""
         def factory() -> FrameProtocol:
             return FrameProtocol(self._limits)
-        pair = await local.open_connection(factory, self.host, self.port)
+        pair = await unix.open_connection(factory, self.host, self.port)
         if pair is None:
             pair = await asyncio.get_running_loop().create_connection(factory, self.host,
                                                                       self.port)

@@ -1,5 +1,5 @@
 """RPC server: serves ``async def handler(params)`` coroutines over framed TCP (and, for
-clients on the same host, a Unix socket: :mod:`stream_persia.rpc.local`).
+clients on the same host, a Unix socket: :mod:`stream_persia.rpc.unix`).
 
 Who may connect, and for how long (every bound is counted in :meth:`RpcServer.stats`):
 
@@ -46,7 +46,7 @@ from stream_persia.errors import (
     PersiaError,
     WireError,
 )
-from stream_persia.rpc import auth, framing, local
+from stream_persia.rpc import auth, framing, unix
 from stream_persia.rpc.framing import wire
 from stream_persia.rpc.transport import FrameProtocol
 
@@ -257,8 +257,8 @@ class RpcServer:
             self._port, reuse_address=True)
         sockname = self._server.sockets[0].getsockname()
         self._port = sockname[1]
-        # Same-host clients connect through a Unix socket instead (rpc/local.py).
-        self._unix = await local.listen(lambda: FrameProtocol(self._limits, self._accept),
+        # Same-host clients connect through a Unix socket instead (rpc/unix.py).
+        self._unix = await unix.listen(lambda: FrameProtocol(self._limits, self._accept),
                                         self._host, self._port)
         if math.isfinite(self._conn_limits.idle_timeout_s):
             self._sweeper = asyncio.get_running_loop().create_task(

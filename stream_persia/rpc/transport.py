@@ -31,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from stream_persia.core import wire
-from stream_persia.rpc import local
+from stream_persia.rpc import unix
 from stream_persia.rpc.framing import HEADER, Unidentifiable, check_length
 
 __all__ = ["FrameProtocol", "set_nodelay", "write_frame"]
@@ -101,10 +101,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         addr = transport.get_extra_info("peername")
         if isinstance(addr, tuple):
             self.peer = f"{addr[0]}:{addr[1]}"
-        else:  # a Unix socket (rpc/local.py): the accepting side sees no name
-            self.peer = local.describe_peer(transport)
+        else:  # a Unix socket (rpc/unix.py): the accepting side sees no name
+            self.peer = unix.describe_peer(transport)
         set_nodelay(transport)
-        local.widen_buffers(transport)
+        unix.widen_buffers(transport)
         if self._on_connect is not None:
             self._on_connect(self)
 

@@ -7,13 +7,15 @@ what both share: argument validation (so errors read the same) and the two hash 
 that make behaviour deterministic:
 
 - a new row of id ``k`` is ``lo + (hi - lo) * u_j`` in float32 arithmetic (lo, hi rounded
-  to float32 first): with ``h = mix64(mix64(k) + j // 2)``, ``u_j = (h >> 40) / 2**24`` for
+  to float32 first): with ``h = H(H(k) + j // 2)``, ``u_j = (h >> 40) / 2**24`` for
   even ``j`` and ``((h >> 8) & 0xFFFFFF) / 2**24`` for odd ``j``. It depends on the id only,
   never on the shard that holds it;
 - the ``t``-th training miss of a store (t = 0, 1, ...) admits id ``k`` iff
-  ``(mix64(k ^ mix64(t)) >> 11) / 2**53 < admit_probability``.
+  ``(H(k ^ H(t)) >> 11) / 2**53 < admit_probability``.
 
-``mix64`` is the splitmix64 finaliser, all arithmetic modulo 2**64.
+``H`` is :func:`stream_persia.kernels.sharding.stable_hash64` (SplitMix64's finaliser of
+``z + 0x9E3779B97F4A7C15``, ``sp_mix64`` in ``cython_ext/store_kernels.h``), all arithmetic
+modulo 2**64.
 
 Semantics (DESIGN.md §3): ``capacity`` counts vectors of every dim; one LRU order; training
 lookups insert and refresh, inference lookups do neither; gradients of one id in an update
@@ -33,26 +35,12 @@ from stream_persia.core.embedding_config import MAX_CAPACITY, EmbeddingConfig
 from stream_persia.core.optim import Optimizer, as_optimizer
 from stream_persia.errors import BadInput, Misuse
 from stream_persia.kernels import segments
-from stream_persia.kernels.sharding import stable_hash64
+from stream_persia.kernels.sharding import stable_hash64, stable_hash64_int
 
-__all__ = ["PyEmbeddingStore", "mix64", "initial_rows", "admit_uniform"]
+__all__ = ["PyEmbeddingStore", "initial_rows", "admit_uniform"]
 
-_MASK = (1 << 64) - 1
-_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 MAX_DIM = 1 << 16
 DUMP_CHUNK_ROWS = 65536
-
-
-def mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64 of a uint64 array (wrapping arithmetic): the shard hash's function."""
-    return stable_hash64(z)
-
-
-def _mix64_int(z: int) -> int:
-    z = (z + _GOLDEN) & _MASK
-    z = ((z ^ (z >> 30)) * _M1) & _MASK
-    z = ((z ^ (z >> 27)) * _M2) & _MASK
-    return z ^ (z >> 31)
 
 
 def init_bounds(init: tuple[float, float]) -> tuple[np.float32, np.float32]:
@@ -63,8 +51,8 @@ def init_bounds(init: tuple[float, float]) -> tuple[np.float32, np.float32]:
 def initial_rows(ids: np.ndarray, dim: int, init: tuple[float, float]) -> np.ndarray:
     """The deterministic initial vectors of ``ids``: float32 (n, dim)."""
     lo, hi = init_bounds(init)
-    base = mix64(np.asarray(ids, np.uint64))[:, None]
-    h = mix64(base + np.arange((dim + 1) // 2, dtype=np.uint64)[None, :])
+    base = stable_hash64(np.asarray(ids, np.uint64))[:, None]
+    h = stable_hash64(base + np.arange((dim + 1) // 2, dtype=np.uint64)[None, :])
     bits = np.empty((len(base), 2 * h.shape[1]), np.uint64)
     bits[:, 0::2] = h >> np.uint64(40)
     bits[:, 1::2] = (h >> np.uint64(8)) & np.uint64(0xFFFFFF)
@@ -74,7 +62,7 @@ def initial_rows(ids: np.ndarray, dim: int, init: tuple[float, float]) -> np.nda
 
 def admit_uniform(key: int, draw: int) -> float:
     """The uniform [0, 1) number deciding admission of ``key`` at training miss ``draw``."""
-    return (_mix64_int(key ^ _mix64_int(draw)) >> 11) * (1.0 / 9007199254740992.0)
+    return (stable_hash64_int(key ^ stable_hash64_int(draw)) >> 11) * (1.0 / 9007199254740992.0)
 
 
 # --- validation shared by both stores -------------------------------------------------------

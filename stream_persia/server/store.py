@@ -2,8 +2,9 @@
 
 ``EmbeddingStore(capacity, optimizer, embedding_config=None)`` is the Cython
 ``CEmbeddingStore`` (``cython_ext/store.pyx``) unless the environment sets
-``STREAM_PERSIA_PURE_PYTHON=1`` or the extension cannot be imported (then with a warning);
-it is the pure-Python ``PyEmbeddingStore`` otherwise. Both have the same interface and give
+``STREAM_PERSIA_PURE_PYTHON=1`` (:mod:`stream_persia.kernels.twins`) or the extension
+cannot be imported (then with a warning); it is the pure-Python ``PyEmbeddingStore``
+otherwise. Both have the same interface and give
 bit-identical results; :data:`IMPLEMENTATION` says which one this process uses.
 
 Interface (see ``_pystore.PyEmbeddingStore`` for the full contract):
@@ -24,9 +25,9 @@ Interface (see ``_pystore.PyEmbeddingStore`` for the full contract):
 
 from __future__ import annotations
 
-import os
 import warnings
 
+from stream_persia.kernels.twins import PURE_PYTHON
 from stream_persia.server._pystore import PyEmbeddingStore
 
 __all__ = ["EmbeddingStore", "IMPLEMENTATION", "PyEmbeddingStore", "CEmbeddingStore"]
@@ -36,12 +37,12 @@ try:
     from stream_persia.server._cstore import CEmbeddingStore
 except ImportError as exc:  # a source checkout that was never built
     CEmbeddingStore = None
-    if os.environ.get("STREAM_PERSIA_PURE_PYTHON") != "1":
+    if not PURE_PYTHON:
         warnings.warn(f"the Cython embedding store is not built ({exc}); using the pure-Python "
                       "store, which is far slower (build it with `pip install -e .`)",
                       RuntimeWarning, stacklevel=2)
 
-if os.environ.get("STREAM_PERSIA_PURE_PYTHON") == "1" or CEmbeddingStore is None:
+if PURE_PYTHON or CEmbeddingStore is None:
     EmbeddingStore: type = PyEmbeddingStore
     IMPLEMENTATION = "python"
 else:

@@ -141,16 +141,20 @@ def pooled_on_servers(slot: Any) -> bool:
 
 def pools_on_worker(schema: Any) -> bool:
     """Whether any slot of ``schema`` is pooled on the worker, which then runs
-    :func:`stream_persia.worker.pooling.segment_sum` (torch) on every batch."""
+    :func:`stream_persia.kernels.segments.segment_sum` (torch) on every batch."""
     return not all(pooled_on_servers(slot) for slot in schema.slots.values())
 
 
 def plan_batch(id_features: Iterable[Any], schema: Any, requires_grad: bool = True, *,
-               csr_checked: bool = False) -> BatchPlan:
+               csr_checked: bool = False, server_pooling: bool = True) -> BatchPlan:
     """Plan every ID feature of a batch (``IDTypeFeature``-likes with ``name``, ``values``,
     ``offsets``) against an ``EmbeddingSchema``.
 
     Args:
+        requires_grad: False skips the gradient maps (inference, evaluation).
+        server_pooling: True pools the slots :func:`pooled_on_servers` names on the servers;
+            False plans every slot for pooling here (``plan.classic``: the API's
+            in-process table, whose rows are not on servers).
         csr_checked: True when every feature's ``values`` and ``offsets`` were checked
             already and not changed since: the features of a batch that
             ``PersiaBatch.from_wire`` or ``from_bytes`` just decoded (the embedding
@@ -185,7 +189,7 @@ def plan_batch(id_features: Iterable[Any], schema: Any, requires_grad: bool = Tr
                            f"{batch_size}", field=f"id_type_features.{name}",
                            hint="every feature of a batch holds the same samples")
         names.append(name)
-        if pooled_on_servers(slot):
+        if server_pooling and pooled_on_servers(slot):
             parts.setdefault(int(slot.dim), []).append(
                 (name, values, offsets, bool(slot.sqrt_scaling), slot.index_prefix))
         else:
@@ -217,11 +221,17 @@ def reduce_gradients(plan: BatchPlan, grads: Mapping[str, np.ndarray | None]
         raise BadInput(f"gradients must name exactly the batch's slots: unknown {unknown}, "
                        f"missing {missing}", field=f"gradients.{name}",
                        hint="send None for a slot that received no gradient")
-    classic = pooling.reduce_batch_gradients(plan.classic,
-                                             {name: grads[name] for name in plan.classic})
-    skipped = set(classic.skipped)
-    parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {
-        dim: [pair] for dim, pair in classic.by_dim.items()}
+    skipped: set[str] = set()
+    parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for name, slot_plan in plan.classic.items():
+        grad = grads[name]
+        if grad is None:
+            continue
+        reduced = pooling.reduce_slot_gradient(slot_plan, grad)
+        if reduced is None:
+            skipped.add(name)
+        elif len(reduced[0]):
+            parts.setdefault(slot_plan.dim, []).append(reduced)
     for group in plan.pooled.values():
         reduced = _reduce_group(group, grads, skipped)
         if reduced is not None:

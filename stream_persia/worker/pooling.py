@@ -1,21 +1,22 @@
-"""The embedding worker's pure logic: lookup planning, pooling and gradient reduction.
+"""The embedding worker's per-slot plans: what to look up for a slot the worker pools
+itself, how to pool its rows, how to reduce its gradient. No I/O here.
 
-The embedding worker plans batches with :mod:`stream_persia.worker.batchplan`, which sends
-plain summation slots to the servers as pooled lookups and uses this module for raw and
-hash-stacked slots; the API's local store pools whole batches with it. No I/O here. Per
-batch::
+:func:`stream_persia.worker.batchplan.plan_batch` plans a whole batch: plain summation
+slots are pooled on the embedding servers there; raw and hash-stacked slots (and every slot
+when the API pools from a checkpoint's rows: ``server_pooling=False``) get a
+:class:`SlotPlan` from :func:`plan_slot` here, in ``BatchPlan.classic``. Per batch::
 
-    plans = plan_batch(batch.id_type_features, schema)       # per slot: what to look up
-    merged = merge_lookups(plans)                            # one id array per dim
-    rows = {dim: <look merged[dim].ids up on the servers>}   # float32 (len(ids), dim)
-    outputs = pool_batch(plans, merged, rows)                # per slot: SlotOutput
-    ...                                                      # NN worker trains, sends grads
-    grads = reduce_batch_gradients(plans, {slot: grad})      # per dim: (ids, summed rows)
+    plan = batchplan.plan_batch(batch.id_type_features, schema)
+    merged = merge_lookups(plan.classic)                      # one id array per dim
+    rows = {dim: <look merged[dim].ids up on the servers>}    # float32 (len(ids), dim)
+    outputs = pool_batch(plan.classic, merged, rows)          # per slot: SlotOutput
+    ...                                                       # NN worker trains, sends grads
+    grads = batchplan.reduce_gradients(plan, {slot: grad})    # per dim: (ids, summed rows)
 
 Slot semantics (PERSIA's):
 
 - Every id is first hash-stacked (if configured), then prefixed with the slot's feature
-  index (:func:`prefix_ids`), so the servers see one u64 id space.
+  index (:func:`stream_persia.kernels.ids.prefix_ids`), so the servers see one u64 id space.
 - **Summation** slots give ``(batch, dim)``: the sum of the sample's rows, duplicates
   counted, times ``1/sqrt(n)`` with ``sqrt_scaling`` (n = the sample's id count before
   hash stacking; empty samples give zeros). The gradient of a sample reaches each of its
@@ -26,159 +27,39 @@ Slot semantics (PERSIA's):
   id is). One row per distinct id in the batch, so the NN worker's gradient for
   ``embeddings`` comes back already summed per id. ``sqrt_scaling`` does not apply.
 - **Hash stack** (``hash_stack_rounds`` R > 0, ``embedding_size`` E): id x stands for the
-  R bucket ids ``h_r(x) mod E + r*E`` (r = 0..R-1, see :func:`hash_stack`); its embedding
-  is the sum of the R bucket rows and its gradient goes to each bucket, summed per bucket.
+  R bucket ids of :func:`stream_persia.kernels.ids.hash_stack`; its embedding is the sum
+  of the R bucket rows and its gradient goes to each bucket, summed per bucket.
 
-Segment sums (gather rows, add them up per sample or per id) use torch's CPU
-``embedding_bag``: on a 1024-sample slot with ~3 ids per sample and dim 16 it measured
-~10 us, against 140-400 us for the numpy alternatives (``np.add.reduceat``, whose
-per-segment overhead dominates with short segments; ``np.add.at``; a per-column
-``np.bincount``; a float64 cumsum-and-difference); over a 1024 x 26-slot batch, pooling
-plus gradient reduction take ~2 ms against ~13 ms (load_tests/bench_pooling.py). torch
-is a dependency of the package already, but importing it costs a process ~1 s and ~190 MB:
-``STREAM_PERSIA_SEGMENT_SUM=numpy`` selects the ``np.add.reduceat`` twin, which the tests
-hold to the same results; :data:`SEGMENT_SUM_IMPLEMENTATION` says which one runs.
+The numeric kernels (prefix, hash stack, sorting, segment sums) live in
+:mod:`stream_persia.kernels`; this module arranges them per slot.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
 
-from stream_persia.config.embedding import apply_index_prefix
 from stream_persia.core.data import check_csr as check_feature_csr
 from stream_persia.errors import BadInput, ConfigError, Misuse
 from stream_persia.kernels import segments
-from stream_persia.kernels.sharding import mix64_inplace
+from stream_persia.kernels.ids import (
+    group_order,
+    hash_stack,
+    prefix_ids,
+    sqrt_scale,
+    unique_inverse,
+)
+from stream_persia.kernels.segments import segment_sum
 
 __all__ = [
-    "SEGMENT_SUM_IMPLEMENTATION", "BatchGradients", "MergedLookup", "SlotOutput", "SlotPlan",
-    "as_float32", "check_csr", "hash_stack", "is_finite", "load_segment_sum", "merge_gradients",
-    "merge_lookups",
-    "plan_batch", "plan_slot", "pool", "pool_batch", "prefix_ids", "reduce_batch_gradients",
-    "reduce_gradients", "segment_sum",
+    "BatchGradients", "MergedLookup", "SlotOutput", "SlotPlan", "as_float32", "check_csr",
+    "is_finite", "merge_gradients", "merge_lookups", "plan_slot", "pool", "pool_batch",
+    "reduce_slot_gradient",
 ]
-
-_IMPLEMENTATIONS = ("torch", "numpy")
-SEGMENT_SUM_IMPLEMENTATION = os.environ.get("STREAM_PERSIA_SEGMENT_SUM", "torch")
-if SEGMENT_SUM_IMPLEMENTATION not in _IMPLEMENTATIONS:
-    raise ConfigError(
-        f"STREAM_PERSIA_SEGMENT_SUM must be one of {_IMPLEMENTATIONS}, "
-        f"got {SEGMENT_SUM_IMPLEMENTATION!r}", field="STREAM_PERSIA_SEGMENT_SUM")
-
-
-def _torch() -> Any:
-    """torch, imported on first use: a process whose slots all pool on the embedding
-    servers (summation slots without a hash stack) never runs a segment sum here and never
-    pays for it."""
-    import torch
-    return torch
-
-
-def load_segment_sum() -> Any:
-    """Import what :func:`segment_sum` runs on now (torch: ~1 s) rather than inside the
-    first batch that needs it; returns torch, or None for the numpy twin."""
-    return _torch() if SEGMENT_SUM_IMPLEMENTATION == "torch" else None
-
-
-if SEGMENT_SUM_IMPLEMENTATION == "torch" and importlib.util.find_spec("torch") is None:
-    SEGMENT_SUM_IMPLEMENTATION = "numpy"  # pragma: no cover - torch is a dependency
-
-# splitmix64's increment and finaliser constants. Fixed forever: changing them moves every
-# hash-stacked id to another bucket and invalidates checkpoints that used hash stacks.
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)   # SplitMix64's increment: one seed per round
-
-
-# ---------------------------------------------------------------------------- id transforms
-def prefix_ids(ids: np.ndarray, prefix_bits: int, index_prefix: int) -> np.ndarray:
-    """PERSIA's slot prefix (``id % (2**(64-b) - 1) + index_prefix``): the worker's argument
-    order for :func:`stream_persia.config.embedding.apply_index_prefix`."""
-    return apply_index_prefix(ids, index_prefix, prefix_bits)
-
-
-def hash_stack(ids: np.ndarray, rounds: int, embedding_size: int) -> np.ndarray:
-    """Bucket ids of a hash stack: uint64 ``(len(ids), rounds)``.
-
-    Round r maps id x to ``splitmix64(x + (r+1) * 0x9E3779B97F4A7C15) % E + r * E``
-    (splitmix64's finaliser, all arithmetic mod 2**64), so the rounds' buckets never
-    overlap and every result lies in ``[0, rounds * E)``. Buckets stay distinct after
-    :func:`prefix_ids` only while ``rounds * E < 2**(64-b) - 1``.
-    """
-    ids = np.asarray(ids, dtype=np.uint64)
-    seeds = _GAMMA * np.arange(1, rounds + 1, dtype=np.uint64)
-    z = mix64_inplace(ids[:, None] + seeds)  # uint64 arithmetic wraps, as intended
-    z %= np.uint64(embedding_size)
-    z += np.arange(rounds, dtype=np.uint64) * np.uint64(embedding_size)
-    return z
-
-
-# ---------------------------------------------------------------------------- segment sums
-def segment_sum(table: np.ndarray, index: np.ndarray, starts: np.ndarray,
-                impl: str | None = None) -> np.ndarray:
-    """``out[s] = sum(table[index[starts[s]:starts[s+1]]])`` (last segment runs to the end).
-
-    ``starts`` is nondecreasing int64 beginning at 0; empty segments give zero rows.
-    Returns float32 ``(len(starts), table.shape[1])``.
-    """
-    impl = impl or SEGMENT_SUM_IMPLEMENTATION
-    n_out, dim = len(starts), table.shape[1]
-    if n_out == 0 or len(index) == 0:
-        return np.zeros((n_out, dim), dtype=np.float32)
-    if impl == "torch":
-        torch = _torch()
-        return torch.nn.functional.embedding_bag(
-            torch.from_numpy(_torch_readable(index)), torch.from_numpy(_torch_readable(table)),
-            torch.from_numpy(_torch_readable(starts)), mode="sum").numpy()
-    out = np.zeros((n_out, dim), dtype=np.float32)
-    ends = np.empty_like(starts)
-    ends[:-1] = starts[1:]
-    ends[-1] = len(index)
-    nonempty = np.flatnonzero(ends > starts)
-    out[nonempty] = np.add.reduceat(table.take(index, axis=0), starts[nonempty], axis=0)
-    return out
-
-
-def _torch_readable(a: np.ndarray) -> np.ndarray:
-    """``a`` in a form ``torch.from_numpy`` takes without a warning: C-contiguous and
-    writable. Wire arrays are read-only views; when the frame's buffer itself is writable
-    (RPC receive buffers are), a writable alias of the same memory does instead of a copy
-    (~1 ms per batch of 26 slots). Only for reading: the alias is never written through.
-    """
-    if a.flags.c_contiguous and not a.flags.writeable:
-        alias = a.view()
-        try:
-            alias.flags.writeable = True
-            return alias
-        except ValueError:  # the memory is immutable (e.g. bytes)
-            pass
-    if not (a.flags.writeable and a.flags.c_contiguous):
-        a = a.copy()
-    return a
-
-
-def _group(inverse: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
-    """Stable order of ``inverse`` grouped by value, and each group's start in it.
-
-    Stable so a gradient sum adds occurrences in batch order on every machine; done as
-    16-bit radix passes because numpy's stable sort of 64-bit keys is ~10x slower.
-    """
-    counts = np.bincount(inverse, minlength=n_groups)
-    starts = np.cumsum(counts) - counts
-    if n_groups <= 1 << 16:
-        order = np.argsort(inverse.astype(np.uint16), kind="stable")
-    elif n_groups <= 1 << 32:
-        order = np.argsort((inverse & 0xFFFF).astype(np.uint16), kind="stable")
-        high = (inverse[order] >> 16).astype(np.uint16)
-        order = order[np.argsort(high, kind="stable")]
-    else:  # pragma: no cover - more than 4e9 distinct ids in one batch
-        order = np.argsort(inverse, kind="stable")
-    return order, starts
 
 
 # ---------------------------------------------------------------------------- planning
@@ -202,7 +83,7 @@ class SlotPlan:
             ``(batch, dim)`` gradient for summation, ``grad[1:]`` for raw slots. None when
             the plan was made without gradients, or the map is one to one.
         index, mask: raw slots only: int64 / bool ``(batch_size, sample_fixed_size)``.
-        requires_grad: whether :func:`reduce_gradients` may be called.
+        requires_grad: whether :func:`reduce_slot_gradient` may be called.
         grad_map: what computes ``grad_index`` and ``grad_starts``, once, when first read.
     """
 
@@ -239,7 +120,7 @@ class SlotPlan:
 
     @property
     def grad_shape(self) -> tuple[int, int]:
-        """Shape :func:`reduce_gradients` expects: (batch, dim) or (n_rows + 1, dim)."""
+        """Shape :func:`reduce_slot_gradient` expects: (batch, dim) or (n_rows + 1, dim)."""
         rows = self.batch_size if self.summation else self.n_rows + 1
         return (rows, self.dim)
 
@@ -289,16 +170,15 @@ def plan_slot(values: np.ndarray, offsets: np.ndarray, slot: Any, prefix_bits: i
 
     def to_lookup(ids: np.ndarray) -> np.ndarray:
         ids = hash_stack(ids, rounds, size).ravel() if rounds else ids
-        return prefix_ids(ids, prefix_bits, slot.index_prefix)
+        return prefix_ids(ids, index_prefix=slot.index_prefix, prefix_bits=prefix_bits)
 
     pool_index = pool_starts = scale = index = mask = grad_map = None
     if slot.embedding_summation:
-        lookup_ids, inverse = _unique_inverse(to_lookup(values))
+        lookup_ids, inverse = unique_inverse(to_lookup(values))
         n_rows, pool_index = batch, inverse
         pool_starts = offsets[:-1] * reps if rounds else offsets[:-1]
         if slot.sqrt_scaling:
-            with np.errstate(divide="ignore"):
-                scale = np.where(counts > 0, 1.0 / np.sqrt(counts), 0.0).astype(np.float32)
+            scale = sqrt_scale(counts)
         if requires_grad:
             grad_map = partial(_sum_grad_map, inverse, len(lookup_ids), counts, reps)
     else:
@@ -308,14 +188,15 @@ def plan_slot(values: np.ndarray, offsets: np.ndarray, slot: Any, prefix_bits: i
         keep = pos < fixed
         if not keep.all():
             values, sample_of, pos = values[keep], sample_of[keep], pos[keep]
-        keys = values if rounds else prefix_ids(values, prefix_bits, slot.index_prefix)
-        keys, key_of = _unique_inverse(keys)
+        keys = values if rounds else prefix_ids(values, index_prefix=slot.index_prefix,
+                                                prefix_bits=prefix_bits)
+        keys, key_of = unique_inverse(keys)
         n_rows = len(keys)
         index = np.zeros((batch, fixed), dtype=np.int64)
         index.reshape(-1)[sample_of * fixed + pos] = key_of + 1
         mask = index != 0
         if rounds:
-            lookup_ids, inverse = _unique_inverse(to_lookup(keys))
+            lookup_ids, inverse = unique_inverse(to_lookup(keys))
             pool_index, pool_starts = inverse, np.arange(n_rows, dtype=np.int64) * reps
             if requires_grad:
                 grad_map = partial(_raw_grad_map, inverse, len(lookup_ids), reps)
@@ -328,49 +209,10 @@ def plan_slot(values: np.ndarray, offsets: np.ndarray, slot: Any, prefix_bits: i
         scale=scale, index=index, mask=mask, requires_grad=requires_grad, grad_map=grad_map)
 
 
-def _unique_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(keys, return_inverse=True)`` for uint64 ``keys``: sorted distinct keys
-    and the int64 position of every key among them, without ``np.unique``'s per-call
-    overhead (~40 us, a third of the work on a 3,000-id slot)."""
-    n = len(keys)
-    if n == 0:
-        return keys.copy(), np.zeros(0, dtype=np.int64)
-    order, ordered = _sort_with_order(keys)
-    first = np.empty(n, dtype=bool)
-    first[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    inverse = np.empty(n, dtype=np.int64)
-    inverse[order] = np.cumsum(first) - 1
-    return ordered[first], inverse
-
-
-def _sort_with_order(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(order, keys[order]) with ``keys[order]`` sorted.
-
-    When ``max - min`` of the keys leaves room for a key's position in the low bits of a
-    uint64, as for ids drawn from a range below ~2**50, ``np.sort`` of
-    ``(key - min) << bits | position`` gives both: a SIMD sort of plain uint64 takes less
-    than half the time of ``np.argsort`` (hashed 64-bit ids take the argsort).
-    """
-    lo, hi = int(keys.min()), int(keys.max())
-    bits = (len(keys) - 1).bit_length()
-    if (hi - lo).bit_length() + bits > 64:
-        order = np.argsort(keys)
-        return order, keys[order]
-    packed = keys - np.uint64(lo)
-    packed <<= np.uint64(bits)
-    packed |= np.arange(len(keys), dtype=np.uint64)
-    packed.sort()
-    order = (packed & np.uint64((1 << bits) - 1)).view(np.int64)
-    packed >>= np.uint64(bits)
-    packed += np.uint64(lo)
-    return order, packed
-
-
 def _sum_grad_map(inverse: np.ndarray, n_lookup: int, counts: np.ndarray,
                   reps: int) -> tuple[np.ndarray, np.ndarray]:
     """Summation slot: the sample of every occurrence of each lookup id, grouped by id."""
-    order, starts = _group(inverse, n_lookup)
+    order, starts = group_order(inverse, n_lookup)
     sample_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     return sample_of[order // reps] if reps > 1 else sample_of[order], starts
 
@@ -378,32 +220,8 @@ def _sum_grad_map(inverse: np.ndarray, n_lookup: int, counts: np.ndarray,
 def _raw_grad_map(inverse: np.ndarray, n_lookup: int, reps: int
                   ) -> tuple[np.ndarray, np.ndarray]:
     """Hash-stacked raw slot: the key row of every bucket occurrence, grouped by bucket."""
-    order, starts = _group(inverse, n_lookup)
+    order, starts = group_order(inverse, n_lookup)
     return order // reps, starts
-
-
-def plan_batch(id_features: Iterable[Any], schema: Any, requires_grad: bool = True, *,
-               csr_checked: bool = False) -> dict[str, SlotPlan]:
-    """Plan every ID feature of a batch (``IDTypeFeature``-likes with ``name``,
-    ``values``, ``offsets``) against an ``EmbeddingSchema``; keyed by name, in order.
-    ``csr_checked``: as for :func:`plan_slot` (``IDTypeFeature`` checks its CSR when it
-    is built or decoded)."""
-    plans: dict[str, SlotPlan] = {}
-    for feature in id_features:
-        if feature.name in plans:
-            raise BadInput(f"ID feature {feature.name!r} appears twice in one batch",
-                           field=f"id_type_features.{feature.name}")
-        plan = plan_slot(feature.values, feature.offsets, schema.slot(feature.name),
-                         schema.feature_index_prefix_bit, requires_grad,
-                         csr_checked=csr_checked)
-        first = next(iter(plans.values()), None)
-        if first is not None and plan.batch_size != first.batch_size:
-            raise BadInput(f"ID feature {plan.name!r} has {plan.batch_size} samples but "
-                           f"{first.name!r} has {first.batch_size}",
-                           field=f"id_type_features.{plan.name}",
-                           hint="every feature of a batch holds the same samples")
-        plans[plan.name] = plan
-    return plans
 
 
 # ---------------------------------------------------------------------------- pooling
@@ -457,7 +275,7 @@ def is_finite(a: np.ndarray) -> bool:
     return bool(np.isfinite(a).all())
 
 
-def reduce_gradients(plan: SlotPlan, grad: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def reduce_slot_gradient(plan: SlotPlan, grad: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """Reduce one slot's gradient to one row per looked-up id.
 
     Args:
@@ -628,30 +446,6 @@ class BatchGradients:
 
     by_dim: dict[int, tuple[np.ndarray, np.ndarray]]
     skipped: tuple[str, ...]
-
-
-def reduce_batch_gradients(plans: Mapping[str, SlotPlan],
-                           grads: Mapping[str, np.ndarray | None]) -> BatchGradients:
-    """Reduce every slot's gradient (None: the slot has no gradient) and merge by dim."""
-    unknown = [name for name in grads if name not in plans]
-    missing = [name for name in plans if name not in grads]
-    if unknown or missing:
-        name = (unknown or missing)[0]
-        raise BadInput(f"gradients must name exactly the batch's slots: unknown {unknown}, "
-                       f"missing {missing}", field=f"gradients.{name}",
-                       hint="send None for a slot that received no gradient")
-    parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-    skipped = []
-    for name, plan in plans.items():
-        grad = grads[name]
-        if grad is None:
-            continue
-        reduced = reduce_gradients(plan, grad)
-        if reduced is None:
-            skipped.append(name)
-        elif len(reduced[0]):
-            parts.setdefault(plan.dim, []).append(reduced)
-    return BatchGradients(merge_gradients(parts), tuple(skipped))
 
 
 def merge_gradients(parts: Mapping[int, list[tuple[np.ndarray, np.ndarray]]]

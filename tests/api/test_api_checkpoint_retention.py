@@ -104,13 +104,13 @@ async def test_delete_refuses_a_checkpoint_being_taken(job, tmp_path, monkeypatc
     async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
         ckpts = api.state.checkpoints
         gate = asyncio.Event()
-        real = ckpts._direct_cut
+        real = ckpts._cut_by_api
 
         async def held(*args, **kw):   # the cut waits until the test lets it go
             await gate.wait()
             return await real(*args, **kw)
 
-        monkeypatch.setattr(ckpts, "_direct_cut", held)
+        monkeypatch.setattr(ckpts, "_cut_by_api", held)
         r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": "slow"})
         assert r.status_code == 202
         r = await api.client.delete("/v1/checkpoints/slow", headers=AUTH)

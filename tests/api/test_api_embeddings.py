@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from stream_persia.api.embeddings import LocalTable, cat_slots, concat_features, non_id_tensors
+from stream_persia.api.embeddings import CheckpointTable, cat_slots, concat_features, non_id_tensors
 
 from stream_persia.config import EmbeddingSchema
 from stream_persia.embedding.data import IDTypeFeature, NonIDTypeFeature, PersiaBatch
 from stream_persia.embedding.optim import SGD
 from stream_persia.server.store import EmbeddingStore
-from stream_persia.worker import pooling
+from stream_persia.worker import batchplan, pooling
 
 SCHEMA = EmbeddingSchema.from_dict({
     "feature_index_prefix_bit": 8,
@@ -36,7 +36,7 @@ def request(rng: np.random.Generator, size: int, vocab: int) -> PersiaBatch:
                                                 "dense")], requires_grad=False)
 
 
-def table_with_some_rows(rng: np.random.Generator) -> LocalTable:
+def table_with_some_rows(rng: np.random.Generator) -> CheckpointTable:
     """A store holding a random half of the rows of ids 0..29 of every slot."""
     store = EmbeddingStore(100_000, SGD(lr=0.0))
     ids = np.arange(30, dtype=np.uint64)
@@ -46,13 +46,14 @@ def table_with_some_rows(rng: np.random.Generator) -> LocalTable:
         keep = plan.lookup_ids[rng.random(len(plan.lookup_ids)) < 0.5]
         store.load([{"dim": slot.dim, "ids": keep,
                      "weights": rng.normal(size=(len(keep), slot.dim)).astype(np.float32)}])
-    return LocalTable(store, SCHEMA)
+    return CheckpointTable(store, SCHEMA)
 
 
-def missing_alone(table: LocalTable, batch: PersiaBatch) -> int:
+def missing_alone(table: CheckpointTable, batch: PersiaBatch) -> int:
     """The embedding worker's definition: distinct looked-up ids absent, per dim."""
-    merged = pooling.merge_lookups(pooling.plan_batch(batch.id_type_features, SCHEMA,
-                                                      requires_grad=False))
+    plan = batchplan.plan_batch(batch.id_type_features, SCHEMA, requires_grad=False,
+                                server_pooling=False)
+    merged = pooling.merge_lookups(plan.classic)
     return sum(int((~table.store.contains(m.ids)).sum()) for m in merged.values())
 
 

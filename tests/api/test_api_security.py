@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from api_helpers import AUTH, TOKEN, LiveApi, settings_for
 from stream_persia.api import ApiSettings, create_app
-from stream_persia.api.settings import is_loopback
 
 from stream_persia.config import GlobalConfig
+from stream_persia.core.hosts import is_loopback
 from stream_persia.errors import ConfigError
 
 CONTROL_ROUTES = [("GET", "/v1/status"), ("POST", "/v1/ingest/pause"),

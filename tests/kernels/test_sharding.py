@@ -14,7 +14,9 @@ from stream_persia.kernels.sharding import (
     ShardSplit,
     shard_of,
     split_by_shard,
+    splitmix64_finalizer_inplace,
     stable_hash64,
+    stable_hash64_int,
     static_partitions,
 )
 
@@ -34,6 +36,20 @@ def test_hash_values_are_pinned():
         10451216379200822465, 2454886589211414944, 16490336266968443936,
         1441120640309230691]
     assert shard_of(np.arange(10, dtype=U64), 7).tolist() == [2, 2, 4, 2, 6, 3, 3, 2, 4, 2]
+
+
+def test_the_two_mixers_are_told_apart_and_the_scalar_hash_is_the_array_hash():
+    # stable_hash64 is the finaliser of id + 0x9E3779B97F4A7C15; the finaliser alone
+    # (the hash stack's) differs from it, and the scalar twin (the store's admission
+    # draws) gives the array's values.
+    ids = np.array([0, 1, 12345, 2**64 - 1, 450359962737049612], dtype=U64)
+    with np.errstate(over="ignore"):
+        shifted = ids + U64(0x9E3779B97F4A7C15)
+    assert splitmix64_finalizer_inplace(shifted.copy()).tolist() == stable_hash64(ids).tolist()
+    assert splitmix64_finalizer_inplace(ids.copy()).tolist() != stable_hash64(ids).tolist()
+    assert [stable_hash64_int(int(i)) for i in ids] == stable_hash64(ids).tolist()
+    z = ids.copy()
+    assert splitmix64_finalizer_inplace(z) is z
 
 
 def test_hash_keeps_shape_and_leaves_input_alone():

@@ -23,7 +23,8 @@ from stream_persia.embedding.data import IDTypeFeature, PersiaBatch
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import BadInput, Misuse
 from stream_persia.kernels import segments
-from stream_persia.kernels.sharding import mix64_inplace
+from stream_persia.kernels.ids import prefix_ids
+from stream_persia.kernels.sharding import splitmix64_finalizer_inplace
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import running_servers
@@ -56,12 +57,12 @@ POOLED = ["user", "item", "city", "query"]
 
 @contextlib.contextmanager
 def implementations(segment_impl, segment_sum_impl="torch"):
-    before = segments.IMPLEMENTATION, pooling.SEGMENT_SUM_IMPLEMENTATION
-    segments.IMPLEMENTATION, pooling.SEGMENT_SUM_IMPLEMENTATION = segment_impl, segment_sum_impl
+    before = segments.IMPLEMENTATION, segments.SEGMENT_SUM_IMPLEMENTATION
+    segments.IMPLEMENTATION, segments.SEGMENT_SUM_IMPLEMENTATION = segment_impl, segment_sum_impl
     try:
         yield
     finally:
-        segments.IMPLEMENTATION, pooling.SEGMENT_SUM_IMPLEMENTATION = before
+        segments.IMPLEMENTATION, segments.SEGMENT_SUM_IMPLEMENTATION = before
 
 
 def table(ids, dim):
@@ -69,7 +70,7 @@ def table(ids, dim):
     magnitudes so that a change in summation order shows in the bits."""
     z = np.asarray(ids, dtype=np.uint64)[:, None] + (
         np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-    z = mix64_inplace(z)
+    z = splitmix64_finalizer_inplace(z)
     unit = (z >> np.uint64(40)).astype(np.float64) / 2**24 * 2 - 1
     magnitude = 10.0 ** ((z & np.uint64(7)).astype(np.float64) - 3)
     return (unit * magnitude).astype(np.float32)
@@ -103,6 +104,19 @@ def serve_as_one_server(plan):
     return plan.outputs(merged, results)
 
 
+def classic_plans(feats, schema, *args, **kwargs):
+    """Every slot planned for pooling on the worker (the classic path, the reference):
+    slot name -> SlotPlan."""
+    return batchplan.plan_batch(feats, schema, *args, server_pooling=False, **kwargs).classic
+
+
+def reduce_classic(plans, grads):
+    """The gradients of a batch planned by :func:`classic_plans`."""
+    requires_grad = all(p.requires_grad for p in plans.values())
+    return batchplan.reduce_gradients(
+        batchplan.BatchPlan(tuple(plans), {}, dict(plans), requires_grad), grads)
+
+
 def serve_classic(plans):
     merged = pooling.merge_lookups(plans)
     return pooling.pool_batch(plans, merged, {d: table(m.ids, d) for d, m in merged.items()})
@@ -111,7 +125,7 @@ def serve_classic(plans):
 def classic_is_exact():
     """Whether the classic path adds a segment's rows in order (torch's embedding_bag does;
     its numpy twin, np.add.reduceat, does not): only then do both paths agree bit for bit."""
-    return pooling.SEGMENT_SUM_IMPLEMENTATION == "torch"
+    return segments.SEGMENT_SUM_IMPLEMENTATION == "torch"
 
 
 def assert_same(a, b):
@@ -195,7 +209,7 @@ def test_outputs_equal_the_classic_path_bit_for_bit(segment_impl, segment_sum_im
     feats = features(seed, order[:keep], batch_size)
     with implementations(segment_impl, segment_sum_impl):
         got = serve_as_one_server(batchplan.plan_batch(feats, MIXED))
-        want = serve_classic(pooling.plan_batch(feats, MIXED))
+        want = serve_classic(classic_plans(feats, MIXED))
         exact = classic_is_exact()
     assert_outputs_equal(got, want, exact=exact)
 
@@ -218,7 +232,7 @@ def test_the_testing_schema_matches_the_classic_path():
     for i in range(5):
         batch = make_batch(i, batch_size=7 + i)
         got = serve_as_one_server(batchplan.plan_batch(batch.id_type_features, SCHEMA))
-        want = serve_classic(pooling.plan_batch(batch.id_type_features, SCHEMA))
+        want = serve_classic(classic_plans(batch.id_type_features, SCHEMA))
         assert_outputs_equal(got, want, exact=classic_is_exact())
 
 
@@ -236,23 +250,23 @@ def test_gradients_equal_the_classic_path_bit_for_bit(segment_impl, seed, order,
                                        st.sampled_from([np.float16, np.float64])), label="dtype")
     with implementations(segment_impl):
         plan = batchplan.plan_batch(feats, MIXED)
-        plans = pooling.plan_batch(feats, MIXED)
+        plans = classic_plans(feats, MIXED)
         grads = random_gradients(seed, plans, nones, nans - nones, dtypes)
         got = batchplan.reduce_gradients(plan, grads)
-        want = pooling.reduce_batch_gradients(plans, grads)
+        want = reduce_classic(plans, grads)
     assert_gradients_equal(got, want)
 
 
 def test_a_nan_slot_is_skipped_in_batch_order_and_its_ids_get_no_gradient():
     feats = features(1, SLOTS, 8)
     plan = batchplan.plan_batch(feats, MIXED)
-    plans = pooling.plan_batch(feats, MIXED)
+    plans = classic_plans(feats, MIXED)
     grads = random_gradients(2, plans)
     for name in ("query", "user", "hashed"):       # not in batch order
         grads[name][3, 1] = np.nan if name != "query" else np.inf
     got = batchplan.reduce_gradients(plan, grads)
     assert got.skipped == ("user", "query", "hashed")
-    assert_gradients_equal(got, pooling.reduce_batch_gradients(plans, grads),
+    assert_gradients_equal(got, reduce_classic(plans, grads),
                            exact=classic_is_exact())
     for name in ("user", "query"):
         dim = MIXED.slot(name).dim
@@ -289,8 +303,8 @@ def test_slots_sharing_ids_in_a_feature_group_sum_their_gradients():
                 pc[0]: grads["c"][2], pc[1]: grads["c"][0]}
     assert ids.tolist() == sorted(expected)
     np.testing.assert_array_equal(rows, np.stack([expected[k] for k in sorted(expected)]))
-    assert_gradients_equal(got, pooling.reduce_batch_gradients(
-        pooling.plan_batch([a, b, c], schema), grads))
+    assert_gradients_equal(got, reduce_classic(
+        classic_plans([a, b, c], schema), grads))
 
 
 @SETTINGS
@@ -304,12 +318,12 @@ def test_a_feature_group_matches_the_classic_path_up_to_rounding(seed, batch_siz
         "feature_groups": {"abh": ["a", "b", "h"]}})
     feats = features(seed, ["a", "b", "h"], batch_size, vocab=5)
     plan = batchplan.plan_batch(feats, schema)
-    plans = pooling.plan_batch(feats, schema)
+    plans = classic_plans(feats, schema)
     assert_outputs_equal(serve_as_one_server(plan), serve_classic(plans),
                          exact=classic_is_exact())
     grads = random_gradients(seed, plans)
     assert_gradients_equal(batchplan.reduce_gradients(plan, grads),
-                           pooling.reduce_batch_gradients(plans, grads), exact=False)
+                           reduce_classic(plans, grads), exact=False)
 
 
 # Three feature groups over two dims: summation slots share a prefix with each other (a, b;
@@ -346,14 +360,14 @@ def grouped_features(seed, names, batch_size, bits):
 
 def old_pooled_groups(feats, schema):
     """The pooled groups as plan_batch built them before segments.pooled_lookup: per slot
-    pooling.prefix_ids, then per dim np.concatenate, de-duplication in first-occurrence
+    prefix_ids, then per dim np.concatenate, de-duplication in first-occurrence
     order (a dict here) and a loop over the slots for the offsets and the sqrt scale."""
     bits = schema.feature_index_prefix_bit
     parts = {}
     for f in feats:
         slot = schema.slot(f.name)
         if slot.embedding_summation and slot.hash_stack_config.hash_stack_rounds == 0:
-            keys = pooling.prefix_ids(f.values, bits, slot.index_prefix)
+            keys = prefix_ids(f.values, index_prefix=slot.index_prefix, prefix_bits=bits)
             parts.setdefault(slot.dim, []).append((f.name, keys, f.offsets, slot.sqrt_scaling))
     groups = {}
     for dim, items in parts.items():
@@ -457,7 +471,7 @@ def test_every_public_planner_checks_raw_csr_ids(case, slot):
         "pooling.check_csr": lambda: pooling.check_csr(slot, values, offsets),
         "pooling.plan_slot": lambda: pooling.plan_slot(values, offsets, MIXED.slot(slot),
                                                        MIXED.feature_index_prefix_bit),
-        "pooling.plan_batch": lambda: pooling.plan_batch([raw], MIXED),
+        "batchplan.plan_batch(server_pooling=False)": lambda: classic_plans([raw], MIXED),
         "batchplan.plan_batch": lambda: batchplan.plan_batch([raw], MIXED),
     }
     for what, call in calls.items():
@@ -479,9 +493,9 @@ def test_checked_features_plan_as_checked_ones():
             assert trusted.classic.keys() == checked.classic.keys()
             assert_outputs_equal(serve_as_one_server(trusted), serve_as_one_server(checked))
             # and the classic planner (the API's online embedding path passes csr_checked)
-            fast = pooling.plan_batch(batch.id_type_features, SCHEMA, requires_grad,
+            fast = classic_plans(batch.id_type_features, SCHEMA, requires_grad,
                                       csr_checked=True)
-            slow = pooling.plan_batch(batch.id_type_features, SCHEMA, requires_grad)
+            slow = classic_plans(batch.id_type_features, SCHEMA, requires_grad)
             assert list(fast) == list(slow)
             for name in fast:
                 for attr in ("lookup_ids", "pool_index", "pool_starts", "scale", "index",
@@ -493,7 +507,7 @@ def test_checked_features_plan_as_checked_ones():
 def test_bad_gradients_are_refused_naming_the_slot():
     feats = features(3, SLOTS, 4)
     plan = batchplan.plan_batch(feats, MIXED)
-    grads = random_gradients(0, pooling.plan_batch(feats, MIXED))
+    grads = random_gradients(0, classic_plans(feats, MIXED))
     cases = {
         "gradients.nope": {**grads, "nope": None},
         "gradients.city": {k: v for k, v in grads.items() if k != "city"},
@@ -554,7 +568,7 @@ async def pooled_lookup_matches_pooled_rows(n):
                 np.testing.assert_array_less(np.abs(sums - want), 1e-6 * bound + 1e-30)
         # The worker's whole batch: rows of every slot equal a classic lookup's.
         outputs = plan.outputs(merged, got)
-        classic = pooling.plan_batch(feats, MIXED)
+        classic = classic_plans(feats, MIXED)
         m = pooling.merge_lookups(classic)
         fetched, _ = await router.lookup([RowLookup(d, x.ids) for d, x in m.items()], "eval")
         want = pooling.pool_batch(classic, m, dict(zip(m, fetched, strict=True)))
@@ -629,10 +643,10 @@ def test_slots_with_gradients_but_no_ids_send_no_empty_update():
     feats = [IDTypeFeature.from_csr(name, np.zeros(0, dtype=np.uint64),
                                     np.zeros(4, dtype=np.int64)) for name in SLOTS]
     plan = batchplan.plan_batch(feats, MIXED)
-    plans = pooling.plan_batch(feats, MIXED)
+    plans = classic_plans(feats, MIXED)
     grads = random_gradients(0, plans)
     got = batchplan.reduce_gradients(plan, grads)
-    assert got.by_dim == {} == pooling.reduce_batch_gradients(plans, grads).by_dim
+    assert got.by_dim == {} == reduce_classic(plans, grads).by_dim
 
 
 @pytest.mark.parametrize("store_threads", [1, 2])

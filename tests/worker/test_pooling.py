@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,18 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream_persia.errors import BadInput, Misuse
-from stream_persia.worker import pooling
+from stream_persia.kernels import segments, twins
+from stream_persia.kernels.ids import hash_stack, prefix_ids
+from stream_persia.kernels.segments import segment_sum
+from stream_persia.worker import batchplan
 from stream_persia.worker.pooling import (
-    hash_stack,
     merge_lookups,
-    plan_batch,
     plan_slot,
     pool,
     pool_batch,
-    prefix_ids,
-    reduce_batch_gradients,
-    reduce_gradients,
-    segment_sum,
+    reduce_slot_gradient,
 )
 
 M64 = (1 << 64) - 1
@@ -52,12 +49,17 @@ class Slot:
 
 @contextlib.contextmanager
 def segment_impl(impl):
-    before = pooling.SEGMENT_SUM_IMPLEMENTATION
-    pooling.SEGMENT_SUM_IMPLEMENTATION = impl
+    before = segments.SEGMENT_SUM_IMPLEMENTATION
+    segments.SEGMENT_SUM_IMPLEMENTATION = impl
     try:
         yield
     finally:
-        pooling.SEGMENT_SUM_IMPLEMENTATION = before
+        segments.SEGMENT_SUM_IMPLEMENTATION = before
+
+
+def plan_batch(features, schema, **kwargs):
+    """Every slot planned for pooling on the worker (the API's in-process table's plan)."""
+    return batchplan.plan_batch(features, schema, server_pooling=False, **kwargs)
 
 
 def csr(samples):
@@ -147,10 +149,10 @@ slot_st = st.builds(
 # ---- id transforms
 def test_prefix_matches_persia_formula_vectors():
     ids = np.array([12, 16000000000000000], dtype=np.uint64)
-    out = prefix_ids(ids, 12, 100 << 52)
+    out = prefix_ids(ids, index_prefix=100 << 52, prefix_bits=12)
     assert out.dtype == np.uint64
     assert out.tolist() == [450359962737049612, 452849163854938115]
-    assert prefix_ids(ids, 0, 0) is ids
+    assert prefix_ids(ids, index_prefix=0, prefix_bits=0) is ids
 
 
 def test_prefix_agrees_with_schema():
@@ -160,7 +162,7 @@ def test_prefix_agrees_with_schema():
         slots={"a": config.SlotConfig("a", 4), "b": config.SlotConfig("b", 4)})
     ids = np.array(ID_POOL, dtype=np.uint64)
     for name in ("a", "b"):
-        mine = prefix_ids(ids, 12, schema.slot(name).index_prefix)
+        mine = prefix_ids(ids, index_prefix=schema.slot(name).index_prefix, prefix_bits=12)
         assert mine.tolist() == schema.prefix_ids(name, ids).tolist()
 
 
@@ -211,7 +213,7 @@ def test_pooling_and_gradients_match_naive(impl, samples, slot_bits, seed):
     with segment_impl(impl):
         out = pool(plan, rows_of(plan, table))
         grad = rng.standard_normal(plan.grad_shape).astype(np.float32)
-        ids, rows = reduce_gradients(plan, grad)
+        ids, rows = reduce_slot_gradient(plan, grad)
     assert rows.dtype == np.float32 and rows.shape == (len(ids), slot.dim)
     if slot.embedding_summation:
         np.testing.assert_allclose(out.embeddings, naive_sum_pool(samples, slot, bits, table),
@@ -250,7 +252,7 @@ def test_single_id_feature_is_a_gather():
     table = table_for(plan.lookup_ids, 3)
     out = pool(plan, rows_of(plan, table))
     np.testing.assert_array_equal(out.embeddings, np.stack([table[x[0]] for x in samples]))
-    ids, rows = reduce_gradients(plan, np.ones((4, 3), np.float32))
+    ids, rows = reduce_slot_gradient(plan, np.ones((4, 3), np.float32))
     assert ids.tolist() == [5, 6, 7]
     np.testing.assert_array_equal(rows[:, 0], [2, 1, 1])
 
@@ -264,7 +266,7 @@ def test_raw_truncates_at_sample_fixed_size_with_padding_row():
     assert out.index.tolist() == [[3, 2, 1], [0, 0, 0], [2, 0, 0], [4, 4, 4]]
     assert out.mask.tolist() == [[True] * 3, [False] * 3, [True, False, False], [True] * 3]
     grad = np.arange(10, dtype=np.float32).reshape(5, 2)
-    ids, rows = reduce_gradients(plan, grad)
+    ids, rows = reduce_slot_gradient(plan, grad)
     assert ids.tolist() == [7, 8, 9, 1000] and rows.tolist() == grad[1:].tolist()
 
 
@@ -272,7 +274,7 @@ def test_raw_truncates_at_sample_fixed_size_with_padding_row():
 def test_sqrt_scaling_applies_to_gradient(impl):
     plan = plan_slot(*csr([[3, 3, 3, 3], [3], []]), Slot(dim=1, sqrt_scaling=True), 0)
     with segment_impl(impl):
-        ids, rows = reduce_gradients(plan, np.array([[1.0], [10.0], [100.0]], np.float32))
+        ids, rows = reduce_slot_gradient(plan, np.array([[1.0], [10.0], [100.0]], np.float32))
     # 4 occurrences x 1/sqrt(4) + 1 x 10 / sqrt(1); the empty sample gives nothing
     assert ids.tolist() == [3] and rows.tolist() == [[4 * 0.5 + 10.0]]
 
@@ -284,7 +286,7 @@ def test_empty_batch_and_all_empty_samples():
             out = pool(plan, np.zeros((0, 4), np.float32))
             rows_expected = len(samples) if summation else 1
             assert out.embeddings.shape == (rows_expected, 4) and not out.embeddings.any()
-            ids, rows = reduce_gradients(plan, np.ones(plan.grad_shape, np.float32))
+            ids, rows = reduce_slot_gradient(plan, np.ones(plan.grad_shape, np.float32))
             assert ids.shape == (0,) and rows.shape == (0, 4)
 
 
@@ -292,17 +294,17 @@ def test_empty_batch_and_all_empty_samples():
 def test_gradient_shape_and_dtype_errors_name_the_slot():
     plan = plan_slot(*csr([[1, 2], [3]]), Slot(name="photo_id", dim=4), 0)
     with pytest.raises(BadInput, match=r"photo_id.*\(2, 4\).*\(3, 4\)") as err:
-        reduce_gradients(plan, np.zeros((3, 4), np.float32))
+        reduce_slot_gradient(plan, np.zeros((3, 4), np.float32))
     assert err.value.field == "gradients.photo_id"
     with pytest.raises(BadInput, match=r"photo_id.*int64"):
-        reduce_gradients(plan, np.zeros((2, 4), np.int64))
+        reduce_slot_gradient(plan, np.zeros((2, 4), np.int64))
     with pytest.raises(BadInput, match="photo_id"):
         pool(plan, np.zeros((3, 5), np.float32))
-    ids, rows = reduce_gradients(plan, np.ones((2, 4), np.float16))  # AMP gradients
+    ids, rows = reduce_slot_gradient(plan, np.ones((2, 4), np.float16))  # AMP gradients
     assert rows.dtype == np.float32
     no_grad = plan_slot(*csr([[1]]), Slot(), 0, requires_grad=False)
     with pytest.raises(Misuse):
-        reduce_gradients(no_grad, np.zeros((1, 4), np.float32))
+        reduce_slot_gradient(no_grad, np.zeros((1, 4), np.float32))
 
 
 def test_bad_csr_is_rejected():
@@ -320,8 +322,8 @@ def test_non_finite_gradient_skips_the_slot(bad, summation):
     plan = plan_slot(*csr([[1, 2], [3]]), Slot(embedding_summation=summation), 0)
     grad = np.ones(plan.grad_shape, np.float32)
     grad[-1, 1] = bad
-    assert reduce_gradients(plan, grad) is None
-    assert reduce_gradients(plan, np.full(plan.grad_shape, 3e38, np.float32)) is not None
+    assert reduce_slot_gradient(plan, grad) is None
+    assert reduce_slot_gradient(plan, np.full(plan.grad_shape, 3e38, np.float32)) is not None
 
 
 # ---- whole batches
@@ -359,7 +361,8 @@ def make_batch():
 @pytest.mark.parametrize("impl", IMPLS)
 def test_batch_merges_lookups_per_dim_and_gradients_across_a_group(impl):
     schema, features, data = make_batch()
-    plans = plan_batch(features, schema)
+    batch_plan = plan_batch(features, schema)
+    plans = batch_plan.classic
     assert list(plans) == ["a", "b", "c", "d"]
     merged = merge_lookups(plans)
     assert list(merged) == [2, 3]
@@ -372,7 +375,7 @@ def test_batch_merges_lookups_per_dim_and_gradients_across_a_group(impl):
     grads = {n: np.ones(p.grad_shape, np.float32) for n, p in plans.items()}
     with segment_impl(impl):
         outputs = pool_batch(plans, merged, rows_by_dim)
-        result = reduce_batch_gradients(plans, grads)
+        result = batchplan.reduce_gradients(batch_plan, grads)
         for name, plan in plans.items():
             alone = pool(plan, rows_of(plan, table[plan.dim]))
             np.testing.assert_array_equal(outputs[name].embeddings, alone.embeddings)
@@ -383,7 +386,7 @@ def test_batch_merges_lookups_per_dim_and_gradients_across_a_group(impl):
         if slot.embedding_summation:
             per_slot = naive_sum_grad(data[name], slot, 8, grads[name])
         else:
-            per_slot = {int(i): r for i, r in zip(*reduce_gradients(plan, grads[name]),
+            per_slot = {int(i): r for i, r in zip(*reduce_slot_gradient(plan, grads[name]),
                                                   strict=True)}
         for k, v in per_slot.items():
             expected[k] = expected.get(k, 0.0) + v
@@ -396,24 +399,25 @@ def test_batch_merges_lookups_per_dim_and_gradients_across_a_group(impl):
 
 def test_batch_gradients_skip_count_and_name_checks():
     schema, features, _ = make_batch()
-    plans = plan_batch(features, schema)
+    batch_plan = plan_batch(features, schema)
+    plans = batch_plan.classic
     grads = {n: np.ones(p.grad_shape, np.float32) for n, p in plans.items()}
     grads["c"] = np.full(plans["c"].grad_shape, np.nan, np.float32)
     grads["d"] = None
-    result = reduce_batch_gradients(plans, grads)
+    result = batchplan.reduce_gradients(batch_plan, grads)
     assert result.skipped == ("c",) and list(result.by_dim) == [2]
     assert not set(result.by_dim[2][0].tolist()) & set(plans["c"].lookup_ids.tolist())
     # a and c share no id: their rows are only reordered, never added
     grads.update(b=None, c=np.full(plans["c"].grad_shape, 2.0, np.float32))
-    ids, rows = reduce_batch_gradients(plans, grads).by_dim[2]
-    expected = {int(i): r for n in "ac" for i, r in zip(*reduce_gradients(plans[n], grads[n]),
-                                                        strict=True)}
+    ids, rows = batchplan.reduce_gradients(batch_plan, grads).by_dim[2]
+    expected = {int(i): r for n in "ac"
+                for i, r in zip(*reduce_slot_gradient(plans[n], grads[n]), strict=True)}
     assert ids.tolist() == sorted(expected)
     assert rows.tolist() == [expected[int(i)].tolist() for i in ids]
     with pytest.raises(BadInput, match="missing.*'d'"):
-        reduce_batch_gradients(plans, {n: g for n, g in grads.items() if n != "d"})
+        batchplan.reduce_gradients(batch_plan, {n: g for n, g in grads.items() if n != "d"})
     with pytest.raises(BadInput, match="unknown.*'zz'"):
-        reduce_batch_gradients(plans, {**grads, "zz": None})
+        batchplan.reduce_gradients(batch_plan, {**grads, "zz": None})
 
 
 def test_plan_batch_rejects_unknown_duplicate_and_ragged_features():
@@ -431,8 +435,8 @@ def test_plan_batch_rejects_unknown_duplicate_and_ragged_features():
        seed=st.integers(0, 5))
 def test_segment_sum_implementations_agree(counts, dim, seed):
     # the suite states which implementation the worker runs (both are held to one result)
-    assert pooling.SEGMENT_SUM_IMPLEMENTATION == os.environ.get("STREAM_PERSIA_SEGMENT_SUM",
-                                                                "torch")
+    # (STREAM_PERSIA_PURE_PYTHON=1 picks the numpy twin, as it picks every twin)
+    assert segments.SEGMENT_SUM_IMPLEMENTATION == ("numpy" if twins.PURE_PYTHON else "torch")
     rng = np.random.default_rng(seed)
     table = rng.standard_normal((7, dim)).astype(np.float32)
     index = rng.integers(0, 7, sum(counts)).astype(np.int64)
@@ -461,7 +465,7 @@ def test_plan_batch_with_the_real_schema_and_features():
         IDTypeFeature("user_id", [np.array(s, np.uint64) for s in PERSIA_USER_IDS]),
         IDTypeFeature("photo_id", [np.array(s, np.uint64) for s in photo]),
         IDTypeFeatureWithSingleID("age", np.array([1, 2, 1, 3, 1], np.uint64))]
-    plans = plan_batch(features, schema)
+    plans = plan_batch(features, schema).classic
     for feature in features:
         expected = np.unique(schema.prefix_ids(feature.name, feature.values))
         assert plans[feature.name].lookup_ids.tolist() == expected.tolist()

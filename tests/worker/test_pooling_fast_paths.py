@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stream_persia.kernels.ids import unique_inverse
 from stream_persia.worker import pooling
 
 
@@ -18,7 +19,7 @@ def test_unique_inverse_matches_np_unique(values, spread):
     keys = np.array(values, dtype=np.uint64)
     if spread:
         keys = (keys >> np.uint64(64 - 8 * spread)) + np.uint64(2**63)
-    uniq, inverse = pooling._unique_inverse(keys)
+    uniq, inverse = unique_inverse(keys)
     expected, expected_inv = np.unique(keys, return_inverse=True)
     assert uniq.dtype == np.uint64 and inverse.dtype == np.int64
     assert uniq.tolist() == expected.tolist()
@@ -83,7 +84,7 @@ def test_gradient_maps_are_built_on_first_use_only():
 
     object.__setattr__(plan, "grad_map", counted)
     assert calls == []
-    ids, grads = pooling.reduce_gradients(plan, np.ones((2, 4), np.float32))
-    pooling.reduce_gradients(plan, np.ones((2, 4), np.float32))
+    ids, grads = pooling.reduce_slot_gradient(plan, np.ones((2, 4), np.float32))
+    pooling.reduce_slot_gradient(plan, np.ones((2, 4), np.float32))
     assert calls == [1]
     assert ids.tolist() == [5, 6] and grads[:, 0].tolist() == [2.0, 1.0]

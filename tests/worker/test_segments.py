@@ -19,9 +19,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_persia.config.embedding import apply_index_prefix
 from stream_persia.errors import BadInput, Misuse
 from stream_persia.kernels import segments
+from stream_persia.kernels.ids import prefix_ids
 
 IMPLS = ["cython", "python"]
 HAS_C = segments._c is not None
@@ -364,11 +364,12 @@ def test_scatter_refuses_gradients_or_mask_not_one_per_segment(impl, grads_rows,
 # ---------------------------------------------------------------------------- pooled_lookup
 def reference_pooled_lookup(values, offsets, prefixes, bits, sqrt):
     """The pooled lookup from its definition, independently of both implementations:
-    apply_index_prefix per slot, de-duplication in first-occurrence order (a dict), and
+    prefix_ids per slot, de-duplication in first-occurrence order (a dict), and
     segment ``i * batch + b`` holding slot i's sample b, so the segment bounds are the
     running sum of every (slot, sample) length in that order, and a sqrt slot's scale is
     ``1/sqrt(length)`` (0 for an empty sample)."""
-    keys = [apply_index_prefix(v, p, bits) for v, p in zip(values, prefixes, strict=True)]
+    keys = [prefix_ids(v, index_prefix=p, prefix_bits=bits)
+            for v, p in zip(values, prefixes, strict=True)]
     flat = (np.concatenate(keys) if keys else np.zeros(0, np.uint64)).tolist()
     first = {key: None for key in flat}
     position = {key: i for i, key in enumerate(first)}

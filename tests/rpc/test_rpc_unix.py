@@ -1,4 +1,4 @@
-"""The Unix-socket shortcut for same-host RPC peers (stream_persia/rpc/local.py)."""
+"""The Unix-socket shortcut for same-host RPC peers (stream_persia/rpc/unix.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stream_persia.errors import PeerUnavailable
-from stream_persia.rpc import RpcClient, RpcServer, local
+from stream_persia.rpc import RpcClient, RpcServer, unix
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="abstract Unix sockets exist on Linux only")
@@ -25,13 +25,6 @@ def transport_of(client: RpcClient) -> str:
     return {socket.AF_UNIX: "unix", socket.AF_INET: "tcp", socket.AF_INET6: "tcp"}[family]
 
 
-@pytest.mark.parametrize("host, expected", [
-    ("127.0.0.1", True), ("127.1.2.3", True), ("localhost", True), ("::1", True),
-    ("10.0.0.1", False), ("example.com", False), ("0.0.0.0", False)])
-def test_loopback_hosts(host, expected):
-    assert local.is_loopback(host) is expected
-
-
 async def test_a_loopback_client_talks_over_a_unix_socket():
     server = RpcServer({"echo": echo}, host="127.0.0.1", port=0)
     await server.start()
@@ -41,7 +34,7 @@ async def test_a_loopback_client_talks_over_a_unix_socket():
             assert np.array_equal(await client.call("echo", big), big)
             assert transport_of(client) == "unix"
             assert client._conn.proto.transport.get_extra_info("peername") == \
-                local.name_for(server.port).encode()
+                unix.name_for(server.port).encode()
     finally:
         await server.stop()
 
@@ -59,7 +52,7 @@ async def test_unix_connections_get_wide_buffers():
             for opt, cap_file in ((socket.SO_SNDBUF, "wmem_max"), (socket.SO_RCVBUF, "rmem_max")):
                 with open(f"/proc/sys/net/core/{cap_file}") as f:
                     cap = int(f.read())
-                assert sock.getsockopt(socket.SOL_SOCKET, opt) >= 2 * min(local.BUFFER_BYTES, cap)
+                assert sock.getsockopt(socket.SOL_SOCKET, opt) >= 2 * min(unix.BUFFER_BYTES, cap)
     finally:
         await server.stop()
 
@@ -83,7 +76,7 @@ async def test_a_name_held_by_something_else_falls_back_to_tcp():
     port = server.port
     await server.stop()
     squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    squatter.bind(local.name_for(port))          # bound, never listening: connects fail
+    squatter.bind(unix.name_for(port))          # bound, never listening: connects fail
     try:
         server = RpcServer({"echo": echo}, host="127.0.0.1", port=port)
         await server.start()

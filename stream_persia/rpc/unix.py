@@ -2,7 +2,8 @@
 
 Every RPC server bound to a loopback or wildcard address also listens on a Linux abstract
 Unix socket named after its TCP port (``\\0stream-persia-rpc-<port>``), and a client of a
-loopback address (``127.x.x.x``, ``localhost``, ``::1``) connects there first, falling back
+loopback address (:func:`stream_persia.core.hosts.is_loopback`: ``127.x.x.x``, ``localhost``,
+``::1``) connects there first, falling back
 to TCP when nothing listens. Nothing changes for users: addresses stay ``host:port``.
 
 Why: co-located roles (an embedding worker and its server, a worker and the NN process)
@@ -19,7 +20,6 @@ address does not take the name: a loopback server on the same port may hold it.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import socket
@@ -28,9 +28,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from stream_persia.core.hosts import is_loopback
+
 log = logging.getLogger(__name__)
 
-__all__ = ["BUFFER_BYTES", "describe_peer", "enabled", "is_loopback", "listen", "name_for",
+__all__ = ["BUFFER_BYTES", "describe_peer", "enabled", "listen", "name_for",
            "open_connection", "widen_buffers"]
 
 
@@ -80,16 +82,6 @@ def name_for(port: int) -> str:
     return f"\0stream-persia-rpc-{port}"
 
 
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP literals."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _serves_loopback(host: str) -> bool:
     return is_loopback(host) or host in ("", "0.0.0.0", "::")
 
@@ -97,7 +89,7 @@ def _serves_loopback(host: str) -> bool:
 async def listen(factory: Callable[[], asyncio.BaseProtocol], host: str, port: int
                  ) -> asyncio.AbstractServer | None:
     """Start the Unix-socket twin of the TCP server on ``host:port``; None when the
-    shortcut is off, the host is not local, or the name is taken."""
+    shortcut is off, the host is neither loopback nor a wildcard, or the name is taken."""
     if not (enabled() and _serves_loopback(host)):
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
