@@ -32,6 +32,7 @@ dense model themselves (``load_checkpoint``) when they start again.
 from __future__ import annotations
 
 import asyncio
+import builtins  # Checkpoints.list shadows list in the class body
 import collections
 import contextlib
 import logging
@@ -394,7 +395,7 @@ class Checkpoints:
             job.error = (f"the NN ranks did not take it ({why}), and the API could not "
                          f"either: {e.message}")
 
-    async def _frontiers(self, *, restoring: bool = False) -> list[dict[str, Any]]:
+    async def _frontiers(self, *, restoring: bool = False) -> builtins.list[dict[str, Any]]:
         """Every worker's ``frontier``, refusing a cut while something is in flight, a
         batch is only partly applied or a server restarted with an empty table. A restore
         (``restoring``) replaces both of the last two: only batches that NN ranks may
@@ -414,14 +415,14 @@ class Checkpoints:
                                   "stop the NN workers first")
         return fronts
 
-    async def _updates(self) -> list[Any]:
+    async def _updates(self) -> builtins.list[Any]:
         stats = await self.roles.fanout(self.roles.servers, "stats")
         # Training changes these, and a load (its own counts are not in them: "loads" tells
         # it); inference lookups (eval/infer) never do.
         return [(s.get("updates"), s.get("admissions"), s.get("evictions"), s.get("loads"))
                 for s in stats]
 
-    async def _offsets(self, fronts: list[dict[str, Any]]) -> tuple[dict, str]:
+    async def _offsets(self, fronts: builtins.list[dict[str, Any]]) -> tuple[dict, str]:
         if not any(f.get("stream") == "kafka" for f in fronts):
             return {}, "direct"
         statuses = await self.roles.fanout(self.roles.workers, "status")
@@ -451,8 +452,8 @@ class Checkpoints:
                 self._release(base_id)
 
     async def _direct_cut(self, job: CheckpointJob, hb: dict[str, Any] | None,
-                          base: Manifest | None, servers: list[Any], updates: list[Any]
-                          ) -> None:
+                          base: Manifest | None, servers: builtins.list[Any],
+                          updates: builtins.list[Any]) -> None:
         writer = await asyncio.to_thread(CheckpointWriter, job.dst)
         try:
             job.progress = {"phase": "dumping embeddings", "done": 0, "total": len(servers)}
@@ -473,7 +474,7 @@ class Checkpoints:
             same = (base is not None and stream == "kafka" and base.stream == "kafka"
                     and base.offsets == offsets)
             carried = await asyncio.to_thread(_carry_dense, writer, base) if same else None
-            if carried is not None:
+            if carried is not None and base is not None:   # carried: base is the newest
                 step = base.step
             else:
                 step = int(hb["step"]) if hb and isinstance(hb.get("step"), int) else (
