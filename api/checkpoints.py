@@ -43,6 +43,7 @@ interleave). Split across modules, that state would have to be passed around ung
 from __future__ import annotations
 
 import asyncio
+import builtins  # Checkpoints.list shadows list in the class body
 import collections
 import contextlib
 import logging
@@ -425,7 +426,7 @@ class Checkpoints:
         check_nothing_in_flight(await self._call_workers("frontier"),
                                 [w.peer for w in self.roles.workers], failed_in_flight=False)
 
-    async def _updates(self) -> list[Any]:
+    async def _updates(self) -> builtins.list[Any]:
         stats = await self.roles.fanout(self.roles.servers, "stats")
         # Training changes these, and a load (its own counts are not in them: "loads" tells
         # it); inference lookups (eval/infer) never do.
@@ -472,7 +473,7 @@ class Checkpoints:
             same = (base is not None and stream == "kafka" and base.stream == "kafka"
                     and base.offsets == offsets)
             carried = await asyncio.to_thread(_carry_dense, writer, base) if same else None
-            if carried is not None:
+            if carried is not None and base is not None:   # carried: base is the newest
                 step = base.step
             else:
                 step = int(hb["step"]) if hb and isinstance(hb.get("step"), int) else (

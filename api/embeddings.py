@@ -32,8 +32,9 @@ from stream_persia.config import EmbeddingSchema
 from stream_persia.core.data import IDTypeFeature, PersiaBatch
 from stream_persia.core.optim import SGD
 from stream_persia.core.served import ServedSlot
+from stream_persia.errors import InternalError
 from stream_persia.server.shard_files import read_shard_file
-from stream_persia.server.store import EmbeddingStore
+from stream_persia.server.store import EmbeddingStore, Store
 from stream_persia.worker import batchplan, pooling
 
 __all__ = ["CheckpointTable", "as_tensor", "served_tensors", "concat_features", "non_id_tensors",
@@ -56,7 +57,8 @@ def _slot_tensor(kind_sum: bool, emb: np.ndarray, index: np.ndarray | None,
         return table
     gathered = torch.nn.functional.embedding(as_tensor(np.asarray(index, dtype=np.int64)),
                                              table)
-    gathered.mask = as_tensor(np.asarray(mask, dtype=bool))   # as EmbeddingCtx attaches it
+    # the documented tensor.mask, as EmbeddingCtx attaches it (torch tensors take attributes)
+    gathered.mask = as_tensor(np.asarray(mask, dtype=bool))  # type: ignore[attr-defined]
     return gathered
 
 
@@ -68,7 +70,7 @@ def cat_slots(per_request: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     for parts in zip(*per_request, strict=True):
         t = torch.cat(parts)
         if hasattr(parts[0], "mask"):
-            t.mask = torch.cat([p.mask for p in parts])
+            t.mask = torch.cat([p.mask for p in parts])  # type: ignore[attr-defined]
         out.append(t)
     return out
 
@@ -110,7 +112,7 @@ class CheckpointTable:
         schema: the embedding schema the checkpoint was trained with.
     """
 
-    def __init__(self, store: EmbeddingStore, schema: EmbeddingSchema):
+    def __init__(self, store: Store, schema: EmbeddingSchema):
         self.store = store
         self.schema = schema
 
@@ -157,8 +159,12 @@ class CheckpointTable:
 def _occurrences(p: pooling.SlotPlan) -> tuple[np.ndarray, np.ndarray]:
     """(sample, position in ``p.lookup_ids``) of every id the slot's samples use."""
     if p.summation:
+        if p.pool_index is None or p.pool_starts is None:
+            raise InternalError(f"summation slot {p.name!r} has no pool map")
         counts = np.diff(np.append(p.pool_starts, len(p.pool_index)))
         return np.repeat(np.arange(p.batch_size, dtype=np.int64), counts), p.pool_index
+    if p.index is None or p.mask is None:
+        raise InternalError(f"raw slot {p.name!r} has no index or mask")
     sample, col = np.nonzero(p.mask)
     key = p.index[sample, col] - 1
     if p.pool_index is None:           # raw slot: one lookup id per distinct id

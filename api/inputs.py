@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from stream_persia.checkpoint import Manifest
 from stream_persia.config import EmbeddingSchema
-from stream_persia.core.data import PersiaBatch
+from stream_persia.core.data import NonIDTypeFeature, PersiaBatch
 from stream_persia.core.served import ServedSlot
 from stream_persia.errors import BadInput, ConfigError
 
@@ -115,7 +115,7 @@ class ModelInputs:
                               hint="set PERSIA_EMBEDDING_CONFIG, or serve a checkpoint "
                                    "written by dump_checkpoint (it records the order)")
         ids = _by_name(batch.id_type_features, self.id_slots, "id_type_features", "slot")
-        non_id = batch.non_id_type_features
+        non_id: Sequence[NonIDTypeFeature] = batch.non_id_type_features
         if self.non_id is not None:
             non_id = _by_name(non_id, [f.name for f in self.non_id], "non_id_type_features",
                               "non-ID feature")

@@ -123,4 +123,4 @@ def merge_role_metrics(reports: list[tuple[str, int, bytes | str]]) -> bytes:
                 continue
             target.samples.extend(s._replace(labels={**s.labels, **extra})
                                   for s in fam.samples)
-    return generate_latest(_Families(merged.values()))  # type: ignore[arg-type]
+    return generate_latest(_Families(merged.values()))

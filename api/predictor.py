@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -114,18 +115,19 @@ class Predictor:
             except PersiaError as e:
                 log.error("cannot serve %s yet: %s; retrying in the background",
                           self.settings.model_checkpoint, e)
-                self._retry = asyncio.create_task(self._retry_load(), name="model-retry")
+                self._retry = asyncio.create_task(
+                    self._retry_load(self.settings.model_checkpoint), name="model-retry")
 
-    async def _retry_load(self, first_s: float = 1.0, max_s: float = 60.0) -> None:
+    async def _retry_load(self, path: str, first_s: float = 1.0, max_s: float = 60.0) -> None:
         delay = first_s
         while self._served is None:
             await asyncio.sleep(delay)
             if self._served is not None:   # a manual reload won
                 return
             try:
-                await self.load(self.settings.model_checkpoint)
+                await self.load(path)
             except PersiaError as e:
-                log.warning("cannot serve %s yet: %s", self.settings.model_checkpoint, e)
+                log.warning("cannot serve %s yet: %s", path, e)
                 delay = min(max_s, delay * 2)
 
     async def stop(self) -> None:
@@ -285,7 +287,8 @@ class Predictor:
             else:
                 job.future.set_result(result)
 
-    def _compute_safe(self, served: Served, jobs: list[Job]) -> list[Prediction | Exception]:
+    def _compute_safe(self, served: Served, jobs: list[Job]
+                      ) -> Sequence[Prediction | Exception]:
         try:
             return self._compute(served, jobs)
         except BadInput as e:

@@ -33,9 +33,9 @@ class ErrorInfo(BaseModel):
                                   "timeout, remote, unauthorized, forbidden, internal, ...")
     type: str = Field(description="the exception type")
     message: str
-    field: str | None = Field(None, description="the request field at fault, dotted")
-    hint: str | None = Field(None, description="what would be accepted")
-    peer: str | None = Field(None, description="the role that failed (502/503)")
+    field: str | None = Field(default=None, description="the request field at fault, dotted")
+    hint: str | None = Field(default=None, description="what would be accepted")
+    peer: str | None = Field(default=None, description="the role that failed (502/503)")
 
 
 class ErrorBody(BaseModel):
@@ -121,10 +121,10 @@ class WorkerStatus(BaseModel):
     address: str
     healthy: bool
     error: str | None = None
-    ready: int | None = Field(None, description="batches ready for NN workers")
+    ready: int | None = Field(default=None, description="batches ready for NN workers")
     ready_capacity: int | None = None
-    inflight: int | None = Field(None, description="served batches awaiting gradients")
-    pending: int | None = Field(None, description="batches consumed but not applied")
+    inflight: int | None = Field(default=None, description="served batches awaiting gradients")
+    pending: int | None = Field(default=None, description="batches consumed but not applied")
     ingest_paused: bool | None = None
     frontier: dict[str, int] = Field(default_factory=dict,
                                      description="partition -> first offset not yet applied")
@@ -142,8 +142,8 @@ class ServerStatus(BaseModel):
 
 
 class TrainingStatus(BaseModel):
-    step: int | None = Field(None, description="last step reported by NN rank 0")
-    batches_applied: int | None = Field(None, description="sum over embedding workers")
+    step: int | None = Field(default=None, description="last step reported by NN rank 0")
+    batches_applied: int | None = Field(default=None, description="sum over embedding workers")
     nn_attached: bool | None = None
 
 
@@ -166,7 +166,7 @@ class JobStatus(BaseModel):
     consumer_lag: dict[str, int] = Field(description="partition -> lag, over every worker")
     staleness_in_flight: int = Field(description="batches served but not yet applied")
     rows_total: int = Field(description="embedding rows over every server")
-    ingest_paused: bool | None = Field(None, description="true when every worker is paused")
+    ingest_paused: bool | None = Field(default=None, description="true when every worker is paused")
     training: TrainingStatus
     last_checkpoint: dict[str, Any] | None = None
     model: ModelInfo | None = None
@@ -191,8 +191,8 @@ class EmbeddingConfigRequest(BaseModel):
         {"emb_initialization": [-0.01, 0.01], "admit_probability": 1.0, "weight_bound": 10.0},
         {"optimizer": {"name": "adagrad", "lr": 0.01}}]})
     emb_initialization: tuple[Float32, Float32] | None = None
-    admit_probability: Number | None = Field(None, ge=0.0, le=1.0)
-    weight_bound: Float32 | None = Field(None, gt=0.0)
+    admit_probability: Number | None = Field(default=None, ge=0.0, le=1.0)
+    weight_bound: Float32 | None = Field(default=None, gt=0.0)
     optimizer: OptimizerSpec | None = None
 
 
@@ -253,7 +253,7 @@ CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 class CheckpointStart(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {}, {"id": "before-schema-change"}]})
-    id: str | None = Field(None, pattern=CHECKPOINT_ID_PATTERN,
+    id: str | None = Field(default=None, pattern=CHECKPOINT_ID_PATTERN,
                            description="its name under the checkpoint directory (default: "
                                        "ckpt-<UTC time>-<random>); never a path, so a request "
                                        "cannot write outside that directory")
@@ -279,7 +279,7 @@ class CheckpointInfo(BaseModel):
     id: str
     state: str = Field(description="pending, running, done or failed")
     dst: str
-    by: str | None = Field(None, description="who took the cut: nn (NN ranks) or api")
+    by: str | None = Field(default=None, description="who took the cut: nn (NN ranks) or api")
     step: int | None = None
     progress: dict[str, Any] = Field(default_factory=dict)
     error: str | None = None

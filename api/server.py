@@ -69,8 +69,9 @@ def serve(settings: ApiSettings, *, ready_file: str | None = None, log_level: st
     loop = "uvloop" if aio.uvloop_available() else "asyncio"
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     config = uvicorn.Config(app, loop=loop, http=http, lifespan="on", log_level=log_level,
-                            timeout_graceful_shutdown=graceful_timeout_s, access_log=False,
-                            server_header=False)
+                            # typed int, but uvicorn waits with asyncio.wait_for: a float works
+                            timeout_graceful_shutdown=graceful_timeout_s,  # type: ignore[arg-type]
+                            access_log=False, server_header=False)
     server = uvicorn.Server(config)
 
     async def main() -> None:

@@ -47,6 +47,10 @@ class ConfigError(BadInput):
     """A config file, environment variable or CLI flag is invalid."""
 
     kind = "config"
+    #: set by :mod:`stream_persia.config._base`: the message without its key path (so that
+    #: a caller can put a prefix in front of the path), and whether the path is complete
+    detail: str | None = None
+    scoped: bool = False
 
 
 class WireError(BadInput):

@@ -48,7 +48,8 @@ async def start(request: Request, body: CheckpointStart | None = None) -> JSONRe
 async def list_all(request: Request) -> CheckpointList:
     """Complete checkpoints under the checkpoint directory (oldest step first, each with
     its manifest), then those this API is taking or failed to take."""
-    return CheckpointList(checkpoints=await _ckpts(request).list())
+    # validated from the plain dicts Checkpoints.list gives
+    return CheckpointList.model_validate({"checkpoints": await _ckpts(request).list()})
 
 
 @router.get("/{checkpoint_id}", response_model=CheckpointInfo,

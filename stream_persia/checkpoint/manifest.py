@@ -210,9 +210,9 @@ class Manifest:
                 raise BadInput(f"embedding file {name!r} has no entry with 'rows' in 'files'",
                                field="embedding_files")
         for key in ("dense_filename", "opt_filename", "jit_filename"):
-            name = _opt_str(getattr(self, key), key)
-            if name is not None and name not in self.files:
-                raise BadInput(f"manifest {key!r} names {name!r}, which is not in 'files'",
+            named = _opt_str(getattr(self, key), key)
+            if named is not None and named not in self.files:
+                raise BadInput(f"manifest {key!r} names {named!r}, which is not in 'files'",
                                field=key)
         _server_config(self.server_config)
         if not isinstance(self.extra, dict):

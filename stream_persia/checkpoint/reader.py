@@ -196,14 +196,15 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
         raise InternalError(f"servers staged {loaded} rows from {loc.url} but it holds "
                             f"{manifest.rows}: every row should have exactly one owner; "
                             "no server changed")
+    replies = [r for r in staged if not isinstance(r, BaseException)]   # every one, now
     commits = await asyncio.gather(*(
         c.call("commit_load", {"token": r["token"]}, timeout_ms=timeout_ms)
-        for c, r in zip(server_clients, staged, strict=True)), return_exceptions=True)
+        for c, r in zip(server_clients, replies, strict=True)), return_exceptions=True)
     bad = [i for i, r in enumerate(commits) if isinstance(r, BaseException)]
     if bad:
         failures = await asyncio.gather(*(
             _roll_forward(server_clients[i], i, len(server_clients), request,
-                          int(staged[i]["rows"]), commits[i], timeout_ms, roll_forward_s,
+                          int(replies[i]["rows"]), commits[i], timeout_ms, roll_forward_s,
                           manifest.server_config)
             for i in bad))
         still = [(i, e) for i, e in zip(bad, failures, strict=True) if e is not None]

@@ -124,7 +124,7 @@ class CheckpointWriter:
         check_file_name(name)
         with self._stage.fs.open(self._stage.join(name), "wb") as f:
             w = HashingWriter(f)
-            torch.save(obj, w)
+            torch.save(obj, w)  # type: ignore[arg-type]  # it only writes; typed as IO[bytes]
         return self._record(name, w)
 
     def _record(self, name: str, w: HashingWriter) -> dict[str, Any]:
@@ -303,8 +303,8 @@ def _one_config(replies: Sequence[dict]) -> dict[str, Any] | None:
         Misuse: the servers hold different configurations: their shards' optimizer state
             would not load into one job.
     """
-    configs = [r.get("config") for r in replies]
-    if any(not isinstance(c, dict) for c in configs):
+    configs = [c for r in replies if isinstance(c := r.get("config"), dict)]
+    if len(configs) != len(replies):
         return None
     digests = [c.get("digest") for c in configs]
     if len(set(digests)) != 1:

@@ -40,7 +40,7 @@ def error(field: str, detail: str, hint: str | None = None) -> ConfigError:
 
 def rescope(err: ConfigError, prefix: str, source: str | None = None) -> ConfigError:
     """Return ``err`` with ``prefix`` put in front of its key path (and ``source`` named)."""
-    detail = getattr(err, "detail", err.message)
+    detail = err.detail if err.detail is not None else err.message
     field = err.field or ""
     if prefix:
         field = f"{prefix}.{field}" if field else prefix
@@ -229,7 +229,7 @@ def build(cls: type, raw: Any, path: str, **extra: Any) -> Any:
     try:
         return cls(**kwargs, **extra)
     except ConfigError as err:
-        if getattr(err, "scoped", False):
+        if err.scoped:
             raise
         new = rescope(err, path)
         new.scoped = True
@@ -265,8 +265,8 @@ def section_to_dict(obj: Any, redact: bool, secrets: Collection[str] = ()) -> di
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            value = value.to_dict(redact=redact)
+        if dataclasses.is_dataclass(value):   # a section: its to_dict is this function
+            value = section_to_dict(value, redact)
         elif isinstance(value, tuple):
             value = list(value)
         if redact and f.name in secrets and value is not None:
@@ -303,7 +303,8 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def read_yaml(path: str | os.PathLike[str], what: str, env_var: str) -> tuple[dict, str]:
+def read_yaml(path: str | os.PathLike[str] | None, what: str, env_var: str
+              ) -> tuple[dict, str]:
     """Read ``path`` (or the file named by ``env_var``) as a YAML mapping.
 
     Returns the mapping and the source name used in error messages.

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -147,6 +147,9 @@ class EmbeddingSchema:
     feature_index_prefix_bit: int = 8
     slots: dict[str, SlotConfig] = field(default_factory=dict)
     feature_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    if TYPE_CHECKING:   # set by __post_init__, not fields: each slot's group, each group's index
+        _group_of: dict[str, str] = field(init=False, repr=False, compare=False)
+        _group_index: dict[str, int] = field(init=False, repr=False, compare=False)
 
     _SLOTS_KEYS: ClassVar[tuple[str, ...]] = ("slots_config", "slot_config", "slot_configs")
 

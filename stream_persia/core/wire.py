@@ -176,7 +176,7 @@ def pack_parts(obj: Any, limits: WireLimits = DEFAULT_LIMITS, *,
     for off, arr in arrays:
         if off > pos:
             small.append(bytes(off - pos))
-        raw = memoryview(arr.reshape(-1).view(np.uint8))
+        raw = arr.reshape(-1).view(np.uint8).data
         pos = off + raw.nbytes
         if raw.nbytes < copy_below:
             small.append(raw)

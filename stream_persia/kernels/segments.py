@@ -40,7 +40,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -56,7 +56,7 @@ __all__ = ["IMPLEMENTATION", "SEGMENT_SUM_IMPLEMENTATION", "Split", "factorize",
 try:
     from stream_persia.kernels import _segments as _c
 except ImportError:  # a source checkout that was never built: the twins run
-    _c = None
+    _c = None  # type: ignore[assignment]  # then IMPLEMENTATION is "python": no use of _c runs
 
 IMPLEMENTATION = "python" if _c is None or PURE_PYTHON else "cython"
 SEGMENT_SUM_IMPLEMENTATION = (
@@ -65,7 +65,7 @@ SEGMENT_SUM_IMPLEMENTATION = (
 _E_INDEX, _E_OFFSETS, _E_OWNER, _E_VALUES = 1, 2, 3, 4
 
 
-def raise_for(status: int, at: int, field: str, n_ids: int) -> None:
+def raise_for(status: int, at: int, field: str, n_ids: int) -> NoReturn:
     """BadInput for a kernel's error code, worded and named as :func:`check_pooled`."""
     if status == _E_INDEX:
         raise BadInput(f"{field}.index must lie in [0, {n_ids}) (one entry per id occurrence "
@@ -77,9 +77,10 @@ def raise_for(status: int, at: int, field: str, n_ids: int) -> None:
                    field=f"{field}.offsets")
 
 
-def check_types(index: object, offsets: object, field: str) -> None:
+def check_types(index: object, offsets: object, field: str) -> tuple[np.ndarray, np.ndarray]:
     """``index`` is 1-D int32 and ``offsets`` non-empty 1-D int64 (their values are
-    :func:`check_pooled`'s or a kernel's to check); BadInput names ``field``."""
+    :func:`check_pooled`'s or a kernel's to check); BadInput names ``field``. Returns both,
+    as arrays."""
     if not (isinstance(index, np.ndarray) and index.dtype == np.int32 and index.ndim == 1):
         got = f"{index.dtype} {index.shape}" if isinstance(index, np.ndarray) else type(index).__name__
         raise BadInput(f"{field}.index must be a 1-D int32 array, got {got}",
@@ -90,12 +91,13 @@ def check_types(index: object, offsets: object, field: str) -> None:
                else type(offsets).__name__)
         raise BadInput(f"{field}.offsets must be a non-empty 1-D int64 array, got {got}",
                        field=f"{field}.offsets")
+    return index, offsets
 
 
 def check_pooled(n_ids: int, index: object, offsets: object, field: str) -> None:
     """Validate a pooled lookup's ``index`` (int32 1-D, each in [0, n_ids)) and
     ``offsets`` (int64 1-D, nondecreasing, 0 .. len(index)); BadInput names ``field``."""
-    check_types(index, offsets, field)
+    index, offsets = check_types(index, offsets, field)
     if offsets[0] != 0 or offsets[-1] != len(index) or bool((np.diff(offsets) < 0).any()):
         raise BadInput(f"{field}.offsets must be nondecreasing from 0 to len(index)="
                        f"{len(index)}", field=f"{field}.offsets")
@@ -188,7 +190,8 @@ def pooled_lookup(values: Sequence[np.ndarray], offsets: Sequence[np.ndarray],
     return ids, index, segs, scale
 
 
-def _check_slots(values: Sequence[object], offsets: Sequence[object], field: str) -> None:
+def _check_slots(values: Sequence[np.ndarray], offsets: Sequence[np.ndarray], field: str
+                 ) -> None:
     """The twin of the kernel's checks, in its order: every slot's types and lengths, then
     every slot's offsets."""
     for i, (v, off) in enumerate(zip(values, offsets, strict=True)):
@@ -202,7 +205,7 @@ def _check_slots(values: Sequence[object], offsets: Sequence[object], field: str
             _raise_slot(_E_OFFSETS, i, field)
 
 
-def _raise_slot(status: int, at: int, field: str) -> None:
+def _raise_slot(status: int, at: int, field: str) -> NoReturn:
     if status == _E_VALUES:
         raise BadInput(f"{field}[{at}].values must be a 1-D uint64 array",
                        field=f"{field}[{at}].values", hint="np.asarray(ids, dtype=np.uint64)")

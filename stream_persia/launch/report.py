@@ -39,7 +39,8 @@ def served_metrics(api_address: str, token: str, checkpoint: str, batches: list 
             return {"model_version": model.get("version"), "rows": 0}
         preds: dict[str, list[float]] = {t: [] for t in tasks}
         labels: dict[str, list[float]] = {t: [] for t in tasks}
-        missing, rows, examples = 0, 0, []
+        missing, rows = 0, 0
+        examples: list[dict[str, Any]] = []
         for batch in batches:
             r = client.post("/v1/predict", content=batch.to_bytes(),
                             headers={**auth, "Content-Type": "application/msgpack"})

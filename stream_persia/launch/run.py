@@ -58,6 +58,7 @@ from stream_persia.core.supervisor import UNHEALTHY_MARK
 from stream_persia.errors import (
     ConfigError,
     DataLost,
+    InternalError,
     PeerUnavailable,
     PersiaError,
     RemoteTimeout,
@@ -194,17 +195,18 @@ class Job:
                                     *kafka_args], f"data-loader-{i}", loader_env)
                         for i in range(n_loaders)]
 
-    def failed_role(self) -> RoleProcess | None:
-        """A role that exited with an error, or a server/worker/API that exited at all."""
+    def failed_role(self) -> tuple[RoleProcess, int] | None:
+        """A role that exited with an error, or a server/worker/API that exited at all,
+        with its exit code."""
         for r in self.roles:
             code = r.proc.poll() if r.proc else None
             if code is None:
                 continue
             if r is self.nn or r in self.loaders:
                 if code != 0:
-                    return r
+                    return r, code
             else:
-                return r
+                return r, code
         return None
 
     def stop(self) -> None:
@@ -307,12 +309,17 @@ LOSS_CHECK_EVERY_S = 3.0
 
 
 def _wait(job: Job, t0: float, deadline: float) -> None:
+    nn = job.nn
+    if nn is None or nn.proc is None:   # started with the job, before anything waits
+        raise InternalError("the NN worker was never started")
+    proc = nn.proc
     tty = sys.stderr.isatty()
     last_print = last_loss_check = 0.0
-    while job.nn is not None and job.nn.proc.poll() is None:
-        bad = job.failed_role()
-        if bad is not None:
-            raise RuntimeError(f"{bad.name} exited with {bad.proc.returncode}{_why(bad)}; the "
+    while proc.poll() is None:
+        failed = job.failed_role()
+        if failed is not None:
+            bad, code = failed
+            raise RuntimeError(f"{bad.name} exited with {code}{_why(bad)}; the "
                                f"last lines of {bad.log_path}:\n{bad.log_tail(3000)}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the job did not finish within {job.args.timeout_s:.0f} s")
@@ -328,9 +335,9 @@ def _wait(job: Job, t0: float, deadline: float) -> None:
         time.sleep(1.0)
     if tty:
         print(file=sys.stderr)
-    if job.nn.proc.returncode != 0:
-        raise RuntimeError(f"the NN worker exited with {job.nn.proc.returncode}; the last "
-                           f"lines of {job.nn.log_path}:\n{job.nn.log_tail(4000)}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"the NN worker exited with {proc.returncode}; the last "
+                           f"lines of {nn.log_path}:\n{nn.log_tail(4000)}")
 
 
 def _checkpoint_on_interrupt(job: Job, budget_s: float) -> str | None:
@@ -376,6 +383,8 @@ def _serving_inputs(topo: Topology, env: dict[str, str], n: int):
     sys.path.insert(0, str(topo.directory))
     try:
         spec = importlib.util.spec_from_file_location(f"_eval_data_{topo.name}", path)
+        if spec is None or spec.loader is None:   # never for a .py file
+            raise InternalError(f"{path} cannot be imported")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return list(module.eval_batches(n))
@@ -420,7 +429,7 @@ def main(args: argparse.Namespace) -> int:
                       f"lost per partition {lost}", file=sys.stderr)
             metrics = _read_metrics(out)
             served = None
-            if job.api is not None and metrics.get("checkpoint"):
+            if job.api is not None and job.api.address and metrics.get("checkpoint"):
                 served = served_metrics(job.api.address, job.api_token, metrics["checkpoint"],
                                         _serving_inputs(topo, job.env, args.predict_samples),
                                         list(topo.tasks))

@@ -80,6 +80,7 @@ from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import (
     BadInput,
     ConfigError,
+    InternalError,
     Misuse,
     RemoteTimeout,
 )
@@ -192,7 +193,7 @@ class DataCtx:
                 "embedding workers", field="KAFKA_BOOTSTRAP_SERVERS",
                 hint="set KAFKA_BOOTSTRAP_SERVERS (Kafka) or PERSIA_EMBEDDING_WORKERS "
                      "(broker-less), or pass them to DataCtx")
-        overrides = {k: v for k, v in (("samples_topic", topic),
+        overrides: dict[str, Any] = {k: v for k, v in (("samples_topic", topic),
                                        ("compression_type", compression_type)) if v}
         # replace() re-validates the section, so a bad topic or codec fails here, by name.
         self.kafka = dataclasses.replace(self.config.kafka, **overrides)
@@ -223,7 +224,10 @@ class DataCtx:
     @property
     def topic(self) -> str:
         """The samples topic (Kafka mode)."""
-        return self.kafka.samples_topic
+        topic = self.kafka.samples_topic
+        if topic is None:   # KafkaConfig resolves it: <job_name>.samples by default
+            raise InternalError("KafkaConfig.samples_topic was left unresolved")
+        return topic
 
     def __repr__(self) -> str:
         where = (f"kafka {self.bootstrap} topic {self.topic!r}" if self.bootstrap
@@ -253,7 +257,7 @@ class DataCtx:
             loop = LoopThread(name="data-ctx")
             try:
                 if self.bootstrap:
-                    _run(loop, self._start_kafka())
+                    _run(loop, self._start_kafka(self.bootstrap))
                 else:
                     from stream_persia.loader.direct_sender import DirectSender
 
@@ -270,21 +274,21 @@ class DataCtx:
         log.info("DataCtx sends %s", f"to Kafka {self.bootstrap} topic {self.topic!r}"
                  if self.bootstrap else f"directly to embedding workers {self.workers}")
 
-    async def _start_kafka(self) -> None:
+    async def _start_kafka(self, bootstrap: str) -> None:
         from stream_persia.kafka import BatchProducer, topic_partitions
 
         startup_s = self.startup_timeout_ms / 1000
-        partitions = await topic_partitions(self.bootstrap, self.topic,
+        partitions = await topic_partitions(bootstrap, self.topic,
                                             security_kwargs=self.kafka.security_kwargs(),
                                             startup_timeout_s=startup_s)
         if not partitions:
             # Checked up front: aiokafka would wait for the topic's metadata for 40 s.
             raise ConfigError(f"samples topic {self.topic!r} does not exist at "
-                              f"{self.bootstrap}", field="kafka.samples_topic",
+                              f"{bootstrap}", field="kafka.samples_topic",
                               hint="create it (stream-persia never creates topics), or "
                                    "name the right one")
         self._producer = BatchProducer.from_config(
-            self.kafka, bootstrap_servers=self.bootstrap, max_in_flight=self.max_inflight,
+            self.kafka, bootstrap_servers=bootstrap, max_in_flight=self.max_inflight,
             send_timeout_s=self.timeout_ms / 1000.0, startup_timeout_s=startup_s)
         await self._producer.start()
 

@@ -13,7 +13,7 @@ import csv
 import gzip
 import zipfile
 from collections.abc import Iterator
-from typing import TextIO
+from typing import TextIO, cast
 
 import numpy as np
 
@@ -152,7 +152,8 @@ class _NpyStream:
     def __init__(self, archive: zipfile.ZipFile, member: str, path: str,
                  stack: contextlib.ExitStack):
         self.where = f"{path}:{member}"
-        f = stack.enter_context(archive.open(member))
+        # a ZipExtFile in mode "r", whose readinto read() uses (typeshed says IO[bytes])
+        f = stack.enter_context(cast(zipfile.ZipExtFile, archive.open(member)))
         try:
             version = np.lib.format.read_magic(f)
             if version == (1, 0):

@@ -174,7 +174,9 @@ class DataLoader:
                 for prev in pf.taken:
                     ctx.release_untrained(prev)
                 batch = None if drain.requested else self._next_batch(pf, timeout_s)
-                if not ctx.all_ranks_agree(batch is not None and not drain.requested):
+                # every rank votes (a collective), and agrees only with a batch of its own
+                agreed = ctx.all_ranks_agree(batch is not None and not drain.requested)
+                if not agreed or batch is None:
                     if drain.requested:
                         log.warning("stop requested (%s): the DataLoader stops after step %d",
                                     drain.reason, ctx.steps)
@@ -212,6 +214,9 @@ class DataLoader:
     def _lookups(self, ctx: EmbeddingCtx) -> Iterator[PersiaTrainingBatch]:
         depth = min(self.forward_buffer_size, self.dataset.buffer_size)
         window: collections.deque = collections.deque()
+        if not isinstance(self.dataset, Iterable):
+            raise Misuse(f"{type(self.dataset).__name__} yields no batches", field="dataset",
+                         hint="subclass IterableDataset and implement __iter__")
         source = iter(self.dataset)
         exhausted = False
         count = 0

@@ -28,7 +28,7 @@ import torch
 
 from stream_persia.core.data import PersiaBatch
 from stream_persia.core.embedding_config import EmbeddingConfig
-from stream_persia.errors import BadInput, Misuse
+from stream_persia.errors import BadInput, InternalError, Misuse
 from stream_persia.nn import checkpointing
 from stream_persia.nn.batch import PersiaTrainingBatch, from_served
 from stream_persia.nn.cluster import Cluster
@@ -214,11 +214,13 @@ class EmbeddingCtx:
             if slot.kind == "sum":
                 emb_tensors.append(leaf)
                 continue
+            if slot.index is None or slot.mask is None:   # from_served gives a raw slot both
+                raise InternalError(f"raw slot {slot.name!r} has no index or mask")
             index = slot.index.to(dev, non_blocking=non_blocking)
             mask = slot.mask.to(dev, non_blocking=non_blocking)
             # embedding() backward gives a dense (n + 1, dim) gradient: one row per id.
             gathered = torch.nn.functional.embedding(index, leaf)
-            gathered.mask = mask
+            gathered.mask = mask  # type: ignore[attr-defined]  # the documented tensor.mask
             batch.masks[slot.name] = mask
             emb_tensors.append(gathered)
         self._prepared(batch, leaves if grad else None)
@@ -230,16 +232,14 @@ class EmbeddingCtx:
     def forward(self, batch: PersiaTrainingBatch
                 ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """``prepare_features``, then the model: returns ``(output, label_tensors)``."""
-        if self.model is None:
+        model = self.model
+        if model is None:
             raise Misuse(f"{type(self).__name__} has no model", field="model",
                          hint="pass model=... to the context")
         non_id, emb, labels = self.prepare_features(batch)
         with self._autocast():
-            output = self._forward_model(non_id, emb)
+            output = model(non_id, emb)
         return output, labels
-
-    def _forward_model(self, non_id: list[torch.Tensor], emb: list[torch.Tensor]) -> Any:
-        return self.model(non_id, emb)
 
     def _autocast(self) -> Any:
         return torch.autocast(self.device.type, enabled=False)
@@ -355,7 +355,7 @@ def _to_device(batch: PersiaTrainingBatch, device_id: int | None) -> PersiaTrain
         batch.labels = [t.to(dev) for t in batch.labels]
     for s in batch.id_type_feature_embeddings:
         s.emb = s.emb.to(dev)
-        if s.index is not None:
+        if s.index is not None and s.mask is not None:   # a raw slot: both, or neither
             s.index, s.mask = s.index.to(dev), s.mask.to(dev)
     return batch
 

@@ -121,9 +121,9 @@ class StreamPrefetcher:
         """Supervision of the main task (STYLE.md habit 11): a crash reaches the training
         thread, whose next :meth:`get` raises it, instead of looking like a stream that
         ran dry (the DataLoader would stop after its timeout as if it had ended)."""
-        if task.cancelled() or task.exception() is None:
+        err = None if task.cancelled() else task.exception()
+        if err is None:
             return
-        err = task.exception()
         log.error("the prefetch task stopped: %r", err, exc_info=err)
         self._stopping = True
         self._task = None
@@ -149,7 +149,7 @@ class StreamPrefetcher:
                 await asyncio.wait({task})
 
     async def _fetch(self, wi: int) -> None:
-        assert self._permits is not None and self._room is not None
+        assert self._permits is not None and self._room is not None and self._idle is not None
         n = len(self.cluster.workers)
         kept_permit = kept_room = False
         restored = False

@@ -482,7 +482,9 @@ class TrainCtx(EmbeddingCtx):
                 "returned": sum(p.returned for p in self._prefetchers)}
 
     # ------------------------------------------------------------------ checkpoints
-    def dump_checkpoint(self, dst_dir: str, dense_model_filename: str = "dense.pt",
+    # PERSIA's TrainCtx names these parameters apart from its EmbeddingCtx's: both kept
+    def dump_checkpoint(self, dst_dir: str,  # type: ignore[override]
+                        dense_model_filename: str = "dense.pt",
                         jit_dense_model_filename: str = "jit_dense.pt",
                         opt_filename: str = "opt.pt", blocking: bool = True,
                         with_jit_model: bool = False) -> None:
@@ -497,7 +499,9 @@ class TrainCtx(EmbeddingCtx):
                                       jit_dense_filename=jit_dense_model_filename,
                                       opt_filename=opt_filename, with_jit_model=with_jit_model)
 
-    def load_checkpoint(self, src_dir: str, map_location: str | None = None,
+    # PERSIA's TrainCtx names these parameters apart from its EmbeddingCtx's: both kept
+    def load_checkpoint(self, src_dir: str,  # type: ignore[override]
+                        map_location: str | None = None,
                         dense_model_filename: str = "dense.pt", opt_filename: str = "opt.pt",
                         blocking: bool = True) -> None:
         """Restore dense model, optimizer, embeddings and (Kafka) stream position."""

@@ -381,7 +381,8 @@ class RpcServer:
             # Half-close, and close only a moment later: a client that writes its request
             # at once would otherwise get a reset, and lose the reason with it.
             with contextlib.suppress(Exception):
-                proto.transport.write_eof()
+                if proto.transport is not None:
+                    proto.transport.write_eof()
             asyncio.get_running_loop().call_later(_REFUSED_LINGER_S, proto.abort)
             return
         conn = _Conn(proto, self._max_in_flight, authed=self._secret is None)

@@ -195,7 +195,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 start = body_at + length
             elif length > _SMALL_FRAME:
                 # np.empty, not bytearray: the socket fills it at once, so no zeroing first.
-                self._body = memoryview(np.empty(length, dtype=np.uint8))
+                self._body = np.empty(length, dtype=np.uint8).data
                 self._body[:have] = self._scratch_view[start + HEADER.size:end]
                 self._filled = have
                 start = end
@@ -257,8 +257,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._queued_bytes -= len(body)
         if self._start != self._end and self._body is None:
             self._parse_scratch()  # frames left unparsed while the queue was full
-        if (self._read_paused and self._error is None and not self.is_closing()
-                and not self._backlogged(slack=2)):
+        if (self._read_paused and self._error is None and self.transport is not None
+                and not self.transport.is_closing() and not self._backlogged(slack=2)):
             self._read_paused = False
             self.transport.resume_reading()
         return body
@@ -271,6 +271,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         Synchronous, so frames written by concurrent tasks never interleave. Array pieces
         are written from their own memory, possibly after this returns.
         """
+        if self.transport is None:
+            raise ConnectionResetError("Connection not made")
         write_frame(self.transport, parts, self._gathers)
 
     async def drain(self) -> None:
@@ -281,7 +283,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """
         if self._lost:
             raise ConnectionResetError("Connection lost")
-        if self.transport.is_closing():
+        if self.is_closing():
             await asyncio.sleep(0)  # let connection_lost run, as StreamWriter.drain does
         if not self._write_paused:
             return

@@ -263,7 +263,8 @@ class PyEmbeddingStore:
         self._open()
         ids, dim = check_ids(ids), check_dim(dim)
         rows = np.full(len(ids), -1, np.int64)
-        arena = self._arena(dim) if train else self._arenas.get(dim)
+        admit_to = self._arena(dim) if train else None   # training admits misses into it
+        arena = admit_to if admit_to is not None else self._arenas.get(dim)
         new_rows: list[int] = []
         new_keys: list[int] = []
         deferred: list[tuple[_Arena, int]] = []  # freed rows stay unused until the gather
@@ -282,24 +283,24 @@ class PyEmbeddingStore:
                     rows[i] = where[1]
                     continue
                 counts["misses"] += 1
-                if not train:
+                if admit_to is None:
                     continue
                 draw, self._draws = self._draws, self._draws + 1
                 if p < 1.0 and not admit_uniform(key, draw) < p:
                     continue
                 if len(lru) >= self._capacity:
                     self._evict_oldest(deferred)
-                r = arena.alloc()
-                lru[key] = (arena, r)
+                r = admit_to.alloc()
+                lru[key] = (admit_to, r)
                 counts["admissions"] += 1
                 rows[i] = r
                 new_rows.append(r)
                 new_keys.append(key)
         finally:
-            if new_rows:
-                arena.data[new_rows, :dim] = initial_rows(
+            if new_rows and admit_to is not None:
+                admit_to.data[new_rows, :dim] = initial_rows(
                     np.array(new_keys, np.uint64), dim, self._cfg.emb_initialization)
-                arena.data[new_rows, dim:] = arena.init_state
+                admit_to.data[new_rows, dim:] = admit_to.init_state
             out = np.zeros((len(ids), dim), np.float32)
             hit = rows >= 0
             if arena is not None:

@@ -49,13 +49,13 @@ from stream_persia.config.global_config import MAX_STORE_THREADS
 from stream_persia.errors import BadInput
 from stream_persia.kernels import segments
 from stream_persia.server import _pystore as _py
-from stream_persia.server.store import EmbeddingStore
+from stream_persia.server.store import EmbeddingStore, Store
 
 __all__ = ["ShardedStore", "make_store"]
 
 
 def make_store(capacity: int, optimizer: Any, embedding_config: Any = None, *,
-               shards: int = 1) -> Any:
+               shards: int = 1) -> Store:
     """An ``EmbeddingStore``, or a :class:`ShardedStore` of ``shards`` of them when
     ``shards`` > 1."""
     if shards == 1:
@@ -93,7 +93,8 @@ class ShardedStore:
         self._capacity = capacity
         self._stores = [store_type(capacity // k + (s < capacity % k), optimizer,
                                    embedding_config) for s in range(k)]
-        self._pool = ThreadPoolExecutor(max(k - 1, 1), thread_name_prefix="store-shard")
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            max(k - 1, 1), thread_name_prefix="store-shard")
 
     def close(self) -> None:
         """Stop the shard threads, after any call under way, and free every shard's rows.
@@ -191,9 +192,9 @@ class ShardedStore:
 
         sums = self._map(part)
         out = np.zeros((len(offsets) - 1, d), dtype=np.float32)
-        for part in sums:
-            if part is not None:
-                out += part
+        for piece in sums:
+            if piece is not None:
+                out += piece
         return out
 
     def update(self, ids: Any, grads: Any) -> None:

@@ -26,15 +26,39 @@ Interface (see ``_pystore.PyEmbeddingStore`` for the full contract):
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
 
 from stream_persia.kernels.twins import PURE_PYTHON
 from stream_persia.server._pystore import PyEmbeddingStore
 
-__all__ = ["EmbeddingStore", "IMPLEMENTATION", "PyEmbeddingStore", "CEmbeddingStore"]
+__all__ = ["EmbeddingStore", "IMPLEMENTATION", "PyEmbeddingStore", "CEmbeddingStore", "Store"]
 
-CEmbeddingStore: type | None
+
+class Store(Protocol):
+    """The interface above as a type: the Cython store, its twin and the
+    :class:`~stream_persia.server.sharded.ShardedStore` of either."""
+
+    def __len__(self) -> int: ...
+    def lookup(self, ids: np.ndarray, dim: int, train: bool = True) -> np.ndarray: ...
+    def lookup_pooled(self, ids: np.ndarray, dim: int, index: np.ndarray,
+                      offsets: np.ndarray, train: bool = True) -> np.ndarray: ...
+    def update(self, ids: np.ndarray, grads: np.ndarray) -> None: ...
+    def contains(self, ids: np.ndarray) -> np.ndarray: ...
+    def clear(self) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+    def memory_bytes(self) -> int: ...
+    def close(self) -> None: ...
+    def configure(self, optimizer: Any = None, embedding_config: Any = None) -> None: ...
+    def dump(self, chunk_rows: int = ...) -> Iterator[dict[str, Any]]: ...
+    def load(self, chunks: Iterable[dict[str, Any]]) -> None: ...
+
+
 try:
-    from stream_persia.server._cstore import CEmbeddingStore
+    from stream_persia.server import _cstore
+    CEmbeddingStore: type[_cstore.CEmbeddingStore] | None = _cstore.CEmbeddingStore
 except ImportError as exc:  # a source checkout that was never built
     CEmbeddingStore = None
     if not PURE_PYTHON:
@@ -43,7 +67,7 @@ except ImportError as exc:  # a source checkout that was never built
                       RuntimeWarning, stacklevel=2)
 
 if PURE_PYTHON or CEmbeddingStore is None:
-    EmbeddingStore: type = PyEmbeddingStore
+    EmbeddingStore: type[PyEmbeddingStore] | type[_cstore.CEmbeddingStore] = PyEmbeddingStore
     IMPLEMENTATION = "python"
 else:
     EmbeddingStore = CEmbeddingStore

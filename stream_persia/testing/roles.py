@@ -9,6 +9,7 @@ import numpy as np
 
 from stream_persia.config import GlobalConfig, KafkaConfig
 from stream_persia.ctx import DataCtx
+from stream_persia.errors import Misuse
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 from stream_persia.testing.servers import dumped_rows
@@ -72,8 +73,10 @@ class KafkaRoles:
     def rows(self, dump_dir: Path | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Every row of the server, dumped into ``dump_dir`` (default ``<tmp>/<name>-dump``):
         id -> (weights, optimizer state)."""
-        return dumped_rows(self.server.address,
-                           str(dump_dir or self.tmp / f"{self.name}-dump"))
+        address = self.server.address
+        if address is None:   # set by wait_ready, which __init__ calls
+            raise Misuse(f"{self.server.name} has no address yet", hint="wait_ready() first")
+        return dumped_rows(address, str(dump_dir or self.tmp / f"{self.name}-dump"))
 
     def stop(self) -> None:
         self.worker.stop()

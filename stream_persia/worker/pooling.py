@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from stream_persia.core.data import check_csr as check_feature_csr
-from stream_persia.errors import BadInput, ConfigError, Misuse
+from stream_persia.errors import BadInput, ConfigError, InternalError, Misuse
 from stream_persia.kernels import segments
 from stream_persia.kernels.ids import (
     group_order,
@@ -258,7 +258,7 @@ def as_float32(plan_name: str, what: str, a: Any, shape: tuple[int, int]) -> np.
 def pool(plan: SlotPlan, rows: np.ndarray) -> SlotOutput:
     """Pool one slot from its looked-up rows (float32 ``(len(plan.lookup_ids), dim)``)."""
     rows = as_float32(plan.name, "embeddings", rows, (len(plan.lookup_ids), plan.dim))
-    if plan.pool_index is not None:
+    if plan.pool_index is not None and plan.pool_starts is not None:   # both, or neither
         rows = segment_sum(rows, plan.pool_index, plan.pool_starts)
     if plan.summation:
         if plan.scale is not None:
@@ -301,7 +301,10 @@ def reduce_slot_gradient(plan: SlotPlan, grad: np.ndarray) -> tuple[np.ndarray, 
         grad = grad[1:]
         if plan.grad_index is None:
             return plan.lookup_ids, np.ascontiguousarray(grad)
-    return plan.lookup_ids, segment_sum(grad, plan.grad_index, plan.grad_starts)
+    index, starts = plan.grad_index, plan.grad_starts
+    if index is None or starts is None:
+        raise InternalError(f"slot {plan.name!r}: a summation plan without its gradient map")
+    return plan.lookup_ids, segment_sum(grad, index, starts)
 
 
 # ---------------------------------------------------------------------------- whole batches
@@ -409,19 +412,23 @@ def pool_batch(plans: Mapping[str, SlotPlan], merged: Mapping[int, MergedLookup]
 
 def _pool_sums(plans: list[SlotPlan], lookup: MergedLookup, rows: np.ndarray
                ) -> dict[str, SlotOutput]:
-    """Summation slots of one dim pooled in one segment sum over the merged rows."""
-    n_index = sum(len(p.pool_index) for p in plans)
+    """Summation slots of one dim pooled in one segment sum over the merged rows (plans
+    with a pool map: ``pool_index`` and ``pool_starts`` set)."""
+    maps = [(p.pool_index, p.pool_starts) for p in plans]
+    n_index = sum(len(ix) for ix, _ in maps if ix is not None)
     n_out = sum(p.batch_size for p in plans)
     index = np.empty(n_index, dtype=np.int64)
     starts = np.empty(n_out, dtype=np.int64)
     i = o = 0
-    for p in plans:
-        k, b = len(p.pool_index), p.batch_size
+    for p, (pool_index, pool_starts) in zip(plans, maps, strict=True):
+        if pool_index is None or pool_starts is None:
+            raise InternalError(f"slot {p.name!r}: pooled without a pool map")
+        k, b = len(pool_index), p.batch_size
         if lookup.slot_slices is not None:  # the slot's rows are one run of the table
-            np.add(p.pool_index, lookup.slot_slices[p.name].start, out=index[i:i + k])
+            np.add(pool_index, lookup.slot_slices[p.name].start, out=index[i:i + k])
         else:
-            np.take(lookup.slot_index[p.name], p.pool_index, out=index[i:i + k])
-        np.add(p.pool_starts, i, out=starts[o:o + b])
+            np.take(lookup.slot_index[p.name], pool_index, out=index[i:i + k])
+        np.add(pool_starts, i, out=starts[o:o + b])
         i, o = i + k, o + b
     pooled = segment_sum(rows, index, starts)
     out, o = {}, 0

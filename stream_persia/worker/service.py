@@ -724,15 +724,18 @@ class EmbeddingWorker:
             raise BadInput("partitions and offsets must be >= 0", field="offsets")
         return offsets
 
-    async def _check_replayable(self, offsets: dict[int, int]) -> None:
+    async def _check_replayable(self, offsets: dict[int, int]
+                                ) -> Callable[[dict[int, int] | None], KafkaIngest]:
         """BadInput (no stream, an offset beyond the end) or KafkaDataLoss (deleted) unless
-        the brokers still have ``offsets``."""
-        if self.kafka_factory is None:
+        the brokers still have ``offsets``; returns the Kafka ingest factory."""
+        factory = self.kafka_factory
+        if factory is None:
             raise BadInput("this worker has no Kafka stream to reset (broker-less mode "
                            "cannot replay)", field="offsets",
                            hint="run with --kafka for exactly-once restore")
         if self.kafka is not None:
             await self.kafka.check_offsets(offsets)
+        return factory
 
     async def _check_stream(self, params: Any) -> None:
         # Asked before a restore loads anything: servers found restarted are not checked
@@ -743,7 +746,7 @@ class EmbeddingWorker:
         offsets = self._offsets_param(params)
         # Offsets the brokers no longer have (or never had) are refused before anything
         # held here is dropped.
-        await self._check_replayable(offsets)
+        factory = await self._check_replayable(offsets)
         # A restore loaded the servers first: those found restarted are served again now.
         # One still lost was not restored: replaying onto its empty table would not be
         # exactly-once, so nothing is reset.
@@ -768,7 +771,7 @@ class EmbeddingWorker:
             self._inflight_room.release()
         self.inflight.clear()
         self.ready.clear()
-        self.kafka = self.kafka_factory(offsets)
+        self.kafka = factory(offsets)
         await self._start_ingest(self.kafka)
         if self._replay is not None:   # the offsets start below what the servers applied
             raise StreamReplay(self._replay.message, field="offsets", hint=self._replay.hint)
