@@ -78,7 +78,8 @@ class MicroBatcher:
             return
         self._closed = True
         err = InternalError(f"the inference micro-batcher stopped: {task.exception()!r}")
-        held, self._held = self._held, []
+        held: list[Job | None] = list(self._held)
+        self._held = []
         while not self._queue.empty():
             held.append(self._queue.get_nowait())
         for job in held:

@@ -451,8 +451,8 @@ class Checkpoints:
                 self._release(base_id)
 
     async def _cut_by_api(self, job: CheckpointJob, hb: dict[str, Any] | None,
-                          base: Manifest | None, servers: list[Any], updates: list[Any]
-                          ) -> None:
+                          base: Manifest | None, servers: builtins.list[Any],
+                          updates: builtins.list[Any]) -> None:
         writer = await asyncio.to_thread(CheckpointWriter, job.dst)
         try:
             job.progress = {"phase": "dumping embeddings", "done": 0, "total": len(servers)}

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stream_persia.checkpoint.manifest import STREAMS
-from stream_persia.core.replies import FrontierReply
 from stream_persia.errors import Misuse, ServerRestarted
 
 __all__ = ["Cut", "stream_cut", "read_cut", "check_nothing_in_flight", "check_no_failed_push",
@@ -58,7 +57,7 @@ class Cut:
         return {p: o for parts in self.offsets.values() for p, o in parts.items()}
 
 
-def check_no_failed_push(frontiers: Sequence[FrontierReply]) -> None:
+def check_no_failed_push(frontiers: Sequence[Mapping[str, Any]]) -> None:
     """Refuse a checkpoint cut while a worker holds a batch whose gradients only some
     embedding servers applied (the ``failed`` list of each worker's ``frontier`` reply).
 
@@ -81,7 +80,7 @@ def check_no_failed_push(frontiers: Sequence[FrontierReply]) -> None:
                      "last checkpoint")
 
 
-def check_servers_kept(frontiers: Sequence[FrontierReply]) -> None:
+def check_servers_kept(frontiers: Sequence[Mapping[str, Any]]) -> None:
     """Refuse a checkpoint cut while a worker holds an embedding server lost (the ``lost``
     list of each worker's ``frontier`` reply: it restarted and lost its table).
 

@@ -29,6 +29,7 @@ from stream_persia.checkpoint.manifest import (
 )
 from stream_persia.config.embedding import EmbeddingSchema
 from stream_persia.core import watermarks
+from stream_persia.core.replies import WatermarksReply
 from stream_persia.core.watermarks import RESTORE_HINT
 from stream_persia.errors import BadInput, InternalError, Misuse, StreamReplay
 
@@ -320,7 +321,8 @@ def _check_cut(offsets: dict[str, dict[str, int]], server_marks: Sequence[Any]) 
     when it dumped (the rule a worker's start obeys, :func:`stream_persia.core.watermarks.
     refusals`): every batch at or after the cut must be unapplied in the checkpoint's rows.
     A server that sent no watermarks (an older one) says nothing."""
-    replies = [{"topics": m if isinstance(m, dict) else {}} for m in server_marks]
+    replies: list[WatermarksReply] = [{"topics": m if isinstance(m, dict) else {}}
+                                      for m in server_marks]
     for topic, parts in offsets.items():
         starts = {int(p): int(o) for p, o in parts.items()}
         for r in watermarks.refusals(topic, watermarks.merge(replies, topic), starts):
