@@ -265,8 +265,10 @@ def section_to_dict(obj: Any, redact: bool, secrets: Collection[str] = ()) -> di
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):   # a section: its to_dict is this function
-            value = section_to_dict(value, redact)
+        if dataclasses.is_dataclass(value):   # a section: its own to_dict knows its secrets
+            to_dict = getattr(value, "to_dict", None)
+            value = (to_dict(redact=redact) if callable(to_dict)
+                     else section_to_dict(value, redact))
         elif isinstance(value, tuple):
             value = list(value)
         if redact and f.name in secrets and value is not None:
