@@ -1,8 +1,13 @@
-"""The job most process-level tests start: an embedding server and an embedding worker that
-reads one Kafka topic, each a process of its own (:class:`KafkaRoles`)."""
+"""Role processes for tests: the job most process-level tests start, an embedding server and
+an embedding worker that reads one Kafka topic, each a process of its own
+(:class:`KafkaRoles`); and :func:`running`, any set of role processes for one block."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +19,24 @@ from stream_persia.launch.processes import RoleProcess
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 from stream_persia.testing.servers import dumped_rows
 
-__all__ = ["KafkaRoles", "assert_same_training", "fill_topic", "start_server"]
+__all__ = ["KafkaRoles", "assert_same_training", "fill_topic", "running", "start_server"]
+
+
+@contextlib.contextmanager
+def running(procs: Sequence[RoleProcess], ready_s: float = 60) -> Iterator[list[RoleProcess]]:
+    """Start every process, wait until each is ready, and stop them all when the block
+    ends (one a test froze with SIGSTOP is continued first, so that it can stop)."""
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.wait_ready(ready_s)
+        yield list(procs)
+    finally:
+        for p in procs:
+            if p.proc is not None and p.alive():
+                os.kill(p.proc.pid, signal.SIGCONT)
+            p.stop()
 
 
 def fill_topic(bootstrap: str, topic: str, n: int, seed: int) -> None:

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from stream_persia.core.aio import LoopThread
 from stream_persia.ctx import DataCtx
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.data import IDTypeFeature, PersiaBatch
@@ -31,11 +30,9 @@ from stream_persia.errors import (
     PeerUnavailable,
     RemoteError,
 )
-from stream_persia.rpc import RpcClient
-from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.samples import SCHEMA, make_batch
-from stream_persia.worker.service import EmbeddingWorker
+from stream_persia.testing.workers import WorkersOnLoop
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -266,58 +263,13 @@ def test_kafka_delivery_failure_surfaces_from_flush():
 
 # ------------------------------------------------------------- broker-less mode
 
-class Job:
-    """Embedding servers + workers on a LoopThread (DataCtx is synchronous)."""
-
-    def __init__(self, workers: int = 1, ready: int = 16):
-        self.lt = LoopThread(name="test-job")
-        self.workers: list[EmbeddingWorker] = []
-        self.servers: list[EmbeddingServer] = []
-        self.clients: list[RpcClient] = []
-        self.lt.run(self._up(workers, ready), timeout=20)
-
-    async def _up(self, n: int, ready: int) -> None:
-        server = EmbeddingServer(10_000, SGD(lr=0.1), EmbeddingConfig((-0.5, 0.5)))
-        await server.start()
-        self.servers.append(server)
-        for i in range(n):
-            w = EmbeddingWorker(SCHEMA, [server.address], replica_index=i, replica_size=n,
-                                ready_buffer_batches=ready)
-            await w.start()
-            self.workers.append(w)
-            self.clients.append(RpcClient(w.address, timeout_ms=5000))
-
-    @property
-    def addresses(self) -> list[str]:
-        return [w.address for w in self.workers]
-
-    def ready(self, i: int = 0) -> int:
-        return len(self.workers[i].ready)
-
-    def pull(self, i: int = 0) -> dict | None:
-        return self.lt.run(self.clients[i].call("next_batch", {"timeout_ms": 2000}), 10)
-
-    def close(self) -> None:
-        async def down() -> None:
-            for c in self.clients:
-                await c.close()
-            for w in self.workers:
-                await w.stop()
-            for s in self.servers:
-                await s.stop()
-
-        try:
-            self.lt.run(down(), timeout=20)
-        finally:
-            self.lt.close()
-
-
 @pytest.fixture
 def job():
-    made: list[Job] = []
+    made: list[WorkersOnLoop] = []
 
-    def make(workers: int = 1, ready: int = 16) -> Job:
-        made.append(Job(workers, ready))
+    def make(workers: int = 1, ready: int = 16) -> WorkersOnLoop:
+        made.append(WorkersOnLoop(workers, ready=ready,
+                                  server_args=(10_000, SGD(lr=0.1), EmbeddingConfig((-0.5, 0.5)))))
         return made[-1]
 
     yield make

@@ -15,7 +15,6 @@ import time
 import numpy as np
 import pytest
 
-from stream_persia.config import EmbeddingSchema
 from stream_persia.core.aio import LoopThread
 from stream_persia.core.data import IDTypeFeature, PersiaBatch
 from stream_persia.errors import Backpressure, BadInput, PeerUnavailable, RemoteTimeout
@@ -23,8 +22,9 @@ from stream_persia.launch.processes import RoleProcess
 from stream_persia.loader.direct_sender import DirectSender
 from stream_persia.rpc import RpcClient
 from stream_persia.server.service import EmbeddingServer
-from stream_persia.testing.samples import SCHEMA, make_batch
-from stream_persia.worker.service import EmbeddingWorker
+from stream_persia.testing.roles import running
+from stream_persia.testing.samples import make_batch
+from stream_persia.testing.workers import WorkersOnLoop
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -33,56 +33,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Workers:
-    """One embedding server and ``n`` embedding workers on a loop thread of this process;
-    ``ports`` pins where they listen (0: from the OS)."""
-
-    def __init__(self, n: int, *, ready: int = 16, ports: list[int] | None = None,
-                 schema: EmbeddingSchema = SCHEMA):
-        self.lt = LoopThread(name="test-workers")
-        self.workers: list[EmbeddingWorker] = []
-        self.clients: list[RpcClient] = []
-        self.server = EmbeddingServer(10_000)
-        self.lt.run(self._up(n, ready, ports or [0] * n, schema), timeout=20)
-
-    async def _up(self, n: int, ready: int, ports: list[int], schema) -> None:
-        await self.server.start()
-        for i in range(n):
-            w = EmbeddingWorker(schema, [self.server.address], replica_index=i,
-                                replica_size=n, ready_buffer_batches=ready, port=ports[i])
-            await w.start()
-            self.workers.append(w)
-            self.clients.append(RpcClient(w.address, timeout_ms=5000))
-
-    @property
-    def addresses(self) -> list[str]:
-        return [w.address for w in self.workers]
-
-    def ready(self, i: int) -> int:
-        return len(self.workers[i].ready)
-
-    def pull_meta(self, i: int) -> bytes | None:
-        """Take the next ready batch of worker ``i``: its meta tag."""
-        served = self.lt.run(self.clients[i].call("next_batch", {"timeout_ms": 2000}), 10)
-        return None if served is None else served["meta"]
-
-    def ingest(self, i: int, b: PersiaBatch) -> None:
-        self.lt.run(self.clients[i].call("ingest", {"batch": b.to_wire()}), 10)
-
-    def close(self) -> None:
-        async def down() -> None:
-            for c in self.clients:
-                await c.close()
-            for w in self.workers:
-                await w.stop()
-            await self.server.stop()
-
-        try:
-            self.lt.run(down(), timeout=20)
-        finally:
-            self.lt.close()
 
 
 class Sender:
@@ -103,10 +53,10 @@ class Sender:
 
 @pytest.fixture
 def workers():
-    made: list[Workers] = []
+    made: list[WorkersOnLoop] = []
 
-    def make(n: int = 1, **kw) -> Workers:
-        made.append(Workers(n, **kw))
+    def make(n: int = 1, **kw) -> WorkersOnLoop:
+        made.append(WorkersOnLoop(n, **kw))
         return made[-1]
 
     yield make
@@ -283,14 +233,9 @@ def worker_processes(tmp_path):
         "--embedding-servers", server.address,
     ], name=f"embedding-worker-{i}", log_path=tmp_path / f"worker-{i}.log") for i in range(2)]
     try:
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.wait_ready(60)
-        yield workers
+        with running(workers) as procs:
+            yield procs
     finally:
-        for w in workers:
-            w.stop()
         try:
             lt.run(server.stop(), timeout=20)
         finally:

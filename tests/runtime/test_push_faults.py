@@ -27,6 +27,7 @@ from stream_persia.errors import ServerRestarted
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
 from stream_persia.server.service import EmbeddingServer
+from stream_persia.testing.roles import running
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.worker.service import EmbeddingWorker
 
@@ -42,18 +43,8 @@ def _server(i: int, port: str | None = None) -> RoleProcess:
 
 @pytest.fixture
 def servers():
-    procs = [_server(i) for i in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.wait_ready(30)
+    with running([_server(i) for i in range(2)], ready_s=30) as procs:
         yield procs
-    finally:
-        for p in procs:
-            if p.proc is not None and p.alive():
-                os.kill(p.proc.pid, signal.SIGCONT)   # a frozen one must be stoppable
-            p.stop()
 
 
 def grads_for(served: dict) -> dict[str, np.ndarray]:
