@@ -189,7 +189,15 @@ def test_sigterm_before_training_starts_exits_0_and_serves_nothing(job_factory, 
     job = job_factory(LEARNABLE_SCHEMA)
     job.feed(learnable_batches(8, 64), background=False)
     nn = _launch_ddp(job, tmp_path, "0.05")
-    time.sleep(1.0)      # torchrun is starting its ranks, which import torch
+    # The launcher has its signal handlers once it logs the torchrun command it starts (a
+    # fixed sleep could signal it while it was still importing, on a loaded machine): then
+    # torchrun is starting its ranks, which import torch.
+    deadline = time.monotonic() + 60
+    while "starting " not in (tmp_path / "nn.log").read_text(errors="replace"):
+        assert nn.alive(), nn.log_tail()
+        assert time.monotonic() < deadline, nn.log_tail()
+        time.sleep(0.02)
+    time.sleep(0.3)
     t0 = time.monotonic()
     code = nn.stop(grace_s=60)
     took = time.monotonic() - t0
