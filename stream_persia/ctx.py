@@ -17,17 +17,16 @@ if TYPE_CHECKING:  # resolved lazily by __getattr__ below
 __all__ = ["DataCtx", "EmbeddingCtx", "InferCtx", "PreprocessMode", "TrainCtx", "cnt_ctx",
            "eval_ctx"]
 
-_NN = {"TrainCtx": "train_ctx", "EmbeddingCtx": "embedding_ctx", "InferCtx": "embedding_ctx",
-       "PreprocessMode": "embedding_ctx", "eval_ctx": "embedding_ctx",
-       "cnt_ctx": "embedding_ctx"}
+# PERSIA's name -> the name stream_persia.nn (which resolves its own names lazily) gives it
+_NN = {"TrainCtx": "TrainCtx", "EmbeddingCtx": "EmbeddingCtx", "InferCtx": "InferCtx",
+       "PreprocessMode": "PreprocessMode", "eval_ctx": "eval_ctx", "cnt_ctx": "current_ctx"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _NN:
-        import importlib
+        import stream_persia.nn
 
-        module = importlib.import_module(f"stream_persia.nn.{_NN[name]}")
-        value = getattr(module, "current_ctx" if name == "cnt_ctx" else name)
+        value = getattr(stream_persia.nn, _NN[name])
         globals()[name] = value
         return value
     raise AttributeError(f"module 'stream_persia.ctx' has no attribute {name!r}")

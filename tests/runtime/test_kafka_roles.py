@@ -68,17 +68,24 @@ def test_a_worker_started_before_the_broker_starts_when_it_comes(tmp_path):
             proxy.close()
 
 
+def _fails_naming(worker: RoleProcess, text: str) -> float:
+    """Start ``worker``, wait for it to exit non-zero with ``text`` in its log: the seconds
+    it took."""
+    t0 = time.monotonic()
+    worker.start()
+    worker.proc.wait(60)
+    took = time.monotonic() - t0
+    assert worker.proc.returncode != 0
+    assert text in worker.log_tail(20_000), worker.log_tail()
+    return took
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_with_no_broker_ever_exits_within_the_bound_naming_it(tmp_path):
     servers = f"127.0.0.1:{free_port()}"
     worker = RoleProcess("embedding-worker", worker_args(tmp_path, servers, 2000))
-    t0 = time.monotonic()
     try:
-        worker.start()
-        worker.proc.wait(60)
-        took = time.monotonic() - t0
-        assert worker.proc.returncode != 0
-        assert f"cannot reach Kafka at {servers}" in worker.log_tail(20_000)
+        took = _fails_naming(worker, f"cannot reach Kafka at {servers}")
         assert 2 <= took < 30      # the 2 s bound, plus a Python start-up or two
     finally:
         worker.stop()
@@ -210,14 +217,8 @@ def test_a_worker_started_before_its_servers_waits_and_without_them_exits_naming
         servers = f"127.0.0.1:{free_port()}"
         worker = RoleProcess("embedding-worker", worker_args(
             never, cluster.bootstrap_servers, 2000, servers), log_path=never / "worker.log")
-        t0 = time.monotonic()
         try:
-            worker.start()
-            worker.proc.wait(60)
-            took = time.monotonic() - t0
-            assert worker.proc.returncode != 0
-            assert f"embedding servers ['{servers}'] did not all answer" in \
-                worker.log_tail(20_000), worker.log_tail()
+            took = _fails_naming(worker, f"embedding servers ['{servers}'] did not all answer")
             assert 2 <= took < 30
         finally:
             worker.stop()
