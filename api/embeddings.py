@@ -117,13 +117,15 @@ class CheckpointTable:
         self.schema = schema
 
     @classmethod
-    def load(cls, manifest: Manifest, schema: EmbeddingSchema) -> CheckpointTable:
+    def load(cls, manifest: Manifest, schema: EmbeddingSchema,
+             capacity: int | None = None) -> CheckpointTable:
         """Load every shard file the manifest lists (blocking; call off the event loop).
 
-        Optimizer state is dropped: serving never updates a row.
+        Optimizer state is dropped: serving never updates a row. ``capacity``: the most
+        rows held (LRU beyond it; default: the checkpoint's rows).
         """
         loc = Location(manifest.path or "")
-        store = EmbeddingStore(max(manifest.rows, 1), SGD(lr=0.0))
+        store = EmbeddingStore(capacity or max(manifest.rows, 1), SGD(lr=0.0))
         for name in manifest.embedding_files:
             for chunk in read_shard_file(loc.url, name):
                 store.load([{"dim": chunk["dim"], "ids": chunk["ids"],

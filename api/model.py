@@ -54,9 +54,12 @@ class DenseModel:
     kind: str                      # "torchscript" | "state_dict"
     head_names: list[str] | None = None
     loaded_at: float = field(default_factory=time.time)
+    step: int = -1   # the training step of these weights (-1: the manifest's)
 
     def __post_init__(self) -> None:
         self.version = checkpoint_id(self.manifest)   # resolved once: it is on every answer
+        if self.step < 0:
+            self.step = self.manifest.step
 
     def forward(self, non_id: list[torch.Tensor], embeddings: list[torch.Tensor],
                 batch_size: int) -> dict[str, np.ndarray]:

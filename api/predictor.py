@@ -18,6 +18,7 @@ so one bad request never fails the others.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -35,14 +36,20 @@ from stream_persia.api.features import signature
 from stream_persia.api.inputs import ModelInputs
 from stream_persia.api.metrics import ApiMetrics
 from stream_persia.api.model import DenseModel, load_dense
+from stream_persia.api.replica import Replica, rebuilt
 from stream_persia.api.roles import WORKER, Roles
 from stream_persia.api.settings import ApiSettings
 
+from stream_persia.checkpoint import latest_checkpoint
 from stream_persia.core.data import PersiaBatch
 from stream_persia.core.served import ServedBatch
 from stream_persia.errors import BadInput, ConfigError, PeerUnavailable, PersiaError
 
-__all__ = ["Predictor", "Served", "Prediction", "predictions_json"]
+__all__ = ["Predictor", "Served", "Prediction", "predictions_json", "LATEST"]
+
+#: ``PERSIA_API_MODEL`` value (the default of a serving replica): the newest checkpoint under
+#: the checkpoint directory, retried until there is one.
+LATEST = "latest"
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +69,8 @@ class Served:
 
     def info(self) -> dict[str, Any]:
         m = self.dense.manifest
-        return {"version": self.version, "checkpoint": m.path or "", "step": m.step,
+        return {"version": self.version, "checkpoint": m.path or "", "step": self.dense.step,
+                "model_version": self.dense.step,
                 "kind": self.dense.kind, "embeddings": self.source,
                 "heads": list(self.dense.head_names or []), "loaded_at": self.dense.loaded_at,
                 "inputs": self.inputs.describe()}
@@ -76,6 +84,8 @@ class Prediction:
     heads: dict[str, np.ndarray]
     missing: int
     rows: int
+    step: int = 0                       # the dense model's training step (model_version)
+    trained_through: float | None = None
 
 
 class Predictor:
@@ -94,6 +104,7 @@ class Predictor:
         self._rr = itertools.count()
         self._last_error: str | None = None
         self._retry: asyncio.Task | None = None
+        self.replica: Replica | None = None
         self.batcher = MicroBatcher(self._run, max_rows=settings.max_batch_rows,
                                     max_wait_s=settings.batch_wait_ms / 1000.0)
 
@@ -109,14 +120,32 @@ class Predictor:
         stays unready (``/readyz`` says why) and the load is retried with backoff."""
         torch.set_num_threads(self.settings.torch_threads)
         await self.batcher.start()
-        if self.settings.model_checkpoint is not None:
+        start = self.settings.model_checkpoint
+        if start is None and self.source == "replica":
+            start = LATEST
+        if start is not None:
             try:
-                await self.load(self.settings.model_checkpoint)
+                await self.load(self._start_path(start))
             except PersiaError as e:
-                log.error("cannot serve %s yet: %s; retrying in the background",
-                          self.settings.model_checkpoint, e)
+                log.error("cannot serve %s yet: %s; retrying in the background", start, e)
                 self._retry = asyncio.create_task(
-                    self._retry_load(self.settings.model_checkpoint), name="model-retry")
+                    self._retry_load(start, max_s=5.0 if self.source == "replica" else 60.0),
+                    name="model-retry")
+
+    def _start_path(self, start: str) -> str:
+        """``start``, or for :data:`LATEST` the newest checkpoint under the directory."""
+        if start != LATEST:
+            return start
+        if self.settings.checkpoint_dir is None:
+            raise ConfigError("a serving replica needs a checkpoint to start from",
+                              field="PERSIA_CHECKPOINT_DIR",
+                              hint="set PERSIA_CHECKPOINT_DIR (its newest checkpoint is "
+                                   "used) or PERSIA_API_MODEL")
+        manifest = latest_checkpoint(self.settings.checkpoint_dir)
+        if manifest is None or manifest.path is None:
+            raise NotReady(f"no checkpoint under {self.settings.checkpoint_dir} yet",
+                           hint="the replica starts from the first one written")
+        return manifest.path
 
     async def _retry_load(self, path: str, first_s: float = 1.0, max_s: float = 60.0) -> None:
         delay = first_s
@@ -125,12 +154,15 @@ class Predictor:
             if self._served is not None:   # a manual reload won
                 return
             try:
-                await self.load(path)
+                await self.load(self._start_path(path))
             except PersiaError as e:
                 log.warning("cannot serve %s yet: %s", path, e)
                 delay = min(max_s, delay * 2)
 
     async def stop(self) -> None:
+        if self.replica is not None:
+            await self.replica.stop()
+            self.replica = None
         task, self._retry = self._retry, None
         if task is not None:
             task.cancel()
@@ -139,6 +171,13 @@ class Predictor:
         self._pool.shutdown(wait=True)
 
     def info(self) -> dict[str, Any] | None:
+        info = self._info()
+        if info is not None and self.replica is not None:
+            info["trained_through"] = self.replica.trained_through
+            info["replica"] = self.replica.info()
+        return info
+
+    def _info(self) -> dict[str, Any] | None:
         return self._served.info() if self._served is not None else None
 
     def not_ready_reason(self) -> str:
@@ -161,13 +200,15 @@ class Predictor:
     def _load(self, src: str) -> Served:
         dense = load_dense(src, self.settings.model_class)
         table = None
-        if self.source == "local":
+        if self.source in ("local", "replica"):
             if self.settings.schema is None:
-                raise ConfigError("local embeddings need the job's embedding config",
+                raise ConfigError(f"{self.source} embeddings need the job's embedding config",
                                   field="PERSIA_EMBEDDING_CONFIG",
                                   hint="set PERSIA_EMBEDDING_CONFIG (or use "
                                        "PERSIA_API_EMBEDDINGS=workers)")
-            table = CheckpointTable.load(dense.manifest, self.settings.schema)
+            table = CheckpointTable.load(dense.manifest, self.settings.schema,
+                                         capacity=self.settings.replica_rows()
+                                         if self.source == "replica" else None)
         return Served(dense, table, self.source, ModelInputs.of(dense.manifest,
                                                                 self.settings.schema))
 
@@ -212,10 +253,36 @@ class Predictor:
                 self._loading = None
             old, self._served = self._served, served
             self._last_error = None
+            if self.source == "replica":
+                await self._follow(served)
         self.metrics.reloads.labels("ok").inc()
         log.info("serving model %s (was %s)", served.version,
                  old.version if old is not None else "none")
         return served.info()
+
+    async def _follow(self, served: Served) -> None:
+        """(Re)start following the training job's updates into ``served``'s table."""
+        if self.replica is not None:
+            await self.replica.stop()
+        assert served.table is not None
+        loop = asyncio.get_running_loop()
+        self.replica = Replica(
+            self.roles, served.table.store, served.dense.manifest.model_updates,
+            execute=lambda fn: loop.run_in_executor(self._pool, fn),
+            on_dense=self._on_dense, dense_step=served.dense.step, metrics=self.metrics.role)
+        self.replica.start()
+
+    async def _on_dense(self, state: dict[str, Any], step: int,
+                        event_time: float | None) -> None:
+        """Swap in a newer dense model: built off the loop into a copy of the served
+        module, then one reference assignment (a micro-batch reads it once)."""
+        served = self._served
+        assert served is not None
+        module = await asyncio.get_running_loop().run_in_executor(
+            None, rebuilt, served.dense.module, state)
+        dense = dataclasses.replace(served.dense, module=module, step=step)
+        if self._served is served:   # not replaced by a reload meanwhile
+            self._served = dataclasses.replace(served, dense=dense)
 
     def _failed(self, src: str, message: str) -> None:
         self._last_error = f"{src}: {message}"
@@ -320,9 +387,11 @@ class Predictor:
         total = sum(rows)
         heads = served.dense.forward(non_id_tensors(batches), embeddings, total)
         out, start = [], 0
+        through = self.replica.trained_through if self.replica is not None else None
         for n, miss in zip(rows, missing, strict=True):
             part = {name: a[start:start + n] for name, a in heads.items()}
-            out.append(Prediction(served.version, part, int(miss), n))
+            out.append(Prediction(served.version, part, int(miss), n, served.dense.step,
+                                  through))
             start += n
         return out
 

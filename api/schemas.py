@@ -92,8 +92,17 @@ class ModelInfo(BaseModel):
     version: str = Field(description="checkpoint id of the dense model being served")
     checkpoint: str
     step: int | None = None
+    model_version: int | None = Field(None, description="training step of the dense model "
+                                                        "served (a replica follows training)")
+    trained_through: float | None = Field(
+        None, description="event time of the newest training sample whose updates are "
+                          "applied (serving replicas)")
+    replica: dict[str, Any] | None = Field(
+        None, description="serving replica: each shard's place in its server's update log, "
+                          "and recent advances of trained_through as [applied_at, "
+                          "trained_through]")
     kind: str = Field(description="torchscript (jit_dense.pt) or state_dict (model class)")
-    embeddings: str = Field(description="workers or local")
+    embeddings: str = Field(description="workers, local or replica")
     heads: list[str] = Field(default_factory=list)
     loaded_at: float
     inputs: dict[str, Any] | None = Field(
@@ -223,11 +232,18 @@ class PredictRequest(BaseModel):
 
 
 class PredictResponse(BaseModel):
-    model_config = _example({"model_version": "ckpt-20250101T000000Z-0001", "rows": 2,
+    model_config = _example({"model_version": 1200,
+                             "checkpoint": "ckpt-20250101T000000Z-0001",
+                             "trained_through": 1735689600.25, "rows": 2,
                              "missing_ids": 1, "heads": ["click", "buy"],
                              "predictions": [{"click": 0.12, "buy": 0.01},
                                              {"click": 0.57, "buy": 0.2}]})
-    model_version: str = Field(description="checkpoint id the answer came from")
+    model_version: int = Field(description="training step of the dense model that answered")
+    checkpoint: str = Field(description="id of the checkpoint the served model started from")
+    trained_through: float | None = Field(
+        None, description="event time (s since the epoch) of the newest training sample "
+                          "whose updates the answer reflects (serving replicas; null when "
+                          "not known)")
     rows: int
     missing_ids: int = Field(description="ids absent from the embedding tables (zeros used)")
     heads: list[str]

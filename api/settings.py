@@ -26,16 +26,18 @@ from typing import Any
 from stream_persia.config import (
     ApiConfig,
     CheckpointingConfig,
+    EmbeddingParameterServerConfig,
     EmbeddingSchema,
     GlobalConfig,
     load_embedding_config,
 )
+from stream_persia.core.embedding_config import MAX_CAPACITY
 from stream_persia.core.hosts import is_loopback
 from stream_persia.errors import ConfigError
 
 __all__ = ["ApiSettings", "EMBEDDING_SOURCES"]
 
-EMBEDDING_SOURCES = ("auto", "workers", "local")
+EMBEDDING_SOURCES = ("auto", "workers", "local", "replica")
 
 
 def _env(name: str) -> str | None:
@@ -130,6 +132,7 @@ class ApiSettings:
     predict_timeout_ms: int = 30_000
     torch_threads: int = 1
     inline_max_rows: int = 16
+    table_rows: int | None = None
     global_config: GlobalConfig | None = None
 
     def __post_init__(self) -> None:
@@ -156,9 +159,28 @@ class ApiSettings:
         if not (0 <= float(self.batch_wait_ms) <= 1000):
             raise ConfigError(f"batch_wait_ms must be in [0, 1000], got {self.batch_wait_ms!r}",
                               field="batch_wait_ms")
+        if self.embeddings == "replica" and not self.embedding_servers:
+            raise ConfigError("a serving replica follows the embedding servers' updates: "
+                              "none are configured", field="PERSIA_EMBEDDING_SERVERS",
+                              hint="set PERSIA_EMBEDDING_SERVERS=host:port[,...]")
+        if self.table_rows is not None and (isinstance(self.table_rows, bool)
+                                            or not isinstance(self.table_rows, int)
+                                            or not 1 <= self.table_rows <= MAX_CAPACITY):
+            raise ConfigError(f"table_rows must be an int in [1, {MAX_CAPACITY}], got "
+                              f"{self.table_rows!r}", field="PERSIA_API_TABLE_ROWS")
         if self.model_class is not None and ":" not in self.model_class:
             raise ConfigError(f"model_class must be 'module:Class', got {self.model_class!r}",
                               field="model_class", hint="e.g. 'my_model:DNN'")
+
+    def replica_rows(self) -> int:
+        """Rows a serving replica's table holds: ``table_rows``, else what the servers may
+        hold together (their capacity times their number)."""
+        if self.table_rows is not None:
+            return self.table_rows
+        gc = self.global_config
+        per = (gc.embedding_parameter_server_config.capacity if gc is not None
+               else EmbeddingParameterServerConfig.capacity)
+        return min(MAX_CAPACITY, per * max(1, len(self.embedding_servers)))
 
     @property
     def source(self) -> str:
@@ -220,6 +242,12 @@ class ApiSettings:
                 raise ConfigError(f"PERSIA_API_TORCH_THREADS={threads!r} is not an integer "
                                   f">= 1", field="PERSIA_API_TORCH_THREADS")
             values["torch_threads"] = int(threads)
+        rows = _env("PERSIA_API_TABLE_ROWS")
+        if rows is not None:
+            if not rows.isdigit():
+                raise ConfigError(f"PERSIA_API_TABLE_ROWS={rows!r} is not an integer",
+                                  field="PERSIA_API_TABLE_ROWS")
+            values["table_rows"] = int(rows)
         predict_auth = _env_bool("PERSIA_API_PREDICT_AUTH")
         if predict_auth is not None:
             values["predict_requires_token"] = predict_auth

@@ -37,11 +37,13 @@ def _wants_msgpack(request: Request) -> bool:
 
 
 def _response(request: Request, p: Prediction) -> Response:
+    versions = {"model_version": p.step, "checkpoint": p.version,
+                "trained_through": p.trained_through}
     if _wants_msgpack(request):
-        body = wire.pack({"model_version": p.version, "rows": p.rows, "missing_ids": p.missing,
+        body = wire.pack({**versions, "rows": p.rows, "missing_ids": p.missing,
                           "heads": list(p.heads), "outputs": p.heads})
         return Response(body, media_type="application/msgpack")
-    return JSONResponse({"model_version": p.version, "rows": p.rows, "missing_ids": p.missing,
+    return JSONResponse({**versions, "rows": p.rows, "missing_ids": p.missing,
                          "heads": list(p.heads), "predictions": predictions_json(p)})
 
 

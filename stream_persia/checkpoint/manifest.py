@@ -153,6 +153,26 @@ def _server_config(value: Any) -> None:
                            f"{value[key]!r}"[:300], field=f"server_config.{key}")
 
 
+def _update_positions(v: Any, shards: int) -> list[dict[str, Any]] | None:
+    """``model_updates``: per shard, where a serving replica restored from this checkpoint
+    follows that server's update log (:mod:`stream_persia.server.updates`)."""
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) != shards:
+        raise BadInput(f"manifest 'model_updates' must be a list of {shards} positions, got "
+                       f"{str(v)[:80]}", field="model_updates")
+    out = []
+    for i, p in enumerate(v):
+        if not (isinstance(p, dict) and set(p) == {"incarnation", "seq"}
+                and isinstance(p["incarnation"], str) and 0 < len(p["incarnation"]) <= 64
+                and isinstance(p["seq"], int) and not isinstance(p["seq"], bool)
+                and p["seq"] >= 0):
+            raise BadInput(f"manifest 'model_updates'[{i}] must be {{'incarnation': str, "
+                           f"'seq': int >= 0}}, got {str(p)[:80]}", field="model_updates")
+        out.append({"incarnation": p["incarnation"], "seq": p["seq"]})
+    return out
+
+
 @dataclass
 class Manifest:
     """What a checkpoint holds. Validated on construction (``BadInput`` naming the key).
@@ -173,6 +193,7 @@ class Manifest:
     opt_filename: str | None = None
     jit_filename: str | None = None
     server_config: dict[str, Any] | None = None
+    model_updates: list[dict[str, Any]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     path: str | None = field(default=None, compare=False, repr=False)
@@ -215,6 +236,7 @@ class Manifest:
                 raise BadInput(f"manifest {key!r} names {named!r}, which is not in 'files'",
                                field=key)
         _server_config(self.server_config)
+        self.model_updates = _update_positions(self.model_updates, self.shard_count)
         if not isinstance(self.extra, dict):
             raise BadInput(f"manifest 'extra' must be a map, got {type(self.extra).__name__}",
                            field="extra")

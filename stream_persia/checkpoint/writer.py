@@ -72,6 +72,8 @@ class CheckpointWriter:
         self._embedding_files: list[str] = []
         self._server_config: dict[str, Any] | None = None
         self._server_marks: list[Any] = []   # each server's stream watermarks at its dump
+        # each server's update log position at its dump (None: one publishes none)
+        self._update_positions: list[Any] | None = None
         self._state = "open"
         self._check_replaceable()
         fs = self._dst.fs
@@ -174,6 +176,8 @@ class CheckpointWriter:
         self._embedding_files = names
         self._server_config = _one_config(replies)
         self._server_marks = [r.get("watermarks") for r in replies]
+        positions = [r.get("updates") for r in replies]
+        self._update_positions = positions if all(p is not None for p in positions) else None
         return list(names)
 
     # ----------------------------------------------------------------- publishing
@@ -216,7 +220,8 @@ class CheckpointWriter:
             dense_filename=DENSE_FILENAME if DENSE_FILENAME in files else None,
             opt_filename=OPT_FILENAME if OPT_FILENAME in files else None,
             jit_filename=JIT_FILENAME if JIT_FILENAME in files else None,
-            server_config=self._server_config, extra=extra)
+            server_config=self._server_config, model_updates=self._update_positions,
+            extra=extra)
         data = (json.dumps(manifest.to_dict(), indent=2) + "\n").encode()
         if self._dst.local:
             self._check_replaceable()

@@ -23,7 +23,7 @@ import numpy as np
 
 __all__ = ["DumpReply", "FailedPush", "FrontierReply", "LoadReply", "LookupReply",
            "LostServerInfo", "MarkWire", "PushReply", "ServerConfig", "ServerHealth",
-           "ShardFileInfo", "UpdateReply", "WatermarksReply", "WorkerHealth", "WorkerStatus"]
+           "ShardFileInfo", "UpdatePosition", "UpdateReply", "WatermarksReply", "WorkerHealth", "WorkerStatus"]
 
 
 # ------------------------------------------------------------------ embedding server
@@ -96,12 +96,24 @@ class ShardFileInfo(TypedDict):
     sha256: str
 
 
+class UpdatePosition(TypedDict):
+    """Where a serving replica restored from a dump starts following the server's update
+    log (:mod:`stream_persia.server.updates`): the server process and a log sequence."""
+
+    incarnation: str
+    seq: int
+
+
 class DumpReply(ShardFileInfo):
-    """``dump``: the shard file, the configuration its rows were written with and the
-    stream watermarks at the dump (topic -> partition (str) -> watermark)."""
+    """``dump``: the shard file, the configuration its rows were written with, the
+    stream watermarks at the dump (topic -> partition (str) -> watermark) and the update
+    log's position at the dump (None: the server publishes no updates)."""
 
     config: ServerConfig
     watermarks: dict[str, dict[str, MarkWire]]
+    updates: UpdatePosition | None
+
+
 
 
 class LoadReply(TypedDict):

@@ -159,9 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-class", default=None,
                     help="module:Class of the dense model for checkpoints without "
                          "jit_dense.pt (env PERSIA_API_MODEL_CLASS)")
-    ap.add_argument("--embeddings", choices=("auto", "workers", "local"), default=None,
-                    help="served embeddings: through the workers, or loaded from the "
-                         "checkpoint into this process (env PERSIA_API_EMBEDDINGS)")
+    ap.add_argument("--embeddings", choices=("auto", "workers", "local", "replica"),
+                    default=None,
+                    help="served embeddings: through the workers, loaded from the "
+                         "checkpoint into this process, or (replica) loaded from the newest "
+                         "checkpoint and then following training's updates "
+                         "(env PERSIA_API_EMBEDDINGS)")
+    ap.add_argument("--table-rows", type=flags.integer(1), default=None,
+                    help="replica: most embedding rows held, LRU beyond (env "
+                         "PERSIA_API_TABLE_ROWS; default: the servers' capacity together)")
     ap.add_argument("--predict-auth", action="store_true",
                     help="require the bearer token on /v1/predict too "
                          "(env PERSIA_API_PREDICT_AUTH=1)")

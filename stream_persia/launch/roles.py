@@ -206,7 +206,8 @@ def embedding_server(args: argparse.Namespace) -> int:
                                  store_threads=threads, update_tokens=cfg.update_tokens,
                                  checkpoint_root=edge.checkpoint_root,
                                  secret=edge.secret,
-                                 connection_limits=edge.connection_limits)
+                                 connection_limits=edge.connection_limits,
+                                 job=gc.kafka.job_name)
         return await _serve(server, args)
 
     return aio.run(main())
@@ -448,7 +449,8 @@ def api(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir, model_checkpoint=args.model,
         model_class=args.model_class, embeddings=args.embeddings,
         predict_requires_token=True if args.predict_auth else None,
-        batch_wait_ms=args.batch_wait_ms, max_batch_rows=args.max_batch_rows)
+        batch_wait_ms=args.batch_wait_ms, max_batch_rows=args.max_batch_rows,
+        table_rows=args.table_rows)
     settings.check_bind()   # before importing the app: a refusal should be quick
     from stream_persia.api.server import serve
 

@@ -177,6 +177,7 @@ from stream_persia.server.shard_files import (
 )
 from stream_persia.server.sharded import make_store
 from stream_persia.server.store import IMPLEMENTATION
+from stream_persia.server.updates import UpdateFeed
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +277,9 @@ class EmbeddingServer:
                  update_tokens: int = UPDATE_TOKENS,
                  checkpoint_root: CheckpointRoot | str | None = None,
                  secret: auth.SecretSetting = auth.FROM_ENV,
-                 connection_limits: ConnectionLimits = ConnectionLimits()):
+                 connection_limits: ConnectionLimits = ConnectionLimits(),
+                 job: str = "persia", model_updates: bool = True,
+                 model_update_interval_ms: int = 200, update_log_bytes: int = 256 << 20):
         if not (0 <= replica_index < replica_size):
             raise BadInput(f"replica_index {replica_index} is not in [0, {replica_size})",
                            field="replica_index")
@@ -304,6 +307,8 @@ class EmbeddingServer:
         self._replays_refused = 0
         # This process, as opposed to one restarted at its address (module docstring).
         self.incarnation = secrets.token_hex(8)
+        #: The newest event time of an applied update (store thread; see ``update``).
+        self.trained_through: float | None = None
         self._serving = _Serving(
             make_store(capacity, optimizer or optim_mod.Adagrad(),
                        embedding_config or EmbeddingConfig(), shards=store_threads),
@@ -322,6 +327,15 @@ class EmbeddingServer:
             "replays_refused": float(self._replays_refused),
             "partitions": float(len(self._marks))}, counters={"replays_refused"})
         self._req = self.metrics.counter("requests_total", "RPC requests", ("method",))
+        # What serving replicas follow (stream_persia.server.updates); None: not published.
+        self.feed: UpdateFeed | None = None
+        if model_updates:
+            self.feed = UpdateFeed(
+                store=lambda: self._serving.store, run=self._run,
+                trained_through=lambda: self.trained_through, job=job, shard=replica_index,
+                shards=replica_size, incarnation=self.incarnation,
+                interval_ms=model_update_interval_ms, log_bytes=update_log_bytes,
+                metrics=self.metrics)
         self.rpc = RpcServer({
             "health": self._health, "lookup": self._lookup, "update": self._update,
             "size": self._size, "clear": self._clear, "stats": self._stats,
@@ -329,6 +343,7 @@ class EmbeddingServer:
             "commit_load": self._commit_load, "abort_load": self._abort_load,
             "get_config": self._get_config, "metrics": self._metrics,
             "watermarks": self._watermarks,
+            **({} if self.feed is None else {"model_updates": self.feed.model_updates}),
         }, host=host, port=port, name=f"embedding-server-{replica_index}", secret=secret,
             connection_limits=connection_limits)
         self.metrics.add_callback("rpc", self.rpc.connection_stats,
@@ -337,11 +352,15 @@ class EmbeddingServer:
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         await self.rpc.start()
+        if self.feed is not None:
+            self.feed.start()
         log.info("embedding server %d/%d listening on %s (store: %s, %d thread%s)",
                  self.replica_index, self.replica_size, self.rpc.address, IMPLEMENTATION,
                  self.store_threads, "" if self.store_threads == 1 else "s")
 
     async def stop(self) -> None:
+        if self.feed is not None:
+            await self.feed.stop()
         await self.rpc.stop()
         self._pool.shutdown(wait=True)
         staged, self._staged = self._staged, None
@@ -579,7 +598,8 @@ class EmbeddingServer:
         # state's kind), so that a restore can configure a server that holds none.
         return await self._run(
             lambda: DumpReply(**write_shard_file(self.store.dump(), directory, name),
-                              config=self._config(), watermarks=self._marks.to_wire()))
+                              config=self._config(), watermarks=self._marks.to_wire(),
+                              updates=None if self.feed is None else self.feed.position()))
 
     async def _load(self, params: Any) -> LoadReply:
         self._req.labels("load").inc()

@@ -1,0 +1,400 @@
+"""A serving replica: its own read-only tables, following what training changes.
+
+With ``PERSIA_API_EMBEDDINGS=replica`` the API loads a checkpoint like ``local`` serving
+does (its rows into a table in this process, its dense model), then follows:
+
+- every embedding server's **update log** (:mod:`stream_persia.server.updates`), from the
+  position the checkpoint's manifest records for it (``model_updates``): tombstones leave
+  the table, changed rows are written into it, a ``reset`` drops the shard's rows, and each
+  ``mark`` says the shard is applied through that version and event time. Messages of one
+  pull are applied in one go on the predictor's thread, between two forward passes (the
+  table is never read and written at once);
+- the **dense model** that NN rank 0 publishes to embedding server 0 (``get_dense``, chunks
+  checked against their sha256): loaded into a copy of the served module, then swapped in
+  with one reference, between requests.
+
+It never looks anything up on the training servers. The table is bounded
+(``PERSIA_API_TABLE_ROWS``, default: the rows the servers may hold together) and LRU: a row
+pushed out answers as missing (zeros) until it changes again.
+
+Restarts and gaps, never silent: a server restarted (another incarnation) is read from the
+start of its new log, which begins with a ``reset``; a replica that fell behind a server's
+bounded log asks it for a full pass (``resync``) and skips to that pass's ``reset``. A
+restarted replica restores the newest checkpoint again and catches up from there. While a
+shard is being resynced, ``trained_through`` stays where it was, so the gap shows in the
+freshness metric.
+
+``model_version`` is the step of the dense model served; ``trained_through`` the event time
+of the newest sample whose updates are applied: the oldest of every shard's last mark and
+the dense model's. The histogram ``persia_api_freshness_seconds`` observes, each time
+``trained_through`` advances, the age of the oldest sample the advance covers (now minus
+the previous ``trained_through``), an upper bound of the freshness of every sample in it;
+``GET /v1/model`` lists recent advances for exact measurements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import hashlib
+import io
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from stream_persia.api.roles import Roles
+
+from stream_persia.core.metrics import RoleMetrics
+from stream_persia.errors import BadInput, PersiaError
+from stream_persia.kernels.sharding import shard_of
+from stream_persia.server.store import Store
+
+__all__ = ["Replica", "ShardCursor", "apply_messages", "drop_shard"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two pulls from each server when the last one brought nothing.
+FOLLOW_INTERVAL_S = 0.05
+#: Bytes asked for in one pull.
+PULL_BYTES = 8 << 20
+#: Advances of ``trained_through`` kept for ``GET /v1/model``.
+ADVANCES_KEPT = 4096
+_FRESHNESS_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
+                      60.0, 300.0)
+
+
+@dataclass
+class ShardCursor:
+    """Where this replica stands in one server's update log."""
+
+    shard: int
+    incarnation: str | None = None
+    next_seq: int = 0
+    skipping: bool = False              # resyncing: skip to the next reset
+    version: int | None = None          # the last mark applied
+    event_time: float | None = None     # ... and its event time
+    resyncs: int = 0
+    restarts: int = 0
+    applied: dict[str, int] = field(default_factory=lambda: {"rows": 0, "tombstones": 0,
+                                                             "resets": 0, "marks": 0})
+
+
+def _array(msg: dict[str, Any], key: str, dtype: Any, ndim: int) -> np.ndarray:
+    a = msg.get(key)
+    if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == ndim):
+        raise BadInput(f"update message {msg.get('seq')!r}: {key} must be a {ndim}-D "
+                       f"{np.dtype(dtype).name} array", field=key)
+    return a
+
+
+def check_message(msg: Any, cursor: ShardCursor, shards: int) -> dict[str, Any]:
+    """An update message as it must be to be applied (BadInput naming the field)."""
+    if not isinstance(msg, dict):
+        raise BadInput(f"an update message must be a map, got {type(msg).__name__}",
+                       field="message")
+    kind = msg.get("kind")
+    if kind not in ("reset", "tombstones", "rows", "mark"):
+        raise BadInput(f"update message kind {kind!r} is unknown", field="kind")
+    if msg.get("shard") != cursor.shard or msg.get("shards") != shards:
+        raise BadInput(f"update message for shard {msg.get('shard')!r}/{msg.get('shards')!r} "
+                       f"came from server {cursor.shard} of {shards}", field="shard")
+    seq, version = msg.get("seq"), msg.get("version")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise BadInput(f"update message seq must be an int >= 0, got {seq!r}", field="seq")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise BadInput(f"update message version must be an int >= 0, got {version!r}",
+                       field="version")
+    et = msg.get("event_time")
+    if et is not None and (isinstance(et, bool) or not isinstance(et, (int, float))
+                           or not np.isfinite(et) or et < 0):
+        raise BadInput(f"update message event_time must be a time >= 0 or null, got {et!r}",
+                       field="event_time")
+    if kind == "tombstones":
+        _array(msg, "ids", np.uint64, 1)
+    elif kind == "rows":
+        dim = msg.get("dim")
+        if not isinstance(dim, int) or isinstance(dim, bool) or not 0 < dim <= 65536:
+            raise BadInput(f"update message dim must be an int in [1, 65536], got {dim!r}",
+                           field="dim")
+        ids, w = _array(msg, "ids", np.uint64, 1), _array(msg, "weights", np.float32, 2)
+        if w.shape != (len(ids), dim):
+            raise BadInput(f"update message weights have shape {w.shape}, not "
+                           f"{(len(ids), dim)}", field="weights")
+    return msg
+
+
+def drop_shard(store: Store, shard: int, shards: int) -> int:
+    """Remove every row of ``store`` that server ``shard`` of ``shards`` owns."""
+    ids = [c["ids"] for c in store.dump()]
+    if not ids:
+        return 0
+    every = np.concatenate(ids)
+    mine = every[shard_of(every, shards) == shard] if shards > 1 else every
+    return int(store.remove(mine)) if len(mine) else 0
+
+
+def apply_messages(store: Store, cursor: ShardCursor, shards: int,
+                   messages: list[dict[str, Any]]) -> None:
+    """Apply one pull's messages in order (on the thread that owns ``store``)."""
+    for msg in messages:
+        kind = msg["kind"]
+        cursor.next_seq = msg["seq"] + 1
+        if cursor.skipping and kind != "reset":
+            continue
+        if kind == "reset":
+            cursor.skipping = False
+            drop_shard(store, cursor.shard, shards)
+            cursor.applied["resets"] += 1
+        elif kind == "tombstones":
+            store.remove(msg["ids"])
+            cursor.applied["tombstones"] += len(msg["ids"])
+        elif kind == "rows":
+            store.load([{"dim": msg["dim"], "ids": msg["ids"], "weights": msg["weights"]}])
+            cursor.applied["rows"] += len(msg["ids"])
+        else:
+            cursor.version, cursor.event_time = msg["version"], msg["event_time"]
+            cursor.applied["marks"] += 1
+
+
+class Replica:
+    """Follows the servers' update logs and server 0's dense model (module docstring).
+
+    Args:
+        roles: the job's embedding servers (``roles.servers``, in replica order).
+        store: the serving table, restored from a checkpoint.
+        positions: the manifest's ``model_updates`` (None: read every log from its start).
+        execute: runs a function on the thread that owns ``store`` (awaitable).
+        on_dense: called (on the event loop) with ``(state_dict, step, event_time)`` of each
+            newer dense model; the predictor builds and swaps the model.
+        dense_step: the step of the dense model served at start (the checkpoint's).
+        dense_event_time: its event time, if known.
+        metrics: the API's metrics registry.
+    """
+
+    def __init__(self, roles: Roles, store: Store, positions: list[dict[str, Any]] | None,
+                 execute: Callable[[Callable[[], Any]], Awaitable[Any]],
+                 on_dense: Callable[[dict[str, Any], int, float | None], Awaitable[None]],
+                 *, dense_step: int = -1, dense_event_time: float | None = None,
+                 metrics: RoleMetrics | None = None, interval_s: float = FOLLOW_INTERVAL_S):
+        self.roles = roles
+        self.store = store
+        self.shards = len(roles.servers)
+        self.execute = execute
+        self.on_dense = on_dense
+        self.interval_s = interval_s
+        self.cursors = [ShardCursor(i) for i in range(self.shards)]
+        self._positions = positions
+        self.dense_step = dense_step
+        self.dense_event_time = dense_event_time
+        self.trained_through: float | None = None
+        self.advances: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=ADVANCES_KEPT)
+        self._tasks: list[asyncio.Task] = []
+        self._warned: dict[str, bool] = {}
+        self.counts = {"pulls": 0, "pull_failures": 0, "bad_messages": 0, "dense_loads": 0,
+                       "dense_failures": 0}
+        self.freshness = None
+        if metrics is not None:
+            self.freshness = metrics.histogram(
+                "freshness_seconds", "age of the oldest sample each advance of "
+                "trained_through covers, when it is applied (upper bound of freshness)",
+                buckets=_FRESHNESS_BUCKETS)
+            metrics.add_callback("replica", self._gauges,
+                                 counters={"pulls", "pull_failures", "bad_messages",
+                                           "dense_loads", "dense_failures", "resyncs",
+                                           "server_restarts"})
+
+    def _gauges(self) -> dict[str, float]:
+        now = time.time()
+        return {**{k: float(v) for k, v in self.counts.items()},
+                "resyncs": float(sum(c.resyncs for c in self.cursors)),
+                "server_restarts": float(sum(c.restarts for c in self.cursors)),
+                "model_version": float(self.dense_step),
+                "staleness_seconds": (now - self.trained_through
+                                      if self.trained_through is not None else -1.0)}
+
+    def info(self) -> dict[str, Any]:
+        """What ``GET /v1/model`` adds in replica mode."""
+        return {"shards": [{"shard": c.shard, "incarnation": c.incarnation,
+                            "next_seq": c.next_seq, "version": c.version,
+                            "event_time": c.event_time, "resyncing": c.skipping,
+                            "resyncs": c.resyncs, "applied": dict(c.applied)}
+                           for c in self.cursors],
+                "advances": [list(a) for a in list(self.advances)[-256:]]}
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._follow(c), name=f"replica-shard-{c.shard}")
+                       for c in self.cursors]
+        self._tasks.append(asyncio.create_task(self._follow_dense(), name="replica-dense"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks = []
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if not self._warned.get(key):
+            self._warned[key] = True
+            log.warning(msg, *args)
+
+    # ----------------------------------------------------------------- sparse
+    async def _follow(self, cursor: ShardCursor) -> None:
+        role = self.roles.servers[cursor.shard]
+        while True:
+            try:
+                more = await self.pull(cursor)
+                self._warned.pop(f"pull-{cursor.shard}", None)
+            except asyncio.CancelledError:
+                raise
+            except PersiaError as e:
+                self.counts["pull_failures"] += 1
+                self._warn_once(f"pull-{cursor.shard}", "replica: cannot follow %s: %s "
+                                "(retrying; trained_through holds)", role.peer, e)
+                more = False
+            if not more:
+                await asyncio.sleep(self.interval_s)
+
+    async def pull(self, cursor: ShardCursor) -> bool:
+        """One pull from server ``cursor.shard`` applied; True when more may be waiting."""
+        role = self.roles.servers[cursor.shard]
+        reply = await self.roles.call(role, "model_updates",
+                                      {"from_seq": cursor.next_seq, "max_bytes": PULL_BYTES})
+        self.counts["pulls"] += 1
+        inc = reply.get("incarnation") if isinstance(reply, dict) else None
+        if not isinstance(inc, str):
+            raise BadInput(f"{role.peer} answered model_updates without an incarnation",
+                           field="incarnation")
+        first, nxt = int(reply.get("first_seq", 0)), int(reply.get("next_seq", 0))
+        if inc != cursor.incarnation:
+            return await self._new_incarnation(cursor, inc, first)
+        if cursor.next_seq < first:   # fell behind the bounded log: rows were lost to us
+            self._warn_once(f"behind-{cursor.shard}", "replica: fell behind %s's update log "
+                            "(at %d, it keeps %d on); asking for a full pass", role.peer,
+                            cursor.next_seq, first)
+            await self._resync(cursor)
+            return True
+        messages = reply.get("messages")
+        if not isinstance(messages, list):
+            raise BadInput(f"{role.peer} answered model_updates without messages",
+                           field="messages")
+        if not messages:
+            return False
+        try:
+            checked = [check_message(m, cursor, self.shards) for m in messages]
+            if checked[0]["seq"] != cursor.next_seq or any(
+                    b["seq"] != a["seq"] + 1
+                    for a, b in zip(checked, checked[1:], strict=False)):
+                raise BadInput(f"{role.peer} sent update messages out of sequence "
+                               f"(expected {cursor.next_seq})", field="seq")
+        except BadInput as e:
+            self.counts["bad_messages"] += 1
+            log.error("replica: refused a pull from %s: %s; resyncing", role.peer, e.message)
+            await self._resync(cursor)
+            return True
+        await self.execute(lambda: apply_messages(self.store, cursor, self.shards, checked))
+        self._advance()
+        return cursor.next_seq < nxt
+
+    async def _new_incarnation(self, cursor: ShardCursor, inc: str, first: int) -> bool:
+        start = None
+        if cursor.incarnation is None and self._positions is not None:
+            pos = self._positions[cursor.shard]
+            if pos.get("incarnation") == inc:
+                start = int(pos["seq"])    # the checkpoint's place in this very log
+        if cursor.incarnation is not None:
+            cursor.restarts += 1
+            log.warning("replica: embedding server %d restarted (incarnation %s, was %s); "
+                        "following its new log", cursor.shard, inc, cursor.incarnation)
+        cursor.incarnation = inc
+        cursor.skipping = False
+        if start is None:
+            start = 0   # a log starts with a reset: it rebuilds the shard from nothing
+        if start < first:
+            await self._resync(cursor)
+        else:
+            cursor.next_seq = start
+        return True
+
+    async def _resync(self, cursor: ShardCursor) -> None:
+        reply = await self.roles.call(self.roles.servers[cursor.shard], "model_updates",
+                                      {"resync": True})
+        cursor.next_seq = int(reply["resync_seq"])
+        cursor.skipping = True
+        cursor.resyncs += 1
+
+    # ----------------------------------------------------------------- dense
+    async def _follow_dense(self) -> None:
+        while True:
+            try:
+                got = await self.pull_dense()
+                self._warned.pop("dense", None)
+            except asyncio.CancelledError:
+                raise
+            except PersiaError as e:
+                self.counts["dense_failures"] += 1
+                self._warn_once("dense", "replica: cannot fetch the dense model: %s", e)
+                got = False
+            if not got:
+                await asyncio.sleep(self.interval_s * 4)
+
+    async def pull_dense(self) -> bool:
+        """Fetch and apply server 0's dense model if newer; True when one was applied."""
+        role = self.roles.servers[0]
+        first = await self.roles.call(role, "get_dense", {"since": self.dense_step,
+                                                          "chunk": 0})
+        if first.get("data") is None:
+            return False
+        step, chunks, digest = int(first["version"]), int(first["chunks"]), first["sha256"]
+        parts = [first["data"]]
+        for i in range(1, chunks):
+            r = await self.roles.call(role, "get_dense", {"since": self.dense_step, "chunk": i})
+            if r.get("data") is None or int(r["version"]) != step:
+                return False   # replaced by a newer one meanwhile: start over next time
+            parts.append(r["data"])
+        blob = b"".join(bytes(p) for p in parts)
+        if hashlib.sha256(blob).hexdigest() != digest:
+            raise BadInput(f"the dense model of step {step} does not match its sha256",
+                           field="sha256")
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise BadInput("the dense model blob is not a state dict", field="data")
+        await self.on_dense(state, step, first.get("event_time"))
+        self.dense_step = step
+        self.dense_event_time = first.get("event_time")
+        self.counts["dense_loads"] += 1
+        self._advance()
+        return True
+
+    # ----------------------------------------------------------------- freshness
+    def _advance(self) -> None:
+        times = [c.event_time for c in self.cursors]
+        if any(t is None for t in times) or self.dense_event_time is None:
+            return
+        tt = min(min(t for t in times if t is not None), self.dense_event_time)
+        prev = self.trained_through
+        if prev is not None and tt <= prev:
+            return
+        now = time.time()
+        self.trained_through = tt
+        self.advances.append((now, tt))
+        if self.freshness is not None and prev is not None:
+            self.freshness.observe(max(0.0, now - prev))
+
+
+def rebuilt(module: Any, state: dict[str, Any]) -> Any:
+    """A copy of ``module`` holding ``state`` (the served one is never modified)."""
+    new = copy.deepcopy(module)
+    new.load_state_dict(state)
+    new.eval()
+    return new

@@ -1,0 +1,318 @@
+"""The embedding server's update feed: its changed rows, as a log serving replicas follow.
+
+Every ``model_update_interval_ms`` the server runs a *pass*: it reads the store's
+``change_version`` V and its ``trained_through`` (the newest event time of an update
+applied), then appends to its **update log** the ids evicted since the last pass
+(``tombstones``) and every row changed since it (``rows``: ids and weights, no optimizer
+state), scanned in chunks on the store thread between training calls (each chunk a short
+pause; :meth:`~stream_persia.server.store.Store.changed_since`), and ends the pass with a
+``mark`` (version V and its event time). A pass is skipped when nothing changed.
+
+Messages (maps in the project's wire format, :mod:`stream_persia.core.wire`) all carry
+``job``, ``shard``, ``shards``, ``incarnation`` (the server process), ``seq`` (their place
+in this process's log, from 0), ``kind``, ``version`` and ``event_time``:
+
+- ``reset``: drop every row of this shard (a replica's table of this shard is stale). The
+  log of every process starts with one, and a pass that cannot be incremental (the store
+  was replaced by a restore or cleared, or its eviction log no longer reaches back to the
+  last pass, or a replica asked for a resync) starts with one and lists every row;
+- ``tombstones``: ``ids`` (uint64) no longer stored;
+- ``rows``: ``dim``, ``ids`` (uint64), ``weights`` (float32, ``(n, dim)``);
+- ``mark``: the pass is complete: everything the store held at version ``version`` (and
+  updates trained through ``event_time``) is in the log up to here.
+
+Applying the log in order, tombstones before the rows of the same pass, leaves a replica
+with exactly the server's rows as of the last mark (a row changed during a pass may show up
+with its newer value, and then again in the next pass). Applying a row twice or an older
+pass again changes nothing that the later messages do not restore: each message carries
+the row's whole value, never a delta.
+
+The log is bounded (``log_bytes``; the oldest messages go first). RPC (registered by
+:class:`~stream_persia.server.service.EmbeddingServer`):
+
+- ``model_updates {"from_seq": int >= 0, "max_bytes"?: int, "resync"?: bool}`` →
+  ``{"incarnation", "shard", "shards", "first_seq", "next_seq", "messages": [...]}``: the
+  messages from ``from_seq`` on (at least one when there is one, then up to ``max_bytes``,
+  default :data:`REPLY_BYTES`). A reader whose ``from_seq`` is older than ``first_seq`` lost
+  messages: it asks again with ``"resync": true``, which makes the next pass a full one and
+  answers ``"resync_seq"``, where the reader then goes on (it skips what comes before that
+  pass's ``reset``).
+
+:meth:`UpdateFeed.position` is where a replica restored from a checkpoint dumped now must
+start reading: the first message of the pass under way, or the next one; ``dump`` replies
+carry it (``updates``) and the checkpoint manifest records it per shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from stream_persia.core.metrics import RoleMetrics
+from stream_persia.errors import BadInput
+
+__all__ = ["UpdateFeed", "UpdateLog", "REPLY_BYTES", "MESSAGE_BYTES", "KINDS"]
+
+log = logging.getLogger(__name__)
+
+KINDS = ("reset", "tombstones", "rows", "mark")
+#: Default and largest reply of ``model_updates`` (the RPC frame limit is larger).
+REPLY_BYTES = 8 << 20
+MAX_REPLY_BYTES = 64 << 20
+#: The most payload bytes of one ``rows`` or ``tombstones`` message (it fits a Kafka
+#: message of the default 1 MB limit with its header).
+MESSAGE_BYTES = 900_000
+#: Rows a pass asks the store for per chunk (one short pause of the store thread each).
+CHUNK_ROWS = 16_384
+_HEADER_BYTES = 200   # what one message costs beyond its arrays, roughly
+
+
+def _nbytes(msg: dict[str, Any]) -> int:
+    n = _HEADER_BYTES
+    for key in ("ids", "weights"):
+        a = msg.get(key)
+        if isinstance(a, np.ndarray):
+            n += a.nbytes
+    return n
+
+
+class UpdateLog:
+    """Messages numbered from 0, the oldest dropped beyond ``max_bytes`` (the newest one is
+    always kept)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._items: collections.deque[tuple[dict[str, Any], int]] = collections.deque()
+        self.first_seq = 0
+        self.next_seq = 0
+        self.bytes = 0
+
+    def append(self, msg: dict[str, Any]) -> int:
+        """Number ``msg`` (sets ``msg["seq"]``), keep it, drop the oldest over the bound."""
+        seq = msg["seq"] = self.next_seq
+        n = _nbytes(msg)
+        self._items.append((msg, n))
+        self.next_seq += 1
+        self.bytes += n
+        while self.bytes > self.max_bytes and len(self._items) > 1:
+            _, dropped = self._items.popleft()
+            self.bytes -= dropped
+            self.first_seq += 1
+        return seq
+
+    def read(self, from_seq: int, max_bytes: int) -> list[dict[str, Any]]:
+        """Messages from ``from_seq`` (>= first_seq) on: at least one if any, then while
+        they fit in ``max_bytes``."""
+        out: list[dict[str, Any]] = []
+        total = 0
+        for i in range(from_seq - self.first_seq, len(self._items)):
+            msg, n = self._items[i]
+            if out and total + n > max_bytes:
+                break
+            out.append(msg)
+            total += n
+        return out
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class UpdateFeed:
+    """One embedding server's passes and update log (see the module docstring).
+
+    Args:
+        store: the store in force now (a restore replaces it).
+        run: runs a function on the store thread (awaitable).
+        trained_through: the newest event time of an applied update (store thread).
+        job, shard, shards, incarnation: what every message names.
+        interval_ms: time between two passes.
+        log_bytes: bound of the log.
+        metrics: where the feed's counters and gauges go.
+    """
+
+    def __init__(self, *, store: Callable[[], Any],
+                 run: Callable[..., Awaitable[Any]],
+                 trained_through: Callable[[], float | None], job: str, shard: int,
+                 shards: int, incarnation: str, interval_ms: int = 200,
+                 log_bytes: int = 256 << 20, metrics: RoleMetrics | None = None):
+        if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) \
+                or not 10 <= interval_ms <= 60_000:
+            raise BadInput(f"model_update_interval_ms must be an int in [10, 60000], got "
+                           f"{interval_ms!r}", field="model_update_interval_ms")
+        if isinstance(log_bytes, bool) or not isinstance(log_bytes, int) \
+                or not 1 << 20 <= log_bytes <= 1 << 40:
+            raise BadInput(f"update_log_bytes must be an int in [2**20, 2**40], got "
+                           f"{log_bytes!r}", field="update_log_bytes")
+        self._store = store
+        self._run = run
+        self._trained_through = trained_through
+        self.job, self.shard, self.shards = job, shard, shards
+        self.incarnation = incarnation
+        self.interval_s = interval_ms / 1000.0
+        self.log = UpdateLog(log_bytes)
+        self._published = 0                  # the version the last complete pass reached
+        self._last_store: Any = None         # the store that pass read (None: full pass)
+        self._full_requested = False
+        self._pass_first_seq: int | None = None
+        self._task: asyncio.Task | None = None
+        self._passing = asyncio.Lock()       # one pass at a time (the loop, a test, a drain)
+        self.counts = {"passes": 0, "full_passes": 0, "rows": 0, "tombstones": 0,
+                       "bytes": 0, "failures": 0}
+        self.last_event_time: float | None = None
+        if metrics is not None:
+            metrics.add_callback("updates", self._gauges,
+                                 counters={"passes", "full_passes", "rows", "tombstones",
+                                           "bytes", "failures"})
+
+    def _gauges(self) -> dict[str, float]:
+        return {**{k: float(v) for k, v in self.counts.items()},
+                "log_messages": float(len(self.log)), "log_bytes": float(self.log.bytes),
+                "version": float(self._published)}
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name=f"update-feed-{self.shard}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _loop(self) -> None:
+        failing = False
+        while True:
+            started = time.monotonic()
+            try:
+                await self.run_pass()
+                failing = False
+            except asyncio.CancelledError:
+                raise
+            except Exception:   # a store closed under it, a bug: keep serving, say so once
+                self.counts["failures"] += 1
+                if not failing:
+                    log.exception("embedding server %d: an update pass failed; the next "
+                                  "one will list every row", self.shard)
+                failing = True
+                self._full_requested = True
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    # ----------------------------------------------------------------- passes
+    def position(self) -> dict[str, Any]:
+        """Where a reader restored from a dump taken now starts (call on the store thread,
+        as ``dump`` does)."""
+        seq = self._pass_first_seq if self._pass_first_seq is not None else self.log.next_seq
+        return {"incarnation": self.incarnation, "seq": int(seq)}
+
+    def _message(self, kind: str, version: int, event_time: float | None,
+                 **arrays: Any) -> dict[str, Any]:
+        return {"job": self.job, "shard": self.shard, "shards": self.shards,
+                "incarnation": self.incarnation, "seq": -1, "kind": kind,
+                "version": int(version), "event_time": event_time, **arrays}
+
+    def _append(self, msg: dict[str, Any]) -> None:
+        self.log.append(msg)
+        self.counts["bytes"] += _nbytes(msg)
+
+    async def run_pass(self) -> bool:
+        """One pass (see the module docstring); False when nothing had changed."""
+        async with self._passing:
+            return await self._pass()
+
+    async def _pass(self) -> bool:
+        store = self._store()
+        full = self._full_requested or store is not self._last_store
+        self._full_requested = False
+        since = 0 if full else self._published
+
+        def begin() -> tuple[int, float | None, np.ndarray | None, bool]:
+            version = int(store.change_version)
+            event_time = self._trained_through()
+            if full or version == since:
+                return version, event_time, None, not full
+            ids, _, complete = store.evicted_since(since)
+            return version, event_time, ids, complete
+
+        self._pass_first_seq = self.log.next_seq
+        try:
+            version, event_time, tombs, incremental = await self._run(begin)
+            if incremental and version == since:
+                return False
+            full = not incremental
+            if full:
+                since = 0
+                self._append(self._message("reset", version, event_time))
+                self.counts["full_passes"] += 1
+            elif tombs is not None and len(tombs):
+                step = MESSAGE_BYTES // 8
+                for i in range(0, len(tombs), step):
+                    self._append(self._message("tombstones", version, event_time,
+                                               ids=np.ascontiguousarray(tombs[i:i + step])))
+                self.counts["tombstones"] += len(tombs)
+            chunks = await self._run(store.changed_since, since, CHUNK_ROWS)
+            while True:
+                chunk = await self._run(next, chunks, None)
+                if chunk is None:
+                    break
+                if self._store() is not store:   # replaced by a restore mid-pass
+                    self._full_requested = True
+                    return True
+                self._append_rows(chunk, version, event_time)
+            self._append(self._message("mark", version, event_time))
+            self._published, self._last_store = version, store
+            self.last_event_time = event_time
+            self.counts["passes"] += 1
+            return True
+        finally:
+            self._pass_first_seq = None
+
+    def _append_rows(self, chunk: dict[str, Any], version: int,
+                     event_time: float | None) -> None:
+        ids, weights, dim = chunk["ids"], chunk["weights"], int(chunk["dim"])
+        step = max(1, MESSAGE_BYTES // (8 + 4 * dim))
+        for i in range(0, len(ids), step):
+            self._append(self._message("rows", version, event_time, dim=dim,
+                                       ids=np.ascontiguousarray(ids[i:i + step]),
+                                       weights=np.ascontiguousarray(weights[i:i + step])))
+        self.counts["rows"] += len(ids)
+
+    # ----------------------------------------------------------------- RPC
+    async def model_updates(self, params: Any) -> dict[str, Any]:
+        """The ``model_updates`` RPC (module docstring)."""
+        if not isinstance(params, dict):
+            raise BadInput(f"params must be a map, got {type(params).__name__}",
+                           field="params")
+        unknown = set(params) - {"from_seq", "max_bytes", "resync"}
+        if unknown:
+            raise BadInput(f"model_updates: unknown key(s) {sorted(unknown)}",
+                           field=sorted(unknown)[0])
+        from_seq = params.get("from_seq", 0)
+        if isinstance(from_seq, bool) or not isinstance(from_seq, int) or from_seq < 0:
+            raise BadInput(f"from_seq must be an int >= 0, got {from_seq!r}", field="from_seq")
+        max_bytes = params.get("max_bytes", REPLY_BYTES)
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) \
+                or not 1 <= max_bytes <= MAX_REPLY_BYTES:
+            raise BadInput(f"max_bytes must be an int in [1, {MAX_REPLY_BYTES}], got "
+                           f"{max_bytes!r}", field="max_bytes")
+        resync = params.get("resync", False)
+        if not isinstance(resync, bool):
+            raise BadInput(f"resync must be a bool, got {resync!r}", field="resync")
+        reply: dict[str, Any] = {"incarnation": self.incarnation, "shard": self.shard,
+                                 "shards": self.shards, "first_seq": self.log.first_seq,
+                                 "next_seq": self.log.next_seq, "messages": []}
+        if resync:
+            self._full_requested = True
+            reply["resync_seq"] = self.log.next_seq
+            return reply
+        if from_seq >= self.log.first_seq:
+            reply["messages"] = self.log.read(from_seq, max_bytes)
+        return reply

@@ -1,0 +1,176 @@
+"""A serving replica (``PERSIA_API_EMBEDDINGS=replica``) follows training into serving.
+
+Real embedding servers and a worker on loopback, the API served by uvicorn. The replica
+restores a checkpoint, then follows the servers' update logs and server 0's dense model:
+after training goes on and the logs are drained, its predictions equal (within 1e-6) those
+of an API that looks the same rows up on the training servers with the same dense model;
+a newer dense model published to server 0 is served from then on, and every answer names
+the dense step (``model_version``) and ``trained_through``. A server restarted mid-stream
+is followed from its new log (the replica converges again), and a replica that restarts
+catches up from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import time
+
+import numpy as np
+import pytest
+import torch
+from api_helpers import (
+    LiveApi,
+    TwoHeads,
+    settings_for,
+    start_job,
+    stop_job,
+    write_checkpoint,
+)
+
+from stream_persia.embedding.data import PersiaBatch
+from stream_persia.testing.samples import make_batch
+
+
+def eval_bodies() -> list[dict]:
+    out = []
+    for i, size in enumerate((1, 7, 40)):
+        b = make_batch(300 + i, batch_size=size, vocab=70)
+        b = PersiaBatch(b.id_type_features, b.non_id_type_features, b.labels,
+                        requires_grad=False)
+        out.append({"id_type_features": {f.name: [x.tolist() for x in f.data]
+                                         for f in b.id_type_features},
+                    "non_id_type_features": {f.name: f.data.tolist()
+                                             for f in b.non_id_type_features}})
+    return out
+
+
+async def predictions(api: LiveApi) -> tuple[list[np.ndarray], list[dict]]:
+    outs, metas = [], []
+    for body in eval_bodies():
+        r = await api.client.post("/v1/predict", json=body)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        outs.append(np.array([p["click"] for p in j["predictions"]]))
+        metas.append({k: j[k] for k in ("model_version", "checkpoint", "trained_through")})
+    return outs, metas
+
+
+async def drained(api: LiveApi, job, timeout_s: float = 20.0) -> dict:
+    """Until the replica has applied every server's rows as they are now."""
+    want = [s.store.change_version for s in job.servers]
+    async with asyncio.timeout(timeout_s):
+        while True:
+            info = (await api.client.get("/v1/model")).json()
+            got = [sh["version"] for sh in info["replica"]["shards"]]
+            if got == want:
+                return info
+            await asyncio.sleep(0.05)
+
+
+async def publish_dense(job, model: torch.nn.Module, step: int, event_time: float) -> None:
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    blob = buf.getvalue()
+    client = job.client(job.server_addresses[0])
+    await client.call("put_dense", {"version": step, "event_time": event_time, "chunk": 0,
+                                    "chunks": 1, "data": blob,
+                                    "sha256": hashlib.sha256(blob).hexdigest()})
+
+
+def table_rows(store) -> dict[int, bytes]:
+    return {k: w.tobytes() for c in store.dump()
+            for k, w in zip(c["ids"].tolist(), c["weights"], strict=True)}
+
+
+def server_rows(job) -> dict[int, bytes]:
+    out: dict[int, bytes] = {}
+    for s in job.servers:
+        out.update(table_rows(s.store))
+    return out
+
+
+def assert_close(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("n_servers", [1, 2])
+async def test_replica_follows_training_exactly(tmp_path, n_servers):
+    job = await start_job(n_servers=n_servers)
+    try:
+        await job.train(4)
+        ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3))
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                checkpoint_dir=str(tmp_path / "ckpts"))
+        async with LiveApi(settings) as replica:
+            first, _ = await predictions(replica)
+            await job.train(6, seed=1)      # rows change after the checkpoint
+            await drained(replica, job)
+            served, metas = await predictions(replica)
+            assert table_rows(replica.state.predictor.replica.store) == server_rows(job)
+            async with LiveApi(settings_for(job, model_checkpoint=ckpt,
+                                            embeddings="workers")) as on_training:
+                want, _ = await predictions(on_training)
+            assert_close(served, want)
+            assert any(np.abs(f - w).max() > 1e-4 for f, w in zip(first, want, strict=True))
+            assert metas[0]["model_version"] == 1 and metas[0]["trained_through"] is None
+
+            # a newer dense model published by training: served from then on
+            newer = TwoHeads(seed=11)
+            t0 = time.time()
+            await publish_dense(job, newer, step=57, event_time=t0)
+            async with asyncio.timeout(20):
+                while (await replica.client.get("/v1/model")).json()["model_version"] != 57:
+                    await asyncio.sleep(0.05)
+            info = await drained(replica, job)
+            served, metas = await predictions(replica)
+            ckpt2 = await write_checkpoint(job, str(tmp_path / "ckpts" / "c2"), newer)
+            async with LiveApi(settings_for(job, model_checkpoint=ckpt2,
+                                            embeddings="workers")) as on_training:
+                want, _ = await predictions(on_training)
+            assert_close(served, want)
+            assert all(m["model_version"] == 57 for m in metas)
+            # trained_through: the oldest of the shards' marks and the dense model's
+            assert info["trained_through"] is None or info["trained_through"] <= t0
+    finally:
+        await stop_job(job)
+
+
+async def test_replica_converges_after_a_server_restart(tmp_path):
+    job = await start_job(n_servers=2)
+    try:
+        await job.train(3)
+        ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3))
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                checkpoint_dir=str(tmp_path / "ckpts"))
+        async with LiveApi(settings) as replica:
+            await drained(replica, job)
+            # server 1 "restarts": a new process at the same address, restored from the
+            # checkpoint (another incarnation, a log that starts with a reset)
+            old = job.servers[1]
+            address = old.address
+            await old.stop()
+            from stream_persia.embedding import EmbeddingConfig
+            from stream_persia.embedding.optim import SGD
+            from stream_persia.server.service import EmbeddingServer
+            from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT
+            host, port = address.rsplit(":", 1)
+            new = EmbeddingServer(100_000, SGD(lr=0.5), EmbeddingConfig((-0.5, 0.5)),
+                                  replica_index=1, replica_size=2, host=host, port=int(port),
+                                  checkpoint_root=TEST_CHECKPOINT_ROOT)
+            await new.start()
+            job.servers[1] = new
+            client = job.client(address)
+            import json
+            import os
+            manifest = json.load(open(os.path.join(ckpt, "manifest.json")))
+            await client.call("load", {"dir": ckpt, "files": manifest["embedding_files"]})
+            info = await drained(replica, job)
+            assert info["replica"]["shards"][1]["incarnation"] == new.incarnation
+            follower = replica.state.predictor.replica
+            assert follower.cursors[1].restarts == 1
+            assert table_rows(follower.store) == server_rows(job)
+    finally:
+        await stop_job(job)
