@@ -37,6 +37,7 @@ from stream_persia.api.inputs import ModelInputs
 from stream_persia.api.metrics import ApiMetrics
 from stream_persia.api.model import DenseModel, load_dense
 from stream_persia.api.replica import Replica, rebuilt
+from stream_persia.api.replica_kafka import KafkaFollow
 from stream_persia.api.roles import WORKER, Roles
 from stream_persia.api.settings import ApiSettings
 
@@ -105,6 +106,7 @@ class Predictor:
         self._last_error: str | None = None
         self._retry: asyncio.Task | None = None
         self.replica: Replica | None = None
+        self._kafka: KafkaFollow | None = None
         self.batcher = MicroBatcher(self._run, max_rows=settings.max_batch_rows,
                                     max_wait_s=settings.batch_wait_ms / 1000.0)
 
@@ -160,9 +162,7 @@ class Predictor:
                 delay = min(max_s, delay * 2)
 
     async def stop(self) -> None:
-        if self.replica is not None:
-            await self.replica.stop()
-            self.replica = None
+        await self._stop_following()
         task, self._retry = self._retry, None
         if task is not None:
             task.cancel()
@@ -260,17 +260,34 @@ class Predictor:
                  old.version if old is not None else "none")
         return served.info()
 
-    async def _follow(self, served: Served) -> None:
-        """(Re)start following the training job's updates into ``served``'s table."""
+    async def _stop_following(self) -> None:
+        if self._kafka is not None:
+            await self._kafka.stop()
+            self._kafka = None
         if self.replica is not None:
             await self.replica.stop()
+            self.replica = None
+
+    async def _follow(self, served: Served) -> None:
+        """(Re)start following the training job's updates into ``served``'s table: from
+        Kafka when the job has brokers (``updates``), else over RPC from the servers."""
+        await self._stop_following()
         assert served.table is not None
         loop = asyncio.get_running_loop()
+        positions = served.dense.manifest.model_updates
         self.replica = Replica(
-            self.roles, served.table.store, served.dense.manifest.model_updates,
+            self.roles, served.table.store, positions,
             execute=lambda fn: loop.run_in_executor(self._pool, fn),
             on_dense=self._on_dense, dense_step=served.dense.step, metrics=self.metrics.role)
-        self.replica.start()
+        kafka = self.settings.updates_kafka()
+        if kafka is None:
+            self.replica.start()
+            return
+        bootstrap, topic, security = kafka
+        self._kafka = KafkaFollow(self.replica, bootstrap, topic, positions,
+                                  security_kwargs=security)
+        await self._kafka.start()
+        self.replica.start(sparse_over_rpc=False)
 
     async def _on_dense(self, state: dict[str, Any], step: int,
                         event_time: float | None) -> None:

@@ -80,6 +80,7 @@ class ShardCursor:
     event_time: float | None = None     # ... and its event time
     resyncs: int = 0
     restarts: int = 0
+    start: tuple[str, int] | None = None   # Kafka: skip to this (incarnation, seq) first
     applied: dict[str, int] = field(default_factory=lambda: {"rows": 0, "tombstones": 0,
                                                              "resets": 0, "marks": 0})
 
@@ -228,9 +229,10 @@ class Replica:
                 "advances": [list(a) for a in list(self.advances)[-256:]]}
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self) -> None:
+    def start(self, *, sparse_over_rpc: bool = True) -> None:
+        """Follow the dense model and (unless Kafka brings them) the servers' logs."""
         self._tasks = [asyncio.create_task(self._follow(c), name=f"replica-shard-{c.shard}")
-                       for c in self.cursors]
+                       for c in self.cursors] if sparse_over_rpc else []
         self._tasks.append(asyncio.create_task(self._follow_dense(), name="replica-dense"))
 
     async def stop(self) -> None:
@@ -303,7 +305,7 @@ class Replica:
             await self._resync(cursor)
             return True
         await self.execute(lambda: apply_messages(self.store, cursor, self.shards, checked))
-        self._advance()
+        self.advance()
         return cursor.next_seq < nxt
 
     async def _new_incarnation(self, cursor: ShardCursor, inc: str, first: int) -> bool:
@@ -373,11 +375,12 @@ class Replica:
         self.dense_step = step
         self.dense_event_time = first.get("event_time")
         self.counts["dense_loads"] += 1
-        self._advance()
+        self.advance()
         return True
 
     # ----------------------------------------------------------------- freshness
-    def _advance(self) -> None:
+    def advance(self) -> None:
+        """Recompute ``trained_through`` after something was applied."""
         times = [c.event_time for c in self.cursors]
         if any(t is None for t in times) or self.dense_event_time is None:
             return

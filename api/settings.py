@@ -29,8 +29,10 @@ from stream_persia.config import (
     EmbeddingParameterServerConfig,
     EmbeddingSchema,
     GlobalConfig,
+    KafkaConfig,
     load_embedding_config,
 )
+from stream_persia.config.kafka import resolve_bootstrap_servers
 from stream_persia.core.embedding_config import MAX_CAPACITY
 from stream_persia.core.hosts import is_loopback
 from stream_persia.errors import ConfigError
@@ -38,6 +40,8 @@ from stream_persia.errors import ConfigError
 __all__ = ["ApiSettings", "EMBEDDING_SOURCES"]
 
 EMBEDDING_SOURCES = ("auto", "workers", "local", "replica")
+#: Where a serving replica reads the update stream: Kafka when the job has brokers (auto).
+UPDATE_SOURCES = ("auto", "rpc", "kafka")
 
 
 def _env(name: str) -> str | None:
@@ -133,6 +137,7 @@ class ApiSettings:
     torch_threads: int = 1
     inline_max_rows: int = 16
     table_rows: int | None = None
+    updates: str = "auto"
     global_config: GlobalConfig | None = None
 
     def __post_init__(self) -> None:
@@ -163,6 +168,13 @@ class ApiSettings:
             raise ConfigError("a serving replica follows the embedding servers' updates: "
                               "none are configured", field="PERSIA_EMBEDDING_SERVERS",
                               hint="set PERSIA_EMBEDDING_SERVERS=host:port[,...]")
+        if self.updates not in UPDATE_SOURCES:
+            raise ConfigError(f"updates must be one of {UPDATE_SOURCES}, got "
+                              f"{self.updates!r}", field="PERSIA_API_UPDATES")
+        if self.updates == "kafka" and self._bootstrap() is None:
+            raise ConfigError("a replica following Kafka needs the job's brokers",
+                              field="PERSIA_API_UPDATES",
+                              hint="set kafka.bootstrap_servers or KAFKA_BOOTSTRAP_SERVERS")
         if self.table_rows is not None and (isinstance(self.table_rows, bool)
                                             or not isinstance(self.table_rows, int)
                                             or not 1 <= self.table_rows <= MAX_CAPACITY):
@@ -171,6 +183,22 @@ class ApiSettings:
         if self.model_class is not None and ":" not in self.model_class:
             raise ConfigError(f"model_class must be 'module:Class', got {self.model_class!r}",
                               field="model_class", hint="e.g. 'my_model:DNN'")
+
+    def _bootstrap(self) -> str | None:
+        return resolve_bootstrap_servers(self.global_config, None)
+
+    def updates_kafka(self) -> tuple[str, str, dict[str, Any]] | None:
+        """(bootstrap servers, update topic, security settings) when a replica follows
+        Kafka (``updates`` kafka, or auto with brokers configured), else None (RPC)."""
+        if self.updates == "rpc":
+            return None
+        bootstrap = self._bootstrap()
+        if bootstrap is None:
+            return None
+        from stream_persia.kafka.updates import updates_topic
+
+        kafka = self.global_config.kafka if self.global_config is not None else KafkaConfig()
+        return bootstrap, updates_topic(kafka.job_name), kafka.security_kwargs()
 
     def replica_rows(self) -> int:
         """Rows a serving replica's table holds: ``table_rows``, else what the servers may
@@ -234,6 +262,7 @@ class ApiSettings:
             "model_checkpoint": _env("PERSIA_API_MODEL"),
             "model_class": _env("PERSIA_API_MODEL_CLASS"),
             "embeddings": _env("PERSIA_API_EMBEDDINGS") or "auto",
+            "updates": _env("PERSIA_API_UPDATES") or "auto",
             "global_config": global_config,
         }
         threads = _env("PERSIA_API_TORCH_THREADS")

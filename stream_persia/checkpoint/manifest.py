@@ -162,14 +162,18 @@ def _update_positions(v: Any, shards: int) -> list[dict[str, Any]] | None:
         raise BadInput(f"manifest 'model_updates' must be a list of {shards} positions, got "
                        f"{str(v)[:80]}", field="model_updates")
     out = []
+    def count(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
     for i, p in enumerate(v):
-        if not (isinstance(p, dict) and set(p) == {"incarnation", "seq"}
+        if not (isinstance(p, dict) and {"incarnation", "seq"} <= set(p)
+                and set(p) <= {"incarnation", "seq", "offset"}
                 and isinstance(p["incarnation"], str) and 0 < len(p["incarnation"]) <= 64
-                and isinstance(p["seq"], int) and not isinstance(p["seq"], bool)
-                and p["seq"] >= 0):
+                and count(p["seq"]) and count(p.get("offset", 0))):
             raise BadInput(f"manifest 'model_updates'[{i}] must be {{'incarnation': str, "
-                           f"'seq': int >= 0}}, got {str(p)[:80]}", field="model_updates")
-        out.append({"incarnation": p["incarnation"], "seq": p["seq"]})
+                           f"'seq': int >= 0, 'offset'?: int >= 0}}, got {str(p)[:80]}",
+                           field="model_updates")
+        out.append(dict(p))
     return out
 
 

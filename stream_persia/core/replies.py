@@ -98,10 +98,12 @@ class ShardFileInfo(TypedDict):
 
 class UpdatePosition(TypedDict):
     """Where a serving replica restored from a dump starts following the server's update
-    log (:mod:`stream_persia.server.updates`): the server process and a log sequence."""
+    log (:mod:`stream_persia.server.updates`): the server process, a log sequence and,
+    when the log goes to Kafka too, an offset at or before it in the server's partition."""
 
     incarnation: str
     seq: int
+    offset: NotRequired[int]
 
 
 class DumpReply(ShardFileInfo):

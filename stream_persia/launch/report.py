@@ -20,7 +20,58 @@ import numpy as np
 from stream_persia.launch.topology import Topology
 from stream_persia.nn.utils import roc_auc
 
-__all__ = ["served_metrics", "build_report", "plot_report", "print_report"]
+__all__ = ["served_metrics", "build_report", "plot_report", "print_report",
+           "predict_over_http", "auc_of"]
+
+
+def predict_over_http(client: Any, auth: dict[str, str], batches: list, tasks: list[str]
+                      ) -> dict[str, Any]:
+    """Predict labelled ``batches`` through ``client`` (an ``httpx.Client`` on an API):
+    ``{"preds": {task: array}, "labels": {task: array}, "rows", "missing_ids",
+    "examples", "model_version", "trained_through"}`` or ``{"error": ...}``."""
+    preds: dict[str, list[float]] = {t: [] for t in tasks}
+    labels: dict[str, list[float]] = {t: [] for t in tasks}
+    missing, rows = 0, 0
+    examples: list[dict[str, Any]] = []
+    body: dict[str, Any] = {}
+    for batch in batches:
+        r = client.post("/v1/predict", content=batch.to_bytes(),
+                        headers={**auth, "Content-Type": "application/msgpack"})
+        if r.status_code != 200:
+            return {"error": f"predict failed: HTTP {r.status_code} {r.text[:300]}"}
+        body = r.json()
+        heads = body["heads"]
+        missing += int(body.get("missing_ids", 0))
+        rows += int(body["rows"])
+        batch_labels = [np.asarray(lb.data, dtype=np.float64).reshape(batch.batch_size, -1)
+                        for lb in (batch.labels or [])]
+        for i, p in enumerate(body["predictions"]):
+            for t, task in enumerate(tasks):
+                head = heads[t] if t < len(heads) else None
+                value = p.get(head) if head is not None else None
+                if isinstance(value, list):
+                    value = np.asarray(value, dtype=np.float64).ravel()[0]
+                preds[task].append(float("nan") if value is None else float(value))
+                labels[task].append(float(batch_labels[t][i, 0]) if t < len(batch_labels)
+                                    else float("nan"))
+            if len(examples) < 5:
+                examples.append({**p, "label": {task: labels[task][-1] for task in tasks}})
+    return {"preds": {t: np.asarray(v) for t, v in preds.items()},
+            "labels": {t: np.asarray(v) for t, v in labels.items()}, "rows": rows,
+            "missing_ids": missing, "examples": examples,
+            "model_version": body.get("model_version"),
+            "trained_through": body.get("trained_through")}
+
+
+def auc_of(result: dict[str, Any], tasks: list[str]) -> dict[str, float]:
+    """AUC per task of a :func:`predict_over_http` result (tasks with both labels)."""
+    out = {}
+    for task in tasks:
+        y, s = result["labels"][task], result["preds"][task]
+        ok = np.isfinite(y) & np.isfinite(s)
+        if ok.any() and 0 < y[ok].sum() < ok.sum():
+            out[task] = float(roc_auc(y[ok], s[ok]))
+    return out
 
 
 def served_metrics(api_address: str, token: str, checkpoint: str, batches: list | None,
@@ -37,40 +88,12 @@ def served_metrics(api_address: str, token: str, checkpoint: str, batches: list 
         model = r.json()
         if not batches:
             return {"model_version": model.get("version"), "rows": 0}
-        preds: dict[str, list[float]] = {t: [] for t in tasks}
-        labels: dict[str, list[float]] = {t: [] for t in tasks}
-        missing, rows = 0, 0
-        examples: list[dict[str, Any]] = []
-        for batch in batches:
-            r = client.post("/v1/predict", content=batch.to_bytes(),
-                            headers={**auth, "Content-Type": "application/msgpack"})
-            if r.status_code != 200:
-                return {"error": f"predict failed: HTTP {r.status_code} {r.text[:300]}"}
-            body = r.json()
-            heads = body["heads"]
-            missing += int(body.get("missing_ids", 0))
-            rows += int(body["rows"])
-            batch_labels = [np.asarray(lb.data, dtype=np.float64).reshape(batch.batch_size, -1)
-                            for lb in (batch.labels or [])]
-            for i, p in enumerate(body["predictions"]):
-                for t, task in enumerate(tasks):
-                    head = heads[t] if t < len(heads) else None
-                    value = p.get(head) if head is not None else None
-                    if isinstance(value, list):
-                        value = np.asarray(value, dtype=np.float64).ravel()[0]
-                    preds[task].append(float("nan") if value is None else float(value))
-                    labels[task].append(float(batch_labels[t][i, 0]) if t < len(batch_labels)
-                                        else float("nan"))
-                if len(examples) < 5:
-                    examples.append({**p, "label": {task: labels[task][-1] for task in tasks}})
-    served_auc = {}
-    for task in tasks:
-        y, s = np.asarray(labels[task]), np.asarray(preds[task])
-        ok = np.isfinite(y) & np.isfinite(s)
-        if ok.any() and 0 < y[ok].sum() < ok.sum():
-            served_auc[task] = float(roc_auc(y[ok], s[ok]))
-    return {"model_version": model.get("version"), "rows": rows, "missing_ids": missing,
-            "served_auc": served_auc, "examples": examples}
+        result = predict_over_http(client, auth, batches, tasks)
+    if "error" in result:
+        return result
+    return {"model_version": model.get("version"), "rows": result["rows"],
+            "missing_ids": result["missing_ids"], "served_auc": auc_of(result, tasks),
+            "examples": result["examples"], "_preds": result["preds"]}
 
 
 def build_report(topo: Topology, metrics: dict[str, Any], served: dict[str, Any] | None,
@@ -82,7 +105,8 @@ def build_report(topo: Topology, metrics: dict[str, Any], served: dict[str, Any]
         "auc": metrics.get("auc") or {}, "bayes_auc": metrics.get("bayes_auc") or {},
         "bayes_lift": metrics.get("bayes_lift") or {},
         "served_auc": (served or {}).get("served_auc", {}),
-        "served": {k: v for k, v in (served or {}).items() if k != "served_auc"},
+        "served": {k: v for k, v in (served or {}).items()
+                   if k != "served_auc" and not k.startswith("_")},
         "checkpoint": metrics.get("checkpoint"), "plot": str(out / "report.png"),
         "output_dir": str(out),
     }
@@ -104,7 +128,16 @@ def plot_report(metrics: dict[str, Any], path: Path, title: str) -> None:
 
     loss = metrics.get("loss_curve") or []
     evals = metrics.get("eval_curve") or []
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fresh = metrics.get("freshness_curve") or []
+    fig, axes = plt.subplots(1, 3 if fresh else 2, figsize=(15 if fresh else 10, 4))
+    ax1, ax2 = axes[0], axes[1]
+    if fresh:
+        ax3 = axes[2]
+        ax3.plot(*zip(*fresh, strict=True), marker=".", linestyle="-")
+        ax3.axhline(2.0, linestyle="--", color="grey", label="2 s target")
+        ax3.set(title="serving replica freshness", xlabel="seconds into the run",
+                ylabel="now - trained_through (s)")
+        ax3.legend()
     if loss:
         x, y = zip(*loss, strict=True)
         ax1.plot(x, y)
@@ -143,6 +176,13 @@ def print_report(report: dict[str, Any], file: Any = None) -> None:
               + (f" ({served['error']})" if served.get("error") else ""), file=f)
         for ex in served.get("examples", [])[:3]:
             print(f"  predicted {ex}", file=f)
+    rep = report.get("replica")
+    if rep:
+        print(f"serving replica   freshness p50 {rep.get('freshness_p50_s')} s, p99 "
+              f"{rep.get('freshness_p99_s')} s over {rep.get('advances')} advances; served "
+              f"AUC after the drain {fmt(rep.get('served_auc_final') or {})}, max |served - "
+              f"trained| {rep.get('served_max_abs_diff')}"
+              + (f" ({rep['error']})" if rep.get("error") else ""), file=f)
     print(f"checkpoint        {report['checkpoint']}", file=f)
     for g in report["gates"]:
         print(f"gate              {g['metric']} >= {g['min']}: {g['value']} "

@@ -186,6 +186,32 @@ async def _serve(role: Any, args: argparse.Namespace,
     return code
 
 
+async def update_sink(gc: Any, replica_index: int, replica_size: int) -> Any:
+    """The Kafka sink of an embedding server's update log when the job has brokers
+    (``<job>.model.updates``, which needs a partition per server plus one), else None."""
+    from stream_persia.config.kafka import resolve_bootstrap_servers
+
+    bootstrap = resolve_bootstrap_servers(gc.kafka, None)
+    if not bootstrap:
+        return None
+    from stream_persia.kafka import topic_partitions
+    from stream_persia.kafka.updates import UpdateSink, updates_topic
+
+    topic = updates_topic(gc.kafka.job_name)
+    have = await topic_partitions(bootstrap, topic, security_kwargs=gc.kafka.security_kwargs(),
+                                  startup_timeout_s=gc.kafka.startup_timeout_ms / 1000)
+    if have < replica_size + 1:
+        raise ConfigError(f"the model update topic {topic!r} has {have} partition(s); "
+                          f"{replica_size} embedding servers need {replica_size + 1}",
+                          field="kafka.job_name",
+                          hint=f"create {topic} with {replica_size + 1} partitions "
+                               f"(stream-persia run does it)")
+    return UpdateSink(topic, replica_index, bootstrap_servers=bootstrap,
+                      security_kwargs=gc.kafka.security_kwargs(),
+                      max_message_bytes=gc.kafka.max_batch_bytes,
+                      startup_timeout_s=gc.kafka.startup_timeout_ms / 1000)
+
+
 def embedding_server(args: argparse.Namespace) -> int:
     from stream_persia.server.service import EmbeddingServer
 
@@ -200,6 +226,7 @@ def embedding_server(args: argparse.Namespace) -> int:
     edge = role_settings(args, gc, "embedding server")
 
     async def main() -> int:
+        sink = await update_sink(gc, args.replica_index, args.replica_size)
         server = EmbeddingServer(capacity, replica_index=args.replica_index,
                                  replica_size=args.replica_size, host=args.host,
                                  port=args.port, stage_ttl_s=cfg.restore_stage_ttl_s,
@@ -207,7 +234,7 @@ def embedding_server(args: argparse.Namespace) -> int:
                                  checkpoint_root=edge.checkpoint_root,
                                  secret=edge.secret,
                                  connection_limits=edge.connection_limits,
-                                 job=gc.kafka.job_name)
+                                 job=gc.kafka.job_name, update_sink=sink)
         return await _serve(server, args)
 
     return aio.run(main())

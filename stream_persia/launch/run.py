@@ -64,6 +64,7 @@ from stream_persia.errors import (
     RemoteTimeout,
 )
 from stream_persia.launch.processes import RoleProcess
+from stream_persia.launch.replica_watch import ReplicaWatch
 from stream_persia.launch.report import build_report, plot_report, print_report, served_metrics
 from stream_persia.launch.run_args import (
     PREDICT_SAMPLES,
@@ -88,6 +89,9 @@ class Job:
         self.nn: RoleProcess | None = None
         self.loaders: list[RoleProcess] = []
         self.api: RoleProcess | None = None
+        self.replica: RoleProcess | None = None
+        self.watch: ReplicaWatch | None = None
+        self.bootstrap_requested = False
         self.api_token = secrets.token_urlsafe(24)
         # Every role of this job proves it to the others (stream_persia/rpc/auth.py).
         self.role_secret = secrets.token_urlsafe(32)
@@ -184,6 +188,12 @@ class Job:
                 env["PERSIA_API_MODEL_CLASS"] = str(topo.serving["model"])
             self.api = self._role("api", [], "api", env)
             self.api.wait_ready()
+            if not getattr(a, "no_replica", False):
+                # A serving replica: restores the first checkpoint (requested as soon as
+                # training runs, see _bootstrap), then follows the training's updates.
+                self.replica = self._role("api", ["--embeddings", "replica", "--port", "0"],
+                                          "replica", env)
+                self.replica.wait_ready()
         nproc = a.nn_workers or topo.nproc_per_node
         self.nn = self._role("nn-worker", [str(topo.path(topo.nn_worker_entry)),
                                            "--nproc-per-node", str(nproc)], "nn-worker")
@@ -308,6 +318,25 @@ def _progress_line(metrics: dict[str, Any], t0: float) -> str:
 LOSS_CHECK_EVERY_S = 3.0
 
 
+def _bootstrap(job: Job, metrics: dict[str, Any]) -> None:
+    """Once training runs, ask the job for the checkpoint the replica starts from."""
+    if (job.replica is None or job.bootstrap_requested or job.api is None
+            or job.api.address is None or not (metrics.get("train") or {}).get("samples")):
+        return
+    import httpx
+
+    job.bootstrap_requested = True
+    try:
+        r = httpx.post(f"http://{job.api.address}/v1/checkpoints", json={"id": "bootstrap"},
+                       headers={"Authorization": f"Bearer {job.api_token}"}, timeout=10)
+        if r.status_code != 202:
+            print(f"stream-persia run: the replica's first checkpoint was refused: HTTP "
+                  f"{r.status_code} {r.text[:200]}", file=sys.stderr)
+    except Exception as e:  # the replica then has nothing to serve: reported, not fatal
+        print(f"stream-persia run: cannot request the replica's checkpoint: {e!r}",
+              file=sys.stderr)
+
+
 def _wait(job: Job, t0: float, deadline: float) -> None:
     nn = job.nn
     if nn is None or nn.proc is None:   # started with the job, before anything waits
@@ -327,8 +356,12 @@ def _wait(job: Job, t0: float, deadline: float) -> None:
             check_kafka(job)
             last_loss_check = time.monotonic()
         now = time.monotonic()
+        metrics = _read_metrics(job.out)
+        _bootstrap(job, metrics)
+        if job.watch is not None:
+            job.watch.poll()
         if tty or now - last_print >= 10:
-            line = _progress_line(_read_metrics(job.out), t0)
+            line = _progress_line(metrics, t0)
             print(f"\r{line}" if tty else line, end="" if tty else "\n", file=sys.stderr,
                   flush=True)
             last_print = now
@@ -422,6 +455,10 @@ def main(args: argparse.Namespace) -> int:
                   f"servers {job.env['PERSIA_EMBEDDING_SERVERS']}, "
                   f"workers {job.env['PERSIA_EMBEDDING_WORKERS']}"
                   + (f", API http://{job.api.address}" if job.api else ""), file=sys.stderr)
+            eval_batches = _serving_inputs(topo, job.env, args.predict_samples)
+            if job.replica is not None and job.replica.address:
+                job.watch = ReplicaWatch(job.replica.address, job.api_token, eval_batches,
+                                         list(topo.tasks))
             _wait(job, t0, t0 + args.timeout_s)
             lost = check_kafka(job)   # a loss near the end, before any gate
             if lost:
@@ -431,9 +468,12 @@ def main(args: argparse.Namespace) -> int:
             served = None
             if job.api is not None and job.api.address and metrics.get("checkpoint"):
                 served = served_metrics(job.api.address, job.api_token, metrics["checkpoint"],
-                                        _serving_inputs(topo, job.env, args.predict_samples),
-                                        list(topo.tasks))
+                                        eval_batches, list(topo.tasks))
             report = build_report(topo, metrics, served, out, time.monotonic() - t0, mode)
+            if job.watch is not None:
+                final = job.watch.drain()
+                report["replica"] = job.watch.summary(final, (served or {}).get("_preds"))
+                metrics["freshness_curve"] = job.watch.curve()
             if lost:
                 report["kafka_messages_lost"] = lost
         except Stopped as stop:
@@ -456,7 +496,10 @@ def main(args: argparse.Namespace) -> int:
             with signals.shielded():   # a signal now must not leave roles behind
                 job.stop()
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    plot_report(_read_metrics(out), out / "report.png", topo.name)
+    plot_report({**_read_metrics(out), "freshness_curve": job.watch.curve() if job.watch
+                 else []}, out / "report.png", topo.name)
+    if job.watch is not None:
+        job.watch.close()
     print_report(report)
     failed = [g for g in report["gates"] if not g["passed"]]
     if failed and not args.no_gates:

@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where logs, metrics, the checkpoint and the report go "
                         "(default: runs/<job>-<time>)")
     p.add_argument("--no-api", action="store_true", help="do not start the HTTP API")
+    p.add_argument("--no-replica", action="store_true",
+                   help="do not start the serving replica that follows training (its "
+                        "freshness and served AUC are then not reported)")
     p.add_argument("--predict-samples", type=flags.integer(0), default=None,
                    help=f"eval samples predicted through the API at the end (0: none; "
                         f"default {PREDICT_SAMPLES})")

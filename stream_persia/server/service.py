@@ -279,7 +279,8 @@ class EmbeddingServer:
                  secret: auth.SecretSetting = auth.FROM_ENV,
                  connection_limits: ConnectionLimits = ConnectionLimits(),
                  job: str = "persia", model_updates: bool = True,
-                 model_update_interval_ms: int = 200, update_log_bytes: int = 256 << 20):
+                 model_update_interval_ms: int = 200, update_log_bytes: int = 256 << 20,
+                 update_sink: Any = None):
         if not (0 <= replica_index < replica_size):
             raise BadInput(f"replica_index {replica_index} is not in [0, {replica_size})",
                            field="replica_index")
@@ -335,7 +336,7 @@ class EmbeddingServer:
                 trained_through=lambda: self.trained_through, job=job, shard=replica_index,
                 shards=replica_size, incarnation=self.incarnation,
                 interval_ms=model_update_interval_ms, log_bytes=update_log_bytes,
-                metrics=self.metrics)
+                metrics=self.metrics, sink=update_sink)
         self.rpc = RpcServer({
             "health": self._health, "lookup": self._lookup, "update": self._update,
             "size": self._size, "clear": self._clear, "stats": self._stats,
@@ -353,6 +354,8 @@ class EmbeddingServer:
     async def start(self) -> None:
         await self.rpc.start()
         if self.feed is not None:
+            if self.feed.sink is not None:
+                await self.feed.sink.start()
             self.feed.start()
         log.info("embedding server %d/%d listening on %s (store: %s, %d thread%s)",
                  self.replica_index, self.replica_size, self.rpc.address, IMPLEMENTATION,
@@ -361,6 +364,9 @@ class EmbeddingServer:
     async def stop(self) -> None:
         if self.feed is not None:
             await self.feed.stop()
+            if self.feed.sink is not None:
+                await self.feed.flush_sink()   # what the last pass logged, best effort
+                await self.feed.sink.close()
         await self.rpc.stop()
         self._pool.shutdown(wait=True)
         staged, self._staged = self._staged, None

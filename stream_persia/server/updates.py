@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from stream_persia.core.metrics import RoleMetrics
-from stream_persia.errors import BadInput
+from stream_persia.errors import BadInput, PersiaError
 
 __all__ = ["UpdateFeed", "UpdateLog", "REPLY_BYTES", "MESSAGE_BYTES", "KINDS"]
 
@@ -134,13 +134,16 @@ class UpdateFeed:
         interval_ms: time between two passes.
         log_bytes: bound of the log.
         metrics: where the feed's counters and gauges go.
+        sink: an :class:`~stream_persia.kafka.updates.UpdateSink` the log is also produced
+            to (its partition of ``<job>.model.updates``), or None.
     """
 
     def __init__(self, *, store: Callable[[], Any],
                  run: Callable[..., Awaitable[Any]],
                  trained_through: Callable[[], float | None], job: str, shard: int,
                  shards: int, incarnation: str, interval_ms: int = 200,
-                 log_bytes: int = 256 << 20, metrics: RoleMetrics | None = None):
+                 log_bytes: int = 256 << 20, metrics: RoleMetrics | None = None,
+                 sink: Any = None):
         if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) \
                 or not 10 <= interval_ms <= 60_000:
             raise BadInput(f"model_update_interval_ms must be an int in [10, 60000], got "
@@ -162,13 +165,17 @@ class UpdateFeed:
         self._pass_first_seq: int | None = None
         self._task: asyncio.Task | None = None
         self._passing = asyncio.Lock()       # one pass at a time (the loop, a test, a drain)
+        self.sink = sink
+        self._sink_seq = 0                    # the first message not yet on Kafka
+        self._sink_failing = False
         self.counts = {"passes": 0, "full_passes": 0, "rows": 0, "tombstones": 0,
-                       "bytes": 0, "failures": 0}
+                       "bytes": 0, "failures": 0, "kafka_gaps": 0, "kafka_failures": 0}
         self.last_event_time: float | None = None
         if metrics is not None:
             metrics.add_callback("updates", self._gauges,
                                  counters={"passes", "full_passes", "rows", "tombstones",
-                                           "bytes", "failures"})
+                                           "bytes", "failures", "kafka_gaps",
+                                           "kafka_failures"})
 
     def _gauges(self) -> dict[str, float]:
         return {**{k: float(v) for k, v in self.counts.items()},
@@ -194,6 +201,7 @@ class UpdateFeed:
             started = time.monotonic()
             try:
                 await self.run_pass()
+                await self.flush_sink()
                 failing = False
             except asyncio.CancelledError:
                 raise
@@ -206,12 +214,46 @@ class UpdateFeed:
                 self._full_requested = True
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
+    async def flush_sink(self) -> None:
+        """Produce the messages the sink does not have yet; on broker trouble they stay
+        in the log and are sent on the next call. Messages the bounded log dropped
+        before they were sent are a gap on Kafka: the next pass is then a full one, so
+        Kafka readers (who skip to a reset over a gap) rebuild the shard."""
+        if self.sink is None:
+            return
+        if self._sink_seq < self.log.first_seq:
+            self.counts["kafka_gaps"] += 1
+            log.error("embedding server %d: %d update messages left the log before they "
+                      "reached Kafka; the next pass lists every row", self.shard,
+                      self.log.first_seq - self._sink_seq)
+            self._sink_seq = self.log.first_seq
+            self._full_requested = True
+        while self._sink_seq < self.log.next_seq:
+            batch = self.log.read(self._sink_seq, REPLY_BYTES)
+            try:
+                await self.sink.publish(batch)
+            except PersiaError as e:
+                self.counts["kafka_failures"] += 1
+                if not self._sink_failing:
+                    log.error("embedding server %d: %s; retrying (updates wait in the log)",
+                              self.shard, e)
+                self._sink_failing = True
+                return
+            self._sink_failing = False
+            self._sink_seq = batch[-1]["seq"] + 1
+
     # ----------------------------------------------------------------- passes
     def position(self) -> dict[str, Any]:
         """Where a reader restored from a dump taken now starts (call on the store thread,
-        as ``dump`` does)."""
+        as ``dump`` does): the server process, the log sequence and, with Kafka, an
+        offset of its partition at or before that message (absent: from the start)."""
         seq = self._pass_first_seq if self._pass_first_seq is not None else self.log.next_seq
-        return {"incarnation": self.incarnation, "seq": int(seq)}
+        out: dict[str, Any] = {"incarnation": self.incarnation, "seq": int(seq)}
+        if self.sink is not None:
+            offset = self.sink.offset_of(self.incarnation, int(seq))
+            if offset is not None:
+                out["offset"] = int(offset)
+        return out
 
     def _message(self, kind: str, version: int, event_time: float | None,
                  **arrays: Any) -> dict[str, Any]:

@@ -1,0 +1,185 @@
+"""A serving replica following the update stream on Kafka (``<job>.model.updates``).
+
+The same messages as the servers' RPC logs (:mod:`stream_persia.kafka.updates` describes
+the topic), read with manually assigned partitions, one per embedding server, from the
+offsets the checkpoint's manifest records (else from the start of each partition). Every
+record is validated on receipt: one that does not decode or is not a valid update
+message goes to ``<topic>.dlq`` with the reason and is counted
+(``persia_api_replica_bad_messages_total``). Per partition the replica keeps the
+incarnation and sequence it applied last (:func:`admit`): a record applied already (a
+producer retry) is skipped; a gap (a record lost to retention or refused) or an
+incarnation joined in the middle makes it skip to the next ``reset`` and ask that server,
+over RPC, for a full pass. Nothing is applied twice; nothing is missed silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from stream_persia.api.replica import Replica, ShardCursor, apply_messages, check_message
+
+from stream_persia.core import wire
+from stream_persia.errors import BadInput, PersiaError
+
+__all__ = ["KafkaFollow", "admit"]
+
+log = logging.getLogger(__name__)
+
+
+def admit(cursor: ShardCursor, msg: dict[str, Any]) -> str:
+    """Whether a valid message of the cursor's partition is applied, in stream order:
+    ``"apply"``, ``"skip"`` (before the start position, or applied already) or
+    ``"gap"`` (apply it, but the cursor now skips to the next reset: resync)."""
+    inc, seq = msg["incarnation"], msg["seq"]
+    if cursor.start is not None:
+        if inc != cursor.start[0] or seq < cursor.start[1]:
+            return "skip"
+        cursor.incarnation, cursor.next_seq, cursor.start = inc, seq, None
+    if inc != cursor.incarnation:
+        if cursor.incarnation is not None:
+            cursor.restarts += 1
+            log.warning("replica: embedding server %d restarted (incarnation %s, was %s)",
+                        cursor.shard, inc, cursor.incarnation)
+        cursor.incarnation, cursor.next_seq = inc, seq
+        if seq != 0 and msg["kind"] != "reset":   # joined a log in its middle
+            cursor.skipping = True
+            return "gap"
+        return "apply"
+    if seq < cursor.next_seq:
+        return "skip"
+    if seq > cursor.next_seq:
+        cursor.skipping = msg["kind"] != "reset"
+        return "gap"
+    return "apply"
+
+
+class KafkaFollow:
+    """Consumes the update topic for a :class:`Replica` (its RPC followers are not used).
+
+    Args:
+        replica: the replica whose cursors and store are updated.
+        bootstrap_servers, topic: the brokers and ``<job>.model.updates``.
+        positions: the manifest's ``model_updates`` (``offset`` where recorded).
+        security_kwargs: aiokafka's security settings.
+    """
+
+    def __init__(self, replica: Replica, bootstrap_servers: str, topic: str,
+                 positions: list[dict[str, Any]] | None, *,
+                 security_kwargs: dict[str, Any] | None = None,
+                 startup_timeout_s: float = 60.0):
+        self.replica = replica
+        self.bootstrap_servers = bootstrap_servers
+        self.topic = topic
+        self.positions = positions
+        self.security_kwargs = security_kwargs or {}
+        self.startup_timeout_s = startup_timeout_s
+        self._consumer: Any = None
+        self._dlq: Any = None
+        self._task: asyncio.Task | None = None
+        for c in replica.cursors:
+            pos = positions[c.shard] if positions is not None else None
+            c.start = (str(pos["incarnation"]), int(pos["seq"])) if pos else None
+
+    async def start(self) -> None:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        from stream_persia.kafka._client import client_kwargs
+        from stream_persia.kafka.dlq import DeadLetterWriter
+        from stream_persia.kafka.liveness import start_client
+
+        kw = client_kwargs(self.bootstrap_servers, self.security_kwargs, "stream-persia-replica")
+        kw.update(enable_auto_commit=False, auto_offset_reset="earliest", fetch_max_wait_ms=50,
+                  max_partition_fetch_bytes=16 << 20, fetch_max_bytes=64 << 20)
+        self._consumer = await start_client(lambda: AIOKafkaConsumer(**kw),
+                                            self.bootstrap_servers,
+                                            timeout_s=self.startup_timeout_s)
+        tps = [TopicPartition(self.topic, c.shard) for c in self.replica.cursors]
+        self._consumer.assign(tps)
+        for tp in tps:
+            pos = self.positions[tp.partition] if self.positions is not None else None
+            if pos and "offset" in pos:
+                self._consumer.seek(tp, int(pos["offset"]))
+            else:
+                await self._consumer.seek_to_beginning(tp)
+        self._dlq = DeadLetterWriter(f"{self.topic}.dlq", bootstrap_servers=self.bootstrap_servers,
+                                     security_kwargs=self.security_kwargs,
+                                     startup_timeout_s=self.startup_timeout_s)
+        await self._dlq.start()
+        self._task = asyncio.create_task(self._run(), name="replica-kafka")
+
+    async def stop(self) -> None:
+        from stream_persia.kafka.liveness import stop_client
+
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._consumer is not None:
+            await stop_client(self._consumer)
+        if self._dlq is not None:
+            await self._dlq.close()
+
+    async def _run(self) -> None:
+        failing = False
+        while True:
+            try:
+                batches = await self._consumer.getmany(timeout_ms=200, max_records=2000)
+                failing = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:   # a broker gone: the gap shows in trained_through
+                self.replica.counts["pull_failures"] += 1
+                if not failing:
+                    log.warning("replica: cannot read %s: %r (retrying)", self.topic, e)
+                failing = True
+                await asyncio.sleep(1.0)
+                continue
+            for tp, records in batches.items():
+                await self.take(self.replica.cursors[tp.partition], records)
+
+    async def take(self, cursor: ShardCursor, records: list[Any]) -> None:
+        """Validate, filter and apply one partition's records (in order)."""
+        todo: list[dict[str, Any]] = []
+        resync = False
+        for rec in records:
+            try:
+                msg = check_message(wire.unpack(rec.value), cursor, self.replica.shards)
+            except (BadInput, ValueError) as e:
+                self.replica.counts["bad_messages"] += 1
+                reason = e.message if isinstance(e, PersiaError) else f"{type(e).__name__}: {e}"
+                log.error("replica: bad update record %s/%d@%d: %s (dead-lettered)",
+                          rec.topic, rec.partition, rec.offset, reason)
+                await self._dlq.write(rec.value, reason, (rec.topic, rec.partition, rec.offset),
+                                      key=rec.key, kind="update")
+                continue
+            verdict = admit(cursor, msg)
+            if verdict == "skip":
+                continue
+            if verdict == "gap":
+                resync = resync or cursor.skipping
+                if todo:   # what came before the gap first, in order
+                    await self._apply(cursor, todo)
+                    todo = []
+            todo.append(msg)
+        if todo:
+            await self._apply(cursor, todo)
+        if resync:
+            await self._ask_resync(cursor)
+
+    async def _apply(self, cursor: ShardCursor, msgs: list[dict[str, Any]]) -> None:
+        r = self.replica
+        await r.execute(lambda: apply_messages(r.store, cursor, r.shards, msgs))
+        r.advance()
+
+    async def _ask_resync(self, cursor: ShardCursor) -> None:
+        cursor.resyncs += 1
+        try:
+            await self.replica.roles.call(self.replica.roles.servers[cursor.shard],
+                                          "model_updates", {"resync": True})
+        except PersiaError as e:   # its next full pass (a restore, a restart) will do
+            log.warning("replica: could not ask embedding server %d for a full pass: %s",
+                        cursor.shard, e)

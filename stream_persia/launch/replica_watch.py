@@ -1,0 +1,144 @@
+"""The serving replica of ``stream-persia run``, watched from the launcher.
+
+The run starts one API process in replica mode (``PERSIA_API_EMBEDDINGS=replica``,
+:mod:`stream_persia.api.replica`): it restores the first checkpoint (which the launcher
+asks the job for as soon as training runs), then follows the servers' updates and the
+dense model NN rank 0 publishes. While the job trains, :class:`ReplicaWatch` collects the
+replica's advances of ``trained_through`` (``GET /v1/model``) and scores held-out rows on
+it every few seconds (the served AUC during the run); after training it waits for the
+replica to apply the last updates and compares its predictions with the training job's
+own (``served_max_abs_diff``).
+
+Freshness of a sample = when the replica applied the updates that include it (the sparse
+rows of every server and a dense model trained after it) minus its event time.
+:func:`freshness_of` computes it from the advances ``(applied_at, trained_through)``: a
+sample of event time ``e`` is served from the first advance with ``trained_through >= e``.
+Samples are taken as spread evenly over event time (the stream's rate is steady), on a
+10 ms grid between the first and the last advance.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from stream_persia.launch.report import auc_of, predict_over_http
+
+__all__ = ["ReplicaWatch", "freshness_of"]
+
+
+def freshness_of(advances: list[tuple[float, float]], grid_s: float = 0.01
+                 ) -> np.ndarray:
+    """Freshness (s) of samples spread evenly over the event times the advances cover."""
+    if len(advances) < 2:
+        return np.zeros(0)
+    a = np.asarray(sorted(advances, key=lambda x: x[1]), dtype=np.float64)
+    applied, through = a[:, 0], a[:, 1]
+    events = np.arange(through[0] + grid_s, through[-1] + 1e-9, grid_s)
+    j = np.searchsorted(through, events, side="left")
+    return applied[j] - events
+
+
+class ReplicaWatch:
+    """Polls the run's replica (see the module docstring).
+
+    Args:
+        address: the replica's ``host:port``.
+        token: the API token.
+        batches: labelled held-out batches (may be empty: no served AUC then).
+        tasks: the topology's tasks (head order).
+        auc_every_s: how often the held-out rows are scored during the run.
+    """
+
+    def __init__(self, address: str, token: str, batches: list | None, tasks: list[str],
+                 *, auc_every_s: float = 10.0):
+        import httpx
+
+        self.client = httpx.Client(base_url=f"http://{address}", timeout=30)
+        self.auth = {"Authorization": f"Bearer {token}"}
+        self.batches = list(batches or [])
+        self.tasks = tasks
+        self.auc_every_s = auc_every_s
+        self.advances: dict[float, float] = {}
+        self.auc_curve: list[dict[str, Any]] = []
+        self.t0 = time.time()
+        self._last_auc = 0.0
+        self.error: str | None = None
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _model(self) -> dict[str, Any] | None:
+        try:
+            r = self.client.get("/v1/model", headers=self.auth)
+        except Exception as e:   # the replica restarting: the gap shows in freshness
+            self.error = f"{type(e).__name__}: {e}"
+            return None
+        return r.json() if r.status_code == 200 else None
+
+    def poll(self) -> None:
+        """Collect advances; score the held-out rows when due."""
+        info = self._model()
+        if info is None:
+            return
+        for applied, through in (info.get("replica") or {}).get("advances") or []:
+            self.advances[float(applied)] = float(through)
+        now = time.time()
+        if self.batches and now - self._last_auc >= self.auc_every_s:
+            self._last_auc = now
+            result = predict_over_http(self.client, self.auth, self.batches, self.tasks)
+            if "error" not in result:
+                self.auc_curve.append({"t": round(now - self.t0, 2),
+                                       "model_version": result["model_version"],
+                                       "trained_through": result["trained_through"],
+                                       "auc": auc_of(result, self.tasks)})
+
+    def drain(self, timeout_s: float = 30.0, settle_s: float = 1.5) -> dict[str, Any] | None:
+        """Wait until the replica stops changing (every update applied), then predict the
+        held-out rows on it; None when it never served."""
+        deadline = time.monotonic() + timeout_s
+        last, since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            info = self._model()
+            if info is not None:
+                self.poll()
+                state = (info.get("model_version"),
+                         [s.get("version") for s in (info.get("replica") or {})
+                          .get("shards", [])])
+                if state != last:
+                    last, since = state, time.monotonic()
+                elif time.monotonic() - since >= settle_s:
+                    break
+            time.sleep(0.2)
+        if last is None or not self.batches:
+            return None
+        result = predict_over_http(self.client, self.auth, self.batches, self.tasks)
+        return None if "error" in result else result
+
+    def summary(self, final: dict[str, Any] | None,
+                trained: dict[str, np.ndarray] | None) -> dict[str, Any]:
+        """What ``report.json`` gets under ``replica``."""
+        adv = sorted(self.advances.items())
+        fresh = freshness_of(adv)
+        out: dict[str, Any] = {
+            "advances": len(adv),
+            "freshness_p50_s": round(float(np.percentile(fresh, 50)), 3) if fresh.size else None,
+            "freshness_p99_s": round(float(np.percentile(fresh, 99)), 3) if fresh.size else None,
+            "served_auc_during_run": self.auc_curve,
+        }
+        if final is not None:
+            out["served_auc_final"] = auc_of(final, self.tasks)
+            out["model_version"] = final["model_version"]
+            if trained is not None:
+                diffs = [float(np.nanmax(np.abs(final["preds"][t] - trained[t])))
+                         for t in self.tasks if t in trained and len(trained[t])]
+                out["served_max_abs_diff"] = max(diffs) if diffs else None
+        if self.error and not adv:
+            out["error"] = self.error
+        return out
+
+    def curve(self) -> list[tuple[float, float]]:
+        """(seconds into the run, freshness of the newest sample) at each advance."""
+        return [(a - self.t0, a - t) for a, t in sorted(self.advances.items())]
