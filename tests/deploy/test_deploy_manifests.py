@@ -322,7 +322,11 @@ def test_k8s_stable_addresses_match_headless_services(k8s):
         expected = [f"{sts['metadata']['name']}-{i}.{svc['metadata']['name']}:{ns.port}"
                     for i in range(replicas(sts))]
         for user in users:
-            for _, env, _, _ in roles[user]:
+            for user_ns, env, _, _ in roles[user]:
+                if var == "PERSIA_EMBEDDING_WORKERS" and \
+                        getattr(user_ns, "embeddings", None) == "replica":
+                    assert var not in env   # serving replicas never use the workers
+                    continue
                 assert addresses(env[var]) == expected, (user, var)
 
     ns, env, c, job = roles["nn-worker"][0]
@@ -349,14 +353,18 @@ def test_k8s_kafka_is_strimzi_kraft_with_the_jobs_topics(k8s):
 
     gc = global_config(k8s[("ConfigMap", "persia-config")]["data"]["global_config.yml"])
     topics = {d["spec"]["topicName"]: d for (kind, _), d in k8s.items() if kind == "KafkaTopic"}
-    assert set(topics) == {gc.kafka.samples_topic, gc.kafka.dlq_topic}
+    updates = f"{gc.kafka.job_name}.model.updates"
+    assert set(topics) == {gc.kafka.samples_topic, gc.kafka.dlq_topic, updates,
+                           f"{updates}.dlq"}
     assert all(t["metadata"]["labels"]["strimzi.io/cluster"] == name for t in topics.values())
 
     roles = k8s_roles(k8s)
     workers = roles["embedding-worker"]
     assert topics[gc.kafka.samples_topic]["spec"]["partitions"] >= len(workers)
-    for role in ("embedding-worker", "data-loader"):
+    for role in ("embedding-worker", "data-loader", "embedding-server"):
         assert {env["KAFKA_BOOTSTRAP_SERVERS"] for _, env, _, _ in roles[role]} == {bootstrap}
+    serving = [env for ns, env, _, _ in roles["api"] if ns.embeddings == "replica"]
+    assert serving and {env["KAFKA_BOOTSTRAP_SERVERS"] for env in serving} == {bootstrap}
 
 
 def test_k8s_configmap_is_the_topologys_configs_and_is_mounted(k8s):
@@ -375,7 +383,7 @@ def test_k8s_configmap_is_the_topologys_configs_and_is_mounted(k8s):
 
 
 def test_k8s_api_probes_service_and_token(k8s):
-    ((ns, env, c, dep),) = k8s_roles(k8s)["api"]
+    ((ns, env, c, dep),) = [r for r in k8s_roles(k8s)["api"] if r[0].embeddings != "replica"]
     assert dep["kind"] == "Deployment" and ns.host == "0.0.0.0"
     cports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert cports["http"] == ns.port
@@ -395,6 +403,28 @@ def test_k8s_api_probes_service_and_token(k8s):
     (mount,) = [m for m in c["volumeMounts"] if m["name"] == vol["name"]]
     assert env["PERSIA_API_TOKEN_FILE"] == f"{mount['mountPath']}/{item['path']}"
     assert "PERSIA_API_TOKEN" not in env, "the token stays out of the pod's environment"
+
+
+def test_k8s_serving_replicas_follow_the_update_topic_behind_one_service(k8s):
+    """Two serving replicas behind their own Service (not the control plane's), reading
+    the checkpoints read-only; the update topic has a partition per server plus one."""
+    dep = k8s[("Deployment", "persia-serving")]
+    assert dep["spec"]["replicas"] == 2
+    ns = build_parser().parse_args(dep["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert ns.embeddings == "replica" and ns.role == "api"
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    svc = k8s[("Service", "persia-serving")]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    control = k8s[("Deployment", "persia-api")]["spec"]["template"]["metadata"]["labels"]
+    assert not svc["spec"]["selector"].items() <= control.items()
+    mounts = {m["name"]: m for m in
+              dep["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["data"].get("readOnly") is True
+    servers = replicas(k8s[("StatefulSet", "persia-embedding-server")])
+    topic = k8s[("KafkaTopic", "synthetic-ctr-model-updates")]["spec"]
+    gc = global_config((TOPOLOGY / "global_config.yml").read_text())
+    assert topic["topicName"] == f"{gc.kafka.job_name}.model.updates"
+    assert topic["partitions"] == servers + 1
 
 
 def test_k8s_mounts_the_role_secret_in_every_pod_and_confines_checkpoints(k8s, tmp_path):
