@@ -54,7 +54,8 @@ from stream_persia.errors import BadInput, PersiaError
 from stream_persia.kernels.sharding import shard_of
 from stream_persia.server.store import Store
 
-__all__ = ["Replica", "ShardCursor", "apply_messages", "drop_shard"]
+__all__ = ["Replica", "ShardCursor", "apply_messages", "drop_shard", "message_bytes",
+           "check_message"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,12 @@ def check_message(msg: Any, cursor: ShardCursor, shards: int) -> dict[str, Any]:
     return msg
 
 
+def message_bytes(msg: dict[str, Any]) -> int:
+    """Payload bytes of an update message (its arrays; 64 for the rest)."""
+    return 64 + sum(a.nbytes for k in ("ids", "weights")
+                    if isinstance(a := msg.get(k), np.ndarray))
+
+
 def drop_shard(store: Store, shard: int, shards: int) -> int:
     """Remove every row of ``store`` that server ``shard`` of ``shards`` owns."""
     ids = [c["ids"] for c in store.dump()]
@@ -198,7 +205,7 @@ class Replica:
         self._tasks: list[asyncio.Task] = []
         self._warned: dict[str, bool] = {}
         self.counts = {"pulls": 0, "pull_failures": 0, "bad_messages": 0, "dense_loads": 0,
-                       "dense_failures": 0}
+                       "dense_failures": 0, "bytes": 0}
         self.freshness = None
         if metrics is not None:
             self.freshness = metrics.histogram(
@@ -208,7 +215,7 @@ class Replica:
             metrics.add_callback("replica", self._gauges,
                                  counters={"pulls", "pull_failures", "bad_messages",
                                            "dense_loads", "dense_failures", "resyncs",
-                                           "server_restarts"})
+                                           "server_restarts", "bytes"})
 
     def _gauges(self) -> dict[str, float]:
         now = time.time()
@@ -226,7 +233,8 @@ class Replica:
                             "event_time": c.event_time, "resyncing": c.skipping,
                             "resyncs": c.resyncs, "applied": dict(c.applied)}
                            for c in self.cursors],
-                "advances": [list(a) for a in list(self.advances)[-256:]]}
+                "advances": [list(a) for a in list(self.advances)[-256:]],
+                "counts": dict(self.counts), "dense_event_time": self.dense_event_time}
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, *, sparse_over_rpc: bool = True) -> None:
@@ -305,6 +313,7 @@ class Replica:
             await self._resync(cursor)
             return True
         await self.execute(lambda: apply_messages(self.store, cursor, self.shards, checked))
+        self.counts["bytes"] += sum(message_bytes(m) for m in checked)
         self.advance()
         return cursor.next_seq < nxt
 
@@ -365,6 +374,7 @@ class Replica:
                 return False   # replaced by a newer one meanwhile: start over next time
             parts.append(r["data"])
         blob = b"".join(bytes(p) for p in parts)
+        self.counts["bytes"] += len(blob)
         if hashlib.sha256(blob).hexdigest() != digest:
             raise BadInput(f"the dense model of step {step} does not match its sha256",
                            field="sha256")

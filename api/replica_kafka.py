@@ -18,7 +18,13 @@ import asyncio
 import logging
 from typing import Any
 
-from stream_persia.api.replica import Replica, ShardCursor, apply_messages, check_message
+from stream_persia.api.replica import (
+    Replica,
+    ShardCursor,
+    apply_messages,
+    check_message,
+    message_bytes,
+)
 
 from stream_persia.core import wire
 from stream_persia.errors import BadInput, PersiaError
@@ -173,6 +179,7 @@ class KafkaFollow:
     async def _apply(self, cursor: ShardCursor, msgs: list[dict[str, Any]]) -> None:
         r = self.replica
         await r.execute(lambda: apply_messages(r.store, cursor, r.shards, msgs))
+        r.counts["bytes"] += sum(message_bytes(m) for m in msgs)
         r.advance()
 
     async def _ask_resync(self, cursor: ShardCursor) -> None:

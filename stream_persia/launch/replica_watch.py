@@ -66,6 +66,9 @@ class ReplicaWatch:
         self.t0 = time.time()
         self._last_auc = 0.0
         self.error: str | None = None
+        self.update_bytes = 0
+        self.first_seen: float | None = None
+        self.last_seen: float | None = None
 
     def close(self) -> None:
         self.client.close()
@@ -83,9 +86,14 @@ class ReplicaWatch:
         info = self._model()
         if info is None:
             return
-        for applied, through in (info.get("replica") or {}).get("advances") or []:
+        rep = info.get("replica") or {}
+        for applied, through in rep.get("advances") or []:
             self.advances[float(applied)] = float(through)
         now = time.time()
+        if rep:
+            self.update_bytes = int((rep.get("counts") or {}).get("bytes", 0))
+            self.first_seen = self.first_seen or now
+            self.last_seen = now
         if self.batches and now - self._last_auc >= self.auc_every_s:
             self._last_auc = now
             result = predict_over_http(self.client, self.auth, self.batches, self.tasks)
@@ -127,6 +135,9 @@ class ReplicaWatch:
             "freshness_p50_s": round(float(np.percentile(fresh, 50)), 3) if fresh.size else None,
             "freshness_p99_s": round(float(np.percentile(fresh, 99)), 3) if fresh.size else None,
             "served_auc_during_run": self.auc_curve,
+            "update_bytes": self.update_bytes,
+            "following_s": round(self.last_seen - self.first_seen, 2)
+            if self.first_seen is not None and self.last_seen is not None else None,
         }
         if final is not None:
             out["served_auc_final"] = auc_of(final, self.tasks)

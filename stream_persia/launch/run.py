@@ -134,9 +134,16 @@ class Job:
     def _global_config(self) -> Path:
         """The topology's global config, with this run's Kafka topic when streaming."""
         src = self.topo.path(self.topo.global_config)
-        if not self.args.kafka:
+        off = getattr(self.args, "no_model_updates", False)
+        if not self.args.kafka and not off:
             return src
         data = yaml.safe_load(src.read_text()) or {}
+        if off:
+            data["model_updates"] = {**(data.get("model_updates") or {}), "enabled": False}
+        if not self.args.kafka:
+            dst = self.out / "global_config.yml"
+            dst.write_text(yaml.safe_dump(data, sort_keys=False))
+            return dst
         kafka = dict(data.get("kafka") or {})
         kafka["bootstrap_servers"] = self.args.kafka
         kafka["samples_topic"] = self.topic
@@ -168,6 +175,15 @@ class Job:
         topo, a = self.topo, self.args
         n_servers = a.embedding_servers or topo.embedding_servers
         n_workers = a.embedding_workers or topo.embedding_workers
+        if a.kafka and not getattr(a, "no_model_updates", False):
+            # The update stream to the serving replicas: a partition per server + the dense
+            # model's (stream_persia.kafka.updates); the servers check it when they start.
+            from stream_persia.config import load_global_config
+            from stream_persia.kafka.updates import updates_topic
+
+            job_name = load_global_config(self.env["PERSIA_GLOBAL_CONFIG"]).kafka.job_name
+            ensure_topic(a.kafka, updates_topic(job_name), n_servers + 1, create=True,
+                         min_partitions=n_servers + 1)
         servers = [self._role("embedding-server",
                               ["--replica-index", str(i), "--replica-size", str(n_servers)],
                               f"embedding-server-{i}") for i in range(n_servers)]
@@ -188,7 +204,7 @@ class Job:
                 env["PERSIA_API_MODEL_CLASS"] = str(topo.serving["model"])
             self.api = self._role("api", [], "api", env)
             self.api.wait_ready()
-            if not getattr(a, "no_replica", False):
+            if not (getattr(a, "no_replica", False) or getattr(a, "no_model_updates", False)):
                 # A serving replica: restores the first checkpoint (requested as soon as
                 # training runs, see _bootstrap), then follows the training's updates.
                 self.replica = self._role("api", ["--embeddings", "replica", "--port", "0"],

@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where logs, metrics, the checkpoint and the report go "
                         "(default: runs/<job>-<time>)")
     p.add_argument("--no-api", action="store_true", help="do not start the HTTP API")
+    p.add_argument("--no-model-updates", action="store_true",
+                   help="publish no model updates (model_updates.enabled: false): no "
+                        "serving replica either; for measuring what publishing costs")
     p.add_argument("--no-replica", action="store_true",
                    help="do not start the serving replica that follows training (its "
                         "freshness and served AUC are then not reported)")
