@@ -1,0 +1,112 @@
+"""A serving replica following the update stream on Kafka (``<job>.model.updates``).
+
+Real embedding servers publish their update logs to a real Kafka-protocol broker (the
+suite's test broker); the replica (uvicorn, ``PERSIA_API_UPDATES=kafka``) restores a
+checkpoint, seeks to the offsets its manifest records and follows: after more training
+its table equals the servers' rows exactly. A record that is not a valid update message
+goes to the dead-letter topic and is counted, and the replica goes on converging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from api_helpers import LiveApi, TwoHeads, settings_for, stop_job, write_checkpoint
+
+from stream_persia.config import GlobalConfig
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import SGD
+from stream_persia.kafka.updates import UpdateSink, updates_topic
+from stream_persia.server.service import EmbeddingServer
+from stream_persia.testing.samples import SCHEMA
+from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT
+from stream_persia.worker.service import EmbeddingWorker
+
+pytestmark = pytest.mark.kafka
+
+
+def rows(store) -> dict[int, bytes]:
+    return {k: w.tobytes() for c in store.dump()
+            for k, w in zip(c["ids"].tolist(), c["weights"], strict=True)}
+
+
+async def kafka_job(bootstrap: str, job_name: str, n_servers: int = 2):
+    from api_helpers import Job
+
+    servers = []
+    for i in range(n_servers):
+        sink = UpdateSink(updates_topic(job_name), i, bootstrap_servers=bootstrap)
+        s = EmbeddingServer(100_000, SGD(lr=0.5), EmbeddingConfig((-0.5, 0.5)),
+                            replica_index=i, replica_size=n_servers, job=job_name,
+                            checkpoint_root=TEST_CHECKPOINT_ROOT, update_sink=sink,
+                            model_update_interval_ms=50)
+        await s.start()
+        servers.append(s)
+    worker = EmbeddingWorker(SCHEMA, [s.address for s in servers],
+                             checkpoint_root=TEST_CHECKPOINT_ROOT)
+    await worker.start()
+    return Job(servers, [worker])
+
+
+async def converged(api: LiveApi, job, timeout_s: float = 30.0) -> None:
+    want = {}
+    for s in job.servers:
+        want.update(rows(s.store))
+    async with asyncio.timeout(timeout_s):
+        while True:
+            follower = api.state.predictor.replica
+            got = await asyncio.get_running_loop().run_in_executor(
+                api.state.predictor._pool, rows, follower.store)
+            if got == want:
+                return
+            await asyncio.sleep(0.1)
+
+
+async def test_replica_follows_kafka_and_dead_letters_bad_records(kafka_broker, tmp_path):
+    bootstrap = kafka_broker.bootstrap_servers
+    job_name = f"rk{os.getpid()}{id(tmp_path) % 100000}"
+    topic = updates_topic(job_name)
+    assert kafka_broker.create_topic(topic, 3)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+    job = await kafka_job(bootstrap, job_name)
+    try:
+        await job.train(3)
+        await asyncio.sleep(0.3)    # a pass or two reach Kafka before the dump
+        ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3))
+        manifest = json.load(open(os.path.join(ckpt, "manifest.json")))
+        assert all("offset" in p for p in manifest["model_updates"]), manifest["model_updates"]
+        gc = GlobalConfig.from_dict({"kafka": {"bootstrap_servers": bootstrap,
+                                               "job_name": job_name}})
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                updates="kafka", global_config=gc,
+                                checkpoint_dir=str(tmp_path / "ckpts"))
+        async with LiveApi(settings) as replica:
+            await job.train(4, seed=1)
+            await converged(replica, job)
+            follower = replica.state.predictor.replica
+            assert follower.cursors[0].applied["resets"] == 0   # went on from the checkpoint
+
+            producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+            await producer.start()
+            try:
+                await producer.send_and_wait(topic, b"not a frame", partition=0)
+            finally:
+                await producer.stop()
+            await job.train(3, seed=2)
+            await converged(replica, job)
+            assert follower.counts["bad_messages"] == 1
+            consumer = AIOKafkaConsumer(f"{topic}.dlq", bootstrap_servers=bootstrap,
+                                        auto_offset_reset="earliest")
+            await consumer.start()
+            try:
+                got = await consumer.getmany(timeout_ms=5000)
+                records = [r for rs in got.values() for r in rs]
+            finally:
+                await consumer.stop()
+            assert [r.value for r in records] == [b"not a frame"]
+    finally:
+        await stop_job(job)
