@@ -20,14 +20,29 @@ Batch schema inside a wire frame (``to_wire()``; the frame itself is :mod:`strea
                                         # offsets None: IDTypeFeatureWithSingleID, one id each
       "non_id_type_features": [{"name": str, "data": array[batch_size, ...]}],
       "labels": [{"name": str, "data": array[batch_size, ...]}],
-    }
+      "event_time"?: float | int,       # optional (absent: None): seconds since the Unix
+    }                                   # epoch, finite and >= 0, of the newest sample
+
+``event_time`` is what freshness is measured from (issue 18): ``DataCtx`` sets it to the
+producer's clock when the batch is sent unless the user gave one, the embedding worker
+passes it on with the batch's gradient update (the servers' ``trained_through``) and with
+the served batch (:mod:`stream_persia.core.served`). ``to_wire`` leaves the key out when
+the batch has none, so such frames are what older readers expect; a frame without it
+decodes (None), one with a bad value is refused naming ``batch.event_time``.
 
 Arrays are any of :data:`stream_persia.core.wire.SUPPORTED_DTYPES`. :meth:`PersiaBatch.from_wire`
 re-checks all of it, since Kafka messages and RPC frames are untrusted.
+
+Size: one module past 500 lines on purpose. The batch types, their wire schema (STYLE.md
+habit 8) and the decoder of that schema share one set of checks (``check_csr``,
+``check_event_time``, the dense types' constructors): a decoded frame is checked by the
+very code that checks a batch a user builds, so the two can never disagree.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from operator import attrgetter
 from typing import Any
 
@@ -37,7 +52,7 @@ from stream_persia.core import wire
 from stream_persia.errors import BadInput, WireError
 
 __all__ = ["IDTypeFeature", "IDTypeFeatureWithSingleID", "NonIDTypeFeature", "Label",
-           "PersiaBatch"]
+           "PersiaBatch", "check_event_time"]
 
 _U64 = np.dtype(np.uint64)
 _I64 = np.dtype(np.int64)
@@ -45,6 +60,28 @@ _SUPPORTED = frozenset(d.str[1:] for d in wire.SUPPORTED_DTYPES)
 _DTYPES_TEXT = ", ".join(str(d) for d in wire.SUPPORTED_DTYPES)
 _DTYPE_NDIM = attrgetter("dtype", "ndim")
 _MAX_U64 = (1 << 64) - 1
+
+
+def check_event_time(value: Any, field: str = "event_time") -> float | None:
+    """An event time checked: None, or a finite real number >= 0 (seconds since the Unix
+    epoch, like ``time.time()``), as a float.
+
+    The one check of event times: :class:`PersiaBatch`, its wire form, the served batch
+    (:mod:`stream_persia.core.served`) and the embedding servers' ``update`` call it.
+
+    Raises:
+        BadInput: on ``field``, naming the value received (a bool is not a number here).
+    """
+    if value is None:
+        return None
+    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                      np.floating))
+            or not math.isfinite(value) or value < 0):
+        shown = f"{type(value).__name__} {value!r:.80}"
+        raise BadInput(f"{field} must be a finite number of seconds since the Unix epoch "
+                       f">= 0, or None, got {shown}", field=field,
+                       hint="time.time() of the batch's newest sample")
+    return float(value)
 
 
 def _check_name(name: Any, what: str) -> str:
@@ -293,6 +330,9 @@ class PersiaBatch:
         batch_id: int >= 0, or None to let the embedding worker assign one.
         requires_grad: whether gradients flow back to the embeddings (training).
         meta: opaque bytes carried along with the batch.
+        event_time: seconds since the Unix epoch (like ``time.time()``) of the newest
+            sample in the batch, or None to let ``DataCtx`` stamp the producer's clock
+            when the batch is sent. Freshness of served models is measured from it.
 
     Attributes:
         batch_size: the number of samples, the same in every feature and label.
@@ -304,7 +344,8 @@ class PersiaBatch:
     def __init__(self, id_type_features: list[IDTypeFeature],
                  non_id_type_features: list[NonIDTypeFeature] | None = None,
                  labels: list[Label] | None = None, batch_id: int | None = None,
-                 requires_grad: bool = True, meta: bytes | None = None):
+                 requires_grad: bool = True, meta: bytes | None = None,
+                 event_time: float | None = None):
         self.id_type_features = _check_list(id_type_features, IDTypeFeature,
                                             "id_type_features", allow_none=False)
         self.non_id_type_features = _check_list(non_id_type_features, NonIDTypeFeature,
@@ -351,9 +392,29 @@ class PersiaBatch:
             raise BadInput(f"meta must be bytes or None, got {type(meta).__name__}",
                            field="meta", hint="e.g. json.dumps(info).encode()")
         self.meta = meta
+        self.event_time = check_event_time(event_time)
+
+    def stamped(self, event_time: float) -> PersiaBatch:
+        """This batch if it has an event time, else a shallow copy (the same arrays) with
+        ``event_time``: how a sender stamps its clock without changing the caller's batch.
+
+        Raises:
+            BadInput: ``event_time`` is not a valid event time.
+        """
+        if self.event_time is not None:
+            return self
+        batch = copy.copy(self)
+        batch.event_time = check_event_time(event_time)
+        return batch
 
     def to_wire(self) -> dict[str, Any]:
         """The batch as a wire-encodable dict (schema at the top of this module)."""
+        d = self._wire()
+        if self.event_time is not None:
+            d["event_time"] = self.event_time
+        return d
+
+    def _wire(self) -> dict[str, Any]:
         return {
             "batch_size": self.batch_size,
             "batch_id": self.batch_id,
@@ -397,7 +458,8 @@ class PersiaBatch:
         return (f"PersiaBatch(batch_size={self.batch_size}, batch_id={self.batch_id}, "
                 f"id_type_features={[f.name for f in self.id_type_features]}, "
                 f"non_id_type_features={[f.name for f in self.non_id_type_features]}, "
-                f"labels={[f.name for f in self.labels]}, requires_grad={self.requires_grad})")
+                f"labels={[f.name for f in self.labels]}, requires_grad={self.requires_grad}, "
+                f"event_time={self.event_time})")
 
 
 def _check_list(items: Any, cls: type, field: str, allow_none: bool = True) -> list:
@@ -421,18 +483,21 @@ def _as_wire_error(e: BadInput, path: str) -> WireError:
 
 _BATCH_KEYS = frozenset({"batch_size", "batch_id", "requires_grad", "meta", "id_type_features",
                          "non_id_type_features", "labels"})
+_BATCH_OPTIONAL = frozenset({"event_time"})
 _ID_KEYS = frozenset({"name", "values", "offsets"})
 _DENSE_KEYS = frozenset({"name", "data"})
 
 
-def _check_dict(d: Any, keys: frozenset, path: str) -> dict:
+def _check_dict(d: Any, keys: frozenset, path: str, optional: frozenset = frozenset()
+                ) -> dict:
     if type(d) is not dict:
         raise WireError(f"{path} must be a map, got {type(d).__name__}", field=path)
-    if d.keys() != keys:
-        missing, unknown = sorted(keys - d.keys()), sorted(d.keys() - keys)
+    if d.keys() != keys and not (keys <= d.keys() <= keys | optional):
+        missing, unknown = sorted(keys - d.keys()), sorted(d.keys() - keys - optional)
         raise WireError(f"{path}: missing keys {missing}, unknown keys {unknown}", field=path,
                         hint=f"a batch of wire format version {wire.FORMAT_VERSION} has "
-                             f"exactly {sorted(keys)}")
+                             f"exactly {sorted(keys)}"
+                             + (f", and optionally {sorted(optional)}" if optional else ""))
     return d
 
 
@@ -445,7 +510,7 @@ def _wire_list(d: dict, key: str) -> list:
 
 
 def _batch_from_wire(cls: type[PersiaBatch], d: Any) -> PersiaBatch:
-    d = _check_dict(d, _BATCH_KEYS, "batch")
+    d = _check_dict(d, _BATCH_KEYS, "batch", _BATCH_OPTIONAL)
     size = d["batch_size"]
     if type(size) is not int or size < 1:
         raise WireError(f"batch.batch_size must be an int >= 1, got {size!r}",
@@ -486,7 +551,8 @@ def _batch_from_wire(cls: type[PersiaBatch], d: Any) -> PersiaBatch:
                 raise _as_wire_error(e, path) from e
     try:
         batch = cls(ids, dense["non_id_type_features"], dense["labels"],
-                    batch_id=d["batch_id"], requires_grad=d["requires_grad"], meta=d["meta"])
+                    batch_id=d["batch_id"], requires_grad=d["requires_grad"], meta=d["meta"],
+                    event_time=d.get("event_time"))
     except BadInput as e:
         raise _as_wire_error(e, f"batch.{e.field}" if e.field else "batch") from e
     if batch.batch_size != size:

@@ -29,7 +29,8 @@ __all__ = ["DumpReply", "FailedPush", "FrontierReply", "LoadReply", "LookupReply
 # ------------------------------------------------------------------ embedding server
 class ServerHealth(TypedDict):
     """An embedding server's ``health``: who answers (``incarnation``: a random id per
-    process) and what its table holds (``loads``: restores swapped in since it started)."""
+    process), what its table holds (``loads``: restores swapped in since it started) and
+    the newest event time of an update it applied (``trained_through``)."""
 
     ok: bool
     role: str
@@ -40,6 +41,7 @@ class ServerHealth(TypedDict):
     store_threads: int
     incarnation: str
     loads: int
+    trained_through: float | None   # newest event time of an update applied (seconds)
 
 
 class ServerConfig(TypedDict):

@@ -12,7 +12,9 @@ Wire schema (a msgpack map, :mod:`stream_persia.core.wire`; built by
      "non_id_type_features": [{"name": str | None, "data": array[batch_size, ...]}],
      "labels": [{"name": str | None, "data": array[batch_size, ...]}],
      "config"?: str,                  # the servers' configuration digest
-     "missing"?: int}                 # lookup_batch: distinct ids the servers lacked
+     "missing"?: int,                 # lookup_batch: distinct ids the servers lacked
+     "event_time"?: float | int}      # the PersiaBatch's event time (seconds since the
+                                      # Unix epoch, finite, >= 0); absent: None
 
 :meth:`ServedBatch.from_wire` checks a received map once, every key, dtype and shape the
 readers rely on, and raises :class:`~stream_persia.errors.BadInput` naming the field
@@ -28,6 +30,7 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 import numpy as np
 
+from stream_persia.core.data import check_event_time
 from stream_persia.errors import BadInput
 
 __all__ = ["ServedBatch", "ServedBatchWire", "ServedFeature", "ServedSlot", "ServedSlotWire"]
@@ -56,6 +59,7 @@ class ServedBatchWire(TypedDict):
     labels: list[ServedFeatureWire]
     config: NotRequired[str]
     missing: NotRequired[int]
+    event_time: NotRequired[float]
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,6 +95,8 @@ class ServedBatch:
         batch_id: None for an evaluation lookup (a negative id on the wire).
         config: the servers' configuration digest, when the worker knows it.
         missing: ``lookup_batch``: distinct ids the servers did not hold (0 otherwise).
+        event_time: the data loader's event time of the batch (seconds since the Unix
+            epoch of its newest sample), None when it carries none.
     """
 
     batch_size: int
@@ -102,6 +108,7 @@ class ServedBatch:
     meta: bytes | None = None
     missing: int = 0
     config: str | None = None
+    event_time: float | None = None
 
     @classmethod
     def from_wire(cls, d: object) -> ServedBatch:
@@ -132,6 +139,7 @@ class ServedBatch:
         config = d.get("config")
         if config is not None and not isinstance(config, str):
             raise _bad("config", "a string or None", config)
+        event_time = check_event_time(d.get("event_time"), "event_time")
         return cls(
             batch_size=size,
             embeddings=tuple(_slot(e, f"embeddings[{i}]", size) for i, e in enumerate(slots)),
@@ -140,7 +148,8 @@ class ServedBatch:
             labels=_features(labels, "labels", size) if labels else None,
             batch_id=bid if isinstance(bid, int) and not isinstance(bid, bool) and bid >= 0
             else None,
-            requires_grad=requires_grad, meta=meta, missing=missing, config=config)
+            requires_grad=requires_grad, meta=meta, missing=missing, config=config,
+            event_time=event_time)
 
 
 def _bad(where: str, want: str, got: object) -> BadInput:

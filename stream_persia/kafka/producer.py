@@ -14,6 +14,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
 from stream_persia.core.backoff import wait_bounded
+from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import (
     Backpressure,
     BadInput,
@@ -128,7 +129,8 @@ class BatchProducer(ProducerUser):
 
         Args:
             batch: encoded bytes, or a ``PersiaBatch`` (encoded with ``to_bytes()``; its
-                ``batch_id`` is the key when ``key`` is None).
+                ``batch_id`` is the key when ``key`` is None; without an ``event_time``
+                it goes with this process's clock, as ``DataCtx`` sends it).
             key: the batch id (bytes, str or int).
             timeout_s: how long to wait for room (default ``send_timeout_s``).
         """
@@ -137,6 +139,8 @@ class BatchProducer(ProducerUser):
         if isinstance(batch, (bytes, bytearray, memoryview)):
             value = bytes(batch)
         elif hasattr(batch, "to_bytes"):
+            if isinstance(batch, PersiaBatch):
+                batch = batch.stamped(time.time())
             value = batch.to_bytes()
             if key is None:
                 key = getattr(batch, "batch_id", None)

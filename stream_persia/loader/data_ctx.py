@@ -18,6 +18,10 @@ Where the destination comes from (first match wins): the ``embedding_workers`` o
 
 Semantics:
 
+- **Event time.** A batch without an ``event_time`` is sent with the producer's clock
+  (``time.time()`` when ``send_data`` is called); one the user gave is kept as given.
+  The caller's batch object is not changed (a shallow copy carries the stamp). Freshness
+  of the served model is measured from it (:mod:`stream_persia.core.data`).
 - **Validation.** A ``PersiaBatch`` checks itself when built; :meth:`DataCtx.send_data`
   refuses anything else (``BadInput``) and, given an embedding config (argument or
   ``PERSIA_EMBEDDING_CONFIG``), refuses ID features of unknown slots before sending.
@@ -64,6 +68,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -347,7 +352,8 @@ class DataCtx:
 
     # ----------------------------------------------------------------- sending
     def send_data(self, persia_batch: PersiaBatch) -> None:
-        """Send one batch; returns once it is queued, blocking under backpressure.
+        """Send one batch; returns once it is queued, blocking under backpressure. A batch
+        without an ``event_time`` goes with this process's clock (``time.time()`` now).
 
         Raises:
             BadInput: not a ``PersiaBatch``, an ID feature of an unknown slot, a batch
@@ -364,6 +370,7 @@ class DataCtx:
             if self.schema is not None:
                 for feature in persia_batch.id_type_features:
                     self.schema.slot(feature.name)
+            persia_batch = persia_batch.stamped(time.time())
             if self._producer is not None:
                 value = persia_batch.to_bytes()  # encoded here, off the loop thread
                 _run(loop, self._producer.send(value, key=persia_batch.batch_id))

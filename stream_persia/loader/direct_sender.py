@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 
 from stream_persia.core.aio import LoopThread
 from stream_persia.core.backoff import retry_startup
@@ -114,7 +115,9 @@ class DirectSender:
 
     def submit(self, batch: PersiaBatch, seq: int) -> None:
         """Queue one batch (``seq`` names it in a later error); blocks while
-        ``max_inflight`` sends are unacknowledged; raises an earlier send's failure."""
+        ``max_inflight`` sends are unacknowledged; raises an earlier send's failure. A
+        batch without an ``event_time`` is sent with this process's clock (now)."""
+        batch = batch.stamped(time.time())
         self._collect()
         if not self._room.acquire(timeout=self._give_up_s):
             # Only a bug could keep a slot taken this long: sends time out by themselves.

@@ -71,6 +71,9 @@ class PersiaTrainingBatch:
         batch_size: samples in the batch.
         worker_index: which of the context's embedding workers served it.
         missing: evaluation/inference lookups: ids the servers did not hold (zeros).
+        event_time: the batch's event time (seconds since the Unix epoch of its newest
+            sample: the data loader's, or its clock when the batch was sent), None when
+            the batch carries none.
         masks: raw slot name -> bool mask tensor on the device, set by ``prepare_features``.
     """
 
@@ -83,6 +86,7 @@ class PersiaTrainingBatch:
     batch_size: int = 0
     worker_index: int | None = None
     missing: int = 0
+    event_time: float | None = None
     non_id_type_feature_names: list[str | None] = field(default_factory=list)
     label_names: list[str | None] = field(default_factory=list)
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -131,6 +135,7 @@ def from_served(served: ServedBatch | object, worker_index: int | None = None, *
         batch_size=sb.batch_size,
         worker_index=worker_index,
         missing=sb.missing,
+        event_time=sb.event_time,
     )
 
 

@@ -11,14 +11,15 @@ which that thread fans out over its internal shards' threads for each call.
 RPC methods (params → result):
 
 - ``health`` → ``{"ok", "role", "replica_index", "replica_size", "rows", "implementation",
-  "store_threads", "incarnation", "loads"}``
+  "store_threads", "incarnation", "loads", "trained_through"}``
 - ``lookup {"mode": "train"|"eval"|"infer", "groups": [{"dim", "ids"}], "incarnation"?}`` →
   ``{"rows": [float32 (n, dim)], "missing": int}`` (one entry per group, in order;
   ``missing`` counts ids absent from the store; eval/infer never insert or refresh). A
   group with ``"index"`` (int32) and ``"offsets"`` (int64) is a pooled lookup
   (:mod:`stream_persia.kernels.segments`): its entry is the ``(len(offsets) - 1, dim)`` segment
   sums of the rows instead of the rows.
-- ``update {"groups": [{"dim", "ids", "grads"}], "token"?, "incarnation"?, "source"?}`` →
+- ``update {"groups": [{"dim", "ids", "grads"}], "token"?, "incarnation"?, "source"?,
+  "event_time"?}`` →
   ``{"applied": int, "dropped": int}``. ``token`` (a string of 1-64 characters, unique to one batch's update on this
   server: the embedding workers send ``<worker incarnation>-<batch id>``) makes the update
   idempotent: the server remembers the tokens of the last ``update_tokens`` updates
@@ -41,6 +42,13 @@ RPC methods (params → result):
   ``persia_embedding_server_stream_replays_refused_total``; the gauge
   ``persia_embedding_server_stream_partitions`` counts the partitions tracked). The
   token is checked first: a retried push is a duplicate, not a replay.
+  ``event_time`` (seconds since the Unix epoch, finite, >= 0; BadInput on field
+  ``event_time`` otherwise, nothing applied) is the event time of the batch the update is
+  for (``PersiaBatch.event_time``). ``trained_through``, the newest event time of any
+  update applied (None until one carries it; a duplicate or refused update changes
+  nothing), is in ``health`` and the gauge
+  ``persia_embedding_server_trained_through_seconds`` (absent while None). ``clear``
+  resets it; a load keeps it (it describes the updates this process applied).
 - ``watermarks {"topic"?}`` → ``{"topics": {topic: {partition: {"offset", "writer"}}}}``:
   every partition's watermark (of ``topic`` only, when given; ``writer`` None: set by a
   load), read on the store thread after the updates received before it. Workers ask it
@@ -145,6 +153,7 @@ import numpy as np
 
 from stream_persia.checkpoint.root import CheckpointRoot, require_root
 from stream_persia.core import optim as optim_mod
+from stream_persia.core.data import check_event_time
 from stream_persia.core.embedding_config import EmbeddingConfig
 from stream_persia.core.metrics import RoleMetrics
 from stream_persia.core.replies import (
@@ -306,6 +315,9 @@ class EmbeddingServer:
         # store thread only, swapped with the table by a load.
         self._marks = Watermarks(f"embedding server {replica_index}")
         self._replays_refused = 0
+        # The newest event time of any update applied (update in the module docstring);
+        # written on the store thread, read anywhere (one float).
+        self.trained_through: float | None = None
         # This process, as opposed to one restarted at its address (module docstring).
         self.incarnation = secrets.token_hex(8)
         #: The newest event time of an applied update (store thread; see ``update``).
@@ -327,6 +339,8 @@ class EmbeddingServer:
         self.metrics.add_callback("stream", lambda: {
             "replays_refused": float(self._replays_refused),
             "partitions": float(len(self._marks))}, counters={"replays_refused"})
+        self.metrics.add_callback("trained_through", lambda: (
+            {} if self.trained_through is None else {"seconds": self.trained_through}))
         self._req = self.metrics.counter("requests_total", "RPC requests", ("method",))
         # What serving replicas follow (stream_persia.server.updates); None: not published.
         self.feed: UpdateFeed | None = None
@@ -406,7 +420,8 @@ class EmbeddingServer:
         return {"ok": True, "role": "embedding-server", "replica_index": self.replica_index,
                 "replica_size": self.replica_size, "rows": len(self.store),
                 "implementation": IMPLEMENTATION, "store_threads": self.store_threads,
-                "incarnation": self.incarnation, "loads": self._serving.loads}
+                "incarnation": self.incarnation, "loads": self._serving.loads,
+                "trained_through": self.trained_through}
 
     def _check_incarnation(self, params: dict) -> None:
         """Refuse a request that expects another process at this address (it restarted
@@ -464,6 +479,7 @@ class EmbeddingServer:
         want = config_digest_param(params)
         self._check_incarnation(params)
         source = parse_source(params.get("source"))
+        event_time = check_event_time(params.get("event_time"))
         token = params.get("token")
         if token is not None and not (isinstance(token, str) and 0 < len(token) <= 64):
             raise BadInput(f"token must be a string of 1-64 characters, got "
@@ -491,6 +507,9 @@ class EmbeddingServer:
             applied = sum(int(ids.size) for ids, _ in checked) - dropped
             if source is not None:
                 self._marks.advance(source)
+            if event_time is not None and (self.trained_through is None
+                                           or event_time > self.trained_through):
+                self.trained_through = event_time
             if token is not None:
                 self._remember(token, applied, dropped)
             return {"applied": applied, "dropped": dropped, "config": self._config_digest,
@@ -524,6 +543,7 @@ class EmbeddingServer:
         def run() -> None:
             self.store.clear()   # the store in force on its turn
             self._marks.clear()  # the stream is trained again from scratch, on purpose
+            self.trained_through = None
 
         await self._run(run)
 

@@ -117,7 +117,8 @@ class GradientPushes:
 
     async def push(self, batch_id: int, plan: BatchPlan, source: tuple[int, int] | None,
                    grads: Any, retry_s: float,
-                   stream: tuple[str, str] | None = None) -> PushReply:
+                   stream: tuple[str, str] | None = None,
+                   event_time: float | None = None) -> PushReply:
         """Apply a served batch's gradients on every server, retrying those that fail for
         up to ``retry_s``; the reply once all did.
 
@@ -127,11 +128,13 @@ class GradientPushes:
             StreamReplay: the servers refused it: another stream applied that offset.
 
         ``stream`` is the batch's Kafka ``(topic, writer)``: with ``source`` it goes with
-        the update, for the servers' watermarks.
+        the update, for the servers' watermarks. ``event_time``, the batch's, goes with
+        it too (the servers' ``trained_through``).
         """
         p = self._pushes.get(batch_id)
         if p is None:
-            p = self._pushes[batch_id] = self._reduce(batch_id, plan, source, grads, stream)
+            p = self._pushes[batch_id] = self._reduce(batch_id, plan, source, grads, stream,
+                                                      event_time)
         # else: pushing (this push shares its outcome), or failed (the update first
         # reduced is sent again; grads are ignored)
         if p.task is not None:
@@ -149,7 +152,8 @@ class GradientPushes:
             task.exception()   # retrieved: every waiter got it already
 
     def _reduce(self, batch_id: int, plan: BatchPlan, source: tuple[int, int] | None,
-                grads: Any, stream: tuple[str, str] | None) -> _Push:
+                grads: Any, stream: tuple[str, str] | None,
+                event_time: float | None = None) -> _Push:
         """Reduce a batch's gradients per unique id and split them per server, once."""
         if not isinstance(grads, dict):
             raise BadInput("grads must be a map of slot name -> gradient (None: no gradient)",
@@ -161,7 +165,8 @@ class GradientPushes:
         mark = None
         if stream is not None and source is not None:   # the servers' watermarks
             mark = Source(stream[0], source[0], source[1], stream[1]).to_wire()
-        update = self.router.split_update(groups, f"{self.incarnation}-{batch_id}", mark)
+        update = self.router.split_update(groups, f"{self.incarnation}-{batch_id}", mark,
+                                          event_time)
         return _Push(update, source, skipped=list(reduced.skipped))
 
     async def _apply(self, batch_id: int, p: _Push, retry_s: float) -> PushReply:

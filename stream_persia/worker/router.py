@@ -420,12 +420,16 @@ class ShardRouter:
         return out, sum(int(r["missing"]) for r in replies)
 
     def split_update(self, groups: Sequence[UpdateGroup], token: str | None = None,
-                     source: dict[str, Any] | None = None) -> PendingUpdate:
+                     source: dict[str, Any] | None = None,
+                     event_time: float | None = None) -> PendingUpdate:
         """``groups`` split into one request per owning server (one stable argsort per
         group; no per-id Python work; no request at all without groups). ``source``: the
         Kafka batch the update is for (``update``'s ``source``: the servers advance, and
-        check, that partition's stream watermark; :mod:`stream_persia.core.watermarks`)."""
-        return PendingUpdate(token, shards.split_update(groups, self.num_shards), source)
+        check, that partition's stream watermark; :mod:`stream_persia.core.watermarks`).
+        ``event_time``: the batch's event time, sent with every request (``update``'s
+        ``event_time``: the servers' ``trained_through``)."""
+        return PendingUpdate(token, shards.split_update(groups, self.num_shards), source,
+                             event_time=event_time)
 
     async def push(self, update: PendingUpdate, retry_s: float = 0.0) -> tuple[int, int]:
         """Send ``update`` to every server that has not applied it yet; returns (applied,
@@ -484,6 +488,8 @@ class ShardRouter:
             params["token"] = update.token
         if update.source is not None:
             params["source"] = update.source
+        if update.event_time is not None:
+            params["event_time"] = update.event_time
         return params
 
     async def update(self, groups: Sequence[UpdateGroup], token: str | None = None,

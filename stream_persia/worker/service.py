@@ -117,7 +117,11 @@ restored cut nothing passed since starts at that cut by itself.
 A served batch: ``{"batch_id", "requires_grad", "meta", "batch_size",
 "non_id_type_features": [{"name", "data"}], "labels": [{"name", "data"}],
 "embeddings": [{"name", "kind": "sum", "emb": f32 (batch, dim)} |
-{"name", "kind": "raw", "emb": f32 (n+1, dim), "index": i64 (batch, k), "mask": bool}]}``.
+{"name", "kind": "raw", "emb": f32 (n+1, dim), "index": i64 (batch, k), "mask": bool}],
+"event_time"?}`` (:mod:`stream_persia.core.served`). A batch's event time
+(``PersiaBatch.event_time``) stays with it from ingest to its release: it is served with
+the batch (training and evaluation alike) and sent with its gradient update to the
+servers, whose ``trained_through`` is the newest one they applied.
 
 Size: one module past 500 lines on purpose. The RPC schema above (STYLE.md habit 8) is a
 sixth of it; the rest is one class, the role's RPC surface, whose handlers share its ready
@@ -458,13 +462,16 @@ class EmbeddingWorker:
     @staticmethod
     def _served(pb: PendingBatch, embeddings: list[ServedSlotWire]) -> ServedBatchWire:
         b = pb.batch
-        return {
+        served: ServedBatchWire = {
             "batch_id": pb.batch_id, "requires_grad": bool(b.requires_grad),
             "meta": b.meta, "batch_size": b.batch_size, "embeddings": embeddings,
             "non_id_type_features": [{"name": f.name, "data": f.data}
                                      for f in (b.non_id_type_features or [])],
             "labels": [{"name": f.name, "data": f.data} for f in (b.labels or [])],
         }
+        if b.event_time is not None:
+            served["event_time"] = b.event_time
+        return served
 
     async def _next_batch(self, params: Any) -> ServedBatchWire | None:
         if self._replay is not None:   # the NN side must hear it, not wait for batches
@@ -563,7 +570,8 @@ class EmbeddingWorker:
                                 "that restarted has forgotten the batches it served")
         retry_s = min(self._timeout_ms(params, self.push_retry_ms), self.push_retry_ms) / 1000
         return await self.pushes.push(pb.batch_id, pb.plan, pb.source, params.get("grads"),
-                                      retry_s, stream=pb.stream)
+                                      retry_s, stream=pb.stream,
+                                      event_time=pb.batch.event_time)
 
     def _applied(self, batch_id: int) -> None:
         """Every server applied ``batch_id``'s gradients: release it."""

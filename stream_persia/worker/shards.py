@@ -167,6 +167,7 @@ class PendingUpdate:
     token: str | None
     parts: dict[int, list[WireGroup]]
     source: dict[str, Any] | None = None   # its Kafka batch (stream_persia.core.watermarks)
+    event_time: float | None = None         # its batch's event time (servers' trained_through)
     replies: dict[int, UpdateReply] = field(default_factory=dict)
     errors: dict[int, PersiaError] = field(default_factory=dict)
 

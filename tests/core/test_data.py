@@ -243,8 +243,8 @@ def test_batch_needs_id_features_unique_names_and_samples():
 
 
 def assert_batches_equal(a: PersiaBatch, b: PersiaBatch):
-    assert (a.batch_size, a.batch_id, a.requires_grad, a.meta) == \
-           (b.batch_size, b.batch_id, b.requires_grad, b.meta)
+    assert (a.batch_size, a.batch_id, a.requires_grad, a.meta, a.event_time) == \
+           (b.batch_size, b.batch_id, b.requires_grad, b.meta, b.event_time)
     assert len(a.id_type_features) == len(b.id_type_features)
     for x, y in zip(a.id_type_features, b.id_type_features, strict=True):
         assert type(x) is type(y) and x.name == y.name
@@ -265,7 +265,8 @@ def rich_batch():
     labels = [Label(np.array([0, 1, 0, 1, 1], bool), "ctr"), Label(np.zeros((5, 1), ">f4"))]
     id_features = [user_id(), IDTypeFeature("empty", np.array([[]] * 5, U64)),
                    IDTypeFeatureWithSingleID("item", np.arange(5, dtype=U64) + 2 ** 63)]
-    return PersiaBatch(id_features, dense, labels, batch_id=2 ** 64 - 1, meta=b"\x00meta")
+    return PersiaBatch(id_features, dense, labels, batch_id=2 ** 64 - 1, meta=b"\x00meta",
+                       event_time=1_750_000_000.125)
 
 
 def test_bytes_round_trip_of_everything():
@@ -351,6 +352,65 @@ def test_from_wire_rejects_and_names_the_field(path, value, field):
         PersiaBatch.from_wire(_corrupt(path, value))
     assert e.value.field == field, str(e.value)
     assert field.split(".")[-1].split("[")[0] in str(e.value)
+
+
+# ------------------------------------------------------------------- event time
+
+BAD_EVENT_TIMES = [-1.0, -1, float("nan"), float("inf"), float("-inf"), True, False, "1.5",
+                   b"1", [1.0], {"t": 1.0}]
+
+
+@pytest.mark.parametrize("t", [0, 0.0, 1_750_000_000.5, 1_750_000_000, np.float64(3.25),
+                               np.int64(7), 2 ** 64 - 1])
+def test_event_time_is_kept_as_a_float_and_survives_the_wire(t):
+    b = small_batch(event_time=t)
+    assert b.event_time == float(t) and type(b.event_time) is float
+    assert b.to_wire()["event_time"] == float(t)
+    out = PersiaBatch.from_bytes(b.to_bytes())
+    assert out.event_time == float(t)
+    assert "event_time=" in repr(out)
+
+
+def test_a_batch_without_event_time_sends_no_key_and_an_old_frame_decodes_to_none():
+    b = small_batch()
+    assert b.event_time is None and "event_time" not in b.to_wire()
+    assert PersiaBatch.from_bytes(b.to_bytes()).event_time is None
+    # A frame written before event times existed: exactly the old keys.
+    old = small_batch().to_wire()
+    assert set(old) == {"batch_size", "batch_id", "requires_grad", "meta",
+                        "id_type_features", "non_id_type_features", "labels"}
+    assert PersiaBatch.from_wire(wire.unpack(wire.pack(old))).event_time is None
+    # None on the wire (an encoder that writes the key anyway) is None too.
+    assert PersiaBatch.from_wire({**old, "event_time": None}).event_time is None
+
+
+@pytest.mark.parametrize("t", BAD_EVENT_TIMES)
+def test_a_bad_event_time_is_refused_naming_the_field(t):
+    with pytest.raises(BadInput) as e:
+        small_batch(event_time=t)
+    assert e.value.field == "event_time" and "event_time" in str(e.value)
+
+
+@pytest.mark.parametrize("t", BAD_EVENT_TIMES)
+def test_a_frame_with_a_bad_event_time_is_refused_naming_the_field(t):
+    d = small_batch().to_wire()
+    d["event_time"] = t
+    with pytest.raises(WireError) as e:
+        PersiaBatch.from_bytes(wire.pack(d))
+    assert e.value.field == "batch.event_time" and "event_time" in str(e.value)
+
+
+def test_stamped_keeps_a_given_event_time_and_never_changes_the_callers_batch():
+    given = small_batch(event_time=5.0)
+    assert given.stamped(99.0) is given and given.event_time == 5.0
+    plain = small_batch(batch_id=4)
+    copy = plain.stamped(12.5)
+    assert plain.event_time is None and copy.event_time == 12.5
+    assert copy.id_type_features[0] is plain.id_type_features[0]   # no array copied
+    assert_batches_equal(copy, PersiaBatch.from_bytes(copy.to_bytes()))
+    with pytest.raises(BadInput) as e:
+        plain.stamped(float("nan"))
+    assert e.value.field == "event_time"
 
 
 def test_from_wire_rejects_non_dicts():

@@ -47,6 +47,22 @@ def test_a_served_batch_decodes_to_named_fields():
     assert (ev.batch_id, ev.labels, ev.missing) == (None, None, 3)
 
 
+def test_a_served_batch_carries_its_event_time_to_the_training_batch():
+    assert ServedBatch.from_wire(frame()).event_time is None   # an old frame: no key
+    sb = ServedBatch.from_wire(frame(event_time=1_750_000_000.25))
+    assert sb.event_time == 1_750_000_000.25
+    assert from_served(sb).event_time == 1_750_000_000.25
+    assert from_served(frame()).event_time is None
+    assert ServedBatch.from_wire(frame(event_time=3)).event_time == 3.0
+
+
+@pytest.mark.parametrize("t", [-0.5, float("nan"), float("inf"), True, "1.0", [1.0]])
+def test_a_served_batch_with_a_bad_event_time_is_refused_naming_the_field(t):
+    with pytest.raises(BadInput) as e:
+        ServedBatch.from_wire(frame(event_time=t))
+    assert e.value.field == "event_time" and "event_time" in str(e.value)
+
+
 def _slot(i: int, **changes: Any) -> Callable[[dict], None]:
     def edit(d: dict) -> None:
         d["embeddings"][i].update(changes)

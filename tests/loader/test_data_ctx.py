@@ -169,6 +169,24 @@ def test_kafka_batches_read_back_equal_with_batch_id_keys(kafka_broker, kafka_to
         assert_same(PersiaBatch.from_bytes(record.value), b)
 
 
+def test_kafka_stamps_the_producer_clock_unless_the_user_gave_an_event_time(kafka_broker,
+                                                                            kafka_topic):
+    topic = kafka_topic(1)
+    plain, given = batch(0), batch(1)
+    given.event_time = 1_700_000_000.5
+    with DataCtx(kafka_bootstrap_servers=kafka_broker.bootstrap_servers, topic=topic) as ctx:
+        before = time.time()
+        ctx.send_data(plain)
+        after = time.time()
+        ctx.send_data(given)
+    got = [PersiaBatch.from_bytes(r.value)
+           for r in read_back(kafka_broker.bootstrap_servers, topic, 2)]
+    assert before <= got[0].event_time <= after
+    assert got[1].event_time == 1_700_000_000.5
+    assert plain.event_time is None     # the caller's batch is not changed
+    assert_same(got[0], plain)
+
+
 @pytest.mark.parametrize("codec", ["gzip", "snappy", "lz4", "zstd"])
 def test_every_compression_type_reads_back_equal(kafka_broker, kafka_topic, codec):
     """Each codec Kafka offers works out of the box (lz4, snappy and zstd through cramjam,
@@ -286,6 +304,26 @@ def test_direct_one_worker_keeps_order_and_flushes_on_exit(job):
     assert j.ready() == 5  # every batch is in the worker once the block is left
     assert [j.pull()["meta"] for _ in range(5)] == [f"batch-{i}".encode() for i in range(5)]
     assert ctx.stats()["acked"] == 5 and ctx.stats()["peak_in_flight"] == 1
+
+
+def test_direct_stamps_the_producer_clock_unless_the_user_gave_an_event_time(job):
+    j = job()
+    given = batch(1, requires_grad=False)
+    given.event_time = 12.5
+    sent = [batch(0), given, batch(2)]
+    with DataCtx(embedding_workers=j.addresses, max_inflight=1) as ctx:
+        before = time.time()
+        ctx.send_data(sent[0])
+        after = time.time()
+        ctx.send_data(sent[1])
+        ctx.send_data(sent[2])
+        last = time.time()
+    assert sent[0].event_time is None and sent[2].event_time is None
+    served = [j.pull() for _ in range(3)]
+    assert [s["meta"] for s in served] == [b"batch-0", b"batch-1", b"batch-2"]
+    assert before <= served[0]["event_time"] <= after
+    assert served[1]["event_time"] == 12.5      # an evaluation batch keeps it too
+    assert after <= served[2]["event_time"] <= last
 
 
 def test_direct_round_robin_over_workers_from_replica_index(job, monkeypatch):

@@ -15,6 +15,7 @@ from nn_helpers import LEARNABLE_SCHEMA, SumModel, learnable_batches
 from stream_persia.ctx import InferCtx, TrainCtx, eval_ctx
 from stream_persia.data import DataLoader, IterableDataset, StreamingDataset
 from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.data import PersiaBatch
 from stream_persia.embedding.optim import SGD, Adagrad
 from stream_persia.errors import Misuse, PushFailed, ServerRestarted
 from stream_persia.rpc import RpcClient
@@ -314,6 +315,58 @@ def test_a_batch_without_backward_is_released(job_factory):
         seen = [tb.meta for tb in DataLoader(StreamingDataset(), embedding_staleness=1,
                                              max_batches=4, timeout_ms=5000)]
     assert len(seen) == 4 and len(job.workers[0].inflight) == 0
+
+
+def _with_event_time(b, event_time):
+    return PersiaBatch(b.id_type_features, b.non_id_type_features, b.labels,
+                       requires_grad=b.requires_grad, meta=b.meta, event_time=event_time)
+
+
+def test_event_times_reach_the_training_batches_and_the_servers_trained_through(
+        job_factory):
+    """Issue 18: a batch's event time goes through DataCtx and a real embedding worker to
+    the NN's PersiaTrainingBatch, and with its gradients to every embedding server, whose
+    ``health`` then says ``trained_through``: the newest event time applied (a max: the
+    times need not arrive in order)."""
+    job = job_factory(SCHEMA, servers=2)
+    clients = [RpcClient(s.address, timeout_ms=5000) for s in job.servers]
+
+    def trained_through() -> list:
+        return [job.loop.run(c.call("health"), 10)["trained_through"] for c in clients]
+
+    assert trained_through() == [None, None]
+    given = [1_750_000_000.5, 1_750_000_030.25, 1_750_000_010.0]
+    batches = [_with_event_time(make_batch(i), t) for i, t in enumerate(given)]
+    before = time.time()
+    batches.append(make_batch(3))          # no event time: DataCtx stamps its clock
+    job.feed(batches, background=False)
+    after = time.time()
+    model = SumModel(3 + 8 + 8 + 4)
+    seen = []
+    try:
+        with train_ctx(job, model) as ctx:
+            for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=4,
+                                 timeout_ms=5000):
+                seen.append((tb.meta, tb.event_time))
+                output, labels = ctx.forward(tb)
+                ctx.backward(bce(output, labels))
+                if len(seen) == 3:   # the three given times applied, the stamped one not yet
+                    assert trained_through() == [max(given)] * 2
+        assert [m for m, _ in seen] == [b"batch-0", b"batch-1", b"batch-2", b"batch-3"]
+        assert [t for _, t in seen[:3]] == given
+        stamped = seen[3][1]
+        assert before <= stamped <= after
+        assert trained_through() == [stamped] * 2       # both servers got every update
+        # Evaluation: the user's batches, looked up directly, keep their event time too.
+        with eval_ctx(model=model, embedding_workers=job.worker_addresses):
+            eval_batches = [_with_event_time(make_batch(9, requires_grad=False), 42.5),
+                            make_batch(10, requires_grad=False)]
+            got = [tb.event_time for tb in DataLoader(IterableDataset(iterable=eval_batches))]
+        assert got == [42.5, None]
+        assert trained_through() == [stamped] * 2       # lookups apply nothing
+    finally:
+        for c in clients:
+            job.loop.run(c.close(), 10)
 
 
 def _train(job, batches, staleness, seed=0, *, reproducible=False):

@@ -313,6 +313,8 @@ def by_meta(batches: list[PersiaBatch]) -> dict[bytes, PersiaBatch]:
 async def test_every_batch_served_once_from_the_store_and_applied_on_its_shard(job, rpc):
     n = 16
     batches = [keyed(i, seed=3) for i in range(n)]
+    for b in batches[::2]:    # the others get the data loader's clock
+        b.event_time = 1_750_000_000.0 + b.batch_id
     sent = by_meta(batches)
     offsets_before = await frontier_total(rpc)
     rng = np.random.default_rng(0)
@@ -320,8 +322,18 @@ async def test_every_batch_served_once_from_the_store_and_applied_on_its_shard(j
     async def on_batch(w: int, served: dict) -> None:
         await check_and_train(rpc, rpc.workers[w], served, sent[served["meta"]], rng)
 
+    before = time.time()
     await asyncio.to_thread(send_with_data_ctx, job, batches)
+    after = time.time()
     got = await pull(rpc, n, on_batch)
+    # Event times came through Kafka with the batches, and went with every update.
+    for _, s in got:
+        given = sent[s["meta"]].event_time
+        assert s["event_time"] == given if given is not None \
+            else before <= s["event_time"] <= after
+    newest = max(s["event_time"] for _, s in got)
+    for c in rpc.servers:
+        assert (await c.call("health"))["trained_through"] == newest
 
     metas = Counter(s["meta"] for _, s in got)
     assert metas == Counter(list(sent)), "every produced batch is served exactly once"
