@@ -320,8 +320,6 @@ class EmbeddingServer:
         self.trained_through: float | None = None
         # This process, as opposed to one restarted at its address (module docstring).
         self.incarnation = secrets.token_hex(8)
-        #: The newest event time of an applied update (store thread; see ``update``).
-        self.trained_through: float | None = None
         self._serving = _Serving(
             make_store(capacity, optimizer or optim_mod.Adagrad(),
                        embedding_config or EmbeddingConfig(), shards=store_threads),
