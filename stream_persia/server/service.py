@@ -109,6 +109,10 @@ RPC methods (params → result):
   restarted, the table expired) is loaded again directly. ``stage_ttl_s`` is
   ``embedding_parameter_server_config.restore_stage_ttl_s`` for a launched server.
 
+- ``put_dense`` / ``get_dense``: the newest dense model, published by NN rank 0 for
+  serving replicas (kept by every server, sent to server 0 only; schema and bounds in
+  :mod:`stream_persia.server.dense_hub`). ``clear`` and ``load`` keep it.
+
 The shard file format and the all-or-nothing load procedure (its checks, errors and
 memory peak) are described in :mod:`stream_persia.server.shard_files`.
 
@@ -169,6 +173,7 @@ from stream_persia.errors import (
 from stream_persia.kernels import segments
 from stream_persia.rpc import RpcServer, auth
 from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
+from stream_persia.server.dense_hub import DEFAULT_MAX_DENSE_BYTES, DenseHub
 from stream_persia.server.shard_files import (
     check_load_request,
     shard_file_name,
@@ -267,6 +272,10 @@ class EmbeddingServer:
             directory or an fsspec URL prefix); None: they are refused.
         secret: the job's role secret clients must prove (see :class:`RpcServer`).
         connection_limits: the RPC server's connection cap and timeouts.
+        max_dense_bytes: the largest dense model ``put_dense`` accepts
+            (``model_updates.max_dense_bytes``).
+        model_update_interval_ms: how often this server publishes its changed rows
+            (``model_updates.model_update_interval_ms``; issue 18's sparse publisher).
     """
 
     def __init__(self, capacity: int, optimizer: Any = None,
@@ -276,7 +285,9 @@ class EmbeddingServer:
                  update_tokens: int = UPDATE_TOKENS,
                  checkpoint_root: CheckpointRoot | str | None = None,
                  secret: auth.SecretSetting = auth.FROM_ENV,
-                 connection_limits: ConnectionLimits = ConnectionLimits()):
+                 connection_limits: ConnectionLimits = ConnectionLimits(),
+                 max_dense_bytes: int = DEFAULT_MAX_DENSE_BYTES,
+                 model_update_interval_ms: int = 200):
         if not (0 <= replica_index < replica_size):
             raise BadInput(f"replica_index {replica_index} is not in [0, {replica_size})",
                            field="replica_index")
@@ -321,6 +332,9 @@ class EmbeddingServer:
         self.metrics.add_callback("stream", lambda: {
             "replays_refused": float(self._replays_refused),
             "partitions": float(len(self._marks))}, counters={"replays_refused"})
+        self.model_update_interval_ms = model_update_interval_ms
+        self.dense = DenseHub(max_dense_bytes)
+        self.metrics.add_callback("dense", self.dense.stats, counters={"published", "refused"})
         self._req = self.metrics.counter("requests_total", "RPC requests", ("method",))
         self.rpc = RpcServer({
             "health": self._health, "lookup": self._lookup, "update": self._update,
@@ -329,6 +343,7 @@ class EmbeddingServer:
             "commit_load": self._commit_load, "abort_load": self._abort_load,
             "get_config": self._get_config, "metrics": self._metrics,
             "watermarks": self._watermarks,
+            "put_dense": self.dense.put_dense, "get_dense": self.dense.get_dense,
         }, host=host, port=port, name=f"embedding-server-{replica_index}", secret=secret,
             connection_limits=connection_limits)
         self.metrics.add_callback("rpc", self.rpc.connection_stats,
