@@ -206,7 +206,10 @@ def embedding_server(args: argparse.Namespace) -> int:
                                  store_threads=threads, update_tokens=cfg.update_tokens,
                                  checkpoint_root=edge.checkpoint_root,
                                  secret=edge.secret,
-                                 connection_limits=edge.connection_limits)
+                                 connection_limits=edge.connection_limits,
+                                 max_dense_bytes=gc.model_updates.max_dense_bytes,
+                                 model_update_interval_ms=(
+                                     gc.model_updates.model_update_interval_ms))
         return await _serve(server, args)
 
     return aio.run(main())

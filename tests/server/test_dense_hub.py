@@ -1,7 +1,8 @@
 """Embedding server 0's dense model over real sockets (stream_persia.server.dense_hub):
 chunks assemble in any order, the held version only grows, a newer version drops an
 unfinished older one, the blob is checked against its sha256 and bounded, every bad param
-is refused naming it, ``clear`` keeps the blob, and a restarted server holds none."""
+is refused naming it, ``clear`` keeps the blob, a restarted server holds none, and a
+launched server takes its bound from ``model_updates.max_dense_bytes``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import os
 
 import pytest
 
+from stream_persia.core import aio
 from stream_persia.errors import BadInput
+from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
 from stream_persia.server.dense_hub import DENSE_CHUNK_BYTES, chunk_count
 from stream_persia.server.service import EmbeddingServer
@@ -198,3 +201,24 @@ async def test_a_restarted_server_holds_no_dense_model():
         finally:
             await fresh.stop()
 
+
+def test_a_launched_server_takes_its_bound_from_the_global_config(tmp_path):
+    cfg = tmp_path / "global_config.yml"
+    cfg.write_text(f"model_updates:\n  max_dense_bytes: {C + 10}\n")
+    proc = RoleProcess("embedding-server", ["--global-config", str(cfg)],
+                       log_path=tmp_path / "server.log").start()
+    try:
+        address = proc.wait_ready(60)
+
+        async def check() -> None:
+            async with RpcClient(address) as c:
+                assert await refused(c, "put_dense", chunked(os.urandom(2 * C + 1), 1)[0]) \
+                    == "chunks"
+                blob = os.urandom(C + 10)
+                for p in chunked(blob, 1):
+                    await c.call("put_dense", p)
+                assert (await fetch(c))[:2] == (1, blob)
+
+        aio.run(check())
+    finally:
+        proc.stop()
