@@ -86,12 +86,13 @@ class DensePublisher:
             ``max_dense_bytes``).
         step: the context's step count now (the first publication is due
             ``dense_every_steps`` after it).
-        timeout_s: how long the final publication on a clean exit may take.
+        timeout_s: the longest one ``put_dense`` call may take, and how long a clean exit
+            waits for the publication in flight and then for the final one.
         clock: monotonic seconds (tests).
     """
 
     def __init__(self, model: torch.nn.Module, cluster: Cluster, cfg: ModelUpdatesConfig, *,
-                 step: int = 0, timeout_s: float = 30.0,
+                 step: int = 0, timeout_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic):
         self.model = model
         self.cluster = cluster
@@ -176,7 +177,7 @@ class DensePublisher:
                 await server.call("put_dense", {
                     "version": version, "event_time": event_time, "chunk": i, "chunks": n,
                     "data": view[i * DENSE_CHUNK_BYTES:(i + 1) * DENSE_CHUNK_BYTES],
-                    "sha256": sha})
+                    "sha256": sha}, timeout_ms=self.timeout_s * 1000)
         except Exception as e:
             self.failed += 1
             if not self._failing:

@@ -221,7 +221,7 @@ class TrainCtx(EmbeddingCtx):
             if self.rank == 0 and self.model_updates.enabled and self.raw_model is not None:
                 self.dense_publisher = DensePublisher(
                     self.raw_model, self.require_cluster(), self.model_updates,
-                    step=self.steps, timeout_s=max(10.0, self._rpc_timeout_ms / 1000))
+                    step=self.steps, timeout_s=min(10.0, self._rpc_timeout_ms / 1000))
         except BaseException:
             super()._exit(False)
             raise

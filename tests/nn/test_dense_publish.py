@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import socket
+import time
 
 import numpy as np
 import pytest
@@ -57,16 +59,18 @@ def pull(address: str, since: int = -1) -> tuple[dict, bytes | None]:
 
 
 def train(job, batches, *, model_updates, seed=0, hidden=32, event_times=None,
-          **kw) -> tuple[torch.nn.Module, TrainCtx]:
+          device_id=None, **kw) -> tuple[torch.nn.Module, TrainCtx]:
     setup_seed(seed)
     model = SumModel(13, hidden=hidden)
     # Dropout draws from torch's RNG every step: a publisher that drew from it too, or
     # switched the model's mode, would change what training computes.
     model.mlp.insert(0, torch.nn.Dropout(0.2))
+    if device_id is not None:
+        model = model.cuda(device_id)
     with TrainCtx(Adagrad(lr=0.1), torch.optim.Adam(model.parameters(), lr=0.01),
                   model=model, embedding_workers=job.worker_addresses, mixed_precision=False,
                   embedding_config=EmbeddingConfig((-0.01, 0.01)), ready_timeout_s=10,
-                  model_updates=model_updates, **kw) as ctx:
+                  model_updates=model_updates, device_id=device_id, **kw) as ctx:
         feeder = job.feed(batches)
         loader = DataLoader(StreamingDataset(10), embedding_staleness=1, reproducible=True,
                             max_batches=len(batches))
@@ -96,6 +100,21 @@ def test_rank0_publishes_what_a_replica_loads_into_the_models_state(job_factory)
     assert state.keys() == expected.keys()
     assert all(torch.equal(state[k], expected[k]) for k in expected)
     assert pull(job.servers[0].address, since=12)[1] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch.cuda."
+                    "is_available() is False here")
+def test_a_cuda_model_is_published_as_cpu_tensors(job_factory):
+    job = job_factory(LEARNABLE_SCHEMA)
+    model, ctx = train(job, learnable_batches(6, 64), model_updates=publishing(2),
+                       device_id=0)
+    assert ctx.dense_publisher.stats()["failed"] == 0
+    meta, blob = pull(job.servers[0].address)
+    assert meta["version"] == 6
+    state = torch.load(io.BytesIO(blob), weights_only=True)
+    assert all(v.device.type == "cpu" for v in state.values())
+    assert all(torch.equal(state[k], v.cpu()) for k, v in model.state_dict().items())
 
 
 def test_the_final_model_is_published_on_a_clean_exit(job_factory):
@@ -182,9 +201,30 @@ def test_one_publication_in_flight_at_most_the_others_are_skipped():
         server_loop.close()
 
 
-async def _block(seconds: float) -> None:
-    import time
+def test_an_unreachable_server_is_counted_and_logged_once_per_streak(caplog):
+    with socket.socket() as sock:   # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    cluster = Cluster(["127.0.0.1:1"])   # never started: only its loop and servers[0]
+    try:
+        cluster.servers = [RpcClient(address)]
+        publisher = DensePublisher(SumModel(13), cluster, publishing(1), step=0,
+                                   timeout_s=0.3)
+        with caplog.at_level(logging.WARNING, logger="stream_persia.nn.dense_publisher"):
+            for step in range(1, 4):
+                publisher.step_boundary(step, None)   # returns at once, raises nothing
+                deadline = time.monotonic() + 10
+                while publisher.stats()["failed"] < step and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            publisher.close((3, None))   # the final one is version 3 again: it failed
+        assert publisher.stats()["failed"] == 4 and publisher.stats()["published"] == 0
+        assert len([r for r in caplog.records
+                    if r.name == "stream_persia.nn.dense_publisher"]) == 1
+    finally:
+        cluster.close()
 
+
+async def _block(seconds: float) -> None:
     time.sleep(seconds)   # blocks the server's event loop: a frozen server
 
 
