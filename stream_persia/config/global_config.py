@@ -28,7 +28,15 @@ PERSIA's keys and documented defaults::
       # buffered_data_expired_sec is refused: PERSIA dropped late batches (data loss)
 
 ``kafka`` is described in :mod:`stream_persia.config.kafka`; ``api`` in :class:`ApiConfig`;
-``rpc`` (bounds on every role's RPC connections) in :class:`RpcConfig`.
+``rpc`` (bounds on every role's RPC connections) in :class:`RpcConfig`; ``model_updates``
+(the update stream from training to serving replicas) in :class:`ModelUpdatesConfig`::
+
+    model_updates:
+      enabled: true                  # false: nothing is published (servers, NN rank 0)
+      model_update_interval_ms: 200  # how often servers publish their changed rows
+      dense_every_steps: 50          # NN rank 0 publishes the dense model every this many
+      dense_interval_ms: 1000        #   steps or this many ms, whichever comes first
+      max_dense_bytes: 1073741824    # the largest dense blob sent or held
 
 Every key is either acted on or refused with the reason and what to use instead: keys
 PERSIA accepted but never acted on, and values asking for a PERSIA feature stream-persia
@@ -73,7 +81,7 @@ MAX_STORE_THREADS = 256
 
 __all__ = ["MetricsConfig", "CheckpointingConfig", "InferConfig", "CommonConfig",
            "EmbeddingParameterServerConfig", "EmbeddingWorkerConfig", "ApiConfig",
-           "RpcConfig", "GlobalConfig", "JOB_TYPES", "INERT_KEYS"]
+           "RpcConfig", "ModelUpdatesConfig", "GlobalConfig", "JOB_TYPES", "INERT_KEYS"]
 
 JOB_TYPES = ("Train", "Eval", "Infer")
 _UNUSED = "PERSIA's {what}; stream-persia has no use for it: remove it"
@@ -440,6 +448,42 @@ class RpcConfig(_Section):
 
 
 @dataclass(frozen=True)
+class ModelUpdatesConfig(_Section):
+    """``model_updates``: the versioned update stream from training to serving replicas.
+
+    Args:
+        enabled: publish updates at all; false turns every publisher off (the embedding
+            servers' changed rows and NN rank 0's dense model).
+        model_update_interval_ms: how often each embedding server publishes the rows
+            changed since its last publication.
+        dense_every_steps, dense_interval_ms: NN rank 0 publishes the dense model when
+            either this many steps or this many milliseconds passed since its last
+            publication, whichever comes first (:mod:`stream_persia.nn.dense_publisher`).
+        max_dense_bytes: the largest serialized dense model: rank 0 sends none larger,
+            embedding server 0 accepts and holds none larger
+            (:mod:`stream_persia.server.dense_hub`).
+    """
+
+    enabled: bool = True
+    model_update_interval_ms: int = 200
+    dense_every_steps: int = 50
+    dense_interval_ms: int = 1000
+    max_dense_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        check_bool(self, "enabled")
+        check_int(self, "model_update_interval_ms", lo=10, hi=60_000,
+                  hint="milliseconds between two publications of a server's changed rows, "
+                       "e.g. 200")
+        check_int(self, "dense_every_steps", lo=1, hi=1 << 40,
+                  hint="training steps between two publications of the dense model, e.g. 50")
+        check_int(self, "dense_interval_ms", lo=100, hi=600_000,
+                  hint="milliseconds between two publications of the dense model, e.g. 1000")
+        check_int(self, "max_dense_bytes", lo=1 << 10, hi=1 << 40,
+                  hint="bytes of the largest serialized dense model, e.g. 1073741824")
+
+
+@dataclass(frozen=True)
 class GlobalConfig(_Section):
     """The parsed ``global_config.yml``; every section has defaults."""
 
@@ -451,12 +495,14 @@ class GlobalConfig(_Section):
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     rpc: RpcConfig = field(default_factory=RpcConfig)
+    model_updates: ModelUpdatesConfig = field(default_factory=ModelUpdatesConfig)
 
     _NESTED: ClassVar[dict[str, type]] = {
         "common_config": CommonConfig,
         "embedding_parameter_server_config": EmbeddingParameterServerConfig,
         "embedding_worker_config": EmbeddingWorkerConfig,
-        "kafka": KafkaConfig, "api": ApiConfig, "rpc": RpcConfig}
+        "kafka": KafkaConfig, "api": ApiConfig, "rpc": RpcConfig,
+        "model_updates": ModelUpdatesConfig}
     _REJECTED: ClassVar[dict[str, str]] = {
         "middleware_config": "PERSIA renamed it embedding_worker_config",
         "shard_server_config": "PERSIA renamed it embedding_parameter_server_config",

@@ -234,7 +234,11 @@ def embedding_server(args: argparse.Namespace) -> int:
                                  checkpoint_root=edge.checkpoint_root,
                                  secret=edge.secret,
                                  connection_limits=edge.connection_limits,
-                                 job=gc.kafka.job_name, update_sink=sink)
+                                 job=gc.kafka.job_name, update_sink=sink,
+                                 max_dense_bytes=gc.model_updates.max_dense_bytes,
+                                 model_updates=gc.model_updates.enabled,
+                                 model_update_interval_ms=(
+                                     gc.model_updates.model_update_interval_ms))
         return await _serve(server, args)
 
     return aio.run(main())

@@ -75,6 +75,8 @@ class PersiaTrainingBatch:
             sample: the data loader's, or its clock when the batch was sent), None when
             the batch carries none.
         masks: raw slot name -> bool mask tensor on the device, set by ``prepare_features``.
+        event_time: the event time (seconds since the epoch) of the batch's newest sample,
+            or None when unknown.
     """
 
     non_id_type_features: list[torch.Tensor]
@@ -90,6 +92,7 @@ class PersiaTrainingBatch:
     non_id_type_feature_names: list[str | None] = field(default_factory=list)
     label_names: list[str | None] = field(default_factory=list)
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    event_time: float | None = None
     # Set by the data loader for served training batches: the staleness permit.
     ticket: Any = field(default=None, repr=False)
 

@@ -39,6 +39,10 @@ After each ``backward`` the rank looks at the checkpoint mailbox
 (:mod:`stream_persia.worker.mailbox`): a checkpoint started over HTTP is taken right there,
 at the same step on every rank, exactly as ``dump_checkpoint`` from the training script.
 Rank 0's heartbeats go out in the background, so a step never waits for the mailbox.
+There too, rank 0 publishes the dense model to embedding server 0 for serving replicas
+every ``model_updates.dense_every_steps`` steps or ``dense_interval_ms`` (and once more on
+a clean exit), in the background, without changing what training computes
+(:mod:`~stream_persia.nn.dense_publisher`).
 
 Size: one class whose step (``forward``/``backward``), gradient push and quiesce share
 its per-step state (the batch being trained and its leaves, the prefetchers, the push
@@ -57,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stream_persia.config import ModelUpdatesConfig
 from stream_persia.core.embedding_config import EmbeddingConfig
 from stream_persia.core.lifecycle import drain
 from stream_persia.core.optim import Optimizer
@@ -64,6 +69,7 @@ from stream_persia.errors import Misuse, PeerUnavailable, RemoteTimeout
 from stream_persia.nn import checkpointing
 from stream_persia.nn.batch import PersiaTrainingBatch, input_signature
 from stream_persia.nn.checkpoint_poller import NnCheckpointPoller
+from stream_persia.nn.dense_publisher import DensePublisher, model_updates_config
 from stream_persia.nn.distributed import DistributedBaseOption, get_default_distributed_option
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
 from stream_persia.nn.env import get_rank, get_world_size
@@ -102,6 +108,10 @@ class TrainCtx(EmbeddingCtx):
             reach the ranks through the checkpoint mailbox on embedding worker 0, which
             rank 0 polls in the background after each ``backward``; with several ranks
             they agree on it every this many steps. 0 turns the mailbox off.
+        model_updates: when and whether rank 0 publishes the dense model for serving
+            replicas (:mod:`~stream_persia.nn.dense_publisher`); default: the
+            ``model_updates`` section of the job's global config (``PERSIA_GLOBAL_CONFIG``),
+            else its defaults.
 
     Raises:
         Misuse: wrong argument types, no model.
@@ -116,7 +126,8 @@ class TrainCtx(EmbeddingCtx):
                  embedding_config: EmbeddingConfig | None = None,
                  threadpool_worker_size: int = 10, device_id: int | None = None,
                  embedding_workers: list[str] | None = None, ready_timeout_s: float = 300.0,
-                 rpc_timeout_ms: float = 30_000, checkpoint_poll_steps: int = 10):
+                 rpc_timeout_ms: float = 30_000, checkpoint_poll_steps: int = 10,
+                 model_updates: ModelUpdatesConfig | None = None):
         super().__init__(PreprocessMode.TRAIN, model=model, embedding_config=embedding_config,
                          threadpool_worker_size=threadpool_worker_size, device_id=device_id,
                          embedding_workers=embedding_workers, ready_timeout_s=ready_timeout_s,
@@ -138,6 +149,9 @@ class TrainCtx(EmbeddingCtx):
                 checkpoint_poll_steps, int) or checkpoint_poll_steps < 0:
             raise Misuse(f"checkpoint_poll_steps must be an int >= 0, got "
                          f"{checkpoint_poll_steps!r}", field="checkpoint_poll_steps")
+        if model_updates is not None and not isinstance(model_updates, ModelUpdatesConfig):
+            raise Misuse(f"model_updates must be a ModelUpdatesConfig, got "
+                         f"{type(model_updates).__name__}", field="model_updates")
         if distributed_option is not None and not isinstance(distributed_option,
                                                              DistributedBaseOption):
             raise Misuse(f"distributed_option must be a DDPOption, got {distributed_option!r}",
@@ -167,6 +181,11 @@ class TrainCtx(EmbeddingCtx):
         # The inputs of the first batch trained (nn.batch.input_signature), for checkpoints.
         self.input_signature: dict[str, Any] | None = None
         self.checkpoint_poller: NnCheckpointPoller | None = None
+        self.model_updates = model_updates if model_updates is not None \
+            else model_updates_config()
+        self.dense_publisher: DensePublisher | None = None
+        #: the newest event time of a batch trained so far (None: no batch carried one)
+        self.trained_through: float | None = None
         self._leave_drain: Any = None
         self.steps = 0
         self.nonfinite_steps = 0
@@ -199,6 +218,10 @@ class TrainCtx(EmbeddingCtx):
                 self.checkpoint_poller = NnCheckpointPoller(
                     self, every_steps=self.checkpoint_poll_steps)
                 self.checkpoint_poller.attach()
+            if self.rank == 0 and self.model_updates.enabled and self.raw_model is not None:
+                self.dense_publisher = DensePublisher(
+                    self.raw_model, self.require_cluster(), self.model_updates,
+                    step=self.steps, timeout_s=min(10.0, self._rpc_timeout_ms / 1000))
         except BaseException:
             super()._exit(False)
             raise
@@ -235,6 +258,9 @@ class TrainCtx(EmbeddingCtx):
             log.warning("could not hand prefetched batches back on exit: %r", e)
         finally:
             self.model = self.raw_model
+            if self.dense_publisher is not None:   # kept, closed, for its stats()
+                self.dense_publisher.close((self.steps, self.trained_through) if clean
+                                           else None)
             if self._dist_created:
                 import torch.distributed as dist
 
@@ -293,6 +319,9 @@ class TrainCtx(EmbeddingCtx):
         if ticket.state != HELD:
             raise Misuse(f"backward() was already called for batch {ticket.batch_id}")
         self._current = self._current_leaves = None
+        if batch.event_time is not None and (self.trained_through is None
+                                             or batch.event_time > self.trained_through):
+            self.trained_through = batch.event_time
 
         scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
@@ -337,6 +366,8 @@ class TrainCtx(EmbeddingCtx):
         # checkpoint_poll_steps steps with several ranks).
         if self.checkpoint_poller is not None:
             self.checkpoint_poller.step_boundary()
+        if self.dense_publisher is not None:
+            self.dense_publisher.step_boundary(self.steps, self.trained_through)
 
     def as_trainer(self) -> TrainCtx:
         """This context (:mod:`stream_persia.nn.seams`: checkpoints and the DataLoader

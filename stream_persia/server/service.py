@@ -117,6 +117,10 @@ RPC methods (params → result):
   restarted, the table expired) is loaded again directly. ``stage_ttl_s`` is
   ``embedding_parameter_server_config.restore_stage_ttl_s`` for a launched server.
 
+- ``put_dense`` / ``get_dense``: the newest dense model, published by NN rank 0 for
+  serving replicas (kept by every server, sent to server 0 only; schema and bounds in
+  :mod:`stream_persia.server.dense_hub`). ``clear`` and ``load`` keep it.
+
 The shard file format and the all-or-nothing load procedure (its checks, errors and
 memory peak) are described in :mod:`stream_persia.server.shard_files`.
 
@@ -178,6 +182,7 @@ from stream_persia.errors import (
 from stream_persia.kernels import segments
 from stream_persia.rpc import RpcServer, auth
 from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
+from stream_persia.server.dense_hub import DEFAULT_MAX_DENSE_BYTES, DenseHub
 from stream_persia.server.shard_files import (
     check_load_request,
     shard_file_name,
@@ -277,6 +282,16 @@ class EmbeddingServer:
             directory or an fsspec URL prefix); None: they are refused.
         secret: the job's role secret clients must prove (see :class:`RpcServer`).
         connection_limits: the RPC server's connection cap and timeouts.
+        max_dense_bytes: the largest dense model ``put_dense`` accepts
+            (``model_updates.max_dense_bytes``).
+        job: the job's name (``kafka.job_name``), in every update message.
+        model_updates: whether this server keeps an update log of its changed rows for
+            serving replicas (``model_updates.enabled``; :mod:`stream_persia.server.updates`).
+        model_update_interval_ms: time between two passes of that log
+            (``model_updates.model_update_interval_ms``).
+        update_log_bytes: bound of the log in memory (``model_updates.update_log_bytes``).
+        update_sink: a :class:`~stream_persia.kafka.updates.UpdateSink` that also produces
+            the log to ``<job>.model.updates`` (None: replicas pull it over RPC).
     """
 
     def __init__(self, capacity: int, optimizer: Any = None,
@@ -289,7 +304,7 @@ class EmbeddingServer:
                  connection_limits: ConnectionLimits = ConnectionLimits(),
                  job: str = "persia", model_updates: bool = True,
                  model_update_interval_ms: int = 200, update_log_bytes: int = 256 << 20,
-                 update_sink: Any = None):
+                 update_sink: Any = None, max_dense_bytes: int = DEFAULT_MAX_DENSE_BYTES):
         if not (0 <= replica_index < replica_size):
             raise BadInput(f"replica_index {replica_index} is not in [0, {replica_size})",
                            field="replica_index")
@@ -339,6 +354,8 @@ class EmbeddingServer:
             "partitions": float(len(self._marks))}, counters={"replays_refused"})
         self.metrics.add_callback("trained_through", lambda: (
             {} if self.trained_through is None else {"seconds": self.trained_through}))
+        self.dense = DenseHub(max_dense_bytes)
+        self.metrics.add_callback("dense", self.dense.stats, counters={"published", "refused"})
         self._req = self.metrics.counter("requests_total", "RPC requests", ("method",))
         # What serving replicas follow (stream_persia.server.updates); None: not published.
         self.feed: UpdateFeed | None = None
@@ -356,6 +373,7 @@ class EmbeddingServer:
             "commit_load": self._commit_load, "abort_load": self._abort_load,
             "get_config": self._get_config, "metrics": self._metrics,
             "watermarks": self._watermarks,
+            "put_dense": self.dense.put_dense, "get_dense": self.dense.get_dense,
             **({} if self.feed is None else {"model_updates": self.feed.model_updates}),
         }, host=host, port=port, name=f"embedding-server-{replica_index}", secret=secret,
             connection_limits=connection_limits)

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH, API_SETTINGS = "stream_persia/launch/roles.py", "api/settings.py"
 CONSUMER, PRODUCER = "stream_persia/kafka/consumer.py", "stream_persia/kafka/producer.py"
 KAFKA_CONFIG, POOLING = "stream_persia/config/kafka.py", "stream_persia/worker/pooling.py"
+TRAIN_CTX, DENSE_PUBLISHER = "stream_persia/nn/train_ctx.py", "stream_persia/nn/dense_publisher.py"
 
 
 def _security(name: str) -> list[tuple[str, str]]:
@@ -98,6 +99,16 @@ READ: dict[str, list[tuple[str, str]]] = {
                         r"def read_token[\s\S]*open\(self\.token_file")],
     "api.max_body_bytes": [(API_SETTINGS, r"api\.max_body_bytes")],
     "api.max_rows_per_request": [(API_SETTINGS, r"api\.max_rows_per_request")],
+    "model_updates.enabled": [(TRAIN_CTX, r"model_updates\.enabled")],
+    # the sparse publisher of issue 18 (the lead's) runs on the server at this period
+    "model_updates.model_update_interval_ms": [
+        (LAUNCH, r"gc\.model_updates\.model_update_interval_ms")],
+    "model_updates.dense_every_steps": [(DENSE_PUBLISHER, r"cfg\.dense_every_steps")],
+    "model_updates.dense_interval_ms": [(DENSE_PUBLISHER, r"cfg\.dense_interval_ms")],
+    "model_updates.max_dense_bytes": [
+        (LAUNCH, r"max_dense_bytes=gc\.model_updates\.max_dense_bytes"),
+        ("stream_persia/server/dense_hub.py", r"> self\.max_dense_bytes"),
+        (DENSE_PUBLISHER, r"cfg\.max_dense_bytes")],
     # embedding_config.yml
     "feature_index_prefix_bit": [("stream_persia/worker/batchplan.py",
                                   r"schema\.feature_index_prefix_bit")],

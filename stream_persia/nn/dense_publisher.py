@@ -1,0 +1,202 @@
+"""NN rank 0 publishes the dense model to embedding server 0 for serving replicas (issue 18).
+
+``TrainCtx`` builds a :class:`DensePublisher` on rank 0 when ``model_updates.enabled``
+(the job's global config, or ``TrainCtx(model_updates=...)``). After every training step
+(``backward``'s step boundary, where the checkpoint poller also runs) it looks whether a
+publication is due: ``dense_every_steps`` steps or ``dense_interval_ms`` milliseconds
+since the last one, whichever comes first. When due:
+
+1. on the training thread, the model's ``state_dict()`` is copied to CPU tensors (a
+   device-to-host copy on CUDA): nothing else. No RNG is drawn and neither the model nor
+   the optimizer is touched, so training results are bit-identical with publishing on or
+   off;
+2. on the context's loop thread, in the background, the copy is serialized
+   (``torch.save``, on a worker thread), hashed and sent to embedding server 0 as
+   ``put_dense`` chunks (:mod:`stream_persia.server.dense_hub`: the schema, the chunk
+   size, what the server keeps). The training thread never waits for the network.
+
+The version is the context's step count (``TrainCtx.steps``, which a restored checkpoint
+sets to its step), the event time the newest ``PersiaTrainingBatch.event_time`` trained
+so far (None while no batch carried one). At most one publication is in flight: one due
+while the previous one is still being sent is skipped and counted (``skipped``), and the
+next is due a full period later. A failed publication (server 0 unreachable, refusing the
+version because it holds a newer one, a blob over ``max_dense_bytes``) is counted
+(``failed``, ``too_large``) and logged once per streak of failures, never raised into
+training. A clean exit of the context publishes the final model once more (waiting a
+bounded time for it); an exit on an error does not wait for anything in flight.
+
+A context without a model (or with ``model_updates.enabled: false``) publishes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import hashlib
+import io
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from stream_persia.config import ModelUpdatesConfig
+from stream_persia.nn.cluster import Cluster
+from stream_persia.server.dense_hub import DENSE_CHUNK_BYTES, chunk_count
+
+__all__ = ["DensePublisher", "model_updates_config", "serialize", "snapshot"]
+
+log = logging.getLogger(__name__)
+
+
+def model_updates_config() -> ModelUpdatesConfig:
+    """The job's ``model_updates`` section: from the global config file
+    ``PERSIA_GLOBAL_CONFIG`` names, else the defaults."""
+    path = os.environ.get("PERSIA_GLOBAL_CONFIG")
+    if not path:
+        return ModelUpdatesConfig()
+    from stream_persia.config import load_global_config
+
+    return load_global_config(path).model_updates
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` as CPU copies that training cannot change afterwards."""
+    return {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
+            else copy.deepcopy(v) for k, v in model.state_dict().items()}
+
+
+def serialize(state: dict[str, Any]) -> bytes:
+    """The blob a replica ``torch.load``s: ``torch.save`` of the state dict."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+class DensePublisher:
+    """Rank 0's publisher of the dense model (module docstring).
+
+    Args:
+        model: the dense model itself (not a DDP wrapper: its keys are the model's).
+        cluster: the context's clients and loop thread; publishes to ``servers[0]``.
+        cfg: ``model_updates`` (``dense_every_steps``, ``dense_interval_ms``,
+            ``max_dense_bytes``).
+        step: the context's step count now (the first publication is due
+            ``dense_every_steps`` after it).
+        timeout_s: the longest one ``put_dense`` call may take, and how long a clean exit
+            waits for the publication in flight and then for the final one.
+        clock: monotonic seconds (tests).
+    """
+
+    def __init__(self, model: torch.nn.Module, cluster: Cluster, cfg: ModelUpdatesConfig, *,
+                 step: int = 0, timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.model = model
+        self.cluster = cluster
+        self.every_steps = cfg.dense_every_steps
+        self.interval_s = cfg.dense_interval_ms / 1000
+        self.max_bytes = cfg.max_dense_bytes
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._last_step = step
+        self._last_time = clock()
+        self._inflight: concurrent.futures.Future[bool] | None = None
+        self._failing = False
+        #: the newest version embedding server 0 took from this publisher
+        self.last_version: int | None = None
+        self.published = 0
+        self.skipped = 0
+        self.failed = 0
+        self.too_large = 0
+        self.bytes_sent = 0
+
+    def stats(self) -> dict[str, int]:
+        """Counters: ``published``, ``skipped`` (one still in flight), ``failed`` (of which
+        ``too_large``), ``bytes_sent``."""
+        return {"published": self.published, "skipped": self.skipped, "failed": self.failed,
+                "too_large": self.too_large, "bytes_sent": self.bytes_sent}
+
+    # ------------------------------------------------------------------ training thread
+    def step_boundary(self, step: int, event_time: float | None) -> None:
+        """After a training step: publish the model at ``step`` when due (cheap when not:
+        a clock read)."""
+        now = self._clock()
+        if step - self._last_step < self.every_steps \
+                and now - self._last_time < self.interval_s:
+            return
+        self._last_step, self._last_time = step, now
+        if self._inflight is not None and not self._inflight.done():
+            self.skipped += 1
+            return
+        self._start(step, event_time)
+
+    def _start(self, step: int, event_time: float | None) -> None:
+        state = snapshot(self.model)   # synchronous: the model at exactly this step
+        self._inflight = self.cluster.loop.submit(self._publish(state, step, event_time))
+
+    def close(self, final: tuple[int, float | None] | None) -> None:
+        """The context exits: with ``final`` (its step and event time; a clean exit),
+        wait for the publication in flight and publish the final model unless it is the
+        one published last, waiting at most ``timeout_s`` for each; without, cancel what
+        is in flight. Never raises."""
+        fut, self._inflight = self._inflight, None
+        if final is None:
+            if fut is not None:
+                fut.cancel()
+            return
+        try:
+            if fut is not None:
+                fut.result(self.timeout_s)
+            step, event_time = final
+            if step != self.last_version:
+                self._start(step, event_time)
+                fut, self._inflight = self._inflight, None
+                if fut is not None:
+                    fut.result(self.timeout_s)
+        except Exception as e:   # a timeout; the publication's own errors are counted
+            log.warning("the final dense model was not published within %g s: %r",
+                        self.timeout_s, e)
+
+    # ------------------------------------------------------------------ loop thread
+    async def _publish(self, state: dict[str, Any], version: int,
+                       event_time: float | None) -> bool:
+        try:
+            blob, sha = await asyncio.to_thread(_blob_and_digest, state)
+            del state
+            if len(blob) > self.max_bytes:
+                self.too_large += 1
+                raise ValueError(f"the serialized dense model has {len(blob)} bytes, over "
+                                 f"model_updates.max_dense_bytes={self.max_bytes}")
+            server = self.cluster.servers[0]
+            n = chunk_count(len(blob))
+            view = memoryview(blob)
+            for i in range(n):
+                await server.call("put_dense", {
+                    "version": version, "event_time": event_time, "chunk": i, "chunks": n,
+                    "data": view[i * DENSE_CHUNK_BYTES:(i + 1) * DENSE_CHUNK_BYTES],
+                    "sha256": sha}, timeout_ms=self.timeout_s * 1000)
+        except Exception as e:
+            self.failed += 1
+            if not self._failing:
+                self._failing = True
+                log.warning("publishing dense version %d to embedding server 0 failed (%s); "
+                            "training goes on, and this is logged again only after a "
+                            "publication succeeds", version, getattr(e, "message", None)
+                            or repr(e))
+            return False
+        if self._failing:
+            self._failing = False
+            log.info("published dense version %d again after %d failed publication(s)",
+                     version, self.failed)
+        self.published += 1
+        self.bytes_sent += len(blob)
+        self.last_version = version
+        return True
+
+
+def _blob_and_digest(state: dict[str, Any]) -> tuple[bytes, str]:
+    blob = serialize(state)
+    return blob, hashlib.sha256(blob).hexdigest()

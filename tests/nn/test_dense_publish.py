@@ -1,0 +1,257 @@
+"""NN rank 0 publishes the dense model to embedding server 0 (stream_persia.nn.
+dense_publisher) against a real job in this process: what a replica pulls ``torch.load``s
+into the model's state dict at the version (step) and event time trained, training is
+bit-identical with publishing on and off, a server refusing every publication does not
+fail training, and one publication is in flight at most."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+from nn_helpers import LEARNABLE_SCHEMA, SumModel, learnable_batches
+
+from stream_persia.config import GlobalConfig, ModelUpdatesConfig
+from stream_persia.core.aio import LoopThread
+from stream_persia.ctx import TrainCtx
+from stream_persia.data import DataLoader, StreamingDataset
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import Adagrad
+from stream_persia.errors import Misuse
+from stream_persia.nn.cluster import Cluster
+from stream_persia.nn.dense_publisher import DensePublisher, model_updates_config, snapshot
+from stream_persia.rpc import RpcClient
+from stream_persia.server.service import EmbeddingServer
+from stream_persia.utils import setup_seed
+
+
+def publishing(every_steps: int = 1, **kw) -> ModelUpdatesConfig:
+    # An interval far longer than the test: publications come from the step count.
+    return ModelUpdatesConfig(**{"dense_every_steps": every_steps,
+                                 "dense_interval_ms": 600_000, **kw})
+
+
+def pull(address: str, since: int = -1) -> tuple[dict, bytes | None]:
+    """A replica's pull of server 0's dense model: (metadata, blob or None)."""
+    async def get() -> tuple[dict, bytes | None]:
+        async with RpcClient(address) as c:
+            first = await c.call("get_dense", {"since": since})
+            if first["data"] is None:
+                return first, None
+            parts = [first["data"]]
+            for i in range(1, first["chunks"]):
+                reply = await c.call("get_dense", {"since": since, "chunk": i})
+                assert reply["version"] == first["version"]
+                parts.append(reply["data"])
+            return first, b"".join(parts)
+
+    with LoopThread(name="test-replica") as loop:
+        meta, blob = loop.run(get(), timeout=30)
+    if blob is not None:
+        assert hashlib.sha256(blob).hexdigest() == meta["sha256"]
+    return meta, blob
+
+
+def train(job, batches, *, model_updates, seed=0, hidden=32, event_times=None,
+          device_id=None, **kw) -> tuple[torch.nn.Module, TrainCtx]:
+    setup_seed(seed)
+    model = SumModel(13, hidden=hidden)
+    # Dropout draws from torch's RNG every step: a publisher that drew from it too, or
+    # switched the model's mode, would change what training computes.
+    model.mlp.insert(0, torch.nn.Dropout(0.2))
+    if device_id is not None:
+        model = model.cuda(device_id)
+    with TrainCtx(Adagrad(lr=0.1), torch.optim.Adam(model.parameters(), lr=0.01),
+                  model=model, embedding_workers=job.worker_addresses, mixed_precision=False,
+                  embedding_config=EmbeddingConfig((-0.01, 0.01)), ready_timeout_s=10,
+                  model_updates=model_updates, device_id=device_id, **kw) as ctx:
+        feeder = job.feed(batches)
+        loader = DataLoader(StreamingDataset(10), embedding_staleness=1, reproducible=True,
+                            max_batches=len(batches))
+        for i, tb in enumerate(loader):
+            if event_times is not None:
+                tb.event_time = event_times[i]
+            output, labels = ctx.forward(tb)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+        feeder.join(10)
+    return model, ctx
+
+
+def test_rank0_publishes_what_a_replica_loads_into_the_models_state(job_factory):
+    job = job_factory(LEARNABLE_SCHEMA)
+    times = [1000.0 + (i * 7) % 10 for i in range(12)]      # not in order: the newest wins
+    model, ctx = train(job, learnable_batches(12, 64), model_updates=publishing(4),
+                       event_times=times)
+    assert ctx.trained_through == max(times)
+    stats = ctx.dense_publisher.stats()
+    # due at steps 4, 8, 12; the final model (step 12) is not sent twice
+    assert stats["published"] + stats["skipped"] == 3 and stats["failed"] == 0
+    assert ctx.dense_publisher.last_version == 12
+    meta, blob = pull(job.servers[0].address)
+    assert (meta["version"], meta["event_time"]) == (12, max(times))
+    state = torch.load(io.BytesIO(blob), weights_only=True)
+    expected = model.state_dict()
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert pull(job.servers[0].address, since=12)[1] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch.cuda."
+                    "is_available() is False here")
+def test_a_cuda_model_is_published_as_cpu_tensors(job_factory):
+    job = job_factory(LEARNABLE_SCHEMA)
+    model, ctx = train(job, learnable_batches(6, 64), model_updates=publishing(2),
+                       device_id=0)
+    assert ctx.dense_publisher.stats()["failed"] == 0
+    meta, blob = pull(job.servers[0].address)
+    assert meta["version"] == 6
+    state = torch.load(io.BytesIO(blob), weights_only=True)
+    assert all(v.device.type == "cpu" for v in state.values())
+    assert all(torch.equal(state[k], v.cpu()) for k, v in model.state_dict().items())
+
+
+def test_the_final_model_is_published_on_a_clean_exit(job_factory):
+    job = job_factory(LEARNABLE_SCHEMA)
+    model, ctx = train(job, learnable_batches(5, 64), model_updates=publishing(3))
+    assert ctx.dense_publisher.last_version == 5            # step 3, then the final 5
+    meta, blob = pull(job.servers[0].address)
+    assert meta["version"] == 5 and meta["event_time"] is None
+    state = torch.load(io.BytesIO(blob), weights_only=True)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_training_is_bit_identical_with_publishing_on_and_off(job_factory):
+    batches = learnable_batches(20, 64, seed=4)
+    runs = []
+    for cfg in (ModelUpdatesConfig(enabled=False), publishing(1)):
+        job = job_factory(LEARNABLE_SCHEMA)
+        model, ctx = train(job, batches, model_updates=cfg, seed=3)
+        ids = LEARNABLE_SCHEMA.prefix_ids("a", np.arange(50, dtype=np.uint64))
+        runs.append((model.state_dict(), job.servers[0].store.lookup(ids, 4, train=False),
+                     ctx, job))
+    (dense_off, rows_off, ctx_off, job_off), (dense_on, rows_on, ctx_on, job_on) = runs
+    assert ctx_off.dense_publisher is None
+    assert pull(job_off.servers[0].address)[0]["version"] is None
+    assert ctx_on.dense_publisher.stats()["published"] >= 2
+    assert pull(job_on.servers[0].address)[0]["version"] == 20
+    assert all(torch.equal(dense_off[k], dense_on[k]) for k in dense_off)
+    np.testing.assert_array_equal(rows_off, rows_on)
+    assert np.abs(rows_on).max() > 0.02, "the embeddings trained (initialised in ±0.01)"
+
+
+def test_a_server_refusing_every_publication_does_not_fail_training(job_factory, caplog):
+    job = job_factory(LEARNABLE_SCHEMA)
+    # Server 0 holds a newer version already (a job restored to an earlier step): it
+    # refuses every version this run publishes.
+    async def hold_newer() -> None:
+        async with RpcClient(job.servers[0].address) as c:
+            await c.call("put_dense", {"version": 10**9, "event_time": None, "chunk": 0,
+                                       "chunks": 1, "data": b"x",
+                                       "sha256": hashlib.sha256(b"x").hexdigest()})
+
+    job.loop.run(hold_newer(), timeout=10)
+    with caplog.at_level(logging.WARNING, logger="stream_persia.nn.dense_publisher"):
+        _, ctx = train(job, learnable_batches(6, 64), model_updates=publishing(1))
+    stats = ctx.dense_publisher.stats()
+    assert stats["published"] == 0 and stats["failed"] >= 2
+    warnings = [r for r in caplog.records if r.name == "stream_persia.nn.dense_publisher"]
+    assert len(warnings) == 1 and "version" in warnings[0].getMessage()
+    assert pull(job.servers[0].address)[0]["version"] == 10**9
+
+
+def test_a_model_over_max_dense_bytes_is_not_sent(job_factory):
+    job = job_factory(LEARNABLE_SCHEMA)
+    _, ctx = train(job, learnable_batches(3, 64), hidden=256,
+                   model_updates=publishing(1, max_dense_bytes=4096))
+    stats = ctx.dense_publisher.stats()
+    assert stats["too_large"] == stats["failed"] >= 2 and stats["published"] == 0
+    assert pull(job.servers[0].address)[0]["version"] is None
+
+
+def test_one_publication_in_flight_at_most_the_others_are_skipped():
+    """Server 0 frozen (its loop blocked): the first publication waits for it, the ones
+    due meanwhile are skipped; once it answers, the final model goes out."""
+    server_loop = LoopThread(name="test-server-0")
+    server = EmbeddingServer(100)
+    server_loop.run(server.start())
+    cluster = Cluster(["127.0.0.1:1"])   # never started: only its loop and servers[0]
+    try:
+        cluster.servers = [RpcClient(server.address, timeout_ms=10_000)]
+        model = SumModel(13, hidden=8)
+        publisher = DensePublisher(model, cluster, publishing(1), step=0)
+        frozen = server_loop.submit(_block(1.0))
+        for step in range(1, 6):
+            publisher.step_boundary(step, float(step))
+        assert publisher.stats()["skipped"] == 4
+        frozen.result(5)
+        publisher.close((5, 5.0))
+        assert publisher.stats()["published"] == 2 and publisher.last_version == 5
+        meta, blob = pull(server.address)
+        assert (meta["version"], meta["event_time"]) == (5, 5.0)
+    finally:
+        cluster.close()
+        server_loop.run(server.stop())
+        server_loop.close()
+
+
+def test_an_unreachable_server_is_counted_and_logged_once_per_streak(caplog):
+    with socket.socket() as sock:   # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    cluster = Cluster(["127.0.0.1:1"])   # never started: only its loop and servers[0]
+    try:
+        cluster.servers = [RpcClient(address)]
+        publisher = DensePublisher(SumModel(13), cluster, publishing(1), step=0,
+                                   timeout_s=0.3)
+        with caplog.at_level(logging.WARNING, logger="stream_persia.nn.dense_publisher"):
+            for step in range(1, 4):
+                publisher.step_boundary(step, None)   # returns at once, raises nothing
+                deadline = time.monotonic() + 10
+                while publisher.stats()["failed"] < step and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            publisher.close((3, None))   # the final one is version 3 again: it failed
+        assert publisher.stats()["failed"] == 4 and publisher.stats()["published"] == 0
+        assert len([r for r in caplog.records
+                    if r.name == "stream_persia.nn.dense_publisher"]) == 1
+    finally:
+        cluster.close()
+
+
+async def _block(seconds: float) -> None:
+    time.sleep(seconds)   # blocks the server's event loop: a frozen server
+
+
+def test_the_settings_come_from_the_global_config(tmp_path, monkeypatch, job_factory):
+    cfg = tmp_path / "global_config.yml"
+    cfg.write_text("model_updates:\n  enabled: false\n  dense_every_steps: 7\n")
+    monkeypatch.setenv("PERSIA_GLOBAL_CONFIG", str(cfg))
+    assert model_updates_config() == GlobalConfig.from_dict(
+        {"model_updates": {"enabled": False, "dense_every_steps": 7}}).model_updates
+    model = SumModel(13)
+    ctx = TrainCtx(Adagrad(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                   embedding_workers=["127.0.0.1:1"])
+    assert ctx.model_updates.enabled is False and ctx.model_updates.dense_every_steps == 7
+    monkeypatch.delenv("PERSIA_GLOBAL_CONFIG")
+    assert model_updates_config() == ModelUpdatesConfig()
+    with pytest.raises(Misuse) as info:
+        TrainCtx(Adagrad(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                 model_updates={"enabled": False})
+    assert info.value.field == "model_updates"
+
+
+def test_the_snapshot_is_a_copy_training_cannot_change():
+    model = SumModel(13, hidden=8)
+    state = snapshot(model)
+    before = {k: v.clone() for k, v in state.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(state[k], before[k]) for k in state)
+    assert all(v.device.type == "cpu" for v in state.values())
