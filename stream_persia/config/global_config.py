@@ -462,6 +462,9 @@ class ModelUpdatesConfig(_Section):
         max_dense_bytes: the largest serialized dense model: rank 0 sends none larger,
             embedding server 0 accepts and holds none larger
             (:mod:`stream_persia.server.dense_hub`).
+        update_log_bytes: the most memory each embedding server's update log holds
+            (:mod:`stream_persia.server.updates`); a replica that falls further behind
+            asks for a full pass.
     """
 
     enabled: bool = True
@@ -469,6 +472,7 @@ class ModelUpdatesConfig(_Section):
     dense_every_steps: int = 50
     dense_interval_ms: int = 1000
     max_dense_bytes: int = 1 << 30
+    update_log_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         check_bool(self, "enabled")
@@ -481,6 +485,8 @@ class ModelUpdatesConfig(_Section):
                   hint="milliseconds between two publications of the dense model, e.g. 1000")
         check_int(self, "max_dense_bytes", lo=1 << 10, hi=1 << 40,
                   hint="bytes of the largest serialized dense model, e.g. 1073741824")
+        check_int(self, "update_log_bytes", lo=1 << 20, hi=1 << 40,
+                  hint="bytes of an embedding server's update log, e.g. 268435456")
 
 
 @dataclass(frozen=True)

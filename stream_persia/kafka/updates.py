@@ -31,11 +31,17 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from stream_persia.config.kafka import resolve_bootstrap_servers
 from stream_persia.core import wire
-from stream_persia.errors import BadInput, RemoteError
-from stream_persia.kafka._client import DEFAULT_MAX_MESSAGE_BYTES, ProducerUser, validate_topic
+from stream_persia.errors import BadInput, ConfigError, RemoteError
+from stream_persia.kafka._client import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ProducerUser,
+    topic_partitions,
+    validate_topic,
+)
 
-__all__ = ["UpdateSink", "updates_topic", "record_key", "UPDATES_SUFFIX"]
+__all__ = ["UpdateSink", "updates_topic", "record_key", "server_sink", "UPDATES_SUFFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +131,24 @@ class UpdateSink(ProducerUser):
         if self._offsets and seq > next(reversed(self._offsets))[1]:
             return None if self.last_offset is None else self.last_offset + 1
         return None
+
+
+async def server_sink(gc: Any, replica_index: int, replica_size: int) -> UpdateSink | None:
+    """The Kafka sink of an embedding server's update log when the job has brokers
+    (``<job>.model.updates``, which needs a partition per server plus one), else None."""
+    bootstrap = resolve_bootstrap_servers(gc.kafka, None)
+    if not bootstrap or not gc.model_updates.enabled:
+        return None
+    topic = updates_topic(gc.kafka.job_name)
+    have = await topic_partitions(bootstrap, topic, security_kwargs=gc.kafka.security_kwargs(),
+                                  startup_timeout_s=gc.kafka.startup_timeout_ms / 1000)
+    if have < replica_size + 1:
+        raise ConfigError(f"the model update topic {topic!r} has {have} partition(s); "
+                          f"{replica_size} embedding servers need {replica_size + 1}",
+                          field="kafka.job_name",
+                          hint=f"create {topic} with {replica_size + 1} partitions "
+                               f"(stream-persia run does it)")
+    return UpdateSink(topic, replica_index, bootstrap_servers=bootstrap,
+                      security_kwargs=gc.kafka.security_kwargs(),
+                      max_message_bytes=gc.kafka.max_batch_bytes,
+                      startup_timeout_s=gc.kafka.startup_timeout_ms / 1000)

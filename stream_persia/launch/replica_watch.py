@@ -19,6 +19,7 @@ Samples are taken as spread evenly over event time (the stream's rate is steady)
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -26,7 +27,25 @@ import numpy as np
 
 from stream_persia.launch.report import auc_of, predict_over_http
 
-__all__ = ["ReplicaWatch", "freshness_of"]
+__all__ = ["ReplicaWatch", "freshness_of", "request_checkpoint"]
+
+
+def request_checkpoint(api_address: str, token: str, ident: str) -> bool:
+    """Ask the job's control API for checkpoint ``ident`` (the replica's first); a refusal
+    is printed, not raised: the replica then has nothing to start from and says so."""
+    import httpx
+
+    try:
+        r = httpx.post(f"http://{api_address}/v1/checkpoints", json={"id": ident},
+                       headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    except Exception as e:  # best effort: the run goes on without a replica
+        print(f"stream-persia run: cannot request the replica's checkpoint: {e!r}",
+              file=sys.stderr)
+        return False
+    if r.status_code != 202:
+        print(f"stream-persia run: the replica's first checkpoint was refused: HTTP "
+              f"{r.status_code} {r.text[:200]}", file=sys.stderr)
+    return r.status_code == 202
 
 
 def freshness_of(advances: list[tuple[float, float]], grid_s: float = 0.01

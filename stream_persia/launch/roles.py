@@ -186,32 +186,6 @@ async def _serve(role: Any, args: argparse.Namespace,
     return code
 
 
-async def update_sink(gc: Any, replica_index: int, replica_size: int) -> Any:
-    """The Kafka sink of an embedding server's update log when the job has brokers
-    (``<job>.model.updates``, which needs a partition per server plus one), else None."""
-    from stream_persia.config.kafka import resolve_bootstrap_servers
-
-    bootstrap = resolve_bootstrap_servers(gc.kafka, None)
-    if not bootstrap:
-        return None
-    from stream_persia.kafka import topic_partitions
-    from stream_persia.kafka.updates import UpdateSink, updates_topic
-
-    topic = updates_topic(gc.kafka.job_name)
-    have = await topic_partitions(bootstrap, topic, security_kwargs=gc.kafka.security_kwargs(),
-                                  startup_timeout_s=gc.kafka.startup_timeout_ms / 1000)
-    if have < replica_size + 1:
-        raise ConfigError(f"the model update topic {topic!r} has {have} partition(s); "
-                          f"{replica_size} embedding servers need {replica_size + 1}",
-                          field="kafka.job_name",
-                          hint=f"create {topic} with {replica_size + 1} partitions "
-                               f"(stream-persia run does it)")
-    return UpdateSink(topic, replica_index, bootstrap_servers=bootstrap,
-                      security_kwargs=gc.kafka.security_kwargs(),
-                      max_message_bytes=gc.kafka.max_batch_bytes,
-                      startup_timeout_s=gc.kafka.startup_timeout_ms / 1000)
-
-
 def embedding_server(args: argparse.Namespace) -> int:
     from stream_persia.server.service import EmbeddingServer
 
@@ -226,19 +200,18 @@ def embedding_server(args: argparse.Namespace) -> int:
     edge = role_settings(args, gc, "embedding server")
 
     async def main() -> int:
-        sink = await update_sink(gc, args.replica_index, args.replica_size)
-        server = EmbeddingServer(capacity, replica_index=args.replica_index,
-                                 replica_size=args.replica_size, host=args.host,
-                                 port=args.port, stage_ttl_s=cfg.restore_stage_ttl_s,
-                                 store_threads=threads, update_tokens=cfg.update_tokens,
-                                 checkpoint_root=edge.checkpoint_root,
-                                 secret=edge.secret,
-                                 connection_limits=edge.connection_limits,
-                                 job=gc.kafka.job_name, update_sink=sink,
-                                 max_dense_bytes=gc.model_updates.max_dense_bytes,
-                                 model_updates=gc.model_updates.enabled,
-                                 model_update_interval_ms=(
-                                     gc.model_updates.model_update_interval_ms))
+        from stream_persia.kafka.updates import server_sink
+        mu = gc.model_updates
+        server = EmbeddingServer(
+            capacity, replica_index=args.replica_index, replica_size=args.replica_size,
+            host=args.host, port=args.port, stage_ttl_s=cfg.restore_stage_ttl_s,
+            store_threads=threads, update_tokens=cfg.update_tokens,
+            checkpoint_root=edge.checkpoint_root, secret=edge.secret,
+            connection_limits=edge.connection_limits, job=gc.kafka.job_name,
+            update_sink=await server_sink(gc, args.replica_index, args.replica_size),
+            max_dense_bytes=mu.max_dense_bytes, model_updates=mu.enabled,
+            update_log_bytes=mu.update_log_bytes,
+            model_update_interval_ms=mu.model_update_interval_ms)
         return await _serve(server, args)
 
     return aio.run(main())
@@ -480,8 +453,7 @@ def api(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir, model_checkpoint=args.model,
         model_class=args.model_class, embeddings=args.embeddings,
         predict_requires_token=True if args.predict_auth else None,
-        batch_wait_ms=args.batch_wait_ms, max_batch_rows=args.max_batch_rows,
-        table_rows=args.table_rows)
+        batch_wait_ms=args.batch_wait_ms, max_batch_rows=args.max_batch_rows, table_rows=args.table_rows)
     settings.check_bind()   # before importing the app: a refusal should be quick
     from stream_persia.api.server import serve
 

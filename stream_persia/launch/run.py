@@ -64,7 +64,7 @@ from stream_persia.errors import (
     RemoteTimeout,
 )
 from stream_persia.launch.processes import RoleProcess
-from stream_persia.launch.replica_watch import ReplicaWatch
+from stream_persia.launch.replica_watch import ReplicaWatch, request_checkpoint
 from stream_persia.launch.report import build_report, plot_report, print_report, served_metrics
 from stream_persia.launch.run_args import (
     PREDICT_SAMPLES,
@@ -72,7 +72,7 @@ from stream_persia.launch.run_args import (
     check_args,
     check_topology,
 )
-from stream_persia.launch.samples_topic import ensure_topic
+from stream_persia.launch.samples_topic import ensure_topic, ensure_updates_topic
 from stream_persia.launch.stop_signals import Stopped, StopSignals
 from stream_persia.launch.topology import Topology, load_topology
 
@@ -176,14 +176,7 @@ class Job:
         n_servers = a.embedding_servers or topo.embedding_servers
         n_workers = a.embedding_workers or topo.embedding_workers
         if a.kafka and not getattr(a, "no_model_updates", False):
-            # The update stream to the serving replicas: a partition per server + the dense
-            # model's (stream_persia.kafka.updates); the servers check it when they start.
-            from stream_persia.config import load_global_config
-            from stream_persia.kafka.updates import updates_topic
-
-            job_name = load_global_config(self.env["PERSIA_GLOBAL_CONFIG"]).kafka.job_name
-            ensure_topic(a.kafka, updates_topic(job_name), n_servers + 1, create=True,
-                         min_partitions=n_servers + 1)
+            ensure_updates_topic(a.kafka, self.env["PERSIA_GLOBAL_CONFIG"], n_servers)
         servers = [self._role("embedding-server",
                               ["--replica-index", str(i), "--replica-size", str(n_servers)],
                               f"embedding-server-{i}") for i in range(n_servers)]
@@ -334,25 +327,6 @@ def _progress_line(metrics: dict[str, Any], t0: float) -> str:
 LOSS_CHECK_EVERY_S = 3.0
 
 
-def _bootstrap(job: Job, metrics: dict[str, Any]) -> None:
-    """Once training runs, ask the job for the checkpoint the replica starts from."""
-    if (job.replica is None or job.bootstrap_requested or job.api is None
-            or job.api.address is None or not (metrics.get("train") or {}).get("samples")):
-        return
-    import httpx
-
-    job.bootstrap_requested = True
-    try:
-        r = httpx.post(f"http://{job.api.address}/v1/checkpoints", json={"id": "bootstrap"},
-                       headers={"Authorization": f"Bearer {job.api_token}"}, timeout=10)
-        if r.status_code != 202:
-            print(f"stream-persia run: the replica's first checkpoint was refused: HTTP "
-                  f"{r.status_code} {r.text[:200]}", file=sys.stderr)
-    except Exception as e:  # the replica then has nothing to serve: reported, not fatal
-        print(f"stream-persia run: cannot request the replica's checkpoint: {e!r}",
-              file=sys.stderr)
-
-
 def _wait(job: Job, t0: float, deadline: float) -> None:
     nn = job.nn
     if nn is None or nn.proc is None:   # started with the job, before anything waits
@@ -373,7 +347,10 @@ def _wait(job: Job, t0: float, deadline: float) -> None:
             last_loss_check = time.monotonic()
         now = time.monotonic()
         metrics = _read_metrics(job.out)
-        _bootstrap(job, metrics)
+        if (job.replica is not None and job.api is not None and job.api.address
+                and not job.bootstrap_requested and (metrics.get("train") or {}).get("samples")):
+            job.bootstrap_requested = True   # the checkpoint the replica starts from
+            request_checkpoint(job.api.address, job.api_token, "bootstrap")
         if job.watch is not None:
             job.watch.poll()
         if tty or now - last_print >= 10:
@@ -473,8 +450,7 @@ def main(args: argparse.Namespace) -> int:
                   + (f", API http://{job.api.address}" if job.api else ""), file=sys.stderr)
             eval_batches = _serving_inputs(topo, job.env, args.predict_samples)
             if job.replica is not None and job.replica.address:
-                job.watch = ReplicaWatch(job.replica.address, job.api_token, eval_batches,
-                                         list(topo.tasks))
+                job.watch = ReplicaWatch(job.replica.address, job.api_token, eval_batches, list(topo.tasks))
             _wait(job, t0, t0 + args.timeout_s)
             lost = check_kafka(job)   # a loss near the end, before any gate
             if lost:

@@ -7,7 +7,7 @@ import sys
 
 from stream_persia.errors import ConfigError
 
-__all__ = ["ensure_topic"]
+__all__ = ["ensure_topic", "ensure_updates_topic"]
 
 
 def ensure_topic(bootstrap: str, topic: str, partitions: int, *, create: bool,
@@ -88,3 +88,15 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int, *, create: bool,
                           hint=f"use a topic with at least {min_partitions} partitions, or "
                                "fewer --embedding-workers")
     return found
+
+
+def ensure_updates_topic(bootstrap: str, global_config: str, servers: int) -> int:
+    """The model update stream's topic (``<kafka.job_name>.model.updates``): a partition
+    per embedding server plus the dense model's (:mod:`stream_persia.kafka.updates`),
+    created when missing; the servers check it when they start."""
+    from stream_persia.config import load_global_config
+    from stream_persia.kafka.updates import updates_topic
+
+    job_name = load_global_config(global_config).kafka.job_name
+    return ensure_topic(bootstrap, updates_topic(job_name), servers + 1, create=True,
+                        min_partitions=servers + 1)

@@ -99,14 +99,17 @@ READ: dict[str, list[tuple[str, str]]] = {
                         r"def read_token[\s\S]*open\(self\.token_file")],
     "api.max_body_bytes": [(API_SETTINGS, r"api\.max_body_bytes")],
     "api.max_rows_per_request": [(API_SETTINGS, r"api\.max_rows_per_request")],
-    "model_updates.enabled": [(TRAIN_CTX, r"model_updates\.enabled")],
-    # the sparse publisher of issue 18 (the lead's) runs on the server at this period
+    "model_updates.enabled": [(TRAIN_CTX, r"model_updates\.enabled"),
+                              (LAUNCH, r"mu = gc\.model_updates[\s\S]*model_updates=mu\.enabled")],
+    # each embedding server's update feed (stream_persia/server/updates.py)
     "model_updates.model_update_interval_ms": [
-        (LAUNCH, r"gc\.model_updates\.model_update_interval_ms")],
+        (LAUNCH, r"mu = gc\.model_updates[\s\S]*=mu\.model_update_interval_ms")],
+    "model_updates.update_log_bytes": [
+        (LAUNCH, r"mu = gc\.model_updates[\s\S]*update_log_bytes=mu\.update_log_bytes")],
     "model_updates.dense_every_steps": [(DENSE_PUBLISHER, r"cfg\.dense_every_steps")],
     "model_updates.dense_interval_ms": [(DENSE_PUBLISHER, r"cfg\.dense_interval_ms")],
     "model_updates.max_dense_bytes": [
-        (LAUNCH, r"max_dense_bytes=gc\.model_updates\.max_dense_bytes"),
+        (LAUNCH, r"mu = gc\.model_updates[\s\S]*max_dense_bytes=mu\.max_dense_bytes"),
         ("stream_persia/server/dense_hub.py", r"> self\.max_dense_bytes"),
         (DENSE_PUBLISHER, r"cfg\.max_dense_bytes")],
     # embedding_config.yml
