@@ -92,7 +92,6 @@ class PersiaTrainingBatch:
     non_id_type_feature_names: list[str | None] = field(default_factory=list)
     label_names: list[str | None] = field(default_factory=list)
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
-    event_time: float | None = None
     # Set by the data loader for served training batches: the staleness permit.
     ticket: Any = field(default=None, repr=False)
 

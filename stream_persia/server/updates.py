@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from stream_persia.core.metrics import RoleMetrics
+from stream_persia.core.replies import UpdatePosition
 from stream_persia.errors import BadInput, PersiaError
 
 __all__ = ["UpdateFeed", "UpdateLog", "REPLY_BYTES", "MESSAGE_BYTES", "KINDS"]
@@ -243,12 +244,12 @@ class UpdateFeed:
             self._sink_seq = batch[-1]["seq"] + 1
 
     # ----------------------------------------------------------------- passes
-    def position(self) -> dict[str, Any]:
+    def position(self) -> UpdatePosition:
         """Where a reader restored from a dump taken now starts (call on the store thread,
         as ``dump`` does): the server process, the log sequence and, with Kafka, an
         offset of its partition at or before that message (absent: from the start)."""
         seq = self._pass_first_seq if self._pass_first_seq is not None else self.log.next_seq
-        out: dict[str, Any] = {"incarnation": self.incarnation, "seq": int(seq)}
+        out: UpdatePosition = {"incarnation": self.incarnation, "seq": int(seq)}
         if self.sink is not None:
             offset = self.sink.offset_of(self.incarnation, int(seq))
             if offset is not None:
