@@ -14,7 +14,16 @@ bookkeeping per row at full load) and for loops that run without the GIL:
   the cluster back (no tombstones, so probes stay short under constant eviction);
 - one arena per dim: rows ``[weights(dim) | optimizer state]`` float32 in blocks of about
   2 MiB (memory grows by a block, never by doubling), free rows threaded through their
-  first word.
+  first word;
+- change tracking (semantics in ``_pystore``'s docstring): ``ever``, an int64 per entry,
+  parallel to ``entries`` (8 bytes a row; ``Entry`` has no room left in its 32 bytes),
+  holds the ``change_version`` of the row's last change. ``_insert`` stamps admitted and
+  loaded rows; ``update`` notes its unique entries in pass 1 and stamps them in pass 2,
+  once the call is known to succeed, prefetching them with the rows. Evictions and
+  removals go to the eviction log, a ring of (id, version) that grows by doubling up to
+  ``eviction_log`` entries (16 bytes each). ``changed_since`` scans ``ever`` in windows of
+  ``chunk_rows`` entries (a full scan per pass: about 1 ms per million entries), each
+  window read whole, GIL released, under the busy guard, so a pass is many short pauses.
 
 Large buffers are mapped directly and, past the first block, on transparent huge pages. The
 store is bound by memory latency, so the batched loops prefetch a few ids ahead (table
@@ -73,9 +82,15 @@ cdef class CEmbeddingStore:
     cdef float *gbuf         # scratch (see _scratch): update's summed gradients,
     cdef float **rbuf        # row pointers (update, lookup_pooled),
     cdef float *zbuf         # and the all-zero row a miss reads as
-    cdef size_t gbuf_bytes, rbuf_bytes, zbuf_bytes
+    cdef int32_t *ebuf       # update's entries of its unique ids (stamped in pass 2)
+    cdef size_t gbuf_bytes, rbuf_bytes, zbuf_bytes, ebuf_bytes
     cdef uint32_t stamp
     cdef int64_t n_lookups, n_misses, n_admissions, n_evictions, n_updates, n_dropped
+    cdef int64_t n_removals
+    cdef int64_t cver        # change_version
+    cdef int64_t *ever       # per entry: change_version of the row's last change
+    cdef int64_t reset_ver   # change_version of the last clear() or close()
+    cdef EvictionLog elog
     cdef uint64_t draws
     cdef int64_t version
     cdef bint busy, closed
@@ -83,8 +98,10 @@ cdef class CEmbeddingStore:
 
     implementation = "cython"
 
-    def __init__(self, capacity, optimizer, embedding_config=None):
+    def __init__(self, capacity, optimizer, embedding_config=None, *,
+                 eviction_log=_py.EVICTION_LOG):
         self.capacity_ = _py.check_capacity(capacity)
+        self.elog.limit = _py.check_eviction_log(eviction_log)
         self._opt_obj = as_optimizer(optimizer)
         _set_config(self, _py.check_config(embedding_config))
         _reset(self)
@@ -122,6 +139,8 @@ cdef class CEmbeddingStore:
             self.count = self.ecap = self.eused = 0
             self.efree = self.head = self.tail = -1
             self.version += 1
+            self.cver += 1
+            self.reset_ver = self.cver
             self.closed = True
         finally:
             self.busy = False
@@ -148,6 +167,7 @@ cdef class CEmbeddingStore:
             self.n_lookups += n
             if tr:
                 self.version += 1
+                self.cver += 1
             with nogil:
                 status = _lookup(self, &keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
         finally:
@@ -190,6 +210,7 @@ cdef class CEmbeddingStore:
             self.n_lookups += n
             if tr:
                 self.version += 1
+                self.cver += 1
             with nogil:
                 status = _lookup_pooled(self, &keys[0], n, ai, d, tr, ixp, &off[0], k,
                                              &o[0, 0], &i, zero)
@@ -216,6 +237,7 @@ cdef class CEmbeddingStore:
         try:
             _scratch(self, <void**>&self.gbuf, &self.gbuf_bytes, sizeof(float) * n * dim)
             _scratch(self, <void**>&self.rbuf, &self.rbuf_bytes, sizeof(float*) * n)
+            _scratch(self, <void**>&self.ebuf, &self.ebuf_bytes, sizeof(int32_t) * n)
             self.stamp += 1
             if self.stamp == 0:  # wrapped (after 2**32 updates): forget every old stamp
                 for i in range(self.eused):
@@ -258,6 +280,9 @@ cdef class CEmbeddingStore:
         try:
             _reset(self)
             self.version += 1
+            self.cver += 1
+            self.reset_ver = self.cver
+            _log_clear(&self.elog)
         finally:
             self.busy = False
 
@@ -283,19 +308,21 @@ cdef class CEmbeddingStore:
 
     def stats(self):
         """Counters: rows, capacity, lookups, misses, admissions, evictions, updates,
-        dropped_updates."""
+        dropped_updates, removals."""
         return {"rows": self.count, "capacity": self.capacity_, "lookups": self.n_lookups,
                 "misses": self.n_misses, "admissions": self.n_admissions,
                 "evictions": self.n_evictions, "updates": self.n_updates,
-                "dropped_updates": self.n_dropped}
+                "dropped_updates": self.n_dropped, "removals": self.n_removals}
 
     def memory_bytes(self):
-        """Bytes allocated for rows, entries, the hash table and block pointers."""
+        """Bytes allocated for rows, entries (with their change versions), the hash table,
+        block pointers and the eviction log."""
         cdef int ai
         cdef Arena *a
         if self.closed:
             return 0
-        cdef int64_t total = sizeof(Entry) * <int64_t>self.ecap
+        cdef int64_t total = (sizeof(Entry) + sizeof(int64_t)) * <int64_t>self.ecap
+        total += (sizeof(uint64_t) + sizeof(int64_t)) * self.elog.cap
         total += sizeof(Slot) * (<int64_t>1 << self.tbits)
         for ai in range(self.narenas):
             a = &self.arenas[ai]
@@ -394,6 +421,7 @@ cdef class CEmbeddingStore:
             _enter(self)
             status = OK
             self.version += 1
+            self.cver += 1
             try:
                 with nogil:
                     for i in range(n):
@@ -405,6 +433,7 @@ cdef class CEmbeddingStore:
                                 break
                         else:
                             _touch(self, e)
+                        self.ever[e] = self.cver
                         row = row_ptr(a, self.entries[e].row)
                         memcpy(row, &wv[i, 0], sizeof(float) * dim)
                         if a.width:
@@ -416,3 +445,140 @@ cdef class CEmbeddingStore:
                 self.busy = False
             if status != OK:
                 raise MemoryError("embedding store: out of memory")
+
+    # --- changed-row tracking (see PyEmbeddingStore) ------------------------------------
+
+    @property
+    def change_version(self):
+        """Version of the latest mutating call; see ``PyEmbeddingStore.change_version``."""
+        return self.cver
+
+    def advance_version(self, version):
+        """``change_version = max(change_version, version)``."""
+        cdef int64_t v = _py.check_version(version, "version")
+        _enter(self)
+        try:
+            if v > self.cver:
+                self.cver = v
+        finally:
+            self.busy = False
+
+    def remove(self, ids):
+        """Drop the stored rows of ``ids``; see ``PyEmbeddingStore.remove``."""
+        _open(self)
+        ids = _py.check_ids(ids)
+        cdef int64_t n = ids.shape[0], i, removed = 0
+        cdef int32_t e
+        if n == 0:
+            return 0
+        cdef const uint64_t[::1] keys = ids
+        _enter(self)
+        try:
+            self.cver += 1
+            with nogil:
+                for i in range(n):
+                    e = _find(self, keys[i])
+                    if e >= 0:
+                        _drop(self, e)
+                        removed += 1
+            self.n_removals += removed
+            if removed:
+                self.version += 1
+        finally:
+            self.busy = False
+        return removed
+
+    def changed_since(self, since, chunk_rows=_py.DUMP_CHUNK_ROWS):
+        """Rows changed after version ``since``, in chunks; see
+        ``PyEmbeddingStore.changed_since``. Each chunk comes from one window of at most
+        ``chunk_rows`` consecutive entries, read whole under the store's guard with the GIL
+        released; between chunks the store may be used."""
+        _open(self)
+        cdef int64_t s = _py.check_version(since, "since")
+        cdef int64_t c = _py.check_chunk_rows(chunk_rows)
+        return self._changed(s, c)
+
+    def _changed(self, int64_t since, int64_t chunk_rows):
+        cdef int64_t pos = 0, end, m, k, g
+        cdef int32_t e
+        cdef int32_t[::1] sv, gv
+        cdef uint64_t[::1] kv
+        cdef float[:, ::1] wv
+        cdef int64_t[::1] vv
+        cdef Arena *a
+        while True:
+            _open(self)   # closed between chunks
+            if pos >= self.eused:
+                return
+            sel = np.empty(min(chunk_rows, self.eused - pos), np.int32)
+            sv = sel
+            chunks = []
+            _enter(self)
+            try:
+                end = min(pos + chunk_rows, self.eused)
+                m = 0
+                with nogil:
+                    for e in range(<int32_t>pos, <int32_t>end):
+                        if self.ever[e] > since and self.entries[e].arena != FREE_ARENA:
+                            sv[m] = e
+                            m += 1
+                pos = end
+                if m:
+                    sel = sel[:m]
+                    sv = sel
+                    arena_of = np.empty(m, np.int32)
+                    gv = arena_of
+                    for k in range(m):
+                        gv[k] = self.entries[sv[k]].arena
+                    for ai in np.unique(arena_of).tolist():
+                        members = np.ascontiguousarray(sel[arena_of == ai])
+                        gv = members
+                        g = members.shape[0]
+                        a = &self.arenas[<int>ai]
+                        ids = np.empty(g, np.uint64)
+                        weights = np.empty((g, a.dim), np.float32)
+                        versions = np.empty(g, np.int64)
+                        kv, wv, vv = ids, weights, versions
+                        with nogil:
+                            for k in range(g):
+                                kv[k] = self.entries[gv[k]].key
+                                vv[k] = self.ever[gv[k]]
+                                memcpy(&wv[k, 0], row_ptr(a, self.entries[gv[k]].row),
+                                       sizeof(float) * a.dim)
+                        chunks.append({"dim": a.dim, "ids": ids, "weights": weights,
+                                       "versions": versions})
+            finally:
+                self.busy = False
+            if not chunks:
+                yield _py.empty_changes()
+            for chunk in chunks:
+                yield chunk
+
+    def evicted_since(self, since):
+        """Ids evicted or removed after version ``since``; see
+        ``PyEmbeddingStore.evicted_since``."""
+        cdef int64_t s = _py.check_version(since, "since"), lo, hi, mid, n, k
+        cdef EvictionLog *lg = &self.elog
+        cdef uint64_t[::1] kv
+        cdef int64_t[::1] vv
+        _enter(self)
+        try:
+            complete = s >= lg.dropped and s >= self.reset_ver
+            lo, hi = 0, lg.len
+            while lo < hi:     # entries are in order of version: the first one after since
+                mid = (lo + hi) // 2
+                if lg.vers[_log_at(lg, mid)] > s:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            n = lg.len - lo
+            ids = np.empty(n, np.uint64)
+            versions = np.empty(n, np.int64)
+            kv, vv = ids, versions
+            with nogil:
+                for k in range(n):
+                    kv[k] = lg.ids[_log_at(lg, lo + k)]
+                    vv[k] = lg.vers[_log_at(lg, lo + k)]
+        finally:
+            self.busy = False
+        return ids, versions, bool(complete)

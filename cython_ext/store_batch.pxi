@@ -137,6 +137,7 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
     cdef int64_t dropped = 0
     cdef int lines = (dim + (self.arenas[ai].width if ai >= 0 else 0) + 15) // 16, j
     cdef uint32_t bad = 0
+    cdef int64_t v
     # Pass 1: resolve ids, sum the gradients of each stored id (in call order, from 0),
     # and check that every gradient is finite (on the same read of grads).
     cdef Pipe p
@@ -157,6 +158,7 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
         if x.stamp != stamp:
             x.stamp = stamp
             x.pos = nu
+            self.ebuf[nu] = e
             self.rbuf[nu] = row_ptr(a, x.row)
             sp_first(self.gbuf + <int64_t>nu * dim, g + i * dim, dim)
             nu += 1
@@ -167,11 +169,15 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
     self.n_updates += n
     self.n_dropped += dropped
     self.version += 1
-    # Pass 2: one optimizer step per stored id.
+    self.cver += 1
+    v = self.cver
+    # Pass 2: one optimizer step per stored id, and its change version.
     for u in range(nu):
         if u + PF_ROW < nu:
             for j in range(lines):
                 sp_prefetch(self.rbuf[u + PF_ROW] + 16 * j)
+            sp_prefetch_w(&self.ever[self.ebuf[u + PF_ROW]])
+        self.ever[self.ebuf[u]] = v
         sp_apply(&self.opt, self.rbuf[u], self.rbuf[u] + dim,
                  self.gbuf + <int64_t>u * dim, dim)
     return OK

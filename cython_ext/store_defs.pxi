@@ -30,6 +30,15 @@ cdef struct Entry:    # 32 bytes, 64-byte aligned array: one cache line per entr
     uint32_t stamp    # update() call that last saw this entry, and the entry's position
     int32_t pos       # in that call's list of unique ids
 
+cdef struct EvictionLog:  # ring of (id, change_version), oldest first, versions ascending
+    uint64_t *ids
+    int64_t *vers
+    int64_t cap       # allocated (grows by doubling up to limit)
+    int64_t limit     # the constructor's eviction_log
+    int64_t head      # index of the oldest entry
+    int64_t len
+    int64_t dropped   # version of the newest entry overwritten (0: none)
+
 cdef struct Slot:
     uint32_t h        # sp_hash32(key)
     int32_t e         # entry index, -1 when empty

@@ -11,7 +11,9 @@ cdef void _free_all(CEmbeddingStore self) noexcept:
         free(self.arenas[a].init_state)
     free(self.arenas)
     sp_free(self.entries, sizeof(Entry) * self.ecap)
+    sp_free(self.ever, sizeof(int64_t) * self.ecap)
     sp_free(self.table, sizeof(Slot) << self.tbits)
+    self.ever = NULL
     self.arenas = NULL
     self.entries = NULL
     self.table = NULL
@@ -24,8 +26,10 @@ cdef void _release(CEmbeddingStore self) noexcept:
     sp_free(self.gbuf, self.gbuf_bytes)
     sp_free(self.rbuf, self.rbuf_bytes)
     sp_free(self.zbuf, self.zbuf_bytes)
-    self.gbuf, self.rbuf, self.zbuf = NULL, NULL, NULL
-    self.gbuf_bytes = self.rbuf_bytes = self.zbuf_bytes = 0
+    sp_free(self.ebuf, self.ebuf_bytes)
+    self.gbuf, self.rbuf, self.zbuf, self.ebuf = NULL, NULL, NULL, NULL
+    self.gbuf_bytes = self.rbuf_bytes = self.zbuf_bytes = self.ebuf_bytes = 0
+    _log_free(&self.elog)
 
 
 cdef _reset(CEmbeddingStore self):
@@ -101,10 +105,17 @@ cdef bint _grow_entries(CEmbeddingStore self) noexcept nogil:
     cdef Entry *e = <Entry*>sp_alloc(sizeof(Entry) * cap, cap >= 1 << 17)
     if e == NULL:
         return False
+    cdef int64_t *v = <int64_t*>sp_alloc(sizeof(int64_t) * cap, cap >= 1 << 18)
+    if v == NULL:
+        sp_free(e, sizeof(Entry) * cap)
+        return False
     if self.eused:
         memcpy(e, self.entries, sizeof(Entry) * self.eused)
+        memcpy(v, self.ever, sizeof(int64_t) * self.eused)
     sp_free(self.entries, sizeof(Entry) * self.ecap)
+    sp_free(self.ever, sizeof(int64_t) * self.ecap)
     self.entries = e
+    self.ever = v
     self.ecap = <int32_t>cap
     return True
 
@@ -193,3 +204,59 @@ cdef _restate(CEmbeddingStore self, Arena *a):
             memcpy(row + dim, a.init_state, sizeof(float) * a.width)
         sp_free(ob, old_bytes)
         a.blocks[b] = nb
+
+
+# --- the eviction log (a ring; memory grows with use up to its limit) ------------------------
+
+cdef inline int64_t _log_at(const EvictionLog *lg, int64_t k) noexcept nogil:
+    """Ring index of the ``k``-th oldest entry."""
+    k += lg.head
+    return k - lg.cap if k >= lg.cap else k
+
+
+cdef void _log_free(EvictionLog *lg) noexcept nogil:
+    sp_free(lg.ids, sizeof(uint64_t) * lg.cap)
+    sp_free(lg.vers, sizeof(int64_t) * lg.cap)
+    lg.ids, lg.vers = NULL, NULL
+    lg.cap = lg.head = lg.len = 0
+
+
+cdef inline void _log_clear(EvictionLog *lg) noexcept nogil:
+    lg.head = lg.len = 0
+
+
+cdef void _log_grow(EvictionLog *lg) noexcept nogil:
+    """Double the ring (up to its limit), oldest entry first; unchanged when out of
+    memory (the log then drops its oldest entries sooner, and says so)."""
+    cdef int64_t cap = lg.cap * 2 if lg.cap else 1024, k
+    if cap > lg.limit:
+        cap = lg.limit
+    cdef uint64_t *ids = <uint64_t*>sp_alloc(sizeof(uint64_t) * cap, False)
+    cdef int64_t *vers = <int64_t*>sp_alloc(sizeof(int64_t) * cap, False)
+    if ids == NULL or vers == NULL:
+        sp_free(ids, sizeof(uint64_t) * cap)
+        sp_free(vers, sizeof(int64_t) * cap)
+        return
+    for k in range(lg.len):
+        ids[k] = lg.ids[_log_at(lg, k)]
+        vers[k] = lg.vers[_log_at(lg, k)]
+    sp_free(lg.ids, sizeof(uint64_t) * lg.cap)
+    sp_free(lg.vers, sizeof(int64_t) * lg.cap)
+    lg.ids, lg.vers, lg.cap, lg.head = ids, vers, cap, 0
+
+
+cdef inline void _log_add(EvictionLog *lg, uint64_t key, int64_t version) noexcept nogil:
+    cdef int64_t at
+    if lg.len == lg.cap and lg.cap < lg.limit:
+        _log_grow(lg)
+    if lg.len == lg.cap:       # full: drop the oldest
+        if lg.cap == 0:
+            lg.dropped = version
+            return
+        lg.dropped = lg.vers[lg.head]
+        lg.head = _log_at(lg, 1)
+        lg.len -= 1
+    at = _log_at(lg, lg.len)
+    lg.ids[at] = key
+    lg.vers[at] = version
+    lg.len += 1

@@ -119,14 +119,10 @@ cdef inline void _touch(CEmbeddingStore self, int32_t e) noexcept nogil:
         _push_front(self, e)
 
 
-cdef void _evict_tail(CEmbeddingStore self) noexcept nogil:
-    cdef int32_t e = self.tail
+cdef inline void _drop(CEmbeddingStore self, int32_t e) noexcept nogil:
+    """Free entry ``e`` and its row, and log the id in the eviction log."""
     cdef Entry *x = &self.entries[e]
-    cdef Entry *y
     cdef Arena *a = &self.arenas[x.arena]
-    cdef float *row
-    cdef int k
-    cdef uint32_t s
     _table_remove(self, x.key, e)
     _unlink(self, e)
     (<uint32_t*>row_ptr(a, x.row))[0] = a.free_head
@@ -135,6 +131,16 @@ cdef void _evict_tail(CEmbeddingStore self) noexcept nogil:
     x.arena = FREE_ARENA
     self.efree = e
     self.count -= 1
+    _log_add(&self.elog, x.key, self.cver)
+
+
+cdef void _evict_tail(CEmbeddingStore self) noexcept nogil:
+    cdef Entry *y
+    cdef Arena *a
+    cdef float *row
+    cdef int k
+    cdef uint32_t s
+    _drop(self, self.tail)
     self.n_evictions += 1
     # The next victims are cold: fetch what evicting them will touch, two evictions
     # ahead for their table slot and row (their entry was fetched one eviction ago)
@@ -149,6 +155,7 @@ cdef void _evict_tail(CEmbeddingStore self) noexcept nogil:
         row = row_ptr(a, y.row)
         for k in range(0, a.stride, 16):  # the row is rewritten if the next id has its dim
             sp_prefetch_w(row + k)
+        sp_prefetch_w(&self.ever[self.entries[self.tail].prev])  # stamped on its reuse
         if y.prev >= 0:
             sp_prefetch(&self.entries[y.prev])
 
@@ -177,6 +184,7 @@ cdef int32_t _insert(CEmbeddingStore self, uint64_t key, int ai) noexcept nogil:
     self.entries[e].row = r
     self.entries[e].arena = <uint16_t>ai
     self.entries[e].stamp = 0
+    self.ever[e] = self.cver
     mask = (<uint32_t>1 << self.tbits) - 1
     i = h >> (32 - self.tbits)
     while self.table[i].e >= 0:

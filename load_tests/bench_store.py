@@ -12,6 +12,13 @@ Baseline: a preallocated torch table of 1M rows (weights + Adagrad accumulator) 
 a dense gradient buffer, then Adagrad runs on the touched rows. It is the ceiling with no
 hashing and no eviction.
 
+Change tracking (issue 18): after the timed rounds, the Cython store's
+``changed_since`` passes over the whole store in chunks of 65,536 (a serving replica's
+pass): the rows changed during the timed rounds, then a pass that finds nothing; each is
+reported with its total time and its longest ``next()`` (the longest pause training sees).
+Run the script on a build before a change to the store and after it to compare lookup and
+update rates.
+
 Memory: ``memory_bytes()`` of the full Cython store per row, against the raw bytes of a row
 (4 * (dim + state width)); the growth of the process RSS while a second store is filled is
 shown beside it as a check.
@@ -114,6 +121,25 @@ class Timer:
                 float(np.median([n / tu for n, _, tu in self.rounds])))
 
 
+def changes_pass(store, since: int) -> dict[str, float]:
+    """Wall time of changed_since passes (chunks of 65,536) and of their longest next()."""
+    out: dict[str, float] = {}
+    for name, v in (("changed", since), ("unchanged", store.change_version)):
+        rows, longest, it = 0, 0.0, store.changed_since(v, 65536)
+        t0 = time.perf_counter()
+        while True:
+            t = time.perf_counter()
+            chunk = next(it, None)
+            longest = max(longest, time.perf_counter() - t)
+            if chunk is None:
+                break
+            rows += len(chunk["ids"])
+        out[f"{name}_pass_s"] = time.perf_counter() - t0
+        out[f"{name}_max_pause_s"] = longest
+        out[f"{name}_rows"] = rows
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures here")
@@ -164,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # within a round each runs alone, on its own warm caches.
     timers = {"cython": Timer(), "python": Timer(), "torch": Timer()}
     stats0 = cstore.stats()
+    version0 = getattr(cstore, "change_version", 0)
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds} ...", file=sys.stderr)
         mine = slice(r * args.batches, (r + 1) * args.batches)
@@ -178,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     t_lookup, t_update = timers["torch"].rates()
 
     stats = cstore.stats()
+    tracking = changes_pass(cstore, version0) if hasattr(cstore, "changed_since") else {}
     res = {
         "cython_lookup_ids_per_s": c_lookup, "cython_update_ids_per_s": c_update,
         "twin_lookup_ids_per_s": p_lookup, "twin_update_ids_per_s": p_update,
@@ -190,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "steady_state_miss_rate": ((stats["misses"] - stats0["misses"])
                                    / (stats["lookups"] - stats0["lookups"])),
         "rounds": args.rounds, "timing": "median over rounds of ids per CPU-second",
+        **tracking,
     }
     print(f"{'':10}{'lookup ids/s':>16}{'update ids/s':>16}")
     for name, lk, up in (("cython", c_lookup, c_update), ("python", p_lookup, p_update),
@@ -203,6 +232,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"raw {raw} B/row -> {res['bytes_per_row_over_raw']:.2f}x   (target <= 1.5x)")
     print(f"miss rate while timed: {res['steady_state_miss_rate']:.3f}; "
           f"{len(cstore):,} rows")
+    if tracking:
+        print(f"changed_since pass over {len(cstore):,} rows: {tracking['changed_rows']:,} "
+              f"changed rows in {tracking['changed_pass_s'] * 1e3:.0f} ms (longest next() "
+              f"{tracking['changed_max_pause_s'] * 1e3:.2f} ms); nothing changed: "
+              f"{tracking['unchanged_pass_s'] * 1e3:.1f} ms (longest next() "
+              f"{tracking['unchanged_max_pause_s'] * 1e3:.2f} ms)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -21,11 +21,33 @@ Semantics (DESIGN.md §3): ``capacity`` counts vectors of every dim; one LRU ord
 lookups insert and refresh, inference lookups do neither; gradients of one id in an update
 are summed in call order before the optimizer runs once per id; ids not stored are dropped
 and counted; rows are clamped to ±weight_bound after each update.
+
+Change tracking (what serving replicas follow, issue 18). ``change_version`` counts the
+store's mutating calls: a training ``lookup``/``lookup_pooled`` with at least one id, an
+``update`` with at least one id that passes its checks, each non-empty chunk of a ``load``,
+a ``remove`` with at least one id, ``clear`` and ``close``. Such a call first increments it
+by one, then stamps every row it admits, updates or loads (inserted or overwritten) with
+the new value, the row's *change version*, and logs every id it evicts or removes with that
+value in the eviction log (a bounded ring, oldest dropped first). Inference lookups,
+``contains``, ``configure``, ``dump`` and the readers below never change it; a call with
+no ids changes nothing. A call that fails part-way (an id stored with another dim, in a
+lookup) keeps its increment and the stamps of the rows it changed before the error. Rows
+updated by one call all get its version whether or not their values changed (an SGD step
+of lr 0 still counts). ``changed_since(v)`` lists the stored rows with a change version
+> v (a full scan of the row slots per pass), ``evicted_since(v)`` the ids logged after
+v; ``advance_version(v)`` raises ``change_version`` to at least v. A replica that applies
+``evicted_since(v)`` (with ``remove``) and then ``changed_since(v)`` (with ``load``), for the
+``v`` it last published through, holds exactly the store's rows; when ``evicted_since``
+says its log no longer covers ``v``, it must start again from ``changed_since(0)``.
+
+Size: one module past 500 lines on purpose: it is the store's contract written out as one
+readable class (read beside ``cython_ext/store.pyx``, method for method) together with the
+validation both stores share; cutting the class in two would split that contract.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -41,6 +63,8 @@ __all__ = ["PyEmbeddingStore", "initial_rows", "admit_uniform"]
 
 MAX_DIM = 1 << 16
 DUMP_CHUNK_ROWS = 65536
+EVICTION_LOG = 1 << 20        # default entries of the eviction log (16 bytes each)
+MAX_EVICTION_LOG = 1 << 26
 
 
 def init_bounds(init: tuple[float, float]) -> tuple[np.float32, np.float32]:
@@ -115,6 +139,36 @@ def check_grads(grads: Any, n: int) -> np.ndarray:
     return np.ascontiguousarray(grads)
 
 
+def check_eviction_log(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) \
+            or not 1 <= n <= MAX_EVICTION_LOG:
+        raise BadInput(f"eviction_log must be an int in [1, {MAX_EVICTION_LOG}], got {n!r}",
+                       field="eviction_log", hint="entries (16 bytes each) of the log of "
+                       "evicted ids that evicted_since() reads, e.g. 1048576")
+    return int(n)
+
+
+def check_version(v: Any, field: str) -> int:
+    """A change version: an int >= 0 (below 2**63)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < 1 << 63:
+        raise BadInput(f"{field} must be an int >= 0 (a change_version), got {v!r}",
+                       field=field)
+    return int(v)
+
+
+def check_chunk_rows(chunk_rows: Any) -> int:
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise BadInput(f"chunk_rows must be an int >= 1, got {chunk_rows!r}",
+                       field="chunk_rows")
+    return chunk_rows
+
+
+def empty_changes() -> dict[str, Any]:
+    """The chunk ``changed_since`` yields for a window with no changed row."""
+    return {"dim": 0, "ids": np.empty(0, np.uint64), "weights": np.empty((0, 0), np.float32),
+            "versions": np.empty(0, np.int64)}
+
+
 def nonfinite_error(i: int, key: int) -> BadInput:
     return BadInput(f"grads row {i} (id {key}) is not finite (NaN or inf)", field="grads",
                     hint="skip the update of a step whose gradients overflowed")
@@ -167,24 +221,36 @@ def check_chunk(chunk: Any, opt: Optimizer) -> tuple[int, np.ndarray, np.ndarray
 
 
 class _Arena:
-    """Rows of one dim: ``[weights(dim) | optimizer state]`` float32, with a free list."""
+    """Rows of one dim: ``[weights(dim) | optimizer state]`` float32, with a free list,
+    and beside each row its id and change version (-1 while the row is free)."""
 
     def __init__(self, dim: int, opt: Optimizer):
         self.dim = dim
         self.init_state = opt.initial_state(dim)
         self.data = np.zeros((16, dim + len(self.init_state)), np.float32)
+        self.keys = np.zeros(16, np.uint64)
+        self.ver = np.full(16, -1, np.int64)
         self.used = 0
         self.free: list[int] = []
 
-    def alloc(self) -> int:
+    def alloc(self, key: int, version: int) -> int:
         if self.free:
-            return self.free.pop()
-        if self.used == len(self.data):
-            grown = np.zeros((2 * len(self.data), self.data.shape[1]), np.float32)
-            grown[:self.used] = self.data
-            self.data = grown
-        self.used += 1
-        return self.used - 1
+            r = self.free.pop()
+        else:
+            if self.used == len(self.data):
+                grown = np.zeros((2 * len(self.data), self.data.shape[1]), np.float32)
+                grown[:self.used] = self.data
+                self.data = grown
+                self.keys = np.concatenate([self.keys, np.zeros_like(self.keys)])
+                self.ver = np.concatenate([self.ver, np.full_like(self.ver, -1)])
+            self.used += 1
+            r = self.used - 1
+        self.keys[r], self.ver[r] = key, version
+        return r
+
+    def release(self, r: int) -> None:
+        """Row ``r`` is no longer stored (``free`` takes it back when the caller says)."""
+        self.ver[r] = -1
 
     def restate(self, opt: Optimizer) -> None:
         self.init_state = opt.initial_state(self.dim)
@@ -202,18 +268,26 @@ class PyEmbeddingStore:
             rows are evicted beyond it.
         optimizer: SGD, Adagrad or Adam (or its ``to_dict()``).
         embedding_config: initialisation, admission and clamping (defaults: PERSIA's).
+        eviction_log: entries of the log of evicted and removed ids that
+            :meth:`evicted_since` reads (16 bytes each; its oldest are dropped beyond it).
     """
 
     implementation = "python"
 
-    def __init__(self, capacity: int, optimizer: Any, embedding_config: Any = None):
+    def __init__(self, capacity: int, optimizer: Any, embedding_config: Any = None, *,
+                 eviction_log: int = EVICTION_LOG):
         self._capacity = check_capacity(capacity)
+        self._elog: deque[tuple[int, int]] = deque(maxlen=check_eviction_log(eviction_log))
+        self._elog_dropped = 0   # version of the newest entry the log dropped
+        self._cver = 0           # change_version
+        self._reset_ver = 0      # change_version of the last clear() or close()
         self._opt = as_optimizer(optimizer)
         self._cfg = check_config(embedding_config)
         self._lru: OrderedDict[int, tuple[_Arena, int]] = OrderedDict()  # oldest first
         self._arenas: dict[int, _Arena] = {}
         self._counts = dict.fromkeys(
-            ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates"), 0)
+            ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates",
+             "removals"), 0)
         self._draws = 0
         self._version = 0
         self._closed = False
@@ -229,8 +303,12 @@ class PyEmbeddingStore:
         """Free the rows now; later calls that read or change rows raise Misuse. Idempotent.
         ``len`` is then 0 and ``stats`` keeps the counters. The embedding server closes a
         store it stops serving (a load replaced it, or the server stopped)."""
+        if not self._closed:
+            self._cver += 1
+            self._reset_ver = self._cver
         self._lru.clear()
         self._arenas.clear()
+        self._elog.clear()
         self._version += 1
         self._closed = True
 
@@ -245,12 +323,20 @@ class PyEmbeddingStore:
         return arena
 
     def _evict_oldest(self, deferred: list[tuple[_Arena, int]] | None) -> None:
-        _, where = self._lru.popitem(last=False)
+        key, where = self._lru.popitem(last=False)
+        where[0].release(where[1])
         if deferred is None:
             where[0].free.append(where[1])
         else:
             deferred.append(where)
+        self._log_eviction(key)
         self._counts["evictions"] += 1
+
+    def _log_eviction(self, key: int) -> None:
+        log = self._elog
+        if len(log) == log.maxlen:
+            self._elog_dropped = log[0][1]
+        log.append((key, self._cver))
 
     def lookup(self, ids: np.ndarray, dim: int, train: bool = True) -> np.ndarray:
         """Embeddings of ``ids`` as float32 (n, dim); zeros for ids not stored.
@@ -272,6 +358,8 @@ class PyEmbeddingStore:
         counts["lookups"] += len(ids)
         if train:
             self._version += 1
+            if len(ids):
+                self._cver += 1
         try:
             for i, key in enumerate(ids.tolist()):
                 where = lru.get(key)
@@ -290,7 +378,7 @@ class PyEmbeddingStore:
                     continue
                 if len(lru) >= self._capacity:
                     self._evict_oldest(deferred)
-                r = admit_to.alloc()
+                r = admit_to.alloc(key, self._cver)
                 lru[key] = (admit_to, r)
                 counts["admissions"] += 1
                 rows[i] = r
@@ -336,6 +424,8 @@ class PyEmbeddingStore:
         if not finite.all():
             i = int(np.argmin(finite))
             raise nonfinite_error(i, int(ids[i]))
+        if not len(ids):
+            return
         rows = np.full(len(ids), -1, np.int64)
         arena = self._arenas.get(dim)
         for i, key in enumerate(ids.tolist()):
@@ -346,6 +436,7 @@ class PyEmbeddingStore:
                 rows[i] = where[1]
         self._counts["updates"] += len(ids)
         self._version += 1
+        self._cver += 1
         present = rows >= 0
         self._counts["dropped_updates"] += int(len(ids) - present.sum())
         if arena is None or not present.any():
@@ -359,6 +450,7 @@ class PyEmbeddingStore:
         bound = np.float32(self._cfg.weight_bound)
         arena.data[uniq, :dim] = np.clip(w, -bound, bound)
         arena.data[uniq, dim:] = s
+        arena.ver[uniq] = self._cver
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
         """Which ids are stored (bool array); recency is not refreshed."""
@@ -371,7 +463,10 @@ class PyEmbeddingStore:
         self._open()
         self._lru.clear()
         self._arenas.clear()
+        self._elog.clear()
         self._version += 1
+        self._cver += 1
+        self._reset_ver = self._cver
 
     def configure(self, optimizer: Any = None, embedding_config: Any = None) -> None:
         """Replace the optimizer and/or the embedding config.
@@ -394,12 +489,14 @@ class PyEmbeddingStore:
 
     def stats(self) -> dict[str, int]:
         """Counters: rows, capacity, lookups, misses, admissions, evictions, updates,
-        dropped_updates."""
+        dropped_updates, removals."""
         return {"rows": len(self._lru), "capacity": self._capacity, **self._counts}
 
     def memory_bytes(self) -> int:
-        """Bytes held by row storage (the dict and list overhead is not counted)."""
-        return sum(a.data.nbytes for a in self._arenas.values())
+        """Bytes held by row storage, with each row's id and change version, and by the
+        eviction log (16 bytes an entry; the dict and list overhead is not counted)."""
+        return sum(a.data.nbytes + a.keys.nbytes + a.ver.nbytes
+                   for a in self._arenas.values()) + 16 * len(self._elog)
 
     def dump(self, chunk_rows: int = DUMP_CHUNK_ROWS) -> Iterator[dict[str, Any]]:
         """Yield the rows with their optimizer state, least recently used first.
@@ -411,10 +508,7 @@ class PyEmbeddingStore:
         Changing the store while iterating raises Misuse.
         """
         self._open()
-        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-            raise BadInput(f"chunk_rows must be an int >= 1, got {chunk_rows!r}",
-                           field="chunk_rows")
-        return self._dump(chunk_rows)
+        return self._dump(check_chunk_rows(chunk_rows))
 
     def _dump(self, chunk_rows: int) -> Iterator[dict[str, Any]]:
         self._open()   # closed between dump() and the first chunk
@@ -457,15 +551,103 @@ class PyEmbeddingStore:
                     raise dim_error(key, where[0].dim, dim, "load")
             arena = self._arena(dim)
             self._version += 1
+            if keys:
+                self._cver += 1
             for i, key in enumerate(keys):
                 where = self._lru.get(key)
                 if where is None:
                     if len(self._lru) >= self._capacity:
                         self._evict_oldest(None)
-                    where = (arena, arena.alloc())
+                    where = (arena, arena.alloc(key, self._cver))
                     self._lru[key] = where
                 else:
                     self._lru.move_to_end(key)
                 r = where[1]
+                arena.ver[r] = self._cver
                 arena.data[r, :dim] = weights[i]
                 arena.data[r, dim:] = arena.init_state if state is None else state[i]
+
+    # --- changed-row tracking ----------------------------------------------------------
+
+    @property
+    def change_version(self) -> int:
+        """Version of the latest mutating call (0 for a fresh store); see the module
+        docstring for which calls count and what they stamp."""
+        return self._cver
+
+    def advance_version(self, version: int) -> None:
+        """``change_version = max(change_version, version)``: the next mutating call stamps
+        ``max(...) + 1``. A :class:`~stream_persia.server.sharded.ShardedStore` uses it to
+        stamp one version across its shards."""
+        self._cver = max(self._cver, check_version(version, "version"))
+
+    def remove(self, ids: np.ndarray) -> int:
+        """Drop the stored rows of ``ids`` (the others are ignored); returns how many were
+        removed. Each is logged in the eviction log, counted in ``stats()["removals"]``
+        (not in ``evictions``). A call with at least one id is a mutating call."""
+        self._open()
+        ids = check_ids(ids)
+        if not len(ids):
+            return 0
+        self._cver += 1
+        removed = 0
+        for key in ids.tolist():
+            where = self._lru.pop(key, None)
+            if where is not None:
+                where[0].release(where[1])
+                where[0].free.append(where[1])
+                self._log_eviction(key)
+                removed += 1
+        self._counts["removals"] += removed
+        if removed:
+            self._version += 1
+        return removed
+
+    def changed_since(self, since: int, chunk_rows: int = DUMP_CHUNK_ROWS
+                      ) -> Iterator[dict[str, Any]]:
+        """The stored rows whose change version is > ``since``, in chunks
+        ``{"dim", "ids" (uint64 (n,)), "weights" (float32 (n, dim)), "versions" (int64
+        (n,))}`` of one dim each and at most ``chunk_rows`` rows (no optimizer state).
+
+        The store is scanned in windows of at most ``chunk_rows`` row slots (the Cython
+        store: entries); each ``next()`` reads one window whole (ids, weights and versions
+        at the same moment) and yields its chunks, or one empty chunk (``dim`` 0, no rows)
+        when nothing in it changed, so that every ``next()`` is a short, bounded pause
+        and a pass over the store costs a scan of all its slots. The store may be used
+        between chunks: a row changed after the call may or may not be included, with its
+        value and version of when its window was read. A caller that publishes changes
+        reads ``change_version`` *before* calling and gets the rest in its next pass.
+        Order and chunking depend on the store's layout; the set of rows does not.
+        """
+        self._open()
+        return self._changed(check_version(since, "since"), check_chunk_rows(chunk_rows))
+
+    def _changed(self, since: int, chunk_rows: int) -> Iterator[dict[str, Any]]:
+        for dim, arena in sorted(self._arenas.items()):
+            pos = 0
+            while True:
+                self._open()   # closed between chunks
+                if self._arenas.get(dim) is not arena or pos >= arena.used:
+                    break      # cleared: its rows are gone (evicted_since says so)
+                end = min(pos + chunk_rows, arena.used)
+                rows = np.flatnonzero(arena.ver[pos:end] > since) + pos
+                pos = end
+                if not len(rows):
+                    yield empty_changes()
+                    continue
+                yield {"dim": dim, "ids": arena.keys[rows], "versions": arena.ver[rows],
+                       "weights": np.ascontiguousarray(arena.data[rows, :dim])}
+
+    def evicted_since(self, since: int) -> tuple[np.ndarray, np.ndarray, bool]:
+        """``(ids uint64, versions int64, complete)``: the ids evicted (LRU) or removed
+        by calls with change version > ``since``, oldest first, from the eviction log.
+        ``complete`` is False when the log no longer covers ``since``: it dropped an entry
+        newer than ``since`` (it holds ``eviction_log`` entries), or a ``clear()`` or
+        ``close()`` came after ``since``; the caller then resyncs from
+        ``changed_since(0)``. Works on a closed store."""
+        since = check_version(since, "since")
+        complete = since >= self._elog_dropped and since >= self._reset_ver
+        newer = [kv for kv in self._elog if kv[1] > since]
+        ids = np.array([k for k, _ in newer], np.uint64)
+        versions = np.array([v for _, v in newer], np.int64)
+        return ids, versions, complete

@@ -30,6 +30,13 @@ What differs from one store of the same total capacity:
 - ``dump`` yields each shard's rows in turn, least recently used first within a shard;
   ``load`` routes every chunk's rows to their shards in order. Dumps of either kind load
   into either kind, at any ``k``.
+- **Change tracking**: the sharded store keeps its own ``change_version``, counted by the
+  rules of one store (``_pystore``'s docstring); before each mutating call it advances
+  every shard to the version before the new one, so the shards stamp one version for one
+  call and ``changed_since``/``evicted_since`` read as one store's would (rows of each
+  shard in turn; evictions merged in order of version). The eviction log is split over the
+  shards (``eviction_log // k`` entries each, at least 1), and ``complete`` is False when
+  any shard's log no longer covers ``since``.
 
 Values (initialisation from the id, the optimizer, the weight bound) are per row and do not
 depend on ``k``: without evictions and with full admission, every lookup and update gives
@@ -55,12 +62,13 @@ __all__ = ["ShardedStore", "make_store"]
 
 
 def make_store(capacity: int, optimizer: Any, embedding_config: Any = None, *,
-               shards: int = 1) -> Store:
+               shards: int = 1, eviction_log: int = _py.EVICTION_LOG) -> Store:
     """An ``EmbeddingStore``, or a :class:`ShardedStore` of ``shards`` of them when
     ``shards`` > 1."""
     if shards == 1:
-        return EmbeddingStore(capacity, optimizer, embedding_config)
-    return ShardedStore(capacity, optimizer, embedding_config, shards=shards)
+        return EmbeddingStore(capacity, optimizer, embedding_config, eviction_log=eviction_log)
+    return ShardedStore(capacity, optimizer, embedding_config, shards=shards,
+                        eviction_log=eviction_log)
 
 
 def _check_shards(shards: Any, capacity: int) -> int:
@@ -84,15 +92,19 @@ class ShardedStore:
         optimizer, embedding_config: as for the store.
         shards: internal shards, each on its own thread while a call runs.
         store_type: the store class (``EmbeddingStore``: the Cython store or its twin).
+        eviction_log: entries of the eviction log, over all shards.
     """
 
     def __init__(self, capacity: int, optimizer: Any, embedding_config: Any = None, *,
-                 shards: int, store_type: type = EmbeddingStore):
+                 shards: int, store_type: type = EmbeddingStore,
+                 eviction_log: int = _py.EVICTION_LOG):
         capacity = _py.check_capacity(capacity)
         k = _check_shards(shards, capacity)
+        log = max(_py.check_eviction_log(eviction_log) // k, 1)
         self._capacity = capacity
+        self._cver = 0
         self._stores = [store_type(capacity // k + (s < capacity % k), optimizer,
-                                   embedding_config) for s in range(k)]
+                                   embedding_config, eviction_log=log) for s in range(k)]
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max(k - 1, 1), thread_name_prefix="store-shard")
 
@@ -104,6 +116,7 @@ class ShardedStore:
         pool, self._pool = getattr(self, "_pool", None), None
         if pool is not None:
             pool.shutdown(wait=True)
+            self._next_version()
         for store in self._stores:
             store.close()
 
@@ -117,6 +130,12 @@ class ShardedStore:
     def shards(self) -> int:
         """Number of internal shards."""
         return len(self._stores)
+
+    def _next_version(self) -> None:
+        """A mutating call begins: its shards will stamp ``change_version + 1``."""
+        for store in self._stores:
+            store.advance_version(self._cver)
+        self._cver += 1
 
     def _owner(self, ids: np.ndarray) -> np.ndarray:
         return segments.internal_owner(ids, self.shards)
@@ -172,6 +191,9 @@ class ShardedStore:
             if pos.size:
                 out[pos] = self._stores[s].lookup(ids[pos], d, train)
 
+        if train and len(ids):
+            self._open()
+            self._next_version()
         self._map(part)
         return out
 
@@ -190,6 +212,9 @@ class ShardedStore:
             return self._stores[s].lookup_pooled(ids[mine.positions], d, mine.index,
                                                  mine.offsets, train)
 
+        if train and len(ids):
+            self._open()
+            self._next_version()
         sums = self._map(part)
         out = np.zeros((len(offsets) - 1, d), dtype=np.float32)
         for piece in sums:
@@ -217,6 +242,9 @@ class ShardedStore:
             if pos.size:
                 self._stores[s].update(ids[pos], grads.take(pos, axis=0))
 
+        if len(ids):
+            self._open()
+            self._next_version()
         self._map(part)
 
     def contains(self, ids: Any) -> np.ndarray:
@@ -234,6 +262,8 @@ class ShardedStore:
 
     def clear(self) -> None:
         """Drop every row (statistics are kept)."""
+        self._open()
+        self._next_version()
         self._map(lambda s: self._stores[s].clear())
 
     def configure(self, optimizer: Any = None, embedding_config: Any = None) -> None:
@@ -266,7 +296,11 @@ class ShardedStore:
         checked whole (shapes, dtypes, optimizer state) before any shard loads it."""
         for chunk in chunks:
             dim, ids, weights, state = _py.check_chunk(chunk, self.optimizer)
+            if not len(ids):
+                continue
             owner = self._owner(ids)
+            self._open()
+            self._next_version()
             kind = chunk.get("state_kind")
             self._map(partial(self._load_part, owner, dim, ids, weights, state, kind))
 
@@ -279,3 +313,50 @@ class ShardedStore:
         if state is not None:
             sub["state"], sub["state_kind"] = state[pos], kind
         self._stores[s].load([sub])
+
+    # ----------------------------------------------------------------- change tracking
+    def _open(self) -> None:
+        if self._pool is None:
+            raise _py.closed_error()
+
+    @property
+    def change_version(self) -> int:
+        """Version of the latest mutating call, as ``EmbeddingStore.change_version``."""
+        return self._cver
+
+    def advance_version(self, version: int) -> None:
+        """``change_version = max(change_version, version)``, on every shard too."""
+        self._cver = max(self._cver, _py.check_version(version, "version"))
+        for store in self._stores:
+            store.advance_version(self._cver)
+
+    def remove(self, ids: Any) -> int:
+        """Drop the stored rows of ``ids``; how many were removed."""
+        ids = _py.check_ids(ids)
+        self._open()
+        if not len(ids):
+            return 0
+        owner = self._owner(ids)
+
+        def part(s: int) -> int:
+            pos = np.flatnonzero(owner == s)
+            return int(self._stores[s].remove(ids[pos])) if pos.size else 0
+
+        self._next_version()
+        return sum(self._map(part))
+
+    def changed_since(self, since: int, chunk_rows: int = _py.DUMP_CHUNK_ROWS
+                      ) -> Iterator[dict[str, Any]]:
+        """Every shard's changed rows in turn, as ``EmbeddingStore.changed_since``."""
+        self._open()
+        parts = [s.changed_since(since, chunk_rows) for s in self._stores]  # each checks
+        return (chunk for p in parts for chunk in p)
+
+    def evicted_since(self, since: int) -> tuple[np.ndarray, np.ndarray, bool]:
+        """The shards' evicted ids merged in order of version, as
+        ``EmbeddingStore.evicted_since``; complete only if every shard's log is."""
+        parts = [s.evicted_since(since) for s in self._stores]
+        ids = np.concatenate([p[0] for p in parts])
+        versions = np.concatenate([p[1] for p in parts])
+        order = np.argsort(versions, kind="stable")
+        return ids[order], versions[order], all(p[2] for p in parts)

@@ -21,6 +21,13 @@ Interface (see ``_pystore.PyEmbeddingStore`` for the full contract):
 - ``configure(optimizer=None, embedding_config=None)``
 - ``dump(chunk_rows=65536)`` yields ``{"dim", "ids", "weights", "state", "state_kind"}``
   chunks, least recently used first; ``load(chunks)`` inserts them back.
+- change tracking (the update stream to serving replicas; semantics in ``_pystore``'s
+  docstring): ``change_version -> int``, ``advance_version(v)``,
+  ``changed_since(since, chunk_rows=65536)`` yields ``{"dim", "ids", "weights",
+  "versions"}`` chunks of the rows changed after ``since`` (empty ones, ``dim`` 0, bound
+  each pause), ``evicted_since(since) -> (ids, versions, complete)``, ``remove(ids) -> int``.
+  The constructor's ``eviction_log`` (keyword, default 2**20 entries) bounds the log that
+  ``evicted_since`` reads.
 """
 
 from __future__ import annotations
@@ -54,6 +61,12 @@ class Store(Protocol):
     def configure(self, optimizer: Any = None, embedding_config: Any = None) -> None: ...
     def dump(self, chunk_rows: int = ...) -> Iterator[dict[str, Any]]: ...
     def load(self, chunks: Iterable[dict[str, Any]]) -> None: ...
+    @property
+    def change_version(self) -> int: ...
+    def advance_version(self, version: int) -> None: ...
+    def remove(self, ids: np.ndarray) -> int: ...
+    def changed_since(self, since: int, chunk_rows: int = ...) -> Iterator[dict[str, Any]]: ...
+    def evicted_since(self, since: int) -> tuple[np.ndarray, np.ndarray, bool]: ...
 
 
 try:

@@ -54,8 +54,8 @@ def test_every_shard_holds_rows_and_runs_on_its_own_thread():
     seen = set()
 
     class Recording:   # the real store, noting which thread looks up in it
-        def __init__(self, *args):
-            self.store = EmbeddingStore(*args)
+        def __init__(self, *args, **kwargs):
+            self.store = EmbeddingStore(*args, **kwargs)
 
         def lookup(self, *args):
             seen.add(threading.current_thread().name)
@@ -63,6 +63,9 @@ def test_every_shard_holds_rows_and_runs_on_its_own_thread():
 
         def __len__(self):
             return len(self.store)
+
+        def advance_version(self, version):
+            self.store.advance_version(version)
 
     many = ShardedStore(10**6, Adagrad(), shards=3, store_type=Recording)
     many.lookup(np.arange(3000, dtype=np.uint64), 4)

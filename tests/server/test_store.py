@@ -220,7 +220,8 @@ def test_stats_count_lookups_and_misses(impl):
     s.lookup(u64(1, 2, 1), 2)
     s.lookup(u64(1, 5), 2, train=False)
     assert s.stats() == {"rows": 2, "capacity": 10, "lookups": 5, "misses": 3,
-                         "admissions": 2, "evictions": 0, "updates": 0, "dropped_updates": 0}
+                         "admissions": 2, "evictions": 0, "updates": 0, "dropped_updates": 0,
+                         "removals": 0}
 
 
 def test_clear_drops_rows_and_keeps_counters(impl):
@@ -470,6 +471,8 @@ op = st.one_of(
     st.tuples(st.just("load"), st.lists(st.integers(0, 40), max_size=8),
               st.sampled_from([3, 5]), st.booleans()),
     st.tuples(st.just("clear"), st.just([]), st.just(3), st.just(0)),
+    st.tuples(st.just("remove"), st.lists(st.integers(0, 40), max_size=8),
+              st.sampled_from([3, 5]), st.just(0)),
     # a pooled lookup: (train, seed of its random index and offsets)
     st.tuples(st.just("pooled"), st.lists(st.integers(0, 40), max_size=30),
               st.sampled_from([3, 5]), st.tuples(st.booleans(), st.integers(0, 2**31))),
@@ -508,11 +511,22 @@ def _apply(s, step):
                 chunk.update(state=np.tile(state, (len(ids), 1)),
                              state_kind=s.optimizer.state_kind)
             s.load([chunk])
+        elif kind == "remove":
+            return s.remove(ids)
         else:
             s.clear()
     except BadInput as exc:
         return str(exc)
     return None
+
+
+def _changes(s, since):
+    """changed_since as a comparable value: rows sorted by id (the order and chunking
+    follow each store's layout)."""
+    rows = sorted((int(k), c["dim"], c["weights"][i].tobytes(), int(c["versions"][i]))
+                  for c in s.changed_since(since, chunk_rows=4) for i, k in enumerate(c["ids"]))
+    ids, versions, complete = s.evicted_since(since)
+    return rows, ids.tolist(), versions.tolist(), complete
 
 
 def _dump_bytes(s):
@@ -525,11 +539,15 @@ def _dump_bytes(s):
        admit=st.sampled_from([1.0, 0.6]), steps=st.lists(op, max_size=25))
 def test_cython_and_python_agree_bit_for_bit(opt, capacity, admit, steps):
     cfg = EmbeddingConfig(admit_probability=admit, weight_bound=0.3)
-    c, p = CEmbeddingStore(capacity, opt, cfg), PyEmbeddingStore(capacity, opt, cfg)
+    c = CEmbeddingStore(capacity, opt, cfg, eviction_log=6)
+    p = PyEmbeddingStore(capacity, opt, cfg, eviction_log=6)
     for step in steps:
         assert _apply(c, step) == _apply(p, step), step
         assert c.stats() == p.stats()
+        assert c.change_version == p.change_version
     assert _dump_bytes(c) == _dump_bytes(p)
+    for since in range(c.change_version + 1):
+        assert _changes(c, since) == _changes(p, since), since
 
 
 def test_long_random_sequence_agrees():
@@ -546,6 +564,9 @@ def test_long_random_sequence_agrees():
             p.update(ids, grads)
         assert c.stats() == p.stats()
         assert _dump_bytes(c) == _dump_bytes(p)
+        assert c.change_version == p.change_version == 80
+        for since in (0, 41, 79, 80):
+            assert _changes(c, since) == _changes(p, since)
 
 
 # --- pooled lookups ---------------------------------------------------------------------------
