@@ -357,9 +357,10 @@ class Predictor:
         self.metrics.batch_requests.observe(len(jobs))
         rows = sum(j.rows for j in jobs)
         self.metrics.batch_rows.observe(rows)
-        if rows <= self.settings.inline_max_rows:
+        if rows <= self.settings.inline_max_rows and self.replica is None:
             # Small enough (well under a millisecond) to run on the loop: handing it to the
-            # thread costs more than that in wake-ups and GIL hand-offs.
+            # thread costs more than that in wake-ups and GIL hand-offs. Not on a replica:
+            # its table is written on the forward thread, so it is read there too.
             results = self._compute_safe(served, jobs)
         else:
             results = await loop.run_in_executor(self._pool, self._compute_safe, served, jobs)

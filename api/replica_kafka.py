@@ -37,28 +37,30 @@ log = logging.getLogger(__name__)
 def admit(cursor: ShardCursor, msg: dict[str, Any]) -> str:
     """Whether a valid message of the cursor's partition is applied, in stream order:
     ``"apply"``, ``"skip"`` (before the start position, or applied already) or
-    ``"gap"`` (apply it, but the cursor now skips to the next reset: resync)."""
+    ``"gap"`` (messages are missing before it: apply it, but the cursor now skips to the
+    next reset; resync). Advances ``cursor.next_seq`` past an admitted message."""
     inc, seq = msg["incarnation"], msg["seq"]
     if cursor.start is not None:
         if inc != cursor.start[0] or seq < cursor.start[1]:
             return "skip"
         cursor.incarnation, cursor.next_seq, cursor.start = inc, seq, None
+    verdict = "apply"
     if inc != cursor.incarnation:
         if cursor.incarnation is not None:
             cursor.restarts += 1
             log.warning("replica: embedding server %d restarted (incarnation %s, was %s)",
                         cursor.shard, inc, cursor.incarnation)
-        cursor.incarnation, cursor.next_seq = inc, seq
+        cursor.incarnation = inc
         if seq != 0 and msg["kind"] != "reset":   # joined a log in its middle
-            cursor.skipping = True
-            return "gap"
-        return "apply"
-    if seq < cursor.next_seq:
+            verdict = "gap"
+    elif seq < cursor.next_seq:
         return "skip"
-    if seq > cursor.next_seq:
-        cursor.skipping = msg["kind"] != "reset"
-        return "gap"
-    return "apply"
+    elif seq > cursor.next_seq and msg["kind"] != "reset":
+        verdict = "gap"
+    if verdict == "gap":
+        cursor.skipping = True
+    cursor.next_seq = seq + 1
+    return verdict
 
 
 class KafkaFollow:
@@ -166,10 +168,11 @@ class KafkaFollow:
             if verdict == "skip":
                 continue
             if verdict == "gap":
-                resync = resync or cursor.skipping
+                resync = True
                 if todo:   # what came before the gap first, in order
                     await self._apply(cursor, todo)
                     todo = []
+                cursor.skipping = True   # (applying what came before cleared nothing)
             todo.append(msg)
         if todo:
             await self._apply(cursor, todo)

@@ -56,6 +56,14 @@ async def converged(api: LiveApi, job, timeout_s: float = 30.0) -> None:
     want = {}
     for s in job.servers:
         want.update(rows(s.store))
+    follower = api.state.predictor.replica
+    try:
+        await _converged(api, job, want, timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"the replica did not converge: {follower.info()}") from None
+
+
+async def _converged(api: LiveApi, job, want: dict, timeout_s: float) -> None:
     async with asyncio.timeout(timeout_s):
         while True:
             follower = api.state.predictor.replica

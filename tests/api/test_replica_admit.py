@@ -1,0 +1,93 @@
+"""Which update records a Kafka-following replica applies (``api.replica_kafka.admit``) and
+how it applies them (``api.replica.apply_messages``): duplicates are skipped, a gap or an
+incarnation joined mid-log skips to the next reset, the checkpoint's position is honoured,
+a restarted server's log is followed from its reset; and messages are validated first."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stream_persia.api.replica import ShardCursor, apply_messages, check_message
+from stream_persia.api.replica_kafka import admit
+from stream_persia.embedding.optim import SGD
+from stream_persia.errors import BadInput
+from stream_persia.server.store import EmbeddingStore
+
+
+def msg(seq: int, kind: str = "rows", inc: str = "a", ids=(1,), value: float = 1.0) -> dict:
+    m = {"job": "j", "shard": 0, "shards": 1, "incarnation": inc, "seq": seq, "kind": kind,
+         "version": seq, "event_time": 100.0 + seq}
+    if kind == "rows":
+        ids_a = np.array(ids, np.uint64)
+        m.update(dim=2, ids=ids_a, weights=np.full((len(ids_a), 2), value, np.float32))
+    elif kind == "tombstones":
+        m["ids"] = np.array(ids, np.uint64)
+    return m
+
+
+def run(cursor: ShardCursor, store, msgs: list[dict]) -> list[str]:
+    verdicts = []
+    for m in msgs:
+        v = admit(cursor, m)
+        verdicts.append(v)
+        if v != "skip":
+            apply_messages(store, cursor, 1, [m])
+    return verdicts
+
+
+@pytest.fixture
+def store():
+    return EmbeddingStore(100, SGD(lr=0.0))
+
+
+def test_in_order_then_duplicates_are_skipped(store):
+    c = ShardCursor(0)
+    log = [msg(0, "reset"), msg(1, ids=(1, 2)), msg(2, "mark")]
+    assert run(c, store, log) == ["apply"] * 3
+    assert run(c, store, [msg(1, ids=(1, 2), value=9.0)]) == ["skip"]   # a producer retry
+    assert store.lookup(np.array([1], np.uint64), 2, train=False)[0, 0] == 1.0
+    assert (c.version, c.event_time) == (2, 102.0)
+
+
+def test_a_gap_skips_to_the_next_reset(store):
+    c = ShardCursor(0)
+    run(c, store, [msg(0, "reset"), msg(1, ids=(1,))])
+    assert run(c, store, [msg(3, ids=(2,)), msg(4, "mark")]) == ["gap", "apply"]
+    assert c.skipping and c.version is None         # nothing applied past the gap
+    assert not store.contains(np.array([2], np.uint64))[0]
+    assert run(c, store, [msg(5, "reset"), msg(6, ids=(3,)), msg(7, "mark")]) == ["apply"] * 3
+    assert not c.skipping and c.version == 7
+    assert store.contains(np.array([1, 3], np.uint64)).tolist() == [False, True]
+
+
+def test_the_checkpoint_position_and_a_restarted_server(store):
+    c = ShardCursor(0, start=("b", 5))
+    old = [msg(0, "reset", inc="a"), msg(1, inc="a", ids=(7,))]
+    mine = [msg(4, inc="b", ids=(8,)), msg(5, inc="b", ids=(9,)), msg(6, "mark", inc="b")]
+    assert run(c, store, old + mine) == ["skip", "skip", "skip", "apply", "apply"]
+    assert store.contains(np.array([7, 8, 9], np.uint64)).tolist() == [False, False, True]
+    # the server restarts: its new log starts with a reset, followed without a gap
+    assert run(c, store, [msg(0, "reset", inc="c"), msg(1, inc="c", ids=(4,))]) \
+        == ["apply", "apply"]
+    assert c.restarts == 1 and not c.skipping
+    assert store.contains(np.array([9, 4], np.uint64)).tolist() == [False, True]
+
+
+def test_joining_a_new_incarnation_mid_log_is_a_gap(store):
+    c = ShardCursor(0)
+    run(c, store, [msg(0, "reset"), msg(1)])
+    assert run(c, store, [msg(5, inc="z")]) == ["gap"]
+    assert c.skipping
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"kind": "delta"}, "kind"), ({"shard": 1}, "shard"), ({"seq": -1}, "seq"),
+    ({"version": "1"}, "version"), ({"event_time": float("nan")}, "event_time"),
+    ({"ids": np.array([1], np.int64)}, "ids"), ({"dim": 0}, "dim"),
+    ({"weights": np.zeros((1, 3), np.float32)}, "weights")])
+def test_bad_messages_are_refused_naming_the_field(change, field):
+    m = {**msg(1), **change}
+    with pytest.raises(BadInput) as e:
+        check_message(m, ShardCursor(0), 1)
+    assert e.value.field == field
