@@ -357,7 +357,7 @@ class Replica:
                 self._warn_once("dense", "replica: cannot fetch the dense model: %s", e)
                 got = False
             if not got:
-                await asyncio.sleep(self.interval_s * 4)
+                await asyncio.sleep(self.interval_s)
 
     async def pull_dense(self) -> bool:
         """Fetch and apply server 0's dense model if newer; True when one was applied."""

@@ -34,9 +34,10 @@ PERSIA's keys and documented defaults::
     model_updates:
       enabled: true                  # false: nothing is published (servers, NN rank 0)
       model_update_interval_ms: 200  # how often servers publish their changed rows
-      dense_every_steps: 50          # NN rank 0 publishes the dense model every this many
-      dense_interval_ms: 1000        #   steps or this many ms, whichever comes first
+      dense_every_steps: 10          # NN rank 0 publishes the dense model every this many
+      dense_interval_ms: 250         #   steps or this many ms, whichever comes first
       max_dense_bytes: 1073741824    # the largest dense blob sent or held
+      update_log_bytes: 268435456    # each server's update log in memory
 
 Every key is either acted on or refused with the reason and what to use instead: keys
 PERSIA accepted but never acted on, and values asking for a PERSIA feature stream-persia
@@ -469,8 +470,8 @@ class ModelUpdatesConfig(_Section):
 
     enabled: bool = True
     model_update_interval_ms: int = 200
-    dense_every_steps: int = 50
-    dense_interval_ms: int = 1000
+    dense_every_steps: int = 10
+    dense_interval_ms: int = 250
     max_dense_bytes: int = 1 << 30
     update_log_bytes: int = 256 << 20
 
