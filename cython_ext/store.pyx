@@ -15,15 +15,17 @@ bookkeeping per row at full load) and for loops that run without the GIL:
 - one arena per dim: rows ``[weights(dim) | optimizer state]`` float32 in blocks of about
   2 MiB (memory grows by a block, never by doubling), free rows threaded through their
   first word;
-- change tracking (semantics in ``_pystore``'s docstring): ``ever``, an int64 per entry,
-  parallel to ``entries`` (8 bytes a row; ``Entry`` has no room left in its 32 bytes),
-  holds the ``change_version`` of the row's last change. ``_insert`` stamps admitted and
-  loaded rows; ``update`` notes its unique entries in pass 1 and stamps them in pass 2,
-  once the call is known to succeed, prefetching them with the rows. Evictions and
-  removals go to the eviction log, a ring of (id, version) that grows by doubling up to
-  ``eviction_log`` entries (16 bytes each). ``changed_since`` scans ``ever`` in windows of
-  ``chunk_rows`` entries (a full scan per pass: about 1 ms per million entries), each
-  window read whole, GIL released, under the busy guard, so a pass is many short pauses.
+- change tracking (semantics in ``_pystore``'s docstring): each ``Entry`` holds the
+  ``change_version`` of its row's last change, less the store's ``vbase``, in 32 bits that
+  were update()'s per-call stamp: no byte more per row, and no cache line more on any hot
+  path (a parallel int64 array cost 7-10% of lookup and update rates in
+  load_tests/bench_store.py). ``update`` tells its first sight of an entry in a call by
+  the entry already holding the call's version (restoring the old versions if the call
+  fails); ``vbase`` moves once in 2**31 mutating calls (``_rebase``). Evictions and removals
+  go to the eviction log, a ring of (id, version) that grows by doubling up to
+  ``eviction_log`` entries (16 bytes each). ``changed_since`` scans the entries in windows
+  of ``chunk_rows`` (a full scan per pass, a few ms per million entries), each window read
+  whole, GIL released, under the busy guard, so a pass is many short pauses.
 
 Large buffers are mapped directly and, past the first block, on transparent huge pages. The
 store is bound by memory latency, so the batched loops prefetch a few ids ahead (table
@@ -82,13 +84,13 @@ cdef class CEmbeddingStore:
     cdef float *gbuf         # scratch (see _scratch): update's summed gradients,
     cdef float **rbuf        # row pointers (update, lookup_pooled),
     cdef float *zbuf         # and the all-zero row a miss reads as
-    cdef int32_t *ebuf       # update's entries of its unique ids (stamped in pass 2)
-    cdef size_t gbuf_bytes, rbuf_bytes, zbuf_bytes, ebuf_bytes
-    cdef uint32_t stamp
+    cdef int32_t *ebuf       # update's entries of its unique ids, and their versions
+    cdef uint32_t *obuf      # before the call (restored if it fails)
+    cdef size_t gbuf_bytes, rbuf_bytes, zbuf_bytes, ebuf_bytes, obuf_bytes
     cdef int64_t n_lookups, n_misses, n_admissions, n_evictions, n_updates, n_dropped
     cdef int64_t n_removals
     cdef int64_t cver        # change_version
-    cdef int64_t *ever       # per entry: change_version of the row's last change
+    cdef int64_t vbase       # Entry.ver is a version less vbase (see _rebase)
     cdef int64_t reset_ver   # change_version of the last clear() or close()
     cdef EvictionLog elog
     cdef uint64_t draws
@@ -139,7 +141,7 @@ cdef class CEmbeddingStore:
             self.count = self.ecap = self.eused = 0
             self.efree = self.head = self.tail = -1
             self.version += 1
-            self.cver += 1
+            _bump(self)
             self.reset_ver = self.cver
             self.closed = True
         finally:
@@ -167,7 +169,7 @@ cdef class CEmbeddingStore:
             self.n_lookups += n
             if tr:
                 self.version += 1
-                self.cver += 1
+                _bump(self)
             with nogil:
                 status = _lookup(self, &keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
         finally:
@@ -210,7 +212,7 @@ cdef class CEmbeddingStore:
             self.n_lookups += n
             if tr:
                 self.version += 1
-                self.cver += 1
+                _bump(self)
             with nogil:
                 status = _lookup_pooled(self, &keys[0], n, ai, d, tr, ixp, &off[0], k,
                                              &o[0, 0], &i, zero)
@@ -238,11 +240,7 @@ cdef class CEmbeddingStore:
             _scratch(self, <void**>&self.gbuf, &self.gbuf_bytes, sizeof(float) * n * dim)
             _scratch(self, <void**>&self.rbuf, &self.rbuf_bytes, sizeof(float*) * n)
             _scratch(self, <void**>&self.ebuf, &self.ebuf_bytes, sizeof(int32_t) * n)
-            self.stamp += 1
-            if self.stamp == 0:  # wrapped (after 2**32 updates): forget every old stamp
-                for i in range(self.eused):
-                    self.entries[i].stamp = 0
-                self.stamp = 1
+            _scratch(self, <void**>&self.obuf, &self.obuf_bytes, sizeof(uint32_t) * n)
             with nogil:
                 status = _update(self, &keys[0], &g[0, 0], n, dim, ai, &i)
         finally:
@@ -280,7 +278,7 @@ cdef class CEmbeddingStore:
         try:
             _reset(self)
             self.version += 1
-            self.cver += 1
+            _bump(self)
             self.reset_ver = self.cver
             _log_clear(&self.elog)
         finally:
@@ -321,8 +319,8 @@ cdef class CEmbeddingStore:
         cdef Arena *a
         if self.closed:
             return 0
-        cdef int64_t total = (sizeof(Entry) + sizeof(int64_t)) * <int64_t>self.ecap
-        total += (sizeof(uint64_t) + sizeof(int64_t)) * self.elog.cap
+        cdef int64_t total = sizeof(Entry) * <int64_t>self.ecap
+        total += sizeof(Evicted) * self.elog.cap
         total += sizeof(Slot) * (<int64_t>1 << self.tbits)
         for ai in range(self.narenas):
             a = &self.arenas[ai]
@@ -421,7 +419,7 @@ cdef class CEmbeddingStore:
             _enter(self)
             status = OK
             self.version += 1
-            self.cver += 1
+            _bump(self)
             try:
                 with nogil:
                     for i in range(n):
@@ -433,7 +431,7 @@ cdef class CEmbeddingStore:
                                 break
                         else:
                             _touch(self, e)
-                        self.ever[e] = self.cver
+                        self.entries[e].ver = _v32(self)
                         row = row_ptr(a, self.entries[e].row)
                         memcpy(row, &wv[i, 0], sizeof(float) * dim)
                         if a.width:
@@ -460,6 +458,7 @@ cdef class CEmbeddingStore:
         try:
             if v > self.cver:
                 self.cver = v
+                _rebase(self)
         finally:
             self.busy = False
 
@@ -474,7 +473,7 @@ cdef class CEmbeddingStore:
         cdef const uint64_t[::1] keys = ids
         _enter(self)
         try:
-            self.cver += 1
+            _bump(self)
             with nogil:
                 for i in range(n):
                     e = _find(self, keys[i])
@@ -519,7 +518,8 @@ cdef class CEmbeddingStore:
                 m = 0
                 with nogil:
                     for e in range(<int32_t>pos, <int32_t>end):
-                        if self.ever[e] > since and self.entries[e].arena != FREE_ARENA:
+                        if self.vbase + self.entries[e].ver > since \
+                                and self.entries[e].arena != FREE_ARENA:
                             sv[m] = e
                             m += 1
                 pos = end
@@ -542,7 +542,7 @@ cdef class CEmbeddingStore:
                         with nogil:
                             for k in range(g):
                                 kv[k] = self.entries[gv[k]].key
-                                vv[k] = self.ever[gv[k]]
+                                vv[k] = self.vbase + self.entries[gv[k]].ver
                                 memcpy(&wv[k, 0], row_ptr(a, self.entries[gv[k]].row),
                                        sizeof(float) * a.dim)
                         chunks.append({"dim": a.dim, "ids": ids, "weights": weights,
@@ -567,7 +567,7 @@ cdef class CEmbeddingStore:
             lo, hi = 0, lg.len
             while lo < hi:     # entries are in order of version: the first one after since
                 mid = (lo + hi) // 2
-                if lg.vers[_log_at(lg, mid)] > s:
+                if lg.ring[_log_at(lg, mid)].version > s:
                     hi = mid
                 else:
                     lo = mid + 1
@@ -577,8 +577,8 @@ cdef class CEmbeddingStore:
             kv, vv = ids, versions
             with nogil:
                 for k in range(n):
-                    kv[k] = lg.ids[_log_at(lg, lo + k)]
-                    vv[k] = lg.vers[_log_at(lg, lo + k)]
+                    kv[k] = lg.ring[_log_at(lg, lo + k)].key
+                    vv[k] = lg.ring[_log_at(lg, lo + k)].version
         finally:
             self.busy = False
         return ids, versions, bool(complete)

@@ -131,13 +131,15 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
                  int ai, int64_t *at) noexcept nogil:
     cdef int64_t i
     cdef int32_t e, u, nu = 0
-    cdef uint32_t stamp = self.stamp
+    # This call's version as entries store it (cver - vbase < 2**32 - 1: see _rebase). No
+    # entry holds it yet: the first sight of an entry sets it (the old value kept in obuf
+    # to undo it if the call fails), and later ids of the call find their sum by pos.
+    cdef uint32_t v32 = <uint32_t>(self.cver + 1 - self.vbase)
     cdef Entry *x
     cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
     cdef int64_t dropped = 0
     cdef int lines = (dim + (self.arenas[ai].width if ai >= 0 else 0) + 15) // 16, j
     cdef uint32_t bad = 0
-    cdef int64_t v
     # Pass 1: resolve ids, sum the gradients of each stored id (in call order, from 0),
     # and check that every gradient is finite (on the same read of grads).
     cdef Pipe p
@@ -154,33 +156,40 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
         x = &self.entries[e]
         if x.arena != ai:
             at[0] = i
+            _unstamp(self, nu)
             return _first_nonfinite(self, g, n, dim, at, E_DIM)
-        if x.stamp != stamp:
-            x.stamp = stamp
-            x.pos = nu
+        if x.ver != v32:
             self.ebuf[nu] = e
+            self.obuf[nu] = x.ver
+            x.ver = v32
+            x.pos = nu
             self.rbuf[nu] = row_ptr(a, x.row)
             sp_first(self.gbuf + <int64_t>nu * dim, g + i * dim, dim)
             nu += 1
         else:
             sp_add(self.gbuf + <int64_t>x.pos * dim, g + i * dim, dim)
     if bad:
+        _unstamp(self, nu)
         return _first_nonfinite(self, g, n, dim, at, OK)
     self.n_updates += n
     self.n_dropped += dropped
     self.version += 1
-    self.cver += 1
-    v = self.cver
-    # Pass 2: one optimizer step per stored id, and its change version.
+    _bump(self)
+    # Pass 2: one optimizer step per stored id.
     for u in range(nu):
         if u + PF_ROW < nu:
             for j in range(lines):
                 sp_prefetch(self.rbuf[u + PF_ROW] + 16 * j)
-            sp_prefetch_w(&self.ever[self.ebuf[u + PF_ROW]])
-        self.ever[self.ebuf[u]] = v
         sp_apply(&self.opt, self.rbuf[u], self.rbuf[u] + dim,
                  self.gbuf + <int64_t>u * dim, dim)
     return OK
+
+
+cdef void _unstamp(CEmbeddingStore self, int32_t nu) noexcept nogil:
+    """Undo pass 1's versions of a failed update (it changes nothing)."""
+    cdef int32_t u
+    for u in range(nu):
+        self.entries[self.ebuf[u]].ver = self.obuf[u]
 
 
 cdef int _first_nonfinite(CEmbeddingStore self, const float *g, int64_t n, int dim, int64_t *at,

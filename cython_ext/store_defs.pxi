@@ -27,12 +27,16 @@ cdef struct Entry:    # 32 bytes, 64-byte aligned array: one cache line per entr
     uint32_t row
     uint16_t arena    # FREE_ARENA while the entry is free
     uint16_t _pad
-    uint32_t stamp    # update() call that last saw this entry, and the entry's position
-    int32_t pos       # in that call's list of unique ids
+    uint32_t ver      # change version of the row's last change, less the store's vbase
+    int32_t pos       # position in update()'s list of unique ids (valid while ver says
+                      # that this update() has seen the entry: see _update)
 
-cdef struct EvictionLog:  # ring of (id, change_version), oldest first, versions ascending
-    uint64_t *ids
-    int64_t *vers
+cdef struct Evicted:
+    uint64_t key
+    int64_t version
+
+cdef struct EvictionLog:  # ring of evicted ids, oldest first (versions ascending)
+    Evicted *ring
     int64_t cap       # allocated (grows by doubling up to limit)
     int64_t limit     # the constructor's eviction_log
     int64_t head      # index of the oldest entry

@@ -11,9 +11,7 @@ cdef void _free_all(CEmbeddingStore self) noexcept:
         free(self.arenas[a].init_state)
     free(self.arenas)
     sp_free(self.entries, sizeof(Entry) * self.ecap)
-    sp_free(self.ever, sizeof(int64_t) * self.ecap)
     sp_free(self.table, sizeof(Slot) << self.tbits)
-    self.ever = NULL
     self.arenas = NULL
     self.entries = NULL
     self.table = NULL
@@ -27,8 +25,10 @@ cdef void _release(CEmbeddingStore self) noexcept:
     sp_free(self.rbuf, self.rbuf_bytes)
     sp_free(self.zbuf, self.zbuf_bytes)
     sp_free(self.ebuf, self.ebuf_bytes)
-    self.gbuf, self.rbuf, self.zbuf, self.ebuf = NULL, NULL, NULL, NULL
+    sp_free(self.obuf, self.obuf_bytes)
+    self.gbuf, self.rbuf, self.zbuf, self.ebuf, self.obuf = NULL, NULL, NULL, NULL, NULL
     self.gbuf_bytes = self.rbuf_bytes = self.zbuf_bytes = self.ebuf_bytes = 0
+    self.obuf_bytes = 0
     _log_free(&self.elog)
 
 
@@ -105,17 +105,10 @@ cdef bint _grow_entries(CEmbeddingStore self) noexcept nogil:
     cdef Entry *e = <Entry*>sp_alloc(sizeof(Entry) * cap, cap >= 1 << 17)
     if e == NULL:
         return False
-    cdef int64_t *v = <int64_t*>sp_alloc(sizeof(int64_t) * cap, cap >= 1 << 18)
-    if v == NULL:
-        sp_free(e, sizeof(Entry) * cap)
-        return False
     if self.eused:
         memcpy(e, self.entries, sizeof(Entry) * self.eused)
-        memcpy(v, self.ever, sizeof(int64_t) * self.eused)
     sp_free(self.entries, sizeof(Entry) * self.ecap)
-    sp_free(self.ever, sizeof(int64_t) * self.ecap)
     self.entries = e
-    self.ever = v
     self.ecap = <int32_t>cap
     return True
 
@@ -215,9 +208,8 @@ cdef inline int64_t _log_at(const EvictionLog *lg, int64_t k) noexcept nogil:
 
 
 cdef void _log_free(EvictionLog *lg) noexcept nogil:
-    sp_free(lg.ids, sizeof(uint64_t) * lg.cap)
-    sp_free(lg.vers, sizeof(int64_t) * lg.cap)
-    lg.ids, lg.vers = NULL, NULL
+    sp_free(lg.ring, sizeof(Evicted) * lg.cap)
+    lg.ring = NULL
     lg.cap = lg.head = lg.len = 0
 
 
@@ -227,36 +219,35 @@ cdef inline void _log_clear(EvictionLog *lg) noexcept nogil:
 
 cdef void _log_grow(EvictionLog *lg) noexcept nogil:
     """Double the ring (up to its limit), oldest entry first; unchanged when out of
-    memory (the log then drops its oldest entries sooner, and says so)."""
-    cdef int64_t cap = lg.cap * 2 if lg.cap else 1024, k
+    memory (the log then drops its oldest entries sooner, and says so). Large rings are
+    on huge pages: a growing log is written to fresh memory at every eviction."""
+    cdef int64_t cap = lg.cap * 2 if lg.cap else 1024, first
     if cap > lg.limit:
         cap = lg.limit
-    cdef uint64_t *ids = <uint64_t*>sp_alloc(sizeof(uint64_t) * cap, False)
-    cdef int64_t *vers = <int64_t*>sp_alloc(sizeof(int64_t) * cap, False)
-    if ids == NULL or vers == NULL:
-        sp_free(ids, sizeof(uint64_t) * cap)
-        sp_free(vers, sizeof(int64_t) * cap)
+    cdef Evicted *ring = <Evicted*>sp_alloc(sizeof(Evicted) * cap, cap >= 1 << 17)
+    if ring == NULL:
         return
-    for k in range(lg.len):
-        ids[k] = lg.ids[_log_at(lg, k)]
-        vers[k] = lg.vers[_log_at(lg, k)]
-    sp_free(lg.ids, sizeof(uint64_t) * lg.cap)
-    sp_free(lg.vers, sizeof(int64_t) * lg.cap)
-    lg.ids, lg.vers, lg.cap, lg.head = ids, vers, cap, 0
+    first = lg.cap - lg.head if lg.len > lg.cap - lg.head else lg.len
+    if lg.len:
+        memcpy(ring, lg.ring + lg.head, sizeof(Evicted) * first)
+        memcpy(ring + first, lg.ring, sizeof(Evicted) * (lg.len - first))
+    sp_free(lg.ring, sizeof(Evicted) * lg.cap)
+    lg.ring, lg.cap, lg.head = ring, cap, 0
 
 
 cdef inline void _log_add(EvictionLog *lg, uint64_t key, int64_t version) noexcept nogil:
-    cdef int64_t at
-    if lg.len == lg.cap and lg.cap < lg.limit:
-        _log_grow(lg)
-    if lg.len == lg.cap:       # full: drop the oldest
-        if lg.cap == 0:
-            lg.dropped = version
-            return
-        lg.dropped = lg.vers[lg.head]
-        lg.head = _log_at(lg, 1)
-        lg.len -= 1
-    at = _log_at(lg, lg.len)
-    lg.ids[at] = key
-    lg.vers[at] = version
+    cdef Evicted *x
+    if lg.len == lg.cap:
+        if lg.cap < lg.limit:
+            _log_grow(lg)
+        if lg.len == lg.cap:       # full: drop the oldest
+            if lg.cap == 0:
+                lg.dropped = version
+                return
+            lg.dropped = lg.ring[lg.head].version
+            lg.head = _log_at(lg, 1)
+            lg.len -= 1
+    x = &lg.ring[_log_at(lg, lg.len)]
+    x.key = key
+    x.version = version
     lg.len += 1

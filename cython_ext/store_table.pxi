@@ -12,6 +12,34 @@ cdef inline int32_t _find(CEmbeddingStore self, uint64_t key) noexcept nogil:
         i = (i + 1) & mask
 
 
+cdef inline uint32_t _v32(CEmbeddingStore self) noexcept nogil:
+    """``change_version`` as an entry stores it."""
+    return <uint32_t>(self.cver - self.vbase)
+
+
+cdef void _rebase(CEmbeddingStore self) noexcept nogil:
+    """Keep ``cver - vbase`` below 2**32 - 1 (so that the version an update is about to
+    stamp fits an entry's 32 bits): move ``vbase`` to ``cver - 2**31``, once in 2**31
+    mutating calls (or after ``advance_version`` jumps). A row last changed before the new
+    base is then reported with the base as its version: later than it was, never earlier,
+    so a reader may see it again but never misses it."""
+    cdef int64_t nb = self.cver - (<int64_t>1 << 31), t
+    cdef int32_t e
+    if self.cver - self.vbase < <int64_t>0xFFFFFFFF:
+        return
+    for e in range(self.eused):
+        t = self.vbase + self.entries[e].ver
+        self.entries[e].ver = <uint32_t>(t - nb) if t > nb else 0
+    self.vbase = nb
+
+
+cdef inline void _bump(CEmbeddingStore self) noexcept nogil:
+    """A mutating call begins (or, for update, has succeeded)."""
+    self.cver += 1
+    if self.cver - self.vbase >= <int64_t>0xFFFFFFFF:
+        _rebase(self)
+
+
 cdef void _table_remove(CEmbeddingStore self, uint64_t key, int32_t e) noexcept nogil:
     cdef int sh = 32 - self.tbits
     cdef uint32_t mask = (<uint32_t>1 << self.tbits) - 1
@@ -155,7 +183,6 @@ cdef void _evict_tail(CEmbeddingStore self) noexcept nogil:
         row = row_ptr(a, y.row)
         for k in range(0, a.stride, 16):  # the row is rewritten if the next id has its dim
             sp_prefetch_w(row + k)
-        sp_prefetch_w(&self.ever[self.entries[self.tail].prev])  # stamped on its reuse
         if y.prev >= 0:
             sp_prefetch(&self.entries[y.prev])
 
@@ -183,8 +210,7 @@ cdef int32_t _insert(CEmbeddingStore self, uint64_t key, int ai) noexcept nogil:
     self.entries[e].key = key
     self.entries[e].row = r
     self.entries[e].arena = <uint16_t>ai
-    self.entries[e].stamp = 0
-    self.ever[e] = self.cver
+    self.entries[e].ver = _v32(self)
     mask = (<uint32_t>1 << self.tbits) - 1
     i = h >> (32 - self.tbits)
     while self.table[i].e >= 0:

@@ -39,6 +39,10 @@ v; ``advance_version(v)`` raises ``change_version`` to at least v. A replica tha
 ``evicted_since(v)`` (with ``remove``) and then ``changed_since(v)`` (with ``load``), for the
 ``v`` it last published through, holds exactly the store's rows; when ``evicted_since``
 says its log no longer covers ``v``, it must start again from ``changed_since(0)``.
+The one difference between the two stores: the Cython store keeps a row's version in 32
+bits above a base that it moves once in 2**31 mutating calls (or when ``advance_version``
+jumps further); a row last changed before the base is then reported with the base as its
+version, later than it was (a reader may see it again, never misses it).
 
 Size: one module past 500 lines on purpose: it is the store's contract written out as one
 readable class (read beside ``cython_ext/store.pyx``, method for method) together with the

@@ -68,7 +68,7 @@ RPC methods (params → result):
 - ``size`` → int, ``clear`` → None (drops the rows and the stream watermarks: a job that
   trains the stream again on purpose clears the servers first)
 - ``stats`` → ``{"rows", "capacity", "lookups", "misses", "admissions", "evictions",
-  "updates", "dropped_updates", "loads"}``: the store's levels (``rows``, ``capacity``) and
+  "updates", "dropped_updates", "removals", "loads"}``: the store's levels (``rows``, ``capacity``) and
   this server's counters (:data:`COUNTERS`, continuous across loads; ``loads`` counts the
   loads swapped in); the metrics export the counters as the Prometheus counters
   ``persia_embedding_server_store_<key>_total`` and the levels as the gauges
@@ -197,7 +197,8 @@ log = logging.getLogger(__name__)
 
 MODES = ("train", "eval", "infer")
 #: The store statistics that only grow; the others (``rows``, ``capacity``) are levels.
-COUNTERS = ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates")
+COUNTERS = ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates",
+            "removals")
 #: Update tokens a server remembers by default (see ``update`` in the module docstring):
 #: about 200 bytes each. It must exceed the updates one server takes while a worker may
 #: still retry one (``push_retry_ms``).

@@ -86,6 +86,45 @@ def test_versions_after_each_kind_of_call(impl):
     assert s.change_version == 22
 
 
+def test_a_failed_update_leaves_versions_and_the_next_update_intact():
+    """The Cython update marks the entries it has seen with the call's version; a call
+    that fails must undo that, or the next update would mistake its entries for seen."""
+    stores = [CEmbeddingStore(100, Adagrad()), PyEmbeddingStore(100, Adagrad())]
+    for s in stores:
+        s.lookup(u64(1, 2), 4)
+        s.lookup(u64(9), 8)
+        with pytest.raises(BadInput, match="stored with dim 8"):
+            s.update(u64(1, 2, 9), np.ones((3, 4), np.float32))
+        with pytest.raises(BadInput, match="not finite"):
+            s.update(u64(1, 2), np.array([[1] * 4, [np.nan] * 4], np.float32))
+        assert versions(s) == {1: 1, 2: 1, 9: 2} and s.change_version == 2
+        s.update(u64(2, 1, 2), np.arange(12, dtype=np.float32).reshape(3, 4))
+        assert versions(s) == {1: 3, 2: 3, 9: 2}
+    c, p = (s.lookup(u64(1, 2), 4, train=False) for s in stores)
+    assert c.tobytes() == p.tobytes()
+
+
+def test_versions_past_32_bits():
+    """The Cython store keeps versions in 32 bits above a base that moves: a jump past
+    2**32 moves it; rows changed before are reported with a later version (the base),
+    never lost. Values and the newer versions are the twin's."""
+    stores = [CEmbeddingStore(100, SGD(0.1)), PyEmbeddingStore(100, SGD(0.1))]
+    base = 2**40 - 2**31
+    for s in stores:
+        s.lookup(u64(1, 2), 2)
+        s.advance_version(2**40)
+        s.update(u64(2, 2), np.ones((2, 2), np.float32))   # duplicates summed after the move
+        s.lookup(u64(3), 2)
+        assert s.change_version == 2**40 + 2
+        assert versions(s, base) == {2: 2**40 + 1, 3: 2**40 + 2}
+        old = versions(s, 0)
+        assert old.keys() == {1, 2, 3} and old[1] in (1, base)
+        assert versions(s, 2**39).keys() >= {2, 3}
+    c, p = (s.lookup(u64(1, 2, 3), 2, train=False) for s in stores)
+    assert c.tobytes() == p.tobytes()
+    assert versions(stores[0], 0)[1] == base          # the Cython store: reported later
+
+
 def test_changed_since_returns_the_values_and_splits_by_dim_and_chunk(impl):
     s = impl(1000, Adagrad())
     a = np.arange(40, dtype=np.uint64)
@@ -174,7 +213,8 @@ def test_memory_bytes_counts_the_versions_and_the_log(impl):
     s.lookup(np.arange(10, dtype=np.uint64), 16)
     full = s.memory_bytes()
     assert full >= 10 * (16 * 4 + 8)
-    s.lookup(np.arange(10, 2000, dtype=np.uint64), 16)   # 1990 evictions, same rows
+    for k in range(10, 2000, 10):                    # 1990 evictions, the same rows
+        s.lookup(np.arange(k, k + 10, dtype=np.uint64), 16)
     assert len(s) == 10 and s.memory_bytes() >= full + 16 * 1000
 
 
