@@ -309,7 +309,8 @@ class UpdateFeed:
                 if self._store() is not store:   # replaced by a restore mid-pass
                     self._full_requested = True
                     return True
-                self._append_rows(chunk, version, event_time)
+                if len(chunk["ids"]):   # a window with no changed row comes back empty
+                    self._append_rows(chunk, version, event_time)
             self._append(self._message("mark", version, event_time))
             self._published, self._last_store = version, store
             self.last_event_time = event_time
