@@ -19,8 +19,10 @@ Samples are taken as spread evenly over event time (the stream's rate is steady)
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -72,7 +74,8 @@ class ReplicaWatch:
     """
 
     def __init__(self, address: str, token: str, batches: list | None, tasks: list[str],
-                 *, auc_every_s: float = 10.0):
+                 *, auc_every_s: float = 10.0, probe: dict[str, Any] | None = None,
+                 probe_every_s: float = 0.25):
         import httpx
 
         self.client = httpx.Client(base_url=f"http://{address}", timeout=30)
@@ -88,6 +91,10 @@ class ReplicaWatch:
         self.update_bytes = 0
         self.first_seen: float | None = None
         self.last_seen: float | None = None
+        self.probe = probe
+        self.probe_every_s = probe_every_s
+        self.probe_curve: list[tuple[float, float]] = []
+        self._last_probe = 0.0
 
     def close(self) -> None:
         self.client.close()
@@ -113,6 +120,12 @@ class ReplicaWatch:
             self.update_bytes = int((rep.get("counts") or {}).get("bytes", 0))
             self.first_seen = self.first_seen or now
             self.last_seen = now
+        if self.probe is not None and now - self._last_probe >= self.probe_every_s:
+            self._last_probe = now
+            result = predict_over_http(self.client, self.auth, self.probe["batches"],
+                                       self.tasks[:1])
+            if "error" not in result:
+                self.probe_curve.append((now, float(np.mean(result["preds"][self.tasks[0]]))))
         if self.batches and now - self._last_auc >= self.auc_every_s:
             self._last_auc = now
             result = predict_over_http(self.client, self.auth, self.batches, self.tasks)
@@ -144,8 +157,33 @@ class ReplicaWatch:
         result = predict_over_http(self.client, self.auth, self.batches, self.tasks)
         return None if "error" in result else result
 
+    def concept_shift(self, marker: Path) -> dict[str, Any] | None:
+        """How long the served predictions of the probe's samples took to cross halfway
+        from where they were at the shift to their new Bayes value (None: no shift)."""
+        if self.probe is None or not marker.is_file():
+            return None
+        sent_at = float(json.loads(marker.read_text())["sent_at"])
+        before = [p for t, p in self.probe_curve if t <= sent_at]
+        out: dict[str, Any] = {"sample": self.probe["sample"], "sent_at": sent_at,
+                               "bayes_before": self.probe["bayes_before"],
+                               "bayes_after": self.probe["bayes_after"], "follow_s": None,
+                               "curve": [(round(t - sent_at, 3), round(p, 5))
+                                         for t, p in self.probe_curve]}
+        if not before:
+            return out
+        baseline = before[-1]
+        half = baseline + (self.probe["bayes_after"] - baseline) / 2
+        up = self.probe["bayes_after"] >= baseline
+        out.update(served_at_shift=baseline, halfway=half)
+        for t, p in self.probe_curve:
+            if t > sent_at and (p >= half if up else p <= half):
+                out["follow_s"] = round(t - sent_at, 3)
+                break
+        return out
+
     def summary(self, final: dict[str, Any] | None,
-                trained: dict[str, np.ndarray] | None) -> dict[str, Any]:
+                trained: dict[str, np.ndarray] | None,
+                shift_marker: Path | None = None) -> dict[str, Any]:
         """What ``report.json`` gets under ``replica``."""
         adv = sorted(self.advances.items())
         fresh = freshness_of(adv)
@@ -167,6 +205,8 @@ class ReplicaWatch:
                 out["served_max_abs_diff"] = max(diffs) if diffs else None
         if self.error and not adv:
             out["error"] = self.error
+        if shift_marker is not None:
+            out["concept_shift"] = self.concept_shift(shift_marker)
         return out
 
     def curve(self) -> list[tuple[float, float]]:

@@ -11,17 +11,54 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from stream_persia.errors import InternalError
 from stream_persia.launch.topology import Topology
 from stream_persia.nn.utils import roc_auc
 
 __all__ = ["served_metrics", "build_report", "plot_report", "print_report",
-           "predict_over_http", "auc_of"]
+           "predict_over_http", "auc_of", "serving_inputs", "concept_shift_probe"]
+
+
+def concept_shift_probe(topo: Topology, env: dict[str, str]) -> dict[str, Any] | None:
+    """The topology's concept-shift probe (``eval_data.concept_shift_probe``), if any."""
+    if int(env.get("STREAM_PERSIA_CONCEPT_SHIFT_AT", "-1")) < 0:
+        return None
+    return serving_inputs(topo, env, 512, "concept_shift_probe")
+
+
+def serving_inputs(topo: Topology, env: dict[str, str], n: int, name: str = "eval_batches"):
+    """Labelled eval batches from the topology's ``eval_data.py`` (None if it has none)."""
+    path = topo.directory / "eval_data.py"
+    if n <= 0 or not path.is_file():
+        return None
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    sys.path.insert(0, str(topo.directory))
+    try:
+        spec = importlib.util.spec_from_file_location(f"_eval_data_{topo.name}", path)
+        if spec is None or spec.loader is None:   # never for a .py file
+            raise InternalError(f"{path} cannot be imported")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if name != "eval_batches":
+            fn = getattr(module, name, None)
+            return fn(n) if fn is not None else None
+        return list(module.eval_batches(n))
+    finally:
+        sys.path.remove(str(topo.directory))
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def predict_over_http(client: Any, auth: dict[str, str], batches: list, tasks: list[str]

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import secrets
@@ -65,7 +64,14 @@ from stream_persia.errors import (
 )
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.launch.replica_watch import ReplicaWatch, request_checkpoint
-from stream_persia.launch.report import build_report, plot_report, print_report, served_metrics
+from stream_persia.launch.report import (
+    build_report,
+    concept_shift_probe,
+    plot_report,
+    print_report,
+    served_metrics,
+    serving_inputs,
+)
 from stream_persia.launch.run_args import (
     PREDICT_SAMPLES,
     SETTINGS_ENV,
@@ -114,6 +120,8 @@ class Job:
                "PERSIA_API_TOKEN": self.api_token,
                "PERSIA_ROLE_SECRET": self.role_secret,
                "PERSIA_ROLE_SECRET_FILE": "",   # a caller's file would conflict: unset
+               "STREAM_PERSIA_CONCEPT_SHIFT_AT": str(a.concept_shift_at
+                                                     if a.concept_shift_at is not None else -1),
                "PYTHONPATH": os.pathsep.join(
                    [str(topo.directory)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
         for key, var in SETTINGS_ENV.items():
@@ -399,30 +407,6 @@ def _checkpoint_on_interrupt(job: Job, budget_s: float) -> str | None:
     return None
 
 
-def _serving_inputs(topo: Topology, env: dict[str, str], n: int):
-    """Labelled eval batches from the topology's ``eval_data.py`` (None if it has none)."""
-    path = topo.directory / "eval_data.py"
-    if n <= 0 or not path.is_file():
-        return None
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    sys.path.insert(0, str(topo.directory))
-    try:
-        spec = importlib.util.spec_from_file_location(f"_eval_data_{topo.name}", path)
-        if spec is None or spec.loader is None:   # never for a .py file
-            raise InternalError(f"{path} cannot be imported")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return list(module.eval_batches(n))
-    finally:
-        sys.path.remove(str(topo.directory))
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def main(args: argparse.Namespace) -> int:
     check_args(args)
     topo = load_topology(args.topology)
@@ -448,9 +432,10 @@ def main(args: argparse.Namespace) -> int:
                   f"servers {job.env['PERSIA_EMBEDDING_SERVERS']}, "
                   f"workers {job.env['PERSIA_EMBEDDING_WORKERS']}"
                   + (f", API http://{job.api.address}" if job.api else ""), file=sys.stderr)
-            eval_batches = _serving_inputs(topo, job.env, args.predict_samples)
+            eval_batches = serving_inputs(topo, job.env, args.predict_samples)
             if job.replica is not None and job.replica.address:
-                job.watch = ReplicaWatch(job.replica.address, job.api_token, eval_batches, list(topo.tasks))
+                job.watch = ReplicaWatch(job.replica.address, job.api_token, eval_batches,
+                                         list(topo.tasks), probe=concept_shift_probe(topo, job.env))
             _wait(job, t0, t0 + args.timeout_s)
             lost = check_kafka(job)   # a loss near the end, before any gate
             if lost:
@@ -464,7 +449,8 @@ def main(args: argparse.Namespace) -> int:
             report = build_report(topo, metrics, served, out, time.monotonic() - t0, mode)
             if job.watch is not None:
                 final = job.watch.drain()
-                report["replica"] = job.watch.summary(final, (served or {}).get("_preds"))
+                report["replica"] = job.watch.summary(final, (served or {}).get("_preds"),
+                                                      out / "concept_shift.json")
                 metrics["freshness_curve"] = job.watch.curve()
             if lost:
                 report["kafka_messages_lost"] = lost

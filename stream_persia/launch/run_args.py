@@ -88,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-model-updates", action="store_true",
                    help="publish no model updates (model_updates.enabled: false): no "
                         "serving replica either; for measuring what publishing costs")
+    p.add_argument("--concept-shift-at", type=flags.size(0), default=None,
+                   help="benchmarks: the topology changes the hidden CTR of some ids from "
+                        "this sample on (synthetic_ctr; env STREAM_PERSIA_CONCEPT_SHIFT_AT), "
+                        "and the report says how long the serving replica took to follow")
     p.add_argument("--no-replica", action="store_true",
                    help="do not start the serving replica that follows training (its "
                         "freshness and served AUC are then not reported)")

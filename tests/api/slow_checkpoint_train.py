@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from api_helpers import Click
 
+from stream_persia.config import ModelUpdatesConfig
 from stream_persia.ctx import TrainCtx
 from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding.optim import SGD
@@ -36,8 +37,11 @@ class SlowToSave(Click):
 def main(out_dir: str, hold_s: str) -> None:
     torch.set_num_threads(1)
     model = SlowToSave(Path(out_dir) / "in_dump", float(hold_s))
+    # Publishing for serving replicas would call the slow state_dict every few steps: off,
+    # so that only the checkpoint takes it.
     with TrainCtx(SGD(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.05), model=model,
-                  mixed_precision=False, ready_timeout_s=60) as ctx:
+                  mixed_precision=False, ready_timeout_s=60,
+                  model_updates=ModelUpdatesConfig(enabled=False)) as ctx:
         for tb in DataLoader(StreamingDataset(), embedding_staleness=2, timeout_ms=30_000):
             output, labels = ctx.forward(tb)
             ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))

@@ -6,10 +6,16 @@ so the job trains on the same samples whatever the number of data loaders. Every
 replays the same samples (a stream has no reshuffle; the order of arrival is the order).
 
     PERSIA_EMBEDDING_WORKERS=127.0.0.1:9001 python data_loader.py --samples 100000
+
+``STREAM_PERSIA_CONCEPT_SHIFT_AT=K`` (for ``load_tests/bench_freshness.py``) turns on the
+generator's concept shift at sample ``K``; when the batch holding it is sent, its send time
+goes to ``<output dir>/concept_shift.json``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,7 +40,8 @@ def batch_ranges(samples: int, batch_size: int, replica_index: int, replica_size
 def main(argv: list[str] | None = None) -> None:
     settings = common.load_settings(HERE, argv, description=__doc__.split("\n\n")[0])
     index, size = get_replica_index(), get_replica_size()
-    stream = ClickStream(seed=settings.seed)
+    shift_at = int(os.environ.get("STREAM_PERSIA_CONCEPT_SHIFT_AT", "-1"))
+    stream = ClickStream(seed=settings.seed, shift_at=shift_at)
     slots = stream.slots
     role = f"data-loader-{index}"
     common.log(role, f"sending {settings.samples} samples x {settings.epochs} epoch(s) in "
@@ -46,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
             for start, n in batch_ranges(settings.samples, settings.batch_size, index, size):
                 ctx.send_data(to_persia_batch(stream.samples(start, n), slots))
                 sent += n
+                if start <= shift_at < start + n and settings.output_dir:
+                    Path(settings.output_dir, "concept_shift.json").write_text(json.dumps(
+                        {"sample": shift_at, "sent_at": time.time()}))
     elapsed = time.monotonic() - t0
     common.log(role, f"sent {sent} samples in {elapsed:.1f}s ({sent / max(elapsed, 1e-9):.0f}/s)"
                      f" via {ctx.mode}")

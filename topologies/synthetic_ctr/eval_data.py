@@ -1,11 +1,14 @@
 """Labelled held-out batches for ``stream-persia run`` to predict through the API.
 
 ``eval_batches(n)`` yields the first ``n`` samples of the eval split (the same samples
-``train.py`` evaluates on), as ``PersiaBatch``es with labels.
+``train.py`` evaluates on), as ``PersiaBatch``es with labels. ``concept_shift_probe(n)``
+gives held-out samples whose hidden CTR the concept shift changes (when
+``STREAM_PERSIA_CONCEPT_SHIFT_AT`` turns it on; None otherwise) and their Bayes CTR after it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,3 +28,16 @@ def eval_batches(n: int) -> Iterator:
     for start in range(0, n, BATCH):
         yield to_persia_batch(stream.eval_samples(min(BATCH, n - start), start), stream.slots,
                               requires_grad=False)
+
+
+def concept_shift_probe(n: int) -> dict | None:
+    shift_at = int(os.environ.get("STREAM_PERSIA_CONCEPT_SHIFT_AT", "-1"))
+    if shift_at < 0:
+        return None
+    settings = common.load_settings(HERE, [])
+    stream = ClickStream(seed=settings.seed, shift_at=shift_at)
+    probe = stream.shift_probe(n)
+    before = ClickStream(seed=settings.seed).samples_at(probe.index)
+    return {"sample": shift_at, "batches": [to_persia_batch(probe, stream.slots,
+                                                            requires_grad=False)],
+            "bayes_before": float(before.p.mean()), "bayes_after": float(probe.p.mean())}

@@ -22,6 +22,11 @@ Sample ``i``:
 The true ``p`` comes with every sample, so the Bayes-optimal AUC of a split is known
 exactly: the AUC of ``p`` against the sampled labels.
 
+**Concept shift** (``shift_at`` >= 0, for ``load_tests/bench_freshness.py``): from sample
+``shift_at`` on, samples whose slot-0 id has a popularity rank in ``shift_ranks`` (about
+8% of samples by default) get ``shift_logit`` added to their logit: the hidden CTR of
+those ids changes at a known sample. The eval split lies after any shift.
+
 Defaults (see the README): click rate ~0.27, Bayes AUC 0.862 on the 200k eval samples,
 ~3.8M distinct ids in the first 1M samples.
 """
@@ -116,6 +121,9 @@ class ClickStream:
     amps: tuple[float, ...] = ()
     popularity_floor: float = 1e-3
     bias: float = -1.8
+    shift_at: int = -1
+    shift_ranks: tuple[int, int] = (4, 12)
+    shift_logit: float = 2.0
     _keys: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -200,9 +208,23 @@ class ClickStream:
             dense[:, j] = normal(hashed(index, self._k(_DENSE_A, j)),
                                  hashed(index, self._k(_DENSE_B, j)))
         logit += self.dense_logit(dense)
+        if self.shift_at >= 0:
+            logit[self.shifted(index, ranks)] += self.shift_logit
         p = 1.0 / (1.0 + np.exp(-logit))
         label = (unit(hashed(index, self._k(_LABEL))) < p).astype(np.float32)
         return Samples(index=index, ids=self.ids_of(ranks), dense=dense, label=label, p=p)
+
+    def shifted(self, index: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """Which samples the concept shift changes (bool)."""
+        lo, hi = self.shift_ranks
+        return (index >= self.shift_at) & (ranks[:, 0] >= lo) & (ranks[:, 0] < hi)
+
+    def shift_probe(self, n: int, scan: int = 1 << 20) -> Samples:
+        """Up to ``n`` eval samples the concept shift changes (their ``p`` is after it)."""
+        index = np.arange(EVAL_OFFSET, EVAL_OFFSET + scan, dtype=np.int64)
+        lo, hi = self.shift_ranks
+        r0 = zipf_rank(unit(hashed(index, self._k(_RANK, 0))), self.zipf_s[0], self.vocab_size)
+        return self.samples_at(index[(r0 >= lo) & (r0 < hi)][:n])
 
     def eval_samples(self, n: int, start: int = 0) -> Samples:
         """The held-out split: never overlaps any training range."""
