@@ -114,7 +114,7 @@ async def test_api_cut_list_inspect_restore(job, tmp_path):
             r = await api.client.post("/v1/predict", json={
                 "id_type_features": {"user": [[1, 2]], "item": [3], "tags": [[4]]},
                 "non_id_type_features": {"dense": [[0.1, 0.2, 0.3]]}})
-            assert r.status_code == 200 and r.json()["model_version"] == "base"
+            assert r.status_code == 200 and r.json()["checkpoint"] == "base"
     finally:
         await stop_job(other)
 

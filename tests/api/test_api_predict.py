@@ -62,7 +62,7 @@ async def test_predictions_match_offline_evaluation(trained, source):
             r = await api.client.post("/v1/predict", json=json_body(batch))
             assert r.status_code == 200, r.text
             got = r.json()
-            assert got["model_version"] == "ckpt-a" and got["rows"] == size
+            assert got["checkpoint"] == "ckpt-a" and got["rows"] == size
             assert got["heads"] == ["click", "buy"]
             click = np.array([p["click"] for p in got["predictions"]])
             buy = np.array([p["buy"] for p in got["predictions"]])
@@ -240,4 +240,4 @@ async def test_a_model_that_is_not_there_yet_is_retried(trained, tmp_path):
             while (await api.client.get("/readyz")).status_code != 200:
                 await asyncio.sleep(0.2)
         r = await api.client.post("/v1/predict", json=json_body(unseen_batch(0, 1)))
-        assert r.status_code == 200 and r.json()["model_version"] == "later"
+        assert r.status_code == 200 and r.json()["checkpoint"] == "later"

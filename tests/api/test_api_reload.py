@@ -39,7 +39,7 @@ async def test_reload_under_load_drops_nothing(job, tmp_path, source):
                 if r.status_code != 200:
                     errors.append(r.text)
                 else:
-                    seen.append((c, r.json()["model_version"], started))
+                    seen.append((c, r.json()["checkpoint"], started))
                 i += 1
 
         clients = [asyncio.create_task(client(c)) for c in range(4)]

@@ -173,7 +173,7 @@ async def test_a_checksummed_garbage_file_is_422_and_the_connection_lives(tree, 
         status, out = await conn.request("POST", "/v1/predict", {
             "id_type_features": {"user": [[1]], "item": [2], "tags": [[3]]},
             "non_id_type_features": {"dense": [[0.1, 0.2, 0.3]]}})
-        assert status == 200 and out["model_version"] == "ckpt-a", out
+        assert status == 200 and out["checkpoint"] == "ckpt-a", out
 
 
 async def test_an_unexpected_error_is_500_and_the_connection_lives(tree):
