@@ -70,7 +70,7 @@ MAX_REPLY_BYTES = 64 << 20
 #: message of the default 1 MB limit with its header).
 MESSAGE_BYTES = 900_000
 #: Rows a pass asks the store for per chunk (one short pause of the store thread each).
-CHUNK_ROWS = 16_384
+CHUNK_ROWS = 1 << 18
 _HEADER_BYTES = 200   # what one message costs beyond its arrays, roughly
 
 
