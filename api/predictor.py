@@ -131,7 +131,7 @@ class Predictor:
             except PersiaError as e:
                 log.error("cannot serve %s yet: %s; retrying in the background", start, e)
                 self._retry = asyncio.create_task(
-                    self._retry_load(start, max_s=5.0 if self.source == "replica" else 60.0),
+                    self._retry_load(start, max_s=0.5 if start == LATEST else 60.0),
                     name="model-retry")
 
     def _start_path(self, start: str) -> str:
@@ -150,7 +150,8 @@ class Predictor:
         return manifest.path
 
     async def _retry_load(self, path: str, first_s: float = 1.0, max_s: float = 60.0) -> None:
-        delay = first_s
+        delay = min(first_s, max_s)
+        said = ""
         while self._served is None:
             await asyncio.sleep(delay)
             if self._served is not None:   # a manual reload won
@@ -158,7 +159,9 @@ class Predictor:
             try:
                 await self.load(self._start_path(path))
             except PersiaError as e:
-                log.warning("cannot serve %s yet: %s", path, e)
+                if str(e) != said:   # once per reason, not once per try
+                    log.warning("cannot serve %s yet: %s", path, e)
+                    said = str(e)
                 delay = min(max_s, delay * 2)
 
     async def stop(self) -> None:
@@ -278,7 +281,8 @@ class Predictor:
         self.replica = Replica(
             self.roles, served.table.store, positions,
             execute=lambda fn: loop.run_in_executor(self._pool, fn),
-            on_dense=self._on_dense, dense_step=served.dense.step, metrics=self.metrics.role)
+            on_dense=self._on_dense, dense_step=served.dense.step, metrics=self.metrics.role,
+            dense_event_time=_event_time(served.dense.manifest.extra.get("trained_through")))
         kafka = self.settings.updates_kafka()
         if kafka is None:
             self.replica.start()
@@ -412,6 +416,13 @@ class Predictor:
                                   through))
             start += n
         return out
+
+
+def _event_time(value: Any) -> float | None:
+    """A manifest's ``extra["trained_through"]`` if it is a valid event time."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if np.isfinite(value) and value >= 0 else None
 
 
 def predictions_json(p: Prediction) -> list[dict[str, Any]]:

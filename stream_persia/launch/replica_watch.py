@@ -29,7 +29,19 @@ import numpy as np
 
 from stream_persia.launch.report import auc_of, predict_over_http
 
-__all__ = ["ReplicaWatch", "freshness_of", "request_checkpoint"]
+__all__ = ["ReplicaWatch", "freshness_of", "request_checkpoint", "training_started"]
+
+
+def training_started(api_address: str, token: str) -> bool:
+    """Whether the job's NN ranks have trained a step (``GET /v1/status``)."""
+    import httpx
+
+    try:
+        r = httpx.get(f"http://{api_address}/v1/status",
+                      headers={"Authorization": f"Bearer {token}"}, timeout=5)
+        return r.status_code == 200 and bool((r.json().get("training") or {}).get("step"))
+    except Exception:   # not up yet: asked again on the next tick
+        return False
 
 
 def request_checkpoint(api_address: str, token: str, ident: str) -> bool:

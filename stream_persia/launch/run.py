@@ -63,7 +63,11 @@ from stream_persia.errors import (
     RemoteTimeout,
 )
 from stream_persia.launch.processes import RoleProcess
-from stream_persia.launch.replica_watch import ReplicaWatch, request_checkpoint
+from stream_persia.launch.replica_watch import (
+    ReplicaWatch,
+    request_checkpoint,
+    training_started,
+)
 from stream_persia.launch.report import (
     build_report,
     concept_shift_probe,
@@ -356,7 +360,8 @@ def _wait(job: Job, t0: float, deadline: float) -> None:
         now = time.monotonic()
         metrics = _read_metrics(job.out)
         if (job.replica is not None and job.api is not None and job.api.address
-                and not job.bootstrap_requested and (metrics.get("train") or {}).get("samples")):
+                and not job.bootstrap_requested and training_started(job.api.address,
+                                                                     job.api_token)):
             job.bootstrap_requested = True   # the checkpoint the replica starts from
             request_checkpoint(job.api.address, job.api_token, "bootstrap")
         if job.watch is not None:

@@ -210,6 +210,10 @@ def _write(ctx: ContextSeam, cluster: Any, dst_dir: str, *, trainer: TrainerSeam
                                  offsets=offsets, stream=stream,
                                  schema=_schema(),
                                  extra={"world_size": getattr(ctx, "world_size", 1),
+                                        # the newest sample event time in the dense model
+                                        # (a serving replica starts its trained_through)
+                                        "trained_through": getattr(ctx, "trained_through",
+                                                                   None),
                                         "dense_filename": dense_filename,
                                         "opt_filename": opt_filename if train else None,
                                         **_heads(model), **_inputs(ctx), **extra})

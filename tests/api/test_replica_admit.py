@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from stream_persia.api.replica import ShardCursor, apply_messages, check_message
 from stream_persia.api.replica_kafka import admit
+
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import BadInput
 from stream_persia.server.store import EmbeddingStore

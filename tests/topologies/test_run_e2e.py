@@ -48,6 +48,18 @@ def check_report(report: dict, tasks: list[str], samples: int, *, learned: bool 
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["shard_count"] >= 1 and manifest["embedding_files"]
     assert Path(report["plot"]).stat().st_size > 1000
+    check_replica(report)
+
+
+def check_replica(report: dict) -> None:
+    """The run's serving replica followed training: after the final drain it answers
+    exactly what the trained model does (issue 18), and the report has its freshness."""
+    replica = report["replica"]
+    assert replica["advances"] >= 1 and "error" not in replica, replica
+    assert replica["served_max_abs_diff"] is not None and \
+        replica["served_max_abs_diff"] <= 1e-6, replica
+    if replica["advances"] >= 2:   # a short run may end before a second one
+        assert 0 <= replica["freshness_p50_s"] <= replica["freshness_p99_s"] < 120, replica
 
 
 @pytest.mark.slow
@@ -59,6 +71,17 @@ def test_synthetic_ctr_broker_less(tmp_path):
     assert report["mode"] == "broker-less stream"
     assert 0.5 < report["bayes_auc"]["click"] < 1.0
     assert [g["metric"] for g in report["gates"]] == ["bayes_lift.click"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_replica_follows_hybrid_training_on_two_servers_exactly(tmp_path):
+    """Staleness 8 and two embedding servers: the replica (sparse rows from both servers'
+    logs, the dense model from rank 0) still equals the trained model after the drain."""
+    report = run("synthetic_ctr", tmp_path, "--samples", "30000", "--eval-samples", "4000",
+                 "--predict-samples", "1024", "--no-gates", "--embedding-staleness", "8",
+                 "--embedding-servers", "2")
+    check_report(report, ["click"], 30_000)
 
 
 @pytest.mark.slow
