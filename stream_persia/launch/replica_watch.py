@@ -29,7 +29,8 @@ import numpy as np
 
 from stream_persia.launch.report import auc_of, predict_over_http
 
-__all__ = ["ReplicaWatch", "freshness_of", "request_checkpoint", "training_started"]
+__all__ = ["ReplicaWatch", "freshness_of", "request_checkpoint", "training_started",
+           "log_ends"]
 
 
 def training_started(api_address: str, token: str) -> bool:
@@ -42,6 +43,29 @@ def training_started(api_address: str, token: str) -> bool:
         return r.status_code == 200 and bool((r.json().get("training") or {}).get("step"))
     except Exception:   # not up yet: asked again on the next tick
         return False
+
+
+def log_ends(servers: str, secret: str) -> list[int] | None:
+    """Each embedding server's update log end (the next sequence number), in replica order;
+    None when one cannot be asked."""
+    from stream_persia.core import aio
+    from stream_persia.rpc import RpcClient
+    from stream_persia.rpc.auth import RoleSecret
+
+    async def ask() -> list[int]:
+        out = []
+        for address in [a for a in servers.split(",") if a]:
+            async with RpcClient(address, timeout_ms=5000, name="embedding-server",
+                                 secret=RoleSecret(secret)) as c:
+                out.append(int((await c.call("model_updates", {"from_seq": 1 << 62}))
+                               ["next_seq"]))
+        return out
+
+    time.sleep(0.5)   # a server's last pass after training ended (every 200 ms by default)
+    try:
+        return aio.run(ask())
+    except Exception:  # a server gone: the drain then waits for the replica to settle
+        return None
 
 
 def request_checkpoint(api_address: str, token: str, ident: str) -> bool:
@@ -147,23 +171,32 @@ class ReplicaWatch:
                                        "trained_through": result["trained_through"],
                                        "auc": auc_of(result, self.tasks)})
 
-    def drain(self, timeout_s: float = 30.0, settle_s: float = 1.5) -> dict[str, Any] | None:
-        """Wait until the replica stops changing (every update applied), then predict the
-        held-out rows on it; None when it never served."""
+    def drain(self, log_ends: list[int] | None, final_step: int | None,
+              timeout_s: float = 60.0, settle_s: float = 1.0) -> dict[str, Any] | None:
+        """Wait until the replica has applied every server's log up to ``log_ends`` (each
+        log's next sequence number once training ended), a dense model of at least
+        ``final_step``, and then stopped changing; then predict the held-out rows on it.
+        None when it never served."""
         deadline = time.monotonic() + timeout_s
         last, since = None, time.monotonic()
         while time.monotonic() < deadline:
             info = self._model()
             if info is not None:
                 self.poll()
-                state = (info.get("model_version"),
-                         [s.get("version") for s in (info.get("replica") or {})
-                          .get("shards", [])])
+                shards = (info.get("replica") or {}).get("shards", [])
+                state = (info.get("model_version"), [s.get("next_seq") for s in shards])
+                caught_up = ((final_step is None or (state[0] or -1) >= final_step)
+                             and (log_ends is None or (len(shards) == len(log_ends) and all(
+                                 (s.get("next_seq") or 0) >= end
+                                 for s, end in zip(shards, log_ends, strict=True)))))
                 if state != last:
                     last, since = state, time.monotonic()
-                elif time.monotonic() - since >= settle_s:
+                elif caught_up and time.monotonic() - since >= settle_s:
                     break
             time.sleep(0.2)
+        else:
+            self.error = "the replica did not catch up with training within " \
+                         f"{timeout_s:g} s after it ended"
         if last is None or not self.batches:
             return None
         result = predict_over_http(self.client, self.auth, self.batches, self.tasks)

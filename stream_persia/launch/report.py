@@ -128,7 +128,8 @@ def served_metrics(api_address: str, token: str, checkpoint: str, batches: list 
         result = predict_over_http(client, auth, batches, tasks)
     if "error" in result:
         return result
-    return {"model_version": model.get("version"), "rows": result["rows"],
+    return {"model_version": model.get("version"), "step": model.get("step"),
+            "rows": result["rows"],
             "missing_ids": result["missing_ids"], "served_auc": auc_of(result, tasks),
             "examples": result["examples"], "_preds": result["preds"]}
 

@@ -65,6 +65,7 @@ from stream_persia.errors import (
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.launch.replica_watch import (
     ReplicaWatch,
+    log_ends,
     request_checkpoint,
     training_started,
 )
@@ -453,7 +454,9 @@ def main(args: argparse.Namespace) -> int:
                                         eval_batches, list(topo.tasks))
             report = build_report(topo, metrics, served, out, time.monotonic() - t0, mode)
             if job.watch is not None:
-                final = job.watch.drain()
+                final = job.watch.drain(log_ends(job.env["PERSIA_EMBEDDING_SERVERS"],
+                                                 job.role_secret),
+                                        (served or {}).get("step"))
                 report["replica"] = job.watch.summary(final, (served or {}).get("_preds"),
                                                       out / "concept_shift.json")
                 metrics["freshness_curve"] = job.watch.curve()

@@ -192,8 +192,9 @@ def test_ctrl_c_checkpoints_then_stops(tmp_path):
     # it, drains at a step boundary and its script may write its own "final" one too.
     manifests = list((tmp_path / "checkpoints").glob("ckpt-*/manifest.json"))
     assert len(manifests) == 1, out
+    # ("bootstrap": the serving replica's first checkpoint, asked for once a step trained)
     assert {p.parent.name for p in (tmp_path / "checkpoints").glob("*/manifest.json")} <= {
-        manifests[0].parent.name, "final"}, out
+        manifests[0].parent.name, "final", "bootstrap"}, out
     manifest = json.loads(manifests[0].read_text())
     assert manifest["extra"]["by"] == "nn" and manifest["embedding_files"], manifest
     assert "dense.pt" in manifest["files"]
