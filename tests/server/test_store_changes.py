@@ -429,6 +429,21 @@ def test_a_pass_from_the_last_pass_reads_only_the_changed_entries():
     assert steps(s, mark) == 2
 
 
+def test_a_sharded_store_of_cython_shards_passes_incrementally():
+    s = ShardedStore(1000, Adagrad(), shards=3, store_type=CEmbeddingStore)
+    ids = np.arange(600, dtype=np.uint64)
+    s.lookup(ids, 4)
+    assert steps(s, 0) == 600
+    for _ in range(3):
+        mark = s.change_version
+        s.update(ids[:10], np.ones((10, 4), np.float32))
+        s.lookup(ids[5:15], 4)                       # hits: no row changes
+        s.update(u64(7, 7, 700), np.ones((3, 4), np.float32))
+        assert steps(s, mark) == 10 and set(changed(s, mark)) == set(range(10))
+        assert same(changed(s, mark), expected(s, mark))
+    s.close()
+
+
 def test_a_failed_update_takes_back_what_it_listed():
     s = CEmbeddingStore(100, SGD(0.1))
     s.lookup(np.arange(10, 60, dtype=np.uint64), 4)   # (a list of a few entries is read,
