@@ -282,11 +282,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds} ...", file=sys.stderr)
         mine = slice(r * args.batches, (r + 1) * args.batches)
-        timers["cython"].run(lambda b: cstore.lookup(b, DIM, True),
-                             lambda b: cstore.update(b, grads), batches[mine])
-        if old_store is not None:
-            timers["old"].run(lambda b: old_store.lookup(b, DIM, True),
-                              lambda b: old_store.update(b, grads), batches[mine])
+        builds = [("cython", cstore), ("old", old_store)]
+        for name, store in builds[::1 if r % 2 else -1]:   # each build first in turn
+            if store is not None:
+                timers[name].run(lambda b, s=store: s.lookup(b, DIM, True),
+                                 lambda b, s=store: s.update(b, grads), batches[mine])
         timers["torch"].run(table.lookup, lambda i: table.update(i, tg), idxs[mine])
         twin = batches[r * args.twin_batches:(r + 1) * args.twin_batches]
         timers["python"].run(lambda b: pystore.lookup(b, DIM, True),
