@@ -137,7 +137,7 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
     cdef uint32_t v32 = <uint32_t>(self.cver + 1 - self.vbase)
     cdef Entry *x
     cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
-    cdef int64_t dropped = 0, listed = self.dlen   # the dirty list, to undo a failure
+    cdef int64_t dropped = 0
     cdef int lines = (dim + (self.arenas[ai].width if ai >= 0 else 0) + 15) // 16, j
     cdef uint32_t bad = 0
     # Pass 1: resolve ids, sum the gradients of each stored id (in call order, from 0),
@@ -156,10 +156,9 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
         x = &self.entries[e]
         if x.arena != ai:
             at[0] = i
-            _unstamp(self, nu, listed)
+            _unstamp(self, nu)
             return _first_nonfinite(self, g, n, dim, at, E_DIM)
         if x.ver != v32:
-            _dirty(self, e, x.ver)
             self.ebuf[nu] = e
             self.obuf[nu] = x.ver
             x.ver = v32
@@ -170,8 +169,14 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
         else:
             sp_add(self.gbuf + <int64_t>x.pos * dim, g + i * dim, dim)
     if bad:
-        _unstamp(self, nu, listed)
+        _unstamp(self, nu)
         return _first_nonfinite(self, g, n, dim, at, OK)
+    # The entries this update takes past the dirty list's mark (from their old versions,
+    # kept in obuf), appended here rather than in pass 1: it cannot fail any more, and
+    # pass 1, the loop bound by memory latency, keeps one branch less.
+    if self.mrel >= 0:
+        for u in range(nu):
+            _dirty(self, self.ebuf[u], self.obuf[u])
     self.n_updates += n
     self.n_dropped += dropped
     self.version += 1
@@ -186,14 +191,11 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
     return OK
 
 
-cdef void _unstamp(CEmbeddingStore self, int32_t nu, int64_t listed) noexcept nogil:
-    """Undo pass 1's versions of a failed update (it changes nothing), and its appends
-    to the dirty list (which had ``listed`` entries before)."""
+cdef void _unstamp(CEmbeddingStore self, int32_t nu) noexcept nogil:
+    """Undo pass 1's versions of a failed update (it changes nothing)."""
     cdef int32_t u
     for u in range(nu):
         self.entries[self.ebuf[u]].ver = self.obuf[u]
-    if self.dlen > listed:
-        self.dlen = listed
 
 
 cdef int _first_nonfinite(CEmbeddingStore self, const float *g, int64_t n, int dim, int64_t *at,

@@ -43,10 +43,10 @@ cdef void _rebase(CEmbeddingStore self) noexcept nogil:
 #
 # While it is kept (mrel >= 0) it holds every entry, live or free, whose change version is
 # above the mark: an entry is appended when a stamp takes its version from <= mark to above
-# it. Versions only grow (a failed update's undone stamps take back their appends too), so
-# an entry is listed at most once and the list never outgrows ``eused``. changed_since(since
-# >= mark) takes the list, moves the mark to change_version (a new, empty list) and reads
-# only the listed entries; an older ``since`` scans them all and leaves the list alone.
+# it. Versions only grow (a failed update appends nothing), so an entry is listed at most
+# once and the list never outgrows ``eused``. changed_since(since >= mark) takes the list,
+# moves the mark to change_version (a new, empty list) and reads only the listed entries;
+# an older ``since`` scans them all and leaves the list alone.
 
 cdef inline void _dirty(CEmbeddingStore self, int32_t e, uint32_t old) noexcept nogil:
     """Entry ``e``, of version ``old`` (less vbase; 0 for a new entry), is being stamped."""
