@@ -19,9 +19,11 @@ reported with its total time and its longest ``next()`` (the longest pause train
 Before the timed rounds a pass reads the store (from then on it keeps its dirty list, as
 a publishing server's does). Run the script on a build before a change to the store and
 after it to compare lookup and
-update rates, or give ``--old-build PATH`` (a copy of an earlier ``_cstore*.so``): a store
-of that build, loaded with the same rows, then takes part in the same interleaved rounds
-and the rates are reported as new / old.
+update rates, or give ``--old-build PATH`` (a copy of an earlier ``_cstore*.so``): after
+the rounds, a store of each build (loaded with the same rows) runs the same batches in
+turn, each build first every other batch, with a publisher's pass on both every 40
+batches, and the median of the per-batch ratios new / old is reported (rates of a shared
+machine drift by more than 10% between rounds; a pair of batches in turn drifts less).
 
 Incremental pass (``--pass-rows``, default 4M rows; ``--pass-changed``, 50k): a publisher's
 pass over a store of that many rows after that many rows changed (one update of distinct
@@ -164,6 +166,33 @@ def load_old_build(path: str):
     return module.CEmbeddingStore
 
 
+def versus_old_build(new, old, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict[str, float]:
+    """Rates of this build / the old one: both stores (same rows) run the same batch in
+    turn, each build first every other batch, with a publisher's pass on both every 40
+    batches (the dirty list restarts); medians (and quartiles) of the per-batch ratios."""
+    ratios: dict[str, list[float]] = {"lookup": [], "update": []}
+    for i in range(n):
+        batch = stable_hash64(zipf.ranks(BATCH).astype(np.uint64))
+        t: dict[str, tuple[float, float]] = {}
+        for name, store in (("new", new), ("old", old))[::1 if i % 2 else -1]:
+            t0 = time.thread_time()
+            store.lookup(batch, DIM, True)
+            t1 = time.thread_time()
+            store.update(batch, grads)
+            t[name] = (t1 - t0, time.thread_time() - t1)
+        ratios["lookup"].append(t["old"][0] / t["new"][0])
+        ratios["update"].append(t["old"][1] / t["new"][1])
+        if i % 40 == 39:
+            for store in (new, old):
+                drain(store.changed_since(store.change_version - 40, 1 << 18))
+    out: dict[str, float] = {"old_build_batches": n}
+    for what, xs in ratios.items():
+        q1, med, q3 = np.percentile(xs, [25, 50, 75])
+        out.update({f"{what}_vs_old_build": float(med), f"{what}_vs_old_build_q1": float(q1),
+                    f"{what}_vs_old_build_q3": float(q3)})
+    return out
+
+
 def drain(it) -> tuple[float, float, int]:
     """Wall time of a pass, its longest next(), and its rows."""
     rows, longest = 0, 0.0
@@ -220,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--twin-batches", type=int, default=2,
                     help="batches per round for the Python twin")
     ap.add_argument("--old-build", help="an earlier _cstore*.so to compare rates with")
+    ap.add_argument("--old-batches", type=int, default=200,
+                    help="batches each build runs, alternating, for the comparison")
     ap.add_argument("--pass-rows", type=int, default=4_000_000,
                     help="rows of the store of the incremental pass (0: skip it)")
     ap.add_argument("--pass-changed", type=int, default=50_000,
@@ -273,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # Rounds interleave the three so that they share the machine's good and bad moments;
     # within a round each runs alone, on its own warm caches.
-    timers = {"cython": Timer(), "python": Timer(), "torch": Timer(), "old": Timer()}
+    timers = {"cython": Timer(), "python": Timer(), "torch": Timer()}
     stats0 = cstore.stats()
     version0 = getattr(cstore, "change_version", 0)
     for store in (cstore, old_store):   # a publisher reads them: the dirty list is kept
@@ -282,11 +313,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds} ...", file=sys.stderr)
         mine = slice(r * args.batches, (r + 1) * args.batches)
-        builds = [("cython", cstore), ("old", old_store)]
-        for name, store in builds[::1 if r % 2 else -1]:   # each build first in turn
-            if store is not None:
-                timers[name].run(lambda b, s=store: s.lookup(b, DIM, True),
-                                 lambda b, s=store: s.update(b, grads), batches[mine])
+        timers["cython"].run(lambda b: cstore.lookup(b, DIM, True),
+                             lambda b: cstore.update(b, grads), batches[mine])
         timers["torch"].run(table.lookup, lambda i: table.update(i, tg), idxs[mine])
         twin = batches[r * args.twin_batches:(r + 1) * args.twin_batches]
         timers["python"].run(lambda b: pystore.lookup(b, DIM, True),
@@ -298,11 +326,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     stats = cstore.stats()
     tracking = changes_pass(cstore, version0) if hasattr(cstore, "changed_since") else {}
     if old_store is not None:
-        o_lookup, o_update = timers["old"].rates()
-        tracking.update({"old_build_lookup_ids_per_s": o_lookup,
-                         "old_build_update_ids_per_s": o_update,
-                         "lookup_vs_old_build": c_lookup / o_lookup,
-                         "update_vs_old_build": c_update / o_update})
+        print("this build against the old one ...", file=sys.stderr)
+        tracking.update(versus_old_build(cstore, old_store, zipf, grads, args.old_batches))
         old_store.close()
     if args.pass_rows:
         print(f"incremental pass over {args.pass_rows:,} rows ...", file=sys.stderr)
@@ -340,10 +365,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
               f"{tracking['unchanged_pass_s'] * 1e3:.1f} ms (longest next() "
               f"{tracking['unchanged_max_pause_s'] * 1e3:.2f} ms)")
     if old_store is not None:
-        print(f"this build / old build ({args.old_build}): lookup "
-              f"{res['lookup_vs_old_build']:.3f}x, update {res['update_vs_old_build']:.3f}x "
-              f"(old: {res['old_build_lookup_ids_per_s']:,.0f} / "
-              f"{res['old_build_update_ids_per_s']:,.0f} ids/s)")
+        print(f"this build / old build ({args.old_build}), median of {args.old_batches} "
+              f"alternated batches (quartiles): lookup {res['lookup_vs_old_build']:.3f}x "
+              f"({res['lookup_vs_old_build_q1']:.2f}-{res['lookup_vs_old_build_q3']:.2f}), "
+              f"update {res['update_vs_old_build']:.3f}x ({res['update_vs_old_build_q1']:.2f}"
+              f"-{res['update_vs_old_build_q3']:.2f})")
     if args.pass_rows:
         print(f"incremental pass, {res['pass_changed_rows']:,} of {res['pass_store_rows']:,} "
               f"rows changed: full scan {res['pass_full_scan_s'] * 1e3:.1f} ms (longest next() "
