@@ -23,9 +23,14 @@ bookkeeping per row at full load) and for loops that run without the GIL:
   the entry already holding the call's version (restoring the old versions if the call
   fails); ``vbase`` moves once in 2**31 mutating calls (``_rebase``). Evictions and removals
   go to the eviction log, a ring of (id, version) that grows by doubling up to
-  ``eviction_log`` entries (16 bytes each). ``changed_since`` scans the entries in windows
-  of ``chunk_rows`` (a full scan per pass, a few ms per million entries), each window read
-  whole, GIL released, under the busy guard, so a pass is many short pauses.
+  ``eviction_log`` entries (16 bytes each). ``changed_since`` reads entries in windows
+  of ``chunk_rows``, each window read whole, GIL released, under the busy guard, so a pass
+  is many short pauses. The entries are those of the *dirty list* when ``since`` is at or
+  after its mark (the version of the previous such call): an int32 per entry changed
+  since, appended when a stamp first takes an entry past the mark (one compare on the hot
+  paths, which already write the entry's version), at most one per entry, so a publisher's
+  pass costs what changed. Otherwise (an older ``since``) they are all the entries, a full
+  scan (a few ms per million entries). See ``_dirty`` in store_table.pxi.
 
 Large buffers are mapped directly and, past the first block, on transparent huge pages. The
 store is bound by memory latency, so the batched loops prefetch a few ids ahead (table
@@ -62,6 +67,41 @@ include "store_table.pxi"     # hash table, LRU list, prefetching, admission, ev
 include "store_batch.pxi"     # guards; the batched loops of lookup, lookup_pooled, update
 
 
+cdef list _changed_rows(CEmbeddingStore self, sel):
+    """The chunks (one per dim) of the entries ``sel`` (int32): ids, weights, versions."""
+    cdef int32_t[::1] sv = sel, gv
+    cdef int64_t m = sv.shape[0], k, g
+    cdef uint64_t[::1] kv
+    cdef float[:, ::1] wv
+    cdef int64_t[::1] vv
+    cdef Arena *a
+    cdef Entry *x
+    arena_of = np.empty(m, np.int32)
+    gv = arena_of
+    for k in range(m):
+        gv[k] = self.entries[sv[k]].arena
+    chunks = []
+    for ai in np.unique(arena_of).tolist():
+        members = np.ascontiguousarray(sel[arena_of == ai])
+        gv = members
+        g = members.shape[0]
+        a = &self.arenas[<int>ai]
+        ids = np.empty(g, np.uint64)
+        weights = np.empty((g, a.dim), np.float32)
+        versions = np.empty(g, np.int64)
+        kv, wv, vv = ids, weights, versions
+        with nogil:
+            for k in range(g):
+                if k + PF_ROW < g:
+                    sp_prefetch(row_ptr(a, self.entries[gv[k + PF_ROW]].row))
+                x = &self.entries[gv[k]]
+                kv[k] = x.key
+                vv[k] = self.vbase + x.ver
+                memcpy(&wv[k, 0], row_ptr(a, x.row), sizeof(float) * a.dim)
+        chunks.append({"dim": a.dim, "ids": ids, "weights": weights, "versions": versions})
+    return chunks
+
+
 @cython.final
 cdef class CEmbeddingStore:
     """LRU embedding store in Cython; see ``PyEmbeddingStore`` for the full contract.
@@ -93,6 +133,10 @@ cdef class CEmbeddingStore:
     cdef int64_t vbase       # Entry.ver is a version less vbase (see _rebase)
     cdef int64_t reset_ver   # change_version of the last clear() or close()
     cdef EvictionLog elog
+    cdef int32_t *dlist      # the dirty list (see _dirty): entries stamped past the mark,
+    cdef int64_t dlen, dcap  # each at most once
+    cdef int64_t mark        # its mark, a change version
+    cdef int64_t mrel        # mark - vbase while the list is kept, -1 while it is not
     cdef uint64_t draws
     cdef int64_t version
     cdef bint busy, closed
@@ -104,6 +148,7 @@ cdef class CEmbeddingStore:
                  eviction_log=_py.EVICTION_LOG):
         self.capacity_ = _py.check_capacity(capacity)
         self.elog.limit = _py.check_eviction_log(eviction_log)
+        self.mrel = -1           # no list until the first changed_since
         self._opt_obj = as_optimizer(optimizer)
         _set_config(self, _py.check_config(embedding_config))
         _reset(self)
@@ -314,13 +359,13 @@ cdef class CEmbeddingStore:
 
     def memory_bytes(self):
         """Bytes allocated for rows, entries (with their change versions), the hash table,
-        block pointers and the eviction log."""
+        block pointers, the eviction log and the dirty list."""
         cdef int ai
         cdef Arena *a
         if self.closed:
             return 0
         cdef int64_t total = sizeof(Entry) * <int64_t>self.ecap
-        total += sizeof(Evicted) * self.elog.cap
+        total += sizeof(Evicted) * self.elog.cap + sizeof(int32_t) * self.dcap
         total += sizeof(Slot) * (<int64_t>1 << self.tbits)
         for ai in range(self.narenas):
             a = &self.arenas[ai]
@@ -431,6 +476,7 @@ cdef class CEmbeddingStore:
                                 break
                         else:
                             _touch(self, e)
+                            _dirty(self, e, self.entries[e].ver)
                         self.entries[e].ver = _v32(self)
                         row = row_ptr(a, self.entries[e].row)
                         memcpy(row, &wv[i, 0], sizeof(float) * dim)
@@ -490,63 +536,80 @@ cdef class CEmbeddingStore:
     def changed_since(self, since, chunk_rows=_py.DUMP_CHUNK_ROWS):
         """Rows changed after version ``since``, in chunks; see
         ``PyEmbeddingStore.changed_since``. Each chunk comes from one window of at most
-        ``chunk_rows`` consecutive entries, read whole under the store's guard with the GIL
-        released; between chunks the store may be used."""
+        ``chunk_rows`` entries, read whole under the store's guard with the GIL released;
+        between chunks the store may be used.
+
+        The windows are of the dirty list (store_table.pxi) when ``since`` is at or after
+        its mark, the version at which the previous such call was made: the pass reads
+        only the entries stamped since that call (unless they are more than one in
+        LISTED_COST of all entries: a scan is cheaper then), and the mark moves to
+        ``change_version`` now. Otherwise (an older ``since``, or the first call) the
+        windows are of all entries, a full scan; the first call starts the list."""
         _open(self)
         cdef int64_t s = _py.check_version(since, "since")
         cdef int64_t c = _py.check_chunk_rows(chunk_rows)
-        return self._changed(s, c)
+        cdef int32_t[::1] lv
+        listed = None
+        _enter(self)
+        try:
+            if self.mrel >= 0 and s >= self.mark:
+                if self.dlen * LISTED_COST <= self.eused:   # else a scan is cheaper
+                    listed = np.empty(self.dlen, np.int32)
+                    if self.dlen:
+                        lv = listed
+                        memcpy(&lv[0], self.dlist, sizeof(int32_t) * self.dlen)
+                _dirty_mark(self)
+            elif self.mrel < 0:
+                _dirty_mark(self)
+        finally:
+            self.busy = False
+        return self._changed(s, c, listed)
 
-    def _changed(self, int64_t since, int64_t chunk_rows):
-        cdef int64_t pos = 0, end, m, k, g
+    def _changed(self, int64_t since, int64_t chunk_rows, listed):
+        cdef int64_t pos = 0, end, m, k, total
         cdef int32_t e
-        cdef int32_t[::1] sv, gv
-        cdef uint64_t[::1] kv
-        cdef float[:, ::1] wv
-        cdef int64_t[::1] vv
-        cdef Arena *a
+        cdef int32_t[::1] sv
+        cdef const int32_t[::1] lv
+        cdef bint full = listed is None
+        if not full:
+            total = len(listed)
+            # A listed entry costs about what LISTED_COST scanned ones do (it is read at
+            # random, and so is its row): smaller windows keep each pause as short.
+            chunk_rows = max(1, chunk_rows // LISTED_COST)
         while True:
             _open(self)   # closed between chunks
-            if pos >= self.eused:
+            if full:
+                total = self.eused
+            if pos >= total:
                 return
-            sel = np.empty(min(chunk_rows, self.eused - pos), np.int32)
+            sel = np.empty(min(chunk_rows, total - pos), np.int32)
             sv = sel
             chunks = []
+            if not full:   # in the order of the entries (and mostly of the rows)
+                lv = np.sort(listed[pos:pos + chunk_rows])
             _enter(self)
             try:
-                end = min(pos + chunk_rows, self.eused)
+                end = min(pos + chunk_rows, self.eused if full else total)
                 m = 0
                 with nogil:
-                    for e in range(<int32_t>pos, <int32_t>end):
-                        if self.vbase + self.entries[e].ver > since \
-                                and self.entries[e].arena != FREE_ARENA:
-                            sv[m] = e
-                            m += 1
+                    if full:
+                        for e in range(<int32_t>pos, <int32_t>end):
+                            if self.vbase + self.entries[e].ver > since \
+                                    and self.entries[e].arena != FREE_ARENA:
+                                sv[m] = e
+                                m += 1
+                    else:
+                        for k in range(end - pos):
+                            if k + PF_ENTRY < end - pos:
+                                sp_prefetch(&self.entries[lv[k + PF_ENTRY]])
+                            e = lv[k]
+                            if e < self.eused and self.vbase + self.entries[e].ver > since \
+                                    and self.entries[e].arena != FREE_ARENA:
+                                sv[m] = e
+                                m += 1
                 pos = end
                 if m:
-                    sel = sel[:m]
-                    sv = sel
-                    arena_of = np.empty(m, np.int32)
-                    gv = arena_of
-                    for k in range(m):
-                        gv[k] = self.entries[sv[k]].arena
-                    for ai in np.unique(arena_of).tolist():
-                        members = np.ascontiguousarray(sel[arena_of == ai])
-                        gv = members
-                        g = members.shape[0]
-                        a = &self.arenas[<int>ai]
-                        ids = np.empty(g, np.uint64)
-                        weights = np.empty((g, a.dim), np.float32)
-                        versions = np.empty(g, np.int64)
-                        kv, wv, vv = ids, weights, versions
-                        with nogil:
-                            for k in range(g):
-                                kv[k] = self.entries[gv[k]].key
-                                vv[k] = self.vbase + self.entries[gv[k]].ver
-                                memcpy(&wv[k, 0], row_ptr(a, self.entries[gv[k]].row),
-                                       sizeof(float) * a.dim)
-                        chunks.append({"dim": a.dim, "ids": ids, "weights": weights,
-                                       "versions": versions})
+                    chunks = _changed_rows(self, sel[:m])
             finally:
                 self.busy = False
             if not chunks:

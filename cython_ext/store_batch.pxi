@@ -171,6 +171,12 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
     if bad:
         _unstamp(self, nu)
         return _first_nonfinite(self, g, n, dim, at, OK)
+    # The entries this update takes past the dirty list's mark (from their old versions,
+    # kept in obuf), appended here rather than in pass 1: it cannot fail any more, and
+    # pass 1, the loop bound by memory latency, keeps one branch less.
+    if self.mrel >= 0:
+        for u in range(nu):
+            _dirty(self, self.ebuf[u], self.obuf[u])
     self.n_updates += n
     self.n_dropped += dropped
     self.version += 1

@@ -79,6 +79,9 @@ cdef enum:
     PF_ENTRY = 32
     PF_ROW = 12
     FREE_ARENA = 0xFFFF
+    LISTED_COST = 8   # changed_since: a listed entry costs about 8 scanned ones (measured
+                      # in load_tests/bench_store.py): the windows of the dirty list are
+                      # chunk_rows // 8 entries, and a list over 1/8 of the entries is scanned
 
 cdef inline float* row_ptr(const Arena *a, uint32_t r) noexcept nogil:
     return a.blocks[r >> a.shift] + <size_t>(r & ((<uint32_t>1 << a.shift) - 1)) * a.stride

@@ -30,6 +30,10 @@ cdef void _release(CEmbeddingStore self) noexcept:
     self.gbuf_bytes = self.rbuf_bytes = self.zbuf_bytes = self.ebuf_bytes = 0
     self.obuf_bytes = 0
     _log_free(&self.elog)
+    _dirty_off(self)
+    free(self.dlist)
+    self.dlist = NULL
+    self.dcap = 0
 
 
 cdef _reset(CEmbeddingStore self):
@@ -37,6 +41,7 @@ cdef _reset(CEmbeddingStore self):
     self._dims = {}
     self.ecap = self.eused = self.count = 0
     self.efree = self.head = self.tail = -1
+    self.dlen = 0            # the listed entries are gone; the mark still holds
     self.tbits = MIN_TABLE_BITS
     self.table = <Slot*>sp_alloc(sizeof(Slot) << self.tbits, False)
     if self.table == NULL:

@@ -31,6 +31,56 @@ cdef void _rebase(CEmbeddingStore self) noexcept nogil:
         t = self.vbase + self.entries[e].ver
         self.entries[e].ver = <uint32_t>(t - nb) if t > nb else 0
     self.vbase = nb
+    # Rows moved up to the base would pass a mark below it without being listed.
+    if self.mrel >= 0:
+        if self.mark < nb:
+            _dirty_off(self)
+        else:
+            self.mrel = self.mark - nb
+
+
+# --- the dirty list (what makes an incremental changed_since cost what changed) -------------
+#
+# While it is kept (mrel >= 0) it holds every entry, live or free, whose change version is
+# above the mark: an entry is appended when a stamp takes its version from <= mark to above
+# it. Versions only grow (a failed update appends nothing), so an entry is listed at most
+# once and the list never outgrows ``eused``. changed_since(since >= mark) takes the list,
+# moves the mark to change_version (a new, empty list) and reads only the listed entries;
+# an older ``since`` scans them all and leaves the list alone.
+
+cdef inline void _dirty(CEmbeddingStore self, int32_t e, uint32_t old) noexcept nogil:
+    """Entry ``e``, of version ``old`` (less vbase; 0 for a new entry), is being stamped."""
+    if <int64_t>old <= self.mrel:
+        if self.dlen == self.dcap and not _dirty_grow(self):
+            _dirty_off(self)      # out of memory: the next pass scans everything
+            return
+        self.dlist[self.dlen] = e
+        self.dlen += 1
+
+
+cdef bint _dirty_grow(CEmbeddingStore self) noexcept nogil:
+    cdef int64_t cap = self.dcap * 2 if self.dcap else 1024
+    if cap > self.ecap:
+        cap = self.ecap          # one element per entry at most (see above)
+    if cap <= self.dcap:
+        return False
+    cdef int32_t *grown = <int32_t*>realloc(self.dlist, sizeof(int32_t) * cap)
+    if grown == NULL:
+        return False
+    self.dlist, self.dcap = grown, cap
+    return True
+
+
+cdef inline void _dirty_off(CEmbeddingStore self) noexcept nogil:
+    self.mrel = -1
+    self.dlen = 0
+
+
+cdef inline void _dirty_mark(CEmbeddingStore self) noexcept nogil:
+    """Start a new, empty list at mark ``change_version`` (nothing is above it yet)."""
+    self.mark = self.cver
+    self.mrel = self.cver - self.vbase
+    self.dlen = 0
 
 
 cdef inline void _bump(CEmbeddingStore self) noexcept nogil:
@@ -202,11 +252,13 @@ cdef int32_t _insert(CEmbeddingStore self, uint64_t key, int ai) noexcept nogil:
     if self.efree >= 0:
         e = self.efree
         self.efree = self.entries[e].next
+        _dirty(self, e, self.entries[e].ver)
     else:
         if self.eused == self.ecap and not _grow_entries(self):
             return -1
         e = self.eused
         self.eused += 1
+        _dirty(self, e, 0)
     self.entries[e].key = key
     self.entries[e].row = r
     self.entries[e].arena = <uint16_t>ai

@@ -16,19 +16,35 @@ Change tracking (issue 18): after the timed rounds, the Cython store's
 ``changed_since`` passes over the whole store in chunks of 65,536 (a serving replica's
 pass): the rows changed during the timed rounds, then a pass that finds nothing; each is
 reported with its total time and its longest ``next()`` (the longest pause training sees).
-Run the script on a build before a change to the store and after it to compare lookup and
-update rates.
+Before the timed rounds a pass reads the store (from then on it keeps its dirty list, as
+a publishing server's does). Run the script on a build before a change to the store and
+after it to compare lookup and
+update rates, or give ``--old-build PATH`` (a copy of an earlier ``_cstore*.so``): after
+the rounds, a store of each build (loaded with the same rows) runs the same batches in
+turn, each build first every other batch, with a publisher's pass on both every 40
+batches, and the median of the per-batch ratios new / old is reported (rates of a shared
+machine drift by more than 10% between rounds; a pair of batches in turn drifts less).
+
+Incremental pass (``--pass-rows``, default 4M rows; ``--pass-changed``, 50k): a publisher's
+pass over a store of that many rows after that many rows changed (one update of distinct
+stored ids) since its previous pass, in the feed's windows of 262,144 entries. The same
+rows are read twice per round: by a pass from one version before the previous pass (older
+than the store's mark, so a full scan of every entry: the cost before the dirty list) and
+by the pass from the previous pass's version (the dirty list); the version in between
+stamps no row, so both return the same rows. Medians over ``--pass-rounds`` rounds.
 
 Memory: ``memory_bytes()`` of the full Cython store per row, against the raw bytes of a row
 (4 * (dim + state width)); the growth of the process RSS while a second store is filled is
 shown beside it as a check.
 
-Usage: ``python load_tests/bench_store.py [--json PATH] [--rounds N] [--batches N]``
+Usage: ``python load_tests/bench_store.py [--json PATH] [--rounds N] [--batches N]
+[--old-build PATH] [--pass-rows N] [--pass-changed N] [--pass-rounds N]``
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -140,6 +156,90 @@ def changes_pass(store, since: int) -> dict[str, float]:
     return out
 
 
+def load_old_build(path: str):
+    """``CEmbeddingStore`` of another build of ``_cstore`` (a module of its own)."""
+    spec = importlib.util.spec_from_file_location("stream_persia_old_build._cstore", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--old-build: cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CEmbeddingStore
+
+
+def versus_old_build(new, old, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict[str, float]:
+    """Rates of this build / the old one: both stores (same rows) run the same batch in
+    turn, each build first every other batch, with a publisher's pass on both every 40
+    batches (the dirty list restarts); medians (and quartiles) of the per-batch ratios."""
+    ratios: dict[str, list[float]] = {"lookup": [], "update": []}
+    for i in range(n):
+        batch = stable_hash64(zipf.ranks(BATCH).astype(np.uint64))
+        t: dict[str, tuple[float, float]] = {}
+        for name, store in (("new", new), ("old", old))[::1 if i % 2 else -1]:
+            t0 = time.thread_time()
+            store.lookup(batch, DIM, True)
+            t1 = time.thread_time()
+            store.update(batch, grads)
+            t[name] = (t1 - t0, time.thread_time() - t1)
+        ratios["lookup"].append(t["old"][0] / t["new"][0])
+        ratios["update"].append(t["old"][1] / t["new"][1])
+        if i % 40 == 39:
+            for store in (new, old):
+                drain(store.changed_since(store.change_version - 40, 1 << 18))
+    out: dict[str, float] = {"old_build_batches": n}
+    for what, xs in ratios.items():
+        q1, med, q3 = np.percentile(xs, [25, 50, 75])
+        out.update({f"{what}_vs_old_build": float(med), f"{what}_vs_old_build_q1": float(q1),
+                    f"{what}_vs_old_build_q3": float(q3)})
+    return out
+
+
+def drain(it) -> tuple[float, float, int]:
+    """Wall time of a pass, its longest next(), and its rows."""
+    rows, longest = 0, 0.0
+    t0 = time.perf_counter()
+    while True:
+        t = time.perf_counter()
+        chunk = next(it, None)
+        longest = max(longest, time.perf_counter() - t)
+        if chunk is None:
+            return time.perf_counter() - t0, longest, rows
+        rows += len(chunk["ids"])
+
+
+def incremental_pass(rows: int, changed: int, rounds: int) -> dict[str, float]:
+    """A pass over the rows changed since the previous one: full scan vs dirty list."""
+    window = 1 << 18                                  # the update feed's CHUNK_ROWS
+    store = CEmbeddingStore(rows, OPT)
+    ids = stable_hash64(np.arange(rows, dtype=np.uint64) + np.uint64(2 * UNIVERSE))
+    for i in range(0, rows, BATCH):
+        store.lookup(ids[i:i + BATCH], DIM, True)
+    drain(store.changed_since(0, window))             # the first pass: a full scan
+    rng = np.random.default_rng(7)
+    grads = (rng.standard_normal((changed, DIM)) * 0.01).astype(np.float32)
+    missing = np.array([1], np.uint64)                # never stored (ids are hashes)
+    full: list[tuple[float, float, int]] = []
+    fast: list[tuple[float, float, int]] = []
+    for _ in range(rounds):
+        store.remove(missing)                         # a version that stamps no row
+        base = store.change_version
+        drain(store.changed_since(base, window))      # the previous pass, from base
+        store.update(rng.choice(ids, changed, replace=False), grads)
+        full.append(drain(store.changed_since(base - 1, window)))
+        fast.append(drain(store.changed_since(base, window)))
+        if full[-1][2] != fast[-1][2] or fast[-1][2] != changed:
+            raise SystemExit(f"incremental pass: {fast[-1][2]} rows, full scan "
+                             f"{full[-1][2]}, expected {changed}")
+    store.close()
+
+    def med(xs: list[tuple[float, float, int]], k: int) -> float:
+        return float(np.median([x[k] for x in xs]))
+
+    return {"pass_store_rows": rows, "pass_changed_rows": changed,
+            "pass_full_scan_s": med(full, 0), "pass_full_scan_max_pause_s": med(full, 1),
+            "pass_incremental_s": med(fast, 0), "pass_incremental_max_pause_s": med(fast, 1),
+            "pass_full_scan_vs_incremental": med(full, 0) / med(fast, 0)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures here")
@@ -148,6 +248,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     help="batches per round for the Cython store and torch")
     ap.add_argument("--twin-batches", type=int, default=2,
                     help="batches per round for the Python twin")
+    ap.add_argument("--old-build", help="an earlier _cstore*.so to compare rates with")
+    ap.add_argument("--old-batches", type=int, default=200,
+                    help="batches each build runs, alternating, for the comparison")
+    ap.add_argument("--pass-rows", type=int, default=4_000_000,
+                    help="rows of the store of the incremental pass (0: skip it)")
+    ap.add_argument("--pass-changed", type=int, default=50_000,
+                    help="rows changed before the incremental pass")
+    ap.add_argument("--pass-rounds", type=int, default=5)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     zipf = ZipfIds()
@@ -182,6 +290,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print("copying it into the Python twin ...", file=sys.stderr)
     pystore = PyEmbeddingStore(CAPACITY, OPT)
     pystore.load(cstore.dump())
+    old_store = None
+    if args.old_build:
+        old_store = load_old_build(args.old_build)(CAPACITY, OPT)
+        old_store.load(cstore.dump())
+        cstore_copy = CEmbeddingStore(CAPACITY, OPT)   # the new build, loaded the same way
+        cstore_copy.load(cstore.dump())
+        cstore.close()
+        cstore = cstore_copy
     table = TorchTable(CAPACITY)
     tg = torch.from_numpy(grads)
     table.update(idxs[0], tg)  # warm-up of torch's kernels
@@ -191,6 +307,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     timers = {"cython": Timer(), "python": Timer(), "torch": Timer()}
     stats0 = cstore.stats()
     version0 = getattr(cstore, "change_version", 0)
+    for store in (cstore, old_store):   # a publisher reads them: the dirty list is kept
+        if store is not None and hasattr(store, "changed_since"):
+            drain(store.changed_since(version0))
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds} ...", file=sys.stderr)
         mine = slice(r * args.batches, (r + 1) * args.batches)
@@ -206,6 +325,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     stats = cstore.stats()
     tracking = changes_pass(cstore, version0) if hasattr(cstore, "changed_since") else {}
+    if old_store is not None:
+        print("this build against the old one ...", file=sys.stderr)
+        tracking.update(versus_old_build(cstore, old_store, zipf, grads, args.old_batches))
+        old_store.close()
+    if args.pass_rows:
+        print(f"incremental pass over {args.pass_rows:,} rows ...", file=sys.stderr)
+        tracking.update(incremental_pass(args.pass_rows, args.pass_changed, args.pass_rounds))
     res = {
         "cython_lookup_ids_per_s": c_lookup, "cython_update_ids_per_s": c_update,
         "twin_lookup_ids_per_s": p_lookup, "twin_update_ids_per_s": p_update,
@@ -238,6 +364,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
               f"{tracking['changed_max_pause_s'] * 1e3:.2f} ms); nothing changed: "
               f"{tracking['unchanged_pass_s'] * 1e3:.1f} ms (longest next() "
               f"{tracking['unchanged_max_pause_s'] * 1e3:.2f} ms)")
+    if old_store is not None:
+        print(f"this build / old build ({args.old_build}), median of {args.old_batches} "
+              f"alternated batches (quartiles): lookup {res['lookup_vs_old_build']:.3f}x "
+              f"({res['lookup_vs_old_build_q1']:.2f}-{res['lookup_vs_old_build_q3']:.2f}), "
+              f"update {res['update_vs_old_build']:.3f}x ({res['update_vs_old_build_q1']:.2f}"
+              f"-{res['update_vs_old_build_q3']:.2f})")
+    if args.pass_rows:
+        print(f"incremental pass, {res['pass_changed_rows']:,} of {res['pass_store_rows']:,} "
+              f"rows changed: full scan {res['pass_full_scan_s'] * 1e3:.1f} ms (longest next() "
+              f"{res['pass_full_scan_max_pause_s'] * 1e3:.2f} ms), dirty list "
+              f"{res['pass_incremental_s'] * 1e3:.1f} ms (longest next() "
+              f"{res['pass_incremental_max_pause_s'] * 1e3:.2f} ms) -> "
+              f"{res['pass_full_scan_vs_incremental']:.1f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -34,8 +34,14 @@ no ids changes nothing. A call that fails part-way (an id stored with another di
 lookup) keeps its increment and the stamps of the rows it changed before the error. Rows
 updated by one call all get its version whether or not their values changed (an SGD step
 of lr 0 still counts). ``changed_since(v)`` lists the stored rows with a change version
-> v (a full scan of the row slots per pass), ``evicted_since(v)`` the ids logged after
-v; ``advance_version(v)`` raises ``change_version`` to at least v. A replica that applies
+> v, ``evicted_since(v)`` the ids logged after v; ``advance_version(v)`` raises
+``change_version`` to at least v. Cost of a pass: this twin scans every row slot; the
+Cython store keeps a *dirty list* of the entries changed since its previous
+``changed_since`` call (the mark), so a pass from a ``since`` at or after the mark (a
+publisher's pass from the version it read just before its previous pass, in the same
+store-thread call that opened that pass) reads only those entries, and moves the mark to
+now; an older ``since`` (a resync, an abandoned pass retried) scans every entry and leaves
+the list alone. The rows returned are the same either way. A replica that applies
 ``evicted_since(v)`` (with ``remove``) and then ``changed_since(v)`` (with ``load``), for the
 ``v`` it last published through, holds exactly the store's rows; when ``evicted_since``
 says its log no longer covers ``v``, it must start again from ``changed_since(0)``.

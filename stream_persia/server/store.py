@@ -25,7 +25,9 @@ Interface (see ``_pystore.PyEmbeddingStore`` for the full contract):
   docstring): ``change_version -> int``, ``advance_version(v)``,
   ``changed_since(since, chunk_rows=65536)`` yields ``{"dim", "ids", "weights",
   "versions"}`` chunks of the rows changed after ``since`` (empty ones, ``dim`` 0, bound
-  each pause), ``evicted_since(since) -> (ids, versions, complete)``, ``remove(ids) -> int``.
+  each pause; a pass from the version read before the previous pass costs, in the Cython
+  store, what changed since rather than the table's size),
+  ``evicted_since(since) -> (ids, versions, complete)``, ``remove(ids) -> int``.
   The constructor's ``eviction_log`` (keyword, default 2**20 entries) bounds the log that
   ``evicted_since`` reads.
 """

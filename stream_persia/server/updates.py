@@ -277,17 +277,22 @@ class UpdateFeed:
         self._full_requested = False
         since = 0 if full else self._published
 
-        def begin() -> tuple[int, float | None, np.ndarray | None, bool]:
+        def begin() -> tuple[int, float | None, np.ndarray | None, bool, Any]:
+            # The rows' iterator is opened in the hop that reads V: the store's next
+            # incremental pass (from V) reads only what changed after this moment.
             version = int(store.change_version)
             event_time = self._trained_through()
-            if full or version == since:
-                return version, event_time, None, not full
+            if full:
+                return version, event_time, None, False, store.changed_since(0, CHUNK_ROWS)
+            if version == since:
+                return version, event_time, None, True, None
             ids, _, complete = store.evicted_since(since)
-            return version, event_time, ids, complete
+            chunks = store.changed_since(since if complete else 0, CHUNK_ROWS)
+            return version, event_time, ids, complete, chunks
 
         self._pass_first_seq = self.log.next_seq
         try:
-            version, event_time, tombs, incremental = await self._run(begin)
+            version, event_time, tombs, incremental, chunks = await self._run(begin)
             if incremental and version == since:
                 return False
             full = not incremental
@@ -301,7 +306,6 @@ class UpdateFeed:
                     self._append(self._message("tombstones", version, event_time,
                                                ids=np.ascontiguousarray(tombs[i:i + step])))
                 self.counts["tombstones"] += len(tombs)
-            chunks = await self._run(store.changed_since, since, CHUNK_ROWS)
             while True:
                 chunk = await self._run(next, chunks, None)
                 if chunk is None:

@@ -141,7 +141,11 @@ def test_changed_since_returns_the_values_and_splits_by_dim_and_chunk(impl):
     assert sorted(changed(s, 1)) == a[::2].tolist() + b.tolist()
     assert sorted(changed(s, 2)) == a[::2].tolist()
     assert changed(s, 3) == {}
-    # a pass with nothing to report is still many short steps (one per window of slots)
+    # a full scan with nothing to report (a since older than the Cython store's mark: a
+    # remove of no stored id is a version that stamps no row) is still many short steps,
+    # one per window of slots
+    assert s.remove(u64(999)) == 0 and s.change_version == 4
+    assert changed(s, 4) == {}
     chunks = list(s.changed_since(3, chunk_rows=10))
     assert len(chunks) >= 7 and all(len(c["ids"]) == 0 and c["dim"] == 0 for c in chunks)
 
@@ -373,3 +377,187 @@ class _Quiet:
 
     def random(self):
         return 1.0
+
+
+# --- incremental passes: a pass from the previous pass's version reads what changed ------------
+
+def steps(s, since):
+    """next() calls of a pass with windows of one entry: the entries the pass reads."""
+    return sum(1 for _ in s.changed_since(since, chunk_rows=1))
+
+
+def expected(s, since):
+    """What changed_since(since) must return, from a pass from 0 (a full scan, in the
+    Cython store: 0 is older than its mark, which the scan leaves alone)."""
+    return {k: x for k, x in changed(s, 0).items() if x[2] > since}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(
+        a[k][0] == b[k][0] and a[k][2] == b[k][2] and np.array_equal(a[k][1], b[k][1])
+        for k in a)
+
+
+def test_a_pass_from_the_last_pass_reads_only_the_changed_entries():
+    """The Cython store's incremental pass: its steps are the entries changed since the
+    previous pass (the twin scans every slot); rows come once each, duplicates in a call
+    or across calls, evicted and reused entries, removals and loads included."""
+    s = CEmbeddingStore(1000, Adagrad())
+    s.lookup(np.arange(1000, dtype=np.uint64), 4)
+    assert steps(s, 0) == 1000                       # the first pass scans everything
+    mark = s.change_version
+    assert steps(s, mark) == 0                       # nothing since: no step at all
+    mark = s.change_version
+    s.update(u64(5, 6, 5, 5), np.ones((4, 4), np.float32))   # duplicates in a call
+    s.update(u64(6, 7), np.ones((2, 4), np.float32))         # and across calls
+    s.lookup(u64(2000, 2001, 2002), 4)               # evicts 3 of the oldest rows: their
+    assert s.remove(u64(10, 11)) == 2                # entries are reused; two removed
+    s.load([{"dim": 4, "ids": u64(12), "weights": np.zeros((1, 4), np.float32)}])
+    want = expected(s, mark)
+    assert set(want) == {5, 6, 7, 12, 2000, 2001, 2002}
+    through = s.change_version
+    got = changed(s, mark, chunk_rows=1)             # (changed() asserts each row once)
+    assert same(got, want)
+    assert steps(s, through) == 0
+    # the entries of evicted rows, reused since the last pass: listed once each
+    s.lookup(np.arange(3000, 3100, dtype=np.uint64), 4)
+    s.update(np.arange(3000, 3100, dtype=np.uint64), np.ones((100, 4), np.float32))
+    mark = s.change_version
+    assert len(changed(s, through)) == 100
+    s.lookup(u64(3000), 4, train=False)
+    s.update(u64(3000, 3001), np.ones((2, 4), np.float32))
+    assert steps(s, mark) == 2
+
+
+def test_a_sharded_store_of_cython_shards_passes_incrementally():
+    s = ShardedStore(1000, Adagrad(), shards=3, store_type=CEmbeddingStore)
+    ids = np.arange(600, dtype=np.uint64)
+    s.lookup(ids, 4)
+    assert steps(s, 0) == 600
+    for _ in range(3):
+        mark = s.change_version
+        s.update(ids[:10], np.ones((10, 4), np.float32))
+        s.lookup(ids[5:15], 4)                       # hits: no row changes
+        s.update(u64(7, 7, 700), np.ones((3, 4), np.float32))
+        assert steps(s, mark) == 10 and set(changed(s, mark)) == set(range(10))
+        assert same(changed(s, mark), expected(s, mark))
+    s.close()
+
+
+def test_a_failed_update_takes_back_what_it_listed():
+    s = CEmbeddingStore(100, SGD(0.1))
+    s.lookup(np.arange(10, 60, dtype=np.uint64), 4)   # (a list of a few entries is read,
+    s.lookup(u64(1, 2, 3), 4)                         # not a scan of them all)
+    s.lookup(u64(9), 8)
+    mark = s.change_version
+    assert steps(s, 0) == 54 and steps(s, mark) == 0
+    with pytest.raises(BadInput):
+        s.update(u64(1, 2, 9), np.ones((3, 4), np.float32))
+    with pytest.raises(BadInput):
+        s.update(u64(1, 3), np.array([[1] * 4, [np.nan] * 4], np.float32))
+    assert steps(s, mark) == 0
+    s.update(u64(3), np.ones((1, 4), np.float32))
+    assert steps(s, mark) == 1
+
+
+def test_an_abandoned_pass_and_an_older_since_scan_everything_and_keep_the_list(impl):
+    s = impl(300, Adagrad())
+    s.lookup(np.arange(200, dtype=np.uint64), 4)
+    first = s.change_version
+    changed(s, 0)                                    # the pass that sets the mark
+    s.update(np.arange(0, 40, dtype=np.uint64), np.ones((40, 4), np.float32))
+    second = s.change_version
+    passing = s.changed_since(first, chunk_rows=3)   # a pass abandoned after one window
+    next(passing)
+    del passing
+    s.update(np.arange(30, 50, dtype=np.uint64), np.ones((20, 4), np.float32))
+    s.lookup(np.arange(200, 230, dtype=np.uint64), 4)
+    assert same(changed(s, first), expected(s, first))   # again from the same since
+    assert len(changed(s, first)) == 80
+    assert len(changed(s, 0)) == 230                 # an older reader: everything
+    assert same(changed(s, second), expected(s, second))
+    third = s.change_version
+    s.update(u64(1, 2), np.ones((2, 4), np.float32))
+    assert same(changed(s, third), expected(s, third))
+    assert set(changed(s, third)) == {1, 2}
+    if impl is CEmbeddingStore:                      # the list survived the older readers
+        fourth = s.change_version
+        s.update(u64(3), np.ones((1, 4), np.float32))
+        assert steps(s, fourth) == 1
+
+
+def test_rows_changed_during_an_incremental_pass_come_in_the_next(impl):
+    s = impl(1000, SGD(0.5))
+    ids = np.arange(300, dtype=np.uint64)
+    s.lookup(ids, 4)
+    changed(s, 0)
+    rng = np.random.default_rng(5)
+    published = s.change_version
+    s.update(ids[:120], rng.standard_normal((120, 4)).astype(np.float32))
+    through = s.change_version
+    want = expected(s, published)
+    got = {}
+    for chunk in s.changed_since(published, chunk_rows=16):
+        for k, w, v in zip(chunk["ids"].tolist(), chunk["weights"], chunk["versions"].tolist(),
+                           strict=True):
+            if v <= through:                         # as the row was when the pass began
+                assert np.array_equal(w, want[k][1]) and v == want[k][2]
+            got[k] = v
+        some = rng.choice(ids, 30, replace=False).astype(np.uint64)
+        s.update(some, rng.standard_normal((30, 4)).astype(np.float32))
+        s.remove(some[:2])
+    assert set(want) - set(got) <= set(want) - set(expected(s, 0))   # only removed ones
+    assert same(changed(s, through), expected(s, through))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_consecutive_passes_return_exactly_the_changes(seed):
+    """Each pass from the previous pass's version returns exactly the rows changed since
+    (compared with a full scan) on the Cython store and its twin fed the same calls, with
+    evictions, removals, loads, clears, failed updates and jumps of the version past 32
+    bits (which move the Cython store's base)."""
+    rng = np.random.default_rng(seed)
+    cfg = EmbeddingConfig(admit_probability=0.7)
+    stores = [CEmbeddingStore(120, Adagrad(), cfg), PyEmbeddingStore(120, Adagrad(), cfg)]
+    published = 0
+    for _ in range(50):
+        roll = rng.random()
+        calls = [_random_call(rng) for _ in range(int(rng.integers(0, 5)))]
+        for s in stores:
+            for call in calls:
+                call(s)
+            if roll < 0.05:
+                s.advance_version(s.change_version + 2**32)
+        through = stores[0].change_version
+        since = published if rng.random() < 0.9 else int(rng.integers(0, published + 1))
+        passes = [changed(s, since, int(rng.integers(1, 50))) for s in stores]
+        for s, got in zip(stores, passes, strict=True):
+            assert same(got, expected(s, since)), since
+        if since == published:
+            published = through
+
+
+def _random_call(rng):
+    dim = int(rng.choice([3, 5]))
+    ids = (rng.zipf(1.3, 40) % 300).astype(np.uint64) | np.uint64(dim << 56)
+    roll = rng.random()
+    if roll < 0.4:
+        return lambda s: s.lookup(ids, dim)
+    grads = rng.standard_normal((40, dim)).astype(np.float32)
+    if roll < 0.8:
+        return lambda s: s.update(ids, grads)
+    if roll < 0.85:
+        bad = grads.copy()
+        bad[-1, 0] = np.nan
+
+        def refused(s):
+            with pytest.raises(BadInput):
+                s.update(ids, bad)
+        return refused
+    if roll < 0.92:
+        return lambda s: s.remove(ids[:8])
+    if roll < 0.98:
+        return lambda s: s.load([{"dim": dim, "ids": np.unique(ids[:10]),
+                                  "weights": np.ones((len(np.unique(ids[:10])), dim),
+                                                     np.float32)}])
+    return lambda s: s.clear()
