@@ -15,7 +15,9 @@ the whole run after the replica's start.
 
 Prints the figures of every run, then one JSON object (also written with ``--json``):
 
-- ``freshness_p50_s``, ``freshness_p99_s``: medians over the publishing runs;
+- ``freshness_p50_s``, ``freshness_p99_s``: medians over the publishing runs, over the
+  whole run from the replica's first advance; ``freshness_steady_*`` leave out the first
+  10 s of event time, while the replica catches up from the checkpoint it started from;
 - ``update_bytes_vs_full_checkpoint``: bytes of updates the replica applied per minute,
   over the bytes of the job's final full checkpoint (its embedding shard files);
 - ``train_vs_publishing_off``: median training samples/s with publishing over without;
@@ -88,6 +90,9 @@ def main() -> None:
                     minutes = max(rep.get("following_s") or 0.0, 1e-9) / 60.0
                     fig.update(freshness_p50_s=rep.get("freshness_p50_s"),
                                freshness_p99_s=rep.get("freshness_p99_s"),
+                               freshness_max_s=rep.get("freshness_max_s"),
+                               freshness_steady_p50_s=rep.get("freshness_steady_p50_s"),
+                               freshness_steady_p99_s=rep.get("freshness_steady_p99_s"),
                                advances=rep.get("advances"),
                                update_bytes=rep.get("update_bytes"),
                                update_bytes_per_min=(rep.get("update_bytes") or 0) / minutes,
@@ -108,6 +113,8 @@ def main() -> None:
         "samples": args.samples, "repeat": args.repeat, "cpus": os.cpu_count(),
         "freshness_p50_s": med("freshness_p50_s", on),
         "freshness_p99_s": med("freshness_p99_s", on),
+        "freshness_steady_p50_s": med("freshness_steady_p50_s", on),
+        "freshness_steady_p99_s": med("freshness_steady_p99_s", on),
         "update_bytes_vs_full_checkpoint": statistics.median(
             r["update_bytes_per_min"] / r["full_checkpoint_bytes"] for r in on),
         "train_vs_publishing_off": med("samples_per_s", on) / med("samples_per_s", off),

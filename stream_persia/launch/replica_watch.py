@@ -30,7 +30,10 @@ import numpy as np
 from stream_persia.launch.report import auc_of, predict_over_http
 
 __all__ = ["ReplicaWatch", "freshness_of", "request_checkpoint", "training_started",
-           "log_ends"]
+           "log_ends", "STEADY_AFTER_S"]
+
+#: Seconds of event time after the replica's first advance left out of the steady figures.
+STEADY_AFTER_S = 10.0
 
 
 def training_started(api_address: str, token: str) -> bool:
@@ -86,14 +89,16 @@ def request_checkpoint(api_address: str, token: str, ident: str) -> bool:
     return r.status_code == 202
 
 
-def freshness_of(advances: list[tuple[float, float]], grid_s: float = 0.01
-                 ) -> np.ndarray:
-    """Freshness (s) of samples spread evenly over the event times the advances cover."""
+def freshness_of(advances: list[tuple[float, float]], grid_s: float = 0.01,
+                 skip_s: float = 0.0) -> np.ndarray:
+    """Freshness (s) of samples spread evenly over the event times the advances cover
+    (after the first ``skip_s`` seconds of them: the replica catching up as it starts)."""
     if len(advances) < 2:
         return np.zeros(0)
     a = np.asarray(sorted(advances, key=lambda x: x[1]), dtype=np.float64)
     applied, through = a[:, 0], a[:, 1]
-    events = np.arange(through[0] + grid_s, through[-1] + 1e-9, grid_s)
+    events = np.arange(through[0] + grid_s + skip_s, through[-1] + grid_s / 2, grid_s)
+    events = events[events <= through[-1]]
     j = np.searchsorted(through, events, side="left")
     return applied[j] - events
 
@@ -232,10 +237,19 @@ class ReplicaWatch:
         """What ``report.json`` gets under ``replica``."""
         adv = sorted(self.advances.items())
         fresh = freshness_of(adv)
+        steady = freshness_of(adv, skip_s=STEADY_AFTER_S)
+
+        def pct(a: np.ndarray, q: float) -> float | None:
+            return round(float(np.percentile(a, q)), 3) if a.size else None
+
         out: dict[str, Any] = {
             "advances": len(adv),
-            "freshness_p50_s": round(float(np.percentile(fresh, 50)), 3) if fresh.size else None,
-            "freshness_p99_s": round(float(np.percentile(fresh, 99)), 3) if fresh.size else None,
+            "freshness_p50_s": pct(fresh, 50), "freshness_p99_s": pct(fresh, 99),
+            "freshness_max_s": pct(fresh, 100),
+            # without the first STEADY_AFTER_S of event time, when the replica catches up
+            # from the checkpoint it started from
+            "freshness_steady_p50_s": pct(steady, 50), "freshness_steady_p99_s": pct(steady, 99),
+            "freshness_curve": [(round(t, 2), round(f, 3)) for t, f in self.curve()[::4]],
             "served_auc_during_run": self.auc_curve,
             "update_bytes": self.update_bytes,
             "following_s": round(self.last_seen - self.first_seen, 2)

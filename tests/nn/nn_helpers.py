@@ -35,19 +35,22 @@ class LocalJob:
 
     def __init__(self, schema: EmbeddingSchema, *, servers: int = 1, workers: int = 1,
                  capacity: int = 100_000, ready_buffer_batches: int = 16,
-                 push_retry_ms: int = 20_000, on_server_restart: str = "fail"):
+                 push_retry_ms: int = 20_000, on_server_restart: str = "fail",
+                 model_updates: bool = True, model_update_interval_ms: int = 200):
         self.loop = LoopThread(name="test-job")
         self.servers: list[EmbeddingServer] = []
         self.workers: list[EmbeddingWorker] = []
         self.push_retry_ms = push_retry_ms
         self.on_server_restart = on_server_restart
+        self.server_kw = {"model_updates": model_updates,
+                          "model_update_interval_ms": model_update_interval_ms}
         self.loop.run(self._start(schema, servers, workers, capacity, ready_buffer_batches),
                       timeout=30)
 
     async def _start(self, schema, n_servers, n_workers, capacity, ready) -> None:
         for i in range(n_servers):
             s = EmbeddingServer(capacity, replica_index=i, replica_size=n_servers,
-                                checkpoint_root=TEST_CHECKPOINT_ROOT)
+                                checkpoint_root=TEST_CHECKPOINT_ROOT, **self.server_kw)
             await s.start()
             self.servers.append(s)
         for i in range(n_workers):

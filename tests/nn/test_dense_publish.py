@@ -132,7 +132,9 @@ def test_training_is_bit_identical_with_publishing_on_and_off(job_factory):
     batches = learnable_batches(20, 64, seed=4)
     runs = []
     for cfg in (ModelUpdatesConfig(enabled=False), publishing(1)):
-        job = job_factory(LEARNABLE_SCHEMA)
+        # publishing on: the servers' update feeds pass every 10 ms meanwhile, too
+        job = job_factory(LEARNABLE_SCHEMA, model_updates=cfg.enabled,
+                          model_update_interval_ms=10)
         model, ctx = train(job, batches, model_updates=cfg, seed=3)
         ids = LEARNABLE_SCHEMA.prefix_ids("a", np.arange(50, dtype=np.uint64))
         runs.append((model.state_dict(), job.servers[0].store.lookup(ids, 4, train=False),
