@@ -33,6 +33,7 @@ from aiokafka.errors import KafkaError
 
 from stream_persia.config.kafka import resolve_bootstrap_servers
 from stream_persia.core import wire
+from stream_persia.core.backoff import wait_bounded
 from stream_persia.errors import BadInput, ConfigError, RemoteError
 from stream_persia.kafka._client import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -107,10 +108,10 @@ class UpdateSink(ProducerUser):
                                                          partition=self.partition)))
                 self.counts["bytes"] += len(value)
             for msg, fut in futures:
-                meta = await fut
+                meta = await wait_bounded(fut, self.send_timeout_s)
                 self._remember(msg, meta.offset)
                 self.counts["sent"] += 1
-        except KafkaError as e:
+        except (KafkaError, TimeoutError) as e:
             self.counts["failures"] += 1
             raise RemoteError(f"cannot publish model updates to {self.topic!r} partition "
                               f"{self.partition}: {e!r}", field="kafka.bootstrap_servers") \

@@ -396,7 +396,10 @@ class EmbeddingServer:
         if self.feed is not None:
             await self.feed.stop()
             if self.feed.sink is not None:
-                await self.feed.flush_sink()   # what the last pass logged, best effort
+                try:   # what the last pass logged, best effort
+                    await asyncio.wait_for(self.feed.flush_sink(), 5.0)
+                except TimeoutError:
+                    pass
                 await self.feed.sink.close()
         await self.rpc.stop()
         self._pool.shutdown(wait=True)

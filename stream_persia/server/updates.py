@@ -165,6 +165,7 @@ class UpdateFeed:
         self._full_requested = False
         self._pass_first_seq: int | None = None
         self._task: asyncio.Task | None = None
+        self._sink_task: asyncio.Task | None = None
         self._passing = asyncio.Lock()       # one pass at a time (the loop, a test, a drain)
         self.sink = sink
         self._sink_seq = 0                    # the first message not yet on Kafka
@@ -181,13 +182,24 @@ class UpdateFeed:
     def _gauges(self) -> dict[str, float]:
         return {**{k: float(v) for k, v in self.counts.items()},
                 "log_messages": float(len(self.log)), "log_bytes": float(self.log.bytes),
+                "kafka_unpublished": float(self.unpublished),
                 "version": float(self._published)}
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name=f"update-feed-{self.shard}")
+        if self.sink is not None:   # apart: a broker outage never holds up the passes
+            self._sink_task = asyncio.create_task(self._sink_loop(),
+                                                  name=f"update-sink-{self.shard}")
 
     async def stop(self) -> None:
+        if self._sink_task is not None:
+            self._sink_task.cancel()
+            try:
+                await self._sink_task
+            except asyncio.CancelledError:
+                pass
+            self._sink_task = None
         if self._task is not None:
             self._task.cancel()
             try:
@@ -202,7 +214,6 @@ class UpdateFeed:
             started = time.monotonic()
             try:
                 await self.run_pass()
-                await self.flush_sink()
                 failing = False
             except asyncio.CancelledError:
                 raise
@@ -214,6 +225,16 @@ class UpdateFeed:
                 failing = True
                 self._full_requested = True
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    @property
+    def unpublished(self) -> int:
+        """Messages of the log not yet acknowledged by Kafka (0 without a sink)."""
+        return 0 if self.sink is None else self.log.next_seq - self._sink_seq
+
+    async def _sink_loop(self) -> None:
+        while True:
+            await self.flush_sink()
+            await asyncio.sleep(self.interval_s / 2 if not self._sink_failing else 1.0)
 
     async def flush_sink(self) -> None:
         """Produce the messages the sink does not have yet; on broker trouble they stay

@@ -174,3 +174,26 @@ async def test_replica_converges_after_a_server_restart(tmp_path):
             assert table_rows(follower.store) == server_rows(job)
     finally:
         await stop_job(job)
+
+
+async def test_a_restarted_replica_catches_up_from_the_checkpoint(tmp_path):
+    """A replica stopped mid-stream and started again (a new process would do the same)
+    restores the checkpoint, goes on from the positions its manifest records, and ends with
+    the servers' rows: what changed while it was down is applied once, nothing missed."""
+    job = await start_job(n_servers=2)
+    try:
+        await job.train(3)
+        ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3))
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                checkpoint_dir=str(tmp_path / "ckpts"))
+        async with LiveApi(settings) as replica:
+            await job.train(2, seed=1)
+            await drained(replica, job)
+        await job.train(3, seed=2)          # while no replica runs
+        async with LiveApi(settings) as replica:
+            await drained(replica, job)
+            follower = replica.state.predictor.replica
+            assert table_rows(follower.store) == server_rows(job)
+            assert all(c.resyncs == 0 and c.applied["resets"] == 0 for c in follower.cursors)
+    finally:
+        await stop_job(job)

@@ -118,3 +118,43 @@ async def test_replica_follows_kafka_and_dead_letters_bad_records(kafka_broker, 
             assert [r.value for r in records] == [b"not a frame"]
     finally:
         await stop_job(job)
+
+
+async def test_a_broker_outage_is_a_gap_in_freshness_then_the_replica_converges(tmp_path):
+    """The broker goes down while training goes on: the servers keep their update logs and
+    publish them once it is back, the replica's trained_through stands still meanwhile (the
+    gap shows), and it ends with the servers' rows, nothing applied twice."""
+    from stream_persia.testing.kafka_mock import MockKafkaCluster
+
+    with MockKafkaCluster() as kafka:
+        bootstrap = kafka.bootstrap_servers
+        job_name = "outage"
+        topic = updates_topic(job_name)
+        assert kafka.create_topic(topic, 3)
+        kafka.create_topic(f"{topic}.dlq", 1)
+        job = await kafka_job(bootstrap, job_name)
+        try:
+            await job.train(2)
+            await asyncio.sleep(0.3)
+            ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"),
+                                          TwoHeads(seed=3))
+            gc = GlobalConfig.from_dict({"kafka": {"bootstrap_servers": bootstrap,
+                                                   "job_name": job_name}})
+            settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                    updates="kafka", global_config=gc,
+                                    checkpoint_dir=str(tmp_path / "ckpts"))
+            async with LiveApi(settings) as replica:
+                await job.train(2, seed=1)
+                await converged(replica, job)
+                follower = replica.state.predictor.replica
+                versions = [c.version for c in follower.cursors]
+                kafka.broker_down()
+                await job.train(3, seed=2)          # training goes on without the broker
+                await asyncio.sleep(1.0)
+                assert [c.version for c in follower.cursors] == versions   # the gap
+                assert any(s.feed.unpublished for s in job.servers)   # kept in the log
+                kafka.broker_up()
+                await converged(replica, job, timeout_s=60)
+                assert all(c.resyncs == 0 for c in follower.cursors)   # no message lost
+        finally:
+            await stop_job(job)
