@@ -91,6 +91,13 @@ def server_rows(job) -> dict[int, bytes]:
     return out
 
 
+async def replica_of(job, tmp_path) -> tuple[str, object]:
+    """A checkpoint of ``job`` and the settings of a replica that starts from it."""
+    ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3))
+    return ckpt, settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                              checkpoint_dir=str(tmp_path / "ckpts"))
+
+
 def assert_close(a: list[np.ndarray], b: list[np.ndarray]) -> None:
     for x, y in zip(a, b, strict=True):
         np.testing.assert_allclose(x, y, atol=1e-6, rtol=0)
@@ -101,9 +108,7 @@ async def test_replica_follows_training_exactly(tmp_path, n_servers):
     job = await start_job(n_servers=n_servers)
     try:
         await job.train(4)
-        ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3))
-        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
-                                checkpoint_dir=str(tmp_path / "ckpts"))
+        ckpt, settings = await replica_of(job, tmp_path)
         async with LiveApi(settings) as replica:
             first, _ = await predictions(replica)
             await job.train(6, seed=1)      # rows change after the checkpoint
@@ -142,9 +147,7 @@ async def test_replica_converges_after_a_server_restart(tmp_path):
     job = await start_job(n_servers=2)
     try:
         await job.train(3)
-        ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3))
-        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
-                                checkpoint_dir=str(tmp_path / "ckpts"))
+        ckpt, settings = await replica_of(job, tmp_path)
         async with LiveApi(settings) as replica:
             await drained(replica, job)
             # server 1 "restarts": a new process at the same address, restored from the
@@ -183,9 +186,7 @@ async def test_a_restarted_replica_catches_up_from_the_checkpoint(tmp_path):
     job = await start_job(n_servers=2)
     try:
         await job.train(3)
-        ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3))
-        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
-                                checkpoint_dir=str(tmp_path / "ckpts"))
+        ckpt, settings = await replica_of(job, tmp_path)
         async with LiveApi(settings) as replica:
             await job.train(2, seed=1)
             await drained(replica, job)

@@ -52,6 +52,14 @@ async def kafka_job(bootstrap: str, job_name: str, n_servers: int = 2):
     return Job(servers, [worker])
 
 
+def kafka_replica(job, ckpt: str, bootstrap: str, job_name: str, tmp_path):
+    """Settings of a replica following ``job_name``'s update topic from ``ckpt``."""
+    gc = GlobalConfig.from_dict({"kafka": {"bootstrap_servers": bootstrap,
+                                           "job_name": job_name}})
+    return settings_for(job, model_checkpoint=ckpt, embeddings="replica", updates="kafka",
+                        global_config=gc, checkpoint_dir=str(tmp_path / "ckpts"))
+
+
 async def converged(api: LiveApi, job, timeout_s: float = 30.0) -> None:
     want = {}
     for s in job.servers:
@@ -87,11 +95,7 @@ async def test_replica_follows_kafka_and_dead_letters_bad_records(kafka_broker, 
         ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3))
         manifest = json.load(open(os.path.join(ckpt, "manifest.json")))
         assert all("offset" in p for p in manifest["model_updates"]), manifest["model_updates"]
-        gc = GlobalConfig.from_dict({"kafka": {"bootstrap_servers": bootstrap,
-                                               "job_name": job_name}})
-        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
-                                updates="kafka", global_config=gc,
-                                checkpoint_dir=str(tmp_path / "ckpts"))
+        settings = kafka_replica(job, ckpt, bootstrap, job_name, tmp_path)
         async with LiveApi(settings) as replica:
             await job.train(4, seed=1)
             await converged(replica, job)
@@ -138,11 +142,7 @@ async def test_a_broker_outage_is_a_gap_in_freshness_then_the_replica_converges(
             await asyncio.sleep(0.3)
             ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"),
                                           TwoHeads(seed=3))
-            gc = GlobalConfig.from_dict({"kafka": {"bootstrap_servers": bootstrap,
-                                                   "job_name": job_name}})
-            settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
-                                    updates="kafka", global_config=gc,
-                                    checkpoint_dir=str(tmp_path / "ckpts"))
+            settings = kafka_replica(job, ckpt, bootstrap, job_name, tmp_path)
             async with LiveApi(settings) as replica:
                 await job.train(2, seed=1)
                 await converged(replica, job)
