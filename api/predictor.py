@@ -36,7 +36,7 @@ from stream_persia.api.features import signature
 from stream_persia.api.inputs import ModelInputs
 from stream_persia.api.metrics import ApiMetrics
 from stream_persia.api.model import DenseModel, load_dense
-from stream_persia.api.replica import Replica, rebuilt
+from stream_persia.api.replica import Replica, ReplicaMetrics, rebuilt
 from stream_persia.api.replica_kafka import KafkaFollow
 from stream_persia.api.roles import WORKER, Roles
 from stream_persia.api.settings import ApiSettings
@@ -106,6 +106,8 @@ class Predictor:
         self._last_error: str | None = None
         self._retry: asyncio.Task | None = None
         self.replica: Replica | None = None
+        self.replica_metrics = (ReplicaMetrics(metrics.role) if self.source == "replica"
+                                else None)
         self._kafka: KafkaFollow | None = None
         self.batcher = MicroBatcher(self._run, max_rows=settings.max_batch_rows,
                                     max_wait_s=settings.batch_wait_ms / 1000.0)
@@ -281,7 +283,8 @@ class Predictor:
         self.replica = Replica(
             self.roles, served.table.store, positions,
             execute=lambda fn: loop.run_in_executor(self._pool, fn),
-            on_dense=self._on_dense, dense_step=served.dense.step, metrics=self.metrics.role,
+            on_dense=self._on_dense, dense_step=served.dense.step,
+            metrics=self.replica_metrics,
             dense_event_time=_event_time(served.dense.manifest.extra.get("trained_through")))
         kafka = self.settings.updates_kafka()
         if kafka is None:

@@ -54,7 +54,7 @@ from stream_persia.errors import BadInput, PersiaError
 from stream_persia.kernels.sharding import shard_of
 from stream_persia.server.store import Store
 
-__all__ = ["Replica", "ShardCursor", "apply_messages", "drop_shard", "message_bytes",
+__all__ = ["Replica", "ReplicaMetrics", "ShardCursor", "apply_messages", "drop_shard", "message_bytes",
            "check_message"]
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,36 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
             cursor.applied["marks"] += 1
 
 
+_COUNTERS = frozenset({"pulls", "pull_failures", "bad_messages", "dense_loads",
+                       "dense_failures", "resyncs", "server_restarts", "bytes"})
+
+
+class ReplicaMetrics:
+    """A serving replica's metrics, registered once per API process: a reload starts a new
+    :class:`Replica`, whose counters go on from the previous one's (they never drop).
+    ``persia_api_freshness_seconds`` and ``persia_api_replica_*``."""
+
+    def __init__(self, metrics: RoleMetrics):
+        self.freshness = metrics.histogram(
+            "freshness_seconds", "age of the oldest sample each advance of trained_through "
+            "covers, when it is applied (upper bound of freshness)", buckets=_FRESHNESS_BUCKETS)
+        self.current: Replica | None = None
+        self.carried = dict.fromkeys(_COUNTERS, 0.0)
+        metrics.add_callback("replica", self._gauges, counters=_COUNTERS)
+
+    def follow(self, replica: Replica) -> None:
+        if self.current is not None:
+            for k, v in self.current.gauges().items():
+                if k in _COUNTERS:
+                    self.carried[k] += v
+        self.current = replica
+
+    def _gauges(self) -> dict[str, float]:
+        if self.current is None:
+            return dict(self.carried)
+        return {k: v + self.carried.get(k, 0.0) for k, v in self.current.gauges().items()}
+
+
 class Replica:
     """Follows the servers' update logs and server 0's dense model (module docstring).
 
@@ -181,14 +211,15 @@ class Replica:
             newer dense model; the predictor builds and swaps the model.
         dense_step: the step of the dense model served at start (the checkpoint's).
         dense_event_time: its event time, if known.
-        metrics: the API's metrics registry.
+        metrics: where the replica's metrics go (one per API process).
     """
 
     def __init__(self, roles: Roles, store: Store, positions: list[dict[str, Any]] | None,
                  execute: Callable[[Callable[[], Any]], Awaitable[Any]],
                  on_dense: Callable[[dict[str, Any], int, float | None], Awaitable[None]],
                  *, dense_step: int = -1, dense_event_time: float | None = None,
-                 metrics: RoleMetrics | None = None, interval_s: float = FOLLOW_INTERVAL_S):
+                 metrics: ReplicaMetrics | None = None,
+                 interval_s: float = FOLLOW_INTERVAL_S):
         self.roles = roles
         self.store = store
         self.shards = len(roles.servers)
@@ -206,18 +237,13 @@ class Replica:
         self._warned: dict[str, bool] = {}
         self.counts = {"pulls": 0, "pull_failures": 0, "bad_messages": 0, "dense_loads": 0,
                        "dense_failures": 0, "bytes": 0}
-        self.freshness = None
+        self.metrics = metrics
+        self.freshness = metrics.freshness if metrics is not None else None
         if metrics is not None:
-            self.freshness = metrics.histogram(
-                "freshness_seconds", "age of the oldest sample each advance of "
-                "trained_through covers, when it is applied (upper bound of freshness)",
-                buckets=_FRESHNESS_BUCKETS)
-            metrics.add_callback("replica", self._gauges,
-                                 counters={"pulls", "pull_failures", "bad_messages",
-                                           "dense_loads", "dense_failures", "resyncs",
-                                           "server_restarts", "bytes"})
+            metrics.follow(self)
 
-    def _gauges(self) -> dict[str, float]:
+    def gauges(self) -> dict[str, float]:
+        """This replica's counters and levels (:class:`ReplicaMetrics` exports them)."""
         now = time.time()
         return {**{k: float(v) for k, v in self.counts.items()},
                 "resyncs": float(sum(c.resyncs for c in self.cursors)),

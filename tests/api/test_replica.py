@@ -198,3 +198,30 @@ async def test_a_restarted_replica_catches_up_from_the_checkpoint(tmp_path):
             assert all(c.resyncs == 0 and c.applied["resets"] == 0 for c in follower.cursors)
     finally:
         await stop_job(job)
+
+
+async def test_a_replica_reloads_another_checkpoint_and_its_metrics_go_on(tmp_path):
+    """POST /v1/model/reload on a replica restores that checkpoint and follows on from
+    it; its metrics (one registry per process) keep counting, never drop."""
+    job = await start_job(n_servers=2)
+    try:
+        await job.train(3)
+        ckpt, settings = await replica_of(job, tmp_path)
+        async with LiveApi(settings) as replica:
+            await drained(replica, job)
+            pulls = replica.state.predictor.replica.counts["pulls"]
+            await job.train(2, seed=1)
+            await write_checkpoint(job, str(tmp_path / "ckpts" / "c2"), TwoHeads(seed=4))
+            r = await replica.client.post("/v1/model/reload", json={"checkpoint": "c2"},
+                                          headers={"Authorization": "Bearer s3cret-token"})
+            assert r.status_code == 200, r.text
+            await job.train(2, seed=2)
+            await drained(replica, job)
+            assert table_rows(replica.state.predictor.replica.store) == server_rows(job)
+            text = (await replica.client.get("/metrics")).text
+            line = next(ln for ln in text.splitlines()
+                        if ln.startswith("persia_api_replica_pulls_total"))
+            assert float(line.split()[-1]) >= pulls
+            assert "persia_api_freshness_seconds_bucket" in text
+    finally:
+        await stop_job(job)
