@@ -294,7 +294,7 @@ class Predictor:
         self._kafka = KafkaFollow(self.replica, bootstrap, topic, positions,
                                   security_kwargs=security)
         await self._kafka.start()
-        self.replica.start(sparse_over_rpc=False)
+        self.replica.start(over_rpc=False)
 
     async def _on_dense(self, state: dict[str, Any], step: int,
                         event_time: float | None) -> None:

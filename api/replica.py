@@ -170,7 +170,8 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
 
 
 _COUNTERS = frozenset({"pulls", "pull_failures", "bad_messages", "dense_loads",
-                       "dense_failures", "resyncs", "server_restarts", "bytes"})
+                       "dense_failures", "resyncs", "server_restarts", "bytes",
+                       "dense_kafka"})
 
 
 class ReplicaMetrics:
@@ -236,7 +237,7 @@ class Replica:
         self._tasks: list[asyncio.Task] = []
         self._warned: dict[str, bool] = {}
         self.counts = {"pulls": 0, "pull_failures": 0, "bad_messages": 0, "dense_loads": 0,
-                       "dense_failures": 0, "bytes": 0}
+                       "dense_failures": 0, "bytes": 0, "dense_kafka": 0}
         self.metrics = metrics
         self.freshness = metrics.freshness if metrics is not None else None
         if metrics is not None:
@@ -263,10 +264,13 @@ class Replica:
                 "counts": dict(self.counts), "dense_event_time": self.dense_event_time}
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self, *, sparse_over_rpc: bool = True) -> None:
-        """Follow the dense model and (unless Kafka brings them) the servers' logs."""
+    def start(self, *, over_rpc: bool = True) -> None:
+        """Follow the servers' logs and server 0's dense model over RPC (not when a
+        :class:`~stream_persia.api.replica_kafka.KafkaFollow` brings both)."""
+        if not over_rpc:
+            return
         self._tasks = [asyncio.create_task(self._follow(c), name=f"replica-shard-{c.shard}")
-                       for c in self.cursors] if sparse_over_rpc else []
+                       for c in self.cursors]
         self._tasks.append(asyncio.create_task(self._follow_dense(), name="replica-dense"))
 
     async def stop(self) -> None:
@@ -399,17 +403,32 @@ class Replica:
             if r.get("data") is None or int(r["version"]) != step:
                 return False   # replaced by a newer one meanwhile: start over next time
             parts.append(r["data"])
-        blob = b"".join(bytes(p) for p in parts)
+        return await self.apply_dense(b"".join(bytes(p) for p in parts), step, digest,
+                                      first.get("event_time"))
+
+    async def apply_dense(self, blob: bytes, step: int, digest: Any,
+                          event_time: Any) -> bool:
+        """Check a whole dense blob and serve it if it is newer (from RPC or Kafka)."""
+        if step <= self.dense_step:
+            return False
         self.counts["bytes"] += len(blob)
-        if hashlib.sha256(blob).hexdigest() != digest:
+        if not isinstance(digest, str) or hashlib.sha256(blob).hexdigest() != digest:
             raise BadInput(f"the dense model of step {step} does not match its sha256",
                            field="sha256")
-        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        if event_time is not None and (isinstance(event_time, bool) or not isinstance(
+                event_time, (int, float)) or not np.isfinite(event_time) or event_time < 0):
+            raise BadInput(f"the dense model's event_time {event_time!r} is not a time",
+                           field="event_time")
+        try:
+            state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as e:   # torch raises several types on bytes it cannot read
+            raise BadInput(f"the dense model of step {step} does not load: "
+                           f"{type(e).__name__}", field="data") from None
         if not isinstance(state, dict):
             raise BadInput("the dense model blob is not a state dict", field="data")
-        await self.on_dense(state, step, first.get("event_time"))
+        await self.on_dense(state, step, event_time)
         self.dense_step = step
-        self.dense_event_time = first.get("event_time")
+        self.dense_event_time = event_time
         self.counts["dense_loads"] += 1
         self.advance()
         return True

@@ -29,9 +29,29 @@ from stream_persia.api.replica import (
 from stream_persia.core import wire
 from stream_persia.errors import BadInput, PersiaError
 
-__all__ = ["KafkaFollow", "admit"]
+__all__ = ["KafkaFollow", "admit", "check_dense"]
 
 log = logging.getLogger(__name__)
+
+
+def check_dense(msg: Any, shards: int) -> dict[str, Any]:
+    """A ``dense`` record as it must be (BadInput naming the field)."""
+    if not isinstance(msg, dict) or msg.get("kind") != "dense":
+        raise BadInput("a record of the dense partition must be a 'dense' message",
+                       field="kind")
+    if msg.get("shard") != shards or msg.get("shards") != shards:
+        raise BadInput(f"dense record for shard {msg.get('shard')!r}", field="shard")
+    for key, lo in (("version", 0), ("chunk", 0), ("chunks", 1), ("seq", 0)):
+        v = msg.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise BadInput(f"dense record {key} must be an int >= {lo}, got {v!r}", field=key)
+    if msg["chunk"] >= msg["chunks"] or msg["chunks"] > 1 << 20:
+        raise BadInput(f"dense record chunk {msg['chunk']} of {msg['chunks']}", field="chunk")
+    if not isinstance(msg.get("data"), (bytes, bytearray, memoryview)):
+        raise BadInput("dense record data must be bytes", field="data")
+    if not isinstance(msg.get("sha256"), str) or not isinstance(msg.get("incarnation"), str):
+        raise BadInput("dense record needs sha256 and incarnation strings", field="sha256")
+    return msg
 
 
 def admit(cursor: ShardCursor, msg: dict[str, Any]) -> str:
@@ -84,6 +104,8 @@ class KafkaFollow:
         self.security_kwargs = security_kwargs or {}
         self.startup_timeout_s = startup_timeout_s
         self._consumer: Any = None
+        self._dense_key: tuple | None = None
+        self._dense_parts: dict[int, bytes] = {}
         self._dlq: Any = None
         self._task: asyncio.Task | None = None
         for c in replica.cursors:
@@ -104,7 +126,15 @@ class KafkaFollow:
                                             self.bootstrap_servers,
                                             timeout_s=self.startup_timeout_s)
         tps = [TopicPartition(self.topic, c.shard) for c in self.replica.cursors]
-        self._consumer.assign(tps)
+        dense = TopicPartition(self.topic, self.replica.shards)
+        self._consumer.assign([*tps, dense])
+        # The dense model: from now on on Kafka; the one held now, once over RPC (older
+        # blobs in the partition are never needed).
+        await self._consumer.seek_to_end(dense)
+        try:
+            await self.replica.pull_dense()
+        except PersiaError as e:
+            log.warning("replica: no dense model from embedding server 0 yet: %s", e)
         for tp in tps:
             pos = self.positions[tp.partition] if self.positions is not None else None
             if pos and "offset" in pos:
@@ -147,7 +177,41 @@ class KafkaFollow:
                 await asyncio.sleep(1.0)
                 continue
             for tp, records in batches.items():
-                await self.take(self.replica.cursors[tp.partition], records)
+                if tp.partition == self.replica.shards:
+                    await self.take_dense(records)
+                else:
+                    await self.take(self.replica.cursors[tp.partition], records)
+
+    async def take_dense(self, records: list[Any]) -> None:
+        """Assemble ``dense`` records into blobs; serve each whole, newer one."""
+        for rec in records:
+            try:
+                msg = check_dense(wire.unpack(rec.value), self.replica.shards)
+            except (BadInput, ValueError) as e:
+                await self._dead_letter(rec, e)
+                continue
+            key = (msg["incarnation"], msg["version"], msg["chunks"], msg["sha256"])
+            if self._dense_key != key:
+                self._dense_key, self._dense_parts = key, {}
+            self._dense_parts[msg["chunk"]] = bytes(msg["data"])
+            if len(self._dense_parts) < msg["chunks"]:
+                continue
+            blob = b"".join(self._dense_parts[i] for i in range(msg["chunks"]))
+            self._dense_key, self._dense_parts = None, {}
+            try:
+                if await self.replica.apply_dense(blob, msg["version"], msg["sha256"],
+                                                  msg["event_time"]):
+                    self.replica.counts["dense_kafka"] += 1
+            except BadInput as e:
+                await self._dead_letter(rec, e)
+
+    async def _dead_letter(self, rec: Any, e: Exception) -> None:
+        self.replica.counts["bad_messages"] += 1
+        reason = e.message if isinstance(e, PersiaError) else f"{type(e).__name__}: {e}"
+        log.error("replica: bad update record %s/%d@%d: %s (dead-lettered)",
+                  rec.topic, rec.partition, rec.offset, reason)
+        await self._dlq.write(rec.value, reason, (rec.topic, rec.partition, rec.offset),
+                              key=rec.key, kind="update")
 
     async def take(self, cursor: ShardCursor, records: list[Any]) -> None:
         """Validate, filter and apply one partition's records (in order)."""
@@ -157,12 +221,7 @@ class KafkaFollow:
             try:
                 msg = check_message(wire.unpack(rec.value), cursor, self.replica.shards)
             except (BadInput, ValueError) as e:
-                self.replica.counts["bad_messages"] += 1
-                reason = e.message if isinstance(e, PersiaError) else f"{type(e).__name__}: {e}"
-                log.error("replica: bad update record %s/%d@%d: %s (dead-lettered)",
-                          rec.topic, rec.partition, rec.offset, reason)
-                await self._dlq.write(rec.value, reason, (rec.topic, rec.partition, rec.offset),
-                                      key=rec.key, kind="update")
+                await self._dead_letter(rec, e)
                 continue
             verdict = admit(cursor, msg)
             if verdict == "skip":

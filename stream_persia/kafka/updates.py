@@ -86,8 +86,10 @@ class UpdateSink(ProducerUser):
         self.last_offset: int | None = None
         self.counts = {"sent": 0, "bytes": 0, "failures": 0}
 
-    async def publish(self, messages: list[dict[str, Any]]) -> None:
-        """Send ``messages`` in order and wait until the brokers have them all.
+    async def publish(self, messages: list[dict[str, Any]], *,
+                      partition: int | None = None) -> None:
+        """Send ``messages`` in order and wait until the brokers have them all (to
+        ``partition``, default the sink's: the dense model's go to the last one).
 
         Raises:
             RemoteError: a send failed or was not acknowledged (nothing after it was
@@ -103,13 +105,14 @@ class UpdateSink(ProducerUser):
                     raise BadInput(f"update message of {len(value)} bytes exceeds "
                                    f"max_message_bytes {self.max_message_bytes}",
                                    field="kafka.max_batch_bytes")
-                futures.append((msg, await producer.send(self.topic, value,
-                                                         key=record_key(msg),
-                                                         partition=self.partition)))
+                futures.append((msg, await producer.send(
+                    self.topic, value, key=record_key(msg),
+                    partition=self.partition if partition is None else partition)))
                 self.counts["bytes"] += len(value)
             for msg, fut in futures:
                 meta = await wait_bounded(fut, self.send_timeout_s)
-                self._remember(msg, meta.offset)
+                if partition is None:   # the update log's positions (checkpoints)
+                    self._remember(msg, meta.offset)
                 self.counts["sent"] += 1
         except (KafkaError, TimeoutError) as e:
             self.counts["failures"] += 1

@@ -50,6 +50,7 @@ import hashlib
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -139,6 +140,8 @@ class DenseHub:
         self._assembling: _Blob | None = None
         self.published = 0
         self.refused = 0
+        #: Called with each newly held blob (the server relays it to Kafka, if any).
+        self.on_complete: Callable[[_Blob], None] | None = None
 
     # ----------------------------------------------------------------- put_dense
     async def put_dense(self, params: Any) -> dict[str, bool]:
@@ -162,6 +165,8 @@ class DenseHub:
             blob.data = data
             self.held = blob
             self.published += 1
+            if self.on_complete is not None:
+                self.on_complete(blob)
             return {"complete": True}
         except BadInput:
             self.refused += 1

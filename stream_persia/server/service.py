@@ -191,7 +191,7 @@ from stream_persia.server.shard_files import (
 )
 from stream_persia.server.sharded import make_store
 from stream_persia.server.store import IMPLEMENTATION
-from stream_persia.server.updates import UpdateFeed
+from stream_persia.server.updates import DenseRelay, UpdateFeed
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +356,12 @@ class EmbeddingServer:
         self.metrics.add_callback("trained_through", lambda: (
             {} if self.trained_through is None else {"seconds": self.trained_through}))
         self.dense = DenseHub(max_dense_bytes)
+        # Server 0 relays the dense model to the update topic too (replicas on Kafka).
+        self.dense_relay: DenseRelay | None = None
+        if update_sink is not None and model_updates and replica_index == 0:
+            self.dense_relay = DenseRelay(update_sink, job=job, shards=replica_size,
+                                          incarnation=self.incarnation)
+            self.dense.on_complete = self.dense_relay.offer
         self.metrics.add_callback("dense", self.dense.stats, counters={"published", "refused"})
         self._req = self.metrics.counter("requests_total", "RPC requests", ("method",))
         # What serving replicas follow (stream_persia.server.updates); None: not published.
@@ -393,6 +399,8 @@ class EmbeddingServer:
                  self.store_threads, "" if self.store_threads == 1 else "s")
 
     async def stop(self) -> None:
+        if self.dense_relay is not None:
+            await self.dense_relay.stop()
         if self.feed is not None:
             await self.feed.stop()
             if self.feed.sink is not None:

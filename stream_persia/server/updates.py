@@ -58,7 +58,7 @@ from stream_persia.core.metrics import RoleMetrics
 from stream_persia.core.replies import UpdatePosition
 from stream_persia.errors import BadInput, PersiaError
 
-__all__ = ["UpdateFeed", "UpdateLog", "REPLY_BYTES", "MESSAGE_BYTES", "KINDS"]
+__all__ = ["UpdateFeed", "UpdateLog", "DenseRelay", "REPLY_BYTES", "MESSAGE_BYTES", "KINDS"]
 
 log = logging.getLogger(__name__)
 
@@ -385,3 +385,56 @@ class UpdateFeed:
         if from_seq >= self.log.first_seq:
             reply["messages"] = self.log.read(from_seq, max_bytes)
         return reply
+
+
+class DenseRelay:
+    """Embedding server 0 relays each dense model it comes to hold
+    (:mod:`stream_persia.server.dense_hub`) to the update topic's last partition (index
+    ``shards``), as ``dense`` messages: ``version``, ``event_time``, ``chunk``, ``chunks``,
+    ``sha256`` (of the whole blob) and ``data`` (at most :data:`MESSAGE_BYTES` each),
+    numbered by ``seq`` like the update log. Only the newest blob is sent: one that a newer
+    one replaces before it is out is dropped. A send that fails is retried with the next
+    blob (the dense model is published every few hundred milliseconds)."""
+
+    def __init__(self, sink: Any, *, job: str, shards: int, incarnation: str):
+        self.sink, self.job, self.shards, self.incarnation = sink, job, shards, incarnation
+        self._seq = 0
+        self._newest: Any = None
+        self._task: asyncio.Task | None = None
+        self.counts = {"sent": 0, "failures": 0}
+
+    def offer(self, blob: Any) -> None:
+        """Relay ``blob`` (a held dense model) soon; called on the event loop."""
+        self._newest = blob
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._send())
+
+    async def _send(self) -> None:
+        while self._newest is not None:
+            blob, self._newest = self._newest, None
+            data = blob.data
+            n = max(1, -(-len(data) // MESSAGE_BYTES))
+            msgs = []
+            for i in range(n):
+                msgs.append({"job": self.job, "shard": self.shards, "shards": self.shards,
+                             "incarnation": self.incarnation, "seq": self._seq,
+                             "kind": "dense", "version": int(blob.version),
+                             "event_time": blob.event_time, "chunk": i, "chunks": n,
+                             "sha256": blob.sha256,
+                             "data": data[i * MESSAGE_BYTES:(i + 1) * MESSAGE_BYTES]})
+                self._seq += 1
+            try:
+                await self.sink.publish(msgs, partition=self.shards)
+                self.counts["sent"] += 1
+            except PersiaError as e:
+                self.counts["failures"] += 1
+                log.warning("embedding server 0: the dense model of step %d did not reach "
+                            "Kafka: %s", blob.version, e)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import io
 import warnings
 from dataclasses import dataclass, field
@@ -153,6 +154,17 @@ async def write_checkpoint(job: Job, dst: str, model: torch.nn.Module, *, step: 
         extra = ({"heads": heads} if heads else {}) | ({"inputs": inputs} if inputs else {})
         w.commit(job="test", step=step, offsets={}, stream="direct", extra=extra or None)
     return dst
+
+
+async def publish_dense(job: Job, model: torch.nn.Module, step: int, event_time: float) -> None:
+    """Publish ``model`` to server 0 as NN rank 0 does (one ``put_dense`` chunk)."""
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    blob = buf.getvalue()
+    client = job.client(job.server_addresses[0])
+    await client.call("put_dense", {"version": step, "event_time": event_time, "chunk": 0,
+                                    "chunks": 1, "data": blob,
+                                    "sha256": hashlib.sha256(blob).hexdigest()})
 
 
 class LiveApi:

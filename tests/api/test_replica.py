@@ -13,16 +13,14 @@ catches up from the checkpoint.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import io
 import time
 
 import numpy as np
 import pytest
-import torch
 from api_helpers import (
     LiveApi,
     TwoHeads,
+    publish_dense,
     settings_for,
     start_job,
     stop_job,
@@ -67,16 +65,6 @@ async def drained(api: LiveApi, job, timeout_s: float = 20.0) -> dict:
             if got == want:
                 return info
             await asyncio.sleep(0.05)
-
-
-async def publish_dense(job, model: torch.nn.Module, step: int, event_time: float) -> None:
-    buf = io.BytesIO()
-    torch.save(model.state_dict(), buf)
-    blob = buf.getvalue()
-    client = job.client(job.server_addresses[0])
-    await client.call("put_dense", {"version": step, "event_time": event_time, "chunk": 0,
-                                    "chunks": 1, "data": blob,
-                                    "sha256": hashlib.sha256(blob).hexdigest()})
 
 
 def table_rows(store) -> dict[int, bytes]:

@@ -4,7 +4,9 @@ Real embedding servers publish their update logs to a real Kafka-protocol broker
 suite's test broker); the replica (uvicorn, ``PERSIA_API_UPDATES=kafka``) restores a
 checkpoint, seeks to the offsets its manifest records and follows: after more training
 its table equals the servers' rows exactly. A record that is not a valid update message
-goes to the dead-letter topic and is counted, and the replica goes on converging.
+goes to the dead-letter topic and is counted, and the replica goes on converging. A dense
+model NN rank 0 publishes to server 0 reaches the replica through the topic's last
+partition.
 """
 
 from __future__ import annotations
@@ -12,10 +14,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from api_helpers import LiveApi, TwoHeads, settings_for, stop_job, write_checkpoint
+from api_helpers import (
+    LiveApi,
+    TwoHeads,
+    publish_dense,
+    settings_for,
+    stop_job,
+    write_checkpoint,
+)
 
 from stream_persia.config import GlobalConfig
 from stream_persia.embedding import EmbeddingConfig
@@ -101,6 +111,15 @@ async def test_replica_follows_kafka_and_dead_letters_bad_records(kafka_broker, 
             await converged(replica, job)
             follower = replica.state.predictor.replica
             assert follower.cursors[0].applied["resets"] == 0   # went on from the checkpoint
+
+            # a dense model published to server 0 reaches the replica through Kafka
+            await publish_dense(job, TwoHeads(seed=9), step=42, event_time=time.time())
+            async with asyncio.timeout(30):
+                while follower.dense_step != 42:
+                    await asyncio.sleep(0.05)
+            assert follower.counts["dense_kafka"] == 1
+            r = await replica.client.get("/v1/model")
+            assert r.json()["model_version"] == 42
 
             producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
             await producer.start()
