@@ -242,6 +242,12 @@ class Replica:
         self.freshness = metrics.freshness if metrics is not None else None
         if metrics is not None:
             metrics.follow(self)
+        if positions is not None and dense_event_time is not None:
+            # Restored from a consistent cut: every server's rows are as of the batches
+            # the dense model was trained through.
+            for c in self.cursors:
+                c.event_time = dense_event_time
+            self.advance()
 
     def gauges(self) -> dict[str, float]:
         """This replica's counters and levels (:class:`ReplicaMetrics` exports them)."""

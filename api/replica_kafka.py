@@ -61,9 +61,12 @@ def admit(cursor: ShardCursor, msg: dict[str, Any]) -> str:
     next reset; resync). Advances ``cursor.next_seq`` past an admitted message."""
     inc, seq = msg["incarnation"], msg["seq"]
     if cursor.start is not None:
-        if inc != cursor.start[0] or seq < cursor.start[1]:
-            return "skip"
-        cursor.incarnation, cursor.next_seq, cursor.start = inc, seq, None
+        if inc == cursor.start[0] and seq >= cursor.start[1]:
+            cursor.incarnation, cursor.next_seq = inc, seq
+        elif not (inc != cursor.start[0] and seq == 0 and msg["kind"] == "reset"):
+            return "skip"   # before the checkpoint's place in its server's log
+        # (else: a server process restarted since the checkpoint; its log starts here)
+        cursor.start = None
     verdict = "apply"
     if inc != cursor.incarnation:
         if cursor.incarnation is not None:
@@ -110,7 +113,9 @@ class KafkaFollow:
         self._task: asyncio.Task | None = None
         for c in replica.cursors:
             pos = positions[c.shard] if positions is not None else None
-            c.start = (str(pos["incarnation"]), int(pos["seq"])) if pos else None
+            if pos:   # where the checkpoint left this server's log: read on from there
+                c.start = (str(pos["incarnation"]), int(pos["seq"]))
+                c.incarnation, c.next_seq = c.start
 
     async def start(self) -> None:
         from aiokafka import AIOKafkaConsumer, TopicPartition

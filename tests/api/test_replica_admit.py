@@ -63,15 +63,35 @@ def test_a_gap_skips_to_the_next_reset(store):
 
 def test_the_checkpoint_position_and_a_restarted_server(store):
     c = ShardCursor(0, start=("b", 5))
-    old = [msg(0, "reset", inc="a"), msg(1, inc="a", ids=(7,))]
     mine = [msg(4, inc="b", ids=(8,)), msg(5, inc="b", ids=(9,)), msg(6, "mark", inc="b")]
-    assert run(c, store, old + mine) == ["skip", "skip", "skip", "apply", "apply"]
-    assert store.contains(np.array([7, 8, 9], np.uint64)).tolist() == [False, False, True]
+    assert run(c, store, mine) == ["skip", "apply", "apply"]   # read from the offset on
+    assert store.contains(np.array([8, 9], np.uint64)).tolist() == [False, True]
     # the server restarts: its new log starts with a reset, followed without a gap
     assert run(c, store, [msg(0, "reset", inc="c"), msg(1, inc="c", ids=(4,))]) \
         == ["apply", "apply"]
     assert c.restarts == 1 and not c.skipping
     assert store.contains(np.array([9, 4], np.uint64)).tolist() == [False, True]
+
+
+def test_from_a_checkpoint_a_server_restarted_since_is_followed_from_its_reset(store):
+    """(The recorded offset is past the checkpoint's own earlier messages.) Server 'b'
+    restarted as 'c' after the checkpoint: its new log is followed from its reset."""
+    c = ShardCursor(0, start=("b", 5))
+    assert run(c, store, [msg(0, "reset", inc="c"), msg(1, inc="c", ids=(6,))]) \
+        == ["apply", "apply"]
+    assert c.incarnation == "c" and not c.skipping
+    assert store.contains(np.array([6], np.uint64)).tolist() == [True]
+
+
+def test_without_an_offset_an_older_log_first_ends_in_a_resync_never_silently(store):
+    """Read from the partition's start (no offset recorded): an older process's log comes
+    first; following it then meeting the checkpoint's log mid-way is a gap (skip to the
+    next reset; the server is asked for a full pass), not rows applied out of place."""
+    c = ShardCursor(0, start=("b", 5))
+    got = run(c, store, [msg(0, "reset", inc="a"), msg(1, inc="a", ids=(7,)),
+                         msg(6, inc="b", ids=(8,))])
+    assert got == ["apply", "apply", "gap"] and c.skipping
+    assert not store.contains(np.array([8], np.uint64))[0]
 
 
 def test_joining_a_new_incarnation_mid_log_is_a_gap(store):
