@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from stream_persia.api.roles import Roles
 
+from stream_persia.core.aio import cancel_and_wait
 from stream_persia.core.metrics import RoleMetrics
 from stream_persia.errors import BadInput, PersiaError
 from stream_persia.kernels.sharding import shard_of
@@ -280,13 +281,7 @@ class Replica:
         self._tasks.append(asyncio.create_task(self._follow_dense(), name="replica-dense"))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:

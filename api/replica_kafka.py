@@ -27,6 +27,7 @@ from stream_persia.api.replica import (
 )
 
 from stream_persia.core import wire
+from stream_persia.core.aio import cancel_and_wait
 from stream_persia.errors import BadInput, PersiaError
 
 __all__ = ["KafkaFollow", "admit", "check_dense"]
@@ -155,12 +156,7 @@ class KafkaFollow:
     async def stop(self) -> None:
         from stream_persia.kafka.liveness import stop_client
 
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         if self._consumer is not None:
             await stop_client(self._consumer)
         if self._dlq is not None:

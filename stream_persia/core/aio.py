@@ -29,11 +29,27 @@ from typing import Any, TypeVar
 
 from stream_persia.errors import Misuse
 
-__all__ = ["LoopThread", "install_uvloop", "new_event_loop", "run", "run_until",
-           "uvloop_available"]
+__all__ = ["LoopThread", "cancel_and_wait", "install_uvloop", "new_event_loop", "run",
+           "run_until", "uvloop_available"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+async def cancel_and_wait(*tasks: asyncio.Task | None) -> None:
+    """Cancel the background ``tasks`` (None: skipped) and wait until each has ended. A
+    task that had failed instead is logged, not raised: stopping must go on."""
+    live = [t for t in tasks if t is not None]
+    for t in live:
+        t.cancel()
+    for t in live:
+        try:
+            await t
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            logging.getLogger(__name__).exception("background task %s had failed",
+                                                  t.get_name())
 
 
 def _uvloop():

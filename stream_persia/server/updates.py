@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from stream_persia.core.aio import cancel_and_wait
 from stream_persia.core.metrics import RoleMetrics
 from stream_persia.core.replies import UpdatePosition
 from stream_persia.errors import BadInput, PersiaError
@@ -193,20 +194,8 @@ class UpdateFeed:
                                                   name=f"update-sink-{self.shard}")
 
     async def stop(self) -> None:
-        if self._sink_task is not None:
-            self._sink_task.cancel()
-            try:
-                await self._sink_task
-            except asyncio.CancelledError:
-                pass
-            self._sink_task = None
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._sink_task, self._task)
+        self._sink_task = self._task = None
 
     async def _loop(self) -> None:
         failing = False
@@ -432,9 +421,4 @@ class DenseRelay:
                             "Kafka: %s", blob.version, e)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
