@@ -29,7 +29,7 @@ import numpy as np
 
 from stream_persia.launch.report import auc_of, predict_over_http
 
-__all__ = ["ReplicaWatch", "freshness_of", "request_checkpoint", "training_started",
+__all__ = ["ReplicaWatch", "freshness_of", "training_started",
            "log_ends", "STEADY_AFTER_S"]
 
 #: Seconds of event time after the replica's first advance left out of the steady figures.
@@ -69,24 +69,6 @@ def log_ends(servers: str, secret: str) -> list[int] | None:
         return aio.run(ask())
     except Exception:  # a server gone: the drain then waits for the replica to settle
         return None
-
-
-def request_checkpoint(api_address: str, token: str, ident: str) -> bool:
-    """Ask the job's control API for checkpoint ``ident`` (the replica's first); a refusal
-    is printed, not raised: the replica then has nothing to start from and says so."""
-    import httpx
-
-    try:
-        r = httpx.post(f"http://{api_address}/v1/checkpoints", json={"id": ident},
-                       headers={"Authorization": f"Bearer {token}"}, timeout=10)
-    except Exception as e:  # best effort: the run goes on without a replica
-        print(f"stream-persia run: cannot request the replica's checkpoint: {e!r}",
-              file=sys.stderr)
-        return False
-    if r.status_code != 202:
-        print(f"stream-persia run: the replica's first checkpoint was refused: HTTP "
-              f"{r.status_code} {r.text[:200]}", file=sys.stderr)
-    return r.status_code == 202
 
 
 def freshness_of(advances: list[tuple[float, float]], grid_s: float = 0.01,

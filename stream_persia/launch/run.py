@@ -62,11 +62,11 @@ from stream_persia.errors import (
     PersiaError,
     RemoteTimeout,
 )
+from stream_persia.launch.job_checkpoints import checkpoint_and_wait, request_checkpoint
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.launch.replica_watch import (
     ReplicaWatch,
     log_ends,
-    request_checkpoint,
     training_started,
 )
 from stream_persia.launch.report import (
@@ -388,29 +388,7 @@ def _checkpoint_on_interrupt(job: Job, budget_s: float) -> str | None:
     if (budget_s <= 0 or job.api is None or job.api.address is None or not job.api.alive()
             or job.nn is None or not job.nn.alive()):
         return None
-    import httpx
-
-    base = f"http://{job.api.address}"
-    headers = {"Authorization": f"Bearer {job.api_token}"}
-    deadline = time.monotonic() + budget_s
-    try:
-        r = httpx.post(f"{base}/v1/checkpoints", headers=headers, json={},
-                       timeout=min(10.0, budget_s))
-        r.raise_for_status()
-        ckpt_id = r.json()["id"]
-        while time.monotonic() < deadline:
-            left = max(0.1, deadline - time.monotonic())
-            s = httpx.get(f"{base}/v1/checkpoints/{ckpt_id}", headers=headers,
-                          timeout=min(10.0, left))
-            state = s.json().get("state") if s.status_code == 200 else None
-            if state in ("done", "failed"):
-                return ckpt_id if state == "done" else None
-            time.sleep(min(0.5, left))
-        print(f"stream-persia run: the checkpoint was not done within {budget_s:g} s "
-              "(--stop-checkpoint-s)", file=sys.stderr)
-    except Exception as e:  # best effort: stopping must not hang on a broken API
-        print(f"stream-persia run: checkpoint on interrupt failed: {e!r}", file=sys.stderr)
-    return None
+    return checkpoint_and_wait(job.api.address, job.api_token, budget_s)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -212,3 +212,38 @@ async def test_a_request_pending_when_training_stops_is_served_or_failed_over(
         status = (await api.client.get("/v1/status", headers=AUTH)).json()
         assert not status["training"]["nn_attached"]      # the rank said goodbye
         assert status["workers"][0]["inflight"] == 0
+
+
+async def test_the_launchers_stop_checkpoint_waits_out_one_in_progress(job, tmp_path):
+    """Ctrl-C on ``stream-persia run`` asks for a checkpoint while the serving replica's
+    first one may still be taken (409: one at a time): the launcher waits that one out and
+    then gets its own, the cut where training stops (it failed the stop before)."""
+    from api_helpers import TOKEN
+
+    from stream_persia.launch.job_checkpoints import checkpoint_and_wait
+
+    box = job.workers[0].mailbox
+    hb = {"rank": 0, "world_size": 1, "step": 4}
+    await box.nn_heartbeat(hb)                 # an NN rank 0 attached: it takes checkpoints
+    async with LiveApi(settings_for(job, checkpoint_dir=str(tmp_path / "ckpts"))) as api:
+        r = await api.client.post("/v1/checkpoints", json={"id": "bootstrap"}, headers=AUTH)
+        assert r.status_code == 202, r.text
+        assert (await api.client.post("/v1/checkpoints", headers=AUTH)).status_code == 409
+        waiter = asyncio.get_running_loop().run_in_executor(
+            None, checkpoint_and_wait, api.url.removeprefix("http://"), TOKEN, 30.0)
+        served = []
+        async with asyncio.timeout(30):        # play rank 0: take each offer, then report it
+            while not waiter.done():
+                offer = (await box.nn_heartbeat(hb))["checkpoint"]
+                if offer is not None:
+                    served.append(offer["id"])
+                    await box.report({"id": offer["id"], "state": "running", "step": 4})
+                    if offer["id"] == "bootstrap":
+                        await asyncio.sleep(1.0)   # the launcher asks meanwhile: 409s
+                    await box.report({"id": offer["id"], "state": "done",
+                                      "manifest": {"step": 4}})
+                await asyncio.sleep(0.05)
+        ident = await waiter
+        assert ident is not None and served == ["bootstrap", ident]
+        info = (await api.client.get(f"/v1/checkpoints/{ident}", headers=AUTH)).json()
+        assert info["state"] == "done" and info["by"] == "nn"
