@@ -37,12 +37,18 @@ class RoleProcess:
         args: extra CLI arguments for ``launch <role>``.
         env: extra environment variables.
         log_path: where stdout/stderr go (default: a temp file, shown on failure).
+        nice: CPU priority below the launcher's (``nice(1)``; 0: the same). A consumer
+            sharing the machine with training (``stream-persia run``'s serving replica)
+            takes the CPU the training roles leave.
     """
 
     def __init__(self, role: str, args: list[str] | tuple[str, ...] = (), *,
                  env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
-                 name: str | None = None, listens: bool | None = None):
+                 name: str | None = None, listens: bool | None = None, nice: int = 0):
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise ValueError(f"nice must be an int in 0..19, got {nice!r}")
         self.role = role
+        self.nice = nice
         self.name = name or role
         self.args = list(args)
         self.env = dict(env or {})
@@ -64,6 +70,8 @@ class RoleProcess:
         cmd = [sys.executable, "-m", "stream_persia.launch.cli", "launch", self.role, *self.args]
         if self.listens:
             cmd += ["--ready-file", str(self.ready_file)]
+        if self.nice and (nice_bin := shutil.which("nice")):
+            cmd = [nice_bin, "-n", str(self.nice), *cmd]   # exec's the role: same pid
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)

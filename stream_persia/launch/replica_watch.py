@@ -32,6 +32,9 @@ from stream_persia.launch.report import auc_of, predict_over_http
 __all__ = ["ReplicaWatch", "freshness_of", "training_started",
            "log_ends", "STEADY_AFTER_S"]
 
+#: Held-out rows the replica scores every ``auc_every_s`` while training runs (at most).
+IN_RUN_ROWS = 4096
+
 #: Seconds of event time after the replica's first advance left out of the steady figures.
 STEADY_AFTER_S = 10.0
 
@@ -93,7 +96,8 @@ class ReplicaWatch:
         token: the API token.
         batches: labelled held-out batches (may be empty: no served AUC then).
         tasks: the topology's tasks (head order).
-        auc_every_s: how often the held-out rows are scored during the run.
+        auc_every_s: how often the held-out rows are scored during the run (the first
+            ``IN_RUN_ROWS`` of them; the final score after the drain takes them all).
     """
 
     def __init__(self, address: str, token: str, batches: list | None, tasks: list[str],
@@ -104,6 +108,14 @@ class ReplicaWatch:
         self.client = httpx.Client(base_url=f"http://{address}", timeout=30)
         self.auth = {"Authorization": f"Bearer {token}"}
         self.batches = list(batches or [])
+        # during the run, the first IN_RUN_ROWS of them: scoring costs the replica's CPU,
+        # which training shares on one machine; the final score takes them all
+        self.run_batches, rows = [], 0
+        for b in self.batches:
+            if rows >= IN_RUN_ROWS:
+                break
+            self.run_batches.append(b)
+            rows += b.batch_size
         self.tasks = tasks
         self.auc_every_s = auc_every_s
         self.advances: dict[float, float] = {}
@@ -149,9 +161,9 @@ class ReplicaWatch:
                                        self.tasks[:1])
             if "error" not in result:
                 self.probe_curve.append((now, float(np.mean(result["preds"][self.tasks[0]]))))
-        if self.batches and now - self._last_auc >= self.auc_every_s:
+        if self.run_batches and now - self._last_auc >= self.auc_every_s:
             self._last_auc = now
-            result = predict_over_http(self.client, self.auth, self.batches, self.tasks)
+            result = predict_over_http(self.client, self.auth, self.run_batches, self.tasks)
             if "error" not in result:
                 self.auc_curve.append({"t": round(now - self.t0, 2),
                                        "model_version": result["model_version"],

@@ -89,6 +89,11 @@ from stream_persia.launch.topology import Topology, load_topology
 
 __all__ = ["main"]
 
+#: ``nice`` of the run's serving replica: on the training machine it takes the CPU the
+#: training roles leave (a consumer; production replicas run on machines of their own).
+REPLICA_NICE = 10
+
+
 class Job:
     """The processes of one run, started in dependency order and stopped in reverse."""
 
@@ -176,10 +181,10 @@ class Job:
             return self.args.topic
         return f"{self.topo.name}.{self.out.name}.samples"
 
-    def _role(self, role: str, args: list[str], name: str, env: dict | None = None
-              ) -> RoleProcess:
+    def _role(self, role: str, args: list[str], name: str, env: dict | None = None,
+              nice: int = 0) -> RoleProcess:
         proc = RoleProcess(role, args, env={**self.env, **(env or {})},
-                           log_path=self.logs / f"{name}.log", name=name)
+                           log_path=self.logs / f"{name}.log", name=name, nice=nice)
         with self.spawn_guard():
             self.roles.append(proc)
             return proc.start()
@@ -213,8 +218,10 @@ class Job:
             if not (getattr(a, "no_replica", False) or getattr(a, "no_model_updates", False)):
                 # A serving replica: restores the first checkpoint (requested as soon as
                 # training runs, see _bootstrap), then follows the training's updates.
+                # On training's machine it yields the CPU to training (REPLICA_NICE):
+                # in production replicas run on serving machines of their own.
                 self.replica = self._role("api", ["--embeddings", "replica", "--port", "0"],
-                                          "replica", env)
+                                          "replica", env, nice=REPLICA_NICE)
                 self.replica.wait_ready()
         nproc = a.nn_workers or topo.nproc_per_node
         self.nn = self._role("nn-worker", [str(topo.path(topo.nn_worker_entry)),

@@ -403,3 +403,21 @@ async def test_worker_config_bounds_its_buffer_and_concurrent_lookups(tmp_path):
         code = await asyncio.to_thread(worker.stop)
         await server.stop()
     assert code == 0, worker.log_tail()
+
+
+def test_a_role_started_nice_runs_at_that_priority(tmp_path):
+    """``stream-persia run``'s serving replica yields the CPU to training: a RoleProcess
+    with ``nice`` runs the role itself (the pid it reports) at that niceness."""
+    import os
+
+    with pytest.raises(ValueError, match="nice"):
+        RoleProcess("embedding-server", nice=20)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    proc = RoleProcess("embedding-server", ["--capacity", "1000", "--port", "0"],
+                       log_path=tmp_path / "s.log", nice=7).start()
+    try:
+        proc.wait_ready()
+        assert os.getpriority(os.PRIO_PROCESS, proc.proc.pid) == min(19, base + 7)
+        assert "stream_persia.launch.cli" in Path(f"/proc/{proc.proc.pid}/cmdline").read_text()
+    finally:
+        proc.stop()
