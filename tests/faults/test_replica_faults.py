@@ -39,6 +39,8 @@ from stream_persia.checkpoint import JIT_FILENAME, CheckpointWriter
 from stream_persia.errors import PersiaError
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
+from stream_persia.testing.kafka_mock import MockKafkaCluster
+from stream_persia.testing.proxy import LateProxy
 from stream_persia.testing.roles import start_server
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 
@@ -109,7 +111,7 @@ class Job:
     def start_worker(self, name: str) -> RoleProcess:
         w = RoleProcess("embedding-worker", [
             "--embedding-config", str(self.config), "--embedding-servers",
-            self.server_addresses, *self.global_args],
+            self.server_addresses],
             log_path=self.tmp / f"{name}.log", name=name).start()
         w.wait_ready()
         return w
@@ -447,3 +449,81 @@ async def test_a_server_killed_mid_stream_and_restored_is_followed_exactly(tmp_p
         if training is not None:
             await training
         job.kill()
+
+
+def kafka_broker(address: LateProxy, topic: str, shards: int) -> MockKafkaCluster:
+    """A test broker reached only through ``address`` (its metadata names the proxy), with
+    the update topic and its dead-letter topic."""
+    broker = MockKafkaCluster().start()
+    broker.advertise(address.address)
+    broker.create_topic(topic, shards + 1)
+    broker.create_topic(f"{topic}.dlq", 1)
+    address.retarget(broker.bootstrap_servers)
+    return broker
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(180)
+async def test_a_broker_killed_mid_stream_and_restarted_empty_the_kafka_replica_converges(
+        tmp_path):
+    """The broker behind the update topic is SIGKILLed while training runs and comes back
+    at its address, empty (the test broker keeps everything in memory; the topics are
+    created again, as a deploy does). The servers keep their logs meanwhile and publish
+    on to the new broker; the replica (``updates=kafka``) stays up, its trained_through
+    holds through the outage (a sample of the freshness histogram above it afterwards),
+    and it converges to the servers' rows exactly, nothing applied twice."""
+    from stream_persia.kafka.updates import updates_topic
+
+    job_name = "faults"
+    topic = updates_topic(job_name)
+    address = LateProxy("127.0.0.1:1")
+    address.start()
+    broker = kafka_broker(address, topic, 2)
+    stop = asyncio.Event()
+    training = None
+    job = None
+    try:
+        job = Job(tmp_path, global_yaml=f"kafka: {{bootstrap_servers: '{address.address}', "
+                                        f"job_name: {job_name}}}\n")
+        trainer = Trainer(job)
+        await trainer.train(4)
+        await asyncio.sleep(0.5)     # the passes reach Kafka: the checkpoint has offsets
+        ckpt = await trainer.checkpoint(tmp_path / "ckpts" / "c1")
+        replica = job.replica("replica", ckpt, updates="kafka")
+        async with httpx.AsyncClient(base_url=f"http://{replica.address}", timeout=30) as c:
+            training = asyncio.create_task(trainer.until(stop))
+            at = [sh["next_seq"] for sh in (await model_info(c))["replica"]["shards"]]
+            await wait_applying(c, at)
+            before = histogram((await c.get("/metrics")).text, "persia_api_freshness_seconds")
+            broker.kill()
+            killed_at = time.time()
+            await asyncio.sleep(1.0)    # training goes on; the replica cannot follow
+            held = (await model_info(c))["trained_through"]
+            await asyncio.sleep(1.0)
+            assert (await model_info(c))["trained_through"] == held   # the gap
+            broker = kafka_broker(address, topic, 2)
+            outage = time.time() - killed_at
+            await asyncio.sleep(1.0)
+            stop.set()
+            assert await training is None      # training never needed the broker
+            logs = await settled_logs(job)
+            info = await drained(c, logs, trainer.dense_step, timeout_s=60)
+            await assert_exact(job, c, trainer, logs, info, tmp_path)
+            manifest = json.loads((Path(ckpt) / "manifest.json").read_text())
+            for sh, pos, (_, ms) in zip(info["replica"]["shards"], manifest["model_updates"],
+                                        logs, strict=True):
+                print("shard", sh, "position", pos)
+                if sh["resyncs"] == 0:
+                    assert sh["applied"] == applied_by(ms[pos["seq"]:]), (sh, pos)
+            text = (await c.get("/metrics")).text
+            after = histogram(text, "persia_api_freshness_seconds")
+            assert above(after, outage) - above(before, outage) >= 1, text
+            assert replica.alive()
+    finally:
+        stop.set()
+        if training is not None:
+            await training
+        if job is not None:
+            job.kill()
+        broker.kill()
+        address.close()
