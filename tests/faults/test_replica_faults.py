@@ -24,7 +24,9 @@ import asyncio
 import hashlib
 import io
 import json
+import os
 import re
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -46,7 +48,8 @@ from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 
 pytestmark = [pytest.mark.slow]
 
-VOCAB = 50                  # make_batch's ids per slot are below this
+VOCAB = 50                  # ids per slot: the served body holds every one
+BEFORE = 40                 # ids trained before the checkpoint (the rest only after it)
 DENSE_EVERY = 2             # NN rank 0 publishes the dense model every other batch
 STEP_SLEEP_S = 0.05         # spreads training over the kill
 
@@ -142,10 +145,13 @@ class Job:
 
 class Trainer:
     """Plays NN rank 0 over RPC (module docstring): batch ``step`` is ``make_batch(step)``
-    stamped with the time it is sent; a dense model of step ``step`` every other batch."""
+    stamped with the time it is sent; a dense model of step ``step`` every other batch.
+    Ids are below ``vocab``: :data:`BEFORE` until a checkpoint is taken, then
+    :data:`VOCAB`, so that rows exist after the checkpoint that it does not hold."""
 
     def __init__(self, job: Job):
         self.job = job
+        self.vocab = BEFORE
         self.step = 0
         self.dense_step = -1
         self.trained_through: float | None = None
@@ -161,7 +167,7 @@ class Trainer:
                 RpcClient(self.job.servers[0].wait_ready(), timeout_ms=10_000) as s0:
             self.step += 1
             t = time.time()
-            batch = make_batch(self.step, seed=3).stamped(t)
+            batch = make_batch(self.step, seed=3, vocab=self.vocab).stamped(t)
             await w.call("ingest", {"batch": batch.to_wire()})
             served = await w.call("next_batch", {"timeout_ms": 5000})
             await w.call("push_gradients", {"batch_id": served["batch_id"], "grads": {
@@ -205,6 +211,7 @@ class Trainer:
         finally:
             for c in clients:
                 await c.close()
+        self.vocab = VOCAB
         return str(dst)
 
 
@@ -254,6 +261,20 @@ async def model_info(client: httpx.AsyncClient) -> dict[str, Any]:
     return r.json()
 
 
+async def quiet(client: httpx.AsyncClient) -> dict[str, Any]:
+    """``GET /v1/model`` once it stays the same for half a second (a pull in flight when a
+    peer died is applied by then)."""
+    async with asyncio.timeout(30):
+        last = None
+        while True:
+            info = await model_info(client)
+            state = (info["trained_through"], info["replica"]["shards"])
+            if state == last:
+                return info
+            last = state
+            await asyncio.sleep(0.5)
+
+
 async def drained(client: httpx.AsyncClient, logs: list, dense_step: int,
                   timeout_s: float = 30.0) -> dict[str, Any]:
     """``GET /v1/model`` once the replica applied every log to its end and the newest
@@ -280,22 +301,26 @@ async def predict(client: httpx.AsyncClient) -> np.ndarray:
     return np.array([p["click"] for p in r.json()["predictions"]])
 
 
-async def assert_exact(job: Job, replica: httpx.AsyncClient, trainer: Trainer,
-                       logs: list, info: dict[str, Any], tmp: Path) -> None:
+async def reference(job: Job, trainer: Trainer, tmp: Path) -> np.ndarray:
+    """The predictions on :data:`EVAL_BODY` of an API process that looks rows up on the
+    training servers (through the worker) with the newest dense model."""
+    ckpt = await trainer.checkpoint(tmp / "reference" / str(trainer.step))
+    assert job.worker is not None
+    api = job.api("reference-api", "--embeddings", "workers", "--model", ckpt,
+                  "--embedding-workers", job.worker.wait_ready())
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{api.address}", timeout=30) as c:
+            return await predict(c)
+    finally:
+        api.stop()
+
+
+async def assert_exact(replica: httpx.AsyncClient, logs: list, info: dict[str, Any],
+                       want: np.ndarray) -> None:
     """The replica serves what the training servers hold (module docstring)."""
     for sh, (_, ms) in zip(info["replica"]["shards"], logs, strict=True):
         assert sh["version"] == ms[-1]["version"] and not sh["resyncing"], sh
-    served = await predict(replica)
-    ref_ckpt = await trainer.checkpoint(tmp / "reference" / "now")
-    assert job.worker is not None
-    ref = job.api("reference-api", "--embeddings", "workers", "--model", ref_ckpt,
-                  "--embedding-workers", job.worker.wait_ready())
-    try:
-        async with httpx.AsyncClient(base_url=f"http://{ref.address}", timeout=30) as c:
-            want = await predict(c)
-    finally:
-        ref.stop()
-    np.testing.assert_allclose(served, want, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(await predict(replica), want, atol=1e-6, rtol=0)
 
 
 def histogram(metrics: str, name: str) -> dict[float, float]:
@@ -358,7 +383,7 @@ async def test_a_replica_killed_mid_stream_restarts_from_the_checkpoint_exactly(
         logs = await settled_logs(job)
         async with httpx.AsyncClient(base_url=f"http://{second.address}", timeout=30) as c:
             info = await drained(c, logs, trainer.dense_step)
-            await assert_exact(job, c, trainer, logs, info, tmp_path)
+            await assert_exact(c, logs, info, await reference(job, trainer, tmp_path))
             # Nothing applied twice: from each log's place in the checkpoint to its end,
             # every message once (none of those the checkpoint holds already).
             positions = json.loads((Path(ckpt) / "manifest.json").read_text())["model_updates"]
@@ -372,7 +397,8 @@ async def test_a_replica_killed_mid_stream_restarts_from_the_checkpoint_exactly(
             text = (await c.get("/metrics")).text
             gap = restarted_at - json.loads((Path(ckpt) / "manifest.json").read_text()
                                             )["extra"]["trained_through"]
-            assert above(histogram(text, "persia_api_freshness_seconds"), gap) >= 1, text
+            buckets = histogram(text, "persia_api_freshness_seconds")
+            assert above(buckets, gap) >= 1, (gap, buckets)
     finally:
         stop.set()
         if training is not None:
@@ -407,13 +433,13 @@ async def test_a_server_killed_mid_stream_and_restored_is_followed_exactly(tmp_p
             killed_at = time.time()
             assert isinstance(await training, PersiaError)   # the stream stops: a peer died
             # What the replica applied of the old incarnation: nothing more can come.
-            shard1 = (await model_info(c))["replica"]["shards"][1]
+            now = await quiet(c)
+            shard1, held = now["replica"]["shards"][1], now["trained_through"]
             assert shard1["incarnation"] == old_inc
             if shard1["next_seq"] <= old_log[-1]["seq"] + 1:   # (else a pass slipped in)
                 pos = json.loads((Path(ckpt) / "manifest.json").read_text()
                                  )["model_updates"][1]["seq"]
                 assert shard1["applied"] == applied_by(old_log[pos:shard1["next_seq"]])
-            held = (await model_info(c))["trained_through"]
 
             job.servers[1] = job.start_server(1, address.rpartition(":")[2], "server-1b")
             assert job.servers[1].wait_ready() == address
@@ -421,6 +447,7 @@ async def test_a_server_killed_mid_stream_and_restored_is_followed_exactly(tmp_p
             async with RpcClient(address, timeout_ms=20_000) as s1:
                 await s1.call("load", {"dir": ckpt, "files": manifest["embedding_files"]})
             await asyncio.sleep(0.5)
+            trainer.vocab = BEFORE   # rows trained since the checkpoint stay gone from shard 1
             # Nothing trained yet since the kill: trained_through held where it was.
             assert (await model_info(c))["trained_through"] == held
             assert job.worker is not None
@@ -431,7 +458,7 @@ async def test_a_server_killed_mid_stream_and_restored_is_followed_exactly(tmp_p
             logs = await settled_logs(job)
             assert logs[1][0] != old_inc
             info = await drained(c, logs, trainer.dense_step)
-            await assert_exact(job, c, trainer, logs, info, tmp_path)
+            await assert_exact(c, logs, info, await reference(job, trainer, tmp_path))
             sh0, sh1 = info["replica"]["shards"]
             # the new incarnation from its first message (a reset) on, each message once
             assert logs[1][1][0]["kind"] == "reset"
@@ -443,7 +470,7 @@ async def test_a_server_killed_mid_stream_and_restored_is_followed_exactly(tmp_p
             text = (await c.get("/metrics")).text
             assert counter(text, "persia_api_replica_server_restarts_total") == 1
             after = histogram(text, "persia_api_freshness_seconds")
-            assert above(after, outage) - above(before, outage) >= 1, text
+            assert above(after, outage) - above(before, outage) >= 1, (outage, before, after)
     finally:
         stop.set()
         if training is not None:
@@ -462,16 +489,40 @@ def kafka_broker(address: LateProxy, topic: str, shards: int) -> MockKafkaCluste
     return broker
 
 
+def applied_once(applied: dict[str, int], resyncs: int, log: list[dict[str, Any]],
+                 start: int) -> bool:
+    """Whether ``applied`` is what a reader of ``log`` from ``start`` on counts when it
+    applied each message at most once, in order: everything (no resync), or a prefix
+    and then, after a gap, everything from a later reset (where its skipping ended) on;
+    never a message twice."""
+    if resyncs == 0:
+        return applied == applied_by(log[start:])
+    for r in (i for i, m in enumerate(log) if m["kind"] == "reset" and i >= start):
+        tail = applied_by(log[r:])
+        if any(applied == {k: v + tail[k] for k, v in applied_by(log[start:n]).items()}
+               for n in range(start, r + 1)):
+            return True
+    return False
+
+
 @pytest.mark.kafka
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("lagging", [False, True], ids=["following", "lagging"])
 async def test_a_broker_killed_mid_stream_and_restarted_empty_the_kafka_replica_converges(
-        tmp_path):
+        tmp_path, lagging):
     """The broker behind the update topic is SIGKILLed while training runs and comes back
     at its address, empty (the test broker keeps everything in memory; the topics are
-    created again, as a deploy does). The servers keep their logs meanwhile and publish
-    on to the new broker; the replica (``updates=kafka``) stays up, its trained_through
-    holds through the outage (a sample of the freshness histogram above it afterwards),
-    and it converges to the servers' rows exactly, nothing applied twice."""
+    created again, as a deploy does). The servers keep what the broker did not
+    acknowledge in their logs and publish it, and what follows, to the new broker; the
+    replica (``updates=kafka``) stays up, its trained_through holds through the outage
+    (a sample of the freshness histogram above it afterwards), and it converges to the
+    servers' rows exactly, nothing applied twice.
+
+    ``following``: the replica keeps up until the kill (whether it loses records that the
+    old broker acknowledged but it had not read yet is a matter of milliseconds).
+    ``lagging``: the replica is frozen (SIGSTOP) for a second of training before the kill,
+    so the records of that second die with the broker: it must see the gap in every
+    partition and ask each server for a full pass (a resync), never skip it silently."""
     from stream_persia.kafka.updates import updates_topic
 
     job_name = "faults"
@@ -490,15 +541,25 @@ async def test_a_broker_killed_mid_stream_and_restarted_empty_the_kafka_replica_
         await asyncio.sleep(0.5)     # the passes reach Kafka: the checkpoint has offsets
         ckpt = await trainer.checkpoint(tmp_path / "ckpts" / "c1")
         replica = job.replica("replica", ckpt, updates="kafka")
+        assert replica.proc is not None
         async with httpx.AsyncClient(base_url=f"http://{replica.address}", timeout=30) as c:
             training = asyncio.create_task(trainer.until(stop))
             at = [sh["next_seq"] for sh in (await model_info(c))["replica"]["shards"]]
             await wait_applying(c, at)
             before = histogram((await c.get("/metrics")).text, "persia_api_freshness_seconds")
+            if lagging:
+                os.killpg(replica.proc.pid, signal.SIGSTOP)
+                step = trainer.step
+                while trainer.step < step + 8:    # more than a second of passes
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)          # ... and on the broker
             broker.kill()
             killed_at = time.time()
+            trainer.vocab = BEFORE   # rows new since the checkpoint change no more
+            if lagging:
+                os.killpg(replica.proc.pid, signal.SIGCONT)
             await asyncio.sleep(1.0)    # training goes on; the replica cannot follow
-            held = (await model_info(c))["trained_through"]
+            held = (await quiet(c))["trained_through"]
             await asyncio.sleep(1.0)
             assert (await model_info(c))["trained_through"] == held   # the gap
             broker = kafka_broker(address, topic, 2)
@@ -508,17 +569,38 @@ async def test_a_broker_killed_mid_stream_and_restarted_empty_the_kafka_replica_
             assert await training is None      # training never needed the broker
             logs = await settled_logs(job)
             info = await drained(c, logs, trainer.dense_step, timeout_s=60)
-            await assert_exact(job, c, trainer, logs, info, tmp_path)
+            want = await reference(job, trainer, tmp_path)
+            await assert_exact(c, logs, info, want)
             manifest = json.loads((Path(ckpt) / "manifest.json").read_text())
             for sh, pos, (_, ms) in zip(info["replica"]["shards"], manifest["model_updates"],
                                         logs, strict=True):
-                print("shard", sh, "position", pos)
-                if sh["resyncs"] == 0:
-                    assert sh["applied"] == applied_by(ms[pos["seq"]:]), (sh, pos)
+                assert applied_once(sh["applied"], sh["resyncs"], ms, pos["seq"]), (sh, pos)
+                if lagging:
+                    assert sh["resyncs"] >= 1, sh
+            print("resyncs:", [sh["resyncs"] for sh in info["replica"]["shards"]])
             text = (await c.get("/metrics")).text
             after = histogram(text, "persia_api_freshness_seconds")
-            assert above(after, outage) - above(before, outage) >= 1, text
+            assert above(after, outage) - above(before, outage) >= 1, (outage, before, after)
+            assert counter(text, "persia_api_replica_resyncs_total") == sum(
+                sh["resyncs"] for sh in info["replica"]["shards"])
             assert replica.alive()
+
+        # A replica started now from the same checkpoint: its place in each log (and the
+        # offset recorded for it) died with the old broker. It must see the gap and
+        # resync, not start silently from whatever record it reads first.
+        late = job.replica("replica-late", ckpt, updates="kafka")
+        async with httpx.AsyncClient(base_url=f"http://{late.address}", timeout=30) as c:
+            async with asyncio.timeout(30):    # its full passes, if it asked for them
+                while any(sh["resyncing"] or sh["version"] is None
+                          for sh in (await model_info(c))["replica"]["shards"]):
+                    await asyncio.sleep(0.1)
+            logs = await settled_logs(job)
+            info = await drained(c, logs, trainer.dense_step)
+            await assert_exact(c, logs, info, want)
+            for sh, pos, (_, ms) in zip(info["replica"]["shards"], manifest["model_updates"],
+                                        logs, strict=True):
+                assert sh["resyncs"] >= 1, sh
+                assert applied_once(sh["applied"], sh["resyncs"], ms, pos["seq"]), (sh, pos)
     finally:
         stop.set()
         if training is not None:
