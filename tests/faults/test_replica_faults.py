@@ -15,7 +15,14 @@ an API process that looks the same rows up on the training servers through the e
 worker, with the same dense model; each shard's last applied mark is the server's last
 mark (``GET /v1/model``). Nothing applied twice: the rows, tombstones, resets and marks
 the replica counts as applied (``replica.shards[i].applied``) equal those of the server's
-own log over the stretch it followed (read back with ``model_updates``).
+own log over the stretch it followed (read back with ``model_updates``), or, where it
+resynced, a prefix of it and then everything from a reset on.
+
+The broker is librdkafka's mock cluster (:mod:`stream_persia.testing.kafka_mock`), which
+keeps its data in memory and listens on a port of the OS's choosing: it advertises a
+:class:`~stream_persia.testing.proxy.LateProxy`'s address, so that every client reaches
+it there, and a new broker put behind the proxy after the kill is, to the servers and
+the replica, the old one restarted at its address, empty.
 """
 
 from __future__ import annotations
@@ -359,6 +366,11 @@ async def wait_applying(client: httpx.AsyncClient, beyond: list[int]) -> None:
 
 @pytest.mark.timeout(180)
 async def test_a_replica_killed_mid_stream_restarts_from_the_checkpoint_exactly(tmp_path):
+    """A replica process is SIGKILLed while it follows training; training goes on; a new
+    replica process restores the same checkpoint and catches up: the servers' rows
+    exactly, each message after the checkpoint's place in each log applied once (none
+    before it: the checkpoint holds those), and its first advance of trained_through (from
+    the checkpoint's) is a freshness sample longer than the whole gap."""
     job = Job(tmp_path)
     stop = asyncio.Event()
     training = None
