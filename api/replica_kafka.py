@@ -63,7 +63,9 @@ def admit(cursor: ShardCursor, msg: dict[str, Any]) -> str:
     inc, seq = msg["incarnation"], msg["seq"]
     if cursor.start is not None:
         if inc == cursor.start[0] and seq >= cursor.start[1]:
-            cursor.incarnation, cursor.next_seq = inc, seq
+            # From the checkpoint's place on: a first record past it means the ones
+            # between are gone (retention, a broker that lost its data): a gap below.
+            cursor.incarnation, cursor.next_seq = inc, cursor.start[1]
         elif not (inc != cursor.start[0] and seq == 0 and msg["kind"] == "reset"):
             return "skip"   # before the checkpoint's place in its server's log
         # (else: a server process restarted since the checkpoint; its log starts here)

@@ -21,6 +21,7 @@ Control protocol (child stdin/stdout, one line each way, ASCII): the child first
     set_rtt BROKER_ID MS           delay every response (-1 = all brokers)
     broker_down BROKER_ID          drop connections and refuse new ones
     broker_up BROKER_ID
+    advertise BROKER_ID HOST PORT  name HOST:PORT as the broker's address in metadata
     ping                           ok
     quit                           ok, then the child exits
 
@@ -145,6 +146,7 @@ def _bind(lib: ctypes.CDLL) -> None:
         "rd_kafka_mock_broker_set_rtt": ([vp, ctypes.c_int32, i], i),
         "rd_kafka_mock_broker_set_down": ([vp, ctypes.c_int32], i),
         "rd_kafka_mock_broker_set_up": ([vp, ctypes.c_int32], i),
+        "rd_kafka_mock_broker_set_host_port": ([vp, ctypes.c_int32, cp, ctypes.c_uint16], i),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)  # AttributeError names a missing symbol: too old a library
@@ -195,6 +197,9 @@ class _Cluster:
                 return self._result(self.lib.rd_kafka_mock_broker_set_down(self.mc, int(args[0])))
             if cmd == "broker_up" and len(args) == 1:
                 return self._result(self.lib.rd_kafka_mock_broker_set_up(self.mc, int(args[0])))
+            if cmd == "advertise" and len(args) == 3:
+                return self._result(self.lib.rd_kafka_mock_broker_set_host_port(
+                    self.mc, int(args[0]), args[1].encode(), int(args[2])))
         except ValueError as e:
             return f"err {e}"
         return f"err unknown command {line.strip()!r}"
@@ -398,6 +403,14 @@ class MockKafkaCluster:
 
     def broker_up(self, broker_id: int = -1) -> None:
         self._command(f"broker_up {broker_id}")
+
+    def advertise(self, address: str, broker_id: int = 1) -> None:
+        """Name ``address`` (``host:port``, say a proxy's) as the broker's in metadata, so
+        that clients reach it only there: a broker replaced behind that address (killed,
+        then a new cluster) is, to its clients, one restarted at the same address. The
+        broker still listens on its own port only."""
+        host, _, port = address.rpartition(":")
+        self._command(f"advertise {broker_id} {host} {int(port)}")
 
     def ping(self) -> None:
         self._command("ping")

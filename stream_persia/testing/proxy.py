@@ -39,6 +39,11 @@ class LateProxy:
         self._server = socket.create_server(("127.0.0.1", self.port))
         self._spawn(self._accept, self._server)
 
+    def retarget(self, target: str) -> None:
+        """Forward new connections to ``target`` from now on (a peer restarted at another
+        port); connections open now stay with the old one."""
+        self.target = target.split(",")[0].rsplit(":", 1)
+
     def _spawn(self, fn: Callable[..., None], *args: object) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True)
         self._threads.append(t)

@@ -49,11 +49,12 @@ def fill_topic(bootstrap: str, topic: str, n: int, seed: int) -> None:
             dc.send_data(make_batch(i, seed=seed))
 
 
-def start_server(tmp: Path, name: str, port: str | None = None) -> RoleProcess:
+def start_server(tmp: Path, name: str, port: str | None = None,
+                 args: Sequence[str] = ()) -> RoleProcess:
     """An embedding server process whose checkpoint root is ``tmp`` (on ``port``: a restart
-    at the same address)."""
+    at the same address), with more CLI ``args`` (``--replica-index``, ...) if given."""
     return RoleProcess("embedding-server", ["--checkpoint-root", str(tmp),
-                                            *(["--port", port] if port else [])],
+                                            *(["--port", port] if port else []), *args],
                        log_path=tmp / f"{name}.log", name=name).start()
 
 

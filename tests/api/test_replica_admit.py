@@ -73,6 +73,20 @@ def test_the_checkpoint_position_and_a_restarted_server(store):
     assert store.contains(np.array([9, 4], np.uint64)).tolist() == [False, True]
 
 
+def test_from_a_checkpoint_a_first_record_past_its_place_is_a_gap(store):
+    """The checkpoint's own place in the log is gone from the topic (retention, or a broker
+    restarted empty): the first record read is a later one of the same log. What lies
+    between is missing: a gap (skip to the next reset, resync), never a silent jump."""
+    c = ShardCursor(0, start=("b", 5))
+    assert run(c, store, [msg(8, inc="b", ids=(8,)), msg(9, "mark", inc="b")]) \
+        == ["gap", "apply"]
+    assert c.skipping and c.version is None
+    assert not store.contains(np.array([8], np.uint64))[0]
+    assert run(c, store, [msg(10, "reset", inc="b"), msg(11, inc="b", ids=(3,))]) \
+        == ["apply", "apply"]
+    assert not c.skipping and store.contains(np.array([3], np.uint64))[0]
+
+
 def test_from_a_checkpoint_a_server_restarted_since_is_followed_from_its_reset(store):
     """(The recorded offset is past the checkpoint's own earlier messages.) Server 'b'
     restarted as 'c' after the checkpoint: its new log is followed from its reset."""

@@ -125,6 +125,49 @@ async def test_produce_and_fetch_over_tcp():
         assert await asyncio.wait_for(round_trip(), 20) == [f"m{i}".encode() for i in range(5)]
 
 
+async def test_a_broker_killed_and_replaced_behind_its_advertised_address():
+    """``advertise`` names a proxy's address in metadata, so that every client goes through
+    it; a new broker behind it (LateProxy.retarget) is, to a producer that outlives the
+    kill, the old one restarted at its address: empty, and taking records again."""
+    from stream_persia.testing.proxy import LateProxy
+
+    proxy = LateProxy("127.0.0.1:1")
+    proxy.start()
+    old = MockKafkaCluster().start()
+    new = None
+    producer = AIOKafkaProducer(bootstrap_servers=proxy.address)
+    try:
+        old.advertise(proxy.address)
+        old.create_topic("t", 1)
+        proxy.retarget(old.bootstrap_servers)
+        await producer.start()
+        assert {(b.host, b.port) for b in producer.client.cluster.brokers()} == \
+            {("127.0.0.1", proxy.port)}
+        for i in range(3):
+            await producer.send_and_wait("t", b"%d" % i, partition=0)
+        old.kill()
+        new = MockKafkaCluster().start()
+        new.advertise(proxy.address)
+        new.create_topic("t", 1)
+        proxy.retarget(new.bootstrap_servers)
+        meta = await asyncio.wait_for(producer.send_and_wait("t", b"after", partition=0), 30)
+        assert meta.offset == 0        # the old broker's records died with it
+        consumer = AIOKafkaConsumer("t", bootstrap_servers=proxy.address,
+                                    auto_offset_reset="earliest")
+        await consumer.start()
+        try:
+            got = await consumer.getmany(timeout_ms=5000)
+        finally:
+            await consumer.stop()
+        assert [r.value for rs in got.values() for r in rs] == [b"after"]
+    finally:
+        await producer.stop()
+        old.kill()
+        if new is not None:
+            new.stop()
+        proxy.close()
+
+
 def test_bad_commands_are_refused_with_the_reason():
     with MockKafkaCluster() as cluster:
         with pytest.raises(ConfigError, match="partitions"):
