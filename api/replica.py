@@ -22,7 +22,8 @@ start of its new log, which begins with a ``reset``; a replica that fell behind 
 bounded log asks it for a full pass (``resync``) and skips to that pass's ``reset``. A
 restarted replica restores the newest checkpoint again and catches up from there. While a
 shard is being resynced, ``trained_through`` stays where it was, so the gap shows in the
-freshness metric.
+freshness metric; a restarted server's shard makes it None (unknown) until that server
+applies an update with an event time.
 
 ``model_version`` is the step of the dense model served; ``trained_through`` the event time
 of the newest sample whose updates are applied: the oldest of every shard's last mark and
@@ -233,6 +234,7 @@ class Replica:
         self.dense_step = dense_step
         self.dense_event_time = dense_event_time
         self.trained_through: float | None = None
+        self._known: float | None = None   # trained_through before it became unknown
         self.advances: collections.deque[tuple[float, float]] = collections.deque(
             maxlen=ADVANCES_KEPT)
         self._tasks: list[asyncio.Task] = []
@@ -436,19 +438,29 @@ class Replica:
 
     # ----------------------------------------------------------------- freshness
     def advance(self) -> None:
-        """Recompute ``trained_through`` after something was applied."""
+        """Recompute ``trained_through`` after something was applied.
+
+        A shard whose last mark has no event time (a server restarted: its new process has
+        applied nothing with one yet, whatever it restored) makes it None, unknown, rather
+        than the value from before the restart, which the restored rows may not reach. The
+        next advance is observed from the last value known, so the gap still shows."""
         times = [c.event_time for c in self.cursors]
         if any(t is None for t in times) or self.dense_event_time is None:
+            if self.trained_through is not None:
+                self._known, self.trained_through = self.trained_through, None
             return
         tt = min(min(t for t in times if t is not None), self.dense_event_time)
         prev = self.trained_through
         if prev is not None and tt <= prev:
             return
+        since = prev if prev is not None else self._known
         now = time.time()
-        self.trained_through = tt
+        self.trained_through, self._known = tt, None
+        if since is not None and tt <= since:
+            return    # known again, but not past the value before the gap
         self.advances.append((now, tt))
-        if self.freshness is not None and prev is not None:
-            self.freshness.observe(max(0.0, now - prev))
+        if self.freshness is not None and since is not None:
+            self.freshness.observe(max(0.0, now - since))
 
 
 def rebuilt(module: Any, state: dict[str, Any]) -> Any:
