@@ -25,6 +25,15 @@ version because it holds a newer one, a blob over ``max_dense_bytes``) is counte
 training. A clean exit of the context publishes the final model once more (waiting a
 bounded time for it); an exit on an error does not wait for anything in flight.
 
+A stream that pauses (ingest paused through the control plane, or only slow) has no step
+boundary for as long as it lasts: the steps since the last publication would stay
+unpublished, and replicas would serve an older model than training holds, with no end.
+So while the DataLoader waits for a batch it calls :meth:`DensePublisher.idle` (through
+``TrainCtx.stream_idle``) every :data:`~stream_persia.core.lifecycle.POLL_S` without
+one: the model at the current step is published unless that step is the last one
+started or a publication is still in flight (then at the next call). Nothing changed,
+nothing is sent: an idle call costs a comparison.
+
 A context without a model (or with ``model_updates.enabled: false``) publishes nothing.
 """
 
@@ -103,6 +112,7 @@ class DensePublisher:
         self._clock = clock
         self._last_step = step
         self._last_time = clock()
+        self._started = step       # the step of the last publication started (or restored)
         self._inflight: concurrent.futures.Future[bool] | None = None
         self._failing = False
         #: the newest version embedding server 0 took from this publisher
@@ -133,8 +143,19 @@ class DensePublisher:
             return
         self._start(step, event_time)
 
+    def idle(self, step: int, event_time: float | None) -> None:
+        """The stream has no batch for now (the DataLoader waits): publish the model at
+        ``step`` unless that step is the last one started (or restored) or a publication
+        is still in flight; the next due one counts from here."""
+        if step == self._started or (self._inflight is not None
+                                      and not self._inflight.done()):
+            return
+        self._last_step, self._last_time = step, self._clock()
+        self._start(step, event_time)
+
     def _start(self, step: int, event_time: float | None) -> None:
         state = snapshot(self.model)   # synchronous: the model at exactly this step
+        self._started = step
         self._inflight = self.cluster.loop.submit(self._publish(state, step, event_time))
 
     def close(self, final: tuple[int, float | None] | None) -> None:
