@@ -20,7 +20,6 @@ Samples are taken as spread evenly over event time (the stream's rate is steady)
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
