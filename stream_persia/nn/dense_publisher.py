@@ -32,7 +32,9 @@ So while the DataLoader waits for a batch it calls :meth:`DensePublisher.idle` (
 ``TrainCtx.stream_idle``) every :data:`~stream_persia.core.lifecycle.POLL_S` without
 one: the model at the current step is published unless that step is the last one
 started or a publication is still in flight (then at the next call). Nothing changed,
-nothing is sent: an idle call costs a comparison.
+nothing is sent: an idle call costs a comparison. A publication of that step that failed
+is tried again, at most every ``dense_interval_ms`` (as training would), so a pause that
+begins with server 0 briefly unreachable does not leave replicas behind either.
 
 A context without a model (or with ``model_updates.enabled: false``) publishes nothing.
 """
@@ -146,11 +148,17 @@ class DensePublisher:
     def idle(self, step: int, event_time: float | None) -> None:
         """The stream has no batch for now (the DataLoader waits): publish the model at
         ``step`` unless that step is the last one started (or restored) or a publication
-        is still in flight; the next due one counts from here."""
-        if step == self._started or (self._inflight is not None
-                                      and not self._inflight.done()):
+        is still in flight; the next due one counts from here. The last one started is
+        sent again when it failed, ``dense_interval_ms`` after the try."""
+        fut = self._inflight
+        if fut is not None and not fut.done():
             return
-        self._last_step, self._last_time = step, self._clock()
+        now = self._clock()
+        if step == self._started and (fut is None or fut.cancelled() or fut.exception()
+                                      or fut.result() or now - self._last_time
+                                      < self.interval_s):
+            return
+        self._last_step, self._last_time = step, now
         self._start(step, event_time)
 
     def _start(self, step: int, event_time: float | None) -> None:

@@ -329,3 +329,41 @@ def test_the_dataloader_waiting_for_a_batch_publishes_the_last_step(job_factory)
         state = torch.load(io.BytesIO(blob), weights_only=True)
         assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
         assert ctx.dense_publisher.stats()["published"] == 2
+
+
+def test_an_idle_publication_that_failed_is_tried_again_after_the_interval():
+    """The stream pauses at step 2 while server 0 is unreachable: the idle publication
+    fails; once server 0 is back, step 2 is published, but not before dense_interval_ms
+    since the failed try (and once only)."""
+    with socket.socket() as sock:   # a port nobody listens on, yet
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    now = [100.0]
+    cluster = Cluster(["127.0.0.1:1"])   # never started: only its loop and servers[0]
+    server_loop = LoopThread(name="test-server-0")
+    server = EmbeddingServer(100, host="127.0.0.1", port=port)
+    try:
+        cluster.servers = [RpcClient(f"127.0.0.1:{port}")]
+        publisher = DensePublisher(SumModel(13, hidden=8), cluster,
+                                   publishing(10, dense_interval_ms=1000), step=0,
+                                   timeout_s=0.3, clock=lambda: now[0])
+        publisher.step_boundary(2, 2.0)           # not due
+        publisher.idle(2, 2.0)
+        _until(lambda: publisher.stats()["failed"] == 1)
+        server_loop.run(server.start())
+        now[0] += 0.5
+        publisher.idle(2, 2.0)                    # within the interval: not yet
+        time.sleep(0.1)
+        assert publisher.stats()["failed"] == 1 and publisher.stats()["published"] == 0
+        now[0] += 0.6
+        publisher.idle(2, 2.0)
+        _until(lambda: publisher.stats()["published"] == 1)
+        assert pull(server.address)[0]["version"] == 2 and publisher.last_version == 2
+        now[0] += 5
+        publisher.idle(2, 2.0)                    # published: never again
+        time.sleep(0.1)
+        assert publisher.stats()["published"] == 1 and publisher.stats()["failed"] == 1
+    finally:
+        cluster.close()
+        server_loop.run(server.stop())
+        server_loop.close()
