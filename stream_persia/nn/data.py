@@ -18,6 +18,10 @@ has a batch and no stop request (one tiny all-reduce per step), and all stop as 
 one has none. Batches a rank holds when it stops go back, untrained, to their workers,
 and the iteration ends once every gradient push it sent was answered.
 
+Waiting. While no batch comes, the trainer's ``stream_idle`` is called every
+:data:`~stream_persia.core.lifecycle.POLL_S`: rank 0 publishes the dense model of the
+last step to serving replicas if it has not yet (a paused stream would keep it back).
+
 A batch whose ``backward`` was not called by the time the next batch is taken is
 released without an embedding update (logged once): otherwise it would keep its
 staleness permit forever.
@@ -28,7 +32,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from stream_persia.core.data import PersiaBatch
@@ -173,7 +177,8 @@ class DataLoader:
             while self.max_batches is None or count < self.max_batches:
                 for prev in pf.taken:
                     ctx.release_untrained(prev)
-                batch = None if drain.requested else self._next_batch(pf, timeout_s)
+                batch = None if drain.requested else self._next_batch(
+                    pf, timeout_s, ctx.stream_idle)
                 # every rank votes (a collective), and agrees only with a batch of its own
                 agreed = ctx.all_ranks_agree(batch is not None and not drain.requested)
                 if not agreed or batch is None:
@@ -200,15 +205,18 @@ class DataLoader:
                 ctx.raise_async_errors()
 
     @staticmethod
-    def _next_batch(pf: StreamPrefetcher, timeout_s: float) -> PersiaTrainingBatch | None:
+    def _next_batch(pf: StreamPrefetcher, timeout_s: float, idle: Callable[[], None]
+                    ) -> PersiaTrainingBatch | None:
         """The next ready batch, None after ``timeout_s`` without one or once a stop is
-        requested (looked at every :data:`~stream_persia.core.lifecycle.POLL_S`)."""
+        requested (looked at every :data:`~stream_persia.core.lifecycle.POLL_S`). Each
+        slice that brings no batch calls ``idle`` (the trainer's ``stream_idle``)."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             batch = pf.get(max(0.0, min(left, POLL_S)))
             if batch is not None or left <= POLL_S or drain.requested:
                 return batch
+            idle()
 
     # ------------------------------------------------------------------ lookups
     def _lookups(self, ctx: EmbeddingCtx) -> Iterator[PersiaTrainingBatch]:

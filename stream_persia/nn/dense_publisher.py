@@ -25,6 +25,17 @@ version because it holds a newer one, a blob over ``max_dense_bytes``) is counte
 training. A clean exit of the context publishes the final model once more (waiting a
 bounded time for it); an exit on an error does not wait for anything in flight.
 
+A stream that pauses (ingest paused through the control plane, or only slow) has no step
+boundary for as long as it lasts: the steps since the last publication would stay
+unpublished, and replicas would serve an older model than training holds, with no end.
+So while the DataLoader waits for a batch it calls :meth:`DensePublisher.idle` (through
+``TrainCtx.stream_idle``) every :data:`~stream_persia.core.lifecycle.POLL_S` without
+one: the model at the current step is published unless that step is the last one
+started or a publication is still in flight (then at the next call). Nothing changed,
+nothing is sent: an idle call costs a comparison. A publication of that step that failed
+is tried again, at most every ``dense_interval_ms`` (as training would), so a pause that
+begins with server 0 briefly unreachable does not leave replicas behind either.
+
 A context without a model (or with ``model_updates.enabled: false``) publishes nothing.
 """
 
@@ -103,6 +114,7 @@ class DensePublisher:
         self._clock = clock
         self._last_step = step
         self._last_time = clock()
+        self._started = step       # the step of the last publication started (or restored)
         self._inflight: concurrent.futures.Future[bool] | None = None
         self._failing = False
         #: the newest version embedding server 0 took from this publisher
@@ -133,8 +145,25 @@ class DensePublisher:
             return
         self._start(step, event_time)
 
+    def idle(self, step: int, event_time: float | None) -> None:
+        """The stream has no batch for now (the DataLoader waits): publish the model at
+        ``step`` unless that step is the last one started (or restored) or a publication
+        is still in flight; the next due one counts from here. The last one started is
+        sent again when it failed, ``dense_interval_ms`` after the try."""
+        fut = self._inflight
+        if fut is not None and not fut.done():
+            return
+        now = self._clock()
+        if step == self._started and (fut is None or fut.cancelled() or fut.exception()
+                                      or fut.result() or now - self._last_time
+                                      < self.interval_s):
+            return
+        self._last_step, self._last_time = step, now
+        self._start(step, event_time)
+
     def _start(self, step: int, event_time: float | None) -> None:
         state = snapshot(self.model)   # synchronous: the model at exactly this step
+        self._started = step
         self._inflight = self.cluster.loop.submit(self._publish(state, step, event_time))
 
     def close(self, final: tuple[int, float | None] | None) -> None:

@@ -91,6 +91,11 @@ class TrainerSeam(ContextSeam, Protocol):
         """Every rank agreed that the stream ran dry (serves a pending HTTP checkpoint)."""
         ...
 
+    def stream_idle(self) -> None:
+        """The DataLoader waited a poll slice without a batch (a paused or slow stream):
+        publish what training holds if not yet (the dense model to serving replicas)."""
+        ...
+
     def raise_async_errors(self) -> None:
         """Raise the first error of an asynchronous gradient push, if any."""
         ...

@@ -381,6 +381,14 @@ class TrainCtx(EmbeddingCtx):
         if self.checkpoint_poller is not None:
             self.checkpoint_poller.serve_pending()
 
+    def stream_idle(self) -> None:
+        """The DataLoader waits for a batch (called every ``POLL_S`` without one): rank 0
+        publishes the dense model of the current step unless it did already, so that a
+        paused or slow stream does not leave serving replicas on an older one
+        (:meth:`~stream_persia.nn.dense_publisher.DensePublisher.idle`)."""
+        if self.dense_publisher is not None:
+            self.dense_publisher.idle(self.steps, self.trained_through)
+
     def _push(self, ticket: Ticket, grads: dict[str, np.ndarray | None]) -> None:
         ticket.state = PUSHING
         cluster = self.require_cluster()

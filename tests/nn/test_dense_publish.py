@@ -258,3 +258,112 @@ def test_the_snapshot_is_a_copy_training_cannot_change():
             p.add_(1.0)
     assert all(torch.equal(state[k], before[k]) for k in state)
     assert all(v.device.type == "cpu" for v in state.values())
+
+
+def _until(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_step_short_of_the_next_due_one_is_published_when_the_stream_idles():
+    """A stream that pauses after step 4 (due every 3): ``idle`` publishes step 4, once;
+    not while a publication is in flight, not when nothing was trained since; the next
+    due one counts from there."""
+    server_loop = LoopThread(name="test-server-0")
+    server = EmbeddingServer(100)
+    server_loop.run(server.start())
+    cluster = Cluster(["127.0.0.1:1"])   # never started: only its loop and servers[0]
+    try:
+        cluster.servers = [RpcClient(server.address, timeout_ms=10_000)]
+        publisher = DensePublisher(SumModel(13, hidden=8), cluster, publishing(3), step=0)
+        publisher.idle(0, None)                  # nothing trained: nothing to publish
+        assert pull(server.address)[0]["version"] is None
+        frozen = server_loop.submit(_block(0.5))
+        for step in range(1, 5):
+            publisher.step_boundary(step, float(step))     # step 3 is due: in flight
+        publisher.idle(4, 4.0)                   # one in flight: not now
+        frozen.result(5)
+        _until(lambda: publisher.stats()["published"] == 1)
+        assert publisher.last_version == 3
+        publisher.idle(4, 4.0)                   # the step training stopped at
+        _until(lambda: publisher.stats()["published"] == 2)
+        meta, _ = pull(server.address)
+        assert (meta["version"], meta["event_time"]) == (4, 4.0)
+        for _ in range(5):
+            publisher.idle(4, 4.0)               # nothing changed: nothing sent
+        publisher.step_boundary(6, 6.0)          # 2 steps after the idle one: not due
+        assert publisher.stats() == {"published": 2, "skipped": 0, "failed": 0,
+                                     "too_large": 0, "bytes_sent": publisher.bytes_sent}
+        publisher.step_boundary(7, 7.0)
+        _until(lambda: publisher.stats()["published"] == 3)
+        assert publisher.last_version == 7
+        publisher.close((7, 7.0))                # the final model went out already
+        assert publisher.stats()["published"] == 3
+    finally:
+        cluster.close()
+        server_loop.run(server.stop())
+        server_loop.close()
+
+
+def test_the_dataloader_waiting_for_a_batch_publishes_the_last_step(job_factory):
+    """5 batches, then the stream pauses: while the DataLoader waits (the context open,
+    training not over), server 0 gets the model of step 5, not only step 3 (due every 3)."""
+    job = job_factory(LEARNABLE_SCHEMA)
+    setup_seed(0)
+    model = SumModel(13, hidden=8)
+    with TrainCtx(Adagrad(lr=0.1), torch.optim.Adam(model.parameters(), lr=0.01),
+                  model=model, embedding_workers=job.worker_addresses, mixed_precision=False,
+                  embedding_config=EmbeddingConfig((-0.01, 0.01)), ready_timeout_s=10,
+                  model_updates=publishing(3)) as ctx:
+        feeder = job.feed(learnable_batches(5, 64))
+        # the loop ends after 1.5 s without a batch: the stream's pause, inside the context
+        for tb in DataLoader(StreamingDataset(10), embedding_staleness=1, timeout_ms=1500):
+            output, labels = ctx.forward(tb)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+        feeder.join(10)
+        assert ctx.steps == 5
+        meta, blob = pull(job.servers[0].address)
+        assert (meta["version"], meta["event_time"]) == (5, ctx.trained_through)
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+        assert ctx.dense_publisher.stats()["published"] == 2
+
+
+def test_an_idle_publication_that_failed_is_tried_again_after_the_interval():
+    """The stream pauses at step 2 while server 0 is unreachable: the idle publication
+    fails; once server 0 is back, step 2 is published, but not before dense_interval_ms
+    since the failed try (and once only)."""
+    with socket.socket() as sock:   # a port nobody listens on, yet
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    now = [100.0]
+    cluster = Cluster(["127.0.0.1:1"])   # never started: only its loop and servers[0]
+    server_loop = LoopThread(name="test-server-0")
+    server = EmbeddingServer(100, host="127.0.0.1", port=port)
+    try:
+        cluster.servers = [RpcClient(f"127.0.0.1:{port}")]
+        publisher = DensePublisher(SumModel(13, hidden=8), cluster,
+                                   publishing(10, dense_interval_ms=1000), step=0,
+                                   timeout_s=0.3, clock=lambda: now[0])
+        publisher.step_boundary(2, 2.0)           # not due
+        publisher.idle(2, 2.0)
+        _until(lambda: publisher.stats()["failed"] == 1)
+        server_loop.run(server.start())
+        now[0] += 0.5
+        publisher.idle(2, 2.0)                    # within the interval: not yet
+        time.sleep(0.1)
+        assert publisher.stats()["failed"] == 1 and publisher.stats()["published"] == 0
+        now[0] += 0.6
+        publisher.idle(2, 2.0)
+        _until(lambda: publisher.stats()["published"] == 1)
+        assert pull(server.address)[0]["version"] == 2 and publisher.last_version == 2
+        now[0] += 5
+        publisher.idle(2, 2.0)                    # published: never again
+        time.sleep(0.1)
+        assert publisher.stats()["published"] == 1 and publisher.stats()["failed"] == 1
+    finally:
+        cluster.close()
+        server_loop.run(server.stop())
+        server_loop.close()
