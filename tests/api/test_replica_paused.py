@@ -170,7 +170,7 @@ async def check_paused(control: LiveApi, replica: LiveApi, job: Any, trainer: Tr
     return steps, want
 
 
-@pytest.mark.parametrize(("staleness", "n_servers"), [(1, 1), (8, 2)])
+@pytest.mark.parametrize(("staleness", "n_servers"), [(1, 1), (1, 2), (8, 1), (8, 2)])
 async def test_a_paused_replica_predicts_what_the_trainer_evaluates(tmp_path, staleness,
                                                                    n_servers):
     job = await start_job(n_servers=n_servers)
