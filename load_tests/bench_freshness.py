@@ -3,7 +3,8 @@
 Runs the main job (``stream-persia run topologies/synthetic_ctr``, broker-less, every role
 a process on this machine) ``--repeat`` times with the update stream on (the embedding
 servers publish their changed rows every ``model_updates.model_update_interval_ms``, NN
-rank 0 the dense model; a serving replica restores the first checkpoint and follows) and
+rank 0 the dense model; a serving replica restores the first checkpoint and follows, at
+``nice`` 10 as ``stream-persia run`` starts it: it takes the CPU training leaves) and
 as many times with it off (``--no-model-updates``: nothing published, no replica),
 alternated so that machine load hits both alike.
 
