@@ -67,14 +67,14 @@ from stream_persia.errors import Misuse
 from stream_persia.nn.seams import ContextSeam, TrainerSeam
 
 __all__ = ["dump_checkpoint", "dump_embedding", "dump_torch_state_dict", "load_checkpoint",
-           "load_embedding", "load_torch_state_dict"]
+           "load_embedding", "load_torch_state_dict", "scripted"]
 
 log = logging.getLogger(__name__)
 
 GRAD_SCALER_FILENAME = "grad_scaler.pt"
 
 
-def _scripted(model: torch.nn.Module) -> bytes:
+def scripted(model: torch.nn.Module) -> bytes:
     """The TorchScript archive of ``model`` (PERSIA's ``jit_dense.pt`` for serving)."""
     with warnings.catch_warnings():
         # torch marks TorchScript deprecated; PERSIA's checkpoint layout still has it.
@@ -184,7 +184,7 @@ def _write(ctx: ContextSeam, cluster: Any, dst_dir: str, *, trainer: TrainerSeam
     if with_jit_model:
         note("scripting the dense model")
         try:
-            jit = _scripted(model)
+            jit = scripted(model)
         except Exception as e:
             if with_jit_model != "if_possible":
                 raise
@@ -332,7 +332,7 @@ def dump_torch_state_dict(torch_instance: Any, dst_dir: str, file_name: str,
     fs, path = fsspec.core.url_to_fs(dst_dir)
     fs.makedirs(path, exist_ok=True)
     if is_jit:
-        data = _scripted(torch_instance)
+        data = scripted(torch_instance)
     else:
         buf = io.BytesIO()
         torch.save(torch_instance.state_dict(), buf)

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import hashlib
 import io
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +22,7 @@ from stream_persia.api.server import bind_socket
 from stream_persia.checkpoint import JIT_FILENAME, CheckpointWriter
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD
+from stream_persia.nn.checkpointing import scripted
 from stream_persia.rpc import RpcClient
 from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.samples import SCHEMA, make_batch
@@ -145,11 +145,7 @@ async def write_checkpoint(job: Job, dst: str, model: torch.nn.Module, *, step: 
     with CheckpointWriter(dst) as w:
         w.write_torch("dense.pt", model.state_dict())
         if jit:
-            buf = io.BytesIO()
-            with warnings.catch_warnings():   # TorchScript is deprecated upstream
-                warnings.simplefilter("ignore", DeprecationWarning)
-                torch.jit.save(torch.jit.script(model), buf)
-            w.write_bytes(JIT_FILENAME, buf.getvalue())
+            w.write_bytes(JIT_FILENAME, scripted(model))
         await w.dump_embeddings(clients)
         extra = ({"heads": heads} if heads else {}) | ({"inputs": inputs} if inputs else {})
         w.commit(job="test", step=step, offsets={}, stream="direct", extra=extra or None)

@@ -35,7 +35,6 @@ import os
 import re
 import signal
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ import torch
 from stream_persia.checkpoint import JIT_FILENAME, CheckpointWriter
 from stream_persia.errors import PersiaError
 from stream_persia.launch.processes import RoleProcess
+from stream_persia.nn.checkpointing import scripted
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.proxy import LateProxy
@@ -207,11 +207,7 @@ class Trainer:
         try:
             with CheckpointWriter(str(dst)) as w:
                 w.write_torch("dense.pt", model.state_dict())
-                buf = io.BytesIO()
-                with warnings.catch_warnings():   # TorchScript is deprecated upstream
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    torch.jit.save(torch.jit.script(model), buf)
-                w.write_bytes(JIT_FILENAME, buf.getvalue())
+                w.write_bytes(JIT_FILENAME, scripted(model))
                 await w.dump_embeddings(clients)
                 w.commit(job="test", step=max(self.dense_step, 0), offsets={}, stream="direct",
                          extra={"trained_through": self.trained_through})

@@ -6,11 +6,13 @@ fail training, and one publication is in flight at most."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
 import socket
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -82,6 +84,23 @@ def train(job, batches, *, model_updates, seed=0, hidden=32, event_times=None,
         feeder.join(10)
     return model, ctx
 
+
+
+@contextlib.contextmanager
+def server_0() -> Iterator[tuple[LoopThread, EmbeddingServer, Cluster]]:
+    """An embedding server 0 on a loop of its own and a cluster whose servers[0] is it
+    (the cluster is never started: only its loop and that client are used)."""
+    server_loop = LoopThread(name="test-server-0")
+    server = EmbeddingServer(100)
+    server_loop.run(server.start())
+    cluster = Cluster(["127.0.0.1:1"])
+    try:
+        cluster.servers = [RpcClient(server.address, timeout_ms=10_000)]
+        yield server_loop, server, cluster
+    finally:
+        cluster.close()
+        server_loop.run(server.stop())
+        server_loop.close()
 
 def test_rank0_publishes_what_a_replica_loads_into_the_models_state(job_factory):
     job = job_factory(LEARNABLE_SCHEMA)
@@ -181,12 +200,7 @@ def test_a_model_over_max_dense_bytes_is_not_sent(job_factory):
 def test_one_publication_in_flight_at_most_the_others_are_skipped():
     """Server 0 frozen (its loop blocked): the first publication waits for it, the ones
     due meanwhile are skipped; once it answers, the final model goes out."""
-    server_loop = LoopThread(name="test-server-0")
-    server = EmbeddingServer(100)
-    server_loop.run(server.start())
-    cluster = Cluster(["127.0.0.1:1"])   # never started: only its loop and servers[0]
-    try:
-        cluster.servers = [RpcClient(server.address, timeout_ms=10_000)]
+    with server_0() as (server_loop, server, cluster):
         model = SumModel(13, hidden=8)
         publisher = DensePublisher(model, cluster, publishing(1), step=0)
         frozen = server_loop.submit(_block(1.0))
@@ -198,10 +212,6 @@ def test_one_publication_in_flight_at_most_the_others_are_skipped():
         assert publisher.stats()["published"] == 2 and publisher.last_version == 5
         meta, blob = pull(server.address)
         assert (meta["version"], meta["event_time"]) == (5, 5.0)
-    finally:
-        cluster.close()
-        server_loop.run(server.stop())
-        server_loop.close()
 
 
 def test_an_unreachable_server_is_counted_and_logged_once_per_streak(caplog):
@@ -271,12 +281,7 @@ def test_a_step_short_of_the_next_due_one_is_published_when_the_stream_idles():
     """A stream that pauses after step 4 (due every 3): ``idle`` publishes step 4, once;
     not while a publication is in flight, not when nothing was trained since; the next
     due one counts from there."""
-    server_loop = LoopThread(name="test-server-0")
-    server = EmbeddingServer(100)
-    server_loop.run(server.start())
-    cluster = Cluster(["127.0.0.1:1"])   # never started: only its loop and servers[0]
-    try:
-        cluster.servers = [RpcClient(server.address, timeout_ms=10_000)]
+    with server_0() as (server_loop, server, cluster):
         publisher = DensePublisher(SumModel(13, hidden=8), cluster, publishing(3), step=0)
         publisher.idle(0, None)                  # nothing trained: nothing to publish
         assert pull(server.address)[0]["version"] is None
@@ -301,10 +306,6 @@ def test_a_step_short_of_the_next_due_one_is_published_when_the_stream_idles():
         assert publisher.last_version == 7
         publisher.close((7, 7.0))                # the final model went out already
         assert publisher.stats()["published"] == 3
-    finally:
-        cluster.close()
-        server_loop.run(server.stop())
-        server_loop.close()
 
 
 def test_the_dataloader_waiting_for_a_batch_publishes_the_last_step(job_factory):
