@@ -39,6 +39,7 @@ from stream_persia.config.global_config import (
     InferConfig,
     MetricsConfig,
     ModelUpdatesConfig,
+    ProgressiveConfig,
     RpcConfig,
 )
 from stream_persia.config.kafka import (
@@ -52,7 +53,7 @@ __all__ = [
     "EmbeddingSchema", "SlotConfig", "HashStackConfig", "MAX_PREFIX_BIT",
     "GlobalConfig", "CommonConfig", "MetricsConfig", "CheckpointingConfig", "InferConfig",
     "EmbeddingParameterServerConfig", "EmbeddingWorkerConfig", "KafkaConfig", "ApiConfig",
-    "RpcConfig", "ModelUpdatesConfig", "JOB_TYPES", "resolve_bootstrap_servers",
+    "RpcConfig", "ModelUpdatesConfig", "ProgressiveConfig", "JOB_TYPES", "resolve_bootstrap_servers",
     "ENV_EMBEDDING_CONFIG", "ENV_GLOBAL_CONFIG", "ENV_NN_WORKER_ENTRY",
     "ENV_DATALOADER_ENTRY", "ENV_KAFKA_BOOTSTRAP_SERVERS",
 ]

@@ -39,6 +39,12 @@ PERSIA's keys and documented defaults::
       max_dense_bytes: 1073741824    # the largest dense blob sent or held
       update_log_bytes: 268435456    # each server's update log in memory
 
+``progressive`` (progressive validation on the NN workers) in :class:`ProgressiveConfig`::
+
+    progressive:
+      enabled: true                  # false: TrainCtx keeps no progressive metrics
+      window_samples: 100000         # samples in the windowed AUC, NE, calibration
+
 Every key is either acted on or refused with the reason and what to use instead: keys
 PERSIA accepted but never acted on, and values asking for a PERSIA feature stream-persia
 does not have (incremental update, pushed metrics, Eval/Infer jobs, servers preloaded from
@@ -82,7 +88,7 @@ MAX_STORE_THREADS = 256
 
 __all__ = ["MetricsConfig", "CheckpointingConfig", "InferConfig", "CommonConfig",
            "EmbeddingParameterServerConfig", "EmbeddingWorkerConfig", "ApiConfig",
-           "RpcConfig", "ModelUpdatesConfig", "GlobalConfig", "JOB_TYPES", "INERT_KEYS"]
+           "RpcConfig", "ModelUpdatesConfig", "ProgressiveConfig", "GlobalConfig", "JOB_TYPES", "INERT_KEYS"]
 
 JOB_TYPES = ("Train", "Eval", "Infer")
 _UNUSED = "PERSIA's {what}; stream-persia has no use for it: remove it"
@@ -491,6 +497,27 @@ class ModelUpdatesConfig(_Section):
 
 
 @dataclass(frozen=True)
+class ProgressiveConfig(_Section):
+    """``progressive``: progressive validation on the NN workers
+    (:mod:`stream_persia.nn.progressive`).
+
+    Args:
+        enabled: accumulate the metrics of every training batch (on by default; its cost
+            is a copy of the predictions and labels and a few sums per step).
+        window_samples: samples in the windowed metrics (AUC, NE, calibration, log loss),
+            over every NN rank together; bounds their memory (5 bytes a sample per rank).
+    """
+
+    enabled: bool = True
+    window_samples: int = 100_000
+
+    def __post_init__(self) -> None:
+        check_bool(self, "enabled")
+        check_int(self, "window_samples", lo=1, hi=1 << 30,
+                  hint="samples in the windowed progressive metrics, e.g. 100000")
+
+
+@dataclass(frozen=True)
 class GlobalConfig(_Section):
     """The parsed ``global_config.yml``; every section has defaults."""
 
@@ -503,13 +530,14 @@ class GlobalConfig(_Section):
     api: ApiConfig = field(default_factory=ApiConfig)
     rpc: RpcConfig = field(default_factory=RpcConfig)
     model_updates: ModelUpdatesConfig = field(default_factory=ModelUpdatesConfig)
+    progressive: ProgressiveConfig = field(default_factory=ProgressiveConfig)
 
     _NESTED: ClassVar[dict[str, type]] = {
         "common_config": CommonConfig,
         "embedding_parameter_server_config": EmbeddingParameterServerConfig,
         "embedding_worker_config": EmbeddingWorkerConfig,
         "kafka": KafkaConfig, "api": ApiConfig, "rpc": RpcConfig,
-        "model_updates": ModelUpdatesConfig}
+        "model_updates": ModelUpdatesConfig, "progressive": ProgressiveConfig}
     _REJECTED: ClassVar[dict[str, str]] = {
         "middleware_config": "PERSIA renamed it embedding_worker_config",
         "shard_server_config": "PERSIA renamed it embedding_parameter_server_config",

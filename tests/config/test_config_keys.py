@@ -112,6 +112,9 @@ READ: dict[str, list[tuple[str, str]]] = {
         (LAUNCH, r"mu = gc\.model_updates[\s\S]*max_dense_bytes=mu\.max_dense_bytes"),
         ("stream_persia/server/dense_hub.py", r"> self\.max_dense_bytes"),
         (DENSE_PUBLISHER, r"cfg\.max_dense_bytes")],
+    # progressive validation on the NN ranks (stream_persia/nn/progressive.py)
+    "progressive.enabled": [(TRAIN_CTX, r"pc = self\.progressive_config[\s\S]*if pc\.enabled")],
+    "progressive.window_samples": [(TRAIN_CTX, r"ProgressiveValidation\(\s*pc\.window_samples")],
     # embedding_config.yml
     "feature_index_prefix_bit": [("stream_persia/worker/batchplan.py",
                                   r"schema\.feature_index_prefix_bit")],
