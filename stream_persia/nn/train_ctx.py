@@ -44,11 +44,18 @@ every ``model_updates.dense_every_steps`` steps or ``dense_interval_ms`` (and on
 a clean exit), in the background, without changing what training computes
 (:mod:`~stream_persia.nn.dense_publisher`).
 
+Progressive validation (:mod:`~stream_persia.nn.progressive`, on by default, the
+``progressive`` section of the global config): ``forward`` keeps a training batch's output
+and labels, and ``backward`` scores these predictions, made before the batch's update,
+against its labels (detached host copies: training computes the same with it off);
+:meth:`TrainCtx.progressive` reads windowed AUC, NE, calibration and log loss per task.
+
 Size: one class whose step (``forward``/``backward``), gradient push and quiesce share
 its per-step state (the batch being trained and its leaves, the prefetchers, the push
 errors); what it hands off already has a module of its own (prefetching:
 :mod:`~stream_persia.nn.loader`, checkpoints: :mod:`~stream_persia.nn.checkpointing`,
-the mailbox: :mod:`~stream_persia.nn.checkpoint_poller`, the interfaces they see:
+the mailbox: :mod:`~stream_persia.nn.checkpoint_poller`, progressive validation:
+:mod:`~stream_persia.nn.progressive`, the interfaces they see:
 :mod:`~stream_persia.nn.seams`).
 """
 
@@ -61,11 +68,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from stream_persia.config import ModelUpdatesConfig
+from stream_persia.config import ModelUpdatesConfig, ProgressiveConfig
 from stream_persia.core.embedding_config import EmbeddingConfig
 from stream_persia.core.lifecycle import drain
 from stream_persia.core.optim import Optimizer
-from stream_persia.errors import Misuse, PeerUnavailable, RemoteTimeout
+from stream_persia.errors import BadInput, Misuse, PeerUnavailable, RemoteTimeout
 from stream_persia.nn import checkpointing
 from stream_persia.nn.batch import PersiaTrainingBatch, input_signature
 from stream_persia.nn.checkpoint_poller import NnCheckpointPoller
@@ -74,6 +81,7 @@ from stream_persia.nn.distributed import DistributedBaseOption, get_default_dist
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
 from stream_persia.nn.env import get_rank, get_world_size
 from stream_persia.nn.loader import HELD, PUSHING, StreamPrefetcher, Ticket
+from stream_persia.nn.progressive import ProgressiveValidation, progressive_config
 
 __all__ = ["TrainCtx"]
 
@@ -112,6 +120,11 @@ class TrainCtx(EmbeddingCtx):
             replicas (:mod:`~stream_persia.nn.dense_publisher`); default: the
             ``model_updates`` section of the job's global config (``PERSIA_GLOBAL_CONFIG``),
             else its defaults.
+        progressive: progressive validation (:mod:`~stream_persia.nn.progressive`): the
+            predictions of every training batch's forward pass, made before its update,
+            scored against its labels; read with :meth:`progressive`. Default: the
+            ``progressive`` section of the job's global config, else on with a window
+            of 100,000 samples.
 
     Raises:
         Misuse: wrong argument types, no model.
@@ -127,7 +140,8 @@ class TrainCtx(EmbeddingCtx):
                  threadpool_worker_size: int = 10, device_id: int | None = None,
                  embedding_workers: list[str] | None = None, ready_timeout_s: float = 300.0,
                  rpc_timeout_ms: float = 30_000, checkpoint_poll_steps: int = 10,
-                 model_updates: ModelUpdatesConfig | None = None):
+                 model_updates: ModelUpdatesConfig | None = None,
+                 progressive: ProgressiveConfig | None = None):
         super().__init__(PreprocessMode.TRAIN, model=model, embedding_config=embedding_config,
                          threadpool_worker_size=threadpool_worker_size, device_id=device_id,
                          embedding_workers=embedding_workers, ready_timeout_s=ready_timeout_s,
@@ -152,6 +166,9 @@ class TrainCtx(EmbeddingCtx):
         if model_updates is not None and not isinstance(model_updates, ModelUpdatesConfig):
             raise Misuse(f"model_updates must be a ModelUpdatesConfig, got "
                          f"{type(model_updates).__name__}", field="model_updates")
+        if progressive is not None and not isinstance(progressive, ProgressiveConfig):
+            raise Misuse(f"progressive must be a ProgressiveConfig, got "
+                         f"{type(progressive).__name__}", field="progressive")
         if distributed_option is not None and not isinstance(distributed_option,
                                                              DistributedBaseOption):
             raise Misuse(f"distributed_option must be a DDPOption, got {distributed_option!r}",
@@ -184,6 +201,13 @@ class TrainCtx(EmbeddingCtx):
         self.model_updates = model_updates if model_updates is not None \
             else model_updates_config()
         self.dense_publisher: DensePublisher | None = None
+        self.progressive_config = progressive if progressive is not None \
+            else progressive_config()
+        self.progressive_validation: ProgressiveValidation | None = None
+        #: why progressive validation stopped during the run (None: it did not)
+        self.progressive_off: str | None = None
+        # the last training forward's predictions and labels, scored at its backward
+        self._scored: tuple[Any, list[torch.Tensor]] | None = None
         #: the newest event time of a batch trained so far (None: no batch carried one)
         self.trained_through: float | None = None
         self._leave_drain: Any = None
@@ -214,6 +238,12 @@ class TrainCtx(EmbeddingCtx):
             elif self.distributed_option is not None:
                 log.info("WORLD_SIZE is 1: distributed_option %r is not used",
                          self.distributed_option)
+            pc = self.progressive_config
+            if pc.enabled and self.progressive_validation is None:
+                tasks = getattr(self.raw_model, "tasks", None)
+                self.progressive_validation = ProgressiveValidation(
+                    pc.window_samples, self.world_size,
+                    tasks=list(tasks) if isinstance(tasks, list | tuple) else None)
             if self.checkpoint_poll_steps:
                 self.checkpoint_poller = NnCheckpointPoller(
                     self, every_steps=self.checkpoint_poll_steps)
@@ -276,6 +306,65 @@ class TrainCtx(EmbeddingCtx):
             self.raise_async_errors()
 
     # ------------------------------------------------------------------ training
+    def forward(self, batch: PersiaTrainingBatch
+                ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """``prepare_features``, then the model: returns ``(output, label_tensors)``; a
+        training batch's output and labels are kept for progressive validation, scored
+        at its :meth:`backward`."""
+        output, labels = super().forward(batch)
+        if self.progressive_validation is not None and batch.ticket is not None \
+                and labels:
+            self._scored = (output, labels)
+        return output, labels
+
+    def _score(self) -> None:
+        """Feed the last forward's predictions (made before this step's update) and labels
+        to progressive validation (detached copies: the model and the RNG are untouched)."""
+        scored, self._scored = self._scored, None
+        pv = self.progressive_validation
+        if scored is None or pv is None:
+            return
+        output, labels = scored
+        with torch.no_grad():
+            if isinstance(output, list | tuple):
+                preds = [o.detach() for o in output]
+            elif len(labels) > 1 and output.dim() == 2 and output.shape[1] == len(labels):
+                preds = list(output.detach().unbind(1))
+            else:
+                preds = [output.detach()]
+            try:
+                pv.add([p.to("cpu", torch.float32).numpy() for p in preds],
+                       [y.detach().to("cpu", torch.float32).numpy() for y in labels])
+            except BadInput as e:
+                # A model whose output is not one prediction per sample and label (a loss
+                # computed inside the model, say) trains on; it just has no such metrics.
+                self.progressive_validation = None
+                self.progressive_off = f"{e.field}: {e.message}"
+                log.warning("progressive validation is off for this run: %s (the model's "
+                            "output does not pair with the batch's labels)",
+                            self.progressive_off)
+
+    def progressive(self) -> dict[str, dict[str, Any]]:
+        """Progressive validation metrics per task (:mod:`~stream_persia.nn.progressive`),
+        merged over the NN ranks: with several ranks every rank must call this at the same
+        step (an ``all_gather_object``). Empty when it is off
+        (``progressive.enabled: false``, or :attr:`progressive_off` says why it stopped)
+        or before the first step."""
+        pv = self.progressive_validation
+        if pv is None:
+            return {}
+        if self.world_size <= 1:
+            return pv.read()
+
+        def gather(state: Any) -> list[Any]:
+            import torch.distributed as dist
+
+            out: list[Any] = [None] * self.world_size
+            dist.all_gather_object(out, state)
+            return out
+
+        return pv.read(gather)
+
     def _prepared(self, batch: PersiaTrainingBatch, leaves: list | None) -> None:
         self.raise_async_errors()
         if leaves is not None and self.input_signature is None:
@@ -319,6 +408,7 @@ class TrainCtx(EmbeddingCtx):
         if ticket.state != HELD:
             raise Misuse(f"backward() was already called for batch {ticket.batch_id}")
         self._current = self._current_leaves = None
+        self._score()
         if batch.event_time is not None and (self.trained_through is None
                                              or batch.event_time > self.trained_through):
             self.trained_through = batch.event_time
@@ -503,6 +593,7 @@ class TrainCtx(EmbeddingCtx):
                 cluster.run(p.give_back(left))
             cluster.run(p.wait_idle(timeout))
         self._current = self._current_leaves = None
+        self._scored = None
         return running
 
     def resume_prefetchers(self, prefetchers: list[StreamPrefetcher]) -> None:
