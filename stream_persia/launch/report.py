@@ -6,7 +6,13 @@
      "auc": {task: float}, "bayes_auc": {task: float}, "bayes_lift": {task: float},
      "served_auc": {task: float}, "served": {"rows", "model_version", "missing_ids",
      "examples": [{head: p, "label": {task: y}}, ...]},
-     "checkpoint": path, "gates": [{"metric", "min", "value", "passed"}], "plot": path}
+     "checkpoint": path, "gates": [{"metric", "min", "value", "passed"}], "plot": path,
+     "progressive": {task: {"auc", "ne", "lifetime_ne", "calibration", "log_loss",
+                            "window", "samples", "curve": [[samples, auc, ne], ...]}}}
+
+``progressive``: progressive validation on the NN workers (every training batch scored
+before its update, :mod:`stream_persia.nn.progressive`), as the topology's ``metrics.json``
+has it; ``{}`` for a topology that writes none.
 """
 
 from __future__ import annotations
@@ -145,6 +151,7 @@ def build_report(topo: Topology, metrics: dict[str, Any], served: dict[str, Any]
         "served_auc": (served or {}).get("served_auc", {}),
         "served": {k: v for k, v in (served or {}).items()
                    if k != "served_auc" and not k.startswith("_")},
+        "progressive": metrics.get("progressive") or {},
         "checkpoint": metrics.get("checkpoint"), "plot": str(out / "report.png"),
         "output_dir": str(out),
     }
@@ -183,6 +190,11 @@ def plot_report(metrics: dict[str, Any], path: Path, title: str) -> None:
     for task in sorted({t for _, aucs in evals for t in aucs}):
         pts = [(s, a[task]) for s, a in evals if task in a]
         ax2.plot(*zip(*pts, strict=True), marker="o", label=f"{task} AUC")
+    for task, prog in (metrics.get("progressive") or {}).items():
+        pts = [(s, a) for s, a, _ in prog.get("curve") or [] if a is not None]
+        if pts:
+            ax2.plot(*zip(*pts, strict=True), marker=".", linestyle=":",
+                     label=f"{task} progressive AUC (window {prog.get('window')})")
     for task, b in (metrics.get("bayes_auc") or {}).items():
         ax2.axhline(b, linestyle="--", color="grey", label=f"{task} Bayes-optimal")
     ax2.set(title="eval AUC", xlabel="samples", ylabel="AUC")
@@ -221,6 +233,10 @@ def print_report(report: dict[str, Any], file: Any = None) -> None:
               f"AUC after the drain {fmt(rep.get('served_auc_final') or {})}, max |served - "
               f"trained| {rep.get('served_max_abs_diff')}"
               + (f" ({rep['error']})" if rep.get("error") else ""), file=f)
+    for task, prog in (report.get("progressive") or {}).items():
+        print(f"progressive       {task}: windowed AUC {prog.get('auc')}, NE {prog.get('ne')}, "
+              f"calibration {prog.get('calibration')} over the last {prog.get('window_samples')} "
+              f"of {prog.get('samples')} samples trained", file=f)
     print(f"checkpoint        {report['checkpoint']}", file=f)
     for g in report["gates"]:
         print(f"gate              {g['metric']} >= {g['min']}: {g['value']} "

@@ -51,6 +51,17 @@ def check_report(report: dict, tasks: list[str], samples: int, *, learned: bool 
     check_replica(report)
 
 
+def check_progressive(report: dict, tasks: list[str], samples: int, low: float = 0.5) -> None:
+    """Progressive validation scored every sample trained (issue 19, item 1)."""
+    prog = report["progressive"]
+    assert sorted(prog) == sorted(tasks), prog
+    for task in tasks:
+        p = prog[task]
+        assert p["samples"] == samples and p["skipped"] == 0, p
+        assert low < p["auc"] <= 1.0 and 0 < p["ne"] < 1.5, p
+        assert len(p["curve"]) >= 2 and p["curve"][-1][0] == samples, p
+
+
 def check_replica(report: dict) -> None:
     """The run's serving replica followed training: after the final drain it answers
     exactly what the trained model does (issue 18), and the report has its freshness."""
@@ -68,6 +79,7 @@ def test_synthetic_ctr_broker_less(tmp_path):
     report = run("synthetic_ctr", tmp_path, "--samples", "30000", "--eval-samples", "8000",
                  "--predict-samples", "1024", "--no-gates")
     check_report(report, ["click"], 30_000)
+    check_progressive(report, ["click"], 30_000)
     assert report["mode"] == "broker-less stream"
     assert 0.5 < report["bayes_auc"]["click"] < 1.0
     assert [g["metric"] for g in report["gates"]] == ["bayes_lift.click"]

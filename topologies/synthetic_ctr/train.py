@@ -6,7 +6,9 @@ here (it never overlaps the training range), whose true click probabilities give
 Bayes-optimal AUC. The gate of this topology is the share of the attainable lift that the
 model reaches: ``bayes_lift = (auc - 0.5) / (bayes_auc - 0.5)``.
 
-Results go to ``$PERSIA_OUTPUT_DIR/metrics.json`` (schema: ``topologies/common.py``) and
+Results go to ``$PERSIA_OUTPUT_DIR/metrics.json`` (schema: ``topologies/common.py``; here
+also ``progressive``: ``TrainCtx.progressive()`` per task, with a ``curve`` of
+``[samples_scored, windowed_auc, windowed_ne]`` at the eval points) and
 the final checkpoint to ``$PERSIA_CKPT_DIR`` (default ``$PERSIA_OUTPUT_DIR/checkpoint``).
 """
 
@@ -50,6 +52,18 @@ def evaluate(model, stream: ClickStream, n: int, device_id) -> tuple[dict, dict,
     preds, labels = common.predict(model, eval_batches(stream, n), device_id=device_id)
     auc, loss = common.task_metrics(TASKS, preds, labels)
     return auc, loss, time.monotonic() - t0
+
+
+def record_progressive(metrics: common.MetricsLog, now: dict[str, dict]) -> None:
+    """Progressive validation (every training batch scored before its update) into
+    ``metrics["progressive"]``: per task the newest figures and a ``curve`` of
+    ``[samples_scored, windowed_auc, windowed_ne]`` points."""
+    prog = metrics.data.setdefault("progressive", {})
+    for task, m in now.items():
+        curve = prog.get(task, {}).get("curve", [])
+        if not curve or curve[-1][0] != m["samples"]:
+            curve.append([m["samples"], m["auc"], m["ne"]])
+        prog[task] = {**m, "curve": curve}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
             loss = loss_fn(output, labels[0])
             ctx.backward(loss)
             progress.step(labels[0].shape[0], loss.item())
+            if (batch_idx + 1) % eval_every == 0:    # every rank: the read is collective
+                record_progressive(metrics, ctx.progressive())
             if rank == 0 and (batch_idx + 1) % eval_every == 0 and batch_idx + 1 < steps:
                 auc, _, _ = evaluate(model, stream, min(EVAL_SUBSET, settings.eval_samples),
                                      device_id)
@@ -114,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                 common.log(role, f"eval AUC {auc['click']:.4f} on "
                                  f"{min(EVAL_SUBSET, settings.eval_samples)} samples")
         progress.finish(common.all_ranks_sum(progress.samples))
+        record_progressive(metrics, ctx.progressive())
         metrics["stats"] = ctx.stats()
         if progress.steps < steps:
             common.log(role, f"the stream ended after {progress.steps} of {steps} steps")
