@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from nn_helpers import LEARNABLE_SCHEMA, learnable_batches
@@ -47,6 +48,14 @@ def test_two_ranks_keep_identical_dense_parameters(job_factory, tmp_path):
     assert len(worker.inflight) == 0
     trained = stats[0]["steps"] + stats[1]["steps"]
     assert trained + len(worker.ready) == fed, "every batch trained once or back in line"
+    # progressive validation merged both ranks' samples, the same on each rank
+    scored = np.concatenate([np.load(tmp_path / f"scored{r}.npy") for r in (0, 1)])
+    p, y = scored[:, 0], scored[:, 1]
+    prog = stats[0]["progressive"]["task0"]
+    assert stats[1]["progressive"] == stats[0]["progressive"]
+    assert prog["samples"] == prog["window_samples"] == trained * 64 == len(p)
+    pos, neg = p[y == 1][:, None], p[y == 0][None, :]
+    assert prog["auc"] == pytest.approx(((pos > neg) + 0.5 * (pos == neg)).mean(), rel=1e-6)
 
 
 def _args(**kw) -> argparse.Namespace:
