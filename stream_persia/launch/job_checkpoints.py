@@ -44,14 +44,14 @@ def checkpoint_and_wait(api_address: str, token: str, budget_s: float) -> str | 
     deadline = time.monotonic() + budget_s
     try:
         while True:
+            left = max(0.1, deadline - time.monotonic())
             r = httpx.post(f"{base}/v1/checkpoints", headers=headers, json={},
-                           timeout=min(10.0, budget_s))
+                           timeout=min(10.0, left))
             # 409 while another checkpoint is being taken (the serving replica's first, or
             # one a user asked for): wait for it to end, then ask for ours, which must cut
             # the training where it stops.
-            if r.status_code != 409 or not _checkpoint_busy(base, headers):
-                break
-            if time.monotonic() + 0.5 >= deadline:
+            if r.status_code != 409 or time.monotonic() + 0.5 >= deadline \
+                    or not _checkpoint_busy(base, headers, min(10.0, left)):
                 break
             time.sleep(0.5)
         r.raise_for_status()
@@ -71,11 +71,11 @@ def checkpoint_and_wait(api_address: str, token: str, budget_s: float) -> str | 
     return None
 
 
-def _checkpoint_busy(base: str, headers: dict[str, str]) -> bool:
+def _checkpoint_busy(base: str, headers: dict[str, str], timeout_s: float) -> bool:
     """Whether the job's API is taking a checkpoint now (one not yet done or failed)."""
     import httpx
 
-    r = httpx.get(f"{base}/v1/checkpoints", headers=headers, timeout=10.0)
+    r = httpx.get(f"{base}/v1/checkpoints", headers=headers, timeout=timeout_s)
     r.raise_for_status()
     return any(c.get("state") not in ("done", "failed")
                for c in r.json().get("checkpoints", []))

@@ -154,10 +154,10 @@ class DensePublisher:
         if fut is not None and not fut.done():
             return
         now = self._clock()
-        if step == self._started and (fut is None or fut.cancelled() or fut.exception()
-                                      or fut.result() or now - self._last_time
-                                      < self.interval_s):
-            return
+        if step == self._started:   # sent already (or restored): again only if it failed
+            failed = fut is not None and not fut.cancelled() and not fut.result()
+            if not failed or now - self._last_time < self.interval_s:
+                return
         self._last_step, self._last_time = step, now
         self._start(step, event_time)
 
