@@ -151,6 +151,7 @@ import secrets
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -422,6 +423,12 @@ class EmbeddingServer:
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def on_store(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the store's thread, between the requests and the update log's
+        passes (the store is not thread-safe: a call from another thread while one of
+        those runs raises Misuse). For tools and tests that read the table in process."""
+        return await self._run(fn, *args)
 
     @property
     def store(self) -> Any:

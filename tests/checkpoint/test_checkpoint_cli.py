@@ -25,7 +25,7 @@ async def checkpoints(tmp_path):
     await server.start()
     client = RpcClient(server.address, timeout_ms=5000)
     try:
-        server.store.lookup(np.arange(1, 41, dtype=np.uint64), 8)
+        await server.on_store(server.store.lookup, np.arange(1, 41, dtype=np.uint64), 8)
         paths = []
         for step in (200, 100):
             path = str(tmp_path / "root" / f"step-{step}")

@@ -98,6 +98,14 @@ class LocalJob:
             workers.append(fresh)
         self.servers, self.workers = servers, workers
 
+    def store_rows(self, ids, dim: int, server: int = 0) -> np.ndarray:
+        """Rows of (slot-prefixed) ``ids`` in server ``server``'s table, read on its store
+        thread (the update log's passes run there too), without training them."""
+        s = self.servers[server]
+        ids = np.asarray(ids, dtype=np.uint64)
+        return self.loop.run(s.on_store(lambda: s.store.lookup(ids, dim, train=False)),
+                             timeout=30)
+
     @property
     def worker_addresses(self) -> list[str]:
         return [w.address for w in self.workers]

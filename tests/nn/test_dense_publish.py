@@ -156,7 +156,7 @@ def test_training_is_bit_identical_with_publishing_on_and_off(job_factory):
                           model_update_interval_ms=10)
         model, ctx = train(job, batches, model_updates=cfg, seed=3)
         ids = LEARNABLE_SCHEMA.prefix_ids("a", np.arange(50, dtype=np.uint64))
-        runs.append((model.state_dict(), job.servers[0].store.lookup(ids, 4, train=False),
+        runs.append((model.state_dict(), job.store_rows(ids, 4),
                      ctx, job))
     (dense_off, rows_off, ctx_off, job_off), (dense_on, rows_on, ctx_on, job_on) = runs
     assert ctx_off.dense_publisher is None

@@ -73,11 +73,11 @@ def test_embedding_gradients_are_sent_unscaled(job_factory):
     pref = SCHEMA.prefix_ids("user", ids)
     with _ctx(job, model, SGD(lr=LR)) as ctx:
         for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=1):
-            rows = job.servers[0].store.lookup(pref, 8, train=False)
+            rows = job.store_rows(pref, 8)
             output, _ = ctx.forward(tb)
             assert ctx.grad_scaler.get_scale() > 1
             ctx.backward(output)
     # d(output)/d(row) is 1 per occurrence: the loss scale must not reach the servers.
     count = (np.concatenate(user.data)[None, :] == ids[:, None]).sum(1)
-    np.testing.assert_allclose(job.servers[0].store.lookup(pref, 8, train=False),
+    np.testing.assert_allclose(job.store_rows(pref, 8),
                                rows - LR * count[:, None], atol=1e-3)

@@ -44,8 +44,7 @@ def train(job, model, batches, progressive, loss=None):
                          torch.nn.functional.binary_cross_entropy(output, labels[0]))
         feeder.join(10)
         result = ctx.progressive()
-    rows = job.servers[0].store.lookup(
-        LEARNABLE_SCHEMA.prefix_ids("a", np.arange(50, dtype=np.uint64)), 4, train=False)
+    rows = job.store_rows(LEARNABLE_SCHEMA.prefix_ids("a", np.arange(50, dtype=np.uint64)), 4)
     return ctx, result, seen, rows
 
 

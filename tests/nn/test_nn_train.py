@@ -37,7 +37,7 @@ def bce(output, labels):
 
 def server_rows(job, slot, ids):
     pref = SCHEMA.prefix_ids(slot, np.asarray(ids, dtype=np.uint64))
-    return job.servers[0].store.lookup(pref, SCHEMA.slot(slot).dim, train=False)
+    return job.store_rows(pref, SCHEMA.slot(slot).dim)
 
 
 class TwoSlotLoss(torch.nn.Module):
@@ -415,8 +415,7 @@ def test_reproducible_synchronous_runs_are_identical(job_factory):
     for _ in range(2):
         model = _train(job, batches, staleness=1, seed=3, reproducible=True)
         ids = np.arange(50, dtype=np.uint64)
-        rows = job.servers[0].store.lookup(LEARNABLE_SCHEMA.prefix_ids("a", ids), 4,
-                                           train=False)
+        rows = job.store_rows(LEARNABLE_SCHEMA.prefix_ids("a", ids), 4)
         runs.append(({k: v.clone() for k, v in model.state_dict().items()}, rows))
     (dense_a, rows_a), (dense_b, rows_b) = runs
     assert all(torch.equal(dense_a[k], dense_b[k]) for k in dense_a)

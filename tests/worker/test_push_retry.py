@@ -267,23 +267,23 @@ async def test_a_duplicate_token_is_applied_once_and_the_memory_is_bounded():
             return await client.call("update", {"groups": [{"dim": 4, "ids": ids, "grads": g}],
                                                 **({"token": token} if token else {})})
 
-        def rows():
-            return s.store.lookup(ids, 4, train=False).copy()
+        async def rows():
+            return await s.on_store(lambda: s.store.lookup(ids, 4, train=False).copy())
 
         first = await update("w-1")
-        after = rows()
+        after = await rows()
         assert first["applied"] == 8 and "duplicate" not in first
         dup = await update("w-1")
         assert dup == {**first, "duplicate": True}
-        np.testing.assert_array_equal(rows(), after)      # not applied again
+        np.testing.assert_array_equal(await rows(), after)      # not applied again
         await update("w-2")
         await update("w-3")                                # forgets w-1 (2 remembered)
         metrics = s.metrics.render()
         assert b"persia_embedding_server_update_tokens_evicted_young_total 1.0" in metrics
         assert b"persia_embedding_server_update_tokens_held 2.0" in metrics
-        before = rows()
+        before = await rows()
         assert "duplicate" not in await update("w-1")     # forgotten: applied (and counted)
-        assert not np.array_equal(rows(), before)
+        assert not np.array_equal(await rows(), before)
         for bad in ("", "x" * 65, 7):
             with pytest.raises(BadInput) as err:
                 await client.call("update", {"groups": [], "token": bad})
