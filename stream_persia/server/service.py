@@ -150,8 +150,8 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
