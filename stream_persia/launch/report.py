@@ -13,6 +13,11 @@
 ``progressive``: progressive validation on the NN workers (every training batch scored
 before its update, :mod:`stream_persia.nn.progressive`), as the topology's ``metrics.json``
 has it; ``{}`` for a topology that writes none.
+
+``metrics/<process>.prom``: the last ``GET /metrics`` of the API (which relays every
+embedding worker's and server's) and of the serving replica, taken after training, before
+the roles stop: what Prometheus would have scraped last (``tests/deploy`` checks
+``deploy/``'s alert rules and dashboard against it).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from stream_persia.launch.topology import Topology
 from stream_persia.nn.utils import roc_auc
 
 __all__ = ["served_metrics", "build_report", "plot_report", "print_report",
-           "predict_over_http", "auc_of", "serving_inputs", "concept_shift_probe"]
+           "predict_over_http", "auc_of", "serving_inputs", "concept_shift_probe",
+           "save_scrapes"]
 
 
 def concept_shift_probe(topo: Topology, env: dict[str, str]) -> dict[str, Any] | None:
@@ -138,6 +144,24 @@ def served_metrics(api_address: str, token: str, checkpoint: str, batches: list 
             "rows": result["rows"],
             "missing_ids": result["missing_ids"], "served_auc": auc_of(result, tasks),
             "examples": result["examples"], "_preds": result["preds"]}
+
+
+def save_scrapes(out: Path, addresses: dict[str, str | None]) -> None:
+    """``GET /metrics`` of each ``{process: address}`` (API processes) into
+    ``out/metrics/<process>.prom``; one that does not answer is left out (the report
+    does not depend on it)."""
+    import httpx
+
+    for name, address in addresses.items():
+        if not address:
+            continue
+        try:
+            r = httpx.get(f"http://{address}/metrics", timeout=10)
+        except httpx.HTTPError:
+            continue
+        if r.status_code == 200:
+            (out / "metrics").mkdir(exist_ok=True)
+            (out / "metrics" / f"{name}.prom").write_text(r.text)
 
 
 def build_report(topo: Topology, metrics: dict[str, Any], served: dict[str, Any] | None,

@@ -74,6 +74,7 @@ from stream_persia.launch.report import (
     concept_shift_probe,
     plot_report,
     print_report,
+    save_scrapes,
     served_metrics,
     serving_inputs,
 )
@@ -459,6 +460,8 @@ def main(args: argparse.Namespace) -> int:
                 report["replica"] = job.watch.summary(final, (served or {}).get("_preds"),
                                                       out / "concept_shift.json")
                 metrics["freshness_curve"] = job.watch.curve()
+            save_scrapes(out, {"api": job.api.address if job.api else None,
+                               "replica": job.replica.address if job.replica else None})
             if lost:
                 report["kafka_messages_lost"] = lost
         except Stopped as stop:
