@@ -46,7 +46,13 @@ import yaml
 
 __all__ = ["RunSettings", "load_settings", "MetricsLog", "Progress", "log", "topology_file",
            "embedding_config_path", "model_kwargs", "steps_per_rank", "num_batches", "predict",
-           "task_metrics", "all_ranks_sum"]
+           "task_metrics", "all_ranks_sum", "record_progressive", "progressive_every",
+           "MAX_CURVE_POINTS", "MIN_CURVE_POINTS"]
+
+#: The most points :func:`progressive_every` gives a progressive curve (metrics.json
+#: stays small, and the reads, which sort the window, stay cheap).
+MAX_CURVE_POINTS = 400
+MIN_CURVE_POINTS = 20
 
 #: (setting, env variable, kind) in the order of the table above.
 _FIELDS = (
@@ -377,3 +383,30 @@ def task_metrics(tasks: list[str], preds: list[np.ndarray], labels: list[np.ndar
         q = np.clip(p, 1e-7, 1 - 1e-7)
         loss[task] = float(-np.mean(y * np.log(q) + (1 - y) * np.log(1 - q)))
     return auc, loss
+
+
+def progressive_every(steps: int, batch_size: int, world_size: int) -> int:
+    """Steps between two points of the progressive curve: about a quarter of the window
+    (``progressive.window_samples``), so a drop of the windowed AUC shows in a few
+    points, at least :data:`MIN_CURVE_POINTS` points where there are that many steps, and
+    at most :data:`MAX_CURVE_POINTS`. A read sorts the window, so
+    reading every quarter window costs about four sorts of every sample trained,
+    whatever the window."""
+    from stream_persia.nn.progressive import progressive_config
+
+    window = progressive_config().window_samples
+    every = max(1, window // (4 * max(1, batch_size) * max(1, world_size)))
+    every = min(every, max(1, steps // MIN_CURVE_POINTS))   # a short run gets a curve too
+    return max(every, -(-steps // MAX_CURVE_POINTS))
+
+
+def record_progressive(metrics: MetricsLog, now: dict[str, dict]) -> None:
+    """Progressive validation (every training batch scored before its update,
+    ``TrainCtx.progressive()``) into ``metrics["progressive"]``: per task the newest
+    figures and a ``curve`` of ``[samples_scored, windowed_auc, windowed_ne]`` points."""
+    prog = metrics.data.setdefault("progressive", {})
+    for task, m in now.items():
+        curve = prog.get(task, {}).get("curve", [])
+        if not curve or curve[-1][0] != m["samples"]:
+            curve.append([m["samples"], m["auc"], m["ne"]])
+        prog[task] = {**m, "curve": curve}

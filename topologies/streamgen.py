@@ -11,6 +11,8 @@ can be produced anywhere, in any chunking, by any number of data loaders, identi
 - :func:`zipf_rank`, :func:`zipf_probability`: a bounded power law over ``[0, vocab)``
   (continuous inverse CDF on ``[1, vocab + 1)``, floored), and the exact probability of
   each rank under it: ``P(r) = ((r+2)**(1-a) - (r+1)**(1-a)) / ((V+1)**(1-a) - 1)``.
+- :func:`bayes_auc`: the Bayes-optimal AUC of a stationary stretch of a stream from the
+  true probabilities of a sample of it, with its sampling error.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import numpy as np
 
 from stream_persia.kernels.sharding import stable_hash64
 
-__all__ = ["stable_hash64", "key", "hashed", "unit", "normal", "zipf_rank", "zipf_probability"]
+__all__ = ["stable_hash64", "key", "hashed", "unit", "normal", "zipf_rank", "zipf_probability",
+           "expected_auc", "bayes_auc"]
 
 _MASK = (1 << 64) - 1
 
@@ -65,3 +68,28 @@ def zipf_probability(rank: np.ndarray, s: float, vocab: int) -> np.ndarray:
     a = 1.0 - s
     r = np.asarray(rank, dtype=np.float64)
     return ((r + 2.0) ** a - (r + 1.0) ** a) / _norm(s, vocab)
+
+
+def expected_auc(p: np.ndarray) -> float:
+    """The AUC that scoring by ``p`` gets in expectation over the labels, when each sample
+    is positive with probability ``p`` (its true probability): every sample counts as
+    ``p`` of a positive and ``1 - p`` of a negative, ties one half. No label noise: the
+    only error left is which samples were drawn."""
+    p = np.asarray(p, dtype=np.float64).ravel()
+    uniq, inverse = np.unique(p, return_inverse=True)
+    pos = np.bincount(inverse, weights=p, minlength=len(uniq))
+    neg = np.bincount(inverse, weights=1.0 - p, minlength=len(uniq))
+    below = np.cumsum(neg) - neg          # negative weight strictly below each value
+    total = pos.sum() * neg.sum()
+    return float((pos * (below + 0.5 * neg)).sum() / total) if total > 0 else 0.5
+
+
+def bayes_auc(p: np.ndarray, chunks: int = 10) -> tuple[float, float]:
+    """``(auc, stderr)``: the Bayes-optimal AUC of the population ``p`` was drawn from
+    (:func:`expected_auc` of all of it), and its sampling error estimated from the spread
+    of ``chunks`` equal parts (batch means: ``std / sqrt(chunks)``; the AUC is not a mean
+    of the parts, but for parts of thousands of samples it is close to one)."""
+    p = np.asarray(p, dtype=np.float64).ravel()
+    parts = [expected_auc(c) for c in np.array_split(p, chunks) if len(c)]
+    err = float(np.std(parts, ddof=1) / np.sqrt(len(parts))) if len(parts) > 1 else float("nan")
+    return expected_auc(p), err

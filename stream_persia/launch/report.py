@@ -18,6 +18,23 @@ has it; ``{}`` for a topology that writes none.
 embedding worker's and server's) and of the serving replica, taken after training, before
 the roles stop: what Prometheus would have scraped last (``tests/deploy`` checks
 ``deploy/``'s alert rules and dashboard against it).
+
+``drift`` (only when a shift of the stream was asked, e.g. ``--concept-shift-at K``, and
+the topology reports one: synthetic_ctr, taobao_ple)::
+
+    {"shift_at_samples", "window_samples", "task",
+     "auc_before", "auc_min_after", "dropped", "bayes_auc_after", "recovered_at_samples",
+     "bayes_auc_before", "drop_margin", "recovery_tolerance",
+     "bayes_auc_stderr": {task: {"before", "after"}}, "per_task": {task: {...}}}
+
+``auc_before``: the windowed progressive AUC just before the shift; ``auc_min_after``:
+its lowest within one window after it; ``dropped``: that fell by more than
+``drop_margin`` (0.02); ``bayes_auc_after``: the Bayes-optimal AUC of the stream after the
+shift (from the generator's true probabilities); ``recovered_at_samples``: samples after
+the shift at which the windowed AUC, past its lowest point, first reached
+``bayes_auc_after - recovery_tolerance`` (0.01), null if never. The top level is the first
+task's, ``per_task`` every task's (:mod:`stream_persia.launch.drift`). The plot marks the
+shift and the Bayes-optimal AUC after it.
 """
 
 from __future__ import annotations
@@ -31,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from stream_persia.errors import InternalError
+from stream_persia.launch.drift import drift_summary
 from stream_persia.launch.topology import Topology
 from stream_persia.nn.utils import roc_auc
 
@@ -185,6 +203,9 @@ def build_report(topo: Topology, metrics: dict[str, Any], served: dict[str, Any]
         gates.append({"metric": gate.metric, "min": gate.min, "value": value,
                       "passed": passed})
     report["gates"] = gates
+    drift = drift_summary(metrics)
+    if drift is not None:
+        report["drift"] = drift
     return report
 
 
@@ -219,11 +240,26 @@ def plot_report(metrics: dict[str, Any], path: Path, title: str) -> None:
         if pts:
             ax2.plot(*zip(*pts, strict=True), marker=".", linestyle=":",
                      label=f"{task} progressive AUC (window {prog.get('window')})")
+    drift = metrics.get("drift") or {}
     for task, b in (metrics.get("bayes_auc") or {}).items():
-        ax2.axhline(b, linestyle="--", color="grey", label=f"{task} Bayes-optimal")
-    ax2.set(title="eval AUC", xlabel="samples", ylabel="AUC")
-    if evals:
-        ax2.legend()
+        if drift.get("shift_at_samples") is None:
+            ax2.axhline(b, linestyle="--", color="grey", label=f"{task} Bayes-optimal")
+    if drift.get("shift_at_samples") is not None:
+        shift = drift["shift_at_samples"]
+        for ax in (ax1, ax2):
+            ax.axvline(shift, color="red", linestyle="-.", label=f"shift at {shift}")
+        for task, b in (drift.get("bayes_auc_after") or {}).items():
+            if b is not None:
+                ax2.hlines(b, shift, max(shift + 1, (metrics.get("train") or {}).get("samples", 0)),
+                           linestyle="--", color="grey", label=f"{task} Bayes-optimal after")
+        for task, b in (drift.get("bayes_auc_before") or {}).items():
+            if b is not None:
+                ax2.hlines(b, 0, shift, linestyle="--", color="darkgrey",
+                           label=f"{task} Bayes-optimal before")
+        ax1.legend()
+    ax2.set(title="eval and progressive AUC", xlabel="samples", ylabel="AUC")
+    if evals or drift:
+        ax2.legend(fontsize="small")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -261,6 +297,17 @@ def print_report(report: dict[str, Any], file: Any = None) -> None:
         print(f"progressive       {task}: windowed AUC {prog.get('auc')}, NE {prog.get('ne')}, "
               f"calibration {prog.get('calibration')} over the last {prog.get('window_samples')} "
               f"of {prog.get('samples')} samples trained", file=f)
+    drift = report.get("drift")
+    if drift:
+        rec = drift.get("recovered_at_samples")
+        print(f"drift             {drift.get('task')}: shift at {drift['shift_at_samples']}; "
+              f"windowed AUC {drift.get('auc_before')} before, lowest "
+              f"{drift.get('auc_min_after')} within a window ({drift['window_samples']}) "
+              f"after: {'dropped' if drift.get('dropped') else 'no drop'} (margin "
+              f"{drift.get('drop_margin')}); Bayes-optimal after {drift.get('bayes_auc_after')}, "
+              + (f"reached within {drift.get('recovery_tolerance')} of it {rec} samples after "
+                 f"the shift" if rec is not None else "never reached within "
+                 f"{drift.get('recovery_tolerance')} of it"), file=f)
     print(f"checkpoint        {report['checkpoint']}", file=f)
     for g in report["gates"]:
         print(f"gate              {g['metric']} >= {g['min']}: {g['value']} "

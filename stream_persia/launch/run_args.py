@@ -89,9 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="publish no model updates (model_updates.enabled: false): no "
                         "serving replica either; for measuring what publishing costs")
     p.add_argument("--concept-shift-at", type=flags.size(0), default=None,
-                   help="benchmarks: the topology changes the hidden CTR of some ids from "
-                        "this sample on (synthetic_ctr; env STREAM_PERSIA_CONCEPT_SHIFT_AT), "
-                        "and the report says how long the serving replica took to follow")
+                   help="drift: the topology's stream shifts from this sample on "
+                        "(env STREAM_PERSIA_CONCEPT_SHIFT_AT; synthetic_ctr: the hidden CTR "
+                        "of some ids, taobao_ple: the user and ad mix); the report's drift "
+                        "says how progressive AUC reacted and how long the serving replica "
+                        "took to follow")
     p.add_argument("--no-replica", action="store_true",
                    help="do not start the serving replica that follows training (its "
                         "freshness and served AUC are then not reported)")

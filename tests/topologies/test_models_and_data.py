@@ -244,6 +244,47 @@ def test_bayes_auc_matches_brute_force_pairs():
     assert roc_auc(s.label, s.p) == pytest.approx(brute, abs=1e-12)
 
 
+def test_bayes_auc_of_true_probabilities_is_the_expected_auc_over_labels():
+    """``streamgen.expected_auc``: the AUC of scoring by ``p`` averaged over the labels
+    ``p`` draws (each sample ``p`` of a positive), checked against label draws."""
+    g = load("synthetic_ctr").generator
+    p = g.ClickStream(vocab_size=100).samples(0, 4000).p
+    rng = np.random.default_rng(0)
+    draws = [roc_auc((rng.random(len(p)) < p).astype(np.float32), p) for _ in range(200)]
+    assert g.bayes_auc(p)[0] == pytest.approx(np.mean(draws), abs=3 * np.std(draws) / 14)
+    assert g.bayes_auc(np.full(50, 0.3))[0] == 0.5      # ties count one half
+    auc, err = g.ClickStream().bayes_auc(0, 50_000)
+    assert 0.8 < auc < 0.9 and 0 < err < 0.003
+
+
+def test_click_stream_settings_from_the_environment():
+    g = load("synthetic_ctr").generator
+    s = g.ClickStream.from_env(3, {"STREAM_PERSIA_CONCEPT_SHIFT_AT": "500",
+                                   "STREAM_PERSIA_CONCEPT_SHIFT_LOGIT": "3",
+                                   "STREAM_PERSIA_SYNTHETIC_VOCAB": "100"})
+    assert (s.seed, s.shift_at, s.shift_logit, s.vocab_size) == (3, 500, 3.0, 100)
+    assert g.ClickStream.from_env(0, {}) == g.ClickStream()
+    assert int(g.ClickStream.from_env(0, {"STREAM_PERSIA_SYNTHETIC_VOCAB": "100"}).ranks(
+        np.arange(5000)).max()) < 100
+    for var, bad in (("STREAM_PERSIA_SYNTHETIC_VOCAB", "0"),
+                     ("STREAM_PERSIA_SYNTHETIC_VOCAB", "many"),
+                     ("STREAM_PERSIA_CONCEPT_SHIFT_AT", "-2"),
+                     ("STREAM_PERSIA_CONCEPT_SHIFT_LOGIT", "x")):
+        with pytest.raises(SystemExit, match=var):
+            g.ClickStream.from_env(0, {var: bad})
+
+
+def test_the_concept_shift_changes_the_bayes_auc_not_the_stream_before_it():
+    g = load("synthetic_ctr").generator
+    base, shifted = g.ClickStream(vocab_size=100), g.ClickStream(vocab_size=100,
+                                                               shift_at=20_000, shift_logit=3)
+    np.testing.assert_array_equal(base.samples(0, 20_000).p, shifted.samples(0, 20_000).p)
+    after = shifted.samples(20_000, 20_000)
+    changed = after.p != base.samples(20_000, 20_000).p
+    assert 0.1 < changed.mean() < 0.3     # ranks 4..11 of slot C1
+    assert shifted.bayes_auc(20_000, 50_000)[0] != base.bayes_auc(20_000, 50_000)[0]
+
+
 def test_synthetic_batches_split_over_data_loaders_cover_each_sample_once():
     dl = load("synthetic_ctr").data_loader
     one = list(dl.batch_ranges(10_000, 1024, 0, 1))
@@ -356,6 +397,50 @@ def test_taobao_stream_is_deterministic_and_buy_implies_click():
     first = {int(u): i for i, u in enumerate(users)}
     idx = np.array([first[int(u)] for u in users])
     np.testing.assert_array_equal(a.single["age_level"], a.single["age_level"][idx])
+
+
+def test_taobao_distribution_shift_changes_the_user_and_ad_mix_at_k():
+    g = load("taobao_ple").generator
+    k, n = 30_000, 10_000
+    base, shifted = g.TaobaoStream(), g.TaobaoStream(shift_at=k)
+    before, plain = shifted.samples(k - n, n), base.samples(k - n, n)
+    for col in ("user_id", "adgroup_id", "cate_id"):   # nothing changes before K
+        np.testing.assert_array_equal(before.single[col], plain.single[col])
+    np.testing.assert_array_equal(before.p_click, plain.p_click)
+    after, unshifted = shifted.samples(k, n), base.samples(k, n)
+
+    def overlap(a, b, col):   # share of b's samples whose user / ad also occurs in a
+        return np.isin(b.single[col], a.single[col]).mean()
+
+    for col in ("user_id", "adgroup_id"):
+        assert overlap(before, unshifted, col) > 0.5       # a stationary stream
+        assert overlap(before, after, col) < 0.1           # the mix changed at K
+    # The first shifted sample is K itself.
+    assert shifted.samples(k - 1, 2).single["user_id"][0] == base.samples(k - 1, 1).single[
+        "user_id"][0]
+    assert shifted.samples(k, 1).single["user_id"][0] != base.samples(k, 1).single["user_id"][0]
+    b_before, b_after = shifted.bayes_auc(0, 50_000), shifted.bayes_auc(k, 50_000)
+    for task in ("click", "buy"):
+        assert b_after[task][0] < b_before[task][0] - 0.02, (b_before, b_after)
+        assert 0 < b_after[task][1] < 0.005
+    with pytest.raises(ValueError, match="shift_fraction"):
+        g.TaobaoStream(shift_fraction=1.0)
+
+
+def test_taobao_shift_from_the_environment(monkeypatch, tmp_path):
+    t = load("taobao_ple")
+    assert t.generator.shift_at_from_env({}) == -1
+    assert t.generator.shift_at_from_env({"STREAM_PERSIA_CONCEPT_SHIFT_AT": "7"}) == 7
+    with pytest.raises(SystemExit, match="STREAM_PERSIA_CONCEPT_SHIFT_AT"):
+        t.generator.shift_at_from_env({"STREAM_PERSIA_CONCEPT_SHIFT_AT": "soon"})
+    monkeypatch.setenv("STREAM_PERSIA_CONCEPT_SHIFT_AT", "1000")
+    plan = t.source.plan(t.common.RunSettings(samples=5000, eval_samples=10))
+    assert plan.shift_at == 1000 and plan.stream().shift_at == 1000
+    path = tmp_path / "one.csv"
+    path.write_text("\n".join(t.generator.csv_lines(t.generator.TaobaoStream().samples(0, 50)))
+                    + "\n")
+    with pytest.raises(SystemExit, match="generated stream"):
+        t.source.plan(t.common.RunSettings(data=str(path)))
 
 
 def test_taobao_batch_matches_the_reference_schema():

@@ -8,7 +8,9 @@ Optimizers (chosen with ``check_standalone.py``, mean of 3 seeds, test AUC after
 epochs: 0.908 at batch 128, 0.908 at batch 256): embedding Adagrad lr 1e-2 (PERSIA's
 example), dense Adam lr 3e-3 (PERSIA's dense SGD lr 0.1 reaches 0.898 after 3 epochs).
 
-Results go to ``$PERSIA_OUTPUT_DIR/metrics.json`` (schema: ``topologies/common.py``) and
+Results go to ``$PERSIA_OUTPUT_DIR/metrics.json`` (schema: ``topologies/common.py``; here
+also ``progressive``: ``TrainCtx.progressive()`` per task with its ``curve``,
+``common.record_progressive``) and
 the final checkpoint to ``$PERSIA_CKPT_DIR`` (default ``$PERSIA_OUTPUT_DIR/checkpoint``).
 """
 
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     batches_per_epoch = common.num_batches(per_epoch, settings.batch_size)
     steps = common.steps_per_rank(settings.epochs * batches_per_epoch, world_size)
     eval_every = max(1, batches_per_epoch // world_size)
+    curve_every = common.progressive_every(steps, settings.batch_size, world_size)
     metrics = common.MetricsLog("adult_income", settings, TASKS, rank, world_size)
     common.log(role, f"training {steps} steps of {settings.batch_size} ({settings.epochs} "
                      f"epoch(s) of {per_epoch} rows; staleness {settings.embedding_staleness},"
@@ -102,12 +105,15 @@ def main(argv: list[str] | None = None) -> None:
             loss = loss_fn(output, labels[0])
             ctx.backward(loss)
             progress.step(labels[0].shape[0], loss.item())
+            if (batch_idx + 1) % curve_every == 0:   # every rank: the read is collective
+                common.record_progressive(metrics, ctx.progressive())
             if rank == 0 and (batch_idx + 1) % eval_every == 0 and batch_idx + 1 < steps:
                 auc, _, _ = evaluate(model, test, device_id)
                 metrics["eval_curve"].append([progress.job_samples, auc])
                 common.log(role, f"epoch {(batch_idx + 1) // eval_every}: test AUC "
                                  f"{auc['income']:.4f}")
         progress.finish(common.all_ranks_sum(progress.samples))
+        common.record_progressive(metrics, ctx.progressive())
         metrics["stats"] = ctx.stats()
         if progress.steps < steps:
             common.log(role, f"the stream ended after {progress.steps} of {steps} steps")

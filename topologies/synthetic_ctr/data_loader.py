@@ -9,13 +9,13 @@ replays the same samples (a stream has no reshuffle; the order of arrival is the
 
 ``STREAM_PERSIA_CONCEPT_SHIFT_AT=K`` (for ``load_tests/bench_freshness.py``) turns on the
 generator's concept shift at sample ``K``; when the batch holding it is sent, its send time
-goes to ``<output dir>/concept_shift.json``.
+goes to ``<output dir>/concept_shift.json``. The stream's other settings from the
+environment: ``generator.ClickStream.from_env``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -40,8 +40,8 @@ def batch_ranges(samples: int, batch_size: int, replica_index: int, replica_size
 def main(argv: list[str] | None = None) -> None:
     settings = common.load_settings(HERE, argv, description=__doc__.split("\n\n")[0])
     index, size = get_replica_index(), get_replica_size()
-    shift_at = int(os.environ.get("STREAM_PERSIA_CONCEPT_SHIFT_AT", "-1"))
-    stream = ClickStream(seed=settings.seed, shift_at=shift_at)
+    stream = ClickStream.from_env(settings.seed)
+    shift_at = stream.shift_at
     slots = stream.slots
     role = f"data-loader-{index}"
     common.log(role, f"sending {settings.samples} samples x {settings.epochs} epoch(s) in "

@@ -25,7 +25,21 @@ exactly: the AUC of ``p`` against the sampled labels.
 **Concept shift** (``shift_at`` >= 0, for ``load_tests/bench_freshness.py``): from sample
 ``shift_at`` on, samples whose slot-0 id has a popularity rank in ``shift_ranks`` (about
 8% of samples by default) get ``shift_logit`` added to their logit: the hidden CTR of
-those ids changes at a known sample. The eval split lies after any shift.
+those ids changes at a known sample. The eval split lies after any shift. Each side of
+the shift is stationary (a sample's distribution does not depend on its index), so
+:meth:`ClickStream.bayes_auc` gives the Bayes-optimal AUC before and after it from a
+sample of either side.
+
+**Settings from the environment** (:meth:`ClickStream.from_env`, read by the data loader,
+``train.py`` and ``eval_data.py`` alike, so that all of them generate the same stream):
+
+- ``STREAM_PERSIA_CONCEPT_SHIFT_AT=K`` (``stream-persia run --concept-shift-at K``): the
+  concept shift from sample ``K`` on (-1 or unset: none).
+- ``STREAM_PERSIA_CONCEPT_SHIFT_LOGIT=x``: its size (default 2.0).
+- ``STREAM_PERSIA_SYNTHETIC_VOCAB=V``: values per slot (default 5,000,000). A small
+  vocabulary (e.g. 100) puts every id's signal in ids seen hundreds of times in the
+  first 100k samples, so a short run gets within 0.01 of the Bayes-optimal AUC: the
+  drift test (``tests/launch/test_drift_run.py``) runs with 100.
 
 Defaults (see the README): click rate ~0.27, Bayes AUC 0.862 on the 200k eval samples,
 ~3.8M distinct ids in the first 1M samples.
@@ -33,7 +47,9 @@ Defaults (see the README): click rate ~0.27, Bayes AUC 0.862 on the 200k eval sa
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +59,15 @@ _TOPOLOGIES = str(Path(__file__).resolve().parents[1])
 if _TOPOLOGIES not in sys.path:
     sys.path.insert(0, _TOPOLOGIES)
 
-from streamgen import hashed, key, normal, unit, zipf_probability, zipf_rank  # noqa: E402
+from streamgen import (  # noqa: E402
+    bayes_auc,
+    hashed,
+    key,
+    normal,
+    unit,
+    zipf_probability,
+    zipf_rank,
+)
 
 from stream_persia.embedding.data import (  # noqa: E402
     IDTypeFeatureWithSingleID,
@@ -142,6 +166,36 @@ class ClickStream:
         keys = {(q, c): key(self.seed, q, c) for q in range(1, 8)
                 for c in range(max(self.num_slots, self.num_dense, 1))}
         object.__setattr__(self, "_keys", keys)
+
+    @classmethod
+    def from_env(cls, seed: int, environ: Mapping[str, str] | None = None) -> ClickStream:
+        """The stream of a job whose settings come from the environment (module
+        docstring): the concept shift and the vocabulary."""
+        env = os.environ if environ is None else environ
+
+        def number(name: str, kind: type, default: float, low: float):
+            raw = env.get(name, "").strip()
+            try:
+                value = kind(raw) if raw else default
+            except ValueError:
+                raise SystemExit(f"{name}={raw!r}: expected a {kind.__name__}") from None
+            if not value >= low:
+                raise SystemExit(f"{name}={raw!r}: must be >= {low}")
+            return value
+
+        return cls(seed=seed, shift_at=number("STREAM_PERSIA_CONCEPT_SHIFT_AT", int, -1, -1),
+                   shift_logit=number("STREAM_PERSIA_CONCEPT_SHIFT_LOGIT", float, 2.0, -50.0),
+                   vocab_size=number("STREAM_PERSIA_SYNTHETIC_VOCAB", int, 5_000_000, 1))
+
+    def bayes_auc(self, start: int, n: int, chunks: int = 10) -> tuple[float, float]:
+        """``(auc, stderr)``: the Bayes-optimal AUC of the stream around ``start`` from the
+        true ``p`` of samples ``start .. start + n - 1`` (``streamgen.bayes_auc``: the
+        expected AUC of scoring by ``p``, no label noise; ``stderr`` from ``chunks``
+        parts). The stream is stationary on each side of the shift, so any range on one
+        side stands for all of that side."""
+        p = np.concatenate([self.samples(lo, min(65_536, start + n - lo)).p
+                            for lo in range(start, start + n, 65_536)])
+        return bayes_auc(p, chunks)
 
     @property
     def slots(self) -> list[str]:

@@ -8,7 +8,9 @@ model reaches: ``bayes_lift = (auc - 0.5) / (bayes_auc - 0.5)``.
 
 Results go to ``$PERSIA_OUTPUT_DIR/metrics.json`` (schema: ``topologies/common.py``; here
 also ``progressive``: ``TrainCtx.progressive()`` per task, with a ``curve`` of
-``[samples_scored, windowed_auc, windowed_ne]`` at the eval points) and
+``[samples_scored, windowed_auc, windowed_ne]`` about every quarter window
+(``common.progressive_every``); and with a concept shift, ``drift``: the shift's sample
+and the Bayes-optimal AUC on each side of it (:func:`drift_truth`)) and
 the final checkpoint to ``$PERSIA_CKPT_DIR`` (default ``$PERSIA_OUTPUT_DIR/checkpoint``).
 """
 
@@ -33,12 +35,14 @@ from stream_persia.data import DataLoader, StreamingDataset  # noqa: E402
 from stream_persia.embedding import EmbeddingConfig  # noqa: E402
 from stream_persia.embedding.optim import Adam  # noqa: E402
 from stream_persia.env import get_local_rank, get_rank, get_world_size  # noqa: E402
+from stream_persia.nn.progressive import progressive_config  # noqa: E402
 from stream_persia.utils import roc_auc, setup_seed  # noqa: E402
 
 TASKS = ["click"]
 EVAL_POINTS = 5            # evaluations on a subset during training (the AUC curve)
 EVAL_SUBSET = 20_000
 EVAL_BATCH = 4096
+BAYES_SAMPLES = 200_000    # per side of a concept shift (sampling error ~3e-4 at this size)
 
 
 def eval_batches(stream: ClickStream, n: int):
@@ -54,16 +58,19 @@ def evaluate(model, stream: ClickStream, n: int, device_id) -> tuple[dict, dict,
     return auc, loss, time.monotonic() - t0
 
 
-def record_progressive(metrics: common.MetricsLog, now: dict[str, dict]) -> None:
-    """Progressive validation (every training batch scored before its update) into
-    ``metrics["progressive"]``: per task the newest figures and a ``curve`` of
-    ``[samples_scored, windowed_auc, windowed_ne]`` points."""
-    prog = metrics.data.setdefault("progressive", {})
-    for task, m in now.items():
-        curve = prog.get(task, {}).get("curve", [])
-        if not curve or curve[-1][0] != m["samples"]:
-            curve.append([m["samples"], m["auc"], m["ne"]])
-        prog[task] = {**m, "curve": curve}
+def drift_truth(stream: ClickStream, window: int) -> dict:
+    """The Bayes-optimal AUC on each side of the concept shift, from the generator's true
+    ``p`` of a sample of each side (``ClickStream.bayes_auc``; each side is stationary):
+    ``BAYES_SAMPLES`` samples just after the shift (and just before it, or as many as
+    there are), with their standard errors."""
+    after, after_err = stream.bayes_auc(stream.shift_at, BAYES_SAMPLES)
+    n_before = min(BAYES_SAMPLES, stream.shift_at)
+    before, before_err = (stream.bayes_auc(stream.shift_at - n_before, n_before)
+                          if n_before >= 1000 else (None, None))
+    return {"shift_at_samples": stream.shift_at, "window_samples": window,
+            "bayes_auc_before": {"click": before}, "bayes_auc_after": {"click": after},
+            "bayes_auc_stderr": {"click": {"before": before_err, "after": after_err}},
+            "bayes_samples": BAYES_SAMPLES}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cuda = torch.cuda.is_available()
     device_id = get_local_rank() if cuda else None
-    stream = ClickStream(seed=settings.seed)
+    stream = ClickStream.from_env(settings.seed)
     model = DNN(**common.model_kwargs(HERE))
     schema = load_embedding_config(common.embedding_config_path(HERE))
     dims = {schema.slot(s).dim for s in stream.slots}
@@ -103,6 +110,11 @@ def main(argv: list[str] | None = None) -> None:
         metrics["bayes_auc"] = {"click": bayes}
         common.log(role, f"Bayes-optimal AUC of the {settings.eval_samples} eval samples: "
                          f"{bayes:.4f}")
+        if stream.shift_at >= 0:
+            metrics["drift"] = drift_truth(stream, progressive_config().window_samples)
+            common.log(role, f"concept shift at sample {stream.shift_at}: Bayes-optimal AUC "
+                             f"{metrics['drift']['bayes_auc_before']['click']} before, "
+                             f"{metrics['drift']['bayes_auc_after']['click']:.4f} after")
     common.log(role, f"training {steps} steps of {settings.batch_size} "
                      f"(staleness {settings.embedding_staleness}, {world_size} rank(s))")
     metrics.write()
@@ -116,13 +128,14 @@ def main(argv: list[str] | None = None) -> None:
                             max_batches=steps)
         progress = common.Progress(metrics, steps, world_size, role=role)
         eval_every = max(1, steps // EVAL_POINTS)
+        curve_every = common.progressive_every(steps, settings.batch_size, world_size)
         for batch_idx, batch in enumerate(loader):
             output, labels = ctx.forward(batch)
             loss = loss_fn(output, labels[0])
             ctx.backward(loss)
             progress.step(labels[0].shape[0], loss.item())
-            if (batch_idx + 1) % eval_every == 0:    # every rank: the read is collective
-                record_progressive(metrics, ctx.progressive())
+            if (batch_idx + 1) % curve_every == 0:   # every rank: the read is collective
+                common.record_progressive(metrics, ctx.progressive())
             if rank == 0 and (batch_idx + 1) % eval_every == 0 and batch_idx + 1 < steps:
                 auc, _, _ = evaluate(model, stream, min(EVAL_SUBSET, settings.eval_samples),
                                      device_id)
@@ -130,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                 common.log(role, f"eval AUC {auc['click']:.4f} on "
                                  f"{min(EVAL_SUBSET, settings.eval_samples)} samples")
         progress.finish(common.all_ranks_sum(progress.samples))
-        record_progressive(metrics, ctx.progressive())
+        common.record_progressive(metrics, ctx.progressive())
         metrics["stats"] = ctx.stats()
         if progress.steps < steps:
             common.log(role, f"the stream ended after {progress.steps} of {steps} steps")

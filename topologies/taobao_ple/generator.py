@@ -20,11 +20,25 @@ Every sample is a pure function of ``(seed, index)`` (``topologies/streamgen.py`
 
 The two tasks share the interest features and differ in how price and the ad matter,
 which is what a multi-task model with shared and task-specific experts is for.
+
+**Distribution shift** (``shift_at`` >= 0; ``stream-persia run --concept-shift-at K``, env
+``STREAM_PERSIA_CONCEPT_SHIFT_AT``, read by :func:`shift_at_from_env`): from sample
+``shift_at`` on, the popularity ranks drawn for users and ads are rotated by
+``shift_fraction`` of their populations, so other users and ads (with their categories,
+brands, prices and interests) make up the stream: yesterday's rare users and ads are
+today's frequent ones. What a user or an ad does is unchanged (the hidden model is a
+function of the user and the ad), so only the mix of the samples changes (a covariate
+shift), not the concept. The new frequent users and ads were rare, so their weights are
+small and their embeddings untrained: the Bayes-optimal AUC changes too, and
+:meth:`TaobaoStream.bayes_auc` gives it on either side (each side is stationary). The
+eval split lies after any shift.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,9 +50,17 @@ for _p in (str(_HERE.parent), str(_HERE)):
         sys.path.insert(0, _p)
 
 from schema import COLUMNS, MULTI_ID, SINGLE_ID, RawChunk  # noqa: E402
-from streamgen import hashed, key, normal, unit, zipf_probability, zipf_rank  # noqa: E402
+from streamgen import (  # noqa: E402
+    bayes_auc,
+    hashed,
+    key,
+    normal,
+    unit,
+    zipf_probability,
+    zipf_rank,
+)
 
-__all__ = ["TaobaoStream", "EVAL_OFFSET", "csv_lines"]
+__all__ = ["TaobaoStream", "EVAL_OFFSET", "csv_lines", "shift_at_from_env"]
 
 EVAL_OFFSET = 1 << 48
 MAX_TAGS = 5
@@ -58,6 +80,9 @@ class TaobaoStream:
         zipf_s: power-law exponent of user and ad popularity.
         popularity_floor: users/ads drawn much less often than this carry little weight.
         click_bias, buy_bias: intercepts (click rate ~0.2, buy rate ~0.05 by default).
+        shift_at: first sample of the distribution shift (-1: none; module docstring).
+        shift_fraction: how far the shift rotates the popularity ranks, as a fraction of
+            the users and of the ads (0.5: the frequent half becomes the rare half).
     """
 
     seed: int = 0
@@ -69,6 +94,12 @@ class TaobaoStream:
     popularity_floor: float = 1e-3
     click_bias: float = -1.8
     buy_bias: float = -1.2
+    shift_at: int = -1
+    shift_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.shift_fraction < 1.0:
+            raise ValueError(f"shift_fraction must be in (0, 1), got {self.shift_fraction}")
 
     def _k(self, quantity: int, column: int = 0) -> np.uint64:
         return key(self.seed, quantity, column)
@@ -126,10 +157,25 @@ class TaobaoStream:
         """The held-out split: never overlaps any training range."""
         return self.samples(EVAL_OFFSET + start, n)
 
+    def bayes_auc(self, start: int, n: int, chunks: int = 10
+                  ) -> dict[str, tuple[float, float]]:
+        """``{task: (auc, stderr)}``: each task's Bayes-optimal AUC around ``start``, from
+        the true probabilities of samples ``start .. start + n - 1``
+        (``streamgen.bayes_auc``: no label noise; ``stderr`` from ``chunks`` parts)."""
+        parts = [self.samples(lo, min(65_536, start + n - lo))
+                 for lo in range(start, start + n, 65_536)]
+        return {"click": bayes_auc(np.concatenate([c.p_click for c in parts]), chunks),
+                "buy": bayes_auc(np.concatenate([c.p_buy for c in parts]), chunks)}
+
     def samples_at(self, index: np.ndarray) -> RawChunk:
         index = np.asarray(index, dtype=np.int64)
         u = zipf_rank(unit(hashed(index, self._k(_USER))), self.zipf_s, self.num_users)
         a = zipf_rank(unit(hashed(index, self._k(_AD))), self.zipf_s, self.num_ads)
+        if self.shift_at >= 0:
+            after = index >= self.shift_at
+            u = np.where(after, (u + int(self.shift_fraction * self.num_users))
+                         % self.num_users, u)
+            a = np.where(after, (a + int(self.shift_fraction * self.num_ads)) % self.num_ads, a)
         pid = (unit(hashed(index, self._k(_PID))) < 0.4).astype(np.int64)
         user, ad = self.users(u), self.ads(a)
         mask = user["tag_mask"]
@@ -161,6 +207,21 @@ class TaobaoStream:
         return RawChunk(clk=clk.astype(np.float32), buy=buy.astype(np.float32),
                         single=single, multi=multi, price=price, p_click=p_click,
                         p_buy=p_click * p_buy_given_click)
+
+
+def shift_at_from_env(environ: Mapping[str, str] | None = None) -> int:
+    """The distribution shift's sample from ``STREAM_PERSIA_CONCEPT_SHIFT_AT`` (-1 or
+    unset: none), which ``stream-persia run --concept-shift-at`` sets for every role."""
+    env = os.environ if environ is None else environ
+    raw = env.get("STREAM_PERSIA_CONCEPT_SHIFT_AT", "").strip() or "-1"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SystemExit(f"STREAM_PERSIA_CONCEPT_SHIFT_AT={raw!r}: expected an integer "
+                         "sample index (-1: no shift)") from None
+    if value < -1:
+        raise SystemExit(f"STREAM_PERSIA_CONCEPT_SHIFT_AT={raw!r}: must be >= -1")
+    return value
 
 
 def csv_lines(chunk: RawChunk) -> list[str]:

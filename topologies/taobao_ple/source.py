@@ -12,7 +12,8 @@ The setting ``data`` (``--data-file``/``--data-dir``, env ``STREAM_PERSIA_DATA``
 ``samples`` caps the training rows of an epoch (0: all of them); ``eval_samples`` caps
 the evaluation rows (0: all the test file; for one file, a fifth of it).
 The data loaders and the NN workers both build the same :class:`Plan`, so they agree on
-the number of batches.
+the number of batches. ``STREAM_PERSIA_CONCEPT_SHIFT_AT`` (``--concept-shift-at``) shifts
+the generated stream's user and ad mix at that sample (``generator.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ for _p in (str(_HERE.parent), str(_HERE)):
         sys.path.insert(0, _p)
 
 from common import RunSettings, num_batches  # noqa: E402
-from generator import TaobaoStream  # noqa: E402
+from generator import TaobaoStream, shift_at_from_env  # noqa: E402
 from schema import RawChunk, count_rows, read_csv  # noqa: E402
 
 __all__ = ["Plan", "plan"]
@@ -45,6 +46,7 @@ class Plan:
         train_rows, eval_rows: rows per training epoch and for evaluation.
         train_file, eval_file: CSV files (csv only).
         train_skip, eval_skip: rows skipped at the start of each file.
+        shift_at: the generated stream's distribution shift (-1: none).
     """
 
     kind: str
@@ -55,13 +57,14 @@ class Plan:
     eval_file: Path | None = None
     train_skip: int = 0
     eval_skip: int = 0
+    shift_at: int = -1
 
     @property
     def generated(self) -> bool:
         return self.kind == "generated"
 
     def stream(self) -> TaobaoStream:
-        return TaobaoStream(seed=self.seed)
+        return TaobaoStream(seed=self.seed, shift_at=self.shift_at)
 
     def train_batches(self, batch_size: int, replica_index: int = 0, replica_size: int = 1
                       ) -> Iterator[RawChunk]:
@@ -94,8 +97,13 @@ def plan(settings: RunSettings) -> Plan:
         SystemExit: the data path does not exist or is not in the Taobao layout.
     """
     data = settings.data
+    shift_at = shift_at_from_env()
     if not data:
-        return Plan("generated", settings.samples, settings.eval_samples, seed=settings.seed)
+        return Plan("generated", settings.samples, settings.eval_samples, seed=settings.seed,
+                    shift_at=shift_at)
+    if shift_at >= 0:
+        raise SystemExit(f"a distribution shift (STREAM_PERSIA_CONCEPT_SHIFT_AT={shift_at}, "
+                         "--concept-shift-at) needs the generated stream, not --data")
     path = Path(data)
     if path.is_dir():
         train, test = path / TRAIN_FILE, path / TEST_FILE

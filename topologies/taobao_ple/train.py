@@ -9,7 +9,10 @@ Evaluation (rank 0, ``eval_ctx``) reports each task's AUC and, on the generated 
 each task's Bayes-optimal AUC (the true probabilities are known: ``P(buy) = P(click) *
 P(buy | click)``) and the share of the attainable lift reached.
 
-Results go to ``$PERSIA_OUTPUT_DIR/metrics.json`` (schema: ``topologies/common.py``) and
+Results go to ``$PERSIA_OUTPUT_DIR/metrics.json`` (schema: ``topologies/common.py``; here
+also ``progressive``: ``TrainCtx.progressive()`` per task with its ``curve``
+(``common.record_progressive``), and with a distribution shift (``--concept-shift-at``),
+``drift``: the shift's sample and each task's Bayes-optimal AUC on either side) and
 the final checkpoint to ``$PERSIA_CKPT_DIR`` (default ``$PERSIA_OUTPUT_DIR/checkpoint``).
 """
 
@@ -37,12 +40,14 @@ from stream_persia.data import DataLoader, StreamingDataset  # noqa: E402
 from stream_persia.embedding import EmbeddingConfig  # noqa: E402
 from stream_persia.embedding.optim import Adam  # noqa: E402
 from stream_persia.env import get_local_rank, get_rank, get_world_size  # noqa: E402
+from stream_persia.nn.progressive import progressive_config  # noqa: E402
 from stream_persia.utils import roc_auc, setup_seed  # noqa: E402
 
 TASKS = ["click", "buy"]
 EVAL_POINTS = 5
 EVAL_SUBSET = 20_000
 EVAL_BATCH = 4096
+BAYES_SAMPLES = 100_000    # per side of a distribution shift (sampling error ~6e-4)
 
 
 def evaluate(model, data: source.Plan, rows: int, device_id) -> tuple[dict, dict, float]:
@@ -60,6 +65,21 @@ def bayes_aucs(data: source.Plan) -> dict[str, float]:
     clk, buy = np.concatenate([c.clk for c in chunks]), np.concatenate([c.buy for c in chunks])
     return {"click": roc_auc(clk, np.concatenate([c.p_click for c in chunks])),
             "buy": roc_auc(buy, np.concatenate([c.p_buy for c in chunks]))}
+
+
+def drift_truth(stream, window: int) -> dict:
+    """Each task's Bayes-optimal AUC on either side of the distribution shift
+    (``TaobaoStream.bayes_auc``: each side is stationary) from ``BAYES_SAMPLES`` samples
+    just after it and just before it (as many as there are)."""
+    after = stream.bayes_auc(stream.shift_at, BAYES_SAMPLES)
+    n_before = min(BAYES_SAMPLES, stream.shift_at)
+    before = stream.bayes_auc(stream.shift_at - n_before, n_before) if n_before >= 1000 else {}
+    return {"shift_at_samples": stream.shift_at, "window_samples": window,
+            "bayes_auc_before": {t: before[t][0] if before else None for t in TASKS},
+            "bayes_auc_after": {t: after[t][0] for t in TASKS},
+            "bayes_auc_stderr": {t: {"before": before[t][1] if before else None,
+                                     "after": after[t][1]} for t in TASKS},
+            "bayes_samples": BAYES_SAMPLES}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
         metrics["bayes_auc"] = bayes_aucs(data)
         common.log(role, "Bayes-optimal AUC: " + ", ".join(
             f"{t} {v:.4f}" for t, v in metrics["bayes_auc"].items()))
+    if rank == 0 and data.generated and data.shift_at >= 0:
+        metrics["drift"] = drift_truth(data.stream(), progressive_config().window_samples)
+        common.log(role, f"distribution shift at sample {data.shift_at}: Bayes-optimal AUC "
+                         f"after it {metrics['drift']['bayes_auc_after']}")
     common.log(role, f"training {steps} steps of {settings.batch_size} on {data.kind} data "
                      f"(staleness {settings.embedding_staleness}, {world_size} rank(s))")
     metrics.write()
@@ -109,17 +133,21 @@ def main(argv: list[str] | None = None) -> None:
                             max_batches=steps)
         progress = common.Progress(metrics, steps, world_size, role=role)
         eval_every = max(1, steps // EVAL_POINTS)
+        curve_every = common.progressive_every(steps, settings.batch_size, world_size)
         for batch_idx, batch in enumerate(loader):
             outputs, labels = ctx.forward(batch)
             # One BCE per task, summed: outputs and labels are both in TASKS order.
             loss = sum(bce(out, label) for out, label in zip(outputs, labels, strict=True))
             ctx.backward(loss)
             progress.step(labels[0].shape[0], loss.item())
+            if (batch_idx + 1) % curve_every == 0:   # every rank: the read is collective
+                common.record_progressive(metrics, ctx.progressive())
             if rank == 0 and (batch_idx + 1) % eval_every == 0 and batch_idx + 1 < steps:
                 auc, _, _ = evaluate(model, data, min(EVAL_SUBSET, data.eval_rows), device_id)
                 metrics["eval_curve"].append([progress.job_samples, auc])
                 common.log(role, "eval AUC " + ", ".join(f"{t} {v:.4f}" for t, v in auc.items()))
         progress.finish(common.all_ranks_sum(progress.samples))
+        common.record_progressive(metrics, ctx.progressive())
         metrics["stats"] = ctx.stats()
         if progress.steps < steps:
             common.log(role, f"the stream ended after {progress.steps} of {steps} steps")
