@@ -8,11 +8,22 @@
      "examples": [{head: p, "label": {task: y}}, ...]},
      "checkpoint": path, "gates": [{"metric", "min", "value", "passed"}], "plot": path,
      "progressive": {task: {"auc", "ne", "lifetime_ne", "calibration", "log_loss",
-                            "window", "samples", "curve": [[samples, auc, ne], ...]}}}
+                            "window", "samples", "curve": [[samples, auc, ne], ...]}},
+     "watermarks": {stage: {"event_time": float | None,
+                            "lag_s": {"p50": float | None, "max": float | None}},
+                    "kafka_lag": {"messages_max": int | None, "seconds_max": float | None}}}
 
 ``progressive``: progressive validation on the NN workers (every training batch scored
 before its update, :mod:`stream_persia.nn.progressive`), as the topology's ``metrics.json``
 has it; ``{}`` for a topology that writes none.
+
+``watermarks``: the job's stage watermarks over the run (``produced``, ``ingested``,
+``trained``, ``applied``, ``served``; a stage no role reported is left out), sampled from the
+job API's ``GET /v1/status`` every ~2 s while training runs
+(:mod:`stream_persia.launch.watermark_watch`): ``event_time`` is the last one seen (the
+slowest role's), ``lag_s`` the median and the largest of its lag over the samples;
+``kafka_lag`` (Kafka runs only) the largest partition lag seen, in messages and seconds.
+``{}`` without an API.
 """
 
 from __future__ import annotations
@@ -152,6 +163,7 @@ def build_report(topo: Topology, metrics: dict[str, Any], served: dict[str, Any]
         "served": {k: v for k, v in (served or {}).items()
                    if k != "served_auc" and not k.startswith("_")},
         "progressive": metrics.get("progressive") or {},
+        "watermarks": metrics.get("watermarks") or {},
         "checkpoint": metrics.get("checkpoint"), "plot": str(out / "report.png"),
         "output_dir": str(out),
     }
@@ -165,7 +177,8 @@ def build_report(topo: Topology, metrics: dict[str, Any], served: dict[str, Any]
 
 
 def plot_report(metrics: dict[str, Any], path: Path, title: str) -> None:
-    """Loss and eval AUC over the samples seen, as a PNG (headless)."""
+    """Loss and eval AUC over the samples seen, the replica's freshness and the stage lags
+    over the run (when measured), as a PNG (headless)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,8 +187,17 @@ def plot_report(metrics: dict[str, Any], path: Path, title: str) -> None:
     loss = metrics.get("loss_curve") or []
     evals = metrics.get("eval_curve") or []
     fresh = metrics.get("freshness_curve") or []
-    fig, axes = plt.subplots(1, 3 if fresh else 2, figsize=(15 if fresh else 10, 4))
+    stage_lag = metrics.get("stage_lag_curve") or {}
+    panels = 2 + bool(fresh) + bool(stage_lag)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
     ax1, ax2 = axes[0], axes[1]
+    if stage_lag:
+        ax4 = axes[-1]
+        for stage, pts in stage_lag.items():
+            ax4.plot(*zip(*pts, strict=True), marker=".", linestyle="-", label=stage)
+        ax4.set(title="stage lag (slowest role)", xlabel="seconds into the run",
+                ylabel="now - event time (s)")
+        ax4.legend()
     if fresh:
         ax3 = axes[2]
         ax3.plot(*zip(*fresh, strict=True), marker=".", linestyle="-")
@@ -237,6 +259,15 @@ def print_report(report: dict[str, Any], file: Any = None) -> None:
         print(f"progressive       {task}: windowed AUC {prog.get('auc')}, NE {prog.get('ne')}, "
               f"calibration {prog.get('calibration')} over the last {prog.get('window_samples')} "
               f"of {prog.get('samples')} samples trained", file=f)
+    marks = report.get("watermarks") or {}
+    for stage, mark in marks.items():
+        if stage == "kafka_lag":
+            print(f"Kafka lag         max {mark.get('messages_max')} messages, "
+                  f"{mark.get('seconds_max')} s (largest partition)", file=f)
+        else:
+            lag = mark.get("lag_s") or {}
+            print(f"stage {stage:<11} lag p50 {lag.get('p50')} s, max {lag.get('max')} s; "
+                  f"last event time {mark.get('event_time')}", file=f)
     print(f"checkpoint        {report['checkpoint']}", file=f)
     for g in report["gates"]:
         print(f"gate              {g['metric']} >= {g['min']}: {g['value']} "

@@ -86,6 +86,7 @@ from stream_persia.launch.run_args import (
 from stream_persia.launch.samples_topic import ensure_topic, ensure_updates_topic
 from stream_persia.launch.stop_signals import Stopped, StopSignals
 from stream_persia.launch.topology import Topology, load_topology
+from stream_persia.launch.watermark_watch import WatermarkWatch
 
 __all__ = ["main"]
 
@@ -120,6 +121,7 @@ class Job:
         self.api: RoleProcess | None = None
         self.replica: RoleProcess | None = None
         self.watch: ReplicaWatch | None = None
+        self.watermarks: WatermarkWatch | None = None   # the API's /v1/status watermarks
         self.bootstrap_requested = False
         self.api_token = secrets.token_urlsafe(24)
         # Every role of this job proves it to the others (stream_persia/rpc/auth.py).
@@ -386,8 +388,9 @@ def _wait(job: Job, t0: float, deadline: float) -> None:
                                                                      job.api_token)):
             job.bootstrap_requested = True   # the checkpoint the replica starts from
             request_checkpoint(job.api.address, job.api_token, "bootstrap")
-        if job.watch is not None:
-            job.watch.poll()
+        for watch in (job.watch, job.watermarks):   # each polls at its own pace
+            if watch is not None:
+                watch.poll()
         if tty or now - last_print >= 10:
             line = _progress_line(metrics, t0)
             print(f"\r{line}" if tty else line, end="" if tty else "\n", file=sys.stderr,
@@ -441,12 +444,15 @@ def main(args: argparse.Namespace) -> int:
             if job.replica is not None and job.replica.address:
                 job.watch = ReplicaWatch(job.replica.address, job.api_token, eval_batches,
                                          list(topo.tasks), probe=concept_shift_probe(topo, job.env))
+            if job.api is not None and job.api.address:
+                job.watermarks = WatermarkWatch(job.api.address, job.api_token)
             _wait(job, t0, t0 + args.timeout_s)
             lost = check_kafka(job)   # a loss near the end, before any gate
             if lost:
                 print(f"stream-persia run: data loss accepted (--on-data-loss skip): messages "
                       f"lost per partition {lost}", file=sys.stderr)
             metrics = _read_metrics(out)
+            metrics["watermarks"] = job.watermarks.summary() if job.watermarks else {}
             served = None
             if job.api is not None and job.api.address and metrics.get("checkpoint"):
                 served = served_metrics(job.api.address, job.api_token, metrics["checkpoint"],
@@ -482,7 +488,8 @@ def main(args: argparse.Namespace) -> int:
                 job.stop()
     (out / "report.json").write_text(json.dumps(report, indent=1))
     plot_report({**_read_metrics(out), "freshness_curve": job.watch.curve() if job.watch
-                 else []}, out / "report.png", topo.name)
+                 else [], "stage_lag_curve": job.watermarks.curve() if job.watermarks
+                 else {}}, out / "report.png", topo.name)
     if job.watch is not None:
         job.watch.close()
     print_report(report)

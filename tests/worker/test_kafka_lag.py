@@ -75,7 +75,7 @@ async def test_a_lagging_worker_reports_lag_in_messages_and_seconds_then_catches
                 total = sum(r["messages"] for r in rows.values())
                 assert total <= N - 2       # two batches at least are in the ready buffer
                 got = _samples((await c.call("metrics")).decode())
-                for p, r in rows.items():
+                for p in rows:
                     key = (("partition", str(p)), ("topic", topic))
                     assert got[("persia_embedding_worker_kafka_lag_messages", key)] >= 0
                     assert ("persia_embedding_worker_kafka_lag_seconds", key) in got
