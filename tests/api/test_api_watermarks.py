@@ -12,7 +12,17 @@ import time
 import numpy as np
 import pytest
 import torch
-from api_helpers import AUTH, Click, LiveApi, settings_for
+from api_helpers import (
+    AUTH,
+    Click,
+    LiveApi,
+    TwoHeads,
+    publish_dense,
+    settings_for,
+    start_job,
+    stop_job,
+    write_checkpoint,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia.ctx import TrainCtx
@@ -151,3 +161,28 @@ async def test_nn_rank_0_relays_trained_and_its_progressive_figures(job):
               for f in text_string_to_metric_families(text) for s in f.samples}
     assert values[("persia_stage_event_time_seconds", (("stage", "trained"),))] == T0 + 5
     assert values[("persia_nn_progressive_samples_total", (("task", "task0"),))] == 96
+
+
+async def test_a_serving_replica_exports_the_served_stage(tmp_path):
+    job = await start_job(n_servers=1)
+    try:
+        await _train(job, [T0 + 1, T0 + 2])
+        ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3))
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                checkpoint_dir=str(tmp_path / "ckpts"))
+        async with LiveApi(settings) as replica:
+            await publish_dense(job, TwoHeads(seed=4), step=5, event_time=T0 + 2)
+            async with asyncio.timeout(20):
+                while (await replica.client.get("/v1/model")).json()["trained_through"] \
+                        != T0 + 2:
+                    await asyncio.sleep(0.05)
+            marks = (await replica.client.get("/v1/status", headers=AUTH)).json()["watermarks"]
+            text = (await replica.client.get("/metrics")).text
+        assert marks["served"]["event_time"] == T0 + 2
+        assert marks["applied"]["event_time"] == T0 + 2
+        served = [s for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.name == "persia_stage_event_time_seconds"
+                  and s.labels["stage"] == "served"]
+        assert [(s.value, "role" in s.labels) for s in served] == [(T0 + 2, False)]
+    finally:
+        await stop_job(job)
