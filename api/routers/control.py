@@ -114,7 +114,9 @@ def _watermarks(w_status: list[Any], s_health: list[Any], training: dict[str, An
 @router.get("/status", response_model=JobStatus, summary="Status of the whole job")
 async def status(request: Request) -> JobStatus:
     """Roles with address and health, per-partition consumer lag, batches in flight
-    (staleness), rows per embedding server, training step, last checkpoint and model."""
+    (staleness), rows per embedding server, training step, last checkpoint and model, and
+    the stage watermarks (``watermarks``: per stage the slowest role's event time and lag,
+    Kafka lag per partition, NN rank 0's relayed progressive figures)."""
     roles = _roles(request)
     state = request.app.state
     (health, w_status, w_metrics, s_stats, s_size, s_health, training,
