@@ -52,6 +52,7 @@ from stream_persia.api.roles import Roles
 
 from stream_persia.core.aio import cancel_and_wait
 from stream_persia.core.metrics import RoleMetrics
+from stream_persia.core.stages import StageCollector
 from stream_persia.errors import BadInput, PersiaError
 from stream_persia.kernels.sharding import shard_of
 from stream_persia.server.store import Store
@@ -179,7 +180,8 @@ _COUNTERS = frozenset({"pulls", "pull_failures", "bad_messages", "dense_loads",
 class ReplicaMetrics:
     """A serving replica's metrics, registered once per API process: a reload starts a new
     :class:`Replica`, whose counters go on from the previous one's (they never drop).
-    ``persia_api_freshness_seconds`` and ``persia_api_replica_*``."""
+    ``persia_api_freshness_seconds``, ``persia_api_replica_*`` and the ``served`` stage
+    watermark (the replica's ``trained_through``: :mod:`stream_persia.core.stages`)."""
 
     def __init__(self, metrics: RoleMetrics):
         self.freshness = metrics.histogram(
@@ -188,6 +190,12 @@ class ReplicaMetrics:
         self.current: Replica | None = None
         self.carried = dict.fromkeys(_COUNTERS, 0.0)
         metrics.add_callback("replica", self._gauges, counters=_COUNTERS)
+        metrics.registry.register(StageCollector(self.watermarks))
+
+    def watermarks(self) -> dict[str, float | None]:
+        """``served``: the current replica's ``trained_through``."""
+        return {"served": self.current.trained_through if self.current is not None
+                else None}
 
     def follow(self, replica: Replica) -> None:
         if self.current is not None:

@@ -156,6 +156,43 @@ class TrainingStatus(BaseModel):
     nn_attached: bool | None = None
 
 
+class StageMark(BaseModel):
+    event_time: float | None = Field(
+        default=None, description="event time (Unix seconds) of the newest sample that "
+        "reached the stage, at the slowest role reporting it (the least over the roles)")
+    lag_s: float | None = Field(default=None, description="now minus event_time")
+
+
+class KafkaLagRow(BaseModel):
+    topic: str
+    partition: int
+    worker: int = Field(description="the embedding worker reading the partition")
+    messages: int | None = Field(default=None, description="end offset minus position")
+    seconds: float | None = Field(
+        default=None, description="event time of the partition's newest record minus that "
+        "of the newest one the worker ingested (0 when caught up)")
+
+
+class Watermarks(BaseModel):
+    """Stage watermarks (``stream_persia.core.stages``), job-level: per stage the slowest
+    role of that stage, i.e. the least event time over the roles reporting it (produced and
+    ingested: the embedding workers; trained: NN rank 0, relayed by worker 0; applied: the
+    embedding servers; served: this API when it is a serving replica). A stage no role
+    reports yet is null."""
+
+    produced: StageMark | None = None
+    ingested: StageMark | None = None
+    trained: StageMark | None = None
+    applied: StageMark | None = None
+    served: StageMark | None = None
+    kafka_lag: list[KafkaLagRow] = Field(default_factory=list,
+                                         description="per partition, Kafka ingest only")
+    progressive: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="task -> NN rank 0's progressive figures, as its "
+        "heartbeat relays them (windowed auc, ne, calibration, log_loss, their lifetime_ "
+        "twins, samples, window)")
+
+
 class JobStatus(BaseModel):
     model_config = _example({
         "roles": [{"role": "embedding-worker", "index": 0, "address": "127.0.0.1:7100",
@@ -179,6 +216,7 @@ class JobStatus(BaseModel):
     training: TrainingStatus
     last_checkpoint: dict[str, Any] | None = None
     model: ModelInfo | None = None
+    watermarks: Watermarks = Field(default_factory=lambda: Watermarks())
 
 
 class IngestState(BaseModel):

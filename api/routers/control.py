@@ -4,6 +4,8 @@ clear and sizes. Every call fans out to the roles concurrently over their RPC cl
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -16,9 +18,12 @@ from stream_persia.api.schemas import (
     EmbeddingConfigRequest,
     IngestState,
     JobStatus,
+    KafkaLagRow,
     ServerStatus,
     Sizes,
+    StageMark,
     TrainingStatus,
+    Watermarks,
     WorkerStatus,
 )
 
@@ -71,18 +76,57 @@ def _worker_status(role: Role, health: dict, status: WorkerStatusReply | PersiaE
     return out
 
 
+def _mark(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _watermarks(w_status: list[Any], s_health: list[Any], training: dict[str, Any] | None,
+                served: float | None) -> Watermarks:
+    """The job's stage watermarks: per stage the least event time over the roles that
+    report it (the slowest), its lag, the Kafka lag rows and the relayed progressive."""
+    seen: dict[str, list[float]] = {}
+    rows: list[KafkaLagRow] = []
+    for i, st in enumerate(w_status):
+        if not isinstance(st, dict):
+            continue
+        for stage, t in (st.get("watermarks") or {}).items():
+            if (t := _mark(t)) is not None:
+                seen.setdefault(stage, []).append(t)
+        for row in st.get("kafka_lag") or ():
+            if isinstance(row, dict):
+                rows.append(KafkaLagRow(worker=i, **row))
+    for health in s_health:
+        if isinstance(health, dict) and (t := _mark(health.get("trained_through"))) is not None:
+            seen.setdefault("applied", []).append(t)
+    if served is not None:
+        seen.setdefault("served", []).append(served)
+    now = time.time()
+    marks = {stage: StageMark(event_time=min(ts), lag_s=now - min(ts))
+             for stage, ts in seen.items() if stage in Watermarks.model_fields}
+    progressive = (training or {}).get("progressive")
+    return Watermarks(**marks, kafka_lag=rows,
+                      progressive=progressive if isinstance(progressive, dict) else {})
+
+
 @router.get("/status", response_model=JobStatus, summary="Status of the whole job")
 async def status(request: Request) -> JobStatus:
     """Roles with address and health, per-partition consumer lag, batches in flight
-    (staleness), rows per embedding server, training step, last checkpoint and model."""
+    (staleness), rows per embedding server, training step, last checkpoint and model, and
+    the stage watermarks (``watermarks``: per stage the slowest role's event time and lag,
+    Kafka lag per partition, NN rank 0's relayed progressive figures)."""
     roles = _roles(request)
     state = request.app.state
-    health, w_status, w_metrics, s_stats, s_size, training, last = await asyncio.gather(
+    (health, w_status, w_metrics, s_stats, s_size, s_health, training,
+     last) = await asyncio.gather(
         roles.health(),
         roles.gather_settled(roles.workers, "status"),
         roles.gather_settled(roles.workers, "metrics"),
         roles.gather_settled(roles.servers, "stats"),
         roles.gather_settled(roles.servers, "size"),
+        roles.gather_settled(roles.servers, "health"),   # trained_through: "applied"
         state.checkpoints.training(),
         state.checkpoints.last(),
     )
@@ -102,6 +146,8 @@ async def status(request: Request) -> JobStatus:
     for w in workers:
         lag.update(w.lag)
     applied = [_applied(m) for m in w_metrics]
+    replica = getattr(state.predictor, "replica", None)
+    served = _mark(getattr(replica, "trained_through", None))
     paused = [w.ingest_paused for w in workers if w.ingest_paused is not None]
     return JobStatus(
         roles=health, workers=workers, servers=servers, consumer_lag=lag,
@@ -114,7 +160,8 @@ async def status(request: Request) -> JobStatus:
             batches_applied=(sum(a for a in applied if a is not None)
                              if any(a is not None for a in applied) else None)),
         last_checkpoint=last,
-        model=state.predictor.info() if state.predictor is not None else None)
+        model=state.predictor.info() if state.predictor is not None else None,
+        watermarks=_watermarks(w_status, s_health, training, served))
 
 
 async def _set_ingest(request: Request, paused: bool) -> IngestState:

@@ -172,6 +172,10 @@ class WorkerStatus(TypedDict):
     ingest_paused: bool
     failed: list[FailedPush]
     kafka: NotRequired[dict[str, Any]]   # with a Kafka stream: its consumer's status
+    #: stage -> event time (stream_persia.core.stages)
+    watermarks: dict[str, float | None]
+    #: with a Kafka stream: per partition {"topic", "partition", "messages", "seconds"}
+    kafka_lag: NotRequired[list[Any]]
 
 
 class FrontierReply(TypedDict):

@@ -57,12 +57,13 @@ from stream_persia.kafka.consumer import SampleConsumer
 from stream_persia.kafka.dlq import DeadLetter, DeadLetterWriter, parse_dead_letter
 from stream_persia.kafka.liveness import KafkaUnavailable
 from stream_persia.kafka.loss import DataLoss, KafkaDataLoss
+from stream_persia.kafka.probe import TailProbe
 from stream_persia.kafka.producer import BatchProducer
 
 __all__ = [
     "DEFAULT_FETCH_MAX_WAIT_MS", "DEFAULT_MAX_MESSAGE_BYTES", "COMPRESSION_TYPES",
     "partitions_for_replica", "topic_partitions",
-    "validate_topic", "create_producer", "SampleConsumer", "BatchProducer",
+    "validate_topic", "create_producer", "SampleConsumer", "BatchProducer", "TailProbe",
     "DeadLetterWriter", "DeadLetter", "parse_dead_letter",
     "KafkaUnavailable", "KafkaDataLoss", "DataLoss",
 ]

@@ -475,6 +475,18 @@ class SampleConsumer:
         consumer = self._live()
         return {p: await consumer.position(tp) for p, tp in self._tps.items()}
 
+    def tail_now(self) -> dict[int, tuple[int, int | None]]:
+        """Per owned partition, ``(next offset, high watermark)`` as known now, without a
+        request: the high watermark comes with every fetch response (None before the
+        first one, and stale while the partition is paused)."""
+        consumer = self._live()
+        return {p: (self._next[p], consumer.highwater(tp)) for p, tp in self._tps.items()}
+
+    def side_client_kwargs(self) -> dict[str, Any]:
+        """This consumer's client settings (brokers, security, fetch sizes), for a side
+        client such as :class:`~stream_persia.kafka.probe.TailProbe`."""
+        return dict(self._kwargs)
+
     async def end_offsets(self) -> dict[int, int]:
         """High watermark per owned partition."""
         end = await self._live().end_offsets(list(self._tps.values()))

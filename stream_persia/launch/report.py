@@ -8,7 +8,10 @@
      "examples": [{head: p, "label": {task: y}}, ...]},
      "checkpoint": path, "gates": [{"metric", "min", "value", "passed"}], "plot": path,
      "progressive": {task: {"auc", "ne", "lifetime_ne", "calibration", "log_loss",
-                            "window", "samples", "curve": [[samples, auc, ne], ...]}}}
+                            "window", "samples", "curve": [[samples, auc, ne], ...]}},
+     "watermarks": {stage: {"event_time": float | None,
+                            "lag_s": {"p50": float | None, "max": float | None}},
+                    "kafka_lag": {"messages_max": int | None, "seconds_max": float | None}}}
 
 ``progressive``: progressive validation on the NN workers (every training batch scored
 before its update, :mod:`stream_persia.nn.progressive`), as the topology's ``metrics.json``
@@ -35,6 +38,14 @@ the shift at which the windowed AUC, past its lowest point, first reached
 ``bayes_auc_after - recovery_tolerance`` (0.01), null if never. The top level is the first
 task's, ``per_task`` every task's (:mod:`stream_persia.launch.drift`). The plot marks the
 shift and the Bayes-optimal AUC after it.
+
+``watermarks``: the job's stage watermarks over the run (``produced``, ``ingested``,
+``trained``, ``applied``, ``served``; a stage no role reported is left out), sampled from the
+job API's ``GET /v1/status`` every ~2 s while training runs
+(:mod:`stream_persia.launch.watermark_watch`): ``event_time`` is the last one seen (the
+slowest role's), ``lag_s`` the median and the largest of its lag over the samples;
+``kafka_lag`` (Kafka runs only) the largest partition lag seen, in messages and seconds.
+``{}`` without an API.
 """
 
 from __future__ import annotations
@@ -53,8 +64,21 @@ from stream_persia.launch.topology import Topology
 from stream_persia.nn.utils import roc_auc
 
 __all__ = ["served_metrics", "build_report", "plot_report", "print_report",
-           "predict_over_http", "auc_of", "serving_inputs", "concept_shift_probe",
+           "predict_over_http", "auc_of", "progress_line", "serving_inputs", "concept_shift_probe",
            "save_scrapes"]
+
+
+def progress_line(metrics: dict[str, Any], seconds: float) -> str:
+    """The run's progress line from its ``metrics.json`` so far, ``seconds`` into it."""
+    train = metrics.get("train") or {}
+    curve = metrics.get("loss_curve") or []
+    loss = f"{curve[-1][1]:.4f}" if curve else "-"
+    evals = metrics.get("eval_curve") or []
+    auc = ""
+    if evals:
+        auc = " auc " + " ".join(f"{k}={v:.4f}" for k, v in evals[-1][1].items())
+    return (f"[{seconds:6.0f}s] samples {train.get('samples', 0):>9} "
+            f"{train.get('samples_per_s', 0):>8.0f}/s loss {loss}{auc}")
 
 
 def concept_shift_probe(topo: Topology, env: dict[str, str]) -> dict[str, Any] | None:
@@ -194,6 +218,7 @@ def build_report(topo: Topology, metrics: dict[str, Any], served: dict[str, Any]
         "served": {k: v for k, v in (served or {}).items()
                    if k != "served_auc" and not k.startswith("_")},
         "progressive": metrics.get("progressive") or {},
+        "watermarks": metrics.get("watermarks") or {},
         "checkpoint": metrics.get("checkpoint"), "plot": str(out / "report.png"),
         "output_dir": str(out),
     }
@@ -210,7 +235,8 @@ def build_report(topo: Topology, metrics: dict[str, Any], served: dict[str, Any]
 
 
 def plot_report(metrics: dict[str, Any], path: Path, title: str) -> None:
-    """Loss and eval AUC over the samples seen, as a PNG (headless)."""
+    """Loss and eval AUC over the samples seen, the replica's freshness and the stage lags
+    over the run (when measured), as a PNG (headless)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -219,8 +245,17 @@ def plot_report(metrics: dict[str, Any], path: Path, title: str) -> None:
     loss = metrics.get("loss_curve") or []
     evals = metrics.get("eval_curve") or []
     fresh = metrics.get("freshness_curve") or []
-    fig, axes = plt.subplots(1, 3 if fresh else 2, figsize=(15 if fresh else 10, 4))
+    stage_lag = metrics.get("stage_lag_curve") or {}
+    panels = 2 + bool(fresh) + bool(stage_lag)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
     ax1, ax2 = axes[0], axes[1]
+    if stage_lag:
+        ax4 = axes[-1]
+        for stage, pts in stage_lag.items():
+            ax4.plot(*zip(*pts, strict=True), marker=".", linestyle="-", label=stage)
+        ax4.set(title="stage lag (slowest role)", xlabel="seconds into the run",
+                ylabel="now - event time (s)")
+        ax4.legend()
     if fresh:
         ax3 = axes[2]
         ax3.plot(*zip(*fresh, strict=True), marker=".", linestyle="-")
@@ -308,6 +343,15 @@ def print_report(report: dict[str, Any], file: Any = None) -> None:
               + (f"reached within {drift.get('recovery_tolerance')} of it {rec} samples after "
                  f"the shift" if rec is not None else "never reached within "
                  f"{drift.get('recovery_tolerance')} of it"), file=f)
+    marks = report.get("watermarks") or {}
+    for stage, mark in marks.items():
+        if stage == "kafka_lag":
+            print(f"Kafka lag         max {mark.get('messages_max')} messages, "
+                  f"{mark.get('seconds_max')} s (largest partition)", file=f)
+        else:
+            lag = mark.get("lag_s") or {}
+            print(f"stage {stage:<11} lag p50 {lag.get('p50')} s, max {lag.get('max')} s; "
+                  f"last event time {mark.get('event_time')}", file=f)
     print(f"checkpoint        {report['checkpoint']}", file=f)
     for g in report["gates"]:
         print(f"gate              {g['metric']} >= {g['min']}: {g['value']} "

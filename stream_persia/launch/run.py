@@ -74,6 +74,7 @@ from stream_persia.launch.report import (
     concept_shift_probe,
     plot_report,
     print_report,
+    progress_line,
     save_scrapes,
     served_metrics,
     serving_inputs,
@@ -87,6 +88,7 @@ from stream_persia.launch.run_args import (
 from stream_persia.launch.samples_topic import ensure_topic, ensure_updates_topic
 from stream_persia.launch.stop_signals import Stopped, StopSignals
 from stream_persia.launch.topology import Topology, load_topology
+from stream_persia.launch.watermark_watch import WatermarkWatch
 
 __all__ = ["main"]
 
@@ -121,6 +123,7 @@ class Job:
         self.api: RoleProcess | None = None
         self.replica: RoleProcess | None = None
         self.watch: ReplicaWatch | None = None
+        self.watermarks: WatermarkWatch | None = None   # the API's /v1/status watermarks
         self.bootstrap_requested = False
         self.api_token = secrets.token_urlsafe(24)
         # Every role of this job proves it to the others (stream_persia/rpc/auth.py).
@@ -347,18 +350,6 @@ def _read_metrics(out: Path) -> dict[str, Any]:
         return {}
 
 
-def _progress_line(metrics: dict[str, Any], t0: float) -> str:
-    train = metrics.get("train") or {}
-    curve = metrics.get("loss_curve") or []
-    loss = f"{curve[-1][1]:.4f}" if curve else "-"
-    evals = metrics.get("eval_curve") or []
-    auc = ""
-    if evals:
-        auc = " auc " + " ".join(f"{k}={v:.4f}" for k, v in evals[-1][1].items())
-    return (f"[{time.monotonic() - t0:6.0f}s] samples {train.get('samples', 0):>9} "
-            f"{train.get('samples_per_s', 0):>8.0f}/s loss {loss}{auc}")
-
-
 LOSS_CHECK_EVERY_S = 3.0
 
 
@@ -387,10 +378,11 @@ def _wait(job: Job, t0: float, deadline: float) -> None:
                                                                      job.api_token)):
             job.bootstrap_requested = True   # the checkpoint the replica starts from
             request_checkpoint(job.api.address, job.api_token, "bootstrap")
-        if job.watch is not None:
-            job.watch.poll()
+        for watch in (job.watch, job.watermarks):   # each polls at its own pace
+            if watch is not None:
+                watch.poll()
         if tty or now - last_print >= 10:
-            line = _progress_line(metrics, t0)
+            line = progress_line(metrics, time.monotonic() - t0)
             print(f"\r{line}" if tty else line, end="" if tty else "\n", file=sys.stderr,
                   flush=True)
             last_print = now
@@ -442,12 +434,16 @@ def main(args: argparse.Namespace) -> int:
             if job.replica is not None and job.replica.address:
                 job.watch = ReplicaWatch(job.replica.address, job.api_token, eval_batches,
                                          list(topo.tasks), probe=concept_shift_probe(topo, job.env))
+            if job.api is not None and job.api.address:
+                job.watermarks = WatermarkWatch(job.api.address, job.api_token, replica=(
+                    job.replica.address if job.replica is not None else None))
             _wait(job, t0, t0 + args.timeout_s)
             lost = check_kafka(job)   # a loss near the end, before any gate
             if lost:
                 print(f"stream-persia run: data loss accepted (--on-data-loss skip): messages "
                       f"lost per partition {lost}", file=sys.stderr)
             metrics = _read_metrics(out)
+            metrics["watermarks"] = job.watermarks.summary() if job.watermarks else {}
             served = None
             if job.api is not None and job.api.address and metrics.get("checkpoint"):
                 served = served_metrics(job.api.address, job.api_token, metrics["checkpoint"],
@@ -459,7 +455,6 @@ def main(args: argparse.Namespace) -> int:
                                         (served or {}).get("step"))
                 report["replica"] = job.watch.summary(final, (served or {}).get("_preds"),
                                                       out / "concept_shift.json")
-                metrics["freshness_curve"] = job.watch.curve()
             save_scrapes(out, {"api": job.api.address if job.api else None,
                                "replica": job.replica.address if job.replica else None})
             if lost:
@@ -485,7 +480,8 @@ def main(args: argparse.Namespace) -> int:
                 job.stop()
     (out / "report.json").write_text(json.dumps(report, indent=1))
     plot_report({**_read_metrics(out), "freshness_curve": job.watch.curve() if job.watch
-                 else []}, out / "report.png", topo.name)
+                 else [], "stage_lag_curve": job.watermarks.curve() if job.watermarks
+                 else {}}, out / "report.png", topo.name)
     if job.watch is not None:
         job.watch.close()
     print_report(report)

@@ -1,6 +1,14 @@
 """NN side of the checkpoint mailbox (:mod:`stream_persia.worker.mailbox`, which documents
 the RPC methods and the liveness rule): :class:`NnCheckpointPoller`, built into
-``TrainCtx``, takes a checkpoint requested over HTTP at a step boundary on every rank."""
+``TrainCtx``, takes a checkpoint requested over HTTP at a step boundary on every rank.
+
+Rank 0's heartbeat also relays the ``trained`` watermark (``TrainCtx.trained_through``) and
+rank 0's own progressive figures (:mod:`stream_persia.worker.nn_relay` says why rank 0's
+and not the merged ones) for embedding worker 0 to export. Their cost stays off the
+training step: the training thread only copies rank 0's progressive state (its window
+arrays and sums, well under a millisecond) at most every :data:`PROGRESSIVE_EVERY_S`; the
+figures (a sort of the window) are computed on a worker thread of the RPC loop, and each
+heartbeat carries the latest ones."""
 
 from __future__ import annotations
 
@@ -12,12 +20,30 @@ from typing import Any
 
 from stream_persia.errors import Misuse, PersiaError
 from stream_persia.nn import checkpointing
+from stream_persia.nn.progressive import summarize
 from stream_persia.nn.seams import TrainerSeam
 from stream_persia.worker.mailbox import KEEPALIVES_PER_TIMEOUT, REPORT_TIMEOUT_S
 
 __all__ = ["NnCheckpointPoller"]
 
 log = logging.getLogger(__name__)
+
+#: Least seconds between two reads of rank 0's progressive figures for the heartbeat.
+PROGRESSIVE_EVERY_S = 2.0
+
+
+def progressive_figures(state: list[dict[str, Any]], window: int) -> dict[str, Any]:
+    """Rank 0's progressive figures per task (the heartbeat's ``progressive``) from its
+    ``ProgressiveValidation.state()``."""
+    keys = ("auc", "ne", "lifetime_ne", "calibration", "lifetime_calibration", "log_loss",
+            "lifetime_log_loss")
+    out: dict[str, Any] = {}
+    for task in state:
+        merged = summarize([task])
+        fig = {k: (float(merged[k]) if merged.get(k) is not None
+                   and math.isfinite(merged[k]) else None) for k in keys}
+        out[task["name"]] = {"window": int(window), "samples": int(merged["samples"]), **fig}
+    return out
 
 
 class NnCheckpointPoller:
@@ -59,6 +85,8 @@ class NnCheckpointPoller:
         self._sent = -math.inf
         self._inflight: Any = None     # the heartbeat future in flight, if any
         self._keepalive: Any = None    # rank 0: the keepalive future while a checkpoint runs
+        self._figures: dict[str, Any] | None = None   # rank 0's last progressive figures
+        self._figures_at = -math.inf
 
     @property
     def _rank0(self) -> bool:
@@ -70,14 +98,38 @@ class NnCheckpointPoller:
         if self._rank0:
             self._send_heartbeat()
 
+    def _heartbeat_params(self) -> dict[str, Any]:
+        params: dict[str, Any] = {"rank": 0, "world_size": int(self.ctx.world_size),
+                                  "step": int(self.ctx.steps),
+                                  "trained": self.ctx.trained_through}
+        if self._figures is not None:
+            params["progressive"] = self._figures
+        return params
+
+    def _progressive_state(self) -> tuple[list[dict[str, Any]], int] | None:
+        """A copy of rank 0's progressive state, at most every PROGRESSIVE_EVERY_S."""
+        pv = self.ctx.progressive_validation
+        now = time.monotonic()
+        if pv is None or now - self._figures_at < PROGRESSIVE_EVERY_S:
+            return None
+        self._figures_at = now
+        return pv.state(), pv.window_samples
+
     def _send_heartbeat(self) -> None:
         self._sent = time.monotonic()
         cluster = self.ctx.require_cluster()
-        params = {"rank": 0, "world_size": int(self.ctx.world_size),
-                  "step": int(self.ctx.steps)}
-        self._inflight = cluster.loop.submit(self._heartbeat(cluster, params))
+        self._inflight = cluster.loop.submit(self._heartbeat(
+            cluster, self._heartbeat_params(), self._progressive_state()))
 
-    async def _heartbeat(self, cluster: Any, params: dict[str, Any]) -> None:
+    async def _heartbeat(self, cluster: Any, params: dict[str, Any],
+                         state: tuple[list[dict[str, Any]], int] | None = None) -> None:
+        if state is not None:   # off the training thread (and off the loop: a sort)
+            try:
+                self._figures = await asyncio.get_running_loop().run_in_executor(
+                    None, progressive_figures, *state)
+                params["progressive"] = self._figures
+            except Exception as e:   # never stops training nor the heartbeat
+                log.debug("progressive figures for the heartbeat: %r", e)
         try:
             reply = await cluster.workers[0].call("nn_heartbeat", params)
         except Misuse as e:
@@ -247,10 +299,14 @@ class NnCheckpointPoller:
         if self._rank0 and self.enabled:
             self._wait_heartbeat()
             self._sent = time.monotonic()
+            pv = self.ctx.progressive_validation
+            if pv is not None:   # the final figures (the stream ended, or the context exits)
+                try:
+                    self._figures = progressive_figures(pv.state(), pv.window_samples)
+                except Exception as e:
+                    log.debug("progressive figures for the heartbeat: %r", e)
             try:
-                reply = self._call("nn_heartbeat", {
-                    "rank": 0, "world_size": int(self.ctx.world_size),
-                    "step": int(self.ctx.steps)}, timeout_s=5)
+                reply = self._call("nn_heartbeat", self._heartbeat_params(), timeout_s=5)
                 offer = reply.get("checkpoint") if isinstance(reply, dict) else None
                 if isinstance(offer, dict) and offer.get("id") not in self._seen:
                     request = self._claim(offer)

@@ -24,6 +24,7 @@ import torch
 from stream_persia.nn.batch import PersiaTrainingBatch
 from stream_persia.nn.cluster import Cluster
 from stream_persia.nn.loader import StreamPrefetcher
+from stream_persia.nn.progressive import ProgressiveValidation
 
 __all__ = ["ContextSeam", "TrainerSeam"]
 
@@ -60,6 +61,10 @@ class TrainerSeam(ContextSeam, Protocol):
     #: the inputs of the first batch trained (:func:`~stream_persia.nn.batch.
     #: input_signature`), kept in every checkpoint
     input_signature: dict[str, Any] | None
+    #: the newest event time of a batch this rank ran a backward on (None: none yet)
+    trained_through: float | None
+    #: this rank's progressive validation (None: off)
+    progressive_validation: ProgressiveValidation | None
 
     # ---- checkpoints: the cut
     def barrier(self) -> None:

@@ -47,7 +47,9 @@ RPC methods (params → result):
   for (``PersiaBatch.event_time``). ``trained_through``, the newest event time of any
   update applied (None until one carries it; a duplicate or refused update changes
   nothing), is in ``health`` and the gauge
-  ``persia_embedding_server_trained_through_seconds`` (absent while None). ``clear``
+  ``persia_embedding_server_trained_through_seconds`` (absent while None), and is the
+  ``applied`` stage watermark (``persia_stage_event_time_seconds{stage="applied"}`` and
+  its ``persia_stage_lag_seconds``: :mod:`stream_persia.core.stages`). ``clear``
   resets it; a load keeps it (it describes the updates this process applied).
 - ``watermarks {"topic"?}`` → ``{"topics": {topic: {partition: {"offset", "writer"}}}}``:
   every partition's watermark (of ``topic`` only, when given; ``writer`` None: set by a
@@ -170,6 +172,7 @@ from stream_persia.core.replies import (
     UpdateReply,
     WatermarksReply,
 )
+from stream_persia.core.stages import StageCollector
 from stream_persia.core.watermarks import Watermarks, check_topic, parse_cut, parse_source
 from stream_persia.errors import (
     BadInput,
@@ -356,6 +359,8 @@ class EmbeddingServer:
             "partitions": float(len(self._marks))}, counters={"replays_refused"})
         self.metrics.add_callback("trained_through", lambda: (
             {} if self.trained_through is None else {"seconds": self.trained_through}))
+        self.metrics.registry.register(StageCollector(
+            lambda: {"applied": self.trained_through}))
         self.dense = DenseHub(max_dense_bytes)
         # Server 0 relays the dense model to the update topic too (replicas on Kafka).
         self.dense_relay: DenseRelay | None = None

@@ -30,6 +30,12 @@ watermark is *refused*: held (never read, so never served), listed in :meth:`sta
 not ok and ``next_batch`` raises ``StreamReplay`` until a restore resets the stream).
 Every update of a batch carries its ``(topic, partition, offset)`` and this stream's
 ``writer`` id, so the servers advance the watermarks and refuse another stream's replay.
+
+Lag (:mod:`stream_persia.worker.kafka_lag`): each batch accepted records its event time
+for its partition (:attr:`KafkaIngest.lag`) and for the worker's ``ingested`` stage
+watermark; a probe task owned by :attr:`KafkaIngest.lag` (started and stopped with the
+ingest) reads the end offsets and the newest record of lagging partitions every
+``lag_probe_interval_s``.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import BadInput, Misuse, PeerUnavailable, RemoteTimeout
 from stream_persia.kafka import DeadLetterWriter, KafkaUnavailable, SampleConsumer
 from stream_persia.worker.frontier import Frontier
+from stream_persia.worker.kafka_lag import PROBE_INTERVAL_S, KafkaLag
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +70,13 @@ class KafkaIngest:
         dead_letters: a not-yet-started writer for the dead-letter topic.
         start_offsets: partition → first offset to read (from a checkpoint).
         max_records: records taken per poll (bounds fetched-but-unplanned work).
+        lag_probe_interval_s: seconds between two probes of the partitions' ends
+            (:mod:`stream_persia.worker.kafka_lag`).
     """
 
     def __init__(self, worker: Any, consumer: SampleConsumer, dead_letters: DeadLetterWriter,
-                 *, start_offsets: dict[int, int] | None = None, max_records: int = 32):
+                 *, start_offsets: dict[int, int] | None = None, max_records: int = 32,
+                 lag_probe_interval_s: float = PROBE_INTERVAL_S):
         self.worker = worker
         self.consumer = consumer
         self.dead_letters = dead_letters
@@ -78,6 +88,7 @@ class KafkaIngest:
         self.writer: str | None = None
         self.refused: list[watermarks.Refusal] = []
         self._stream: tuple[str, str] | None = None
+        self.lag = KafkaLag(consumer, probe_interval_s=lag_probe_interval_s)
 
     #: The keys of :meth:`stats` that only grow (``consumer_partitions`` is a level).
     COUNTERS = frozenset({*(f"consumer_{k}" for k in SampleConsumer.COUNTERS),
@@ -120,6 +131,7 @@ class KafkaIngest:
             consumer.hold([r.partition for r in self.refused])
         worker.frontier = Frontier(positions, allow_gaps=consumer.on_data_loss == "skip")
         worker.stream_checked(self.refused)
+        await self.lag.start(positions)
         self._task = asyncio.create_task(self._run(), name="kafka-ingest")
         log.info("worker %d consumes %s partitions %s from %s", self.worker.replica_index,
                  self.consumer.topic, self.consumer.partitions,
@@ -169,6 +181,7 @@ class KafkaIngest:
                 pass
             except Exception as e:   # it ended by itself; logged then, and seen by status
                 log.debug("Kafka ingest had ended with %r", e)
+        await self.lag.stop()
         await self.consumer.stop()
         await self.dead_letters.close()
 
@@ -237,6 +250,7 @@ class KafkaIngest:
             await self._dead_letter(rec, e)
             worker.reject(type(e).__name__)
             worker.frontier.done(partition, rec.offset)
+            self.lag.saw(partition, rec.offset, None)
             return
         if worker.ready.full(pb):   # by count, or this batch's bytes would not fit
             self.backpressure_pauses += 1
@@ -249,6 +263,8 @@ class KafkaIngest:
         else:
             await worker.ready.put(pb)
         worker.m_ingested.inc()
+        self.lag.saw(partition, rec.offset, pb.batch.event_time)
+        worker.saw_ingested(pb.batch.event_time)
 
     async def _dead_letter(self, rec: Any, err: BadInput) -> None:
         delay = 0.1

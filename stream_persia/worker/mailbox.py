@@ -9,9 +9,11 @@ and ``TrainCtx`` polls it through
 
 RPC methods (params → result):
 
-- ``nn_heartbeat {"rank", "world_size", "step"}`` → ``{"checkpoint": {"id", "dst",
-  "report_every_s"} | None}``: NN rank 0 calls it at step boundaries (at most every
-  ~0.5 s). The reply carries the pending request, again on every call until the rank
+- ``nn_heartbeat {"rank", "world_size", "step", "trained"?, "progressive"?}`` →
+  ``{"checkpoint": {"id", "dst", "report_every_s"} | None}``: NN rank 0 calls it at step
+  boundaries (at most every ~0.5 s). ``trained`` and ``progressive`` are the figures it
+  relays for the worker to export (:mod:`stream_persia.worker.nn_relay`, which validates
+  them). The reply carries the pending request, again on every call until the rank
   reports it ``running`` (so a lost reply loses nothing). Rank 0 then tells the other
   ranks (a broadcast), and every rank calls ``dump_checkpoint(dst)`` at the same step:
   the consistent cut of DESIGN §7.
@@ -29,7 +31,8 @@ RPC methods (params → result):
   "manifest"?, "error"?}`` → None: NN rank 0 reports progress and the outcome. A report of
   ``running`` with nothing else is a keepalive (the progress stays).
 - ``checkpoint_status {"id"}`` → the record or None; ``nn_status`` → ``{"rank",
-  "world_size", "step", "age_s", "detached"}`` of the last heartbeat, or None.
+  "world_size", "step", "age_s", "detached", "trained", "progressive"}`` of the last
+  heartbeat, or None.
 
 A record: ``{"id", "dst", "state", "step", "progress", "manifest", "error",
 "requested_at", "updated_at", "report_timeout_s"}`` with ``state`` one of pending, running,
@@ -71,6 +74,7 @@ from typing import Any
 
 from stream_persia.checkpoint.root import CheckpointRoot, require_root
 from stream_persia.errors import BadInput, Misuse
+from stream_persia.worker.nn_relay import NnRelay, parse_relay
 
 __all__ = ["CheckpointMailbox", "MailboxClient", "REPORT_TIMEOUT_S", "TERMINAL"]
 
@@ -183,8 +187,9 @@ class CheckpointMailbox:
         if not isinstance(params, dict):
             raise BadInput("nn_heartbeat takes {'rank', 'world_size', 'step'}", field="params")
         rank, world, step = (_count(params, k) for k in ("rank", "world_size", "step"))
+        relay = parse_relay(params)
         self._heartbeat = {"rank": rank, "world_size": world, "step": step,
-                           "at": self._clock(), "detached": False}
+                           "at": self._clock(), "detached": False, "relay": relay}
         active = self._active()
         if active is None or active["state"] != "pending":
             return {"checkpoint": None}
@@ -237,7 +242,15 @@ class CheckpointMailbox:
         if hb is None:
             return None
         return {"rank": hb["rank"], "world_size": hb["world_size"], "step": hb["step"],
-                "age_s": max(0.0, self._clock() - hb["at"]), "detached": hb["detached"]}
+                "age_s": max(0.0, self._clock() - hb["at"]), "detached": hb["detached"],
+                "trained": hb["relay"]["trained"], "progressive": hb["relay"]["progressive"]}
+
+    def relay(self) -> tuple[NnRelay, float] | None:
+        """What the last heartbeat relayed, and its age in seconds (None before one)."""
+        hb = self._heartbeat
+        if hb is None:
+            return None
+        return hb["relay"], max(0.0, self._clock() - hb["at"])
 
 
 class MailboxClient:

@@ -55,7 +55,11 @@ RPC methods (params → result):
   refuses as ``reset_stream`` would for the offsets, changing nothing (a restore asks
   before it loads anything). ``commit_offsets {"offsets"}``: record
   checkpoint offsets in the consumer group, for lag monitors.
-- ``status`` → buffers, counters, frontier offsets, and with Kafka ``kafka``: lag, paused
+- ``status`` → buffers, counters, frontier offsets, ``watermarks`` (stage → event time
+  or None: ``ingested``, with Kafka ``produced``, on replica 0 ``trained``:
+  :mod:`stream_persia.core.stages`), and with Kafka ``kafka_lag`` (``[{"topic",
+  "partition", "messages", "seconds"}]``, :mod:`stream_persia.worker.kafka_lag`) and
+  ``kafka``: lag, paused
   partitions, those stopped on a data loss (``stopped``) and the messages lost where the
   loss was accepted (``lost_messages``; :meth:`KafkaIngest.status`);
   ``pause_ingest`` / ``resume_ingest``
@@ -151,6 +155,7 @@ from stream_persia.core.replies import (
     WorkerStatus,
 )
 from stream_persia.core.served import ServedBatchWire, ServedSlotWire
+from stream_persia.core.stages import StageCollector, newer
 from stream_persia.core.supervisor import Supervisor
 from stream_persia.core.watermarks import RESTORE_HINT, Refusal
 from stream_persia.errors import (
@@ -166,7 +171,9 @@ from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
 from stream_persia.worker.batchplan import BatchPlan, plan_batch
 from stream_persia.worker.buffer import BoundedBuffer
 from stream_persia.worker.frontier import Frontier
+from stream_persia.worker.kafka_lag import KafkaLagCollector, LagRow
 from stream_persia.worker.mailbox import CheckpointMailbox
+from stream_persia.worker.nn_relay import NnRelayCollector
 from stream_persia.worker.pushes import PUSHED_MEMORY, GradientPushes
 from stream_persia.worker.router import ShardRouter
 
@@ -311,6 +318,12 @@ class EmbeddingWorker:
         }, host=host, port=port, name=f"embedding-worker-{replica_index}", secret=secret,
             connection_limits=connection_limits)
         m.add_callback("rpc", self.rpc.connection_stats, counters=CONNECTION_COUNTERS)
+        # Stage watermarks (stream_persia.core.stages) and, on replica 0, what NN rank 0's
+        # heartbeat relays (stream_persia.worker.nn_relay).
+        self.ingested_mark: float | None = None
+        m.registry.register(StageCollector(self.watermarks))
+        if self.mailbox is not None:
+            m.registry.register(NnRelayCollector(self.mailbox.relay))
 
     def _kafka_stats(self) -> dict[str, float]:
         """The current ingest's statistics, its counts added to those of retired ones."""
@@ -343,6 +356,7 @@ class EmbeddingWorker:
         # the exported counters never drop.
         self._kafka_retired = dict.fromkeys(KafkaIngest.COUNTERS, 0.0)
         self.metrics.add_callback("kafka", self._kafka_stats, counters=KafkaIngest.COUNTERS)
+        self.metrics.registry.register(KafkaLagCollector(self.kafka_lag))
         self.kafka = ingest
         await self._start_ingest(ingest)
 
@@ -391,6 +405,24 @@ class EmbeddingWorker:
         pb.nbytes = _batch_nbytes(batch) + plan.nbytes()
         return pb
 
+    def saw_ingested(self, event_time: float | None) -> None:
+        """A batch with ``event_time`` was accepted (the ``ingested`` watermark)."""
+        self.ingested_mark = newer(self.ingested_mark, event_time)
+
+    def watermarks(self) -> dict[str, float | None]:
+        """This worker's stage watermarks (:mod:`stream_persia.core.stages`)."""
+        marks: dict[str, float | None] = {"ingested": self.ingested_mark}
+        if self.kafka is not None:
+            marks["produced"] = newer(self.kafka.lag.produced(), self.ingested_mark)
+        relay = self.mailbox.relay() if self.mailbox is not None else None
+        if relay is not None:
+            marks["trained"] = relay[0]["trained"]
+        return marks
+
+    def kafka_lag(self) -> list[LagRow]:
+        """Per partition of the current Kafka ingest, its lag (empty without one)."""
+        return self.kafka.lag.rows() if self.kafka is not None else []
+
     def reject(self, reason: str) -> None:
         self.m_rejected.labels(reason).inc()
 
@@ -422,6 +454,7 @@ class EmbeddingWorker:
             await self._wait_ingest_resumed(deadline, timeout_ms)
         await self.ready.put(pb, timeout=max(0.0, deadline - time.monotonic()))
         self.m_ingested.inc()
+        self.saw_ingested(pb.batch.event_time)
         return {"batch_id": pb.batch_id}
 
     async def _wait_ingest_resumed(self, deadline: float, timeout_ms: float) -> None:
@@ -667,9 +700,11 @@ class EmbeddingWorker:
             "pending": self.frontier.pending(),
             "frontier": {str(p): o for p, o in self.frontier.offsets().items()},
             "ingest_paused": self.ingest_paused.is_set(), "failed": self.pushes.failed(),
+            "watermarks": self.watermarks(),
         }
         if self.kafka is not None:
             status["kafka"] = await self.kafka.status()
+            status["kafka_lag"] = self.kafka_lag()
         return status
 
     async def _pause(self, params: Any) -> None:

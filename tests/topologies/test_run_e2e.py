@@ -65,6 +65,16 @@ def check_progressive(report: dict, tasks: list[str], samples: int, low: float =
         assert len(p["curve"]) >= 2 and p["curve"][-1][0] == samples, p
 
 
+def check_watermarks(report: dict, kafka: bool = False) -> None:
+    """The launcher watched the job's stage watermarks while it trained (issue 19)."""
+    marks = report["watermarks"]
+    for stage in ("ingested", "trained", "applied", *(("produced",) if kafka else ())):
+        assert marks[stage]["event_time"] > 1.5e9, (stage, marks)
+        assert 0 <= marks[stage]["lag_s"]["p50"] <= marks[stage]["lag_s"]["max"], marks
+    if kafka:
+        assert marks["kafka_lag"]["messages_max"] >= 0, marks
+
+
 def check_replica(report: dict) -> None:
     """The run's serving replica followed training: after the final drain it answers
     exactly what the trained model does (issue 18), and the report has its freshness."""
@@ -83,6 +93,7 @@ def test_synthetic_ctr_broker_less(tmp_path):
                  "--predict-samples", "1024", "--no-gates")
     check_report(report, ["click"], 30_000)
     check_progressive(report, ["click"], 30_000)
+    check_watermarks(report)
     assert report["mode"] == "broker-less stream"
     assert 0.5 < report["bayes_auc"]["click"] < 1.0
     assert [g["metric"] for g in report["gates"]] == ["bayes_lift.click"]
@@ -107,6 +118,7 @@ def test_synthetic_ctr_through_kafka(tmp_path, kafka_broker, kafka_topic):
                  "--predict-samples", "1024", "--no-gates",
                  "--kafka", kafka_broker.bootstrap_servers, "--topic", topic)
     check_report(report, ["click"], 16_384)
+    check_watermarks(report, kafka=True)
     assert report["mode"].startswith("Kafka")
     # The checkpoint is a consistent cut of the stream: its offsets cover every batch.
     manifest = json.loads((Path(report["checkpoint"]) / "manifest.json").read_text())

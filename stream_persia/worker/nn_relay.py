@@ -1,0 +1,173 @@
+"""What NN rank 0's heartbeat relays to embedding worker 0, besides the checkpoint mailbox:
+the ``trained`` stage watermark and the progressive validation figures.
+
+NN ranks are clients nothing scrapes, so rank 0 adds to its ``nn_heartbeat``
+(:mod:`stream_persia.worker.mailbox`; sent at most every ~0.5 s, off the training thread:
+:mod:`stream_persia.nn.checkpoint_poller`):
+
+- ``trained``: float | None, the newest ``PersiaBatch.event_time`` of a batch rank 0 ran a
+  backward on (``TrainCtx.trained_through``);
+- ``progressive``: ``{task: {"window": int, "samples": int, "auc", "ne", "lifetime_ne",
+  "calibration", "lifetime_calibration", "log_loss", "lifetime_log_loss": float | None}}``,
+  *rank 0's own* progressive figures (:mod:`stream_persia.nn.progressive`) over the samples
+  rank 0 trained: a read merged over the ranks is a collective, which the heartbeat, sent
+  by rank 0 alone, cannot run. With W ranks each scoring an even share of the stream, rank
+  0's window holds ``window / W`` of the samples: the same figures up to sampling noise,
+  and ``samples`` counts rank 0's only. ``TrainCtx.progressive()`` (every rank, the same
+  step) and ``report.json`` ``progressive`` give the merged ones.
+
+Both are optional (an older NN sends neither) and validated (:func:`parse_relay`): at most
+:data:`MAX_TASKS` tasks, names of 1-:data:`MAX_TASK_CHARS` characters, finite floats, no
+unknown key; a bad one refuses the heartbeat with BadInput naming the field.
+
+Worker 0 exports them (:class:`NnRelayCollector`): ``persia_nn_progressive_auc_ratio{task}``,
+``persia_nn_progressive_ne_ratio{task,window}``, ``persia_nn_progressive_calibration_ratio
+{task,window}``, ``persia_nn_progressive_log_loss_nats{task,window}`` (``window`` =
+``windowed`` | ``lifetime``), ``persia_nn_progressive_samples_total{task}`` and
+``persia_nn_heartbeat_age_seconds``; the ``trained`` watermark goes with the worker's stage
+watermarks (:mod:`stream_persia.core.stages`). A figure not known (None) has no sample.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, TypedDict
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from stream_persia.core.data import check_event_time
+from stream_persia.errors import BadInput
+
+__all__ = ["MAX_TASKS", "MAX_TASK_CHARS", "FIGURES", "NnRelay", "NnRelayCollector",
+           "parse_relay", "TaskFigures"]
+
+MAX_TASKS = 64
+MAX_TASK_CHARS = 128
+#: The float figures of one task.
+FIGURES = ("auc", "ne", "lifetime_ne", "calibration", "lifetime_calibration", "log_loss",
+           "lifetime_log_loss")
+_COUNTS = ("window", "samples")
+
+
+class TaskFigures(TypedDict, total=False):
+    window: int
+    samples: int
+    auc: float | None
+    ne: float | None
+    lifetime_ne: float | None
+    calibration: float | None
+    lifetime_calibration: float | None
+    log_loss: float | None
+    lifetime_log_loss: float | None
+
+
+class NnRelay(TypedDict):
+    trained: float | None
+    progressive: dict[str, TaskFigures]
+
+
+def _figure(value: Any, field: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value):
+        raise BadInput(f"{field} must be a finite number or null, got {value!r:.80}",
+                       field=field)
+    return float(value)
+
+
+def _count(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise BadInput(f"{field} must be an int >= 0, got {value!r:.80}", field=field)
+    return value
+
+
+def parse_relay(params: dict[str, Any]) -> NnRelay:
+    """The ``trained`` and ``progressive`` of an ``nn_heartbeat``'s params, validated.
+
+    Raises:
+        BadInput: naming the field (``trained``, ``progressive``,
+            ``progressive.<task>.<figure>``).
+    """
+    trained = check_event_time(params.get("trained"), "trained")
+    raw = params.get("progressive")
+    progressive: dict[str, TaskFigures] = {}
+    if raw is None:
+        return {"trained": trained, "progressive": progressive}
+    if not isinstance(raw, dict):
+        raise BadInput(f"progressive must map task -> figures, got {type(raw).__name__}",
+                       field="progressive")
+    if len(raw) > MAX_TASKS:
+        raise BadInput(f"progressive names {len(raw)} tasks, at most {MAX_TASKS} are "
+                       f"relayed", field="progressive")
+    for task, figures in raw.items():
+        if not isinstance(task, str) or not 0 < len(task) <= MAX_TASK_CHARS:
+            raise BadInput(f"a task name must be a string of 1-{MAX_TASK_CHARS} characters, "
+                           f"got {str(task)[:80]!r}", field="progressive")
+        where = f"progressive.{task}"
+        if not isinstance(figures, dict):
+            raise BadInput(f"{where} must map figure -> value, got "
+                           f"{type(figures).__name__}", field=where)
+        unknown = sorted(map(str, set(figures) - set(FIGURES) - set(_COUNTS)))
+        if unknown:
+            raise BadInput(f"{where} has unknown figure(s) {unknown[:8]}",
+                           field=f"{where}.{unknown[0][:40]}",
+                           hint=", ".join((*_COUNTS, *FIGURES)))
+        out: TaskFigures = {}
+        for key in _COUNTS:
+            if key in figures:
+                out[key] = _count(figures[key], f"{where}.{key}")   # type: ignore[literal-required]
+        for key in FIGURES:
+            out[key] = _figure(figures.get(key), f"{where}.{key}")   # type: ignore[literal-required]
+        progressive[task] = out
+    return {"trained": trained, "progressive": progressive}
+
+
+_WINDOWED = (("ne_ratio", "ne", "lifetime_ne"),
+             ("calibration_ratio", "calibration", "lifetime_calibration"),
+             ("log_loss_nats", "log_loss", "lifetime_log_loss"))
+
+
+class NnRelayCollector(Collector):
+    """Exports the last relay (``relay()``: the figures and the heartbeat's age in
+    seconds, or None before the first heartbeat) as the ``persia_nn_*`` families."""
+
+    def __init__(self, relay: Callable[[], tuple[NnRelay, float] | None]):
+        self._relay = relay
+
+    def describe(self) -> Iterable[Metric]:
+        return [GaugeMetricFamily("persia_nn_heartbeat_age_seconds", "")]
+
+    def collect(self) -> Iterable[Metric]:
+        got = self._relay()
+        if got is None:
+            return
+        relay, age = got
+        yield GaugeMetricFamily("persia_nn_heartbeat_age_seconds",
+                                "seconds since NN rank 0's last heartbeat", value=age)
+        tasks = relay["progressive"]
+        if not tasks:
+            return
+        auc = GaugeMetricFamily("persia_nn_progressive_auc_ratio", "windowed progressive "
+                                "AUC of NN rank 0", labels=["task"])
+        samples = CounterMetricFamily("persia_nn_progressive_samples", "samples NN rank 0 "
+                                      "scored before learning from them", labels=["task"])
+        windowed = {name: GaugeMetricFamily(
+            f"persia_nn_progressive_{name}", f"progressive {name} of NN rank 0",
+            labels=["task", "window"]) for name, _, _ in _WINDOWED}
+        for task, fig in sorted(tasks.items()):
+            if fig.get("auc") is not None:
+                auc.add_metric([task], fig["auc"])   # type: ignore[arg-type]
+            if fig.get("samples") is not None:
+                samples.add_metric([task], float(fig["samples"]))
+            for name, w_key, l_key in _WINDOWED:
+                for window, key in (("windowed", w_key), ("lifetime", l_key)):
+                    value = fig.get(key)
+                    if value is not None:
+                        windowed[name].add_metric([task, window], value)   # type: ignore[arg-type]
+        for fam in (auc, samples, *windowed.values()):
+            if fam.samples:
+                yield fam

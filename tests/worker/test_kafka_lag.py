@@ -1,0 +1,110 @@
+"""An embedding worker's stage watermarks and Kafka lag against the Kafka test broker
+(stream_persia.worker.kafka_lag): a worker held back by a full ready buffer lags in
+messages and in seconds (the probe reads the partition's newest record), its ``produced``
+watermark is the newest event time in its partitions; once it drains, it is caught up (0
+and 0) and ``ingested`` reaches ``produced``. Both are in ``status`` and on its metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from stream_persia.config import KafkaConfig
+from stream_persia.kafka import BatchProducer, DeadLetterWriter, SampleConsumer
+from stream_persia.rpc import RpcClient
+from stream_persia.testing.samples import SCHEMA, make_batch
+from stream_persia.testing.servers import running_servers
+from stream_persia.worker.ingest import KafkaIngest
+from stream_persia.worker.service import EmbeddingWorker
+
+T0 = 1_700_000_000.0
+N = 8
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+async def _until(check, what: str, timeout_s: float = 20.0):
+    async with asyncio.timeout(timeout_s):
+        while not (got := await check()):
+            await asyncio.sleep(0.05)
+    assert got, what
+    return got
+
+
+@pytest.mark.kafka
+async def test_a_lagging_worker_reports_lag_in_messages_and_seconds_then_catches_up(
+        kafka_broker, kafka_topic):
+    topic = kafka_topic(partitions=2)
+    bootstrap = kafka_broker.bootstrap_servers
+    async with BatchProducer(topic, bootstrap_servers=bootstrap) as producer:
+        for i in range(N):   # partition 0 gets the even ones, partition 1 the odd ones
+            await producer.send_and_wait(make_batch(i).stamped(T0 + i), key=i)
+    cfg = KafkaConfig(bootstrap_servers=bootstrap, samples_topic=topic,
+                      dlq_topic=f"{topic}.dlq", job_name="lag")
+    async with running_servers(1) as (servers, _):
+        worker = EmbeddingWorker(SCHEMA, [s.address for s in servers], ready_buffer_batches=2)
+        await worker.start()
+        try:
+            await worker.start_kafka_ingest(lambda start: KafkaIngest(
+                worker, SampleConsumer.from_config(cfg, replica_index=0, replica_size=1),
+                DeadLetterWriter.from_config(cfg), start_offsets=start,
+                lag_probe_interval_s=0.2))
+            async with RpcClient(worker.address, timeout_ms=20_000) as c:
+                async def lagging():
+                    st = await c.call("status")
+                    rows = st.get("kafka_lag") or []
+                    return st if rows and all(r["seconds"] is not None for r in rows) \
+                        and sum(r["messages"] or 0 for r in rows) > 0 else None
+
+                st = await _until(lagging, "a lag in messages and seconds")
+                rows = {r["partition"]: r for r in st["kafka_lag"]}
+                assert set(rows) == {0, 1} and all(r["topic"] == topic for r in rows.values())
+                ingested = st["watermarks"]["ingested"]
+                assert ingested is not None and ingested < T0 + N - 1
+                # The probe read each partition's newest record: produced is the newest.
+                assert st["watermarks"]["produced"] == T0 + N - 1
+                for r in rows.values():
+                    assert 0 <= r["seconds"] <= N - 1
+                assert max(r["seconds"] for r in rows.values()) > 0
+                total = sum(r["messages"] for r in rows.values())
+                assert total <= N - 2       # two batches at least are in the ready buffer
+                got = _samples((await c.call("metrics")).decode())
+                for p in rows:
+                    key = (("partition", str(p)), ("topic", topic))
+                    assert got[("persia_embedding_worker_kafka_lag_messages", key)] >= 0
+                    assert ("persia_embedding_worker_kafka_lag_seconds", key) in got
+                assert got[("persia_stage_event_time_seconds", (("stage", "produced"),))] \
+                    == T0 + N - 1
+                assert ("persia_stage_lag_seconds", (("stage", "ingested"),)) in got
+
+                # Drain: serve and apply every batch; the worker catches up.
+                rng = np.random.default_rng(0)
+                for _ in range(N):
+                    served = await c.call("next_batch", {"timeout_ms": 10_000})
+                    grads = {e["name"]: rng.normal(size=e["emb"].shape).astype(np.float32)
+                             for e in served["embeddings"]}
+                    await c.call("push_gradients", {"batch_id": served["batch_id"],
+                                                    "grads": grads})
+
+                async def caught_up():
+                    st = await c.call("status")
+                    rows = st.get("kafka_lag") or []
+                    return st if rows and all(r["messages"] == 0 and r["seconds"] == 0
+                                              for r in rows) else None
+
+                st = await _until(caught_up, "caught up")
+                assert st["watermarks"]["ingested"] == st["watermarks"]["produced"] \
+                    == T0 + N - 1
+                got = _samples((await c.call("metrics")).decode())
+                assert got[("persia_stage_event_time_seconds", (("stage", "ingested"),))] \
+                    == T0 + N - 1
+                assert all(v == 0 for (name, _), v in got.items()
+                           if name.startswith("persia_embedding_worker_kafka_lag_"))
+        finally:
+            await worker.stop()
