@@ -409,13 +409,15 @@ class TrainCtx(EmbeddingCtx):
             raise Misuse(f"backward() was already called for batch {ticket.batch_id}")
         self._current = self._current_leaves = None
         self._score()
-        if batch.event_time is not None and (self.trained_through is None
-                                             or batch.event_time > self.trained_through):
-            self.trained_through = batch.event_time
 
         scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
         scaled.backward()
+        # Trained through the batch once its backward ran (a step skipped as non-finite
+        # still consumed it): the `trained` stage watermark, the dense model's event time.
+        if batch.event_time is not None and (self.trained_through is None
+                                             or batch.event_time > self.trained_through):
+            self.trained_through = batch.event_time
         grads = [(name, leaf.grad) for name, leaf in leaves]
         finite = True
         if freq and self.steps % freq == 0:

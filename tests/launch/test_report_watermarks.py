@@ -97,6 +97,44 @@ def test_the_report_has_the_watermarks_watched_over_the_run(api, tmp_path):
     assert "Kafka lag         max 7 messages, 1.5 s" in text
 
 
+def test_the_served_stage_comes_from_the_serving_replica(api):
+    """Only the replica knows what it serves: the watch asks its /v1/status too, and
+    takes nothing else from it (its other stages are the job's, already in the sample)."""
+    address, _ = api
+
+    class Replica(BaseHTTPRequestHandler):
+        def do_GET(self):   # noqa: N802 (http.server's name)
+            ok = self.headers.get("Authorization") == f"Bearer {TOKEN}"
+            body = json.dumps({"watermarks": {
+                "served": {"event_time": T0 - 5, "lag_s": 9.0},
+                "ingested": {"event_time": T0 - 100, "lag_s": 99.0}}})
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+            self.wfile.write(body.encode() if ok else b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Replica)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        watch = WatermarkWatch(address, TOKEN, every_s=0.0,
+                               replica=f"127.0.0.1:{server.server_address[1]}")
+        watch.poll()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    summary = watch.summary()
+    assert summary["served"] == {"event_time": T0 - 5, "lag_s": {"p50": 9.0, "max": 9.0}}
+    assert summary["ingested"]["event_time"] == T0        # the job API's, not the replica's
+    # A replica that does not answer leaves the job's sample as it is.
+    gone = WatermarkWatch(address, TOKEN, every_s=0.0, replica="127.0.0.1:1")
+    gone.poll()
+    assert gone.errors == 0 and "served" not in gone.summary()
+
+
 def test_a_wrong_token_or_no_api_is_counted_not_raised(api):
     address, calls = api
     watch = WatermarkWatch(address, "wrong", every_s=0.0)
