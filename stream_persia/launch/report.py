@@ -234,9 +234,10 @@ def build_report(topo: Topology, metrics: dict[str, Any], served: dict[str, Any]
     return report
 
 
-def plot_report(metrics: dict[str, Any], path: Path, title: str) -> None:
-    """Loss and eval AUC over the samples seen, the replica's freshness and the stage lags
-    over the run (when measured), as a PNG (headless)."""
+def plot_report(metrics: dict[str, Any], path: Path, title: str) -> list[str]:
+    """Loss (and progressive NE) and eval and progressive AUC over the samples seen, the
+    replica's freshness and the stage lags over the run (when measured), as a PNG
+    (headless). Returns the labels of the curves drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -265,8 +266,18 @@ def plot_report(metrics: dict[str, Any], path: Path, title: str) -> None:
         ax3.legend()
     if loss:
         x, y = zip(*loss, strict=True)
-        ax1.plot(x, y)
-    ax1.set(title="training loss", xlabel="samples", ylabel="loss")
+        ax1.plot(x, y, label="training loss")
+    ax1.set(title="training loss and progressive NE", xlabel="samples", ylabel="loss")
+    ne_axis = None
+    for task, prog in (metrics.get("progressive") or {}).items():
+        pts = [(s, n) for s, _, n in prog.get("curve") or [] if n is not None]
+        if pts:
+            ne_axis = ne_axis or ax1.twinx()
+            ne_axis.plot(*zip(*pts, strict=True), linestyle=":", color="tab:green",
+                         label=f"{task} progressive NE (window {prog.get('window')})")
+    if ne_axis is not None:
+        ne_axis.set_ylabel("normalized entropy")
+        ne_axis.legend(loc="upper right", fontsize="small")
     for task in sorted({t for _, aucs in evals for t in aucs}):
         pts = [(s, a[task]) for s, a in evals if task in a]
         ax2.plot(*zip(*pts, strict=True), marker="o", label=f"{task} AUC")
@@ -298,7 +309,10 @@ def plot_report(metrics: dict[str, Any], path: Path, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+    drawn = [line.get_label() for ax in fig.axes for line in ax.get_lines()
+             if not line.get_label().startswith("_")]
     plt.close(fig)
+    return drawn
 
 
 def print_report(report: dict[str, Any], file: Any = None) -> None:

@@ -23,8 +23,11 @@ def test_the_report_has_the_progressive_metrics_of_metrics_json(tmp_path):
     assert report["progressive"] == PROG
     assert build_report(Topology(Path(tmp_path), "t"), {}, None, tmp_path, 1.0,
                         "m")["progressive"] == {}
-    plot_report(metrics, tmp_path / "report.png", "t")
+    drawn = plot_report(metrics, tmp_path / "report.png", "t")
     assert (tmp_path / "report.png").stat().st_size > 1000
+    # progressive AUC beside the eval AUC, progressive NE beside the loss
+    assert {"click AUC", "click progressive AUC (window 1000)",
+            "click progressive NE (window 1000)", "training loss"} <= set(drawn)
     out = io.StringIO()
     print_report(report, out)
     assert "progressive       click: windowed AUC 0.71, NE 0.93" in out.getvalue()
