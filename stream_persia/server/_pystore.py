@@ -650,8 +650,8 @@ class PyEmbeddingStore:
                 self._plru[pi][key] = None
         bumped = False
         for pi, q in enumerate(pols):
-            while q.max_rows is not None and self._pstats[pi]["rows"] > q.max_rows:
-                assert self._plru is not None
+            while self._plru is not None and q.max_rows is not None \
+                    and self._pstats[pi]["rows"] > q.max_rows:
                 if not bumped:
                     self._cver += 1
                     self._version += 1

@@ -375,5 +375,4 @@ def test_cython_and_python_agree_with_policies(capacity, steps, opt):
     assert _dump(c) == _dump(p)
     for since in range(0, c.change_version + 1, 3):
         a, b = c.evicted_since(since), p.evicted_since(since)
-        assert sorted(zip(a[0].tolist(), a[1].tolist())) == \
-            sorted(zip(b[0].tolist(), b[1].tolist())) and a[2] == b[2]
+        assert (a[0].tolist(), a[1].tolist(), a[2]) == (b[0].tolist(), b[1].tolist(), b[2])
