@@ -66,9 +66,9 @@ from stream_persia.errors import BadInput, Misuse
 # as calls to the cdef methods of this final class were.
 include "store_defs.pxi"      # the C kernels' declarations, structs, constants
 include "store_memory.pxi"    # entries, hash table and arena memory; configuration
+include "store_policy.pxi"    # table policies: admission sketch, TTL, per-group caps
 include "store_table.pxi"     # hash table, LRU list, prefetching, admission, eviction
 include "store_batch.pxi"     # guards; the batched loops of lookup, lookup_pooled, update
-include "store_policy.pxi"    # table policies: admission sketch, TTL, per-group caps
 
 
 cdef list _changed_rows(CEmbeddingStore self, sel):

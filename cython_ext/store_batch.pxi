@@ -44,13 +44,13 @@ cdef inline float *_row_of(CEmbeddingStore self, Pipe *pipe, int64_t i, int ai, 
         if train:
             _touch(self, e)
             if self.use_aux:
-                _ptouch(self, e)
+                P_TOUCH(self, e)
         return row_ptr(a, x.row)
     self.n_misses += 1
     if not train:
         return <float*>zero
     if self.policed:
-        return _admit_policed(self, key, ai, a, zero, status)
+        return P_ADMIT(self, key, ai, a, zero, status)
     u = 0.0
     if self.admit_p < 1.0:
         u = <double>(sp_mix64(key ^ sp_mix64(self.draws)) >> 11) * (

@@ -8,6 +8,19 @@
 # Frequency admission counts misses in a count-min sketch of 8-bit counters
 # (stream_persia/server/policies.py states its layout and error bound), allocated only while
 # a policy has min_count > 1.
+#
+# The hot loops reach this file's routines only while policies are set, and through
+# function pointers (the P_* below): the compiler inlines _row_of and _drop into the loops
+# only while they stay small, and inlining these routines into them made it stop (10% of
+# the lookup rate of a store without policies, in load_tests/bench_store.py).
+
+ctypedef void (*entry_fn)(CEmbeddingStore, int32_t) noexcept nogil
+ctypedef float *(*admit_fn)(CEmbeddingStore, uint64_t, int, Arena *, const float *,
+                            int *) noexcept nogil
+cdef entry_fn P_PUSH, P_UNLINK, P_TOUCH, P_DROP
+cdef admit_fn P_ADMIT
+ctypedef void (*stage_fn)(CEmbeddingStore, uint64_t, int32_t) noexcept nogil
+cdef stage_fn P_STAGE
 
 cdef inline uint16_t _policy_of(CEmbeddingStore self, uint64_t key) noexcept nogil:
     cdef uint64_t p
@@ -17,7 +30,7 @@ cdef inline uint16_t _policy_of(CEmbeddingStore self, uint64_t key) noexcept nog
     return <uint16_t>p if p < <uint64_t>self.npol else 0
 
 
-cdef inline void _ppush(CEmbeddingStore self, int32_t e) noexcept nogil:
+cdef void _ppush(CEmbeddingStore self, int32_t e) noexcept nogil:
     """Put entry ``e`` at the front of its policy's list, stamped with the call's stamp."""
     cdef Pol *P = &self.pol[self.entries[e].pol]
     cdef Aux *x = &self.aux[e]
@@ -32,7 +45,7 @@ cdef inline void _ppush(CEmbeddingStore self, int32_t e) noexcept nogil:
     x.step = self.snow
 
 
-cdef inline void _punlink(CEmbeddingStore self, int32_t e) noexcept nogil:
+cdef void _punlink(CEmbeddingStore self, int32_t e) noexcept nogil:
     cdef Pol *P = &self.pol[self.entries[e].pol]
     cdef Aux *x = &self.aux[e]
     if x.prev >= 0:
@@ -45,7 +58,7 @@ cdef inline void _punlink(CEmbeddingStore self, int32_t e) noexcept nogil:
         P.tail = x.prev
 
 
-cdef inline void _ptouch(CEmbeddingStore self, int32_t e) noexcept nogil:
+cdef void _ptouch(CEmbeddingStore self, int32_t e) noexcept nogil:
     _punlink(self, e)
     _ppush(self, e)
 
@@ -62,7 +75,7 @@ cdef inline void _make_room_cap(CEmbeddingStore self, uint16_t p) noexcept nogil
     cdef Pol *P = &self.pol[p]
     if P.max_rows and P.rows >= P.max_rows and P.tail >= 0:
         P.evicted_cap += 1
-        _drop(self, P.tail)
+        P_DROP(self, P.tail)
 
 
 cdef uint32_t _sketch_add(CEmbeddingStore self, uint64_t key) noexcept nogil:
@@ -89,6 +102,24 @@ cdef uint32_t _sketch_add(CEmbeddingStore self, uint64_t key) noexcept nogil:
         if self.sketch[cell[j]] < m:
             self.sketch[cell[j]] = <uint8_t>m
     return m
+
+
+cdef void _stage_policy(CEmbeddingStore self, uint64_t key, int32_t e) noexcept nogil:
+    """_stage's step for the policies, PF_ROW ids ahead in a training lookup: a miss's
+    sketch counters (admission counts it), a hit's neighbours in its policy's list."""
+    cdef int64_t w = <int64_t>1 << self.sk_bits
+    cdef int j
+    cdef Aux *x
+    if e < 0 and self.sketch != NULL:
+        for j in range(SKETCH_DEPTH):
+            sp_prefetch(&self.sketch[j * w + <int64_t>(sp_mix64(key ^ self.seeds[j])
+                                                       >> (64 - self.sk_bits))])
+    elif e >= 0 and self.use_aux:
+        x = &self.aux[e]
+        if x.prev >= 0:
+            sp_prefetch(&self.aux[x.prev])
+        if x.next >= 0:
+            sp_prefetch(&self.aux[x.next])
 
 
 cdef inline uint32_t _sketch_estimate(CEmbeddingStore self, uint64_t key) noexcept nogil:
@@ -157,7 +188,7 @@ cdef int64_t _expire(CEmbeddingStore self, double rel, int64_t limit) noexcept n
             if n == 0:
                 _bump(self)
             P.expired += 1
-            _drop(self, P.tail)
+            P_DROP(self, P.tail)
             n += 1
     return n
 
@@ -236,7 +267,7 @@ cdef _set_policies(CEmbeddingStore self, int bits, list pols, double now):
                     self.version += 1
                     bumped = True
                 P.evicted_cap += 1
-                _drop(self, P.tail)
+                P_DROP(self, P.tail)
 
 
 cdef inline void _relink(CEmbeddingStore self, int32_t e) noexcept nogil:
@@ -274,3 +305,11 @@ cdef dict _policy_stats(CEmbeddingStore self):
                   "dropped_grads": P.dropped, "expired": P.expired,
                   "evicted_lru": P.evicted_lru, "evicted_cap": P.evicted_cap}
     return out
+
+
+cdef void _drop_out_of_line(CEmbeddingStore self, int32_t e) noexcept nogil:
+    _drop(self, e)
+
+
+P_PUSH, P_UNLINK, P_TOUCH, P_ADMIT = _ppush, _punlink, _ptouch, _admit_policed
+P_DROP, P_STAGE = _drop_out_of_line, _stage_policy

@@ -138,6 +138,8 @@ cdef inline void _stage(CEmbeddingStore self, Pipe *p, int64_t i) noexcept nogil
             if self.table[s].h == h:
                 e = self.table[s].e
                 sp_prefetch(&self.entries[e])
+                if self.use_aux:
+                    sp_prefetch(&self.aux[e])
                 break
             s = (s + 1) & mask
         p.e[j & (RING - 1)] = e
@@ -157,6 +159,8 @@ cdef inline void _stage(CEmbeddingStore self, Pipe *p, int64_t i) noexcept nogil
                     sp_prefetch(&self.entries[x.prev])
                 if p.links and x.next >= 0:
                     sp_prefetch(&self.entries[x.next])
+        if p.links and self.policed:
+            P_STAGE(self, p.keys[j], p.e[j & (RING - 1)])
 
 
 cdef inline int32_t _resolve(CEmbeddingStore self, Pipe *p, int64_t i) noexcept nogil:
@@ -202,7 +206,7 @@ cdef inline void _drop(CEmbeddingStore self, int32_t e) noexcept nogil:
     cdef Entry *x = &self.entries[e]
     cdef Arena *a = &self.arenas[x.arena]
     if self.use_aux:
-        _punlink(self, e)
+        P_UNLINK(self, e)
     self.pol[x.pol].rows -= 1
     _table_remove(self, x.key, e)
     _unlink(self, e)
@@ -278,5 +282,5 @@ cdef int32_t _insert(CEmbeddingStore self, uint64_t key, int ai) noexcept nogil:
     self.entries[e].pol = _policy_of(self, key)
     self.pol[self.entries[e].pol].rows += 1
     if self.use_aux:
-        _ppush(self, e)
+        P_PUSH(self, e)
     return e
