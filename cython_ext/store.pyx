@@ -578,7 +578,8 @@ cdef class CEmbeddingStore:
                         else:
                             _touch(self, e)
                             if self.use_aux:
-                                _ptouch(self, e)
+                                _punlink(self, e)
+                                _ppush(self, e)
                             _dirty(self, e, self.entries[e].ver)
                         self.entries[e].ver = _v32(self)
                         row = row_ptr(a, self.entries[e].row)

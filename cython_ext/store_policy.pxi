@@ -59,6 +59,10 @@ cdef void _punlink(CEmbeddingStore self, int32_t e) noexcept nogil:
 
 
 cdef void _ptouch(CEmbeddingStore self, int32_t e) noexcept nogil:
+    """A training lookup's hit: its policy's list moves a row at its first lookup in the
+    call (``steps`` counts the calls); the later ones of a hot id cost no list update."""
+    if self.aux[e].step == self.snow:
+        return
     _punlink(self, e)
     _ppush(self, e)
 
@@ -73,9 +77,32 @@ cdef inline void _make_room_cap(CEmbeddingStore self, uint16_t p) noexcept nogil
     """Before a new row of policy ``p``: evict its group's oldest row if at its cap (the
     capacity is _insert's)."""
     cdef Pol *P = &self.pol[p]
+    cdef int32_t t, y
+    cdef Entry *x
+    cdef Arena *a
+    cdef float *row
+    cdef uint32_t s
+    cdef int k
     if P.max_rows and P.rows >= P.max_rows and P.tail >= 0:
         P.evicted_cap += 1
         P_DROP(self, P.tail)
+        # The next victims are cold: as _evict_tail does, fetch the table slot and row of
+        # the next one (its entry was fetched one eviction ago) and the entry after it.
+        t = P.tail
+        if t >= 0:
+            x = &self.entries[t]
+            s = sp_hash32(x.key) >> (32 - self.tbits)
+            sp_prefetch_w(&self.table[s])
+            if s & 7:
+                sp_prefetch_w(&self.table[(s + 7) & ((<uint32_t>1 << self.tbits) - 1)])
+            a = &self.arenas[x.arena]
+            row = row_ptr(a, x.row)
+            for k in range(0, a.stride, 16):
+                sp_prefetch_w(row + k)
+            y = self.aux[t].prev
+            if y >= 0:
+                sp_prefetch(&self.entries[y])
+                sp_prefetch(&self.aux[y])
 
 
 cdef uint32_t _sketch_add(CEmbeddingStore self, uint64_t key) noexcept nogil:

@@ -64,7 +64,10 @@ holds ``P.max_rows`` rows (``evicted_cap``), then the globally least recently us
 the store is full (``evicted_lru``). While some policy has a TTL or a cap, each policy
 keeps its own LRU list (the global one is unchanged) and, each row, the time (float32
 seconds since the store was made) and step (the store's count of training lookup calls
-with at least one id, mod 2**32) of its last training lookup or load. ``expire(now)``
+with at least one id, mod 2**32) of its last training lookup or load; a training lookup
+moves a row to the front of its policy's list (and stamps it) at the row's first lookup
+in the call only, so the policy lists order rows by call, and within a call by first
+lookup (the global list by last lookup). ``expire(now)``
 evicts, policy by policy in index order from each policy's least recently used row, the
 rows with ``now - t >= ttl_s`` or ``step - s >= ttl_steps``, at most ``max_rows`` of
 them. ``set_policies`` stamps rows present when the first TTL or cap appears with its
@@ -469,7 +472,9 @@ class PyEmbeddingStore:
                         raise dim_error(key, where[0].dim, dim, "lookup")
                     if train:
                         lru.move_to_end(key)
-                        self._added(key, self._policy(key))
+                        if self._plru is not None and \
+                                self._stamps[key][1] != self._stamp_now[1]:
+                            self._added(key, self._policy(key))   # first time in the call
                     rows[i] = where[1]
                     continue
                 counts["misses"] += 1
