@@ -32,6 +32,13 @@ bookkeeping per row at full load) and for loops that run without the GIL:
   pass costs what changed. Otherwise (an older ``since``) they are all the entries, a full
   scan (a few ms per million entries). See ``_dirty`` in store_table.pxi.
 
+Table policies (issue 20: frequency admission, TTL, per-group caps; semantics in
+``_pystore``'s docstring) are in store_policy.pxi: an entry's policy index fills its spare
+16 bits, and what only policies need (the sketch, the per-policy LRU links and the stamps
+of the last training lookup) is allocated only while a policy needs it, so a store without
+policies reads and writes what it did before (0.98x the lookup rate and 1.00x the update
+rate of the build before them in load_tests/bench_store.py, within its noise).
+
 Large buffers are mapped directly and, past the first block, on transparent huge pages. The
 store is bound by memory latency, so the batched loops prefetch a few ids ahead (table
 slot, then entry, then row and LRU neighbours) and eviction prefetches the next victims.

@@ -61,7 +61,7 @@ initial row (:func:`initial_rows`), stores nothing, draws nothing, and counts
 ``rejected``. Then the admission draw as above with ``P.admit_probability`` (None: the
 config's). An admitted id first evicts its group's least recently used row if the group
 holds ``P.max_rows`` rows (``evicted_cap``), then the globally least recently used row if
-the store is full (``evicted_lru``). While some policy has a TTL or a cap, each policy
+the store is full (``evicted_lru``). ``P.dtype`` is not applied yet: rows are float32. While some policy has a TTL or a cap, each policy
 keeps its own LRU list (the global one is unchanged) and, each row, the time (float32
 seconds since the store was made) and step (the store's count of training lookup calls
 with at least one id, mod 2**32) of its last training lookup or load; a training lookup
