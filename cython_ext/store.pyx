@@ -32,6 +32,13 @@ bookkeeping per row at full load) and for loops that run without the GIL:
   pass costs what changed. Otherwise (an older ``since``) they are all the entries, a full
   scan (a few ms per million entries). See ``_dirty`` in store_table.pxi.
 
+Table policies (issue 20: frequency admission, TTL, per-group caps; semantics in
+``_pystore``'s docstring) are in store_policy.pxi: an entry's policy index fills its spare
+16 bits, and what only policies need (the sketch, the per-policy LRU links and the stamps
+of the last training lookup) is allocated only while a policy needs it, so a store without
+policies reads and writes what it did before (0.98x the lookup rate and 1.00x the update
+rate of the build before them in load_tests/bench_store.py, within its noise).
+
 Large buffers are mapped directly and, past the first block, on transparent huge pages. The
 store is bound by memory latency, so the batched loops prefetch a few ids ahead (table
 slot, then entry, then row and LRU neighbours) and eviction prefetches the next victims.
@@ -45,14 +52,17 @@ running raises Misuse instead of corrupting it.
 """
 
 cimport cython
-from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
+
+import time
 
 import numpy as np
 
 from stream_persia.kernels import segments as _segments
 from stream_persia.server import _pystore as _py
+from stream_persia.server import policies as _pol
 from stream_persia.core.optim import as_optimizer
 from stream_persia.errors import BadInput, Misuse
 
@@ -63,6 +73,7 @@ from stream_persia.errors import BadInput, Misuse
 # as calls to the cdef methods of this final class were.
 include "store_defs.pxi"      # the C kernels' declarations, structs, constants
 include "store_memory.pxi"    # entries, hash table and arena memory; configuration
+include "store_policy.pxi"    # table policies: admission sketch, TTL, per-group caps
 include "store_table.pxi"     # hash table, LRU list, prefetching, admission, eviction
 include "store_batch.pxi"     # guards; the batched loops of lookup, lookup_pooled, update
 
@@ -110,6 +121,8 @@ cdef class CEmbeddingStore:
         capacity: the most vectors stored (all dims together).
         optimizer: SGD, Adagrad or Adam (or its ``to_dict()``).
         embedding_config: initialisation, admission and clamping (defaults: PERSIA's).
+        eviction_log: entries of the log of evicted ids.
+        sketch_bytes: memory of the frequency-admission sketch.
     """
 
     cdef Entry *entries
@@ -139,14 +152,40 @@ cdef class CEmbeddingStore:
     cdef int64_t mrel        # mark - vbase while the list is kept, -1 while it is not
     cdef uint64_t draws
     cdef int64_t version
+    cdef Pol *pol            # the policy table (store_policy.pxi), npol >= 1 entries
+    cdef int32_t npol
+    cdef int pbits
+    cdef bint policed        # a policy is not the default: misses take _admit_policed
+    cdef bint use_aux, has_ttl
+    cdef Aux *aux            # parallel to entries while use_aux (a TTL or a cap exists)
+    cdef uint8_t *sketch     # SKETCH_DEPTH << sk_bits counters while a min_count > 1
+    cdef int sk_bits
+    cdef int64_t sk_count    # counts since the last halving
+    cdef uint64_t seeds[SKETCH_DEPTH]
+    cdef int64_t steps       # training lookup calls with at least one id
+    cdef double epoch        # time.time() when the store was made
+    cdef float tnow          # the stamp of the call under way (see _stamp_now)
+    cdef uint32_t snow
+    cdef float *ibuf         # lookup's initial row of an id below its min_count
+    cdef size_t ibuf_bytes
     cdef bint busy, closed
     cdef object _opt_obj, _cfg, _dims
 
     implementation = "cython"
 
     def __init__(self, capacity, optimizer, embedding_config=None, *,
-                 eviction_log=_py.EVICTION_LOG):
+                 eviction_log=_py.EVICTION_LOG, sketch_bytes=_pol.SKETCH_BYTES):
         self.capacity_ = _py.check_capacity(capacity)
+        self.sk_bits = _pol.sketch_bits(_pol.check_sketch_bytes(sketch_bytes))
+        for j in range(SKETCH_DEPTH):
+            self.seeds[j] = _pol.SKETCH_SEEDS[j]
+        self.epoch = time.time()
+        self.pol = <Pol*>calloc(1, sizeof(Pol))
+        if self.pol == NULL:
+            raise MemoryError()
+        self.npol = 1
+        self.pol[0].admit_p = self.pol[0].ttl_s = -1.0
+        self.pol[0].min_count = 1
         self.elog.limit = _py.check_eviction_log(eviction_log)
         self.mrel = -1           # no list until the first changed_since
         self._opt_obj = as_optimizer(optimizer)
@@ -155,6 +194,8 @@ cdef class CEmbeddingStore:
 
     def __dealloc__(self):
         _release(self)
+        sp_free(self.ibuf, self.ibuf_bytes)
+        free(self.pol)
 
     # --- public interface ------------------------------------------------------------------
 
@@ -215,6 +256,11 @@ cdef class CEmbeddingStore:
             if tr:
                 self.version += 1
                 _bump(self)
+                self.steps += 1
+                if self.use_aux:
+                    _stamp_now(self)
+                if self.policed:
+                    _scratch(self, <void**>&self.ibuf, &self.ibuf_bytes, sizeof(float) * d)
             with nogil:
                 status = _lookup(self, &keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
         finally:
@@ -241,7 +287,8 @@ cdef class CEmbeddingStore:
         cdef const int64_t[::1] off = offsets
         cdef int64_t i = 0
         cdef int status = OK
-        if tr and <int64_t>self.count + n > self.capacity_:
+        # With policies, an admission may evict (a cap) or return a row held in scratch.
+        if tr and (self.policed or <int64_t>self.count + n > self.capacity_):
             return _segments.pool(self.lookup(ids, d, True), index, offsets, "lookup_pooled")
         out = np.zeros((k, d), np.float32)
         if n == 0:
@@ -258,6 +305,7 @@ cdef class CEmbeddingStore:
             if tr:
                 self.version += 1
                 _bump(self)
+                self.steps += 1
             with nogil:
                 status = _lookup_pooled(self, &keys[0], n, ai, d, tr, ixp, &off[0], k,
                                              &o[0, 0], &i, zero)
@@ -357,14 +405,70 @@ cdef class CEmbeddingStore:
                 "evictions": self.n_evictions, "updates": self.n_updates,
                 "dropped_updates": self.n_dropped, "removals": self.n_removals}
 
+    # --- table policies (issue 20; see PyEmbeddingStore) ------------------------------
+
+    def set_policies(self, prefix_bits, policies, *, now=None):
+        """Replace the policy table; see ``PyEmbeddingStore.set_policies``."""
+        _open(self)
+        bits, pols = _pol.check_policies(prefix_bits, policies)
+        cdef double t = time.time() if now is None else float(now)
+        _enter(self)
+        try:
+            _set_policies(self, bits, pols, t)
+        finally:
+            self.busy = False
+
+    def expire(self, now=None, max_rows=_pol.EXPIRE_ROWS):
+        """Evict rows past their TTL; see ``PyEmbeddingStore.expire``."""
+        _open(self)
+        cdef int64_t limit = _pol.check_expire_rows(max_rows), n = 0
+        cdef double rel = (time.time() if now is None else float(now)) - self.epoch
+        if not self.has_ttl:
+            return 0
+        _enter(self)
+        try:
+            with nogil:
+                n = _expire(self, rel, limit)
+            if n:
+                self.version += 1
+        finally:
+            self.busy = False
+        return n
+
+    def policy_stats(self):
+        """Per policy index: rows, admitted, rejected, dropped_grads, expired,
+        evicted_lru, evicted_cap."""
+        return _policy_stats(self)
+
+    def sketch_counts(self, ids):
+        """The frequency sketch's estimates for ``ids``; see
+        ``PyEmbeddingStore.sketch_counts``."""
+        ids = _py.check_ids(ids)
+        cdef int64_t n = ids.shape[0], i
+        out = np.zeros(n, np.int64)
+        if n == 0 or self.sketch == NULL:
+            return out
+        cdef const uint64_t[::1] keys = ids
+        cdef int64_t[::1] o = out
+        with nogil:
+            for i in range(n):
+                o[i] = _sketch_estimate(self, keys[i])
+        return out
+
     def memory_bytes(self):
         """Bytes allocated for rows, entries (with their change versions), the hash table,
-        block pointers, the eviction log and the dirty list."""
+        block pointers, the eviction log, the dirty list, and the policies' sketch and
+        per-entry links and stamps."""
         cdef int ai
         cdef Arena *a
         if self.closed:
             return 0
         cdef int64_t total = sizeof(Entry) * <int64_t>self.ecap
+        total += sizeof(Pol) * self.npol
+        if self.use_aux:
+            total += sizeof(Aux) * <int64_t>self.ecap
+        if self.sketch != NULL:
+            total += (<int64_t>SKETCH_DEPTH) << self.sk_bits
         total += sizeof(Evicted) * self.elog.cap + sizeof(int32_t) * self.dcap
         total += sizeof(Slot) * (<int64_t>1 << self.tbits)
         for ai in range(self.narenas):
@@ -465,17 +569,24 @@ cdef class CEmbeddingStore:
             status = OK
             self.version += 1
             _bump(self)
+            if self.use_aux:
+                _stamp_now(self)
             try:
                 with nogil:
                     for i in range(n):
                         e = _find(self, kv[i])
                         if e < 0:
+                            if self.policed:
+                                _make_room_cap(self, _policy_of(self, kv[i]))
                             e = _insert(self, kv[i], ai)
                             if e < 0:
                                 status = E_NOMEM
                                 break
                         else:
                             _touch(self, e)
+                            if self.use_aux:
+                                _punlink(self, e)
+                                _ppush(self, e)
                             _dirty(self, e, self.entries[e].ver)
                         self.entries[e].ver = _v32(self)
                         row = row_ptr(a, self.entries[e].row)

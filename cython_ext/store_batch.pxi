@@ -43,10 +43,14 @@ cdef inline float *_row_of(CEmbeddingStore self, Pipe *pipe, int64_t i, int ai, 
             return NULL
         if train:
             _touch(self, e)
+            if self.use_aux:
+                P_TOUCH(self, e)
         return row_ptr(a, x.row)
     self.n_misses += 1
     if not train:
         return <float*>zero
+    if self.policed:
+        return P_ADMIT(self, key, ai, a, zero, status)
     u = 0.0
     if self.admit_p < 1.0:
         u = <double>(sp_mix64(key ^ sp_mix64(self.draws)) >> 11) * (
@@ -59,6 +63,7 @@ cdef inline float *_row_of(CEmbeddingStore self, Pipe *pipe, int64_t i, int ai, 
         status[0] = E_NOMEM
         return NULL
     self.n_admissions += 1
+    self.pol[self.entries[e].pol].admitted += 1
     dim = a.dim
     row = row_ptr(a, self.entries[e].row)
     sp_init_row(row, dim, key, self.init_lo, self.init_span)
@@ -152,6 +157,7 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
         e = _resolve(self, &p, i)
         if e < 0:
             dropped += 1
+            self.ebuf[n - dropped] = <int32_t>i   # from the end: nu + dropped <= n
             continue
         x = &self.entries[e]
         if x.arena != ai:
@@ -179,6 +185,8 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
             _dirty(self, self.ebuf[u], self.obuf[u])
     self.n_updates += n
     self.n_dropped += dropped
+    for i in range(dropped):
+        self.pol[_policy_of(self, keys[self.ebuf[n - 1 - i]])].dropped += 1
     self.version += 1
     _bump(self)
     # Pass 2: one optimizer step per stored id.

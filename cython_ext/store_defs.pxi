@@ -26,7 +26,7 @@ cdef struct Entry:    # 32 bytes, 64-byte aligned array: one cache line per entr
     int32_t next      # towards the least recently used end (tail); free-list link when free
     uint32_t row
     uint16_t arena    # FREE_ARENA while the entry is free
-    uint16_t _pad
+    uint16_t pol      # policy index (see store_policy.pxi)
     uint32_t ver      # change version of the row's last change, less the store's vbase
     int32_t pos       # position in update()'s list of unique ids (valid while ver says
                       # that this update() has seen the entry: see _update)
@@ -59,6 +59,20 @@ cdef struct Arena:
     float **blocks
     float *init_state
 
+cdef struct Pol:       # one policy of the table (see store_policy.pxi)
+    double admit_p    # < 0: the EmbeddingConfig's
+    double ttl_s      # < 0: none
+    int64_t ttl_steps # 0: none
+    int64_t max_rows  # 0: none
+    int32_t min_count
+    int32_t head, tail  # the policy's LRU list (kept while the store has aux)
+    int64_t rows, admitted, rejected, dropped, expired, evicted_lru, evicted_cap
+
+cdef struct Aux:       # per entry, only while a policy has a TTL or a cap
+    int32_t prev, next  # the policy's LRU list
+    float t           # seconds since the store was made, of its last training lookup
+    uint32_t step     # the store's training lookup calls then (mod 2**32)
+
 cdef struct Pipe:      # prefetch pipeline over a batch of ids (see _stage)
     const uint64_t *keys
     int64_t n
@@ -79,6 +93,7 @@ cdef enum:
     PF_ENTRY = 32
     PF_ROW = 12
     FREE_ARENA = 0xFFFF
+    SKETCH_DEPTH = 4
     LISTED_COST = 8   # changed_since: a listed entry costs about 8 scanned ones (measured
                       # in load_tests/bench_store.py): the windows of the dirty list are
                       # chunk_rows // 8 entries, and a list over 1/8 of the entries is scanned

@@ -11,6 +11,8 @@ cdef void _free_all(CEmbeddingStore self) noexcept:
         free(self.arenas[a].init_state)
     free(self.arenas)
     sp_free(self.entries, sizeof(Entry) * self.ecap)
+    sp_free(self.aux, sizeof(Aux) * self.ecap)
+    self.aux = NULL
     sp_free(self.table, sizeof(Slot) << self.tbits)
     self.arenas = NULL
     self.entries = NULL
@@ -30,6 +32,7 @@ cdef void _release(CEmbeddingStore self) noexcept:
     self.gbuf_bytes = self.rbuf_bytes = self.zbuf_bytes = self.ebuf_bytes = 0
     self.obuf_bytes = 0
     _log_free(&self.elog)
+    _free_sketch(self)
     _dirty_off(self)
     free(self.dlist)
     self.dlist = NULL
@@ -42,6 +45,7 @@ cdef _reset(CEmbeddingStore self):
     self.ecap = self.eused = self.count = 0
     self.efree = self.head = self.tail = -1
     self.dlen = 0            # the listed entries are gone; the mark still holds
+    _reset_policy_lists(self)
     self.tbits = MIN_TABLE_BITS
     self.table = <Slot*>sp_alloc(sizeof(Slot) << self.tbits, False)
     if self.table == NULL:
@@ -108,8 +112,18 @@ cdef bint _grow_entries(CEmbeddingStore self) noexcept nogil:
     if cap > self.capacity_:
         cap = self.capacity_
     cdef Entry *e = <Entry*>sp_alloc(sizeof(Entry) * cap, cap >= 1 << 17)
+    cdef Aux *x = NULL
     if e == NULL:
         return False
+    if self.use_aux:
+        x = <Aux*>sp_alloc(sizeof(Aux) * cap, cap >= 1 << 17)
+        if x == NULL:
+            sp_free(e, sizeof(Entry) * cap)
+            return False
+        if self.eused:
+            memcpy(x, self.aux, sizeof(Aux) * self.eused)
+        sp_free(self.aux, sizeof(Aux) * self.ecap)
+        self.aux = x
     if self.eused:
         memcpy(e, self.entries, sizeof(Entry) * self.eused)
     sp_free(self.entries, sizeof(Entry) * self.ecap)

@@ -25,6 +25,13 @@ turn, each build first every other batch, with a publisher's pass on both every 
 batches, and the median of the per-batch ratios new / old is reported (rates of a shared
 machine drift by more than 10% between rounds; a pair of batches in turn drifts less).
 
+Policies (issue 20, ``--policy-batches``, default 200; 0 skips it): two stores of this build
+loaded with the same rows, one with a policy on every id (``min_count`` 2, ``ttl_s`` one
+hour, ``max_rows`` 90% of the capacity, so the sketch, the per-policy lists and stamps and
+the cap all work on each miss) and one without, run the same batches in turn as above,
+with ``expire()`` on the policed one every 40 batches (the server calls it every second);
+the median of the per-batch ratios policies on / off is reported (target >= 0.9).
+
 Incremental pass (``--pass-rows``, default 4M rows; ``--pass-changed``, 50k): a publisher's
 pass over a store of that many rows after that many rows changed (one update of distinct
 stored ids) since its previous pass, in the feed's windows of 262,144 entries. The same
@@ -38,7 +45,7 @@ Memory: ``memory_bytes()`` of the full Cython store per row, against the raw byt
 shown beside it as a check.
 
 Usage: ``python load_tests/bench_store.py [--json PATH] [--rounds N] [--batches N]
-[--old-build PATH] [--pass-rows N] [--pass-changed N] [--pass-rounds N]``
+[--old-build PATH] [--policy-batches N] [--pass-rows N] [--pass-changed N] [--pass-rounds N]``
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from stream_persia.core.embedding_config import SlotPolicy  # noqa: E402
 from stream_persia.embedding.optim import Adagrad  # noqa: E402
 from stream_persia.kernels.sharding import stable_hash64  # noqa: E402
 from stream_persia.server._pystore import PyEmbeddingStore  # noqa: E402
@@ -193,6 +201,34 @@ def versus_old_build(new, old, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict
     return out
 
 
+def versus_policies(on, off, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict[str, float]:
+    """Rates with policies / without, as versus_old_build: the same batch on both stores in
+    turn, each first every other batch; ``on.expire()`` every 40 batches."""
+    ratios: dict[str, list[float]] = {"lookup": [], "update": []}
+    for i in range(n):
+        batch = stable_hash64(zipf.ranks(BATCH).astype(np.uint64))
+        t: dict[str, tuple[float, float]] = {}
+        for name, store in (("on", on), ("off", off))[::1 if i % 2 else -1]:
+            t0 = time.thread_time()
+            store.lookup(batch, DIM, True)
+            t1 = time.thread_time()
+            store.update(batch, grads)
+            t[name] = (t1 - t0, time.thread_time() - t1)
+        ratios["lookup"].append(t["off"][0] / t["on"][0])
+        ratios["update"].append(t["off"][1] / t["on"][1])
+        if i % 40 == 39:
+            on.expire()
+    out: dict[str, float] = {"policy_batches": n}
+    for what, xs in ratios.items():
+        q1, med, q3 = np.percentile(xs, [25, 50, 75])
+        out.update({f"{what}_policies_vs_none": float(med),
+                    f"{what}_policies_vs_none_q1": float(q1),
+                    f"{what}_policies_vs_none_q3": float(q3)})
+    stats = on.policy_stats()[0]
+    out.update({f"policies_{k}": v for k, v in stats.items()})
+    return out
+
+
 def drain(it) -> tuple[float, float, int]:
     """Wall time of a pass, its longest next(), and its rows."""
     rows, longest = 0, 0.0
@@ -251,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--old-build", help="an earlier _cstore*.so to compare rates with")
     ap.add_argument("--old-batches", type=int, default=200,
                     help="batches each build runs, alternating, for the comparison")
+    ap.add_argument("--policy-batches", type=int, default=200,
+                    help="batches each store runs, alternating, with policies on and off")
     ap.add_argument("--pass-rows", type=int, default=4_000_000,
                     help="rows of the store of the incremental pass (0: skip it)")
     ap.add_argument("--pass-changed", type=int, default=50_000,
@@ -329,6 +367,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print("this build against the old one ...", file=sys.stderr)
         tracking.update(versus_old_build(cstore, old_store, zipf, grads, args.old_batches))
         old_store.close()
+    if args.policy_batches:
+        print("policies on against off ...", file=sys.stderr)
+        on, off = CEmbeddingStore(CAPACITY, OPT), CEmbeddingStore(CAPACITY, OPT)
+        on.load(cstore.dump())
+        off.load(cstore.dump())
+        on.set_policies(0, [SlotPolicy(min_count=2, ttl_s=3600.0,
+                                       max_rows=CAPACITY * 9 // 10)])
+        tracking.update(versus_policies(on, off, zipf, grads, args.policy_batches))
+        on.close()
+        off.close()
     if args.pass_rows:
         print(f"incremental pass over {args.pass_rows:,} rows ...", file=sys.stderr)
         tracking.update(incremental_pass(args.pass_rows, args.pass_changed, args.pass_rounds))
@@ -370,6 +418,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
               f"({res['lookup_vs_old_build_q1']:.2f}-{res['lookup_vs_old_build_q3']:.2f}), "
               f"update {res['update_vs_old_build']:.3f}x ({res['update_vs_old_build_q1']:.2f}"
               f"-{res['update_vs_old_build_q3']:.2f})")
+    if args.policy_batches:
+        print(f"policies on (min_count 2, ttl_s 3600, max_rows 90%) / off, median of "
+              f"{args.policy_batches} alternated batches (quartiles): lookup "
+              f"{res['lookup_policies_vs_none']:.3f}x ({res['lookup_policies_vs_none_q1']:.2f}"
+              f"-{res['lookup_policies_vs_none_q3']:.2f}), update "
+              f"{res['update_policies_vs_none']:.3f}x ({res['update_policies_vs_none_q1']:.2f}"
+              f"-{res['update_policies_vs_none_q3']:.2f})   (target >= 0.9x); policy counters "
+              f"{ {k[9:]: v for k, v in res.items() if k.startswith('policies_')} }")
     if args.pass_rows:
         print(f"incremental pass, {res['pass_changed_rows']:,} of {res['pass_store_rows']:,} "
               f"rows changed: full scan {res['pass_full_scan_s'] * 1e3:.1f} ms (longest next() "

@@ -50,6 +50,32 @@ bits above a base that it moves once in 2**31 mutating calls (or when ``advance_
 jumps further); a row last changed before the base is then reported with the base as its
 version, later than it was (a reader may see it again, never misses it).
 
+Table policies (issue 20; ``set_policies``). Each id has a *policy index* ``p``: its top
+``prefix_bits`` bits (``g + 1`` for feature group ``g``), 0 when they are 0, not below
+the number of policies, or ``prefix_bits`` is 0; ``policies[p]`` (a ``SlotPolicy``) rules
+its rows, index 0 being the default (``SlotPolicy()`` unless given). Without policies
+(the default) the store behaves exactly as before. A training miss of id ``k`` (policy
+``P``): if ``P.min_count > 1``, ``k`` is counted in the frequency sketch
+(:mod:`stream_persia.server.policies`); below ``min_count`` the lookup returns ``k``'s
+initial row (:func:`initial_rows`), stores nothing, draws nothing, and counts
+``rejected``. Then the admission draw as above with ``P.admit_probability`` (None: the
+config's). An admitted id first evicts its group's least recently used row if the group
+holds ``P.max_rows`` rows (``evicted_cap``), then the globally least recently used row if
+the store is full (``evicted_lru``). ``P.dtype`` is not applied yet: rows are float32. While some policy has a TTL or a cap, each policy
+keeps its own LRU list (the global one is unchanged) and, each row, the time (float32
+seconds since the store was made) and step (the store's count of training lookup calls
+with at least one id, mod 2**32) of its last training lookup or load; a training lookup
+moves a row to the front of its policy's list (and stamps it) at the row's first lookup
+in the call only, so the policy lists order rows by call, and within a call by first
+lookup (the global list by last lookup). ``expire(now)``
+evicts, policy by policy in index order from each policy's least recently used row, the
+rows with ``now - t >= ttl_s`` or ``step - s >= ttl_steps``, at most ``max_rows`` of
+them. ``set_policies`` stamps rows present when the first TTL or cap appears with its
+``now`` and the current step, recomputes every row's policy, and applies lower caps at
+once. ``expire`` and ``set_policies`` are mutating calls when they evict a row: they
+increment ``change_version`` before the first, and log every row they evict. Ids of an
+``update`` not stored are counted per policy (``dropped_grads``).
+
 Size: one module past 500 lines on purpose: it is the store's contract written out as one
 readable class (read beside ``cython_ext/store.pyx``, method for method) together with the
 validation both stores share; cutting the class in two would split that contract.
@@ -57,17 +83,19 @@ validation both stores share; cutting the class in two would split that contract
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
-from stream_persia.core.embedding_config import MAX_CAPACITY, EmbeddingConfig
+from stream_persia.core.embedding_config import MAX_CAPACITY, EmbeddingConfig, SlotPolicy
 from stream_persia.core.optim import Optimizer, as_optimizer
 from stream_persia.errors import BadInput, Misuse
 from stream_persia.kernels import segments
 from stream_persia.kernels.sharding import stable_hash64, stable_hash64_int
+from stream_persia.server import policies as _pol
 
 __all__ = ["PyEmbeddingStore", "initial_rows", "admit_uniform"]
 
@@ -280,13 +308,16 @@ class PyEmbeddingStore:
         embedding_config: initialisation, admission and clamping (defaults: PERSIA's).
         eviction_log: entries of the log of evicted and removed ids that
             :meth:`evicted_since` reads (16 bytes each; its oldest are dropped beyond it).
+        sketch_bytes: memory of the frequency-admission sketch (allocated only while a
+            policy has ``min_count > 1``).
     """
 
     implementation = "python"
 
     def __init__(self, capacity: int, optimizer: Any, embedding_config: Any = None, *,
-                 eviction_log: int = EVICTION_LOG):
+                 eviction_log: int = EVICTION_LOG, sketch_bytes: int = _pol.SKETCH_BYTES):
         self._capacity = check_capacity(capacity)
+        self._sketch_bytes = _pol.check_sketch_bytes(sketch_bytes)
         self._elog: deque[tuple[int, int]] = deque(maxlen=check_eviction_log(eviction_log))
         self._elog_dropped = 0   # version of the newest entry the log dropped
         self._cver = 0           # change_version
@@ -301,6 +332,19 @@ class PyEmbeddingStore:
         self._draws = 0
         self._version = 0
         self._closed = False
+        # Policies (see the module docstring): the table, one counter dict per index,
+        # the sketch (while a min_count > 1), and while a TTL or cap: one LRU list per
+        # index (oldest first) and each row's stamp (float32 time, uint32 step).
+        self._pbits = 0
+        self._pols: list[SlotPolicy] = [SlotPolicy()]
+        self._policed = False
+        self._pstats = [dict.fromkeys(_pol.STAT_KEYS, 0)]
+        self._sketch: _pol.PySketch | None = None
+        self._plru: list[OrderedDict[int, None]] | None = None
+        self._stamps: dict[int, tuple[np.float32, int]] = {}
+        self._epoch = time.time()
+        self._steps = 0
+        self._stamp_now: tuple[np.float32, int] = (np.float32(0.0), 0)
 
     capacity = property(lambda self: self._capacity, doc="Most vectors held.")
     optimizer = property(lambda self: self._opt, doc="The embedding optimizer.")
@@ -319,6 +363,7 @@ class PyEmbeddingStore:
         self._lru.clear()
         self._arenas.clear()
         self._elog.clear()
+        self._forget_all()
         self._version += 1
         self._closed = True
 
@@ -333,14 +378,61 @@ class PyEmbeddingStore:
         return arena
 
     def _evict_oldest(self, deferred: list[tuple[_Arena, int]] | None) -> None:
-        key, where = self._lru.popitem(last=False)
+        self._drop(next(iter(self._lru)), deferred, "evicted_lru")
+        self._counts["evictions"] += 1
+
+    def _drop(self, key: int, deferred: list[tuple[_Arena, int]] | None,
+              why: str | None) -> None:
+        """Free the row of ``key`` (its slot to ``deferred`` if given) and log it;
+        ``why`` is the policy counter it adds to (None for a removal)."""
+        where = self._lru.pop(key)
         where[0].release(where[1])
         if deferred is None:
             where[0].free.append(where[1])
         else:
             deferred.append(where)
         self._log_eviction(key)
-        self._counts["evictions"] += 1
+        p = self._policy(key)
+        self._pstats[p]["rows"] -= 1
+        if why is not None:
+            self._pstats[p][why] += 1
+        if self._plru is not None:
+            del self._plru[p][key]
+            del self._stamps[key]
+
+    def _forget_all(self) -> None:
+        for st in self._pstats:
+            st["rows"] = 0
+        if self._plru is not None:
+            self._plru = [OrderedDict() for _ in self._pols]
+        self._stamps.clear()
+
+    def _policy(self, key: int) -> int:
+        return _pol.policy_of(key, self._pbits, len(self._pols))
+
+    def _stamp_call(self, train_call: bool) -> None:
+        """A training lookup call (``train_call``) or a load begins: the stamp it gives."""
+        if train_call:
+            self._steps += 1
+        if self._plru is not None:
+            self._stamp_now = (np.float32(time.time() - self._epoch),
+                               self._steps & 0xFFFFFFFF)
+
+    def _added(self, key: int, p: int) -> None:
+        """Row of ``key`` (policy ``p``) was just stored or refreshed."""
+        if self._plru is not None:
+            lru = self._plru[p]
+            lru[key] = None
+            lru.move_to_end(key)
+            self._stamps[key] = self._stamp_now
+
+    def _make_room(self, p: int, deferred: list[tuple[_Arena, int]] | None) -> None:
+        """Before a new row of policy ``p``: its group's cap, then the capacity."""
+        cap = self._pols[p].max_rows
+        if cap is not None and self._pstats[p]["rows"] >= cap and self._plru is not None:
+            self._drop(next(iter(self._plru[p])), deferred, "evicted_cap")
+        if len(self._lru) >= self._capacity:
+            self._evict_oldest(deferred)
 
     def _log_eviction(self, key: int) -> None:
         log = self._elog
@@ -364,12 +456,14 @@ class PyEmbeddingStore:
         new_rows: list[int] = []
         new_keys: list[int] = []
         deferred: list[tuple[_Arena, int]] = []  # freed rows stay unused until the gather
+        rejected: list[int] = []   # positions of ids below their min_count
         lru, counts, p = self._lru, self._counts, self._cfg.admit_probability
         counts["lookups"] += len(ids)
         if train:
             self._version += 1
             if len(ids):
                 self._cver += 1
+                self._stamp_call(True)
         try:
             for i, key in enumerate(ids.tolist()):
                 where = lru.get(key)
@@ -378,19 +472,34 @@ class PyEmbeddingStore:
                         raise dim_error(key, where[0].dim, dim, "lookup")
                     if train:
                         lru.move_to_end(key)
+                        if self._plru is not None and \
+                                self._stamps[key][1] != self._stamp_now[1]:
+                            self._added(key, self._policy(key))   # first time in the call
                     rows[i] = where[1]
                     continue
                 counts["misses"] += 1
                 if admit_to is None:
                     continue
+                pi = self._policy(key)
+                pol, st, pp = self._pols[pi], self._pstats[pi], p
+                if self._policed:
+                    if pol.min_count > 1 and self._sketch is not None \
+                            and self._sketch.add(key) < pol.min_count:
+                        st["rejected"] += 1
+                        rejected.append(i)
+                        continue
+                    if pol.admit_probability is not None:
+                        pp = pol.admit_probability
                 draw, self._draws = self._draws, self._draws + 1
-                if p < 1.0 and not admit_uniform(key, draw) < p:
+                if pp < 1.0 and not admit_uniform(key, draw) < pp:
                     continue
-                if len(lru) >= self._capacity:
-                    self._evict_oldest(deferred)
+                self._make_room(pi, deferred)
                 r = admit_to.alloc(key, self._cver)
                 lru[key] = (admit_to, r)
+                self._added(key, pi)
                 counts["admissions"] += 1
+                st["admitted"] += 1
+                st["rows"] += 1
                 rows[i] = r
                 new_rows.append(r)
                 new_keys.append(key)
@@ -403,6 +512,8 @@ class PyEmbeddingStore:
             hit = rows >= 0
             if arena is not None:
                 out[hit] = arena.data[rows[hit], :dim]
+            if rejected:
+                out[rejected] = initial_rows(ids[rejected], dim, self._cfg.emb_initialization)
             for a, r in deferred:
                 a.free.append(r)
         return out
@@ -449,6 +560,8 @@ class PyEmbeddingStore:
         self._cver += 1
         present = rows >= 0
         self._counts["dropped_updates"] += int(len(ids) - present.sum())
+        for key in ids[~present].tolist():
+            self._pstats[self._policy(key)]["dropped_grads"] += 1
         if arena is None or not present.any():
             return
         uniq, inv = np.unique(rows[present], return_inverse=True)
@@ -474,6 +587,7 @@ class PyEmbeddingStore:
         self._lru.clear()
         self._arenas.clear()
         self._elog.clear()
+        self._forget_all()
         self._version += 1
         self._cver += 1
         self._reset_ver = self._cver
@@ -502,11 +616,99 @@ class PyEmbeddingStore:
         dropped_updates, removals."""
         return {"rows": len(self._lru), "capacity": self._capacity, **self._counts}
 
+    # --- table policies (issue 20; semantics in the module docstring) --------------------
+
+    def set_policies(self, prefix_bits: int, policies: Any, *, now: float | None = None
+                     ) -> None:
+        """Replace the policy table: ``policies[p]`` (a SlotPolicy; None: the default)
+        rules the ids of policy index ``p``. Rows are re-assigned to the new indices;
+        counters of indices kept are kept; a lower ``max_rows`` evicts at once, a shorter
+        TTL expires at the next :meth:`expire`. ``now`` (default ``time.time()``) stamps
+        the rows present when the first TTL or cap appears."""
+        self._open()
+        bits, pols = _pol.check_policies(prefix_bits, policies)
+        now = time.time() if now is None else float(now)
+        old = self._pstats
+        self._pbits, self._pols = bits, pols
+        self._pstats = [old[i] if i < len(old) else dict.fromkeys(_pol.STAT_KEYS, 0)
+                        for i in range(len(pols))]
+        for st in self._pstats:
+            st["rows"] = 0
+        self._policed = any(not q.is_default for q in pols)
+        if any(q.min_count > 1 for q in pols):
+            if self._sketch is None:
+                self._sketch = _pol.PySketch(self._sketch_bytes)
+        else:
+            self._sketch = None
+        if any(q.ttl_s is not None or q.ttl_steps is not None or q.max_rows is not None
+               for q in pols):
+            if self._plru is None:
+                t = (np.float32(now - self._epoch), self._steps & 0xFFFFFFFF)
+                self._stamps = dict.fromkeys(self._lru, t)
+            self._plru = [OrderedDict() for _ in pols]
+        else:
+            self._plru, self._stamps = None, {}
+        for key in self._lru:             # oldest first: each list in global LRU order
+            pi = self._policy(key)
+            self._pstats[pi]["rows"] += 1
+            if self._plru is not None:
+                self._plru[pi][key] = None
+        bumped = False
+        for pi, q in enumerate(pols):
+            while self._plru is not None and q.max_rows is not None \
+                    and self._pstats[pi]["rows"] > q.max_rows:
+                if not bumped:
+                    self._cver += 1
+                    self._version += 1
+                    bumped = True
+                self._drop(next(iter(self._plru[pi])), None, "evicted_cap")
+
+    def expire(self, now: float | None = None, max_rows: int = _pol.EXPIRE_ROWS) -> int:
+        """Evict the rows past their policy's TTL (``now``, default ``time.time()``),
+        at most ``max_rows``; returns how many. See the module docstring."""
+        self._open()
+        limit = _pol.check_expire_rows(max_rows)
+        rel = (time.time() if now is None else float(now)) - self._epoch
+        n = 0
+        if self._plru is None:
+            return 0
+        step = self._steps & 0xFFFFFFFF
+        for pi, q in enumerate(self._pols):
+            if q.ttl_s is None and q.ttl_steps is None:
+                continue
+            lru = self._plru[pi]
+            while n < limit and lru:
+                key = next(iter(lru))
+                t, s = self._stamps[key]
+                if not ((q.ttl_s is not None and rel - float(t) >= q.ttl_s) or
+                        (q.ttl_steps is not None and (step - s) & 0xFFFFFFFF >= q.ttl_steps)):
+                    break
+                if n == 0:
+                    self._cver += 1
+                    self._version += 1
+                self._drop(key, None, "expired")
+                n += 1
+        return n
+
+    def policy_stats(self) -> dict[int, dict[str, int]]:
+        """Per policy index: rows, admitted, rejected, dropped_grads, expired,
+        evicted_lru, evicted_cap."""
+        return {i: dict(st) for i, st in enumerate(self._pstats)}
+
+    def sketch_counts(self, ids: np.ndarray) -> np.ndarray:
+        """The frequency sketch's estimates for ``ids`` (int64; zeros without a sketch);
+        counts nothing. For tests and diagnostics."""
+        ids = check_ids(ids)
+        if self._sketch is None:
+            return np.zeros(len(ids), np.int64)
+        return np.array([self._sketch.estimate(k) for k in ids.tolist()], np.int64)
+
     def memory_bytes(self) -> int:
         """Bytes held by row storage, with each row's id and change version, and by the
         eviction log (16 bytes an entry; the dict and list overhead is not counted)."""
         return sum(a.data.nbytes + a.keys.nbytes + a.ver.nbytes
-                   for a in self._arenas.values()) + 16 * len(self._elog)
+                   for a in self._arenas.values()) + 16 * len(self._elog) \
+            + (self._sketch.nbytes if self._sketch is not None else 0)
 
     def dump(self, chunk_rows: int = DUMP_CHUNK_ROWS) -> Iterator[dict[str, Any]]:
         """Yield the rows with their optimizer state, least recently used first.
@@ -563,15 +765,18 @@ class PyEmbeddingStore:
             self._version += 1
             if keys:
                 self._cver += 1
+            self._stamp_call(False)
             for i, key in enumerate(keys):
                 where = self._lru.get(key)
+                pi = self._policy(key)
                 if where is None:
-                    if len(self._lru) >= self._capacity:
-                        self._evict_oldest(None)
+                    self._make_room(pi, None)
                     where = (arena, arena.alloc(key, self._cver))
                     self._lru[key] = where
+                    self._pstats[pi]["rows"] += 1
                 else:
                     self._lru.move_to_end(key)
+                self._added(key, pi)
                 r = where[1]
                 arena.ver[r] = self._cver
                 arena.data[r, :dim] = weights[i]
@@ -602,11 +807,8 @@ class PyEmbeddingStore:
         self._cver += 1
         removed = 0
         for key in ids.tolist():
-            where = self._lru.pop(key, None)
-            if where is not None:
-                where[0].release(where[1])
-                where[0].free.append(where[1])
-                self._log_eviction(key)
+            if key in self._lru:
+                self._drop(key, None, None)
                 removed += 1
         self._counts["removals"] += removed
         if removed:

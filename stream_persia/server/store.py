@@ -30,6 +30,11 @@ Interface (see ``_pystore.PyEmbeddingStore`` for the full contract):
   ``evicted_since(since) -> (ids, versions, complete)``, ``remove(ids) -> int``.
   The constructor's ``eviction_log`` (keyword, default 2**20 entries) bounds the log that
   ``evicted_since`` reads.
+- table policies per feature group (issue 20; semantics in ``_pystore``'s docstring):
+  ``set_policies(prefix_bits, policies, *, now=None)``, ``expire(now=None,
+  max_rows=65536) -> int``, ``policy_stats() -> {index: {counter: int}}``,
+  ``sketch_counts(ids) -> int64``; the constructor's ``sketch_bytes`` (keyword, default
+  8 MiB) bounds the frequency-admission sketch.
 """
 
 from __future__ import annotations
@@ -69,6 +74,11 @@ class Store(Protocol):
     def remove(self, ids: np.ndarray) -> int: ...
     def changed_since(self, since: int, chunk_rows: int = ...) -> Iterator[dict[str, Any]]: ...
     def evicted_since(self, since: int) -> tuple[np.ndarray, np.ndarray, bool]: ...
+    def set_policies(self, prefix_bits: int, policies: Any, *,
+                     now: float | None = None) -> None: ...
+    def expire(self, now: float | None = None, max_rows: int = ...) -> int: ...
+    def policy_stats(self) -> dict[int, dict[str, int]]: ...
+    def sketch_counts(self, ids: np.ndarray) -> np.ndarray: ...
 
 
 try:
