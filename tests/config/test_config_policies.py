@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import yaml
+from test_config import PERSIA_DOCS_EMBEDDING  # tests/config is on sys.path (rootdir mode)
 
 from stream_persia.config import (
     AdmissionConfig,
@@ -19,8 +20,6 @@ from stream_persia.config import (
 )
 from stream_persia.core.embedding_config import SlotPolicy
 from stream_persia.errors import BadInput, ConfigError
-
-from test_config import PERSIA_DOCS_EMBEDDING  # tests/config is on sys.path (rootdir mode)
 
 #: PERSIA_DOCS_EMBEDDING's digest before policies existed (checkpoints record it).
 PERSIA_DOCS_DIGEST = "46c183aa9583d171db3b3a0c5b84daa56e9a5874b426997968bb28de9afefac4"
