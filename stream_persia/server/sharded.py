@@ -45,6 +45,7 @@ what one store gives.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -58,17 +59,28 @@ from stream_persia.kernels import segments
 from stream_persia.server import _pystore as _py
 from stream_persia.server.store import EmbeddingStore, Store
 
-__all__ = ["ShardedStore", "make_store"]
+__all__ = ["ShardedStore", "make_store", "DEFAULT_SKETCH_BYTES"]
+
+#: ``admission.sketch_bytes``'s default, the store's own.
+DEFAULT_SKETCH_BYTES = 8 << 20
 
 
 def make_store(capacity: int, optimizer: Any, embedding_config: Any = None, *,
-               shards: int = 1, eviction_log: int = _py.EVICTION_LOG) -> Store:
+               shards: int = 1, eviction_log: int = _py.EVICTION_LOG,
+               sketch_bytes: int | None = None) -> Store:
     """An ``EmbeddingStore``, or a :class:`ShardedStore` of ``shards`` of them when
-    ``shards`` > 1."""
+    ``shards`` > 1. ``sketch_bytes``: the frequency admission sketch's memory, over all
+    shards (None: the store's default)."""
+    # The default is left to the store (the same 8 MiB), so that a store without frequency
+    # admission (before issue 20's store part) still starts with a default config.
+    if sketch_bytes == DEFAULT_SKETCH_BYTES:
+        sketch_bytes = None
+    extra = {} if sketch_bytes is None else {"sketch_bytes": sketch_bytes}
     if shards == 1:
-        return EmbeddingStore(capacity, optimizer, embedding_config, eviction_log=eviction_log)
+        return EmbeddingStore(capacity, optimizer, embedding_config, eviction_log=eviction_log,
+                              **extra)
     return ShardedStore(capacity, optimizer, embedding_config, shards=shards,
-                        eviction_log=eviction_log)
+                        eviction_log=eviction_log, sketch_bytes=sketch_bytes)
 
 
 def _check_shards(shards: Any, capacity: int) -> int:
@@ -93,18 +105,27 @@ class ShardedStore:
         shards: internal shards, each on its own thread while a call runs.
         store_type: the store class (``EmbeddingStore``: the Cython store or its twin).
         eviction_log: entries of the eviction log, over all shards.
+        sketch_bytes: the frequency admission sketch's memory, over all shards (each
+            holds its own sketch of its ids; None: the store's default each).
+
+    Table policies (``set_policies``, ``expire``, ``policy_stats``) apply to every shard;
+    a group's ``max_rows`` is split over the shards as the capacity is (each shard at least
+    one row), and ``ttl_steps`` counts each shard's own training lookup calls (a batch
+    that has no id of a shard is not a step there).
     """
 
     def __init__(self, capacity: int, optimizer: Any, embedding_config: Any = None, *,
                  shards: int, store_type: type = EmbeddingStore,
-                 eviction_log: int = _py.EVICTION_LOG):
+                 eviction_log: int = _py.EVICTION_LOG, sketch_bytes: int | None = None):
         capacity = _py.check_capacity(capacity)
         k = _check_shards(shards, capacity)
         log = max(_py.check_eviction_log(eviction_log) // k, 1)
         self._capacity = capacity
         self._cver = 0
+        extra = {} if sketch_bytes is None else {"sketch_bytes": max(sketch_bytes // k, 1)}
         self._stores = [store_type(capacity // k + (s < capacity % k), optimizer,
-                                   embedding_config, eviction_log=log) for s in range(k)]
+                                   embedding_config, eviction_log=log, **extra)
+                        for s in range(k)]
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max(k - 1, 1), thread_name_prefix="store-shard")
 
@@ -270,6 +291,40 @@ class ShardedStore:
         """Replace the optimizer and/or config of every shard."""
         for store in self._stores:   # the first one checks the arguments before any change
             store.configure(optimizer, embedding_config)
+
+    def set_policies(self, prefix_bits: int, policies: Any, *, now: float | None = None
+                     ) -> None:
+        """Every shard's policy table (see the class docstring for ``max_rows``)."""
+        self._open()
+        self._next_version()   # a lower max_rows evicts at once
+        k = self.shards
+
+        def share(p: Any, s: int) -> Any:
+            if p is None or p.max_rows is None:
+                return p
+            return dataclasses.replace(p, max_rows=max(p.max_rows // k + (s < p.max_rows % k),
+                                                       1))
+
+        self._map(lambda s: self._stores[s].set_policies(
+            prefix_bits, [share(p, s) for p in policies], now=now))
+
+    def expire(self, now: float | None = None, max_rows: int = 65536) -> int:
+        """Rows past their TTL evicted in every shard (``max_rows`` split over them)."""
+        self._open()
+        self._next_version()
+        k = self.shards
+        return sum(self._map(lambda s: self._stores[s].expire(
+            now, max(max_rows // k + (s < max_rows % k), 1))))
+
+    def policy_stats(self) -> dict[int, dict[str, int]]:
+        """Every shard's per-policy counts added up."""
+        out: dict[int, dict[str, int]] = {}
+        for store in self._stores:
+            for p, counts in store.policy_stats().items():
+                acc = out.setdefault(p, {})
+                for key, value in counts.items():
+                    acc[key] = acc.get(key, 0) + value
+        return out
 
     def stats(self) -> dict[str, int]:
         """The shards' counters added up; ``capacity`` is the total."""
