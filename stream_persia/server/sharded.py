@@ -317,8 +317,10 @@ class ShardedStore:
             now, max(max_rows // k + (s < max_rows % k), 1))))
 
     def policy_stats(self) -> dict[int, dict[str, int]]:
-        """Every shard's per-policy counts added up."""
+        """Every shard's per-policy counts added up (none from a store without policies)."""
         out: dict[int, dict[str, int]] = {}
+        if not hasattr(self._stores[0], "policy_stats"):
+            return out
         for store in self._stores:
             for p, counts in store.policy_stats().items():
                 acc = out.setdefault(p, {})

@@ -198,3 +198,9 @@ async def test_a_sharded_store_splits_a_groups_row_cap():
         assert await c.call("size") == 4 + 10
         stats = await server.on_store(server.store.policy_stats)
         assert stats[1]["evicted_cap"] == 36
+
+
+async def test_a_server_with_store_threads_starts_and_answers_slot_stats():
+    async with running(store_threads=2) as (_, c):
+        assert isinstance(await c.call("slot_stats"), dict)
+        assert b"persia_embedding_server_slot_rows" in await c.call("metrics")
