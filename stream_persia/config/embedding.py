@@ -426,5 +426,13 @@ class EmbeddingSchema:
                 "feature_groups": {g: list(m) for g, m in self.feature_groups.items()}}
 
     def digest(self) -> str:
-        """Hex SHA-256 of the canonical JSON of :meth:`to_dict` (stored in checkpoints)."""
-        return canonical_digest(self.to_dict())
+        """Hex SHA-256 of the canonical JSON of :meth:`to_dict` without the table policies
+        (stored in checkpoints, which a restore checks). Policies decide which rows are
+        kept, not which row an id is or what it means, so a job that changes a TTL or a
+        row cap still restores its checkpoints; the embedding servers' configuration
+        digest (``get_config``) covers them."""
+        d = self.to_dict()
+        for slot in d["slots_config"].values():
+            for key in SlotConfig._POLICY_KEYS:
+                slot.pop(key, None)
+        return canonical_digest(d)

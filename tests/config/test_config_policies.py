@@ -71,16 +71,20 @@ def test_persias_files_load_unchanged_with_the_same_digest_and_no_policies(tmp_p
         assert not set(slot.to_dict()) & set(SlotPolicy().to_dict())
 
 
-def test_the_digest_covers_policies_and_defaults_written_out_change_nothing():
-    base = {"slots_config": {"u": {"dim": 4}}}
-    plain = EmbeddingSchema.from_dict(base)
+def test_the_checkpoint_digest_leaves_policies_out_and_to_dict_keeps_them():
+    """A job that changes a policy still restores its checkpoints (the rows mean the same);
+    the servers' configuration digest covers policies (tests/server)."""
+    plain = EmbeddingSchema.from_dict({"slots_config": {"u": {"dim": 4}}})
     spelled = EmbeddingSchema.from_dict(
         {"slots_config": {"u": {"dim": 4, "min_count": 1, "dtype": "float32", "ttl_s": None}}})
-    assert spelled.digest() == plain.digest()
+    assert spelled.digest() == plain.digest() and spelled == plain
     for key, value in [("min_count", 2), ("ttl_s", 60), ("ttl_steps", 5), ("max_rows", 9),
                        ("dtype", "bfloat16"), ("admit_probability", 0.25)]:
         other = EmbeddingSchema.from_dict({"slots_config": {"u": {"dim": 4, key: value}}})
-        assert other.digest() != plain.digest(), key
+        assert other.digest() == plain.digest(), key
+        assert other != plain and other.to_dict()["slots_config"]["u"][key] == value
+    wider = EmbeddingSchema.from_dict({"slots_config": {"u": {"dim": 8, "min_count": 2}}})
+    assert wider.digest() != plain.digest()
 
 
 @pytest.mark.parametrize("entry, key, words", [
