@@ -138,7 +138,7 @@ class SlotConfig:
         "name": "the slot's name is its key under slots_config: remove it",
         "capacity": "PERSIA ignored a per-slot capacity; the LRU capacity is per embedding "
                     "server: set embedding_parameter_server_config.capacity in "
-                    "global_config.yml and remove it here",
+                    "global_config.yml, or cap this slot's group with max_rows here",
     }
 
     def __post_init__(self) -> None:
