@@ -70,9 +70,12 @@ __all__ = ["ShardedStore", "make_store"]
 
 def make_store(capacity: int, optimizer: Any, embedding_config: Any = None, *,
                shards: int = 1, eviction_log: int = _py.EVICTION_LOG,
-               sketch_bytes: int = _pol.SKETCH_BYTES) -> Store:
+               sketch_bytes: int | None = None) -> Store:
     """An ``EmbeddingStore``, or a :class:`ShardedStore` of ``shards`` of them when
-    ``shards`` > 1."""
+    ``shards`` > 1. ``sketch_bytes``: the frequency admission sketch's memory over all
+    shards (None: the store's default, ``admission.sketch_bytes``'s)."""
+    if sketch_bytes is None:
+        sketch_bytes = _pol.SKETCH_BYTES
     if shards == 1:
         return EmbeddingStore(capacity, optimizer, embedding_config, eviction_log=eviction_log,
                               sketch_bytes=sketch_bytes)
