@@ -127,7 +127,7 @@ class SlotPolicy:
         if t is not None:
             if isinstance(t, bool) or not isinstance(t, (int, float)) \
                     or not math.isfinite(float(t)) or float(t) <= 0:
-                raise BadInput(f"ttl_s must be a number of seconds > 0 or null, got {t!r}",
+                raise BadInput(f"ttl_s must be a finite number of seconds > 0 or null, got {t!r}",
                                field="ttl_s", hint="e.g. 86400 for a day")
             object.__setattr__(self, "ttl_s", float(t))
         n = self.ttl_steps

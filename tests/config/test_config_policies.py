@@ -89,9 +89,9 @@ def test_the_checkpoint_digest_leaves_policies_out_and_to_dict_keeps_them():
 
 @pytest.mark.parametrize("entry, key, words", [
     ("{dim: 4, min_count: 0}", "min_count", "[1, "),
-    ("{dim: 4, min_count: '2'}", "min_count", "integer"),
-    ("{dim: 4, min_count: true}", "min_count", "integer"),
-    ("{dim: 4, ttl_s: -5}", "ttl_s", "positive"),
+    ("{dim: 4, min_count: '2'}", "min_count", "an int in [1, 255]"),
+    ("{dim: 4, min_count: true}", "min_count", "an int in [1, 255]"),
+    ("{dim: 4, ttl_s: -5}", "ttl_s", "> 0"),
     ("{dim: 4, ttl_s: .inf}", "ttl_s", "finite"),
     ("{dim: 4, ttl_steps: 0}", "ttl_steps", "[1, "),
     ("{dim: 4, max_rows: 0}", "max_rows", "[1, "),
