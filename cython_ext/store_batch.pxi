@@ -26,31 +26,38 @@ cdef _raise(CEmbeddingStore self, int status, int64_t i, ids, int dim, str what)
 
 
 cdef inline float *_row_of(CEmbeddingStore self, Pipe *pipe, int64_t i, int ai, Arena *a,
-                           bint train, const float *zero, int *status) noexcept nogil:
+                           int dim, bint train, const float *zero, int *status,
+                           int *dt) noexcept nogil:
     """The row of id ``i`` of the pipeline's keys, for reading: refreshed (train), or
     admitted and initialised (a train miss that passes admission), or ``zero`` (a miss
-    that stores nothing). NULL with ``status`` set on an error."""
+    that stores nothing). NULL with ``status`` set on an error. ``dt``: the dtype of the
+    row's weights (``a`` is the float32 arena of ``dim``; compact rows are elsewhere)."""
     cdef uint64_t key = pipe.keys[i]
     cdef int32_t e = _resolve(self, pipe, i)
     cdef Entry *x
     cdef double u
     cdef float *row
-    cdef int dim
+    cdef Arena *xa
+    dt[0] = 0
     if e >= 0:
         x = &self.entries[e]
+        xa = a
         if x.arena != ai:
-            status[0] = E_DIM
-            return NULL
+            xa = &self.arenas[x.arena]
+            if xa.dim != dim:
+                status[0] = E_DIM
+                return NULL
+            dt[0] = xa.dtype
         if train:
             _touch(self, e)
             if self.use_aux:
                 P_TOUCH(self, e)
-        return row_ptr(a, x.row)
+        return row_ptr(xa, x.row)
     self.n_misses += 1
     if not train:
         return <float*>zero
     if self.policed:
-        return P_ADMIT(self, key, ai, a, zero, status)
+        return P_ADMIT(self, key, ai, a, zero, status, dt)
     u = 0.0
     if self.admit_p < 1.0:
         u = <double>(sp_mix64(key ^ sp_mix64(self.draws)) >> 11) * (
@@ -64,7 +71,6 @@ cdef inline float *_row_of(CEmbeddingStore self, Pipe *pipe, int64_t i, int ai, 
         return NULL
     self.n_admissions += 1
     self.pol[self.entries[e].pol].admitted += 1
-    dim = a.dim
     row = row_ptr(a, self.entries[e].row)
     sp_init_row(row, dim, key, self.init_lo, self.init_span)
     memcpy(row + dim, a.init_state, sizeof(float) * a.width)
@@ -75,7 +81,7 @@ cdef int _lookup(CEmbeddingStore self, const uint64_t *keys, int64_t n, int ai, 
                  bint train, int64_t *at, const float *zero) noexcept nogil:
     """Copy the row of each of ``keys`` to ``out`` (zeros for a miss)."""
     cdef int64_t i
-    cdef int status = OK
+    cdef int status = OK, dt
     cdef const float *row
     cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
     cdef Pipe pipe
@@ -84,11 +90,11 @@ cdef int _lookup(CEmbeddingStore self, const uint64_t *keys, int64_t n, int ai, 
         _stage(self, &pipe, i)
         if i < 0:
             continue
-        row = _row_of(self, &pipe, i, ai, a, train, zero, &status)
+        row = _row_of(self, &pipe, i, ai, a, dim, train, zero, &status, &dt)
         if row == NULL:
             at[0] = i
             return status
-        memcpy(out + i * dim, row, sizeof(float) * dim)
+        sp_read_w(out + i * dim, row, dim, dt)
     return OK
 
 
@@ -100,9 +106,10 @@ cdef int _lookup_pooled(CEmbeddingStore self, const uint64_t *keys, int64_t n, i
     in order, looking the ids up in order as they are first needed (and the ones no
     occurrence names at the end): the store sees exactly ``_lookup``'s sequence, and a
     worker's ids (in first-occurrence order) are added while their row is in cache.
-    A later id's admission must not evict an earlier row: the caller ensures it."""
+    A later id's admission must not evict an earlier row, and no row is compact: the
+    caller ensures it."""
     cdef int64_t s, j, i = 0, want
-    cdef int status = OK
+    cdef int status = OK, dt
     cdef float *acc
     cdef float **rows = self.rbuf
     cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
@@ -117,7 +124,7 @@ cdef int _lookup_pooled(CEmbeddingStore self, const uint64_t *keys, int64_t n, i
             want = index[j]
             while i <= want:
                 _stage(self, &pipe, i)
-                rows[i] = _row_of(self, &pipe, i, ai, a, train, zero, &status)
+                rows[i] = _row_of(self, &pipe, i, ai, a, dim, train, zero, &status, &dt)
                 if rows[i] == NULL:
                     at[0] = i
                     return status
@@ -125,7 +132,7 @@ cdef int _lookup_pooled(CEmbeddingStore self, const uint64_t *keys, int64_t n, i
             sp_add(acc, rows[want], dim)  # acc + row in order, as segments.pool adds
     while i < n:
         _stage(self, &pipe, i)
-        if _row_of(self, &pipe, i, ai, a, train, zero, &status) == NULL:
+        if _row_of(self, &pipe, i, ai, a, dim, train, zero, &status, &dt) == NULL:
             at[0] = i
             return status
         i += 1
@@ -142,6 +149,8 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
     cdef uint32_t v32 = <uint32_t>(self.cver + 1 - self.vbase)
     cdef Entry *x
     cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
+    cdef Arena *xa
+    cdef float *row
     cdef int64_t dropped = 0
     cdef int lines = (dim + (self.arenas[ai].width if ai >= 0 else 0) + 15) // 16, j
     cdef uint32_t bad = 0
@@ -160,16 +169,19 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
             self.ebuf[n - dropped] = <int32_t>i   # from the end: nu + dropped <= n
             continue
         x = &self.entries[e]
+        xa = a
         if x.arena != ai:
-            at[0] = i
-            _unstamp(self, nu)
-            return _first_nonfinite(self, g, n, dim, at, E_DIM)
+            xa = &self.arenas[x.arena]
+            if xa.dim != dim:
+                at[0] = i
+                _unstamp(self, nu)
+                return _first_nonfinite(self, g, n, dim, at, E_DIM)
         if x.ver != v32:
             self.ebuf[nu] = e
             self.obuf[nu] = x.ver
             x.ver = v32
             x.pos = nu
-            self.rbuf[nu] = row_ptr(a, x.row)
+            self.rbuf[nu] = row_ptr(xa, x.row)
             sp_first(self.gbuf + <int64_t>nu * dim, g + i * dim, dim)
             nu += 1
         else:
@@ -190,6 +202,9 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
     self.version += 1
     _bump(self)
     # Pass 2: one optimizer step per stored id.
+    if self.ncompact:
+        _apply_compact(self, nu, dim)
+        return OK
     for u in range(nu):
         if u + PF_ROW < nu:
             for j in range(lines):
@@ -197,6 +212,24 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
         sp_apply(&self.opt, self.rbuf[u], self.rbuf[u] + dim,
                  self.gbuf + <int64_t>u * dim, dim)
     return OK
+
+
+cdef void _apply_compact(CEmbeddingStore self, int32_t nu, int dim) noexcept nogil:
+    """Pass 2 of ``_update`` while some rows are compact: a compact row's weights are
+    read to float32 (``ibuf``), stepped and clamped as a float32 row's are, and stored
+    back rounded (sp_narrow). A separate loop: the float32 store's stays as it was."""
+    cdef int32_t u
+    cdef Arena *xa
+    cdef float *row
+    for u in range(nu):
+        xa = &self.arenas[self.entries[self.ebuf[u]].arena]
+        row = self.rbuf[u]
+        if xa.dtype == 0:
+            sp_apply(&self.opt, row, row + dim, self.gbuf + <int64_t>u * dim, dim)
+        else:
+            sp_widen(self.ibuf, row, dim, xa.dtype)
+            sp_apply(&self.opt, self.ibuf, row + xa.wlen, self.gbuf + <int64_t>u * dim, dim)
+            sp_narrow(row, self.ibuf, dim, xa.dtype)
 
 
 cdef void _unstamp(CEmbeddingStore self, int32_t nu) noexcept nogil:

@@ -215,4 +215,85 @@ SP_KERNEL void sp_apply(const SpOpt *o, float *restrict w, float *restrict s,
     }
 }
 
+/* Compact rows (issue 20): weights stored as float16 (dt 1) or bfloat16 (dt 2), both
+   rounded to nearest even; the twin is stream_persia/server/row_dtypes.py, bit for bit.
+   float16: numpy's float->half (subnormals, NaN stays NaN with its top payload bits and
+   the quiet bit set); a finite value beyond +-65504 SATURATES to +-65504 (and so does an
+   infinity) rather than becoming inf: a stored row stays finite whatever weight_bound is.
+   bfloat16: the top 16 bits rounded to nearest even (overflow past the largest bfloat16
+   to inf, as IEEE rounds); a NaN keeps its top bits with the quiet bit set. */
+static inline uint16_t sp_f2h(uint32_t f) {
+    uint32_t sgn = (f >> 16) & 0x8000u, e = f & 0x7f800000u, sig;
+    if (e == 0x7f800000u && (f & 0x007fffffu))
+        return (uint16_t)(sgn | 0x7e00u | ((f & 0x007fffffu) >> 13));
+    if (e >= 0x47800000u)
+        return (uint16_t)(sgn | 0x7bffu);
+    if (e <= 0x38000000u) {
+        if (e < 0x33000000u) return (uint16_t)sgn;
+        e >>= 23;
+        sig = 0x00800000u + (f & 0x007fffffu);
+        uint32_t lost = f & 0x000007ffu;
+        sig >>= (113 - e);
+        if (((sig & 0x00003fffu) != 0x00001000u) || lost) sig += 0x00001000u;
+        return (uint16_t)(sgn + (sig >> 13));
+    }
+    sig = f & 0x007fffffu;
+    if ((sig & 0x00003fffu) != 0x00001000u) sig += 0x00001000u;
+    uint32_t h = ((e - 0x38000000u) >> 13) + (sig >> 13);
+    if (h >= 0x7c00u) h = 0x7bffu;     /* rounded past 65504: saturate */
+    return (uint16_t)(sgn | h);
+}
+static inline float sp_h2f(uint16_t h) {
+    uint32_t sgn = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, b;
+    float f;
+    if (e == 0) {
+        f = (float)m * (1.0f / 16777216.0f);   /* exact: m * 2**-24 */
+        memcpy(&b, &f, 4);
+        b |= sgn;
+    } else if (e == 31) {
+        b = sgn | 0x7f800000u | (m << 13);
+    } else {
+        b = sgn | ((e + 112u) << 23) | (m << 13);
+    }
+    memcpy(&f, &b, 4);
+    return f;
+}
+static inline uint16_t sp_f2b(uint32_t f) {
+    if ((f & 0x7f800000u) == 0x7f800000u && (f & 0x007fffffu))
+        return (uint16_t)((f >> 16) | 0x0040u);
+    return (uint16_t)((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
+}
+/* d weights of a row: float32 -> the row's dtype (dt 1 or 2) and back. */
+static void sp_narrow(void *restrict dst, const float *restrict src, int d, int dt) {
+    uint16_t *o = (uint16_t *)dst;
+    uint32_t b;
+    int j;
+    if (dt == 1) {
+        for (j = 0; j < d; j++) { memcpy(&b, src + j, 4); o[j] = sp_f2h(b); }
+    } else {
+        for (j = 0; j < d; j++) { memcpy(&b, src + j, 4); o[j] = sp_f2b(b); }
+    }
+}
+static void sp_widen(float *restrict dst, const void *restrict src, int d, int dt) {
+    const uint16_t *x = (const uint16_t *)src;
+    uint32_t b;
+    int j;
+    if (dt == 1) {
+        for (j = 0; j < d; j++) dst[j] = sp_h2f(x[j]);
+    } else {
+        for (j = 0; j < d; j++) { b = (uint32_t)x[j] << 16; memcpy(dst + j, &b, 4); }
+    }
+}
+/* Weights read as float32 (a plain copy for dt 0). */
+static inline void sp_read_w(float *restrict dst, const float *restrict row, int d, int dt) {
+    if (dt == 0) memcpy(dst, row, sizeof(float) * (size_t)d);
+    else sp_widen(dst, row, d, dt);
+}
+static inline void sp_write_w(float *restrict row, const float *restrict src, int d, int dt) {
+    if (dt == 0) memcpy(row, src, sizeof(float) * (size_t)d);
+    else sp_narrow(row, src, d, dt);
+}
+/* Floats of a row taken by d weights of dtype dt. */
+static inline int sp_wlen(int d, int dt) { return dt == 0 ? d : (d + 1) / 2; }
+
 #endif  /* STREAM_PERSIA_STORE_KERNELS_H */
