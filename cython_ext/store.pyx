@@ -204,6 +204,7 @@ cdef class CEmbeddingStore:
     cdef int32_t cur_ai[3]   # the call's arena of its dim per dtype (see _dt_arenas)
     cdef int ncompact        # arenas of compact rows (float16, bfloat16)
     cdef int dtmask          # bit dt: some policy stores new rows in dtype dt
+    cdef int adm_dt          # dtype of the row _admit_policed last stored
     cdef size_t ibuf_bytes
     cdef bint busy, closed
     cdef object _opt_obj, _cfg, _dims
@@ -302,7 +303,10 @@ cdef class CEmbeddingStore:
                 if self.policed:
                     _scratch(self, <void**>&self.ibuf, &self.ibuf_bytes, sizeof(float) * d)
             with nogil:
-                status = _lookup(self, &keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
+                if self.ncompact:
+                    status = _lookup_mixed(self, &keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
+                else:
+                    status = _lookup(self, &keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
         finally:
             self.busy = False
         if status != OK:

@@ -26,38 +26,31 @@ cdef _raise(CEmbeddingStore self, int status, int64_t i, ids, int dim, str what)
 
 
 cdef inline float *_row_of(CEmbeddingStore self, Pipe *pipe, int64_t i, int ai, Arena *a,
-                           int dim, bint train, const float *zero, int *status,
-                           int *dt) noexcept nogil:
+                           bint train, const float *zero, int *status) noexcept nogil:
     """The row of id ``i`` of the pipeline's keys, for reading: refreshed (train), or
     admitted and initialised (a train miss that passes admission), or ``zero`` (a miss
-    that stores nothing). NULL with ``status`` set on an error. ``dt``: the dtype of the
-    row's weights (``a`` is the float32 arena of ``dim``; compact rows are elsewhere)."""
+    that stores nothing). NULL with ``status`` set on an error."""
     cdef uint64_t key = pipe.keys[i]
     cdef int32_t e = _resolve(self, pipe, i)
     cdef Entry *x
     cdef double u
     cdef float *row
-    cdef Arena *xa
-    dt[0] = 0
+    cdef int dim
     if e >= 0:
         x = &self.entries[e]
-        xa = a
         if x.arena != ai:
-            xa = &self.arenas[x.arena]
-            if xa.dim != dim:
-                status[0] = E_DIM
-                return NULL
-            dt[0] = xa.dtype
+            status[0] = E_DIM
+            return NULL
         if train:
             _touch(self, e)
             if self.use_aux:
                 P_TOUCH(self, e)
-        return row_ptr(xa, x.row)
+        return row_ptr(a, x.row)
     self.n_misses += 1
     if not train:
         return <float*>zero
     if self.policed:
-        return P_ADMIT(self, key, ai, a, zero, status, dt)
+        return P_ADMIT(self, key, ai, a, zero, status)
     u = 0.0
     if self.admit_p < 1.0:
         u = <double>(sp_mix64(key ^ sp_mix64(self.draws)) >> 11) * (
@@ -71,6 +64,7 @@ cdef inline float *_row_of(CEmbeddingStore self, Pipe *pipe, int64_t i, int ai, 
         return NULL
     self.n_admissions += 1
     self.pol[self.entries[e].pol].admitted += 1
+    dim = a.dim
     row = row_ptr(a, self.entries[e].row)
     sp_init_row(row, dim, key, self.init_lo, self.init_span)
     memcpy(row + dim, a.init_state, sizeof(float) * a.width)
@@ -81,7 +75,7 @@ cdef int _lookup(CEmbeddingStore self, const uint64_t *keys, int64_t n, int ai, 
                  bint train, int64_t *at, const float *zero) noexcept nogil:
     """Copy the row of each of ``keys`` to ``out`` (zeros for a miss)."""
     cdef int64_t i
-    cdef int status = OK, dt
+    cdef int status = OK
     cdef const float *row
     cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
     cdef Pipe pipe
@@ -90,7 +84,91 @@ cdef int _lookup(CEmbeddingStore self, const uint64_t *keys, int64_t n, int ai, 
         _stage(self, &pipe, i)
         if i < 0:
             continue
-        row = _row_of(self, &pipe, i, ai, a, dim, train, zero, &status, &dt)
+        row = _row_of(self, &pipe, i, ai, a, train, zero, &status)
+        if row == NULL:
+            at[0] = i
+            return status
+        memcpy(out + i * dim, row, sizeof(float) * dim)
+    return OK
+
+
+cdef float *_row_mixed(CEmbeddingStore self, Pipe *pipe, int64_t i, int ai, Arena *a, int dim,
+                       bint train, const float *zero, int *status, int *dt) noexcept nogil:
+    """``_row_of`` while the store has compact rows: a hit may be in another arena of
+    ``dim`` (``dt`` its dtype), and an admission may store a compact row (``adm_dt``)."""
+    cdef int32_t e = _resolve(self, pipe, i)
+    cdef Arena *xa
+    cdef float *row
+    if e >= 0 and self.entries[e].arena != ai:
+        xa = &self.arenas[self.entries[e].arena]
+        if xa.dim != dim:
+            status[0] = E_DIM
+            return NULL
+        dt[0] = xa.dtype
+        if train:
+            _touch(self, e)
+            if self.use_aux:
+                P_TOUCH(self, e)
+        return row_ptr(xa, self.entries[e].row)
+    dt[0] = 0
+    if e >= 0:
+        if train:
+            _touch(self, e)
+            if self.use_aux:
+                P_TOUCH(self, e)
+        return row_ptr(a, self.entries[e].row)
+    # A miss: as _row_of's (not called from here, so that it stays inlined in its loops).
+    self.n_misses += 1
+    if not train:
+        return <float*>zero
+    if self.policed:
+        self.adm_dt = 0
+        row = P_ADMIT(self, pipe.keys[i], ai, a, zero, status)
+        dt[0] = self.adm_dt
+        return row
+    return _admit_plain(self, pipe.keys[i], ai, a, zero, status)
+
+
+cdef float *_admit_plain(CEmbeddingStore self, uint64_t key, int ai, Arena *a,
+                         const float *zero, int *status) noexcept nogil:
+    """_row_of's training miss without policies, for _row_mixed."""
+    cdef double u = 0.0
+    cdef int32_t e
+    cdef float *row
+    if self.admit_p < 1.0:
+        u = <double>(sp_mix64(key ^ sp_mix64(self.draws)) >> 11) * (
+            1.0 / 9007199254740992.0)
+    self.draws += 1
+    if not u < self.admit_p:
+        return <float*>zero
+    e = _insert(self, key, ai)
+    if e < 0:
+        status[0] = E_NOMEM
+        return NULL
+    self.n_admissions += 1
+    self.pol[self.entries[e].pol].admitted += 1
+    row = row_ptr(a, self.entries[e].row)
+    sp_init_row(row, a.dim, key, self.init_lo, self.init_span)
+    memcpy(row + a.dim, a.init_state, sizeof(float) * a.width)
+    return row
+
+
+cdef int _lookup_mixed(CEmbeddingStore self, const uint64_t *keys, int64_t n, int ai,
+                       float *out, int dim, bint train, int64_t *at,
+                       const float *zero) noexcept nogil:
+    """``_lookup`` while the store has compact rows (a loop of its own: the float32 one
+    stays as the compiler inlined it)."""
+    cdef int64_t i
+    cdef int status = OK, dt = 0
+    cdef const float *row
+    cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
+    cdef Pipe pipe
+    pipe.keys, pipe.n, pipe.lines, pipe.links = keys, n, (dim + 15) // 16, train
+    for i in range(-PF_SLOT, n):
+        _stage(self, &pipe, i)
+        if i < 0:
+            continue
+        row = _row_mixed(self, &pipe, i, ai, a, dim, train, zero, &status, &dt)
         if row == NULL:
             at[0] = i
             return status
@@ -107,9 +185,9 @@ cdef int _lookup_pooled(CEmbeddingStore self, const uint64_t *keys, int64_t n, i
     occurrence names at the end): the store sees exactly ``_lookup``'s sequence, and a
     worker's ids (in first-occurrence order) are added while their row is in cache.
     A later id's admission must not evict an earlier row, and no row is compact: the
-    caller ensures it."""
+    caller ensures both."""
     cdef int64_t s, j, i = 0, want
-    cdef int status = OK, dt
+    cdef int status = OK
     cdef float *acc
     cdef float **rows = self.rbuf
     cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
@@ -124,7 +202,7 @@ cdef int _lookup_pooled(CEmbeddingStore self, const uint64_t *keys, int64_t n, i
             want = index[j]
             while i <= want:
                 _stage(self, &pipe, i)
-                rows[i] = _row_of(self, &pipe, i, ai, a, dim, train, zero, &status, &dt)
+                rows[i] = _row_of(self, &pipe, i, ai, a, train, zero, &status)
                 if rows[i] == NULL:
                     at[0] = i
                     return status
@@ -132,7 +210,7 @@ cdef int _lookup_pooled(CEmbeddingStore self, const uint64_t *keys, int64_t n, i
             sp_add(acc, rows[want], dim)  # acc + row in order, as segments.pool adds
     while i < n:
         _stage(self, &pipe, i)
-        if _row_of(self, &pipe, i, ai, a, dim, train, zero, &status, &dt) == NULL:
+        if _row_of(self, &pipe, i, ai, a, train, zero, &status) == NULL:
             at[0] = i
             return status
         i += 1

@@ -16,7 +16,7 @@
 
 ctypedef void (*entry_fn)(CEmbeddingStore, int32_t) noexcept nogil
 ctypedef float *(*admit_fn)(CEmbeddingStore, uint64_t, int, Arena *, const float *,
-                            int *, int *) noexcept nogil
+                            int *) noexcept nogil
 cdef entry_fn P_PUSH, P_UNLINK, P_TOUCH, P_DROP
 cdef admit_fn P_ADMIT
 ctypedef void (*stage_fn)(CEmbeddingStore, uint64_t, int32_t) noexcept nogil
@@ -161,12 +161,12 @@ cdef inline uint32_t _sketch_estimate(CEmbeddingStore self, uint64_t key) noexce
 
 
 cdef float *_admit_policed(CEmbeddingStore self, uint64_t key, int ai, Arena *a,
-                           const float *zero, int *status, int *dt) noexcept nogil:
+                           const float *zero, int *status) noexcept nogil:
     """A training miss while policies are set: frequency admission, the policy's draw,
     its cap, then _insert. The row to read (the id's initial row in ``ibuf`` while it is
     below its min_count, ``zero`` if the draw refuses it); NULL with ``status`` on error.
-    A policy with a compact dtype stores the row in ``cur_ai[dtype]`` (``dt`` says so),
-    its initial weights rounded."""
+    A policy with a compact dtype stores the row in ``cur_ai[dtype]`` (and says so in
+    ``adm_dt``), its initial weights rounded."""
     cdef uint16_t p = _policy_of(self, key)
     cdef Pol *P = &self.pol[p]
     cdef double u = 0.0, ap
@@ -194,7 +194,7 @@ cdef float *_admit_policed(CEmbeddingStore self, uint64_t key, int ai, Arena *a,
     self.n_admissions += 1
     P.admitted += 1
     if P.dtype:
-        dt[0] = P.dtype
+        self.adm_dt = P.dtype
         a = &self.arenas[ai]
         row = row_ptr(a, self.entries[e].row)
         sp_init_row(self.ibuf, a.dim, key, self.init_lo, self.init_span)
