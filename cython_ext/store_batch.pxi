@@ -281,7 +281,7 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
     _bump(self)
     # Pass 2: one optimizer step per stored id.
     if self.ncompact:
-        _apply_compact(self, nu, dim)
+        _apply_compact(self, nu, dim, lines)
         return OK
     for u in range(nu):
         if u + PF_ROW < nu:
@@ -292,14 +292,19 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
     return OK
 
 
-cdef void _apply_compact(CEmbeddingStore self, int32_t nu, int dim) noexcept nogil:
+cdef void _apply_compact(CEmbeddingStore self, int32_t nu, int dim, int lines) noexcept nogil:
     """Pass 2 of ``_update`` while some rows are compact: a compact row's weights are
     read to float32 (``ibuf``), stepped and clamped as a float32 row's are, and stored
     back rounded (sp_narrow). A separate loop: the float32 store's stays as it was."""
     cdef int32_t u
+    cdef int j
     cdef Arena *xa
     cdef float *row
     for u in range(nu):
+        if u + PF_ROW < nu:   # as pass 2 does (a compact row has fewer lines: no harm)
+            for j in range(lines):
+                sp_prefetch(self.rbuf[u + PF_ROW] + 16 * j)
+            sp_prefetch(&self.entries[self.ebuf[u + PF_ROW]])
         xa = &self.arenas[self.entries[self.ebuf[u]].arena]
         row = self.rbuf[u]
         if xa.dtype == 0:

@@ -263,25 +263,86 @@ static inline uint16_t sp_f2b(uint32_t f) {
         return (uint16_t)((f >> 16) | 0x0040u);
     return (uint16_t)((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
 }
-/* d weights of a row: float32 -> the row's dtype (dt 1 or 2) and back. */
+/* d weights of a row: float32 -> the row's dtype (dt 1 or 2) and back. Vectorised where
+   the CPU allows (the results are the scalar routines' bit for bit: tests/server/
+   test_store_dtypes.py compares them with the numpy twin over many bit patterns):
+   bfloat16 with SSE2 integer operations, float16 with F16C (checked at run time; the
+   build targets no particular CPU), clamped to +-65504 first so that it saturates as
+   sp_f2h does (MAXPS/MINPS return their second operand, x, when it is a NaN). */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define SP_F16C 1
+#include <immintrin.h>
+__attribute__((target("f16c")))
+static int sp_narrow_f16c(uint16_t *restrict o, const float *restrict src, int d) {
+    const __m128 hi = _mm_set1_ps(65504.0f), lo = _mm_set1_ps(-65504.0f);
+    int j = 0;
+    for (; j + 4 <= d; j += 4) {
+        __m128 x = _mm_min_ps(hi, _mm_max_ps(lo, _mm_loadu_ps(src + j)));
+        _mm_storel_epi64((__m128i *)(o + j), _mm_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
+    return j;
+}
+__attribute__((target("f16c")))
+static int sp_widen_f16c(float *restrict dst, const uint16_t *restrict x, int d) {
+    int j = 0;
+    for (; j + 4 <= d; j += 4)
+        _mm_storeu_ps(dst + j, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(x + j))));
+    return j;
+}
+#else
+#define SP_F16C 0
+#endif
 static void sp_narrow(void *restrict dst, const float *restrict src, int d, int dt) {
     uint16_t *o = (uint16_t *)dst;
     uint32_t b;
-    int j;
+    int j = 0;
     if (dt == 1) {
-        for (j = 0; j < d; j++) { memcpy(&b, src + j, 4); o[j] = sp_f2h(b); }
+#if SP_F16C
+        if (__builtin_cpu_supports("f16c")) j = sp_narrow_f16c(o, src, d);
+#endif
+        for (; j < d; j++) { memcpy(&b, src + j, 4); o[j] = sp_f2h(b); }
     } else {
-        for (j = 0; j < d; j++) { memcpy(&b, src + j, 4); o[j] = sp_f2b(b); }
+#if defined(__SSE2__)
+        const __m128i one = _mm_set1_epi32(1), bias = _mm_set1_epi32(0x7fff),
+                      absm = _mm_set1_epi32(0x7fffffff), inf = _mm_set1_epi32(0x7f800000),
+                      quiet = _mm_set1_epi32(0x00400000);
+        for (; j + 8 <= d; j += 8) {
+            __m128i r[2];
+            int k;
+            for (k = 0; k < 2; k++) {
+                __m128i x = _mm_loadu_si128((const __m128i *)(src + j + 4 * k));
+                __m128i up = _mm_add_epi32(x, _mm_add_epi32(
+                    bias, _mm_and_si128(_mm_srli_epi32(x, 16), one)));
+                __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(x, absm), inf);
+                up = _mm_or_si128(_mm_andnot_si128(nan, up),
+                                  _mm_and_si128(nan, _mm_or_si128(x, quiet)));
+                r[k] = _mm_srai_epi32(up, 16);   /* sign-extended: packs keeps the bits */
+            }
+            _mm_storeu_si128((__m128i *)(o + j), _mm_packs_epi32(r[0], r[1]));
+        }
+#endif
+        for (; j < d; j++) { memcpy(&b, src + j, 4); o[j] = sp_f2b(b); }
     }
 }
 static void sp_widen(float *restrict dst, const void *restrict src, int d, int dt) {
     const uint16_t *x = (const uint16_t *)src;
     uint32_t b;
-    int j;
+    int j = 0;
     if (dt == 1) {
-        for (j = 0; j < d; j++) dst[j] = sp_h2f(x[j]);
+#if SP_F16C
+        if (__builtin_cpu_supports("f16c")) j = sp_widen_f16c(dst, x, d);
+#endif
+        for (; j < d; j++) dst[j] = sp_h2f(x[j]);
     } else {
-        for (j = 0; j < d; j++) { b = (uint32_t)x[j] << 16; memcpy(dst + j, &b, 4); }
+#if defined(__SSE2__)
+        const __m128i zero = _mm_setzero_si128();
+        for (; j + 8 <= d; j += 8) {
+            __m128i h = _mm_loadu_si128((const __m128i *)(x + j));
+            _mm_storeu_si128((__m128i *)(dst + j), _mm_unpacklo_epi16(zero, h));
+            _mm_storeu_si128((__m128i *)(dst + j + 4), _mm_unpackhi_epi16(zero, h));
+        }
+#endif
+        for (; j < d; j++) { b = (uint32_t)x[j] << 16; memcpy(dst + j, &b, 4); }
     }
 }
 /* Weights read as float32 (a plain copy for dt 0). */
