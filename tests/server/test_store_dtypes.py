@@ -249,3 +249,49 @@ def test_cython_and_python_agree_with_compact_rows(capacity, steps, opt):
         assert c.policy_stats() == p.policy_stats()
     assert _dump(c) == _dump(p)
     assert _changed(c) == _changed(p)
+
+
+def test_shard_files_carry_float32_across_dtypes(impl, tmp_path):
+    """A server's checkpoint path: a shard file of a float16 store restores into a float32
+    store exactly, and a float32 one into a float16 store (policies set first) rounded."""
+    from stream_persia.server.shard_files import stage_shard_files, write_shard_file
+    half = impl(1000, Adagrad(lr=0.1))
+    half.set_policies(BITS, [SlotPolicy(dtype="float16")])
+    ids = np.arange(1, 300, dtype=np.uint64)
+    half.lookup(ids, 8)
+    half.update(ids, np.random.default_rng(2).standard_normal((299, 8)).astype(np.float32))
+    info = write_shard_file(half.dump(), str(tmp_path), "half.bin")
+    expected = {"half.bin": {"sha256": info["sha256"], "bytes": info["bytes"],
+                             "rows": info["rows"]}}
+    full = impl(1000, Adagrad(lr=0.1))
+    assert stage_shard_files(full, str(tmp_path), ["half.bin"], expected, 0, 1) == 299
+    got = {k: w.tobytes() for c in full.dump() for k, w in zip(c["ids"].tolist(), c["weights"],
+                                                                strict=True)}
+    want = {k: w.tobytes() for c in half.dump() for k, w in zip(c["ids"].tolist(), c["weights"],
+                                                                 strict=True)}
+    assert got == want
+    full.update(ids, np.full((299, 8), 1e-3, np.float32))     # now float32 values
+    info = write_shard_file(full.dump(), str(tmp_path), "full.bin")
+    again = impl(1000, Adagrad(lr=0.1))
+    again.set_policies(BITS, [SlotPolicy(dtype="float16")])
+    stage_shard_files(again, str(tmp_path), ["full.bin"], {}, 0, 1)
+    w32 = np.concatenate([c["weights"] for c in full.dump()])
+    w16 = np.concatenate([c["weights"] for c in again.dump()])
+    assert (bits(w16) == bits(row_dtypes.round_weights(w32, 1))).all()
+    assert not (bits(w16) == bits(w32)).all()
+
+
+def test_a_new_optimizer_keeps_compact_weights(impl):
+    s = compact(impl, "bfloat16", SGD(lr=0.1))
+    ids = np.concatenate([gid(0, *range(40)), gid(1, *range(40))])
+    before = s.lookup(ids, 5)
+    s.configure(optimizer=Adam(lr=0.01))      # another state kind: rows are re-laid out
+    assert (bits(s.lookup(ids, 5, train=False)) == bits(before)).all()
+    s.update(ids, np.ones((80, 5), np.float32))
+    twin = compact(PyEmbeddingStore, "bfloat16", SGD(lr=0.1))
+    twin.lookup(ids, 5)
+    twin.configure(optimizer=Adam(lr=0.01))
+    twin.update(ids, np.ones((80, 5), np.float32))
+    assert [(c["ids"].tobytes(), c["weights"].tobytes(), c["state"].tobytes())
+            for c in s.dump()] == [(c["ids"].tobytes(), c["weights"].tobytes(),
+                                    c["state"].tobytes()) for c in twin.dump()]
