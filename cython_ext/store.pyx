@@ -12,9 +12,20 @@ bookkeeping per row at full load) and for loops that run without the GIL:
 - ``table``: open addressing with linear probing, load <= 1/2, slots of (32-bit hash, entry)
   so that probing past other keys and rehashing never touch the entries; deletion shifts
   the cluster back (no tombstones, so probes stay short under constant eviction);
-- one arena per dim: rows ``[weights(dim) | optimizer state]`` float32 in blocks of about
-  2 MiB (memory grows by a block, never by doubling), free rows threaded through their
-  first word;
+- one arena per (dim, weight dtype): rows ``[weights(dim) | optimizer state]`` in blocks of
+  about 2 MiB (memory grows by a block, never by doubling), free rows threaded through their
+  first word. Weights are float32, or float16 / bfloat16 for a group whose policy says so
+  (compact rows, issue 20; the rounding is ``row_dtypes``'s), padded to 4 bytes, then the
+  float32 state: a row is addressed in floats either way. The call's dim picks the float32
+  arena; a hit in another arena of the same dim is a compact row, read and written through
+  sp_widen / sp_narrow (store_kernels.h), and an update steps it in float32 in a loop of
+  its own (``_apply_compact``), so a store without compact rows runs the loops it ran
+  before (0.99x lookups, 0.99x updates of the build before in load_tests/bench_store.py
+  --old-build). While a store has a compact arena (a policy with a compact dtype has
+  been set and a training lookup or load of that dim ran), every call takes those
+  loops: float16 rows run at 0.78x the lookup and 0.82x the update rate of float32 rows
+  (bench_store --dtype-batches, dim 16, Adagrad). A pooled lookup then copies rows out
+  (as ``lookup``) and pools them;
 - change tracking (semantics in ``_pystore``'s docstring): each ``Entry`` holds the
   ``change_version`` of its row's last change, less the store's ``vbase``, in 32 bits that
   were update()'s per-call stamp: no byte more per row, and no cache line more on any hot
@@ -63,6 +74,7 @@ import numpy as np
 from stream_persia.kernels import segments as _segments
 from stream_persia.server import _pystore as _py
 from stream_persia.server import policies as _pol
+from stream_persia.server import row_dtypes as _rdt
 from stream_persia.core.optim import as_optimizer
 from stream_persia.errors import BadInput, Misuse
 
@@ -108,9 +120,35 @@ cdef list _changed_rows(CEmbeddingStore self, sel):
                 x = &self.entries[gv[k]]
                 kv[k] = x.key
                 vv[k] = self.vbase + x.ver
-                memcpy(&wv[k, 0], row_ptr(a, x.row), sizeof(float) * a.dim)
+                sp_read_w(&wv[k, 0], row_ptr(a, x.row), a.dim, a.dtype)
         chunks.append({"dim": a.dim, "ids": ids, "weights": weights, "versions": versions})
     return chunks
+
+
+def round_weights(x, int code):
+    """float32 ``x`` (1-d) stored as dtype ``code`` by this store's kernels and read back:
+    what ``row_dtypes.round_weights`` must equal bit for bit (for its tests)."""
+    src = np.ascontiguousarray(x, np.float32).reshape(-1)
+    out = np.empty_like(src)
+    cdef const float[::1] sv = src
+    cdef float[::1] ov = out
+    cdef int64_t n = src.shape[0], i, step = 1 << 20
+    cdef int d
+    cdef uint16_t *tmp
+    if code == 0 or n == 0:
+        return src.copy()
+    tmp = <uint16_t*>malloc(sizeof(uint16_t) * step)
+    if tmp == NULL:
+        raise MemoryError()
+    with nogil:
+        i = 0
+        while i < n:
+            d = <int>(step if n - i > step else n - i)
+            sp_narrow(tmp, &sv[i], d, code)
+            sp_widen(&ov[i], tmp, d, code)
+            i += d
+    free(tmp)
+    return out
 
 
 @cython.final
@@ -166,7 +204,12 @@ cdef class CEmbeddingStore:
     cdef double epoch        # time.time() when the store was made
     cdef float tnow          # the stamp of the call under way (see _stamp_now)
     cdef uint32_t snow
-    cdef float *ibuf         # lookup's initial row of an id below its min_count
+    cdef float *ibuf         # lookup's initial row of an id below its min_count; the
+                             # float32 weights of a compact row in update and admission
+    cdef int32_t cur_ai[3]   # the call's arena of its dim per dtype (see _dt_arenas)
+    cdef int ncompact        # arenas of compact rows (float16, bfloat16)
+    cdef int dtmask          # bit dt: some policy stores new rows in dtype dt
+    cdef int adm_dt          # dtype of the row _admit_policed last stored
     cdef size_t ibuf_bytes
     cdef bint busy, closed
     cdef object _opt_obj, _cfg, _dims
@@ -184,6 +227,7 @@ cdef class CEmbeddingStore:
         if self.pol == NULL:
             raise MemoryError()
         self.npol = 1
+        self.dtmask = 1
         self.pol[0].admit_p = self.pol[0].ttl_s = -1.0
         self.pol[0].min_count = 1
         self.elog.limit = _py.check_eviction_log(eviction_log)
@@ -240,6 +284,8 @@ cdef class CEmbeddingStore:
         cdef int d = _py.check_dim(dim)
         cdef bint tr = bool(train)
         cdef int ai = _arena_index(self, d, tr)
+        if tr and self.policed:
+            _dt_arenas(self, d)
         cdef int64_t n = ids.shape[0]
         out = np.empty((n, d), np.float32)
         if n == 0:
@@ -262,7 +308,10 @@ cdef class CEmbeddingStore:
                 if self.policed:
                     _scratch(self, <void**>&self.ibuf, &self.ibuf_bytes, sizeof(float) * d)
             with nogil:
-                status = _lookup(self, &keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
+                if self.ncompact:
+                    status = _lookup_mixed(self, &keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
+                else:
+                    status = _lookup(self, &keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
         finally:
             self.busy = False
         if status != OK:
@@ -287,9 +336,10 @@ cdef class CEmbeddingStore:
         cdef const int64_t[::1] off = offsets
         cdef int64_t i = 0
         cdef int status = OK
-        # With policies, an admission may evict (a cap) or return a row held in scratch.
-        if tr and (self.policed or <int64_t>self.count + n > self.capacity_):
-            return _segments.pool(self.lookup(ids, d, True), index, offsets, "lookup_pooled")
+        # With policies, an admission may evict (a cap) or return a row held in scratch;
+        # a compact row is widened as it is copied out.
+        if self.ncompact or (tr and (self.policed or <int64_t>self.count + n > self.capacity_)):
+            return _segments.pool(self.lookup(ids, d, tr), index, offsets, "lookup_pooled")
         out = np.zeros((k, d), np.float32)
         if n == 0:
             return out
@@ -334,6 +384,8 @@ cdef class CEmbeddingStore:
             _scratch(self, <void**>&self.rbuf, &self.rbuf_bytes, sizeof(float*) * n)
             _scratch(self, <void**>&self.ebuf, &self.ebuf_bytes, sizeof(int32_t) * n)
             _scratch(self, <void**>&self.obuf, &self.obuf_bytes, sizeof(uint32_t) * n)
+            if self.ncompact:
+                _scratch(self, <void**>&self.ibuf, &self.ibuf_bytes, sizeof(float) * dim)
             with nogil:
                 status = _update(self, &keys[0], &g[0, 0], n, dim, ai, &i)
         finally:
@@ -477,6 +529,18 @@ cdef class CEmbeddingStore:
             total += sizeof(float*) * a.blocks_cap + sizeof(Arena)
         return total
 
+    def memory_breakdown(self):
+        """``{"rows", "bookkeeping"}``: bytes of row storage (the arenas' blocks: weights
+        and optimizer state) and of everything else ``memory_bytes`` counts; they add up
+        to it."""
+        cdef int ai
+        cdef int64_t rows = 0
+        if self.closed:
+            return {"rows": 0, "bookkeeping": 0}
+        for ai in range(self.narenas):
+            rows += <int64_t>self.arenas[ai].nblocks * _block_bytes(&self.arenas[ai])
+        return {"rows": rows, "bookkeeping": self.memory_bytes() - rows}
+
     def dump(self, chunk_rows=_py.DUMP_CHUNK_ROWS):
         """Yield rows with optimizer state, least recently used first; see
         ``PyEmbeddingStore.dump`` for the chunk format."""
@@ -497,19 +561,19 @@ cdef class CEmbeddingStore:
         _open(self)   # closed between dump() and the first chunk
         while e >= 0:
             window = np.empty(chunk_rows, np.int32)
-            arena_of = np.empty(chunk_rows, np.int32)
-            wv_e, wv_a = window, arena_of
+            dim_of = np.empty(chunk_rows, np.int32)   # a chunk per dim, whatever the dtype
+            wv_e, wv_a = window, dim_of
             nw = 0
             while e >= 0 and nw < chunk_rows:
                 wv_e[nw] = e
-                wv_a[nw] = self.entries[e].arena
+                wv_a[nw] = self.arenas[self.entries[e].arena].dim
                 e = self.entries[e].prev
                 nw += 1
-            window, arena_of = window[:nw], arena_of[:nw]
-            _, first = np.unique(arena_of, return_index=True)
-            for ai in arena_of[np.sort(first)].tolist():
-                members = np.ascontiguousarray(window[arena_of == ai])
-                a = &self.arenas[<int>ai]
+            window, dim_of = window[:nw], dim_of[:nw]
+            _, first = np.unique(dim_of, return_index=True)
+            for dim in dim_of[np.sort(first)].tolist():
+                members = np.ascontiguousarray(window[dim_of == dim])
+                a = &self.arenas[self.entries[members[0]].arena]
                 m = len(members)
                 ids = np.empty(m, np.uint64)
                 weights = np.empty((m, a.dim), np.float32)
@@ -521,11 +585,12 @@ cdef class CEmbeddingStore:
                 try:
                     with nogil:
                         for k in range(m):
+                            a = &self.arenas[self.entries[mv[k]].arena]
                             row = row_ptr(a, self.entries[mv[k]].row)
                             kv[k] = self.entries[mv[k]].key
-                            memcpy(&wv[k, 0], row, sizeof(float) * a.dim)
+                            sp_read_w(&wv[k, 0], row, a.dim, a.dtype)
                             if a.width:
-                                memcpy(&sv[k, 0], row + a.dim, sizeof(float) * a.width)
+                                memcpy(&sv[k, 0], row + a.wlen, sizeof(float) * a.width)
                 finally:
                     self.busy = False
                 yield {"dim": a.dim, "ids": ids, "weights": weights, "state": state,
@@ -555,16 +620,16 @@ cdef class CEmbeddingStore:
             if n == 0:
                 continue
             ai = _arena_index(self, dim, True)
+            _dt_arenas(self, dim)
             kv, wv = ids, weights
             for i in range(n):
                 e = _find(self, kv[i])
-                if e >= 0 and self.entries[e].arena != ai:
+                if e >= 0 and self.arenas[self.entries[e].arena].dim != dim:
                     raise _py.dim_error(int(kv[i]), self.arenas[self.entries[e].arena].dim,
                                         dim, "load")
             has_state = state is not None
             if has_state:
                 sv = state
-            a = &self.arenas[ai]
             _enter(self)
             status = OK
             self.version += 1
@@ -578,7 +643,8 @@ cdef class CEmbeddingStore:
                         if e < 0:
                             if self.policed:
                                 _make_room_cap(self, _policy_of(self, kv[i]))
-                            e = _insert(self, kv[i], ai)
+                            e = _insert(self, kv[i], self.cur_ai[
+                                self.pol[_policy_of(self, kv[i])].dtype])
                             if e < 0:
                                 status = E_NOMEM
                                 break
@@ -589,13 +655,14 @@ cdef class CEmbeddingStore:
                                 _ppush(self, e)
                             _dirty(self, e, self.entries[e].ver)
                         self.entries[e].ver = _v32(self)
+                        a = &self.arenas[self.entries[e].arena]
                         row = row_ptr(a, self.entries[e].row)
-                        memcpy(row, &wv[i, 0], sizeof(float) * dim)
+                        sp_write_w(row, &wv[i, 0], dim, a.dtype)
                         if a.width:
                             if has_state:
-                                memcpy(row + dim, &sv[i, 0], sizeof(float) * a.width)
+                                memcpy(row + a.wlen, &sv[i, 0], sizeof(float) * a.width)
                             else:
-                                memcpy(row + dim, a.init_state, sizeof(float) * a.width)
+                                memcpy(row + a.wlen, a.init_state, sizeof(float) * a.width)
             finally:
                 self.busy = False
             if status != OK:

@@ -16,6 +16,11 @@ cdef extern from "store_kernels.h":
     void sp_add(float *acc, const float *g, int d) nogil
     void sp_first(float *acc, const float *g, int d) nogil
     void sp_apply(const SpOpt *o, float *w, float *s, float *g, int d) nogil
+    void sp_read_w(float *dst, const float *row, int d, int dt) nogil
+    void sp_write_w(float *row, const float *src, int d, int dt) nogil
+    void sp_narrow(void *dst, const float *src, int d, int dt) nogil
+    void sp_widen(float *dst, const void *src, int d, int dt) nogil
+    int sp_wlen(int d, int dt) nogil
     void sp_prefetch "__builtin_prefetch"(const void *p) nogil
     void sp_prefetch_w "SP_PREFETCH_W"(const void *p) nogil
     uint32_t NONE32 "SP_NONE32"
@@ -50,7 +55,9 @@ cdef struct Slot:
 cdef struct Arena:
     int32_t dim
     int32_t width     # optimizer state values per row
-    int32_t stride    # dim + width
+    int32_t dtype     # storage of the weights: 0 float32, 1 float16, 2 bfloat16
+    int32_t wlen      # floats taken by the weights: dim, or (dim + 1) // 2 if compact
+    int32_t stride    # wlen + width (the state follows the weights at row + wlen)
     int32_t shift     # log2(rows per block)
     uint32_t used     # rows handed out (high-water mark)
     uint32_t free_head
@@ -65,6 +72,7 @@ cdef struct Pol:       # one policy of the table (see store_policy.pxi)
     int64_t ttl_steps # 0: none
     int64_t max_rows  # 0: none
     int32_t min_count
+    int32_t dtype     # storage dtype of new rows (Arena.dtype)
     int32_t head, tail  # the policy's LRU list (kept while the store has aux)
     int64_t rows, admitted, rejected, dropped, expired, evicted_lru, evicted_cap
 

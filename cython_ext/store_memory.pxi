@@ -42,6 +42,7 @@ cdef void _release(CEmbeddingStore self) noexcept:
 cdef _reset(CEmbeddingStore self):
     _free_all(self)
     self._dims = {}
+    self.ncompact = 0
     self.ecap = self.eused = self.count = 0
     self.efree = self.head = self.tail = -1
     self.dlen = 0            # the listed entries are gone; the mark still holds
@@ -63,7 +64,25 @@ cdef _set_config(CEmbeddingStore self, cfg):
 
 
 cdef int _arena_index(CEmbeddingStore self, int dim, bint create) except -2:
-    idx = self._dims.get(dim)
+    """The float32 arena of ``dim`` (-1 if none and not ``create``)."""
+    return _arena_index_dt(self, dim, 0, create)
+
+
+cdef _dt_arenas(CEmbeddingStore self, int dim):
+    """``cur_ai[dt]``: the arena of ``dim`` and dtype ``dt`` for each dtype a policy
+    stores new rows in (made now: the loops without the GIL cannot), else -1."""
+    cdef int dt
+    for dt in range(3):
+        self.cur_ai[dt] = _arena_index_dt(self, dim, dt, True) if (self.dtmask >> dt) & 1 \
+            else -1
+
+
+cdef int _arena_index_dt(CEmbeddingStore self, int dim, int dt, bint create) except -2:
+    """Arenas are per (dim, dtype); the float32 one is keyed by ``dim`` alone."""
+    cdef object k = dim
+    if dt:
+        k = (dim, dt)
+    idx = self._dims.get(k)
     if idx is not None:
         return idx
     if not create:
@@ -77,9 +96,13 @@ cdef int _arena_index(CEmbeddingStore self, int dim, bint create) except -2:
     cdef Arena *a = &self.arenas[self.narenas]
     memset(a, 0, sizeof(Arena))
     a.dim = dim
+    a.dtype = dt
+    a.wlen = sp_wlen(dim, dt)
     a.free_head = NONE32
     _set_arena_state(self, a)
-    self._dims[dim] = self.narenas
+    self._dims[k] = self.narenas
+    if dt:
+        self.ncompact += 1
     self.narenas += 1
     return self.narenas - 1
 
@@ -98,7 +121,7 @@ cdef _set_arena_state(CEmbeddingStore self, Arena *a):
     free(a.init_state)
     a.init_state = state
     a.width = width
-    a.stride = a.dim + width
+    a.stride = a.wlen + width
     if a.nblocks == 0:
         while (sizeof(float) * a.stride << (shift + 1)) <= BLOCK_BYTES and shift < 20:
             shift += 1
@@ -198,7 +221,7 @@ cdef const float *_zeros(CEmbeddingStore self, int dim) except NULL:
 
 cdef _restate(CEmbeddingStore self, Arena *a):
     """Re-layout an arena for a new state width: keep weights, reset state."""
-    cdef int old_stride = a.stride, dim = a.dim
+    cdef int old_stride = a.stride, wlen = a.wlen
     cdef size_t old_bytes = _block_bytes(a)
     cdef uint32_t b, r, rows = <uint32_t>1 << a.shift
     cdef float *nb
@@ -212,8 +235,8 @@ cdef _restate(CEmbeddingStore self, Arena *a):
         ob = a.blocks[b]
         for r in range(rows):
             row = nb + <size_t>r * a.stride
-            memcpy(row, ob + <size_t>r * old_stride, sizeof(float) * dim)
-            memcpy(row + dim, a.init_state, sizeof(float) * a.width)
+            memcpy(row, ob + <size_t>r * old_stride, sizeof(float) * wlen)
+            memcpy(row + wlen, a.init_state, sizeof(float) * a.width)
         sp_free(ob, old_bytes)
         a.blocks[b] = nb
 

@@ -164,7 +164,9 @@ cdef float *_admit_policed(CEmbeddingStore self, uint64_t key, int ai, Arena *a,
                            const float *zero, int *status) noexcept nogil:
     """A training miss while policies are set: frequency admission, the policy's draw,
     its cap, then _insert. The row to read (the id's initial row in ``ibuf`` while it is
-    below its min_count, ``zero`` if the draw refuses it); NULL with ``status`` on error."""
+    below its min_count, ``zero`` if the draw refuses it); NULL with ``status`` on error.
+    A policy with a compact dtype stores the row in ``cur_ai[dtype]`` (and says so in
+    ``adm_dt``), its initial weights rounded."""
     cdef uint16_t p = _policy_of(self, key)
     cdef Pol *P = &self.pol[p]
     cdef double u = 0.0, ap
@@ -183,12 +185,22 @@ cdef float *_admit_policed(CEmbeddingStore self, uint64_t key, int ai, Arena *a,
     if not u < ap:
         return <float*>zero
     _make_room_cap(self, p)
+    if P.dtype:
+        ai = self.cur_ai[P.dtype]
     e = _insert(self, key, ai)
     if e < 0:
         status[0] = E_NOMEM
         return NULL
     self.n_admissions += 1
     P.admitted += 1
+    if P.dtype:
+        self.adm_dt = P.dtype
+        a = &self.arenas[ai]
+        row = row_ptr(a, self.entries[e].row)
+        sp_init_row(self.ibuf, a.dim, key, self.init_lo, self.init_span)
+        sp_narrow(row, self.ibuf, a.dim, P.dtype)
+        memcpy(row + a.wlen, a.init_state, sizeof(float) * a.width)
+        return row
     row = row_ptr(a, self.entries[e].row)
     sp_init_row(row, a.dim, key, self.init_lo, self.init_span)
     memcpy(row + a.dim, a.init_state, sizeof(float) * a.width)
@@ -242,6 +254,7 @@ cdef _set_policies(CEmbeddingStore self, int bits, list pols, double now):
         P.ttl_steps = 0 if q.ttl_steps is None else q.ttl_steps
         P.max_rows = 0 if q.max_rows is None else q.max_rows
         P.min_count = q.min_count
+        P.dtype = _rdt.dtype_code(q.dtype)
         P.head = P.tail = -1
         if q.ttl_s is not None or q.ttl_steps is not None or q.max_rows is not None:
             need_aux = True
@@ -276,6 +289,10 @@ cdef _set_policies(CEmbeddingStore self, int bits, list pols, double now):
     free(self.pol)
     self.pol, self.npol, self.pbits = table, n, bits
     self.policed = any(not q.is_default for q in pols)
+    # New rows of a group take its dtype; rows stored before keep theirs (see set_policies).
+    self.dtmask = 1
+    for i in range(n):
+        self.dtmask |= 1 << self.pol[i].dtype
     self.has_ttl = any(q.ttl_s is not None or q.ttl_steps is not None for q in pols)
     with nogil:
         e = self.tail       # least recently used first: each list in the global order

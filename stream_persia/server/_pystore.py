@@ -61,7 +61,7 @@ initial row (:func:`initial_rows`), stores nothing, draws nothing, and counts
 ``rejected``. Then the admission draw as above with ``P.admit_probability`` (None: the
 config's). An admitted id first evicts its group's least recently used row if the group
 holds ``P.max_rows`` rows (``evicted_cap``), then the globally least recently used row if
-the store is full (``evicted_lru``). ``P.dtype`` is not applied yet: rows are float32. While some policy has a TTL or a cap, each policy
+the store is full (``evicted_lru``). While some policy has a TTL or a cap, each policy
 keeps its own LRU list (the global one is unchanged) and, each row, the time (float32
 seconds since the store was made) and step (the store's count of training lookup calls
 with at least one id, mod 2**32) of its last training lookup or load; a training lookup
@@ -75,6 +75,21 @@ them. ``set_policies`` stamps rows present when the first TTL or cap appears wit
 once. ``expire`` and ``set_policies`` are mutating calls when they evict a row: they
 increment ``change_version`` before the first, and log every row they evict. Ids of an
 ``update`` not stored are counted per policy (``dropped_grads``).
+
+Compact rows (``P.dtype``, :mod:`stream_persia.server.row_dtypes`): a row admitted or
+loaded while its policy says ``float16`` or ``bfloat16`` stores its weights in that dtype,
+its optimizer state in float32. Its initial weights and every value stored (an update's
+result after the clamp to ±weight_bound, a loaded row) are rounded to nearest even; every
+reader (lookups, pooled lookups, ``dump``, ``changed_since``) gets them as float32, so
+checkpoints, the update stream and replicas carry float32 and a load converts to the
+dtype of the loading store's group (float16 -> float32 exactly). An update reads the
+weights as float32, runs the same float32 optimizer step and clamp as a float32 row, and
+rounds. The initial row a rejected id (below its min_count) is served is not rounded
+(nothing is stored). A change of a group's dtype by ``set_policies`` applies to rows
+stored from then on: a row keeps the dtype it was stored with until it leaves the store
+(evicted, expired, removed, cleared), which keeps ``set_policies`` free of a conversion
+pass over the table. ``dump`` yields one chunk per dim and window whatever the rows'
+dtypes. ``memory_breakdown`` splits ``memory_bytes`` into row storage and bookkeeping.
 
 Size: one module past 500 lines on purpose: it is the store's contract written out as one
 readable class (read beside ``cython_ext/store.pyx``, method for method) together with the
@@ -96,6 +111,7 @@ from stream_persia.errors import BadInput, Misuse
 from stream_persia.kernels import segments
 from stream_persia.kernels.sharding import stable_hash64, stable_hash64_int
 from stream_persia.server import policies as _pol
+from stream_persia.server import row_dtypes as _rdt
 
 __all__ = ["PyEmbeddingStore", "initial_rows", "admit_uniform"]
 
@@ -259,11 +275,14 @@ def check_chunk(chunk: Any, opt: Optimizer) -> tuple[int, np.ndarray, np.ndarray
 
 
 class _Arena:
-    """Rows of one dim: ``[weights(dim) | optimizer state]`` float32, with a free list,
-    and beside each row its id and change version (-1 while the row is free)."""
+    """Rows of one dim and weight dtype: ``[weights(dim) | optimizer state]`` float32, with
+    a free list, and beside each row its id and change version (-1 while the row is free).
+    A compact arena (``code`` 1 or 2) holds its weights already rounded to its dtype
+    (:func:`row_dtypes.round_weights`): the values the Cython store's 16-bit rows hold."""
 
-    def __init__(self, dim: int, opt: Optimizer):
+    def __init__(self, dim: int, opt: Optimizer, code: int = 0):
         self.dim = dim
+        self.code = code
         self.init_state = opt.initial_state(dim)
         self.data = np.zeros((16, dim + len(self.init_state)), np.float32)
         self.keys = np.zeros(16, np.uint64)
@@ -325,7 +344,7 @@ class PyEmbeddingStore:
         self._opt = as_optimizer(optimizer)
         self._cfg = check_config(embedding_config)
         self._lru: OrderedDict[int, tuple[_Arena, int]] = OrderedDict()  # oldest first
-        self._arenas: dict[int, _Arena] = {}
+        self._arenas: dict[tuple[int, int], _Arena] = {}   # by (dim, dtype code)
         self._counts = dict.fromkeys(
             ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates",
              "removals"), 0)
@@ -371,10 +390,10 @@ class PyEmbeddingStore:
         if self._closed:
             raise closed_error()
 
-    def _arena(self, dim: int) -> _Arena:
-        arena = self._arenas.get(dim)
+    def _arena(self, dim: int, code: int = 0) -> _Arena:
+        arena = self._arenas.get((dim, code))
         if arena is None:
-            arena = self._arenas[dim] = _Arena(dim, self._opt)
+            arena = self._arenas[dim, code] = _Arena(dim, self._opt, code)
         return arena
 
     def _evict_oldest(self, deferred: list[tuple[_Arena, int]] | None) -> None:
@@ -451,10 +470,9 @@ class PyEmbeddingStore:
         self._open()
         ids, dim = check_ids(ids), check_dim(dim)
         rows = np.full(len(ids), -1, np.int64)
+        src: list[_Arena | None] = [None] * len(ids)     # the arena of rows[i]
         admit_to = self._arena(dim) if train else None   # training admits misses into it
-        arena = admit_to if admit_to is not None else self._arenas.get(dim)
-        new_rows: list[int] = []
-        new_keys: list[int] = []
+        new_rows: dict[_Arena, tuple[list[int], list[int]]] = {}   # rows, keys
         deferred: list[tuple[_Arena, int]] = []  # freed rows stay unused until the gather
         rejected: list[int] = []   # positions of ids below their min_count
         lru, counts, p = self._lru, self._counts, self._cfg.admit_probability
@@ -468,14 +486,14 @@ class PyEmbeddingStore:
             for i, key in enumerate(ids.tolist()):
                 where = lru.get(key)
                 if where is not None:
-                    if where[0] is not arena:
+                    if where[0].dim != dim:
                         raise dim_error(key, where[0].dim, dim, "lookup")
                     if train:
                         lru.move_to_end(key)
                         if self._plru is not None and \
                                 self._stamps[key][1] != self._stamp_now[1]:
                             self._added(key, self._policy(key))   # first time in the call
-                    rows[i] = where[1]
+                    rows[i], src[i] = where[1], where[0]
                     continue
                 counts["misses"] += 1
                 if admit_to is None:
@@ -494,24 +512,27 @@ class PyEmbeddingStore:
                 if pp < 1.0 and not admit_uniform(key, draw) < pp:
                     continue
                 self._make_room(pi, deferred)
-                r = admit_to.alloc(key, self._cver)
-                lru[key] = (admit_to, r)
+                into = admit_to if pol.dtype == "float32" else \
+                    self._arena(dim, _rdt.dtype_code(pol.dtype))
+                r = into.alloc(key, self._cver)
+                lru[key] = (into, r)
                 self._added(key, pi)
                 counts["admissions"] += 1
                 st["admitted"] += 1
                 st["rows"] += 1
-                rows[i] = r
-                new_rows.append(r)
-                new_keys.append(key)
+                rows[i], src[i] = r, into
+                new = new_rows.setdefault(into, ([], []))
+                new[0].append(r)
+                new[1].append(key)
         finally:
-            if new_rows and admit_to is not None:
-                admit_to.data[new_rows, :dim] = initial_rows(
-                    np.array(new_keys, np.uint64), dim, self._cfg.emb_initialization)
-                admit_to.data[new_rows, dim:] = admit_to.init_state
+            for into, (rs, keys) in new_rows.items():
+                into.data[rs, :dim] = _rdt.round_weights(initial_rows(
+                    np.array(keys, np.uint64), dim, self._cfg.emb_initialization), into.code)
+                into.data[rs, dim:] = into.init_state
             out = np.zeros((len(ids), dim), np.float32)
-            hit = rows >= 0
-            if arena is not None:
-                out[hit] = arena.data[rows[hit], :dim]
+            for a in {id(a): a for a in src if a is not None}.values():
+                hit = np.fromiter((s is a for s in src), bool, len(src))
+                out[hit] = a.data[rows[hit], :dim]
             if rejected:
                 out[rejected] = initial_rows(ids[rejected], dim, self._cfg.emb_initialization)
             for a, r in deferred:
@@ -548,13 +569,13 @@ class PyEmbeddingStore:
         if not len(ids):
             return
         rows = np.full(len(ids), -1, np.int64)
-        arena = self._arenas.get(dim)
+        src: list[_Arena | None] = [None] * len(ids)
         for i, key in enumerate(ids.tolist()):
             where = self._lru.get(key)
             if where is not None:
-                if where[0] is not arena:
+                if where[0].dim != dim:
                     raise dim_error(key, where[0].dim, dim, "update")
-                rows[i] = where[1]
+                rows[i], src[i] = where[1], where[0]
         self._counts["updates"] += len(ids)
         self._version += 1
         self._cver += 1
@@ -562,18 +583,19 @@ class PyEmbeddingStore:
         self._counts["dropped_updates"] += int(len(ids) - present.sum())
         for key in ids[~present].tolist():
             self._pstats[self._policy(key)]["dropped_grads"] += 1
-        if arena is None or not present.any():
-            return
-        uniq, inv = np.unique(rows[present], return_inverse=True)
-        g = np.zeros((len(uniq), dim), np.float32)
-        np.add.at(g, inv, grads[present])  # in call order, from 0.0, like the C loop
-        w = arena.data[uniq, :dim]
-        s = arena.data[uniq, dim:]
-        self._opt.step(w, s, g)
         bound = np.float32(self._cfg.weight_bound)
-        arena.data[uniq, :dim] = np.clip(w, -bound, bound)
-        arena.data[uniq, dim:] = s
-        arena.ver[uniq] = self._cver
+        # Per arena (rows of one dtype); each row's step is independent of the others'.
+        for arena in {id(a): a for a in src if a is not None}.values():
+            mine = np.fromiter((s is arena for s in src), bool, len(src))
+            uniq, inv = np.unique(rows[mine], return_inverse=True)
+            g = np.zeros((len(uniq), dim), np.float32)
+            np.add.at(g, inv, grads[mine])  # in call order, from 0.0, like the C loop
+            w = arena.data[uniq, :dim]
+            s = arena.data[uniq, dim:]
+            self._opt.step(w, s, g)   # in float32, on the stored (rounded) weights
+            arena.data[uniq, :dim] = _rdt.round_weights(np.clip(w, -bound, bound), arena.code)
+            arena.data[uniq, dim:] = s
+            arena.ver[uniq] = self._cver
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
         """Which ids are stored (bool array); recency is not refreshed."""
@@ -706,9 +728,22 @@ class PyEmbeddingStore:
     def memory_bytes(self) -> int:
         """Bytes held by row storage, with each row's id and change version, and by the
         eviction log (16 bytes an entry; the dict and list overhead is not counted)."""
-        return sum(a.data.nbytes + a.keys.nbytes + a.ver.nbytes
-                   for a in self._arenas.values()) + 16 * len(self._elog) \
-            + (self._sketch.nbytes if self._sketch is not None else 0)
+        return self.memory_breakdown()["rows"] + sum(
+            a.keys.nbytes + a.ver.nbytes for a in self._arenas.values()) \
+            + 16 * len(self._elog) + (self._sketch.nbytes if self._sketch is not None else 0)
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """``{"rows", "bookkeeping"}``: bytes of row storage (weights at their dtype's
+        size, as the Cython store lays them out, and float32 optimizer state) and of
+        everything else :meth:`memory_bytes` counts; they add up to it."""
+        rows = sum(len(a.data) * (_rdt.weight_bytes(a.dim, a.code)
+                                  + 4 * (a.data.shape[1] - a.dim))
+                   for a in self._arenas.values())
+        if self._closed:
+            return {"rows": 0, "bookkeeping": 0}
+        keys = sum(a.keys.nbytes + a.ver.nbytes for a in self._arenas.values())
+        return {"rows": rows, "bookkeeping": keys + 16 * len(self._elog)
+                + (self._sketch.nbytes if self._sketch is not None else 0)}
 
     def dump(self, chunk_rows: int = DUMP_CHUNK_ROWS) -> Iterator[dict[str, Any]]:
         """Yield the rows with their optimizer state, least recently used first.
@@ -734,7 +769,7 @@ class PyEmbeddingStore:
             for key, (arena, r) in window:
                 groups.setdefault(arena.dim, []).append((key, r))
             for dim, members in groups.items():
-                data = self._arenas[dim].data[[r for _, r in members]]
+                data = np.array([self._lru[k][0].data[r] for k, r in members], np.float32)
                 chunk = {"dim": dim, "ids": np.array([k for k, _ in members], np.uint64),
                          "weights": np.ascontiguousarray(data[:, :dim]),
                          "state": np.ascontiguousarray(data[:, dim:]),
@@ -761,7 +796,6 @@ class PyEmbeddingStore:
                 where = self._lru.get(key)
                 if where is not None and where[0].dim != dim:
                     raise dim_error(key, where[0].dim, dim, "load")
-            arena = self._arena(dim)
             self._version += 1
             if keys:
                 self._cver += 1
@@ -769,17 +803,18 @@ class PyEmbeddingStore:
             for i, key in enumerate(keys):
                 where = self._lru.get(key)
                 pi = self._policy(key)
-                if where is None:
+                if where is None:   # a new row takes its group's dtype (converted)
                     self._make_room(pi, None)
+                    arena = self._arena(dim, _rdt.dtype_code(self._pols[pi].dtype))
                     where = (arena, arena.alloc(key, self._cver))
                     self._lru[key] = where
                     self._pstats[pi]["rows"] += 1
                 else:
                     self._lru.move_to_end(key)
                 self._added(key, pi)
-                r = where[1]
+                arena, r = where
                 arena.ver[r] = self._cver
-                arena.data[r, :dim] = weights[i]
+                arena.data[r, :dim] = _rdt.round_weights(weights[i], arena.code)
                 arena.data[r, dim:] = arena.init_state if state is None else state[i]
 
     # --- changed-row tracking ----------------------------------------------------------
@@ -835,11 +870,11 @@ class PyEmbeddingStore:
         return self._changed(check_version(since, "since"), check_chunk_rows(chunk_rows))
 
     def _changed(self, since: int, chunk_rows: int) -> Iterator[dict[str, Any]]:
-        for dim, arena in sorted(self._arenas.items()):
+        for (dim, code), arena in sorted(self._arenas.items()):
             pos = 0
             while True:
                 self._open()   # closed between chunks
-                if self._arenas.get(dim) is not arena or pos >= arena.used:
+                if self._arenas.get((dim, code)) is not arena or pos >= arena.used:
                     break      # cleared: its rows are gone (evicted_since says so)
                 end = min(pos + chunk_rows, arena.used)
                 rows = np.flatnonzero(arena.ver[pos:end] > since) + pos

@@ -297,6 +297,13 @@ class ShardedStore:
     def memory_bytes(self) -> int:
         return sum(s.memory_bytes() for s in self._stores)
 
+    def memory_breakdown(self) -> dict[str, int]:
+        out = {"rows": 0, "bookkeeping": 0}
+        for s in self._stores:
+            for key, value in s.memory_breakdown().items():
+                out[key] += value
+        return out
+
     # ----------------------------------------------------------------- table policies
     def _maybe_mutating(self, fn: Callable[[int], Any]) -> list[Any]:
         """Run ``fn`` on every shard for a call that mutates only if it evicts: the shards
