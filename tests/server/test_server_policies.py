@@ -17,6 +17,7 @@ from stream_persia.core.optim import SGD
 from stream_persia.errors import BadInput
 from stream_persia.kernels.ids import index_prefix, prefix_ids
 from stream_persia.rpc import RpcClient
+from stream_persia.server.row_dtypes import dtype_code, round_weights
 from stream_persia.server.service import EmbeddingServer, described
 
 
@@ -159,6 +160,27 @@ async def test_constructor_policies_hold_from_the_start_and_survive_a_load(tmp_p
         assert await c.call("size") == 2
         stats = await server.on_store(server.store.policy_stats)
         assert stats[2]["rejected"] >= 1
+
+
+async def test_a_float32_checkpoint_restores_into_a_float16_group_rounded(tmp_path):
+    """A restore stages the rows into a store that has the server's policies *before* the
+    shard files are read: the float16 group's restored rows are float16 (its rows were
+    written by a float32 server), the other group's stay exact."""
+    async with running(checkpoint_root=str(tmp_path)) as (_, c):
+        user, item = group_ids(0, [1, 2, 3]), group_ids(1, [4, 5])
+        await lookup(c, user)
+        await lookup(c, item)
+        grads = np.full((3, DIM), 1e-4 / 3, np.float32)   # rows float16 cannot hold exactly
+        await c.call("update", {"groups": [{"dim": DIM, "ids": user, "grads": grads}]})
+        want_user, want_item = await lookup(c, user), await lookup(c, item)
+        reply = await c.call("dump", {"dir": str(tmp_path / "ck")})
+    assert not np.array_equal(round_weights(want_user, dtype_code("float16")), want_user)
+    async with running(policies=table(user={"dtype": "float16"}),
+                       checkpoint_root=str(tmp_path)) as (_, c):
+        await c.call("load", {"dir": str(tmp_path / "ck"), "files": [reply["file"]]})
+        np.testing.assert_array_equal(await lookup(c, user),
+                                      round_weights(want_user, dtype_code("float16")))
+        np.testing.assert_array_equal(await lookup(c, item), want_item)
 
 
 async def test_ttl_rows_expire_on_the_periodic_pass_and_show_in_metrics_and_slot_stats():
