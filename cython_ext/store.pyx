@@ -585,8 +585,7 @@ cdef class CEmbeddingStore:
                         else:
                             _touch(self, e)
                             if self.use_aux:
-                                _punlink(self, e)
-                                _ppush(self, e)
+                                _pload(self, e)
                             _dirty(self, e, self.entries[e].ver)
                         self.entries[e].ver = _v32(self)
                         row = row_ptr(a, self.entries[e].row)
