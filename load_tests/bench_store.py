@@ -31,6 +31,7 @@ hour, ``max_rows`` 90% of the capacity, so the sketch, the per-policy lists and 
 the cap all work on each miss) and one without, run the same batches in turn as above,
 with ``expire()`` on the policed one every 40 batches (the server calls it every second);
 the median of the per-batch ratios policies on / off is reported (target >= 0.9).
+``--policy ttl|cap|min_count`` puts only that part of the policy on.
 
 Incremental pass (``--pass-rows``, default 4M rows; ``--pass-changed``, 50k): a publisher's
 pass over a store of that many rows after that many rows changed (one update of distinct
@@ -45,7 +46,7 @@ Memory: ``memory_bytes()`` of the full Cython store per row, against the raw byt
 shown beside it as a check.
 
 Usage: ``python load_tests/bench_store.py [--json PATH] [--rounds N] [--batches N]
-[--old-build PATH] [--policy-batches N] [--pass-rows N] [--pass-changed N] [--pass-rounds N]``
+[--old-build PATH] [--policy-batches N] [--policy all|ttl|cap|min_count] [--pass-rows N] [--pass-changed N] [--pass-rounds N]``
 """
 
 from __future__ import annotations
@@ -201,6 +202,14 @@ def versus_old_build(new, old, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict
     return out
 
 
+POLICY_PARTS = {
+    "all": {"min_count": 2, "ttl_s": 3600.0, "max_rows": CAPACITY * 9 // 10},
+    "ttl": {"ttl_s": 3600.0},
+    "cap": {"max_rows": CAPACITY * 9 // 10},
+    "min_count": {"min_count": 2},
+}
+
+
 def versus_policies(on, off, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict[str, float]:
     """Rates with policies / without, as versus_old_build: the same batch on both stores in
     turn, each first every other batch; ``on.expire()`` every 40 batches."""
@@ -289,6 +298,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     help="batches each build runs, alternating, for the comparison")
     ap.add_argument("--policy-batches", type=int, default=200,
                     help="batches each store runs, alternating, with policies on and off")
+    ap.add_argument("--policy", choices=sorted(POLICY_PARTS), default="all",
+                    help="the policy of --policy-batches (default: all its parts)")
     ap.add_argument("--pass-rows", type=int, default=4_000_000,
                     help="rows of the store of the incremental pass (0: skip it)")
     ap.add_argument("--pass-changed", type=int, default=50_000,
@@ -372,8 +383,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         on, off = CEmbeddingStore(CAPACITY, OPT), CEmbeddingStore(CAPACITY, OPT)
         on.load(cstore.dump())
         off.load(cstore.dump())
-        on.set_policies(0, [SlotPolicy(min_count=2, ttl_s=3600.0,
-                                       max_rows=CAPACITY * 9 // 10)])
+        on.set_policies(0, [SlotPolicy(**POLICY_PARTS[args.policy])])
         tracking.update(versus_policies(on, off, zipf, grads, args.policy_batches))
         on.close()
         off.close()
@@ -419,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
               f"update {res['update_vs_old_build']:.3f}x ({res['update_vs_old_build_q1']:.2f}"
               f"-{res['update_vs_old_build_q3']:.2f})")
     if args.policy_batches:
-        print(f"policies on (min_count 2, ttl_s 3600, max_rows 90%) / off, median of "
+        print(f"policies on ({args.policy}: {POLICY_PARTS[args.policy]}) / off, median of "
               f"{args.policy_batches} alternated batches (quartiles): lookup "
               f"{res['lookup_policies_vs_none']:.3f}x ({res['lookup_policies_vs_none_q1']:.2f}"
               f"-{res['lookup_policies_vs_none_q3']:.2f}), update "
