@@ -70,6 +70,8 @@ cdef struct Pol:       # one policy of the table (see store_policy.pxi)
 
 cdef struct Aux:       # per entry, only while a policy has a TTL or a cap
     int32_t prev, next  # the policy's queue
+
+cdef struct Stamp:     # per entry, only while a policy has a TTL
     float t           # seconds since the store was made, of its last training lookup
     uint32_t step     # the store's training lookup calls then (mod 2**32)
 

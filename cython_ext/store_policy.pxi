@@ -2,14 +2,14 @@
 # _pystore's docstring). Each entry keeps its policy index in the low 15 bits of Entry.pol
 # and, in its top bit (REF), whether a training lookup found it since it was queued. The
 # store keeps a Pol per index (its counters and, while some policy has a TTL or a cap, the
-# head and tail of its own queue). The links of those queues and each row's stamp (time
-# and step of its last training lookup) are in ``aux``, an array parallel to the entries
-# allocated only while a TTL or a cap exists: a store without them reads and writes no byte
-# more per row (a parallel array on the hot paths cost 7-10% of lookup and update rates).
-# A training lookup's hit does not move the row in its queue (that cost three more cache
-# lines per row, 20% of the lookup rate in load_tests/bench_store.py): it sets REF in the
-# entry (already in cache) and, while a TTL exists, writes the stamp (one line, fetched
-# ahead by _stage). Cap evictions and expire() re-queue the REF rows they meet at the tail
+# head and tail of its own queue). The links of those queues are in ``aux``, an array
+# parallel to the entries allocated only while a TTL or a cap exists, and each row's stamp
+# (time and step of its last training lookup) in ``stamps``, another, only while a TTL
+# exists: a store without them reads and writes no byte more per row (a parallel array on
+# the hot paths cost 7-10% of lookup and update rates). A training lookup's hit does not
+# move the row in its queue (that cost three more cache lines per row, 20% of the lookup
+# rate in load_tests/bench_store.py): it sets REF in the entry (already in cache) and,
+# while a TTL exists, writes the stamp (8 bytes, fetched ahead by _stage). Cap evictions and expire() re-queue the REF rows they meet at the tail
 # (second chance, as CLOCK does) and evict the others.
 # Frequency admission counts misses in a count-min sketch of 8-bit counters
 # (stream_persia/server/policies.py states its layout and error bound), allocated only while
@@ -40,8 +40,9 @@ cdef inline uint16_t _policy_of(CEmbeddingStore self, uint64_t key) noexcept nog
 cdef void _ppush(CEmbeddingStore self, int32_t e) noexcept nogil:
     """Queue entry ``e`` at the head of its policy's queue, stamped with the call's stamp."""
     _relink(self, e)
-    self.aux[e].t = self.tnow
-    self.aux[e].step = self.snow
+    if self.has_ttl:
+        self.stamps[e].t = self.tnow
+        self.stamps[e].step = self.snow
 
 
 cdef void _punlink(CEmbeddingStore self, int32_t e) noexcept nogil:
@@ -62,8 +63,8 @@ cdef void _ptouch(CEmbeddingStore self, int32_t e) noexcept nogil:
     while a TTL exists, stamp it."""
     self.entries[e].pol |= REF
     if self.has_ttl:
-        self.aux[e].t = self.tnow
-        self.aux[e].step = self.snow
+        self.stamps[e].t = self.tnow
+        self.stamps[e].step = self.snow
 
 
 cdef void _pload(CEmbeddingStore self, int32_t e) noexcept nogil:
@@ -166,12 +167,15 @@ cdef void _stage_policy(CEmbeddingStore self, uint64_t key, int32_t e) noexcept 
 cdef void _stage_evict(CEmbeddingStore self, int32_t y) noexcept nogil:
     """_evict_tail's step for the queues: the next victim ``y`` (its entry and, since the
     previous eviction, its aux are in flight) will be unlinked from its queue: fetch its
-    neighbours there, and the aux of the victim after it."""
+    neighbours there and its stamp (the new row reusing its entry writes it), and the
+    aux of the victim after it."""
     cdef Aux *x = &self.aux[y]
     if x.prev >= 0:
         sp_prefetch_w(&self.aux[x.prev])
     if x.next >= 0:
         sp_prefetch_w(&self.aux[x.next])
+    if self.has_ttl:
+        sp_prefetch_w(&self.stamps[y])
     y = self.entries[y].prev
     if y >= 0:
         sp_prefetch_w(&self.aux[y])
@@ -231,14 +235,14 @@ cdef int64_t _expire(CEmbeddingStore self, double rel, int64_t limit) noexcept n
     cdef int64_t n = 0, moved = 0
     cdef int32_t i, t
     cdef Pol *P
-    cdef Aux *x
+    cdef Stamp *x
     for i in range(self.npol):
         P = &self.pol[i]
         if P.ttl_s < 0 and P.ttl_steps == 0:
             continue
         while n < limit and P.tail >= 0:
             t = P.tail
-            x = &self.aux[t]
+            x = &self.stamps[t]
             if (P.ttl_s >= 0 and rel - <double>x.t >= P.ttl_s) or \
                     (P.ttl_steps > 0 and <int64_t>(<uint32_t>(step - x.step)) >= P.ttl_steps):
                 if n == 0:
@@ -299,22 +303,30 @@ cdef _set_policies(CEmbeddingStore self, int bits, list pols, double now):
                 free(table)
                 raise MemoryError()
         self.use_aux = True
-        self.has_ttl = False
-    if need_aux and need_ttl and not self.has_ttl:
-        # Hits stamp rows only while a TTL exists: the rows present now get ``now``.
-        self.tnow = <float>(now - self.epoch)
-        self.snow = <uint32_t>self.steps
-        for e in range(self.eused):
-            self.aux[e].t = self.tnow
-            self.aux[e].step = self.snow
     elif not need_aux and self.use_aux:
         sp_free(self.aux, sizeof(Aux) * self.ecap)
         self.aux = NULL
         self.use_aux = False
+    if need_ttl and not self.has_ttl:
+        if self.ecap:
+            self.stamps = <Stamp*>sp_alloc(sizeof(Stamp) * self.ecap, self.ecap >= 1 << 17)
+            if self.stamps == NULL:
+                free(table)
+                raise MemoryError()
+        self.has_ttl = True
+        # Stamps are kept only while a TTL exists: the rows present now get ``now``.
+        self.tnow = <float>(now - self.epoch)
+        self.snow = <uint32_t>self.steps
+        for e in range(self.eused):
+            self.stamps[e].t = self.tnow
+            self.stamps[e].step = self.snow
+    elif not need_ttl and self.has_ttl:
+        sp_free(self.stamps, sizeof(Stamp) * self.ecap)
+        self.stamps = NULL
+        self.has_ttl = False
     free(self.pol)
     self.pol, self.npol, self.pbits = table, n, bits
     self.policed = any(not q.is_default for q in pols)
-    self.has_ttl = need_ttl
     with nogil:
         # Least recently used first: each queue in the global order, every row unmarked.
         e = self.tail

@@ -139,7 +139,7 @@ cdef inline void _stage(CEmbeddingStore self, Pipe *p, int64_t i) noexcept nogil
                 e = self.table[s].e
                 sp_prefetch(&self.entries[e])
                 if self.has_ttl:   # a hit writes its stamp
-                    sp_prefetch_w(&self.aux[e])
+                    sp_prefetch_w(&self.stamps[e])
                 break
             s = (s + 1) & mask
         p.e[j & (RING - 1)] = e

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from stream_persia.core.embedding_config import SlotPolicy
@@ -197,6 +197,7 @@ ttl_calls = st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=4), max_si
 
 @settings(max_examples=40, deadline=None)
 @given(ttl=st.integers(1, 4), cap=st.sampled_from([None, 3, 6]), calls=ttl_calls)
+@example(ttl=1, cap=None, calls=[[0], [0, 1]] + [[0]] * 8)   # 0 at the tail, always marked
 def test_expire_never_evicts_a_row_looked_up_within_its_ttl(ttl, cap, calls):
     """Both stores, expire after every call: a row expired was not looked up for ``ttl``
     steps, and no row outlives ``2 * (ttl + 1)`` steps without a lookup (the docstring's
@@ -217,6 +218,27 @@ def test_expire_never_evicts_a_row_looked_up_within_its_ttl(ttl, cap, calls):
             held = [k for k in last if s.contains(np.array([k], np.uint64))[0]]
             assert all(step - last[k] < 2 * (ttl + 1) for k in held), (impl, step)
             last = {k: last[k] for k in held}      # capped rows are gone too
+
+
+def test_stamps_survive_the_entries_growing(impl):
+    s = store(impl, capacity=10_000)
+    s.set_policies(BITS, [None, SlotPolicy(ttl_steps=2)])
+    for k in range(3):                                    # steps 1-3, entries grow past 1024
+        s.lookup(gid(0, *range(1000 * k, 1000 * (k + 1))), 4)
+    s.lookup(gid(1, 0), 4)                                # step 4
+    assert s.expire() == 2000
+    assert s.contains(gid(0, 1999, 2000)).tolist() == [False, True]
+
+
+def test_stamps_are_allocated_only_while_a_ttl_exists():
+    s = store(CEmbeddingStore, capacity=100_000)
+    s.lookup(gid(0, *range(2000)), 4)
+    s.set_policies(BITS, [None, SlotPolicy(max_rows=50_000)])
+    cap_only = s.memory_bytes()
+    s.set_policies(BITS, [None, SlotPolicy(max_rows=50_000, ttl_steps=5)])
+    assert s.memory_bytes() - cap_only >= 8 * 2000
+    s.set_policies(BITS, [None, SlotPolicy(max_rows=50_000)])
+    assert s.memory_bytes() == cap_only
 
 
 def test_expire_work_is_bounded(impl):
