@@ -120,7 +120,9 @@ cdef inline void _make_room_cap(CEmbeddingStore self, uint16_t p) noexcept nogil
         while self.entries[t].pol & REF:
             _requeue(self, t)
             t = P.tail
-            sp_prefetch(&self.aux[self.aux[t].prev])
+            if self.aux[t].prev >= 0:   # the candidate after this one
+                sp_prefetch(&self.entries[self.aux[t].prev])
+                sp_prefetch(&self.aux[self.aux[t].prev])
         P.evicted_cap += 1
         P_DROP(self, t)
         if P.tail >= 0:
