@@ -196,6 +196,7 @@ cdef class CEmbeddingStore:
     cdef bint policed        # a policy is not the default: misses take _admit_policed
     cdef bint use_aux, has_ttl
     cdef Aux *aux            # parallel to entries while use_aux (a TTL or a cap exists)
+    cdef Stamp *stamps       # parallel to entries while has_ttl
     cdef uint8_t *sketch     # SKETCH_DEPTH << sk_bits counters while a min_count > 1
     cdef int sk_bits
     cdef int64_t sk_count    # counts since the last halving
@@ -519,6 +520,8 @@ cdef class CEmbeddingStore:
         total += sizeof(Pol) * self.npol
         if self.use_aux:
             total += sizeof(Aux) * <int64_t>self.ecap
+        if self.has_ttl:
+            total += sizeof(Stamp) * <int64_t>self.ecap
         if self.sketch != NULL:
             total += (<int64_t>SKETCH_DEPTH) << self.sk_bits
         total += sizeof(Evicted) * self.elog.cap + sizeof(int32_t) * self.dcap
@@ -651,8 +654,7 @@ cdef class CEmbeddingStore:
                         else:
                             _touch(self, e)
                             if self.use_aux:
-                                _punlink(self, e)
-                                _ppush(self, e)
+                                _pload(self, e)
                             _dirty(self, e, self.entries[e].ver)
                         self.entries[e].ver = _v32(self)
                         a = &self.arenas[self.entries[e].arena]

@@ -31,7 +31,7 @@ cdef struct Entry:    # 32 bytes, 64-byte aligned array: one cache line per entr
     int32_t next      # towards the least recently used end (tail); free-list link when free
     uint32_t row
     uint16_t arena    # FREE_ARENA while the entry is free
-    uint16_t pol      # policy index (see store_policy.pxi)
+    uint16_t pol      # policy index, and REF: looked up since queued (store_policy.pxi)
     uint32_t ver      # change version of the row's last change, less the store's vbase
     int32_t pos       # position in update()'s list of unique ids (valid while ver says
                       # that this update() has seen the entry: see _update)
@@ -73,11 +73,13 @@ cdef struct Pol:       # one policy of the table (see store_policy.pxi)
     int64_t max_rows  # 0: none
     int32_t min_count
     int32_t dtype     # storage dtype of new rows (Arena.dtype)
-    int32_t head, tail  # the policy's LRU list (kept while the store has aux)
+    int32_t head, tail  # the policy's queue (kept while the store has aux)
     int64_t rows, admitted, rejected, dropped, expired, evicted_lru, evicted_cap
 
 cdef struct Aux:       # per entry, only while a policy has a TTL or a cap
-    int32_t prev, next  # the policy's LRU list
+    int32_t prev, next  # the policy's queue
+
+cdef struct Stamp:     # per entry, only while a policy has a TTL
     float t           # seconds since the store was made, of its last training lookup
     uint32_t step     # the store's training lookup calls then (mod 2**32)
 
@@ -102,6 +104,8 @@ cdef enum:
     PF_ROW = 12
     FREE_ARENA = 0xFFFF
     SKETCH_DEPTH = 4
+    REF = 0x8000      # Entry.pol: the row was looked up since it was queued
+    PMASK = 0x7FFF    # Entry.pol: the policy index (policies.MAX_POLICIES)
     LISTED_COST = 8   # changed_since: a listed entry costs about 8 scanned ones (measured
                       # in load_tests/bench_store.py): the windows of the dirty list are
                       # chunk_rows // 8 entries, and a list over 1/8 of the entries is scanned

@@ -13,6 +13,8 @@ cdef void _free_all(CEmbeddingStore self) noexcept:
     sp_free(self.entries, sizeof(Entry) * self.ecap)
     sp_free(self.aux, sizeof(Aux) * self.ecap)
     self.aux = NULL
+    sp_free(self.stamps, sizeof(Stamp) * self.ecap)
+    self.stamps = NULL
     sp_free(self.table, sizeof(Slot) << self.tbits)
     self.arenas = NULL
     self.entries = NULL
@@ -136,17 +138,29 @@ cdef bint _grow_entries(CEmbeddingStore self) noexcept nogil:
         cap = self.capacity_
     cdef Entry *e = <Entry*>sp_alloc(sizeof(Entry) * cap, cap >= 1 << 17)
     cdef Aux *x = NULL
+    cdef Stamp *t = NULL
     if e == NULL:
         return False
+    if self.has_ttl:
+        t = <Stamp*>sp_alloc(sizeof(Stamp) * cap, cap >= 1 << 17)
+        if t == NULL:
+            sp_free(e, sizeof(Entry) * cap)
+            return False
     if self.use_aux:
         x = <Aux*>sp_alloc(sizeof(Aux) * cap, cap >= 1 << 17)
         if x == NULL:
             sp_free(e, sizeof(Entry) * cap)
+            sp_free(t, sizeof(Stamp) * cap)
             return False
         if self.eused:
             memcpy(x, self.aux, sizeof(Aux) * self.eused)
         sp_free(self.aux, sizeof(Aux) * self.ecap)
         self.aux = x
+    if self.has_ttl:
+        if self.eused:
+            memcpy(t, self.stamps, sizeof(Stamp) * self.eused)
+        sp_free(self.stamps, sizeof(Stamp) * self.ecap)
+        self.stamps = t
     if self.eused:
         memcpy(e, self.entries, sizeof(Entry) * self.eused)
     sp_free(self.entries, sizeof(Entry) * self.ecap)

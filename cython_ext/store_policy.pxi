@@ -1,10 +1,16 @@
 # Included by store.pyx (see the note there): the table policies of issue 20 (semantics in
-# _pystore's docstring). Each entry keeps its policy index in the 16 bits Entry.pol; the
+# _pystore's docstring). Each entry keeps its policy index in the low 15 bits of Entry.pol
+# and, in its top bit (REF), whether a training lookup found it since it was queued. The
 # store keeps a Pol per index (its counters and, while some policy has a TTL or a cap, the
-# head and tail of its own LRU list). The links of those lists and each row's stamp (time
-# and step of its last training lookup) are in ``aux``, an array parallel to the entries
-# allocated only while a TTL or a cap exists: a store without them reads and writes no byte
-# more per row (a parallel array on the hot paths cost 7-10% of lookup and update rates).
+# head and tail of its own queue). The links of those queues are in ``aux``, an array
+# parallel to the entries allocated only while a TTL or a cap exists, and each row's stamp
+# (time and step of its last training lookup) in ``stamps``, another, only while a TTL
+# exists: a store without them reads and writes no byte more per row (a parallel array on
+# the hot paths cost 7-10% of lookup and update rates). A training lookup's hit does not
+# move the row in its queue (that cost three more cache lines per row, 20% of the lookup
+# rate in load_tests/bench_store.py): it sets REF in the entry (already in cache) and,
+# while a TTL exists, writes the stamp (8 bytes, fetched ahead by _stage). Cap evictions and expire() re-queue the REF rows they meet at the tail
+# (second chance, as CLOCK does) and evict the others.
 # Frequency admission counts misses in a count-min sketch of 8-bit counters
 # (stream_persia/server/policies.py states its layout and error bound), allocated only while
 # a policy has min_count > 1.
@@ -21,6 +27,7 @@ cdef entry_fn P_PUSH, P_UNLINK, P_TOUCH, P_DROP
 cdef admit_fn P_ADMIT
 ctypedef void (*stage_fn)(CEmbeddingStore, uint64_t, int32_t) noexcept nogil
 cdef stage_fn P_STAGE
+cdef entry_fn P_STAGE_EVICT
 
 cdef inline uint16_t _policy_of(CEmbeddingStore self, uint64_t key) noexcept nogil:
     cdef uint64_t p
@@ -31,22 +38,15 @@ cdef inline uint16_t _policy_of(CEmbeddingStore self, uint64_t key) noexcept nog
 
 
 cdef void _ppush(CEmbeddingStore self, int32_t e) noexcept nogil:
-    """Put entry ``e`` at the front of its policy's list, stamped with the call's stamp."""
-    cdef Pol *P = &self.pol[self.entries[e].pol]
-    cdef Aux *x = &self.aux[e]
-    x.prev = -1
-    x.next = P.head
-    if P.head >= 0:
-        self.aux[P.head].prev = e
-    else:
-        P.tail = e
-    P.head = e
-    x.t = self.tnow
-    x.step = self.snow
+    """Queue entry ``e`` at the head of its policy's queue, stamped with the call's stamp."""
+    _relink(self, e)
+    if self.has_ttl:
+        self.stamps[e].t = self.tnow
+        self.stamps[e].step = self.snow
 
 
 cdef void _punlink(CEmbeddingStore self, int32_t e) noexcept nogil:
-    cdef Pol *P = &self.pol[self.entries[e].pol]
+    cdef Pol *P = &self.pol[self.entries[e].pol & PMASK]
     cdef Aux *x = &self.aux[e]
     if x.prev >= 0:
         self.aux[x.prev].next = x.next
@@ -59,12 +59,27 @@ cdef void _punlink(CEmbeddingStore self, int32_t e) noexcept nogil:
 
 
 cdef void _ptouch(CEmbeddingStore self, int32_t e) noexcept nogil:
-    """A training lookup's hit: its policy's list moves a row at its first lookup in the
-    call (``steps`` counts the calls); the later ones of a hot id cost no list update."""
-    if self.aux[e].step == self.snow:
-        return
+    """A training lookup's hit: mark the row (it stays where it is in its queue) and,
+    while a TTL exists, stamp it."""
+    self.entries[e].pol |= REF
+    if self.has_ttl:
+        self.stamps[e].t = self.tnow
+        self.stamps[e].step = self.snow
+
+
+cdef void _pload(CEmbeddingStore self, int32_t e) noexcept nogil:
+    """A load overwrites stored entry ``e``: re-queue it, unmarked, with the call's stamp."""
     _punlink(self, e)
+    self.entries[e].pol &= PMASK
     _ppush(self, e)
+
+
+cdef inline void _requeue(CEmbeddingStore self, int32_t e) noexcept nogil:
+    """Second chance: marked entry ``e`` (at its queue's tail) goes to the head, unmarked,
+    keeping its stamp."""
+    _punlink(self, e)
+    self.entries[e].pol &= PMASK
+    _relink(self, e)
 
 
 cdef _stamp_now(CEmbeddingStore self):
@@ -73,36 +88,45 @@ cdef _stamp_now(CEmbeddingStore self):
     self.snow = <uint32_t>self.steps
 
 
-cdef inline void _make_room_cap(CEmbeddingStore self, uint16_t p) noexcept nogil:
-    """Before a new row of policy ``p``: evict its group's oldest row if at its cap (the
-    capacity is _insert's)."""
-    cdef Pol *P = &self.pol[p]
-    cdef int32_t t, y
-    cdef Entry *x
-    cdef Arena *a
-    cdef float *row
-    cdef uint32_t s
+cdef inline void _prefetch_victim(CEmbeddingStore self, int32_t t) noexcept nogil:
+    """The next victims of a cap are cold: as _evict_tail does, fetch the table slot and
+    row of the queue's tail ``t`` (its entry was fetched one eviction ago) and the entry
+    before it."""
+    cdef Entry *x = &self.entries[t]
+    cdef uint32_t s = sp_hash32(x.key) >> (32 - self.tbits)
+    cdef Arena *a = &self.arenas[x.arena]
+    cdef float *row = row_ptr(a, x.row)
+    cdef int32_t y
     cdef int k
+    sp_prefetch_w(&self.table[s])
+    if s & 7:
+        sp_prefetch_w(&self.table[(s + 7) & ((<uint32_t>1 << self.tbits) - 1)])
+    for k in range(0, a.stride, 16):
+        sp_prefetch_w(row + k)
+    y = self.aux[t].prev
+    if y >= 0:
+        sp_prefetch(&self.entries[y])
+        sp_prefetch(&self.aux[y])
+
+
+cdef inline void _make_room_cap(CEmbeddingStore self, uint16_t p) noexcept nogil:
+    """Before a new row of policy ``p``: if its group is at its cap, evict the first
+    unmarked row from its queue's tail, re-queueing the marked ones before it (the
+    capacity is _insert's). Ends: each re-queue clears a mark."""
+    cdef Pol *P = &self.pol[p]
+    cdef int32_t t
     if P.max_rows and P.rows >= P.max_rows and P.tail >= 0:
-        P.evicted_cap += 1
-        P_DROP(self, P.tail)
-        # The next victims are cold: as _evict_tail does, fetch the table slot and row of
-        # the next one (its entry was fetched one eviction ago) and the entry after it.
         t = P.tail
-        if t >= 0:
-            x = &self.entries[t]
-            s = sp_hash32(x.key) >> (32 - self.tbits)
-            sp_prefetch_w(&self.table[s])
-            if s & 7:
-                sp_prefetch_w(&self.table[(s + 7) & ((<uint32_t>1 << self.tbits) - 1)])
-            a = &self.arenas[x.arena]
-            row = row_ptr(a, x.row)
-            for k in range(0, a.stride, 16):
-                sp_prefetch_w(row + k)
-            y = self.aux[t].prev
-            if y >= 0:
-                sp_prefetch(&self.entries[y])
-                sp_prefetch(&self.aux[y])
+        while self.entries[t].pol & REF:
+            _requeue(self, t)
+            t = P.tail
+            if self.aux[t].prev >= 0:   # the candidate after this one
+                sp_prefetch(&self.entries[self.aux[t].prev])
+                sp_prefetch(&self.aux[self.aux[t].prev])
+        P.evicted_cap += 1
+        P_DROP(self, t)
+        if P.tail >= 0:
+            _prefetch_victim(self, P.tail)
 
 
 cdef uint32_t _sketch_add(CEmbeddingStore self, uint64_t key) noexcept nogil:
@@ -132,21 +156,31 @@ cdef uint32_t _sketch_add(CEmbeddingStore self, uint64_t key) noexcept nogil:
 
 
 cdef void _stage_policy(CEmbeddingStore self, uint64_t key, int32_t e) noexcept nogil:
-    """_stage's step for the policies, PF_ROW ids ahead in a training lookup: a miss's
-    sketch counters (admission counts it), a hit's neighbours in its policy's list."""
+    """_stage's step for the sketch, PF_ROW ids ahead in a training lookup: a miss's
+    counters (admission counts it)."""
     cdef int64_t w = <int64_t>1 << self.sk_bits
     cdef int j
-    cdef Aux *x
-    if e < 0 and self.sketch != NULL:
+    if e < 0:
         for j in range(SKETCH_DEPTH):
             sp_prefetch(&self.sketch[j * w + <int64_t>(sp_mix64(key ^ self.seeds[j])
                                                        >> (64 - self.sk_bits))])
-    elif e >= 0 and self.use_aux:
-        x = &self.aux[e]
-        if x.prev >= 0:
-            sp_prefetch(&self.aux[x.prev])
-        if x.next >= 0:
-            sp_prefetch(&self.aux[x.next])
+
+
+cdef void _stage_evict(CEmbeddingStore self, int32_t y) noexcept nogil:
+    """_evict_tail's step for the queues: the next victim ``y`` (its entry and, since the
+    previous eviction, its aux are in flight) will be unlinked from its queue: fetch its
+    neighbours there and its stamp (the new row reusing its entry writes it), and the
+    aux of the victim after it."""
+    cdef Aux *x = &self.aux[y]
+    if x.prev >= 0:
+        sp_prefetch_w(&self.aux[x.prev])
+    if x.next >= 0:
+        sp_prefetch_w(&self.aux[x.next])
+    if self.has_ttl:
+        sp_prefetch_w(&self.stamps[y])
+    y = self.entries[y].prev
+    if y >= 0:
+        sp_prefetch_w(&self.aux[y])
 
 
 cdef inline uint32_t _sketch_estimate(CEmbeddingStore self, uint64_t key) noexcept nogil:
@@ -208,27 +242,33 @@ cdef float *_admit_policed(CEmbeddingStore self, uint64_t key, int ai, Arena *a,
 
 
 cdef int64_t _expire(CEmbeddingStore self, double rel, int64_t limit) noexcept nogil:
-    """Evict rows past their TTL (``rel``: now, in seconds since the store was made),
-    oldest first per policy, at most ``limit``."""
+    """Evict rows past their TTL (``rel``: now, in seconds since the store was made), policy
+    by policy from each queue's tail: a row past its TTL is evicted, a marked one
+    re-queued, an unmarked one ends the policy's walk; at most ``limit`` of each."""
     cdef uint32_t step = <uint32_t>self.steps
-    cdef int64_t n = 0
-    cdef int32_t i
+    cdef int64_t n = 0, moved = 0
+    cdef int32_t i, t
     cdef Pol *P
-    cdef Aux *x
+    cdef Stamp *x
     for i in range(self.npol):
         P = &self.pol[i]
         if P.ttl_s < 0 and P.ttl_steps == 0:
             continue
         while n < limit and P.tail >= 0:
-            x = &self.aux[P.tail]
-            if not ((P.ttl_s >= 0 and rel - <double>x.t >= P.ttl_s) or
-                    (P.ttl_steps > 0 and <int64_t>(<uint32_t>(step - x.step)) >= P.ttl_steps)):
+            t = P.tail
+            x = &self.stamps[t]
+            if (P.ttl_s >= 0 and rel - <double>x.t >= P.ttl_s) or \
+                    (P.ttl_steps > 0 and <int64_t>(<uint32_t>(step - x.step)) >= P.ttl_steps):
+                if n == 0:
+                    _bump(self)
+                P.expired += 1
+                P_DROP(self, t)
+                n += 1
+            elif self.entries[t].pol & REF and moved < limit:
+                _requeue(self, t)
+                moved += 1
+            else:
                 break
-            if n == 0:
-                _bump(self)
-            P.expired += 1
-            P_DROP(self, P.tail)
-            n += 1
     return n
 
 
@@ -237,7 +277,7 @@ cdef _set_policies(CEmbeddingStore self, int bits, list pols, double now):
     cdef int32_t n = len(pols), i, e
     cdef uint16_t p
     cdef Pol *P
-    cdef bint need_aux = False, need_sketch = False, bumped = False
+    cdef bint need_aux = False, need_sketch = False, bumped = False, need_ttl
     cdef Pol *table = <Pol*>calloc(n, sizeof(Pol))
     cdef int64_t sk_bytes
     if table == NULL:
@@ -270,6 +310,7 @@ cdef _set_policies(CEmbeddingStore self, int bits, list pols, double now):
         self.sk_count = 0
     elif not need_sketch:
         _free_sketch(self)
+    need_ttl = any(q.ttl_s is not None or q.ttl_steps is not None for q in pols)
     if need_aux and not self.use_aux:
         if self.ecap:
             self.aux = <Aux*>sp_alloc(sizeof(Aux) * self.ecap, self.ecap >= 1 << 17)
@@ -277,15 +318,27 @@ cdef _set_policies(CEmbeddingStore self, int bits, list pols, double now):
                 free(table)
                 raise MemoryError()
         self.use_aux = True
-        self.tnow = <float>(now - self.epoch)
-        self.snow = <uint32_t>self.steps
-        for e in range(self.eused):   # rows present now are stamped with ``now``
-            self.aux[e].t = self.tnow
-            self.aux[e].step = self.snow
     elif not need_aux and self.use_aux:
         sp_free(self.aux, sizeof(Aux) * self.ecap)
         self.aux = NULL
         self.use_aux = False
+    if need_ttl and not self.has_ttl:
+        if self.ecap:
+            self.stamps = <Stamp*>sp_alloc(sizeof(Stamp) * self.ecap, self.ecap >= 1 << 17)
+            if self.stamps == NULL:
+                free(table)
+                raise MemoryError()
+        self.has_ttl = True
+        # Stamps are kept only while a TTL exists: the rows present now get ``now``.
+        self.tnow = <float>(now - self.epoch)
+        self.snow = <uint32_t>self.steps
+        for e in range(self.eused):
+            self.stamps[e].t = self.tnow
+            self.stamps[e].step = self.snow
+    elif not need_ttl and self.has_ttl:
+        sp_free(self.stamps, sizeof(Stamp) * self.ecap)
+        self.stamps = NULL
+        self.has_ttl = False
     free(self.pol)
     self.pol, self.npol, self.pbits = table, n, bits
     self.policed = any(not q.is_default for q in pols)
@@ -293,9 +346,9 @@ cdef _set_policies(CEmbeddingStore self, int bits, list pols, double now):
     self.dtmask = 1
     for i in range(n):
         self.dtmask |= 1 << self.pol[i].dtype
-    self.has_ttl = any(q.ttl_s is not None or q.ttl_steps is not None for q in pols)
     with nogil:
-        e = self.tail       # least recently used first: each list in the global order
+        # Least recently used first: each queue in the global order, every row unmarked.
+        e = self.tail
         while e >= 0:
             p = _policy_of(self, self.entries[e].key)
             self.entries[e].pol = p
@@ -316,7 +369,7 @@ cdef _set_policies(CEmbeddingStore self, int bits, list pols, double now):
 
 cdef inline void _relink(CEmbeddingStore self, int32_t e) noexcept nogil:
     """_ppush keeping the entry's stamp."""
-    cdef Pol *P = &self.pol[self.entries[e].pol]
+    cdef Pol *P = &self.pol[self.entries[e].pol & PMASK]
     cdef Aux *x = &self.aux[e]
     x.prev = -1
     x.next = P.head
@@ -356,4 +409,4 @@ cdef void _drop_out_of_line(CEmbeddingStore self, int32_t e) noexcept nogil:
 
 
 P_PUSH, P_UNLINK, P_TOUCH, P_ADMIT = _ppush, _punlink, _ptouch, _admit_policed
-P_DROP, P_STAGE = _drop_out_of_line, _stage_policy
+P_DROP, P_STAGE, P_STAGE_EVICT = _drop_out_of_line, _stage_policy, _stage_evict

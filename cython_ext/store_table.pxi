@@ -138,8 +138,8 @@ cdef inline void _stage(CEmbeddingStore self, Pipe *p, int64_t i) noexcept nogil
             if self.table[s].h == h:
                 e = self.table[s].e
                 sp_prefetch(&self.entries[e])
-                if self.use_aux:
-                    sp_prefetch(&self.aux[e])
+                if self.has_ttl:   # a hit writes its stamp
+                    sp_prefetch_w(&self.stamps[e])
                 break
             s = (s + 1) & mask
         p.e[j & (RING - 1)] = e
@@ -159,7 +159,7 @@ cdef inline void _stage(CEmbeddingStore self, Pipe *p, int64_t i) noexcept nogil
                     sp_prefetch(&self.entries[x.prev])
                 if p.links and x.next >= 0:
                     sp_prefetch(&self.entries[x.next])
-        if p.links and self.policed:
+        if p.links and self.sketch != NULL:
             P_STAGE(self, p.keys[j], p.e[j & (RING - 1)])
 
 
@@ -207,7 +207,7 @@ cdef inline void _drop(CEmbeddingStore self, int32_t e) noexcept nogil:
     cdef Arena *a = &self.arenas[x.arena]
     if self.use_aux:
         P_UNLINK(self, e)
-    self.pol[x.pol].rows -= 1
+    self.pol[x.pol & PMASK].rows -= 1
     _table_remove(self, x.key, e)
     _unlink(self, e)
     (<uint32_t*>row_ptr(a, x.row))[0] = a.free_head
@@ -225,7 +225,7 @@ cdef void _evict_tail(CEmbeddingStore self) noexcept nogil:
     cdef float *row
     cdef int k
     cdef uint32_t s
-    self.pol[self.entries[self.tail].pol].evicted_lru += 1
+    self.pol[self.entries[self.tail].pol & PMASK].evicted_lru += 1
     _drop(self, self.tail)
     self.n_evictions += 1
     # The next victims are cold: fetch what evicting them will touch, two evictions
@@ -243,6 +243,8 @@ cdef void _evict_tail(CEmbeddingStore self) noexcept nogil:
             sp_prefetch_w(row + k)
         if y.prev >= 0:
             sp_prefetch(&self.entries[y.prev])
+        if self.use_aux:
+            P_STAGE_EVICT(self, self.entries[self.tail].prev)
 
 
 cdef int32_t _insert(CEmbeddingStore self, uint64_t key, int ai) noexcept nogil:

@@ -31,6 +31,7 @@ hour, ``max_rows`` 90% of the capacity, so the sketch, the per-policy lists and 
 the cap all work on each miss) and one without, run the same batches in turn as above,
 with ``expire()`` on the policed one every 40 batches (the server calls it every second);
 the median of the per-batch ratios policies on / off is reported (target >= 0.9).
+``--policy ttl|cap|min_count`` puts only that part of the policy on.
 
 Compact rows (issue 20, ``--dtype-batches``, default 200; 0 skips it): rows per GiB of a
 store of ``CAPACITY`` distinct ids whose rows are float32, float16 and bfloat16 (a policy
@@ -54,7 +55,7 @@ Memory: ``memory_bytes()`` of the full Cython store per row, against the raw byt
 shown beside it as a check.
 
 Usage: ``python load_tests/bench_store.py [--json PATH] [--rounds N] [--batches N]
-[--old-build PATH] [--policy-batches N] [--dtype-batches N] [--pass-rows N] [--pass-changed N] [--pass-rounds N]``
+[--old-build PATH] [--policy-batches N] [--policy all|ttl|cap|min_count] [--dtype-batches N] [--pass-rows N] [--pass-changed N] [--pass-rounds N]``
 """
 
 from __future__ import annotations
@@ -210,6 +211,14 @@ def versus_old_build(new, old, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict
     return out
 
 
+POLICY_PARTS = {
+    "all": {"min_count": 2, "ttl_s": 3600.0, "max_rows": CAPACITY * 9 // 10},
+    "ttl": {"ttl_s": 3600.0},
+    "cap": {"max_rows": CAPACITY * 9 // 10},
+    "min_count": {"min_count": 2},
+}
+
+
 def versus_policies(on, off, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict[str, float]:
     """Rates with policies / without, as versus_old_build: the same batch on both stores in
     turn, each first every other batch; ``on.expire()`` every 40 batches."""
@@ -346,6 +355,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     help="batches each store runs, alternating, with policies on and off")
     ap.add_argument("--dtype-batches", type=int, default=200,
                     help="batches each store runs, alternating, with float16 and float32 rows")
+    ap.add_argument("--policy", choices=sorted(POLICY_PARTS), default="all",
+                    help="the policy of --policy-batches (default: all its parts)")
     ap.add_argument("--pass-rows", type=int, default=4_000_000,
                     help="rows of the store of the incremental pass (0: skip it)")
     ap.add_argument("--pass-changed", type=int, default=50_000,
@@ -429,8 +440,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         on, off = CEmbeddingStore(CAPACITY, OPT), CEmbeddingStore(CAPACITY, OPT)
         on.load(cstore.dump())
         off.load(cstore.dump())
-        on.set_policies(0, [SlotPolicy(min_count=2, ttl_s=3600.0,
-                                       max_rows=CAPACITY * 9 // 10)])
+        on.set_policies(0, [SlotPolicy(**POLICY_PARTS[args.policy])])
         tracking.update(versus_policies(on, off, zipf, grads, args.policy_batches))
         on.close()
         off.close()
@@ -489,7 +499,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
               f"update {res['update_vs_old_build']:.3f}x ({res['update_vs_old_build_q1']:.2f}"
               f"-{res['update_vs_old_build_q3']:.2f})")
     if args.policy_batches:
-        print(f"policies on (min_count 2, ttl_s 3600, max_rows 90%) / off, median of "
+        print(f"policies on ({args.policy}: {POLICY_PARTS[args.policy]}) / off, median of "
               f"{args.policy_batches} alternated batches (quartiles): lookup "
               f"{res['lookup_policies_vs_none']:.3f}x ({res['lookup_policies_vs_none_q1']:.2f}"
               f"-{res['lookup_policies_vs_none_q3']:.2f}), update "

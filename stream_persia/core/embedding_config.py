@@ -100,7 +100,8 @@ class SlotPolicy:
         ttl_s: rows not looked up in training for this many seconds expire (``expire()``).
         ttl_steps: rows not looked up in training for this many training lookup calls of
             the store expire.
-        max_rows: the group's row cap: beyond it its least recently used row is evicted.
+        max_rows: the group's row cap: beyond it a row not looked up since it was last
+            queued is evicted (second chance, as CLOCK; see the store's docstring).
         dtype: storage dtype of the row weights: float32, float16 or bfloat16.
     """
 

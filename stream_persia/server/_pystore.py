@@ -59,22 +59,41 @@ its rows, index 0 being the default (``SlotPolicy()`` unless given). Without pol
 (:mod:`stream_persia.server.policies`); below ``min_count`` the lookup returns ``k``'s
 initial row (:func:`initial_rows`), stores nothing, draws nothing, and counts
 ``rejected``. Then the admission draw as above with ``P.admit_probability`` (None: the
-config's). An admitted id first evicts its group's least recently used row if the group
-holds ``P.max_rows`` rows (``evicted_cap``), then the globally least recently used row if
-the store is full (``evicted_lru``). While some policy has a TTL or a cap, each policy
-keeps its own LRU list (the global one is unchanged) and, each row, the time (float32
-seconds since the store was made) and step (the store's count of training lookup calls
-with at least one id, mod 2**32) of its last training lookup or load; a training lookup
-moves a row to the front of its policy's list (and stamps it) at the row's first lookup
-in the call only, so the policy lists order rows by call, and within a call by first
-lookup (the global list by last lookup). ``expire(now)``
-evicts, policy by policy in index order from each policy's least recently used row, the
-rows with ``now - t >= ttl_s`` or ``step - s >= ttl_steps``, at most ``max_rows`` of
-them. ``set_policies`` stamps rows present when the first TTL or cap appears with its
-``now`` and the current step, recomputes every row's policy, and applies lower caps at
-once. ``expire`` and ``set_policies`` are mutating calls when they evict a row: they
-increment ``change_version`` before the first, and log every row they evict. Ids of an
-``update`` not stored are counted per policy (``dropped_grads``).
+config's). An admitted id first makes room in its group if the group holds ``P.max_rows``
+rows (``evicted_cap``, below), then evicts the globally least recently used row if the
+store is full (``evicted_lru``).
+
+While some policy has a TTL or a cap, each policy keeps its rows in its own *queue* (the
+global LRU list is unchanged) and each row has a *mark* and a *stamp*. A row enters its
+queue at the head, unmarked, when it is stored or loaded (stamped then) and when it is
+*re-queued*; a training lookup that finds a row does not move it in its queue: it marks
+it and, while some policy has a TTL, stamps it. The stamp is the time (float32 seconds
+since the store was made) and step (the store's count of training lookup calls with at
+least one id, mod 2**32) of the row's last training lookup or load, or the ``now`` and
+step of the ``set_policies`` call that introduced the first TTL if that is later. A group
+at its cap evicts (``evicted_cap``) the first unmarked row from its queue's tail,
+re-queueing (unmarked, stamp kept) the marked rows before it: second chance, as CLOCK
+does. So the row a cap evicts was not looked up since it was last queued, every row of
+the group queued before it was looked up since (and is re-queued), and it is not always
+the group's least recently used row. ``expire(now)``
+walks the queues of the policies with a TTL in index order, each from its tail: a row
+with ``now - t >= ttl_s`` or ``step - s >= ttl_steps`` (its stamp ``t``, ``s``) is
+evicted, else a marked row is re-queued, else the policy's walk ends; at most
+``max_rows`` rows are evicted and at most ``max_rows`` re-queued per call. A row is
+evicted by expire only when its stamp is past its TTL: expire never evicts a row looked
+up in training within its TTL. A row is evicted by the first expire (with room in its
+``max_rows``) at a time when it has not been looked up for its TTL since it was last
+queued (every row queued before it is then past its TTL or marked); a row looked up since
+is re-queued by the first expire that reaches it, at most one TTL later. So with expire
+called at least every period ``d`` (and room), a row not looked up for ``2 * (ttl + d)``
+(in steps alike) is gone. Cost: a hit writes the entry it reads (its mark) and, while a
+TTL exists, the stamp; a re-queue is O(1) and each one clears a mark, so walks cost at
+most one step per training lookup plus one per eviction. ``set_policies`` recomputes
+every row's policy, rebuilds the queues in global LRU order (least recently used at the
+tail) with every row unmarked, stamps rows as above, and applies lower caps at once (from
+each queue's tail). ``expire`` and ``set_policies`` are mutating calls when they evict a
+row: they increment ``change_version`` before the first, and log every row they evict.
+Ids of an ``update`` not stored are counted per policy (``dropped_grads``).
 
 Compact rows (``P.dtype``, :mod:`stream_persia.server.row_dtypes`): a row admitted or
 loaded while its policy says ``float16`` or ``bfloat16`` stores its weights in that dtype,
@@ -352,8 +371,9 @@ class PyEmbeddingStore:
         self._version = 0
         self._closed = False
         # Policies (see the module docstring): the table, one counter dict per index,
-        # the sketch (while a min_count > 1), and while a TTL or cap: one LRU list per
-        # index (oldest first) and each row's stamp (float32 time, uint32 step).
+        # the sketch (while a min_count > 1), and while a TTL or cap: one queue per index
+        # (oldest first), the rows looked up since queued, and each row's stamp (float32
+        # time, uint32 step).
         self._pbits = 0
         self._pols: list[SlotPolicy] = [SlotPolicy()]
         self._policed = False
@@ -361,6 +381,8 @@ class PyEmbeddingStore:
         self._sketch: _pol.PySketch | None = None
         self._plru: list[OrderedDict[int, None]] | None = None
         self._stamps: dict[int, tuple[np.float32, int]] = {}
+        self._marked: set[int] = set()
+        self._has_ttl = False
         self._epoch = time.time()
         self._steps = 0
         self._stamp_now: tuple[np.float32, int] = (np.float32(0.0), 0)
@@ -418,6 +440,7 @@ class PyEmbeddingStore:
         if self._plru is not None:
             del self._plru[p][key]
             del self._stamps[key]
+            self._marked.discard(key)
 
     def _forget_all(self) -> None:
         for st in self._pstats:
@@ -425,6 +448,7 @@ class PyEmbeddingStore:
         if self._plru is not None:
             self._plru = [OrderedDict() for _ in self._pols]
         self._stamps.clear()
+        self._marked.clear()
 
     def _policy(self, key: int) -> int:
         return _pol.policy_of(key, self._pbits, len(self._pols))
@@ -438,18 +462,32 @@ class PyEmbeddingStore:
                                self._steps & 0xFFFFFFFF)
 
     def _added(self, key: int, p: int) -> None:
-        """Row of ``key`` (policy ``p``) was just stored or refreshed."""
+        """Row of ``key`` (policy ``p``) was just stored or loaded: queued, unmarked,
+        stamped."""
         if self._plru is not None:
             lru = self._plru[p]
             lru[key] = None
             lru.move_to_end(key)
             self._stamps[key] = self._stamp_now
+            self._marked.discard(key)
+
+    def _requeue(self, lru: OrderedDict[int, None], key: int) -> None:
+        """Second chance: marked ``key`` (at the tail of its queue ``lru``) goes to the
+        head, unmarked, keeping its stamp."""
+        lru.move_to_end(key)
+        self._marked.discard(key)
 
     def _make_room(self, p: int, deferred: list[tuple[_Arena, int]] | None) -> None:
-        """Before a new row of policy ``p``: its group's cap, then the capacity."""
+        """Before a new row of policy ``p``: its group's cap (the first unmarked row from
+        its queue's tail, the marked ones before it re-queued), then the capacity."""
         cap = self._pols[p].max_rows
         if cap is not None and self._pstats[p]["rows"] >= cap and self._plru is not None:
-            self._drop(next(iter(self._plru[p])), deferred, "evicted_cap")
+            lru = self._plru[p]
+            key = next(iter(lru))
+            while key in self._marked:
+                self._requeue(lru, key)
+                key = next(iter(lru))
+            self._drop(key, deferred, "evicted_cap")
         if len(self._lru) >= self._capacity:
             self._evict_oldest(deferred)
 
@@ -490,9 +528,10 @@ class PyEmbeddingStore:
                         raise dim_error(key, where[0].dim, dim, "lookup")
                     if train:
                         lru.move_to_end(key)
-                        if self._plru is not None and \
-                                self._stamps[key][1] != self._stamp_now[1]:
-                            self._added(key, self._policy(key))   # first time in the call
+                        if self._plru is not None:     # marked; stays in its queue
+                            self._marked.add(key)
+                            if self._has_ttl:
+                                self._stamps[key] = self._stamp_now
                     rows[i], src[i] = where[1], where[0]
                     continue
                 counts["misses"] += 1
@@ -662,14 +701,16 @@ class PyEmbeddingStore:
                 self._sketch = _pol.PySketch(self._sketch_bytes)
         else:
             self._sketch = None
-        if any(q.ttl_s is not None or q.ttl_steps is not None or q.max_rows is not None
-               for q in pols):
-            if self._plru is None:
+        need_ttl = any(q.ttl_s is not None or q.ttl_steps is not None for q in pols)
+        if need_ttl or any(q.max_rows is not None for q in pols):
+            if self._plru is None or (need_ttl and not self._has_ttl):
                 t = (np.float32(now - self._epoch), self._steps & 0xFFFFFFFF)
                 self._stamps = dict.fromkeys(self._lru, t)
             self._plru = [OrderedDict() for _ in pols]
+            self._has_ttl = need_ttl
         else:
-            self._plru, self._stamps = None, {}
+            self._plru, self._stamps, self._has_ttl = None, {}, False
+        self._marked.clear()
         for key in self._lru:             # oldest first: each list in global LRU order
             pi = self._policy(key)
             self._pstats[pi]["rows"] += 1
@@ -691,7 +732,7 @@ class PyEmbeddingStore:
         self._open()
         limit = _pol.check_expire_rows(max_rows)
         rel = (time.time() if now is None else float(now)) - self._epoch
-        n = 0
+        n = moved = 0
         if self._plru is None:
             return 0
         step = self._steps & 0xFFFFFFFF
@@ -702,14 +743,18 @@ class PyEmbeddingStore:
             while n < limit and lru:
                 key = next(iter(lru))
                 t, s = self._stamps[key]
-                if not ((q.ttl_s is not None and rel - float(t) >= q.ttl_s) or
-                        (q.ttl_steps is not None and (step - s) & 0xFFFFFFFF >= q.ttl_steps)):
+                if (q.ttl_s is not None and rel - float(t) >= q.ttl_s) or \
+                        (q.ttl_steps is not None and (step - s) & 0xFFFFFFFF >= q.ttl_steps):
+                    if n == 0:
+                        self._cver += 1
+                        self._version += 1
+                    self._drop(key, None, "expired")
+                    n += 1
+                elif key in self._marked and moved < limit:
+                    self._requeue(lru, key)
+                    moved += 1
+                else:
                     break
-                if n == 0:
-                    self._cver += 1
-                    self._version += 1
-                self._drop(key, None, "expired")
-                n += 1
         return n
 
     def policy_stats(self) -> dict[int, dict[str, int]]:

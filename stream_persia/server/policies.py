@@ -48,7 +48,7 @@ SKETCH_DEPTH = 4
 SKETCH_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0,
                 0x082EFA98EC4E6C89)
 MAX_PREFIX_BITS = 63
-MAX_POLICIES = 1 << 16        # an entry keeps its policy index in 16 bits
+MAX_POLICIES = 1 << 15        # an entry keeps its policy index in 15 bits (and a mark)
 EXPIRE_ROWS = 65536
 #: policy_stats() keys, per policy index
 STAT_KEYS = ("rows", "admitted", "rejected", "dropped_grads", "expired", "evicted_lru",

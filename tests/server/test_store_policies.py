@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from stream_persia.core.embedding_config import SlotPolicy
@@ -166,6 +166,81 @@ def test_rows_present_when_a_ttl_appears_are_stamped_now(impl):
     assert s.expire(now=t + 11) == 1
 
 
+def test_expire_re_queues_rows_looked_up_since_queued(impl):
+    s = store(impl)
+    s.set_policies(BITS, [None, SlotPolicy(ttl_steps=3)])
+    s.lookup(gid(0, 1), 4)                                # step 1: 1 queued
+    s.lookup(gid(0, 1), 4)                                # step 2: 1 marked, not moved
+    s.lookup(gid(0, 2), 4)                                # step 3: 2 queued after 1
+    assert s.expire() == 0                                # 1 re-queued behind 2
+    s.lookup(gid(1, 9), 4)
+    s.lookup(gid(1, 9), 4)                                # step 5: 1 is 3 steps old ...
+    assert s.expire() == 0                                # ... but waits behind 2
+    assert s.contains(gid(0, 1, 2)).all()
+    s.lookup(gid(1, 9), 4)
+    assert s.expire() == 2
+
+
+def test_a_ttl_appearing_beside_a_cap_stamps_rows_now(impl):
+    s = store(impl)
+    s.set_policies(BITS, [None, SlotPolicy(max_rows=10)])
+    s.lookup(gid(0, 1, 2), 4)
+    s.lookup(gid(0, 1), 4)               # no TTL yet: a hit marks, stamps nothing
+    t = time.time() + 1000
+    s.set_policies(BITS, [None, SlotPolicy(max_rows=10, ttl_s=10.0)], now=t)
+    assert s.expire(now=t + 5) == 0
+    assert s.expire(now=t + 11) == 2
+
+
+ttl_calls = st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=4), max_size=40)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ttl=st.integers(1, 4), cap=st.sampled_from([None, 3, 6]), calls=ttl_calls)
+@example(ttl=1, cap=None, calls=[[0], [0, 1]] + [[0]] * 8)   # 0 at the tail, always marked
+def test_expire_never_evicts_a_row_looked_up_within_its_ttl(ttl, cap, calls):
+    """Both stores, expire after every call: a row expired was not looked up for ``ttl``
+    steps, and no row outlives ``2 * (ttl + 1)`` steps without a lookup (the docstring's
+    bound with ``d`` = one step)."""
+    for impl in (CEmbeddingStore, PyEmbeddingStore):
+        s = store(impl)
+        s.set_policies(BITS, [None, SlotPolicy(ttl_steps=ttl, max_rows=cap)])
+        last: dict[int, int] = {}
+        for step, ids in enumerate(calls, 1):
+            s.lookup(gid(0, *ids), 4)
+            last.update(dict.fromkeys(gid(0, *ids).tolist(), step))
+            v = s.change_version
+            s.expire()
+            gone = s.evicted_since(v)[0].tolist()
+            assert all(step - last[k] >= ttl for k in gone), (impl, step, gone)
+            for k in gone:
+                del last[k]
+            held = [k for k in last if s.contains(np.array([k], np.uint64))[0]]
+            assert all(step - last[k] < 2 * (ttl + 1) for k in held), (impl, step)
+            last = {k: last[k] for k in held}      # capped rows are gone too
+
+
+def test_stamps_survive_the_entries_growing(impl):
+    s = store(impl, capacity=10_000)
+    s.set_policies(BITS, [None, SlotPolicy(ttl_steps=2)])
+    for k in range(3):                                    # steps 1-3, entries grow past 1024
+        s.lookup(gid(0, *range(1000 * k, 1000 * (k + 1))), 4)
+    s.lookup(gid(1, 0), 4)                                # step 4
+    assert s.expire() == 2000
+    assert s.contains(gid(0, 1999, 2000)).tolist() == [False, True]
+
+
+def test_stamps_are_allocated_only_while_a_ttl_exists():
+    s = store(CEmbeddingStore, capacity=100_000)
+    s.lookup(gid(0, *range(2000)), 4)
+    s.set_policies(BITS, [None, SlotPolicy(max_rows=50_000)])
+    cap_only = s.memory_bytes()
+    s.set_policies(BITS, [None, SlotPolicy(max_rows=50_000, ttl_steps=5)])
+    assert s.memory_bytes() - cap_only >= 8 * 2000
+    s.set_policies(BITS, [None, SlotPolicy(max_rows=50_000)])
+    assert s.memory_bytes() == cap_only
+
+
 def test_expire_work_is_bounded(impl):
     s = store(impl)
     s.set_policies(BITS, [None, SlotPolicy(ttl_steps=1)])
@@ -209,6 +284,21 @@ def test_global_capacity_still_evicts_the_globally_oldest(impl):
     ps = s.policy_stats()
     assert ps[2]["evicted_lru"] == 1 and ps[1]["evicted_lru"] == 0
     assert s.stats()["evictions"] == 1
+
+
+def test_a_cap_gives_looked_up_rows_a_second_chance(impl):
+    s = store(impl)
+    s.set_policies(BITS, [None, SlotPolicy(max_rows=2)])
+    s.lookup(gid(0, 1), 4)
+    s.lookup(gid(0, 2), 4)
+    s.lookup(gid(0, 2), 4)                                # 2 is the group's oldest ...
+    s.lookup(gid(0, 1), 4)
+    v = s.change_version
+    s.lookup(gid(0, 3), 4)     # ... but both were looked up since queued: 1 and 2 re-queued
+    assert s.evicted_since(v)[0].tolist() == gid(0, 1).tolist()   # 1 met unmarked first
+    s.lookup(gid(0, 4), 4)
+    assert s.contains(gid(0, 1, 2, 3, 4)).tolist() == [False, False, True, True]
+    assert s.policy_stats()[1]["evicted_cap"] == 2
 
 
 def test_a_lower_cap_at_run_time_evicts_at_once(impl):
