@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 __all__ = [
     "ErrorInfo", "ErrorBody", "Liveness", "RoleHealth", "ModelInfo", "Readiness",
     "WorkerStatus", "ServerStatus", "TrainingStatus", "JobStatus", "IngestState",
-    "OptimizerSpec", "EmbeddingConfigRequest", "Applied", "Sizes", "PredictRequest",
+    "OptimizerSpec", "SlotPolicySpec", "EmbeddingConfigRequest", "Applied", "Sizes", "PredictRequest",
     "PredictResponse", "ReloadRequest", "CheckpointStart", "CheckpointAccepted",
     "CheckpointInfo", "CheckpointList", "CheckpointDeleted", "RestoreRequest", "RestoreResult",
     "ERRORS",
@@ -148,6 +148,9 @@ class ServerStatus(BaseModel):
     error: str | None = None
     rows: int | None = None
     stats: dict[str, float] = Field(default_factory=dict)
+    slots: dict[str, dict[str, int]] = Field(
+        default_factory=dict, description="per feature group: rows, admitted, rejected, "
+        "expired, evicted_lru, evicted_cap, dropped_grads (see /metrics' slot_* series)")
 
 
 class TrainingStatus(BaseModel):
@@ -231,16 +234,35 @@ class OptimizerSpec(BaseModel):
     name: Literal["sgd", "adagrad", "adam"]
 
 
+class SlotPolicySpec(BaseModel):
+    """A slot's table policy (``SlotPolicy``; the keys of a ``slots_config`` entry in
+    ``embedding_config.yml``). Fields left out take their defaults."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"min_count": 2, "ttl_s": 86400, "max_rows": 1000000}]})
+    admit_probability: Number | None = Field(default=None, ge=0.0, le=1.0)
+    min_count: int = Field(default=1, strict=True, ge=1)
+    ttl_s: Number | None = Field(default=None, gt=0.0)
+    ttl_steps: int | None = Field(default=None, strict=True, ge=1)
+    max_rows: int | None = Field(default=None, strict=True, ge=1)
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+
 class EmbeddingConfigRequest(BaseModel):
-    """PERSIA's ``EmbeddingConfig`` and, optionally, a new embedding optimizer."""
+    """PERSIA's ``EmbeddingConfig`` and, optionally, a new embedding optimizer and table
+    policies by slot name."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"emb_initialization": [-0.01, 0.01], "admit_probability": 1.0, "weight_bound": 10.0},
-        {"optimizer": {"name": "adagrad", "lr": 0.01}}]})
+        {"optimizer": {"name": "adagrad", "lr": 0.01}},
+        {"policies": {"user_id": {"min_count": 2, "ttl_s": 86400}, "item_id": None}}]})
     emb_initialization: tuple[Float32, Float32] | None = None
     admit_probability: Number | None = Field(default=None, ge=0.0, le=1.0)
     weight_bound: Float32 | None = Field(default=None, gt=0.0)
     optimizer: OptimizerSpec | None = None
+    policies: dict[str, SlotPolicySpec | None] | None = Field(
+        default=None, description="slot name -> its feature group's new table policy (null: "
+        "the default); groups not named keep the policy the servers hold")
 
 
 class Applied(BaseModel):
@@ -250,9 +272,13 @@ class Applied(BaseModel):
 
 
 class Sizes(BaseModel):
-    model_config = _example({"servers": [5210, 5198], "total": 10408})
+    model_config = _example({"servers": [5210, 5198], "total": 10408,
+                             "slots": {"user_id": 6004, "item_id": 4404}})
     servers: list[int] = Field(description="rows per embedding server, in replica order")
     total: int
+    slots: dict[str, int] = Field(
+        default_factory=dict, description="rows per feature group (its name: the slot's for "
+        "an ungrouped slot) over every server; empty while the servers report none")
 
 
 # ---------------------------------------------------------------------------- inference

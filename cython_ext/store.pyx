@@ -12,9 +12,20 @@ bookkeeping per row at full load) and for loops that run without the GIL:
 - ``table``: open addressing with linear probing, load <= 1/2, slots of (32-bit hash, entry)
   so that probing past other keys and rehashing never touch the entries; deletion shifts
   the cluster back (no tombstones, so probes stay short under constant eviction);
-- one arena per dim: rows ``[weights(dim) | optimizer state]`` float32 in blocks of about
-  2 MiB (memory grows by a block, never by doubling), free rows threaded through their
-  first word;
+- one arena per (dim, weight dtype): rows ``[weights(dim) | optimizer state]`` in blocks of
+  about 2 MiB (memory grows by a block, never by doubling), free rows threaded through their
+  first word. Weights are float32, or float16 / bfloat16 for a group whose policy says so
+  (compact rows, issue 20; the rounding is ``row_dtypes``'s), padded to 4 bytes, then the
+  float32 state: a row is addressed in floats either way. The call's dim picks the float32
+  arena; a hit in another arena of the same dim is a compact row, read and written through
+  sp_widen / sp_narrow (store_kernels.h), and an update steps it in float32 in a loop of
+  its own (``_apply_compact``), so a store without compact rows runs the loops it ran
+  before (0.99x lookups, 0.99x updates of the build before in load_tests/bench_store.py
+  --old-build). While a store has a compact arena (a policy with a compact dtype has
+  been set and a training lookup or load of that dim ran), every call takes those
+  loops: float16 rows run at 0.78x the lookup and 0.82x the update rate of float32 rows
+  (bench_store --dtype-batches, dim 16, Adagrad). A pooled lookup then copies rows out
+  (as ``lookup``) and pools them;
 - change tracking (semantics in ``_pystore``'s docstring): each ``Entry`` holds the
   ``change_version`` of its row's last change, less the store's ``vbase``, in 32 bits that
   were update()'s per-call stamp: no byte more per row, and no cache line more on any hot
@@ -32,6 +43,13 @@ bookkeeping per row at full load) and for loops that run without the GIL:
   pass costs what changed. Otherwise (an older ``since``) they are all the entries, a full
   scan (a few ms per million entries). See ``_dirty`` in store_table.pxi.
 
+Table policies (issue 20: frequency admission, TTL, per-group caps; semantics in
+``_pystore``'s docstring) are in store_policy.pxi: an entry's policy index fills its spare
+16 bits, and what only policies need (the sketch, the per-policy LRU links and the stamps
+of the last training lookup) is allocated only while a policy needs it, so a store without
+policies reads and writes what it did before (0.98x the lookup rate and 1.00x the update
+rate of the build before them in load_tests/bench_store.py, within its noise).
+
 Large buffers are mapped directly and, past the first block, on transparent huge pages. The
 store is bound by memory latency, so the batched loops prefetch a few ids ahead (table
 slot, then entry, then row and LRU neighbours) and eviction prefetches the next victims.
@@ -45,14 +63,18 @@ running raises Misuse instead of corrupting it.
 """
 
 cimport cython
-from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
+
+import time
 
 import numpy as np
 
 from stream_persia.kernels import segments as _segments
 from stream_persia.server import _pystore as _py
+from stream_persia.server import policies as _pol
+from stream_persia.server import row_dtypes as _rdt
 from stream_persia.core.optim import as_optimizer
 from stream_persia.errors import BadInput, Misuse
 
@@ -63,6 +85,7 @@ from stream_persia.errors import BadInput, Misuse
 # as calls to the cdef methods of this final class were.
 include "store_defs.pxi"      # the C kernels' declarations, structs, constants
 include "store_memory.pxi"    # entries, hash table and arena memory; configuration
+include "store_policy.pxi"    # table policies: admission sketch, TTL, per-group caps
 include "store_table.pxi"     # hash table, LRU list, prefetching, admission, eviction
 include "store_batch.pxi"     # guards; the batched loops of lookup, lookup_pooled, update
 
@@ -97,9 +120,35 @@ cdef list _changed_rows(CEmbeddingStore self, sel):
                 x = &self.entries[gv[k]]
                 kv[k] = x.key
                 vv[k] = self.vbase + x.ver
-                memcpy(&wv[k, 0], row_ptr(a, x.row), sizeof(float) * a.dim)
+                sp_read_w(&wv[k, 0], row_ptr(a, x.row), a.dim, a.dtype)
         chunks.append({"dim": a.dim, "ids": ids, "weights": weights, "versions": versions})
     return chunks
+
+
+def round_weights(x, int code):
+    """float32 ``x`` (1-d) stored as dtype ``code`` by this store's kernels and read back:
+    what ``row_dtypes.round_weights`` must equal bit for bit (for its tests)."""
+    src = np.ascontiguousarray(x, np.float32).reshape(-1)
+    out = np.empty_like(src)
+    cdef const float[::1] sv = src
+    cdef float[::1] ov = out
+    cdef int64_t n = src.shape[0], i, step = 1 << 20
+    cdef int d
+    cdef uint16_t *tmp
+    if code == 0 or n == 0:
+        return src.copy()
+    tmp = <uint16_t*>malloc(sizeof(uint16_t) * step)
+    if tmp == NULL:
+        raise MemoryError()
+    with nogil:
+        i = 0
+        while i < n:
+            d = <int>(step if n - i > step else n - i)
+            sp_narrow(tmp, &sv[i], d, code)
+            sp_widen(&ov[i], tmp, d, code)
+            i += d
+    free(tmp)
+    return out
 
 
 @cython.final
@@ -110,6 +159,8 @@ cdef class CEmbeddingStore:
         capacity: the most vectors stored (all dims together).
         optimizer: SGD, Adagrad or Adam (or its ``to_dict()``).
         embedding_config: initialisation, admission and clamping (defaults: PERSIA's).
+        eviction_log: entries of the log of evicted ids.
+        sketch_bytes: memory of the frequency-admission sketch.
     """
 
     cdef Entry *entries
@@ -139,14 +190,47 @@ cdef class CEmbeddingStore:
     cdef int64_t mrel        # mark - vbase while the list is kept, -1 while it is not
     cdef uint64_t draws
     cdef int64_t version
+    cdef Pol *pol            # the policy table (store_policy.pxi), npol >= 1 entries
+    cdef int32_t npol
+    cdef int pbits
+    cdef bint policed        # a policy is not the default: misses take _admit_policed
+    cdef bint use_aux, has_ttl
+    cdef Aux *aux            # parallel to entries while use_aux (a TTL or a cap exists)
+    cdef Stamp *stamps       # parallel to entries while has_ttl
+    cdef uint8_t *sketch     # SKETCH_DEPTH << sk_bits counters while a min_count > 1
+    cdef int sk_bits
+    cdef int64_t sk_count    # counts since the last halving
+    cdef uint64_t seeds[SKETCH_DEPTH]
+    cdef int64_t steps       # training lookup calls with at least one id
+    cdef double epoch        # time.time() when the store was made
+    cdef float tnow          # the stamp of the call under way (see _stamp_now)
+    cdef uint32_t snow
+    cdef float *ibuf         # lookup's initial row of an id below its min_count; the
+                             # float32 weights of a compact row in update and admission
+    cdef int32_t cur_ai[3]   # the call's arena of its dim per dtype (see _dt_arenas)
+    cdef int ncompact        # arenas of compact rows (float16, bfloat16)
+    cdef int dtmask          # bit dt: some policy stores new rows in dtype dt
+    cdef int adm_dt          # dtype of the row _admit_policed last stored
+    cdef size_t ibuf_bytes
     cdef bint busy, closed
     cdef object _opt_obj, _cfg, _dims
 
     implementation = "cython"
 
     def __init__(self, capacity, optimizer, embedding_config=None, *,
-                 eviction_log=_py.EVICTION_LOG):
+                 eviction_log=_py.EVICTION_LOG, sketch_bytes=_pol.SKETCH_BYTES):
         self.capacity_ = _py.check_capacity(capacity)
+        self.sk_bits = _pol.sketch_bits(_pol.check_sketch_bytes(sketch_bytes))
+        for j in range(SKETCH_DEPTH):
+            self.seeds[j] = _pol.SKETCH_SEEDS[j]
+        self.epoch = time.time()
+        self.pol = <Pol*>calloc(1, sizeof(Pol))
+        if self.pol == NULL:
+            raise MemoryError()
+        self.npol = 1
+        self.dtmask = 1
+        self.pol[0].admit_p = self.pol[0].ttl_s = -1.0
+        self.pol[0].min_count = 1
         self.elog.limit = _py.check_eviction_log(eviction_log)
         self.mrel = -1           # no list until the first changed_since
         self._opt_obj = as_optimizer(optimizer)
@@ -155,6 +239,8 @@ cdef class CEmbeddingStore:
 
     def __dealloc__(self):
         _release(self)
+        sp_free(self.ibuf, self.ibuf_bytes)
+        free(self.pol)
 
     # --- public interface ------------------------------------------------------------------
 
@@ -199,6 +285,8 @@ cdef class CEmbeddingStore:
         cdef int d = _py.check_dim(dim)
         cdef bint tr = bool(train)
         cdef int ai = _arena_index(self, d, tr)
+        if tr and self.policed:
+            _dt_arenas(self, d)
         cdef int64_t n = ids.shape[0]
         out = np.empty((n, d), np.float32)
         if n == 0:
@@ -215,8 +303,16 @@ cdef class CEmbeddingStore:
             if tr:
                 self.version += 1
                 _bump(self)
+                self.steps += 1
+                if self.use_aux:
+                    _stamp_now(self)
+                if self.policed:
+                    _scratch(self, <void**>&self.ibuf, &self.ibuf_bytes, sizeof(float) * d)
             with nogil:
-                status = _lookup(self, &keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
+                if self.ncompact:
+                    status = _lookup_mixed(self, &keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
+                else:
+                    status = _lookup(self, &keys[0], n, ai, &o[0, 0], d, tr, &i, zero)
         finally:
             self.busy = False
         if status != OK:
@@ -241,8 +337,10 @@ cdef class CEmbeddingStore:
         cdef const int64_t[::1] off = offsets
         cdef int64_t i = 0
         cdef int status = OK
-        if tr and <int64_t>self.count + n > self.capacity_:
-            return _segments.pool(self.lookup(ids, d, True), index, offsets, "lookup_pooled")
+        # With policies, an admission may evict (a cap) or return a row held in scratch;
+        # a compact row is widened as it is copied out.
+        if self.ncompact or (tr and (self.policed or <int64_t>self.count + n > self.capacity_)):
+            return _segments.pool(self.lookup(ids, d, tr), index, offsets, "lookup_pooled")
         out = np.zeros((k, d), np.float32)
         if n == 0:
             return out
@@ -258,6 +356,7 @@ cdef class CEmbeddingStore:
             if tr:
                 self.version += 1
                 _bump(self)
+                self.steps += 1
             with nogil:
                 status = _lookup_pooled(self, &keys[0], n, ai, d, tr, ixp, &off[0], k,
                                              &o[0, 0], &i, zero)
@@ -286,6 +385,8 @@ cdef class CEmbeddingStore:
             _scratch(self, <void**>&self.rbuf, &self.rbuf_bytes, sizeof(float*) * n)
             _scratch(self, <void**>&self.ebuf, &self.ebuf_bytes, sizeof(int32_t) * n)
             _scratch(self, <void**>&self.obuf, &self.obuf_bytes, sizeof(uint32_t) * n)
+            if self.ncompact:
+                _scratch(self, <void**>&self.ibuf, &self.ibuf_bytes, sizeof(float) * dim)
             with nogil:
                 status = _update(self, &keys[0], &g[0, 0], n, dim, ai, &i)
         finally:
@@ -357,14 +458,72 @@ cdef class CEmbeddingStore:
                 "evictions": self.n_evictions, "updates": self.n_updates,
                 "dropped_updates": self.n_dropped, "removals": self.n_removals}
 
+    # --- table policies (issue 20; see PyEmbeddingStore) ------------------------------
+
+    def set_policies(self, prefix_bits, policies, *, now=None):
+        """Replace the policy table; see ``PyEmbeddingStore.set_policies``."""
+        _open(self)
+        bits, pols = _pol.check_policies(prefix_bits, policies)
+        cdef double t = time.time() if now is None else float(now)
+        _enter(self)
+        try:
+            _set_policies(self, bits, pols, t)
+        finally:
+            self.busy = False
+
+    def expire(self, now=None, max_rows=_pol.EXPIRE_ROWS):
+        """Evict rows past their TTL; see ``PyEmbeddingStore.expire``."""
+        _open(self)
+        cdef int64_t limit = _pol.check_expire_rows(max_rows), n = 0
+        cdef double rel = (time.time() if now is None else float(now)) - self.epoch
+        if not self.has_ttl:
+            return 0
+        _enter(self)
+        try:
+            with nogil:
+                n = _expire(self, rel, limit)
+            if n:
+                self.version += 1
+        finally:
+            self.busy = False
+        return n
+
+    def policy_stats(self):
+        """Per policy index: rows, admitted, rejected, dropped_grads, expired,
+        evicted_lru, evicted_cap."""
+        return _policy_stats(self)
+
+    def sketch_counts(self, ids):
+        """The frequency sketch's estimates for ``ids``; see
+        ``PyEmbeddingStore.sketch_counts``."""
+        ids = _py.check_ids(ids)
+        cdef int64_t n = ids.shape[0], i
+        out = np.zeros(n, np.int64)
+        if n == 0 or self.sketch == NULL:
+            return out
+        cdef const uint64_t[::1] keys = ids
+        cdef int64_t[::1] o = out
+        with nogil:
+            for i in range(n):
+                o[i] = _sketch_estimate(self, keys[i])
+        return out
+
     def memory_bytes(self):
         """Bytes allocated for rows, entries (with their change versions), the hash table,
-        block pointers, the eviction log and the dirty list."""
+        block pointers, the eviction log, the dirty list, and the policies' sketch and
+        per-entry links and stamps."""
         cdef int ai
         cdef Arena *a
         if self.closed:
             return 0
         cdef int64_t total = sizeof(Entry) * <int64_t>self.ecap
+        total += sizeof(Pol) * self.npol
+        if self.use_aux:
+            total += sizeof(Aux) * <int64_t>self.ecap
+        if self.has_ttl:
+            total += sizeof(Stamp) * <int64_t>self.ecap
+        if self.sketch != NULL:
+            total += (<int64_t>SKETCH_DEPTH) << self.sk_bits
         total += sizeof(Evicted) * self.elog.cap + sizeof(int32_t) * self.dcap
         total += sizeof(Slot) * (<int64_t>1 << self.tbits)
         for ai in range(self.narenas):
@@ -372,6 +531,18 @@ cdef class CEmbeddingStore:
             total += <int64_t>a.nblocks * (sizeof(float) * a.stride << a.shift)
             total += sizeof(float*) * a.blocks_cap + sizeof(Arena)
         return total
+
+    def memory_breakdown(self):
+        """``{"rows", "bookkeeping"}``: bytes of row storage (the arenas' blocks: weights
+        and optimizer state) and of everything else ``memory_bytes`` counts; they add up
+        to it."""
+        cdef int ai
+        cdef int64_t rows = 0
+        if self.closed:
+            return {"rows": 0, "bookkeeping": 0}
+        for ai in range(self.narenas):
+            rows += <int64_t>self.arenas[ai].nblocks * _block_bytes(&self.arenas[ai])
+        return {"rows": rows, "bookkeeping": self.memory_bytes() - rows}
 
     def dump(self, chunk_rows=_py.DUMP_CHUNK_ROWS):
         """Yield rows with optimizer state, least recently used first; see
@@ -393,19 +564,19 @@ cdef class CEmbeddingStore:
         _open(self)   # closed between dump() and the first chunk
         while e >= 0:
             window = np.empty(chunk_rows, np.int32)
-            arena_of = np.empty(chunk_rows, np.int32)
-            wv_e, wv_a = window, arena_of
+            dim_of = np.empty(chunk_rows, np.int32)   # a chunk per dim, whatever the dtype
+            wv_e, wv_a = window, dim_of
             nw = 0
             while e >= 0 and nw < chunk_rows:
                 wv_e[nw] = e
-                wv_a[nw] = self.entries[e].arena
+                wv_a[nw] = self.arenas[self.entries[e].arena].dim
                 e = self.entries[e].prev
                 nw += 1
-            window, arena_of = window[:nw], arena_of[:nw]
-            _, first = np.unique(arena_of, return_index=True)
-            for ai in arena_of[np.sort(first)].tolist():
-                members = np.ascontiguousarray(window[arena_of == ai])
-                a = &self.arenas[<int>ai]
+            window, dim_of = window[:nw], dim_of[:nw]
+            _, first = np.unique(dim_of, return_index=True)
+            for dim in dim_of[np.sort(first)].tolist():
+                members = np.ascontiguousarray(window[dim_of == dim])
+                a = &self.arenas[self.entries[members[0]].arena]
                 m = len(members)
                 ids = np.empty(m, np.uint64)
                 weights = np.empty((m, a.dim), np.float32)
@@ -417,11 +588,12 @@ cdef class CEmbeddingStore:
                 try:
                     with nogil:
                         for k in range(m):
+                            a = &self.arenas[self.entries[mv[k]].arena]
                             row = row_ptr(a, self.entries[mv[k]].row)
                             kv[k] = self.entries[mv[k]].key
-                            memcpy(&wv[k, 0], row, sizeof(float) * a.dim)
+                            sp_read_w(&wv[k, 0], row, a.dim, a.dtype)
                             if a.width:
-                                memcpy(&sv[k, 0], row + a.dim, sizeof(float) * a.width)
+                                memcpy(&sv[k, 0], row + a.wlen, sizeof(float) * a.width)
                 finally:
                     self.busy = False
                 yield {"dim": a.dim, "ids": ids, "weights": weights, "state": state,
@@ -451,40 +623,48 @@ cdef class CEmbeddingStore:
             if n == 0:
                 continue
             ai = _arena_index(self, dim, True)
+            _dt_arenas(self, dim)
             kv, wv = ids, weights
             for i in range(n):
                 e = _find(self, kv[i])
-                if e >= 0 and self.entries[e].arena != ai:
+                if e >= 0 and self.arenas[self.entries[e].arena].dim != dim:
                     raise _py.dim_error(int(kv[i]), self.arenas[self.entries[e].arena].dim,
                                         dim, "load")
             has_state = state is not None
             if has_state:
                 sv = state
-            a = &self.arenas[ai]
             _enter(self)
             status = OK
             self.version += 1
             _bump(self)
+            if self.use_aux:
+                _stamp_now(self)
             try:
                 with nogil:
                     for i in range(n):
                         e = _find(self, kv[i])
                         if e < 0:
-                            e = _insert(self, kv[i], ai)
+                            if self.policed:
+                                _make_room_cap(self, _policy_of(self, kv[i]))
+                            e = _insert(self, kv[i], self.cur_ai[
+                                self.pol[_policy_of(self, kv[i])].dtype])
                             if e < 0:
                                 status = E_NOMEM
                                 break
                         else:
                             _touch(self, e)
+                            if self.use_aux:
+                                _pload(self, e)
                             _dirty(self, e, self.entries[e].ver)
                         self.entries[e].ver = _v32(self)
+                        a = &self.arenas[self.entries[e].arena]
                         row = row_ptr(a, self.entries[e].row)
-                        memcpy(row, &wv[i, 0], sizeof(float) * dim)
+                        sp_write_w(row, &wv[i, 0], dim, a.dtype)
                         if a.width:
                             if has_state:
-                                memcpy(row + dim, &sv[i, 0], sizeof(float) * a.width)
+                                memcpy(row + a.wlen, &sv[i, 0], sizeof(float) * a.width)
                             else:
-                                memcpy(row + dim, a.init_state, sizeof(float) * a.width)
+                                memcpy(row + a.wlen, a.init_state, sizeof(float) * a.width)
             finally:
                 self.busy = False
             if status != OK:

@@ -43,10 +43,14 @@ cdef inline float *_row_of(CEmbeddingStore self, Pipe *pipe, int64_t i, int ai, 
             return NULL
         if train:
             _touch(self, e)
+            if self.use_aux:
+                P_TOUCH(self, e)
         return row_ptr(a, x.row)
     self.n_misses += 1
     if not train:
         return <float*>zero
+    if self.policed:
+        return P_ADMIT(self, key, ai, a, zero, status)
     u = 0.0
     if self.admit_p < 1.0:
         u = <double>(sp_mix64(key ^ sp_mix64(self.draws)) >> 11) * (
@@ -59,6 +63,7 @@ cdef inline float *_row_of(CEmbeddingStore self, Pipe *pipe, int64_t i, int ai, 
         status[0] = E_NOMEM
         return NULL
     self.n_admissions += 1
+    self.pol[self.entries[e].pol].admitted += 1
     dim = a.dim
     row = row_ptr(a, self.entries[e].row)
     sp_init_row(row, dim, key, self.init_lo, self.init_span)
@@ -87,6 +92,90 @@ cdef int _lookup(CEmbeddingStore self, const uint64_t *keys, int64_t n, int ai, 
     return OK
 
 
+cdef float *_row_mixed(CEmbeddingStore self, Pipe *pipe, int64_t i, int ai, Arena *a, int dim,
+                       bint train, const float *zero, int *status, int *dt) noexcept nogil:
+    """``_row_of`` while the store has compact rows: a hit may be in another arena of
+    ``dim`` (``dt`` its dtype), and an admission may store a compact row (``adm_dt``)."""
+    cdef int32_t e = _resolve(self, pipe, i)
+    cdef Arena *xa
+    cdef float *row
+    if e >= 0 and self.entries[e].arena != ai:
+        xa = &self.arenas[self.entries[e].arena]
+        if xa.dim != dim:
+            status[0] = E_DIM
+            return NULL
+        dt[0] = xa.dtype
+        if train:
+            _touch(self, e)
+            if self.use_aux:
+                P_TOUCH(self, e)
+        return row_ptr(xa, self.entries[e].row)
+    dt[0] = 0
+    if e >= 0:
+        if train:
+            _touch(self, e)
+            if self.use_aux:
+                P_TOUCH(self, e)
+        return row_ptr(a, self.entries[e].row)
+    # A miss: as _row_of's (not called from here, so that it stays inlined in its loops).
+    self.n_misses += 1
+    if not train:
+        return <float*>zero
+    if self.policed:
+        self.adm_dt = 0
+        row = P_ADMIT(self, pipe.keys[i], ai, a, zero, status)
+        dt[0] = self.adm_dt
+        return row
+    return _admit_plain(self, pipe.keys[i], ai, a, zero, status)
+
+
+cdef float *_admit_plain(CEmbeddingStore self, uint64_t key, int ai, Arena *a,
+                         const float *zero, int *status) noexcept nogil:
+    """_row_of's training miss without policies, for _row_mixed."""
+    cdef double u = 0.0
+    cdef int32_t e
+    cdef float *row
+    if self.admit_p < 1.0:
+        u = <double>(sp_mix64(key ^ sp_mix64(self.draws)) >> 11) * (
+            1.0 / 9007199254740992.0)
+    self.draws += 1
+    if not u < self.admit_p:
+        return <float*>zero
+    e = _insert(self, key, ai)
+    if e < 0:
+        status[0] = E_NOMEM
+        return NULL
+    self.n_admissions += 1
+    self.pol[self.entries[e].pol].admitted += 1
+    row = row_ptr(a, self.entries[e].row)
+    sp_init_row(row, a.dim, key, self.init_lo, self.init_span)
+    memcpy(row + a.dim, a.init_state, sizeof(float) * a.width)
+    return row
+
+
+cdef int _lookup_mixed(CEmbeddingStore self, const uint64_t *keys, int64_t n, int ai,
+                       float *out, int dim, bint train, int64_t *at,
+                       const float *zero) noexcept nogil:
+    """``_lookup`` while the store has compact rows (a loop of its own: the float32 one
+    stays as the compiler inlined it)."""
+    cdef int64_t i
+    cdef int status = OK, dt = 0
+    cdef const float *row
+    cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
+    cdef Pipe pipe
+    pipe.keys, pipe.n, pipe.lines, pipe.links = keys, n, (dim + 15) // 16, train
+    for i in range(-PF_SLOT, n):
+        _stage(self, &pipe, i)
+        if i < 0:
+            continue
+        row = _row_mixed(self, &pipe, i, ai, a, dim, train, zero, &status, &dt)
+        if row == NULL:
+            at[0] = i
+            return status
+        sp_read_w(out + i * dim, row, dim, dt)
+    return OK
+
+
 cdef int _lookup_pooled(CEmbeddingStore self, const uint64_t *keys, int64_t n, int ai, int dim,
                         bint train, const int32_t *index, const int64_t *offsets,
                         int64_t k, float *out, int64_t *at,
@@ -95,7 +184,8 @@ cdef int _lookup_pooled(CEmbeddingStore self, const uint64_t *keys, int64_t n, i
     in order, looking the ids up in order as they are first needed (and the ones no
     occurrence names at the end): the store sees exactly ``_lookup``'s sequence, and a
     worker's ids (in first-occurrence order) are added while their row is in cache.
-    A later id's admission must not evict an earlier row: the caller ensures it."""
+    A later id's admission must not evict an earlier row, and no row is compact: the
+    caller ensures both."""
     cdef int64_t s, j, i = 0, want
     cdef int status = OK
     cdef float *acc
@@ -137,6 +227,8 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
     cdef uint32_t v32 = <uint32_t>(self.cver + 1 - self.vbase)
     cdef Entry *x
     cdef Arena *a = &self.arenas[ai] if ai >= 0 else NULL
+    cdef Arena *xa
+    cdef float *row
     cdef int64_t dropped = 0
     cdef int lines = (dim + (self.arenas[ai].width if ai >= 0 else 0) + 15) // 16, j
     cdef uint32_t bad = 0
@@ -152,18 +244,22 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
         e = _resolve(self, &p, i)
         if e < 0:
             dropped += 1
+            self.ebuf[n - dropped] = <int32_t>i   # from the end: nu + dropped <= n
             continue
         x = &self.entries[e]
+        xa = a
         if x.arena != ai:
-            at[0] = i
-            _unstamp(self, nu)
-            return _first_nonfinite(self, g, n, dim, at, E_DIM)
+            xa = &self.arenas[x.arena]
+            if xa.dim != dim:
+                at[0] = i
+                _unstamp(self, nu)
+                return _first_nonfinite(self, g, n, dim, at, E_DIM)
         if x.ver != v32:
             self.ebuf[nu] = e
             self.obuf[nu] = x.ver
             x.ver = v32
             x.pos = nu
-            self.rbuf[nu] = row_ptr(a, x.row)
+            self.rbuf[nu] = row_ptr(xa, x.row)
             sp_first(self.gbuf + <int64_t>nu * dim, g + i * dim, dim)
             nu += 1
         else:
@@ -179,9 +275,14 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
             _dirty(self, self.ebuf[u], self.obuf[u])
     self.n_updates += n
     self.n_dropped += dropped
+    for i in range(dropped):
+        self.pol[_policy_of(self, keys[self.ebuf[n - 1 - i]])].dropped += 1
     self.version += 1
     _bump(self)
     # Pass 2: one optimizer step per stored id.
+    if self.ncompact:
+        _apply_compact(self, nu, dim, lines)
+        return OK
     for u in range(nu):
         if u + PF_ROW < nu:
             for j in range(lines):
@@ -189,6 +290,29 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
         sp_apply(&self.opt, self.rbuf[u], self.rbuf[u] + dim,
                  self.gbuf + <int64_t>u * dim, dim)
     return OK
+
+
+cdef void _apply_compact(CEmbeddingStore self, int32_t nu, int dim, int lines) noexcept nogil:
+    """Pass 2 of ``_update`` while some rows are compact: a compact row's weights are
+    read to float32 (``ibuf``), stepped and clamped as a float32 row's are, and stored
+    back rounded (sp_narrow). A separate loop: the float32 store's stays as it was."""
+    cdef int32_t u
+    cdef int j
+    cdef Arena *xa
+    cdef float *row
+    for u in range(nu):
+        if u + PF_ROW < nu:   # as pass 2 does (a compact row has fewer lines: no harm)
+            for j in range(lines):
+                sp_prefetch(self.rbuf[u + PF_ROW] + 16 * j)
+            sp_prefetch(&self.entries[self.ebuf[u + PF_ROW]])
+        xa = &self.arenas[self.entries[self.ebuf[u]].arena]
+        row = self.rbuf[u]
+        if xa.dtype == 0:
+            sp_apply(&self.opt, row, row + dim, self.gbuf + <int64_t>u * dim, dim)
+        else:
+            sp_widen(self.ibuf, row, dim, xa.dtype)
+            sp_apply(&self.opt, self.ibuf, row + xa.wlen, self.gbuf + <int64_t>u * dim, dim)
+            sp_narrow(row, self.ibuf, dim, xa.dtype)
 
 
 cdef void _unstamp(CEmbeddingStore self, int32_t nu) noexcept nogil:

@@ -16,6 +16,11 @@ cdef extern from "store_kernels.h":
     void sp_add(float *acc, const float *g, int d) nogil
     void sp_first(float *acc, const float *g, int d) nogil
     void sp_apply(const SpOpt *o, float *w, float *s, float *g, int d) nogil
+    void sp_read_w(float *dst, const float *row, int d, int dt) nogil
+    void sp_write_w(float *row, const float *src, int d, int dt) nogil
+    void sp_narrow(void *dst, const float *src, int d, int dt) nogil
+    void sp_widen(float *dst, const void *src, int d, int dt) nogil
+    int sp_wlen(int d, int dt) nogil
     void sp_prefetch "__builtin_prefetch"(const void *p) nogil
     void sp_prefetch_w "SP_PREFETCH_W"(const void *p) nogil
     uint32_t NONE32 "SP_NONE32"
@@ -26,7 +31,7 @@ cdef struct Entry:    # 32 bytes, 64-byte aligned array: one cache line per entr
     int32_t next      # towards the least recently used end (tail); free-list link when free
     uint32_t row
     uint16_t arena    # FREE_ARENA while the entry is free
-    uint16_t _pad
+    uint16_t pol      # policy index, and REF: looked up since queued (store_policy.pxi)
     uint32_t ver      # change version of the row's last change, less the store's vbase
     int32_t pos       # position in update()'s list of unique ids (valid while ver says
                       # that this update() has seen the entry: see _update)
@@ -50,7 +55,9 @@ cdef struct Slot:
 cdef struct Arena:
     int32_t dim
     int32_t width     # optimizer state values per row
-    int32_t stride    # dim + width
+    int32_t dtype     # storage of the weights: 0 float32, 1 float16, 2 bfloat16
+    int32_t wlen      # floats taken by the weights: dim, or (dim + 1) // 2 if compact
+    int32_t stride    # wlen + width (the state follows the weights at row + wlen)
     int32_t shift     # log2(rows per block)
     uint32_t used     # rows handed out (high-water mark)
     uint32_t free_head
@@ -58,6 +65,23 @@ cdef struct Arena:
     uint32_t blocks_cap
     float **blocks
     float *init_state
+
+cdef struct Pol:       # one policy of the table (see store_policy.pxi)
+    double admit_p    # < 0: the EmbeddingConfig's
+    double ttl_s      # < 0: none
+    int64_t ttl_steps # 0: none
+    int64_t max_rows  # 0: none
+    int32_t min_count
+    int32_t dtype     # storage dtype of new rows (Arena.dtype)
+    int32_t head, tail  # the policy's queue (kept while the store has aux)
+    int64_t rows, admitted, rejected, dropped, expired, evicted_lru, evicted_cap
+
+cdef struct Aux:       # per entry, only while a policy has a TTL or a cap
+    int32_t prev, next  # the policy's queue
+
+cdef struct Stamp:     # per entry, only while a policy has a TTL
+    float t           # seconds since the store was made, of its last training lookup
+    uint32_t step     # the store's training lookup calls then (mod 2**32)
 
 cdef struct Pipe:      # prefetch pipeline over a batch of ids (see _stage)
     const uint64_t *keys
@@ -79,6 +103,9 @@ cdef enum:
     PF_ENTRY = 32
     PF_ROW = 12
     FREE_ARENA = 0xFFFF
+    SKETCH_DEPTH = 4
+    REF = 0x8000      # Entry.pol: the row was looked up since it was queued
+    PMASK = 0x7FFF    # Entry.pol: the policy index (policies.MAX_POLICIES)
     LISTED_COST = 8   # changed_since: a listed entry costs about 8 scanned ones (measured
                       # in load_tests/bench_store.py): the windows of the dirty list are
                       # chunk_rows // 8 entries, and a list over 1/8 of the entries is scanned

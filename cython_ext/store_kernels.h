@@ -215,4 +215,146 @@ SP_KERNEL void sp_apply(const SpOpt *o, float *restrict w, float *restrict s,
     }
 }
 
+/* Compact rows (issue 20): weights stored as float16 (dt 1) or bfloat16 (dt 2), both
+   rounded to nearest even; the twin is stream_persia/server/row_dtypes.py, bit for bit.
+   float16: numpy's float->half (subnormals, NaN stays NaN with its top payload bits and
+   the quiet bit set); a finite value beyond +-65504 SATURATES to +-65504 (and so does an
+   infinity) rather than becoming inf: a stored row stays finite whatever weight_bound is.
+   bfloat16: the top 16 bits rounded to nearest even (overflow past the largest bfloat16
+   to inf, as IEEE rounds); a NaN keeps its top bits with the quiet bit set. */
+static inline uint16_t sp_f2h(uint32_t f) {
+    uint32_t sgn = (f >> 16) & 0x8000u, e = f & 0x7f800000u, sig;
+    if (e == 0x7f800000u && (f & 0x007fffffu))
+        return (uint16_t)(sgn | 0x7e00u | ((f & 0x007fffffu) >> 13));
+    if (e >= 0x47800000u)
+        return (uint16_t)(sgn | 0x7bffu);
+    if (e <= 0x38000000u) {
+        if (e < 0x33000000u) return (uint16_t)sgn;
+        e >>= 23;
+        sig = 0x00800000u + (f & 0x007fffffu);
+        uint32_t lost = f & 0x000007ffu;
+        sig >>= (113 - e);
+        if (((sig & 0x00003fffu) != 0x00001000u) || lost) sig += 0x00001000u;
+        return (uint16_t)(sgn + (sig >> 13));
+    }
+    sig = f & 0x007fffffu;
+    if ((sig & 0x00003fffu) != 0x00001000u) sig += 0x00001000u;
+    uint32_t h = ((e - 0x38000000u) >> 13) + (sig >> 13);
+    if (h >= 0x7c00u) h = 0x7bffu;     /* rounded past 65504: saturate */
+    return (uint16_t)(sgn | h);
+}
+static inline float sp_h2f(uint16_t h) {
+    uint32_t sgn = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, b;
+    float f;
+    if (e == 0) {
+        f = (float)m * (1.0f / 16777216.0f);   /* exact: m * 2**-24 */
+        memcpy(&b, &f, 4);
+        b |= sgn;
+    } else if (e == 31) {
+        b = sgn | 0x7f800000u | (m << 13);
+    } else {
+        b = sgn | ((e + 112u) << 23) | (m << 13);
+    }
+    memcpy(&f, &b, 4);
+    return f;
+}
+static inline uint16_t sp_f2b(uint32_t f) {
+    if ((f & 0x7f800000u) == 0x7f800000u && (f & 0x007fffffu))
+        return (uint16_t)((f >> 16) | 0x0040u);
+    return (uint16_t)((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
+}
+/* d weights of a row: float32 -> the row's dtype (dt 1 or 2) and back. Vectorised where
+   the CPU allows (the results are the scalar routines' bit for bit: tests/server/
+   test_store_dtypes.py compares them with the numpy twin over many bit patterns):
+   bfloat16 with SSE2 integer operations, float16 with F16C (checked at run time; the
+   build targets no particular CPU), clamped to +-65504 first so that it saturates as
+   sp_f2h does (MAXPS/MINPS return their second operand, x, when it is a NaN). */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define SP_F16C 1
+#include <immintrin.h>
+__attribute__((target("f16c")))
+static int sp_narrow_f16c(uint16_t *restrict o, const float *restrict src, int d) {
+    const __m128 hi = _mm_set1_ps(65504.0f), lo = _mm_set1_ps(-65504.0f);
+    int j = 0;
+    for (; j + 4 <= d; j += 4) {
+        __m128 x = _mm_min_ps(hi, _mm_max_ps(lo, _mm_loadu_ps(src + j)));
+        _mm_storel_epi64((__m128i *)(o + j), _mm_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
+    return j;
+}
+__attribute__((target("f16c")))
+static int sp_widen_f16c(float *restrict dst, const uint16_t *restrict x, int d) {
+    int j = 0;
+    for (; j + 4 <= d; j += 4)
+        _mm_storeu_ps(dst + j, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(x + j))));
+    return j;
+}
+#else
+#define SP_F16C 0
+#endif
+static void sp_narrow(void *restrict dst, const float *restrict src, int d, int dt) {
+    uint16_t *o = (uint16_t *)dst;
+    uint32_t b;
+    int j = 0;
+    if (dt == 1) {
+#if SP_F16C
+        if (__builtin_cpu_supports("f16c")) j = sp_narrow_f16c(o, src, d);
+#endif
+        for (; j < d; j++) { memcpy(&b, src + j, 4); o[j] = sp_f2h(b); }
+    } else {
+#if defined(__SSE2__)
+        const __m128i one = _mm_set1_epi32(1), bias = _mm_set1_epi32(0x7fff),
+                      absm = _mm_set1_epi32(0x7fffffff), inf = _mm_set1_epi32(0x7f800000),
+                      quiet = _mm_set1_epi32(0x00400000);
+        for (; j + 8 <= d; j += 8) {
+            __m128i r[2];
+            int k;
+            for (k = 0; k < 2; k++) {
+                __m128i x = _mm_loadu_si128((const __m128i *)(src + j + 4 * k));
+                __m128i up = _mm_add_epi32(x, _mm_add_epi32(
+                    bias, _mm_and_si128(_mm_srli_epi32(x, 16), one)));
+                __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(x, absm), inf);
+                up = _mm_or_si128(_mm_andnot_si128(nan, up),
+                                  _mm_and_si128(nan, _mm_or_si128(x, quiet)));
+                r[k] = _mm_srai_epi32(up, 16);   /* sign-extended: packs keeps the bits */
+            }
+            _mm_storeu_si128((__m128i *)(o + j), _mm_packs_epi32(r[0], r[1]));
+        }
+#endif
+        for (; j < d; j++) { memcpy(&b, src + j, 4); o[j] = sp_f2b(b); }
+    }
+}
+static void sp_widen(float *restrict dst, const void *restrict src, int d, int dt) {
+    const uint16_t *x = (const uint16_t *)src;
+    uint32_t b;
+    int j = 0;
+    if (dt == 1) {
+#if SP_F16C
+        if (__builtin_cpu_supports("f16c")) j = sp_widen_f16c(dst, x, d);
+#endif
+        for (; j < d; j++) dst[j] = sp_h2f(x[j]);
+    } else {
+#if defined(__SSE2__)
+        const __m128i zero = _mm_setzero_si128();
+        for (; j + 8 <= d; j += 8) {
+            __m128i h = _mm_loadu_si128((const __m128i *)(x + j));
+            _mm_storeu_si128((__m128i *)(dst + j), _mm_unpacklo_epi16(zero, h));
+            _mm_storeu_si128((__m128i *)(dst + j + 4), _mm_unpackhi_epi16(zero, h));
+        }
+#endif
+        for (; j < d; j++) { b = (uint32_t)x[j] << 16; memcpy(dst + j, &b, 4); }
+    }
+}
+/* Weights read as float32 (a plain copy for dt 0). */
+static inline void sp_read_w(float *restrict dst, const float *restrict row, int d, int dt) {
+    if (dt == 0) memcpy(dst, row, sizeof(float) * (size_t)d);
+    else sp_widen(dst, row, d, dt);
+}
+static inline void sp_write_w(float *restrict row, const float *restrict src, int d, int dt) {
+    if (dt == 0) memcpy(row, src, sizeof(float) * (size_t)d);
+    else sp_narrow(row, src, d, dt);
+}
+/* Floats of a row taken by d weights of dtype dt. */
+static inline int sp_wlen(int d, int dt) { return dt == 0 ? d : (d + 1) / 2; }
+
 #endif  /* STREAM_PERSIA_STORE_KERNELS_H */

@@ -11,6 +11,10 @@ cdef void _free_all(CEmbeddingStore self) noexcept:
         free(self.arenas[a].init_state)
     free(self.arenas)
     sp_free(self.entries, sizeof(Entry) * self.ecap)
+    sp_free(self.aux, sizeof(Aux) * self.ecap)
+    self.aux = NULL
+    sp_free(self.stamps, sizeof(Stamp) * self.ecap)
+    self.stamps = NULL
     sp_free(self.table, sizeof(Slot) << self.tbits)
     self.arenas = NULL
     self.entries = NULL
@@ -30,6 +34,7 @@ cdef void _release(CEmbeddingStore self) noexcept:
     self.gbuf_bytes = self.rbuf_bytes = self.zbuf_bytes = self.ebuf_bytes = 0
     self.obuf_bytes = 0
     _log_free(&self.elog)
+    _free_sketch(self)
     _dirty_off(self)
     free(self.dlist)
     self.dlist = NULL
@@ -39,9 +44,11 @@ cdef void _release(CEmbeddingStore self) noexcept:
 cdef _reset(CEmbeddingStore self):
     _free_all(self)
     self._dims = {}
+    self.ncompact = 0
     self.ecap = self.eused = self.count = 0
     self.efree = self.head = self.tail = -1
     self.dlen = 0            # the listed entries are gone; the mark still holds
+    _reset_policy_lists(self)
     self.tbits = MIN_TABLE_BITS
     self.table = <Slot*>sp_alloc(sizeof(Slot) << self.tbits, False)
     if self.table == NULL:
@@ -59,7 +66,25 @@ cdef _set_config(CEmbeddingStore self, cfg):
 
 
 cdef int _arena_index(CEmbeddingStore self, int dim, bint create) except -2:
-    idx = self._dims.get(dim)
+    """The float32 arena of ``dim`` (-1 if none and not ``create``)."""
+    return _arena_index_dt(self, dim, 0, create)
+
+
+cdef _dt_arenas(CEmbeddingStore self, int dim):
+    """``cur_ai[dt]``: the arena of ``dim`` and dtype ``dt`` for each dtype a policy
+    stores new rows in (made now: the loops without the GIL cannot), else -1."""
+    cdef int dt
+    for dt in range(3):
+        self.cur_ai[dt] = _arena_index_dt(self, dim, dt, True) if (self.dtmask >> dt) & 1 \
+            else -1
+
+
+cdef int _arena_index_dt(CEmbeddingStore self, int dim, int dt, bint create) except -2:
+    """Arenas are per (dim, dtype); the float32 one is keyed by ``dim`` alone."""
+    cdef object k = dim
+    if dt:
+        k = (dim, dt)
+    idx = self._dims.get(k)
     if idx is not None:
         return idx
     if not create:
@@ -73,9 +98,13 @@ cdef int _arena_index(CEmbeddingStore self, int dim, bint create) except -2:
     cdef Arena *a = &self.arenas[self.narenas]
     memset(a, 0, sizeof(Arena))
     a.dim = dim
+    a.dtype = dt
+    a.wlen = sp_wlen(dim, dt)
     a.free_head = NONE32
     _set_arena_state(self, a)
-    self._dims[dim] = self.narenas
+    self._dims[k] = self.narenas
+    if dt:
+        self.ncompact += 1
     self.narenas += 1
     return self.narenas - 1
 
@@ -94,7 +123,7 @@ cdef _set_arena_state(CEmbeddingStore self, Arena *a):
     free(a.init_state)
     a.init_state = state
     a.width = width
-    a.stride = a.dim + width
+    a.stride = a.wlen + width
     if a.nblocks == 0:
         while (sizeof(float) * a.stride << (shift + 1)) <= BLOCK_BYTES and shift < 20:
             shift += 1
@@ -108,8 +137,30 @@ cdef bint _grow_entries(CEmbeddingStore self) noexcept nogil:
     if cap > self.capacity_:
         cap = self.capacity_
     cdef Entry *e = <Entry*>sp_alloc(sizeof(Entry) * cap, cap >= 1 << 17)
+    cdef Aux *x = NULL
+    cdef Stamp *t = NULL
     if e == NULL:
         return False
+    if self.has_ttl:
+        t = <Stamp*>sp_alloc(sizeof(Stamp) * cap, cap >= 1 << 17)
+        if t == NULL:
+            sp_free(e, sizeof(Entry) * cap)
+            return False
+    if self.use_aux:
+        x = <Aux*>sp_alloc(sizeof(Aux) * cap, cap >= 1 << 17)
+        if x == NULL:
+            sp_free(e, sizeof(Entry) * cap)
+            sp_free(t, sizeof(Stamp) * cap)
+            return False
+        if self.eused:
+            memcpy(x, self.aux, sizeof(Aux) * self.eused)
+        sp_free(self.aux, sizeof(Aux) * self.ecap)
+        self.aux = x
+    if self.has_ttl:
+        if self.eused:
+            memcpy(t, self.stamps, sizeof(Stamp) * self.eused)
+        sp_free(self.stamps, sizeof(Stamp) * self.ecap)
+        self.stamps = t
     if self.eused:
         memcpy(e, self.entries, sizeof(Entry) * self.eused)
     sp_free(self.entries, sizeof(Entry) * self.ecap)
@@ -184,7 +235,7 @@ cdef const float *_zeros(CEmbeddingStore self, int dim) except NULL:
 
 cdef _restate(CEmbeddingStore self, Arena *a):
     """Re-layout an arena for a new state width: keep weights, reset state."""
-    cdef int old_stride = a.stride, dim = a.dim
+    cdef int old_stride = a.stride, wlen = a.wlen
     cdef size_t old_bytes = _block_bytes(a)
     cdef uint32_t b, r, rows = <uint32_t>1 << a.shift
     cdef float *nb
@@ -198,8 +249,8 @@ cdef _restate(CEmbeddingStore self, Arena *a):
         ob = a.blocks[b]
         for r in range(rows):
             row = nb + <size_t>r * a.stride
-            memcpy(row, ob + <size_t>r * old_stride, sizeof(float) * dim)
-            memcpy(row + dim, a.init_state, sizeof(float) * a.width)
+            memcpy(row, ob + <size_t>r * old_stride, sizeof(float) * wlen)
+            memcpy(row + wlen, a.init_state, sizeof(float) * a.width)
         sp_free(ob, old_bytes)
         a.blocks[b] = nb
 

@@ -138,6 +138,8 @@ cdef inline void _stage(CEmbeddingStore self, Pipe *p, int64_t i) noexcept nogil
             if self.table[s].h == h:
                 e = self.table[s].e
                 sp_prefetch(&self.entries[e])
+                if self.has_ttl:   # a hit writes its stamp
+                    sp_prefetch_w(&self.stamps[e])
                 break
             s = (s + 1) & mask
         p.e[j & (RING - 1)] = e
@@ -157,6 +159,8 @@ cdef inline void _stage(CEmbeddingStore self, Pipe *p, int64_t i) noexcept nogil
                     sp_prefetch(&self.entries[x.prev])
                 if p.links and x.next >= 0:
                     sp_prefetch(&self.entries[x.next])
+        if p.links and self.sketch != NULL:
+            P_STAGE(self, p.keys[j], p.e[j & (RING - 1)])
 
 
 cdef inline int32_t _resolve(CEmbeddingStore self, Pipe *p, int64_t i) noexcept nogil:
@@ -201,6 +205,9 @@ cdef inline void _drop(CEmbeddingStore self, int32_t e) noexcept nogil:
     """Free entry ``e`` and its row, and log the id in the eviction log."""
     cdef Entry *x = &self.entries[e]
     cdef Arena *a = &self.arenas[x.arena]
+    if self.use_aux:
+        P_UNLINK(self, e)
+    self.pol[x.pol & PMASK].rows -= 1
     _table_remove(self, x.key, e)
     _unlink(self, e)
     (<uint32_t*>row_ptr(a, x.row))[0] = a.free_head
@@ -218,6 +225,7 @@ cdef void _evict_tail(CEmbeddingStore self) noexcept nogil:
     cdef float *row
     cdef int k
     cdef uint32_t s
+    self.pol[self.entries[self.tail].pol & PMASK].evicted_lru += 1
     _drop(self, self.tail)
     self.n_evictions += 1
     # The next victims are cold: fetch what evicting them will touch, two evictions
@@ -235,6 +243,8 @@ cdef void _evict_tail(CEmbeddingStore self) noexcept nogil:
             sp_prefetch_w(row + k)
         if y.prev >= 0:
             sp_prefetch(&self.entries[y.prev])
+        if self.use_aux:
+            P_STAGE_EVICT(self, self.entries[self.tail].prev)
 
 
 cdef int32_t _insert(CEmbeddingStore self, uint64_t key, int ai) noexcept nogil:
@@ -271,4 +281,8 @@ cdef int32_t _insert(CEmbeddingStore self, uint64_t key, int ai) noexcept nogil:
     self.table[i].e = e
     _push_front(self, e)
     self.count += 1
+    self.entries[e].pol = _policy_of(self, key)
+    self.pol[self.entries[e].pol].rows += 1
+    if self.use_aux:
+        P_PUSH(self, e)
     return e

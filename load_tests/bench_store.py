@@ -25,6 +25,23 @@ turn, each build first every other batch, with a publisher's pass on both every 
 batches, and the median of the per-batch ratios new / old is reported (rates of a shared
 machine drift by more than 10% between rounds; a pair of batches in turn drifts less).
 
+Policies (issue 20, ``--policy-batches``, default 200; 0 skips it): two stores of this build
+loaded with the same rows, one with a policy on every id (``min_count`` 2, ``ttl_s`` one
+hour, ``max_rows`` 90% of the capacity, so the sketch, the per-policy lists and stamps and
+the cap all work on each miss) and one without, run the same batches in turn as above,
+with ``expire()`` on the policed one every 40 batches (the server calls it every second);
+the median of the per-batch ratios policies on / off is reported (target >= 0.9).
+``--policy ttl|cap|min_count`` puts only that part of the policy on.
+
+Compact rows (issue 20, ``--dtype-batches``, default 200; 0 skips it): rows per GiB of a
+store of ``CAPACITY`` distinct ids whose rows are float32, float16 and bfloat16 (a policy
+with that ``dtype`` on every id), counted on ``memory_bytes()`` (everything) and on the
+row storage of ``memory_breakdown()`` (weights and optimizer state), for this benchmark's
+Adagrad at dim 16 and for SGD at dim 64 (no optimizer state: the most a 16-bit row can
+save); then two stores loaded with the same rows, float16 and float32 (both with a
+policy, so both admit through the policy path), run the same batches in turn as above,
+and the median of the per-batch ratios float16 / float32 is reported.
+
 Incremental pass (``--pass-rows``, default 4M rows; ``--pass-changed``, 50k): a publisher's
 pass over a store of that many rows after that many rows changed (one update of distinct
 stored ids) since its previous pass, in the feed's windows of 262,144 entries. The same
@@ -38,7 +55,7 @@ Memory: ``memory_bytes()`` of the full Cython store per row, against the raw byt
 shown beside it as a check.
 
 Usage: ``python load_tests/bench_store.py [--json PATH] [--rounds N] [--batches N]
-[--old-build PATH] [--pass-rows N] [--pass-changed N] [--pass-rounds N]``
+[--old-build PATH] [--policy-batches N] [--policy all|ttl|cap|min_count] [--dtype-batches N] [--pass-rows N] [--pass-changed N] [--pass-rounds N]``
 """
 
 from __future__ import annotations
@@ -57,7 +74,8 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from stream_persia.embedding.optim import Adagrad  # noqa: E402
+from stream_persia.core.embedding_config import SlotPolicy  # noqa: E402
+from stream_persia.embedding.optim import SGD, Adagrad  # noqa: E402
 from stream_persia.kernels.sharding import stable_hash64  # noqa: E402
 from stream_persia.server._pystore import PyEmbeddingStore  # noqa: E402
 from stream_persia.server.store import CEmbeddingStore  # noqa: E402
@@ -193,6 +211,88 @@ def versus_old_build(new, old, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict
     return out
 
 
+POLICY_PARTS = {
+    "all": {"min_count": 2, "ttl_s": 3600.0, "max_rows": CAPACITY * 9 // 10},
+    "ttl": {"ttl_s": 3600.0},
+    "cap": {"max_rows": CAPACITY * 9 // 10},
+    "min_count": {"min_count": 2},
+}
+
+
+def versus_policies(on, off, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict[str, float]:
+    """Rates with policies / without, as versus_old_build: the same batch on both stores in
+    turn, each first every other batch; ``on.expire()`` every 40 batches."""
+    ratios: dict[str, list[float]] = {"lookup": [], "update": []}
+    for i in range(n):
+        batch = stable_hash64(zipf.ranks(BATCH).astype(np.uint64))
+        t: dict[str, tuple[float, float]] = {}
+        for name, store in (("on", on), ("off", off))[::1 if i % 2 else -1]:
+            t0 = time.thread_time()
+            store.lookup(batch, DIM, True)
+            t1 = time.thread_time()
+            store.update(batch, grads)
+            t[name] = (t1 - t0, time.thread_time() - t1)
+        ratios["lookup"].append(t["off"][0] / t["on"][0])
+        ratios["update"].append(t["off"][1] / t["on"][1])
+        if i % 40 == 39:
+            on.expire()
+    out: dict[str, float] = {"policy_batches": n}
+    for what, xs in ratios.items():
+        q1, med, q3 = np.percentile(xs, [25, 50, 75])
+        out.update({f"{what}_policies_vs_none": float(med),
+                    f"{what}_policies_vs_none_q1": float(q1),
+                    f"{what}_policies_vs_none_q3": float(q3)})
+    stats = on.policy_stats()[0]
+    out.update({f"policies_{k}": v for k, v in stats.items()})
+    return out
+
+
+def paired(a, b, zipf: ZipfIds, grads: np.ndarray, n: int, key: str) -> dict[str, float]:
+    """Rates of store ``a`` / store ``b``, as versus_old_build: the same batch on both in
+    turn, each first every other batch; medians and quartiles of the per-batch ratios."""
+    ratios: dict[str, list[float]] = {"lookup": [], "update": []}
+    for i in range(n):
+        batch = stable_hash64(zipf.ranks(BATCH).astype(np.uint64))
+        t: dict[str, tuple[float, float]] = {}
+        for name, store in (("a", a), ("b", b))[::1 if i % 2 else -1]:
+            t0 = time.thread_time()
+            store.lookup(batch, DIM, True)
+            t1 = time.thread_time()
+            store.update(batch, grads)
+            t[name] = (t1 - t0, time.thread_time() - t1)
+        ratios["lookup"].append(t["b"][0] / t["a"][0])
+        ratios["update"].append(t["b"][1] / t["a"][1])
+    out: dict[str, float] = {}
+    for what, xs in ratios.items():
+        q1, med, q3 = np.percentile(xs, [25, 50, 75])
+        out.update({f"{what}_{key}": float(med), f"{what}_{key}_q1": float(q1),
+                    f"{what}_{key}_q3": float(q3)})
+    return out
+
+
+def rows_per_gib(dim: int, opt, rows: int) -> dict[str, float]:
+    """Rows per GiB of a store of ``rows`` distinct ids per row dtype, on all its bytes
+    and on its row storage."""
+    out: dict[str, float] = {}
+    tag = f"{type(opt).__name__.lower()}_dim{dim}"
+    ids = stable_hash64(np.arange(rows, dtype=np.uint64) + np.uint64(3 * UNIVERSE))
+    for dtype in ("float32", "float16", "bfloat16"):
+        s = CEmbeddingStore(rows, opt)
+        s.set_policies(0, [SlotPolicy(dtype=dtype)])
+        for i in range(0, rows, BATCH):
+            s.lookup(ids[i:i + BATCH], dim, True)
+        mem = s.memory_breakdown()
+        out[f"{dtype}_rows_per_gib_{tag}"] = len(s) / (sum(mem.values()) / 2**30)
+        out[f"{dtype}_row_storage_rows_per_gib_{tag}"] = len(s) / (mem["rows"] / 2**30)
+        out[f"{dtype}_bookkeeping_bytes_per_row_{tag}"] = mem["bookkeeping"] / len(s)
+        s.close()
+    for dtype in ("float16", "bfloat16"):
+        for what in ("rows_per_gib", "row_storage_rows_per_gib"):
+            out[f"{dtype}_{what}_vs_float32_{tag}"] = (out[f"{dtype}_{what}_{tag}"]
+                                                       / out[f"float32_{what}_{tag}"])
+    return out
+
+
 def drain(it) -> tuple[float, float, int]:
     """Wall time of a pass, its longest next(), and its rows."""
     rows, longest = 0, 0.0
@@ -251,6 +351,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--old-build", help="an earlier _cstore*.so to compare rates with")
     ap.add_argument("--old-batches", type=int, default=200,
                     help="batches each build runs, alternating, for the comparison")
+    ap.add_argument("--policy-batches", type=int, default=200,
+                    help="batches each store runs, alternating, with policies on and off")
+    ap.add_argument("--dtype-batches", type=int, default=200,
+                    help="batches each store runs, alternating, with float16 and float32 rows")
+    ap.add_argument("--policy", choices=sorted(POLICY_PARTS), default="all",
+                    help="the policy of --policy-batches (default: all its parts)")
     ap.add_argument("--pass-rows", type=int, default=4_000_000,
                     help="rows of the store of the incremental pass (0: skip it)")
     ap.add_argument("--pass-changed", type=int, default=50_000,
@@ -329,6 +435,28 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print("this build against the old one ...", file=sys.stderr)
         tracking.update(versus_old_build(cstore, old_store, zipf, grads, args.old_batches))
         old_store.close()
+    if args.policy_batches:
+        print("policies on against off ...", file=sys.stderr)
+        on, off = CEmbeddingStore(CAPACITY, OPT), CEmbeddingStore(CAPACITY, OPT)
+        on.load(cstore.dump())
+        off.load(cstore.dump())
+        on.set_policies(0, [SlotPolicy(**POLICY_PARTS[args.policy])])
+        tracking.update(versus_policies(on, off, zipf, grads, args.policy_batches))
+        on.close()
+        off.close()
+    if args.dtype_batches:
+        print("compact rows: rows per GiB, float16 against float32 ...", file=sys.stderr)
+        tracking.update(rows_per_gib(DIM, OPT, CAPACITY))
+        tracking.update(rows_per_gib(64, SGD(lr=1e-2), CAPACITY))
+        half, full = CEmbeddingStore(CAPACITY, OPT), CEmbeddingStore(CAPACITY, OPT)
+        half.set_policies(0, [SlotPolicy(dtype="float16")])
+        full.set_policies(0, [SlotPolicy(admit_probability=1.0)])   # the same policy path
+        half.load(cstore.dump())
+        full.load(cstore.dump())
+        tracking.update(paired(half, full, zipf, grads, args.dtype_batches, "fp16_vs_fp32"))
+        tracking["dtype_batches"] = args.dtype_batches
+        half.close()
+        full.close()
     if args.pass_rows:
         print(f"incremental pass over {args.pass_rows:,} rows ...", file=sys.stderr)
         tracking.update(incremental_pass(args.pass_rows, args.pass_changed, args.pass_rounds))
@@ -370,6 +498,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
               f"({res['lookup_vs_old_build_q1']:.2f}-{res['lookup_vs_old_build_q3']:.2f}), "
               f"update {res['update_vs_old_build']:.3f}x ({res['update_vs_old_build_q1']:.2f}"
               f"-{res['update_vs_old_build_q3']:.2f})")
+    if args.policy_batches:
+        print(f"policies on ({args.policy}: {POLICY_PARTS[args.policy]}) / off, median of "
+              f"{args.policy_batches} alternated batches (quartiles): lookup "
+              f"{res['lookup_policies_vs_none']:.3f}x ({res['lookup_policies_vs_none_q1']:.2f}"
+              f"-{res['lookup_policies_vs_none_q3']:.2f}), update "
+              f"{res['update_policies_vs_none']:.3f}x ({res['update_policies_vs_none_q1']:.2f}"
+              f"-{res['update_policies_vs_none_q3']:.2f})   (target >= 0.9x); policy counters "
+              f"{ {k[9:]: v for k, v in res.items() if k.startswith('policies_')} }")
+    if args.dtype_batches:
+        for tag in ("adagrad_dim16", "sgd_dim64"):
+            print(f"rows per GiB ({tag}): " + ", ".join(
+                f"{dt} {res[f'{dt}_rows_per_gib_{tag}']:,.0f} total / "
+                f"{res[f'{dt}_row_storage_rows_per_gib_{tag}']:,.0f} row storage"
+                for dt in ("float32", "float16", "bfloat16"))
+                + f"; float16 / float32: {res[f'float16_rows_per_gib_vs_float32_{tag}']:.2f}x "
+                f"total, {res[f'float16_row_storage_rows_per_gib_vs_float32_{tag}']:.2f}x "
+                f"row storage; bookkeeping "
+                f"{res[f'float32_bookkeeping_bytes_per_row_{tag}']:.1f} B/row")
+        print(f"float16 rows / float32 rows, median of {args.dtype_batches} alternated "
+              f"batches (quartiles): lookup {res['lookup_fp16_vs_fp32']:.3f}x "
+              f"({res['lookup_fp16_vs_fp32_q1']:.2f}-{res['lookup_fp16_vs_fp32_q3']:.2f}), "
+              f"update {res['update_fp16_vs_fp32']:.3f}x ({res['update_fp16_vs_fp32_q1']:.2f}"
+              f"-{res['update_fp16_vs_fp32_q3']:.2f})")
     if args.pass_rows:
         print(f"incremental pass, {res['pass_changed_rows']:,} of {res['pass_store_rows']:,} "
               f"rows changed: full scan {res['pass_full_scan_s'] * 1e3:.1f} ms (longest next() "

@@ -27,10 +27,10 @@ from stream_persia.api.schemas import (
     WorkerStatus,
 )
 
-from stream_persia.core.embedding_config import EmbeddingConfig
+from stream_persia.core.embedding_config import EmbeddingConfig, SlotPolicy
 from stream_persia.core.optim import optimizer_from_dict
 from stream_persia.core.replies import WorkerStatus as WorkerStatusReply
-from stream_persia.errors import BadInput, PersiaError
+from stream_persia.errors import BadInput, Misuse, PersiaError
 
 router = APIRouter(prefix="/v1", tags=["control"], dependencies=[Depends(require_token)],
                    responses=ERRORS["control"])
@@ -119,7 +119,7 @@ async def status(request: Request) -> JobStatus:
     Kafka lag per partition, NN rank 0's relayed progressive figures)."""
     roles = _roles(request)
     state = request.app.state
-    (health, w_status, w_metrics, s_stats, s_size, s_health, training,
+    (health, w_status, w_metrics, s_stats, s_size, s_health, s_slots, training,
      last) = await asyncio.gather(
         roles.health(),
         roles.gather_settled(roles.workers, "status"),
@@ -127,6 +127,7 @@ async def status(request: Request) -> JobStatus:
         roles.gather_settled(roles.servers, "stats"),
         roles.gather_settled(roles.servers, "size"),
         roles.gather_settled(roles.servers, "health"),   # trained_through: "applied"
+        roles.gather_settled(roles.servers, "slot_stats"),
         state.checkpoints.training(),
         state.checkpoints.last(),
     )
@@ -134,14 +135,17 @@ async def status(request: Request) -> JobStatus:
     workers = [_worker_status(r, by_role[(WORKER, r.index)], st)
                for r, st in zip(roles.workers, w_status, strict=True)]
     servers = []
-    for r, stats, size in zip(roles.servers, s_stats, s_size, strict=True):
+    for r, stats, size, slots in zip(roles.servers, s_stats, s_size, s_slots, strict=True):
         h = by_role[(SERVER, r.index)]
         servers.append(ServerStatus(
             index=r.index, address=r.address, healthy=h["healthy"],
             error=h["error"] or _error(stats) or _error(size),
             rows=size if isinstance(size, int) else None,
             stats={k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
-            if isinstance(stats, dict) else {}))
+            if isinstance(stats, dict) else {},
+            slots={str(k): {str(n): int(v) for n, v in c.items()}
+                   for k, c in slots.items() if isinstance(c, dict)}
+            if isinstance(slots, dict) else {}))
     lag: dict[str, int] = {}
     for w in workers:
         lag.update(w.lag)
@@ -189,7 +193,7 @@ def _checked_config(body: EmbeddingConfigRequest) -> dict[str, Any]:
     """The ``configure`` params, validated here so a bad value is a 422 before any server
     changes (a half-applied config across servers is the failure to avoid)."""
     params: dict[str, Any] = {}
-    cfg = body.model_dump(exclude_none=True, exclude={"optimizer"})
+    cfg = body.model_dump(exclude_none=True, exclude={"optimizer", "policies"})
     if cfg:
         try:
             params["embedding_config"] = EmbeddingConfig.from_dict(cfg).to_dict()
@@ -204,10 +208,55 @@ def _checked_config(body: EmbeddingConfigRequest) -> dict[str, Any]:
         except TypeError as e:  # a required parameter (lr) is missing
             raise BadInput(f"optimizer {spec.get('name')!r}: {e}", field="body.optimizer",
                            hint="e.g. {'name': 'adagrad', 'lr': 0.01}") from None
-    if not params:
-        raise BadInput("nothing to apply: give EmbeddingConfig fields and/or an optimizer",
-                       field="body", hint="e.g. {'admit_probability': 0.5}")
+    if not params and body.policies is None:
+        raise BadInput("nothing to apply: give EmbeddingConfig fields, an optimizer and/or "
+                       "policies", field="body", hint="e.g. {'admit_probability': 0.5}")
     return params
+
+
+async def _policies_param(request: Request, body: EmbeddingConfigRequest, servers: list[Role]
+                          ) -> dict[str, Any] | None:
+    """The ``policies`` param of ``configure``: the table the servers hold (server 0's, else
+    the job file's), with the feature group of every slot the body names replaced by its
+    policy. Slot names map to groups with the API's embedding schema."""
+    if body.policies is None:
+        return None
+    schema = request.app.state.settings.schema
+    if schema is None:
+        raise Misuse("policies are given by slot name, but the API has no embedding schema "
+                     "to map them to feature groups", field="body.policies",
+                     hint="start the API with PERSIA_EMBEDDING_CONFIG set")
+    bits = schema.feature_index_prefix_bit
+    if bits == 0:
+        raise BadInput("the job's feature_index_prefix_bit is 0: its slots share one id "
+                       "space, so only the default policy exists", field="body.policies",
+                       hint="set feature_index_prefix_bit > 0 in embedding_config.yml")
+    groups = schema.group_names
+    table: list[dict[str, Any] | None] = [None] * (len(groups) + 1)
+    held = await _roles(request).call(servers[0], "get_config")
+    base = (held or {}).get("policies") or schema.policy_params()
+    if base is not None and base.get("prefix_bits") == bits:
+        for p, entry in enumerate(base.get("policies") or []):
+            if 0 < p < len(table):
+                table[p] = entry
+    given: dict[int, tuple[str, SlotPolicy | None]] = {}
+    for slot, spec in body.policies.items():
+        where = f"body.policies.{slot}"
+        try:
+            g = schema.group_index(slot)
+        except BadInput as e:
+            raise BadInput(e.message, field=where, hint=e.hint) from None
+        policy = None if spec is None else SlotPolicy.from_dict(spec.model_dump(), where)
+        if policy is not None and policy.is_default:
+            policy = None
+        if g in given and given[g][1] != policy:
+            raise BadInput(f"slot {slot!r} is given another policy than slot {given[g][0]!r} "
+                           f"of the same feature group {groups[g]!r}", field=where,
+                           hint="slots of one group share one id space and one policy: "
+                                "give it once")
+        given[g] = (slot, policy)
+        table[g + 1] = None if policy is None else policy.to_dict()
+    return {"prefix_bits": bits, "policies": table, "names": [None, *groups]}
 
 
 @router.post("/embeddings/configure", response_model=Applied,
@@ -215,10 +264,15 @@ def _checked_config(body: EmbeddingConfigRequest) -> dict[str, Any]:
 async def configure(request: Request, body: EmbeddingConfigRequest) -> Applied:
     """PERSIA's ``configure_embedding_parameter_servers``. The EmbeddingConfig is replaced
     as a whole (fields left out take their defaults) when any of its fields is given; the
-    optimizer only when given. Checked in full before any server is changed."""
+    optimizer only when given; ``policies`` (by slot name) replace the policy of each named
+    slot's feature group as a whole, other groups keep theirs. Checked in full before any
+    server is changed."""
     params = _checked_config(body)
     roles = _roles(request)
     servers = roles.require(SERVER)
+    policies = await _policies_param(request, body, servers)
+    if policies is not None:
+        params["policies"] = policies
     await roles.fanout(servers, "configure", params)
     return Applied(applied=True, servers=len(servers))
 
@@ -237,5 +291,19 @@ async def clear(request: Request) -> Applied:
 async def sizes(request: Request) -> Sizes:
     """PERSIA's ``get_embedding_size``: rows held by each server, in replica order."""
     roles = _roles(request)
-    counts = [int(n) for n in await roles.fanout(roles.require(SERVER), "size")]
-    return Sizes(servers=counts, total=sum(counts))
+    servers = roles.require(SERVER)
+    sizes, slot_stats = await asyncio.gather(roles.fanout(servers, "size"),
+                                             roles.gather_settled(servers, "slot_stats"))
+    counts = [int(n) for n in sizes]
+    return Sizes(servers=counts, total=sum(counts), slots=_slot_rows(slot_stats))
+
+
+def _slot_rows(replies: list[Any]) -> dict[str, int]:
+    """Rows per feature group over every server's ``slot_stats`` (errors: left out)."""
+    out: dict[str, int] = {}
+    for reply in replies:
+        if isinstance(reply, dict):
+            for slot, counts in reply.items():
+                if isinstance(counts, dict):
+                    out[str(slot)] = out.get(str(slot), 0) + int(counts.get("rows", 0))
+    return out

@@ -14,7 +14,9 @@ dense model consumes it): rows restored under another schema are read as other s
 dims, silently. What it leaves out: ``global_config.yml`` (addresses, ports, batch sizes,
 timeouts, Kafka names: a job moved or retuned still reads its rows), and the embedding
 optimizer and initialisation, which the manifest's ``server_config`` carries (a restore
-configures fresh servers with it).
+configures fresh servers with it), and the slots' table policies (``min_count``, ``ttl_s``,
+``max_rows``, ``dtype``, ...: which rows are kept and how they are stored, not what a row
+is; ``server_config`` carries them too).
 
 The digest is ``schema-v1:<sha256 hex>``; the schema itself goes into the manifest's
 ``extra["embedding_schema"]``, so a refused restore names what differs (a slot, its dim,

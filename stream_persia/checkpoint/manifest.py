@@ -12,7 +12,7 @@ Schema (format version 1; JSON object, every key present, ``null`` where optiona
      "dense_filename": name | null, "opt_filename": name | null,
      "jit_filename": name | null,
      "server_config": {"digest": 16 hex chars, "optimizer": {...},
-                       "embedding_config": {...}} | null,
+                       "embedding_config": {...}, "policies"?: {...}} | null,
      "extra": {...}}
 
 ``config_digest`` is ``schema-v1:<sha256>`` of the job's embedding schema, which a restore
@@ -140,9 +140,15 @@ def _files(value: Any) -> dict[str, dict[str, Any]]:
 def _server_config(value: Any) -> None:
     if value is None:
         return
-    if not isinstance(value, dict) or set(value) != {"digest", "optimizer", "embedding_config"}:
-        raise BadInput(f"manifest 'server_config' must be null or a map of digest, optimizer "
-                       f"and embedding_config, got {value!r}"[:300], field="server_config")
+    if not isinstance(value, dict) or not (
+            {"digest", "optimizer", "embedding_config"} <= set(value)
+            <= {"digest", "optimizer", "embedding_config", "policies"}):
+        raise BadInput(f"manifest 'server_config' must be null or a map of digest, optimizer, "
+                       f"embedding_config and (optional) policies, got {value!r}"[:300],
+                       field="server_config")
+    if "policies" in value and not isinstance(value["policies"], dict):
+        raise BadInput(f"manifest 'server_config.policies' must be a map, got "
+                       f"{value['policies']!r}"[:300], field="server_config.policies")
     digest = value["digest"]
     if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{16}", digest)):
         raise BadInput(f"manifest 'server_config.digest' must be 16 lowercase hex chars, got "

@@ -30,6 +30,7 @@ from stream_persia.config.embedding import (
 )
 from stream_persia.config.global_config import (
     JOB_TYPES,
+    AdmissionConfig,
     ApiConfig,
     CheckpointingConfig,
     CommonConfig,
@@ -53,7 +54,7 @@ __all__ = [
     "EmbeddingSchema", "SlotConfig", "HashStackConfig", "MAX_PREFIX_BIT",
     "GlobalConfig", "CommonConfig", "MetricsConfig", "CheckpointingConfig", "InferConfig",
     "EmbeddingParameterServerConfig", "EmbeddingWorkerConfig", "KafkaConfig", "ApiConfig",
-    "RpcConfig", "ModelUpdatesConfig", "ProgressiveConfig", "JOB_TYPES", "resolve_bootstrap_servers",
+    "RpcConfig", "ModelUpdatesConfig", "ProgressiveConfig", "AdmissionConfig", "JOB_TYPES", "resolve_bootstrap_servers",
     "ENV_EMBEDDING_CONFIG", "ENV_GLOBAL_CONFIG", "ENV_NN_WORKER_ENTRY",
     "ENV_DATALOADER_ENTRY", "ENV_KAFKA_BOOTSTRAP_SERVERS",
 ]

@@ -13,6 +13,24 @@ PERSIA's keys and defaults::
     feature_groups:                      # slots in one group share one id space
       group1: [user_id, item_id]
 
+stream-persia's per-slot table policies (issue 20; :class:`~stream_persia.core.
+embedding_config.SlotPolicy`, enforced by the embedding servers' stores), all optional::
+
+    slots_config:
+      user_id:
+        admit_probability: null          # PERSIA's admission draw for this slot (null: the
+                                         # EmbeddingConfig's)
+        min_count: 1                     # a row only at the k-th training lookup (1: off)
+        ttl_s: null                      # rows unseen in training this long expire
+        ttl_steps: null                  # ... or for this many training lookup calls
+        max_rows: null                   # the most rows of the slot's group (LRU beyond)
+        dtype: float32                   # float16 / bfloat16: compact row weights
+
+A policy is per feature group (slots of one group share one id space and must agree) and
+needs ``feature_index_prefix_bit > 0`` (the store tells an id's group from its prefix).
+:meth:`EmbeddingSchema.policies` gives them indexed as the store's ``set_policies`` wants,
+:meth:`EmbeddingSchema.policy_params` as the servers' ``configure`` RPC takes them.
+
 **Id prefixes** (PERSIA's formula, kept bit for bit so ids match a PERSIA job's):
 with ``b = feature_index_prefix_bit > 0``, an id of a slot in group ``g`` is stored as
 ``id % (2**(64-b) - 1) + ((g + 1) << (64 - b))`` (:mod:`stream_persia.kernels.ids` computes
@@ -45,6 +63,7 @@ from stream_persia.config._base import (
     did_you_mean,
     error,
 )
+from stream_persia.core.embedding_config import SlotPolicy
 from stream_persia.errors import BadInput, ConfigError
 from stream_persia.kernels.ids import MAX_PREFIX_BIT, index_prefix, prefix_ids
 
@@ -103,14 +122,23 @@ class SlotConfig:
     sqrt_scaling: bool = False
     hash_stack_config: HashStackConfig = field(default_factory=HashStackConfig)
     index_prefix: int = 0
+    # The slot's SlotPolicy, flat in its entry (see the module docstring and `policy`).
+    admit_probability: float | None = None
+    min_count: int = 1
+    ttl_s: float | None = None
+    ttl_steps: int | None = None
+    max_rows: int | None = None
+    dtype: str = "float32"
 
+    _POLICY_KEYS: ClassVar[tuple[str, ...]] = (
+        "admit_probability", "min_count", "ttl_s", "ttl_steps", "max_rows", "dtype")
     _NESTED: ClassVar[dict[str, type]] = {"hash_stack_config": HashStackConfig}
     _REJECTED: ClassVar[dict[str, str]] = {
         "index_prefix": "it is computed from feature_groups (PERSIA refuses it too): remove it",
         "name": "the slot's name is its key under slots_config: remove it",
         "capacity": "PERSIA ignored a per-slot capacity; the LRU capacity is per embedding "
                     "server: set embedding_parameter_server_config.capacity in "
-                    "global_config.yml and remove it here",
+                    "global_config.yml, or cap this slot's group with max_rows here",
     }
 
     def __post_init__(self) -> None:
@@ -123,13 +151,29 @@ class SlotConfig:
             object.__setattr__(self, "hash_stack_config", HashStackConfig())
         check_instance(self, "hash_stack_config", HashStackConfig)
         check_int(self, "index_prefix", lo=0, hi=_U64_MAX)
+        try:
+            policy = SlotPolicy(**{k: getattr(self, k) for k in self._POLICY_KEYS})
+        except BadInput as e:
+            raise error(e.field or "policy", e.message.removeprefix(f"{e.field} "),
+                        e.hint) from None
+        for key, value in policy.to_dict().items():   # normalised (ttl_s: 86400 -> 86400.0)
+            object.__setattr__(self, key, value)
+
+    @property
+    def policy(self) -> SlotPolicy:
+        """The slot's table policy (``SlotPolicy()`` when the entry sets none of its keys)."""
+        return SlotPolicy(**{k: getattr(self, k) for k in self._POLICY_KEYS})
 
     def to_dict(self) -> dict[str, Any]:
-        """The slot's entry under ``slots_config`` (without name and computed prefix)."""
+        """The slot's entry under ``slots_config`` (without name and computed prefix).
+        Policy keys appear only where they differ from the default, so that the digest of a
+        config without policies (PERSIA's files) is what it was before they existed."""
+        default = SlotPolicy().to_dict()
         return {"dim": self.dim, "sample_fixed_size": self.sample_fixed_size,
                 "embedding_summation": self.embedding_summation,
                 "sqrt_scaling": self.sqrt_scaling,
-                "hash_stack_config": self.hash_stack_config.to_dict()}
+                "hash_stack_config": self.hash_stack_config.to_dict(),
+                **{k: v for k, v in self.policy.to_dict().items() if v != default[k]}}
 
 
 @dataclass(frozen=True)
@@ -178,6 +222,7 @@ class EmbeddingSchema:
                         f"set feature_index_prefix_bit to at least {need}, or put slots "
                         "into feature_groups")
         index = {g: i for i, g in enumerate(group_names)}
+        self._check_policies(slots, group_of, b)
         final: dict[str, SlotConfig] = {}
         for name, slot in slots.items():
             # Always recomputed (a given index_prefix is ignored), so that
@@ -208,6 +253,32 @@ class EmbeddingSchema:
                             f"listed as {name!r}", "use the same name for both")
             out[name] = slot
         return out
+
+    @staticmethod
+    def _check_policies(slots: Mapping[str, SlotConfig], group_of: Mapping[str, str],
+                        b: int) -> None:
+        """Slots of one group agree on their policy; a policy needs id prefixes."""
+        first: dict[str, str] = {}   # group -> its first slot
+        for name, slot in slots.items():
+            policy = slot.policy
+            if b == 0 and not policy.is_default:
+                key = next(k for k, v in policy.to_dict().items()
+                           if v != SlotPolicy().to_dict()[k])
+                raise error(f"slots_config.{name}.{key}", "sets a table policy, but "
+                            "feature_index_prefix_bit is 0, so the embedding servers cannot "
+                            "tell this slot's ids from the others'",
+                            "set feature_index_prefix_bit > 0 (PERSIA's default is 8), or "
+                            "remove the key")
+            group = group_of[name]
+            other = first.setdefault(group, name)
+            if other != name and slots[other].policy != policy:
+                theirs, ours = slots[other].policy.to_dict(), policy.to_dict()
+                key = next(k for k in ours if ours[k] != theirs[k])
+                raise error(f"slots_config.{name}.{key}", f"is {ours[key]!r} but slot "
+                            f"{other!r} of the same feature group {group!r} has "
+                            f"{theirs[key]!r}: slots of one group share one id space and "
+                            "one policy", f"give every slot of group {group!r} the same "
+                            f"{key}")
 
     @staticmethod
     def _check_groups(groups: Any, slots: Mapping[str, SlotConfig]) -> dict[str, tuple]:
@@ -273,6 +344,32 @@ class EmbeddingSchema:
         """Every feature group in index order (explicit groups, then ungrouped slots)."""
         return tuple(self._group_index)
 
+    def policies(self) -> list[SlotPolicy | None]:
+        """Every feature group's policy indexed as the store's ``set_policies`` wants:
+        entry ``g + 1`` is group ``g``'s (None: the default), entry 0 (ids of no group) is
+        None. Empty when ``feature_index_prefix_bit`` is 0 (no prefixes: only the default
+        policy exists)."""
+        if self.feature_index_prefix_bit == 0:
+            return []
+        out: list[SlotPolicy | None] = [None] * (len(self._group_index) + 1)
+        for name, slot in self.slots.items():
+            policy = slot.policy
+            out[self._group_index[self._group_of[name]] + 1] = (
+                None if policy.is_default else policy)
+        return out
+
+    def policy_params(self) -> dict[str, Any] | None:
+        """The ``policies`` param of the embedding servers' ``configure`` RPC:
+        ``{"prefix_bits", "policies": [dict | None], "names": [group name | None]}``, or
+        None when every group has the default policy (nothing to send)."""
+        policies = self.policies()
+        if all(p is None for p in policies):
+            return None
+        names: list[str | None] = [None, *self._group_index]
+        return {"prefix_bits": self.feature_index_prefix_bit,
+                "policies": [None if p is None else p.to_dict() for p in policies],
+                "names": names}
+
     def prefix_ids(self, slot_name: str, ids: np.ndarray) -> np.ndarray:
         """Map a slot's raw uint64 ids into its group's id space (vectorised, see module
         docstring). With ``feature_index_prefix_bit == 0`` the ids come back unchanged."""
@@ -329,5 +426,13 @@ class EmbeddingSchema:
                 "feature_groups": {g: list(m) for g, m in self.feature_groups.items()}}
 
     def digest(self) -> str:
-        """Hex SHA-256 of the canonical JSON of :meth:`to_dict` (stored in checkpoints)."""
-        return canonical_digest(self.to_dict())
+        """Hex SHA-256 of the canonical JSON of :meth:`to_dict` without the table policies
+        (stored in checkpoints, which a restore checks). Policies decide which rows are
+        kept, not which row an id is or what it means, so a job that changes a TTL or a
+        row cap still restores its checkpoints; the embedding servers' configuration
+        digest (``get_config``) covers them."""
+        d = self.to_dict()
+        for slot in d["slots_config"].values():
+            for key in SlotConfig._POLICY_KEYS:
+                slot.pop(key, None)
+        return canonical_digest(d)

@@ -45,6 +45,13 @@ PERSIA's keys and documented defaults::
       enabled: true                  # false: TrainCtx keeps no progressive metrics
       window_samples: 100000         # samples in the windowed AUC, NE, calibration
 
+``admission`` (frequency admission on the embedding servers, the ``min_count`` of
+``embedding_config.yml``'s slots) in :class:`AdmissionConfig`::
+
+    admission:
+      sketch_bytes: 8388608          # each server's count-min sketch (its error bound:
+                                     # the store's docstring)
+
 Every key is either acted on or refused with the reason and what to use instead: keys
 PERSIA accepted but never acted on, and values asking for a PERSIA feature stream-persia
 does not have (incremental update, pushed metrics, Eval/Infer jobs, servers preloaded from
@@ -88,7 +95,7 @@ MAX_STORE_THREADS = 256
 
 __all__ = ["MetricsConfig", "CheckpointingConfig", "InferConfig", "CommonConfig",
            "EmbeddingParameterServerConfig", "EmbeddingWorkerConfig", "ApiConfig",
-           "RpcConfig", "ModelUpdatesConfig", "ProgressiveConfig", "GlobalConfig", "JOB_TYPES", "INERT_KEYS"]
+           "RpcConfig", "ModelUpdatesConfig", "ProgressiveConfig", "AdmissionConfig", "GlobalConfig", "JOB_TYPES", "INERT_KEYS"]
 
 JOB_TYPES = ("Train", "Eval", "Infer")
 _UNUSED = "PERSIA's {what}; stream-persia has no use for it: remove it"
@@ -517,6 +524,28 @@ class ProgressiveConfig(_Section):
                   hint="samples in the windowed progressive metrics, e.g. 100000")
 
 
+#: Bounds of ``admission.sketch_bytes`` (the store's count-min sketch per server).
+MIN_SKETCH_BYTES, MAX_SKETCH_BYTES = 1 << 12, 1 << 32
+
+
+@dataclass(frozen=True)
+class AdmissionConfig(_Section):
+    """``admission``: frequency admission on the embedding servers (a slot's
+    ``min_count`` in ``embedding_config.yml``).
+
+    Args:
+        sketch_bytes: memory of each embedding server's count-min sketch, which counts the
+            training lookups of ids not yet admitted; more bytes, fewer ids admitted early
+            by a collision (the bound is in the store's docstring).
+    """
+
+    sketch_bytes: int = 8 << 20
+
+    def __post_init__(self) -> None:
+        check_int(self, "sketch_bytes", lo=MIN_SKETCH_BYTES, hi=MAX_SKETCH_BYTES,
+                  hint="bytes of each embedding server's count-min sketch, e.g. 8388608")
+
+
 @dataclass(frozen=True)
 class GlobalConfig(_Section):
     """The parsed ``global_config.yml``; every section has defaults."""
@@ -531,13 +560,15 @@ class GlobalConfig(_Section):
     rpc: RpcConfig = field(default_factory=RpcConfig)
     model_updates: ModelUpdatesConfig = field(default_factory=ModelUpdatesConfig)
     progressive: ProgressiveConfig = field(default_factory=ProgressiveConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     _NESTED: ClassVar[dict[str, type]] = {
         "common_config": CommonConfig,
         "embedding_parameter_server_config": EmbeddingParameterServerConfig,
         "embedding_worker_config": EmbeddingWorkerConfig,
         "kafka": KafkaConfig, "api": ApiConfig, "rpc": RpcConfig,
-        "model_updates": ModelUpdatesConfig, "progressive": ProgressiveConfig}
+        "model_updates": ModelUpdatesConfig, "progressive": ProgressiveConfig,
+        "admission": AdmissionConfig}
     _REJECTED: ClassVar[dict[str, str]] = {
         "middleware_config": "PERSIA renamed it embedding_worker_config",
         "shard_server_config": "PERSIA renamed it embedding_parameter_server_config",

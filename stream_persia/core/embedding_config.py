@@ -1,4 +1,4 @@
-"""The embedding hyperparameters every embedding server applies: :class:`EmbeddingConfig` (PERSIA's ``persia.embedding.EmbeddingConfig``; re-exported there)."""
+"""The embedding hyperparameters every embedding server applies: :class:`EmbeddingConfig` (PERSIA's ``persia.embedding.EmbeddingConfig``; re-exported there), and the per-feature-group table policies of issue 20, :class:`SlotPolicy`."""
 
 from __future__ import annotations
 
@@ -8,12 +8,19 @@ from typing import Any
 
 from stream_persia.errors import BadInput
 
-__all__ = ["EmbeddingConfig", "MAX_CAPACITY"]
+__all__ = ["EmbeddingConfig", "SlotPolicy", "MAX_CAPACITY", "MAX_MIN_COUNT", "MAX_TTL_STEPS",
+           "ROW_DTYPES"]
 
 #: The most rows one store holds (both stores, any number of store threads): the Cython
 #: store's hash table has at most 2**31 slots and int32 row counters. The config loader
 #: and ``launch embedding-server --capacity`` refuse more, naming the key or the flag.
 MAX_CAPACITY = 2**30
+#: The highest ``min_count``: the stores count ids in 8-bit saturating counters.
+MAX_MIN_COUNT = 255
+#: The longest ``ttl_steps``: the stores keep a row's step in 32 bits.
+MAX_TTL_STEPS = 2**31 - 1
+#: Storage dtypes of row weights (optimizer state stays float32; lookups return float32).
+ROW_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -70,3 +77,95 @@ class EmbeddingConfig:
         if "emb_initialization" in kw:
             kw["emb_initialization"] = tuple(kw["emb_initialization"])
         return cls(**kw)
+
+
+_POLICY_KEYS = ("admit_probability", "min_count", "ttl_s", "ttl_steps", "max_rows", "dtype")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class SlotPolicy:
+    """How a store keeps the rows of one feature group (issue 20); the default keeps
+    today's behaviour (the store's admission probability, global LRU only).
+
+    Args:
+        admit_probability: probability in [0, 1] that a training miss admits the id
+            (after ``min_count``); None: the store's ``EmbeddingConfig.admit_probability``.
+        min_count: a row only at the k-th training lookup of the id (counted in the store's
+            count-min sketch); earlier lookups return the id's initial row and store
+            nothing. 1: off. At most 255.
+        ttl_s: rows not looked up in training for this many seconds expire (``expire()``).
+        ttl_steps: rows not looked up in training for this many training lookup calls of
+            the store expire.
+        max_rows: the group's row cap: beyond it a row not looked up since it was last
+            queued is evicted (second chance, as CLOCK; see the store's docstring).
+        dtype: storage dtype of the row weights: float32, float16 or bfloat16.
+    """
+
+    admit_probability: float | None = None
+    min_count: int = 1
+    ttl_s: float | None = None
+    ttl_steps: int | None = None
+    max_rows: int | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        p = self.admit_probability
+        if p is not None:
+            if isinstance(p, bool) or not isinstance(p, (int, float)) \
+                    or not 0.0 <= float(p) <= 1.0:
+                raise BadInput(f"admit_probability must be a number in [0, 1] or null, got "
+                               f"{p!r}", field="admit_probability")
+            object.__setattr__(self, "admit_probability", float(p))
+        if not _is_int(self.min_count) or not 1 <= self.min_count <= MAX_MIN_COUNT:
+            raise BadInput(f"min_count must be an int in [1, {MAX_MIN_COUNT}], got "
+                           f"{self.min_count!r}", field="min_count",
+                           hint="1 admits at the first training lookup (off)")
+        t = self.ttl_s
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) \
+                    or not math.isfinite(float(t)) or float(t) <= 0:
+                raise BadInput(f"ttl_s must be a finite number of seconds > 0 or null, got {t!r}",
+                               field="ttl_s", hint="e.g. 86400 for a day")
+            object.__setattr__(self, "ttl_s", float(t))
+        n = self.ttl_steps
+        if n is not None and (not _is_int(n) or not 1 <= n <= MAX_TTL_STEPS):
+            raise BadInput(f"ttl_steps must be an int in [1, {MAX_TTL_STEPS}] or null, got "
+                           f"{n!r}", field="ttl_steps")
+        m = self.max_rows
+        if m is not None and (not _is_int(m) or not 1 <= m <= MAX_CAPACITY):
+            raise BadInput(f"max_rows must be an int in [1, {MAX_CAPACITY}] or null, got "
+                           f"{m!r}", field="max_rows")
+        if self.dtype not in ROW_DTYPES:
+            raise BadInput(f"dtype must be one of {', '.join(ROW_DTYPES)}, got {self.dtype!r}",
+                           field="dtype")
+
+    @property
+    def is_default(self) -> bool:
+        """True when the policy changes nothing (``SlotPolicy()``)."""
+        return self == SlotPolicy()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in _POLICY_KEYS}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "") -> SlotPolicy:
+        """Build from a dict of the keys above (missing ones default); errors are
+        BadInput whose field is ``<where>.<key>`` (``where`` e.g. ``slots_config.user``)."""
+        def name(key: str) -> str:
+            return f"{where}.{key}" if where else key
+
+        if not isinstance(d, dict):
+            raise BadInput(f"a slot policy must be a mapping, got {type(d).__name__}",
+                           field=where or None)
+        unknown = sorted(set(d) - set(_POLICY_KEYS))
+        if unknown:
+            raise BadInput(f"unknown policy key(s) {unknown}", field=name(str(unknown[0])),
+                           hint="accepted: " + ", ".join(_POLICY_KEYS))
+        try:
+            return cls(**d)
+        except BadInput as e:
+            raise BadInput(e.message, field=name(e.field or ""), hint=e.hint) from None

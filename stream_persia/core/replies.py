@@ -51,6 +51,7 @@ class ServerConfig(TypedDict):
     digest: str
     optimizer: dict[str, Any] | None
     embedding_config: dict[str, Any] | None
+    policies: NotRequired[dict[str, Any]]   # only while some feature group has a policy
 
 
 class _ServedByServer(TypedDict):

@@ -190,10 +190,9 @@ def embedding_server(args: argparse.Namespace) -> int:
     from stream_persia.server.service import EmbeddingServer
 
     gc = global_config(args)
-    if args.embedding_config:
-        # PERSIA's command lines pass it; the server needs none of it, but a bad file
-        # fails here rather than in the first role that reads it.
-        embedding_schema(args)
+    # PERSIA's command lines pass it: the server holds its table policies from its start (a
+    # restarted one too), and a bad file fails here, not in the first role that reads it.
+    policies = embedding_schema(args).policy_params() if args.embedding_config else None
     cfg = gc.embedding_parameter_server_config
     capacity = args.capacity or cfg.capacity
     threads = args.store_threads or cfg.store_threads   # the store checks it with capacity
@@ -211,7 +210,8 @@ def embedding_server(args: argparse.Namespace) -> int:
             update_sink=await server_sink(gc, args.replica_index, args.replica_size),
             max_dense_bytes=mu.max_dense_bytes, model_updates=mu.enabled,
             update_log_bytes=mu.update_log_bytes,
-            model_update_interval_ms=mu.model_update_interval_ms)
+            model_update_interval_ms=mu.model_update_interval_ms,
+            policies=policies, sketch_bytes=gc.admission.sketch_bytes)
         return await _serve(server, args)
 
     return aio.run(main())

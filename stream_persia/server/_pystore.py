@@ -50,6 +50,66 @@ bits above a base that it moves once in 2**31 mutating calls (or when ``advance_
 jumps further); a row last changed before the base is then reported with the base as its
 version, later than it was (a reader may see it again, never misses it).
 
+Table policies (issue 20; ``set_policies``). Each id has a *policy index* ``p``: its top
+``prefix_bits`` bits (``g + 1`` for feature group ``g``), 0 when they are 0, not below
+the number of policies, or ``prefix_bits`` is 0; ``policies[p]`` (a ``SlotPolicy``) rules
+its rows, index 0 being the default (``SlotPolicy()`` unless given). Without policies
+(the default) the store behaves exactly as before. A training miss of id ``k`` (policy
+``P``): if ``P.min_count > 1``, ``k`` is counted in the frequency sketch
+(:mod:`stream_persia.server.policies`); below ``min_count`` the lookup returns ``k``'s
+initial row (:func:`initial_rows`), stores nothing, draws nothing, and counts
+``rejected``. Then the admission draw as above with ``P.admit_probability`` (None: the
+config's). An admitted id first makes room in its group if the group holds ``P.max_rows``
+rows (``evicted_cap``, below), then evicts the globally least recently used row if the
+store is full (``evicted_lru``).
+
+While some policy has a TTL or a cap, each policy keeps its rows in its own *queue* (the
+global LRU list is unchanged) and each row has a *mark* and a *stamp*. A row enters its
+queue at the head, unmarked, when it is stored or loaded (stamped then) and when it is
+*re-queued*; a training lookup that finds a row does not move it in its queue: it marks
+it and, while some policy has a TTL, stamps it. The stamp is the time (float32 seconds
+since the store was made) and step (the store's count of training lookup calls with at
+least one id, mod 2**32) of the row's last training lookup or load, or the ``now`` and
+step of the ``set_policies`` call that introduced the first TTL if that is later. A group
+at its cap evicts (``evicted_cap``) the first unmarked row from its queue's tail,
+re-queueing (unmarked, stamp kept) the marked rows before it: second chance, as CLOCK
+does. So the row a cap evicts was not looked up since it was last queued, every row of
+the group queued before it was looked up since (and is re-queued), and it is not always
+the group's least recently used row. ``expire(now)``
+walks the queues of the policies with a TTL in index order, each from its tail: a row
+with ``now - t >= ttl_s`` or ``step - s >= ttl_steps`` (its stamp ``t``, ``s``) is
+evicted, else a marked row is re-queued, else the policy's walk ends; at most
+``max_rows`` rows are evicted and at most ``max_rows`` re-queued per call. A row is
+evicted by expire only when its stamp is past its TTL: expire never evicts a row looked
+up in training within its TTL. A row is evicted by the first expire (with room in its
+``max_rows``) at a time when it has not been looked up for its TTL since it was last
+queued (every row queued before it is then past its TTL or marked); a row looked up since
+is re-queued by the first expire that reaches it, at most one TTL later. So with expire
+called at least every period ``d`` (and room), a row not looked up for ``2 * (ttl + d)``
+(in steps alike) is gone. Cost: a hit writes the entry it reads (its mark) and, while a
+TTL exists, the stamp; a re-queue is O(1) and each one clears a mark, so walks cost at
+most one step per training lookup plus one per eviction. ``set_policies`` recomputes
+every row's policy, rebuilds the queues in global LRU order (least recently used at the
+tail) with every row unmarked, stamps rows as above, and applies lower caps at once (from
+each queue's tail). ``expire`` and ``set_policies`` are mutating calls when they evict a
+row: they increment ``change_version`` before the first, and log every row they evict.
+Ids of an ``update`` not stored are counted per policy (``dropped_grads``).
+
+Compact rows (``P.dtype``, :mod:`stream_persia.server.row_dtypes`): a row admitted or
+loaded while its policy says ``float16`` or ``bfloat16`` stores its weights in that dtype,
+its optimizer state in float32. Its initial weights and every value stored (an update's
+result after the clamp to ±weight_bound, a loaded row) are rounded to nearest even; every
+reader (lookups, pooled lookups, ``dump``, ``changed_since``) gets them as float32, so
+checkpoints, the update stream and replicas carry float32 and a load converts to the
+dtype of the loading store's group (float16 -> float32 exactly). An update reads the
+weights as float32, runs the same float32 optimizer step and clamp as a float32 row, and
+rounds. The initial row a rejected id (below its min_count) is served is not rounded
+(nothing is stored). A change of a group's dtype by ``set_policies`` applies to rows
+stored from then on: a row keeps the dtype it was stored with until it leaves the store
+(evicted, expired, removed, cleared), which keeps ``set_policies`` free of a conversion
+pass over the table. ``dump`` yields one chunk per dim and window whatever the rows'
+dtypes. ``memory_breakdown`` splits ``memory_bytes`` into row storage and bookkeeping.
+
 Size: one module past 500 lines on purpose: it is the store's contract written out as one
 readable class (read beside ``cython_ext/store.pyx``, method for method) together with the
 validation both stores share; cutting the class in two would split that contract.
@@ -57,17 +117,20 @@ validation both stores share; cutting the class in two would split that contract
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
-from stream_persia.core.embedding_config import MAX_CAPACITY, EmbeddingConfig
+from stream_persia.core.embedding_config import MAX_CAPACITY, EmbeddingConfig, SlotPolicy
 from stream_persia.core.optim import Optimizer, as_optimizer
 from stream_persia.errors import BadInput, Misuse
 from stream_persia.kernels import segments
 from stream_persia.kernels.sharding import stable_hash64, stable_hash64_int
+from stream_persia.server import policies as _pol
+from stream_persia.server import row_dtypes as _rdt
 
 __all__ = ["PyEmbeddingStore", "initial_rows", "admit_uniform"]
 
@@ -231,11 +294,14 @@ def check_chunk(chunk: Any, opt: Optimizer) -> tuple[int, np.ndarray, np.ndarray
 
 
 class _Arena:
-    """Rows of one dim: ``[weights(dim) | optimizer state]`` float32, with a free list,
-    and beside each row its id and change version (-1 while the row is free)."""
+    """Rows of one dim and weight dtype: ``[weights(dim) | optimizer state]`` float32, with
+    a free list, and beside each row its id and change version (-1 while the row is free).
+    A compact arena (``code`` 1 or 2) holds its weights already rounded to its dtype
+    (:func:`row_dtypes.round_weights`): the values the Cython store's 16-bit rows hold."""
 
-    def __init__(self, dim: int, opt: Optimizer):
+    def __init__(self, dim: int, opt: Optimizer, code: int = 0):
         self.dim = dim
+        self.code = code
         self.init_state = opt.initial_state(dim)
         self.data = np.zeros((16, dim + len(self.init_state)), np.float32)
         self.keys = np.zeros(16, np.uint64)
@@ -280,13 +346,16 @@ class PyEmbeddingStore:
         embedding_config: initialisation, admission and clamping (defaults: PERSIA's).
         eviction_log: entries of the log of evicted and removed ids that
             :meth:`evicted_since` reads (16 bytes each; its oldest are dropped beyond it).
+        sketch_bytes: memory of the frequency-admission sketch (allocated only while a
+            policy has ``min_count > 1``).
     """
 
     implementation = "python"
 
     def __init__(self, capacity: int, optimizer: Any, embedding_config: Any = None, *,
-                 eviction_log: int = EVICTION_LOG):
+                 eviction_log: int = EVICTION_LOG, sketch_bytes: int = _pol.SKETCH_BYTES):
         self._capacity = check_capacity(capacity)
+        self._sketch_bytes = _pol.check_sketch_bytes(sketch_bytes)
         self._elog: deque[tuple[int, int]] = deque(maxlen=check_eviction_log(eviction_log))
         self._elog_dropped = 0   # version of the newest entry the log dropped
         self._cver = 0           # change_version
@@ -294,13 +363,29 @@ class PyEmbeddingStore:
         self._opt = as_optimizer(optimizer)
         self._cfg = check_config(embedding_config)
         self._lru: OrderedDict[int, tuple[_Arena, int]] = OrderedDict()  # oldest first
-        self._arenas: dict[int, _Arena] = {}
+        self._arenas: dict[tuple[int, int], _Arena] = {}   # by (dim, dtype code)
         self._counts = dict.fromkeys(
             ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates",
              "removals"), 0)
         self._draws = 0
         self._version = 0
         self._closed = False
+        # Policies (see the module docstring): the table, one counter dict per index,
+        # the sketch (while a min_count > 1), and while a TTL or cap: one queue per index
+        # (oldest first), the rows looked up since queued, and each row's stamp (float32
+        # time, uint32 step).
+        self._pbits = 0
+        self._pols: list[SlotPolicy] = [SlotPolicy()]
+        self._policed = False
+        self._pstats = [dict.fromkeys(_pol.STAT_KEYS, 0)]
+        self._sketch: _pol.PySketch | None = None
+        self._plru: list[OrderedDict[int, None]] | None = None
+        self._stamps: dict[int, tuple[np.float32, int]] = {}
+        self._marked: set[int] = set()
+        self._has_ttl = False
+        self._epoch = time.time()
+        self._steps = 0
+        self._stamp_now: tuple[np.float32, int] = (np.float32(0.0), 0)
 
     capacity = property(lambda self: self._capacity, doc="Most vectors held.")
     optimizer = property(lambda self: self._opt, doc="The embedding optimizer.")
@@ -319,6 +404,7 @@ class PyEmbeddingStore:
         self._lru.clear()
         self._arenas.clear()
         self._elog.clear()
+        self._forget_all()
         self._version += 1
         self._closed = True
 
@@ -326,21 +412,84 @@ class PyEmbeddingStore:
         if self._closed:
             raise closed_error()
 
-    def _arena(self, dim: int) -> _Arena:
-        arena = self._arenas.get(dim)
+    def _arena(self, dim: int, code: int = 0) -> _Arena:
+        arena = self._arenas.get((dim, code))
         if arena is None:
-            arena = self._arenas[dim] = _Arena(dim, self._opt)
+            arena = self._arenas[dim, code] = _Arena(dim, self._opt, code)
         return arena
 
     def _evict_oldest(self, deferred: list[tuple[_Arena, int]] | None) -> None:
-        key, where = self._lru.popitem(last=False)
+        self._drop(next(iter(self._lru)), deferred, "evicted_lru")
+        self._counts["evictions"] += 1
+
+    def _drop(self, key: int, deferred: list[tuple[_Arena, int]] | None,
+              why: str | None) -> None:
+        """Free the row of ``key`` (its slot to ``deferred`` if given) and log it;
+        ``why`` is the policy counter it adds to (None for a removal)."""
+        where = self._lru.pop(key)
         where[0].release(where[1])
         if deferred is None:
             where[0].free.append(where[1])
         else:
             deferred.append(where)
         self._log_eviction(key)
-        self._counts["evictions"] += 1
+        p = self._policy(key)
+        self._pstats[p]["rows"] -= 1
+        if why is not None:
+            self._pstats[p][why] += 1
+        if self._plru is not None:
+            del self._plru[p][key]
+            del self._stamps[key]
+            self._marked.discard(key)
+
+    def _forget_all(self) -> None:
+        for st in self._pstats:
+            st["rows"] = 0
+        if self._plru is not None:
+            self._plru = [OrderedDict() for _ in self._pols]
+        self._stamps.clear()
+        self._marked.clear()
+
+    def _policy(self, key: int) -> int:
+        return _pol.policy_of(key, self._pbits, len(self._pols))
+
+    def _stamp_call(self, train_call: bool) -> None:
+        """A training lookup call (``train_call``) or a load begins: the stamp it gives."""
+        if train_call:
+            self._steps += 1
+        if self._plru is not None:
+            self._stamp_now = (np.float32(time.time() - self._epoch),
+                               self._steps & 0xFFFFFFFF)
+
+    def _added(self, key: int, p: int) -> None:
+        """Row of ``key`` (policy ``p``) was just stored or loaded: queued, unmarked,
+        stamped."""
+        if self._plru is not None:
+            lru = self._plru[p]
+            lru[key] = None
+            lru.move_to_end(key)
+            self._stamps[key] = self._stamp_now
+            self._marked.discard(key)
+
+    def _requeue(self, lru: OrderedDict[int, None], key: int) -> None:
+        """Second chance: marked ``key`` (at the tail of its queue ``lru``) goes to the
+        head, unmarked, keeping its stamp."""
+        lru.move_to_end(key)
+        self._marked.discard(key)
+
+    def _make_room(self, p: int, deferred: list[tuple[_Arena, int]] | None) -> None:
+        """Before a new row of policy ``p``: its group's cap (the first unmarked row from
+        its queue's tail, the marked ones before it re-queued), then the capacity."""
+        cap = self._pols[p].max_rows
+        if cap is not None and self._pstats[p]["rows"] >= cap and self._plru is not None:
+            lru = self._plru[p]
+            key = next(iter(lru))
+            while key in self._marked:
+                self._requeue(lru, key)
+                key = next(iter(lru))
+            self._drop(key, deferred, "evicted_cap")
+        if len(self._lru) >= self._capacity:
+            self._evict_oldest(deferred)
 
     def _log_eviction(self, key: int) -> None:
         log = self._elog
@@ -359,50 +508,72 @@ class PyEmbeddingStore:
         self._open()
         ids, dim = check_ids(ids), check_dim(dim)
         rows = np.full(len(ids), -1, np.int64)
+        src: list[_Arena | None] = [None] * len(ids)     # the arena of rows[i]
         admit_to = self._arena(dim) if train else None   # training admits misses into it
-        arena = admit_to if admit_to is not None else self._arenas.get(dim)
-        new_rows: list[int] = []
-        new_keys: list[int] = []
+        new_rows: dict[_Arena, tuple[list[int], list[int]]] = {}   # rows, keys
         deferred: list[tuple[_Arena, int]] = []  # freed rows stay unused until the gather
+        rejected: list[int] = []   # positions of ids below their min_count
         lru, counts, p = self._lru, self._counts, self._cfg.admit_probability
         counts["lookups"] += len(ids)
         if train:
             self._version += 1
             if len(ids):
                 self._cver += 1
+                self._stamp_call(True)
         try:
             for i, key in enumerate(ids.tolist()):
                 where = lru.get(key)
                 if where is not None:
-                    if where[0] is not arena:
+                    if where[0].dim != dim:
                         raise dim_error(key, where[0].dim, dim, "lookup")
                     if train:
                         lru.move_to_end(key)
-                    rows[i] = where[1]
+                        if self._plru is not None:     # marked; stays in its queue
+                            self._marked.add(key)
+                            if self._has_ttl:
+                                self._stamps[key] = self._stamp_now
+                    rows[i], src[i] = where[1], where[0]
                     continue
                 counts["misses"] += 1
                 if admit_to is None:
                     continue
+                pi = self._policy(key)
+                pol, st, pp = self._pols[pi], self._pstats[pi], p
+                if self._policed:
+                    if pol.min_count > 1 and self._sketch is not None \
+                            and self._sketch.add(key) < pol.min_count:
+                        st["rejected"] += 1
+                        rejected.append(i)
+                        continue
+                    if pol.admit_probability is not None:
+                        pp = pol.admit_probability
                 draw, self._draws = self._draws, self._draws + 1
-                if p < 1.0 and not admit_uniform(key, draw) < p:
+                if pp < 1.0 and not admit_uniform(key, draw) < pp:
                     continue
-                if len(lru) >= self._capacity:
-                    self._evict_oldest(deferred)
-                r = admit_to.alloc(key, self._cver)
-                lru[key] = (admit_to, r)
+                self._make_room(pi, deferred)
+                into = admit_to if pol.dtype == "float32" else \
+                    self._arena(dim, _rdt.dtype_code(pol.dtype))
+                r = into.alloc(key, self._cver)
+                lru[key] = (into, r)
+                self._added(key, pi)
                 counts["admissions"] += 1
-                rows[i] = r
-                new_rows.append(r)
-                new_keys.append(key)
+                st["admitted"] += 1
+                st["rows"] += 1
+                rows[i], src[i] = r, into
+                new = new_rows.setdefault(into, ([], []))
+                new[0].append(r)
+                new[1].append(key)
         finally:
-            if new_rows and admit_to is not None:
-                admit_to.data[new_rows, :dim] = initial_rows(
-                    np.array(new_keys, np.uint64), dim, self._cfg.emb_initialization)
-                admit_to.data[new_rows, dim:] = admit_to.init_state
+            for into, (rs, keys) in new_rows.items():
+                into.data[rs, :dim] = _rdt.round_weights(initial_rows(
+                    np.array(keys, np.uint64), dim, self._cfg.emb_initialization), into.code)
+                into.data[rs, dim:] = into.init_state
             out = np.zeros((len(ids), dim), np.float32)
-            hit = rows >= 0
-            if arena is not None:
-                out[hit] = arena.data[rows[hit], :dim]
+            for a in {id(a): a for a in src if a is not None}.values():
+                hit = np.fromiter((s is a for s in src), bool, len(src))
+                out[hit] = a.data[rows[hit], :dim]
+            if rejected:
+                out[rejected] = initial_rows(ids[rejected], dim, self._cfg.emb_initialization)
             for a, r in deferred:
                 a.free.append(r)
         return out
@@ -437,30 +608,33 @@ class PyEmbeddingStore:
         if not len(ids):
             return
         rows = np.full(len(ids), -1, np.int64)
-        arena = self._arenas.get(dim)
+        src: list[_Arena | None] = [None] * len(ids)
         for i, key in enumerate(ids.tolist()):
             where = self._lru.get(key)
             if where is not None:
-                if where[0] is not arena:
+                if where[0].dim != dim:
                     raise dim_error(key, where[0].dim, dim, "update")
-                rows[i] = where[1]
+                rows[i], src[i] = where[1], where[0]
         self._counts["updates"] += len(ids)
         self._version += 1
         self._cver += 1
         present = rows >= 0
         self._counts["dropped_updates"] += int(len(ids) - present.sum())
-        if arena is None or not present.any():
-            return
-        uniq, inv = np.unique(rows[present], return_inverse=True)
-        g = np.zeros((len(uniq), dim), np.float32)
-        np.add.at(g, inv, grads[present])  # in call order, from 0.0, like the C loop
-        w = arena.data[uniq, :dim]
-        s = arena.data[uniq, dim:]
-        self._opt.step(w, s, g)
+        for key in ids[~present].tolist():
+            self._pstats[self._policy(key)]["dropped_grads"] += 1
         bound = np.float32(self._cfg.weight_bound)
-        arena.data[uniq, :dim] = np.clip(w, -bound, bound)
-        arena.data[uniq, dim:] = s
-        arena.ver[uniq] = self._cver
+        # Per arena (rows of one dtype); each row's step is independent of the others'.
+        for arena in {id(a): a for a in src if a is not None}.values():
+            mine = np.fromiter((s is arena for s in src), bool, len(src))
+            uniq, inv = np.unique(rows[mine], return_inverse=True)
+            g = np.zeros((len(uniq), dim), np.float32)
+            np.add.at(g, inv, grads[mine])  # in call order, from 0.0, like the C loop
+            w = arena.data[uniq, :dim]
+            s = arena.data[uniq, dim:]
+            self._opt.step(w, s, g)   # in float32, on the stored (rounded) weights
+            arena.data[uniq, :dim] = _rdt.round_weights(np.clip(w, -bound, bound), arena.code)
+            arena.data[uniq, dim:] = s
+            arena.ver[uniq] = self._cver
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
         """Which ids are stored (bool array); recency is not refreshed."""
@@ -474,6 +648,7 @@ class PyEmbeddingStore:
         self._lru.clear()
         self._arenas.clear()
         self._elog.clear()
+        self._forget_all()
         self._version += 1
         self._cver += 1
         self._reset_ver = self._cver
@@ -502,11 +677,118 @@ class PyEmbeddingStore:
         dropped_updates, removals."""
         return {"rows": len(self._lru), "capacity": self._capacity, **self._counts}
 
+    # --- table policies (issue 20; semantics in the module docstring) --------------------
+
+    def set_policies(self, prefix_bits: int, policies: Any, *, now: float | None = None
+                     ) -> None:
+        """Replace the policy table: ``policies[p]`` (a SlotPolicy; None: the default)
+        rules the ids of policy index ``p``. Rows are re-assigned to the new indices;
+        counters of indices kept are kept; a lower ``max_rows`` evicts at once, a shorter
+        TTL expires at the next :meth:`expire`. ``now`` (default ``time.time()``) stamps
+        the rows present when the first TTL or cap appears."""
+        self._open()
+        bits, pols = _pol.check_policies(prefix_bits, policies)
+        now = time.time() if now is None else float(now)
+        old = self._pstats
+        self._pbits, self._pols = bits, pols
+        self._pstats = [old[i] if i < len(old) else dict.fromkeys(_pol.STAT_KEYS, 0)
+                        for i in range(len(pols))]
+        for st in self._pstats:
+            st["rows"] = 0
+        self._policed = any(not q.is_default for q in pols)
+        if any(q.min_count > 1 for q in pols):
+            if self._sketch is None:
+                self._sketch = _pol.PySketch(self._sketch_bytes)
+        else:
+            self._sketch = None
+        need_ttl = any(q.ttl_s is not None or q.ttl_steps is not None for q in pols)
+        if need_ttl or any(q.max_rows is not None for q in pols):
+            if self._plru is None or (need_ttl and not self._has_ttl):
+                t = (np.float32(now - self._epoch), self._steps & 0xFFFFFFFF)
+                self._stamps = dict.fromkeys(self._lru, t)
+            self._plru = [OrderedDict() for _ in pols]
+            self._has_ttl = need_ttl
+        else:
+            self._plru, self._stamps, self._has_ttl = None, {}, False
+        self._marked.clear()
+        for key in self._lru:             # oldest first: each list in global LRU order
+            pi = self._policy(key)
+            self._pstats[pi]["rows"] += 1
+            if self._plru is not None:
+                self._plru[pi][key] = None
+        bumped = False
+        for pi, q in enumerate(pols):
+            while self._plru is not None and q.max_rows is not None \
+                    and self._pstats[pi]["rows"] > q.max_rows:
+                if not bumped:
+                    self._cver += 1
+                    self._version += 1
+                    bumped = True
+                self._drop(next(iter(self._plru[pi])), None, "evicted_cap")
+
+    def expire(self, now: float | None = None, max_rows: int = _pol.EXPIRE_ROWS) -> int:
+        """Evict the rows past their policy's TTL (``now``, default ``time.time()``),
+        at most ``max_rows``; returns how many. See the module docstring."""
+        self._open()
+        limit = _pol.check_expire_rows(max_rows)
+        rel = (time.time() if now is None else float(now)) - self._epoch
+        n = moved = 0
+        if self._plru is None:
+            return 0
+        step = self._steps & 0xFFFFFFFF
+        for pi, q in enumerate(self._pols):
+            if q.ttl_s is None and q.ttl_steps is None:
+                continue
+            lru = self._plru[pi]
+            while n < limit and lru:
+                key = next(iter(lru))
+                t, s = self._stamps[key]
+                if (q.ttl_s is not None and rel - float(t) >= q.ttl_s) or \
+                        (q.ttl_steps is not None and (step - s) & 0xFFFFFFFF >= q.ttl_steps):
+                    if n == 0:
+                        self._cver += 1
+                        self._version += 1
+                    self._drop(key, None, "expired")
+                    n += 1
+                elif key in self._marked and moved < limit:
+                    self._requeue(lru, key)
+                    moved += 1
+                else:
+                    break
+        return n
+
+    def policy_stats(self) -> dict[int, dict[str, int]]:
+        """Per policy index: rows, admitted, rejected, dropped_grads, expired,
+        evicted_lru, evicted_cap."""
+        return {i: dict(st) for i, st in enumerate(self._pstats)}
+
+    def sketch_counts(self, ids: np.ndarray) -> np.ndarray:
+        """The frequency sketch's estimates for ``ids`` (int64; zeros without a sketch);
+        counts nothing. For tests and diagnostics."""
+        ids = check_ids(ids)
+        if self._sketch is None:
+            return np.zeros(len(ids), np.int64)
+        return np.array([self._sketch.estimate(k) for k in ids.tolist()], np.int64)
+
     def memory_bytes(self) -> int:
         """Bytes held by row storage, with each row's id and change version, and by the
         eviction log (16 bytes an entry; the dict and list overhead is not counted)."""
-        return sum(a.data.nbytes + a.keys.nbytes + a.ver.nbytes
-                   for a in self._arenas.values()) + 16 * len(self._elog)
+        return self.memory_breakdown()["rows"] + sum(
+            a.keys.nbytes + a.ver.nbytes for a in self._arenas.values()) \
+            + 16 * len(self._elog) + (self._sketch.nbytes if self._sketch is not None else 0)
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """``{"rows", "bookkeeping"}``: bytes of row storage (weights at their dtype's
+        size, as the Cython store lays them out, and float32 optimizer state) and of
+        everything else :meth:`memory_bytes` counts; they add up to it."""
+        rows = sum(len(a.data) * (_rdt.weight_bytes(a.dim, a.code)
+                                  + 4 * (a.data.shape[1] - a.dim))
+                   for a in self._arenas.values())
+        if self._closed:
+            return {"rows": 0, "bookkeeping": 0}
+        keys = sum(a.keys.nbytes + a.ver.nbytes for a in self._arenas.values())
+        return {"rows": rows, "bookkeeping": keys + 16 * len(self._elog)
+                + (self._sketch.nbytes if self._sketch is not None else 0)}
 
     def dump(self, chunk_rows: int = DUMP_CHUNK_ROWS) -> Iterator[dict[str, Any]]:
         """Yield the rows with their optimizer state, least recently used first.
@@ -532,7 +814,7 @@ class PyEmbeddingStore:
             for key, (arena, r) in window:
                 groups.setdefault(arena.dim, []).append((key, r))
             for dim, members in groups.items():
-                data = self._arenas[dim].data[[r for _, r in members]]
+                data = np.array([self._lru[k][0].data[r] for k, r in members], np.float32)
                 chunk = {"dim": dim, "ids": np.array([k for k, _ in members], np.uint64),
                          "weights": np.ascontiguousarray(data[:, :dim]),
                          "state": np.ascontiguousarray(data[:, dim:]),
@@ -559,22 +841,25 @@ class PyEmbeddingStore:
                 where = self._lru.get(key)
                 if where is not None and where[0].dim != dim:
                     raise dim_error(key, where[0].dim, dim, "load")
-            arena = self._arena(dim)
             self._version += 1
             if keys:
                 self._cver += 1
+            self._stamp_call(False)
             for i, key in enumerate(keys):
                 where = self._lru.get(key)
-                if where is None:
-                    if len(self._lru) >= self._capacity:
-                        self._evict_oldest(None)
+                pi = self._policy(key)
+                if where is None:   # a new row takes its group's dtype (converted)
+                    self._make_room(pi, None)
+                    arena = self._arena(dim, _rdt.dtype_code(self._pols[pi].dtype))
                     where = (arena, arena.alloc(key, self._cver))
                     self._lru[key] = where
+                    self._pstats[pi]["rows"] += 1
                 else:
                     self._lru.move_to_end(key)
-                r = where[1]
+                self._added(key, pi)
+                arena, r = where
                 arena.ver[r] = self._cver
-                arena.data[r, :dim] = weights[i]
+                arena.data[r, :dim] = _rdt.round_weights(weights[i], arena.code)
                 arena.data[r, dim:] = arena.init_state if state is None else state[i]
 
     # --- changed-row tracking ----------------------------------------------------------
@@ -602,11 +887,8 @@ class PyEmbeddingStore:
         self._cver += 1
         removed = 0
         for key in ids.tolist():
-            where = self._lru.pop(key, None)
-            if where is not None:
-                where[0].release(where[1])
-                where[0].free.append(where[1])
-                self._log_eviction(key)
+            if key in self._lru:
+                self._drop(key, None, None)
                 removed += 1
         self._counts["removals"] += removed
         if removed:
@@ -633,11 +915,11 @@ class PyEmbeddingStore:
         return self._changed(check_version(since, "since"), check_chunk_rows(chunk_rows))
 
     def _changed(self, since: int, chunk_rows: int) -> Iterator[dict[str, Any]]:
-        for dim, arena in sorted(self._arenas.items()):
+        for (dim, code), arena in sorted(self._arenas.items()):
             pos = 0
             while True:
                 self._open()   # closed between chunks
-                if self._arenas.get(dim) is not arena or pos >= arena.used:
+                if self._arenas.get((dim, code)) is not arena or pos >= arena.used:
                     break      # cleared: its rows are gone (evicted_since says so)
                 end = min(pos + chunk_rows, arena.used)
                 rows = np.flatnonzero(arena.ver[pos:end] > since) + pos

@@ -67,6 +67,10 @@ RPC methods (params → result):
   the incarnation and counts in ``loads``: it is the legitimate way to replace the table,
   and ``loads`` > 0 tells a router that a restarted server was restored since
   (:mod:`stream_persia.worker.router`).
+- ``slot_stats`` → ``{slot: {"rows", "admitted", ...}}``: the per-slot counts of the table
+  policies (:mod:`stream_persia.server.slot_policies`), read on the store thread (as the
+  ``metrics`` RPC reads them before it renders; the metrics port shows them as of the last
+  expiry pass).
 - ``size`` → int, ``clear`` → None (drops the rows and the stream watermarks: a job that
   trains the stream again on purpose clears the servers first)
 - ``stats`` → ``{"rows", "capacity", "lookups", "misses", "admissions", "evictions",
@@ -77,11 +81,24 @@ RPC methods (params → result):
   ``persia_embedding_server_store_<key>``
   The gauge ``persia_embedding_server_restore_staged_rows`` shows the rows of a staged
   load waiting for its commit (a second table in memory; 0 when none).
-- ``configure {"optimizer": dict | None, "embedding_config": dict | None, "digest"?}`` →
-  None; then ``get_config`` → ``{"digest", "optimizer", "embedding_config"}`` (the store's
-  whole configuration and a digest of it), or None while this process was never
-  configured. A ``get_config`` reply is a valid ``configure``: with ``digest``, both parts
-  must be given and hash to it (BadInput on field ``digest`` otherwise, nothing changed).
+- ``configure {"optimizer": dict | None, "embedding_config": dict | None, "policies"?:
+  dict | None, "digest"?}`` → None; then ``get_config`` → ``{"digest", "optimizer",
+  "embedding_config", "policies"?}`` (the store's whole configuration and a digest of it),
+  or None while this process was never configured. A ``get_config`` reply is a valid
+  ``configure``: with ``digest``, optimizer and embedding_config must be given and hash to
+  it with the policies when given (BadInput on field ``digest`` otherwise, nothing changed).
+  ``policies`` is the table policy of every feature group (admission, TTL, row caps, row
+  dtype; its schema in :mod:`stream_persia.server.slot_policies`), applied with the store's
+  ``set_policies``; a part left out (or None) is kept as it is. ``get_config`` has
+  ``policies`` only while some group's policy is not the default, and only then do they
+  count in the digest (a job without policies has the digest it had before they existed).
+  The server's constructor takes the same ``policies`` (the launcher passes the
+  ``embedding_config.yml`` ones), so a restarted server holds them before anyone
+  configures it; workers and NN ranks that configure a restarted server from what they
+  learned send them back too. While some policy has a TTL, an expiry pass runs on the
+  store thread every :data:`~stream_persia.server.slot_policies.EXPIRE_INTERVAL_S` (at most
+  :data:`~stream_persia.server.slot_policies.EXPIRE_ROWS` rows a pass; the metrics
+  ``persia_embedding_server_slot_*`` of that module come from the same pass).
   Lookup and update replies carry ``"config"``: that digest, or None. A lookup or update
   whose params carry ``"config"`` (the digest the caller expects) is refused with a
   Misuse on field ``config`` by a server never configured: a server restarted mid-job
@@ -187,6 +204,15 @@ from stream_persia.kernels import segments
 from stream_persia.rpc import RpcServer, auth
 from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
 from stream_persia.server.dense_hub import DEFAULT_MAX_DENSE_BYTES, DenseHub
+from stream_persia.server.slot_policies import (
+    EXPIRE_INTERVAL_S,
+    EXPIRE_ROWS,
+    SlotPolicies,
+    SlotStats,
+    apply_policies,
+    parse_policies,
+    policies_digest_part,
+)
 from stream_persia.server.shard_files import (
     check_load_request,
     shard_file_name,
@@ -229,16 +255,22 @@ class _Staged(NamedTuple):
     marks: Watermarks   # the stream watermarks it comes with (the load's ``cut``)
 
 
-def described(optimizer: optim_mod.Optimizer, embedding_config: EmbeddingConfig
-              ) -> ServerConfig:
+def described(optimizer: optim_mod.Optimizer, embedding_config: EmbeddingConfig,
+              policies: SlotPolicies | None = None) -> ServerConfig:
     """A configuration as ``get_config`` answers it: ``{"digest", "optimizer",
-    "embedding_config"}``, the digest being the first 16 hex digits of the sha256 of the
-    other two as sorted JSON. ``configure`` takes it back as it is."""
+    "embedding_config", "policies"?}``, the digest being the first 16 hex digits of the
+    sha256 of the others as sorted JSON (``policies`` only when some is not the default).
+    ``configure`` takes it back as it is."""
     optimizer_d, embedding_d = optimizer.to_dict(), embedding_config.to_dict()
-    text = json.dumps({"optimizer": optimizer_d, "embedding_config": embedding_d},
-                      sort_keys=True, default=repr).encode()
-    return {"digest": hashlib.sha256(text).hexdigest()[:16], "optimizer": optimizer_d,
-            "embedding_config": embedding_d}
+    parts: dict[str, Any] = {"optimizer": optimizer_d, "embedding_config": embedding_d}
+    if policies is not None and policies_digest_part(policies) is not None:
+        parts["policies"] = policies.to_wire()
+    text = json.dumps(parts, sort_keys=True, default=repr).encode()
+    out: ServerConfig = {"digest": hashlib.sha256(text).hexdigest()[:16],
+                         "optimizer": optimizer_d, "embedding_config": embedding_d}
+    if "policies" in parts:
+        out["policies"] = parts["policies"]
+    return out
 
 
 def _ids(group: dict, where: str) -> np.ndarray:
@@ -297,6 +329,10 @@ class EmbeddingServer:
         update_log_bytes: bound of the log in memory (``model_updates.update_log_bytes``).
         update_sink: a :class:`~stream_persia.kafka.updates.UpdateSink` that also produces
             the log to ``<job>.model.updates`` (None: replicas pull it over RPC).
+        policies: the feature groups' table policies, as ``configure``'s ``policies``
+            (:meth:`EmbeddingSchema.policy_params`; None: none).
+        sketch_bytes: memory of the store's frequency admission sketch
+            (``admission.sketch_bytes``; None: the store's default).
     """
 
     def __init__(self, capacity: int, optimizer: Any = None,
@@ -309,7 +345,8 @@ class EmbeddingServer:
                  connection_limits: ConnectionLimits = ConnectionLimits(),
                  job: str = "persia", model_updates: bool = True,
                  model_update_interval_ms: int = 200, update_log_bytes: int = 256 << 20,
-                 update_sink: Any = None, max_dense_bytes: int = DEFAULT_MAX_DENSE_BYTES):
+                 update_sink: Any = None, max_dense_bytes: int = DEFAULT_MAX_DENSE_BYTES,
+                 policies: dict[str, Any] | None = None, sketch_bytes: int | None = None):
         if not (0 <= replica_index < replica_size):
             raise BadInput(f"replica_index {replica_index} is not in [0, {replica_size})",
                            field="replica_index")
@@ -340,10 +377,25 @@ class EmbeddingServer:
         self.trained_through: float | None = None
         # This process, as opposed to one restarted at its address (module docstring).
         self.incarnation = secrets.token_hex(8)
+        if sketch_bytes is not None and (isinstance(sketch_bytes, bool)
+                                         or not isinstance(sketch_bytes, int)
+                                         or sketch_bytes < 1):
+            raise BadInput(f"sketch_bytes must be a positive int, got {sketch_bytes!r}",
+                           field="sketch_bytes")
+        self.sketch_bytes = sketch_bytes
+        # The feature groups' table policies in force (store thread; see configure).
+        self._policies: SlotPolicies | None = (
+            None if policies is None else parse_policies(policies))
         self._serving = _Serving(
             make_store(capacity, optimizer or optim_mod.Adagrad(),
-                       embedding_config or EmbeddingConfig(), shards=store_threads),
+                       embedding_config or EmbeddingConfig(), shards=store_threads,
+                       sketch_bytes=sketch_bytes),
             dict.fromkeys(COUNTERS, 0), 0)
+        apply_policies(self._serving.store, self._policies)
+        self._slot_stats = SlotStats(lambda: self._policies)
+        self._slot_stats.snapshot(self._serving.store)
+        self._expiry: asyncio.Task[None] | None = None
+        self._expire_errors = 0
         self.store_threads = store_threads
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"store-{replica_index}")
         self.metrics = RoleMetrics("embedding_server", replica_index)
@@ -357,6 +409,9 @@ class EmbeddingServer:
         self.metrics.add_callback("stream", lambda: {
             "replays_refused": float(self._replays_refused),
             "partitions": float(len(self._marks))}, counters={"replays_refused"})
+        self.metrics.registry.register(self._slot_stats)
+        self.metrics.add_callback("expire", lambda: {"errors": float(self._expire_errors)},
+                                  counters={"errors"})
         self.metrics.add_callback("trained_through", lambda: (
             {} if self.trained_through is None else {"seconds": self.trained_through}))
         self.metrics.registry.register(StageCollector(
@@ -385,7 +440,7 @@ class EmbeddingServer:
             "configure": self._configure, "dump": self._dump, "load": self._load,
             "commit_load": self._commit_load, "abort_load": self._abort_load,
             "get_config": self._get_config, "metrics": self._metrics,
-            "watermarks": self._watermarks,
+            "watermarks": self._watermarks, "slot_stats": self._slot_stats_rpc,
             "put_dense": self.dense.put_dense, "get_dense": self.dense.get_dense,
             **({} if self.feed is None else {"model_updates": self.feed.model_updates}),
         }, host=host, port=port, name=f"embedding-server-{replica_index}", secret=secret,
@@ -400,11 +455,17 @@ class EmbeddingServer:
             if self.feed.sink is not None:
                 await self.feed.sink.start()
             self.feed.start()
+        self._expiry = asyncio.create_task(self._expire_rows(), name="expire-rows")
         log.info("embedding server %d/%d listening on %s (store: %s, %d thread%s)",
                  self.replica_index, self.replica_size, self.rpc.address, IMPLEMENTATION,
                  self.store_threads, "" if self.store_threads == 1 else "s")
 
     async def stop(self) -> None:
+        expiry, self._expiry = self._expiry, None
+        if expiry is not None:
+            expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await expiry
         if self.dense_relay is not None:
             await self.dense_relay.stop()
         if self.feed is not None:
@@ -425,6 +486,30 @@ class EmbeddingServer:
     @property
     def address(self) -> str:
         return self.rpc.address
+
+    async def _expire_rows(self) -> None:
+        """Every EXPIRE_INTERVAL_S: rows past their TTL evicted (bounded, while some policy
+        has one) and the per-slot metrics read, on the store thread. A failed pass is
+        logged and counted (``persia_embedding_server_expire_errors_total``); the next one
+        tries again."""
+        while True:
+            await asyncio.sleep(EXPIRE_INTERVAL_S)
+            try:
+                await self._run(self._expire_pass)
+            except Exception as e:  # noqa: BLE001 - logged, counted; the next pass retries
+                self._expire_errors += 1
+                if self._expire_errors == 1 or self._expire_errors % 60 == 0:
+                    log.error("embedding server %d: expiry pass failed (%d so far): %r",
+                              self.replica_index, self._expire_errors, e)
+
+    def _expire_pass(self) -> int:
+        """One expiry pass and metrics snapshot (store thread); rows expired."""
+        store = self.store
+        expired = 0
+        if self._policies is not None and self._policies.expires:
+            expired = int(store.expire(max_rows=EXPIRE_ROWS))
+        self._slot_stats.snapshot(store)
+        return expired
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -601,33 +686,50 @@ class EmbeddingServer:
     async def _stats(self, params: Any) -> dict[str, int]:
         return self.store_stats()
 
+    async def _slot_stats_rpc(self, params: Any) -> dict[str, dict[str, int]]:
+        """``slot_stats`` → ``{slot: {"rows", "admitted", "rejected", "expired",
+        "evicted_lru", "evicted_cap", "dropped_grads"}}`` as of the last expiry pass (the
+        ``persia_embedding_server_slot_*`` metrics); empty while the store reports none."""
+        await self._run(self._snapshot_slots)
+        return self._slot_stats.values()
+
+    def _snapshot_slots(self) -> None:
+        self._slot_stats.snapshot(self.store)   # the store in force on its turn
+
     async def _metrics(self, params: Any) -> bytes:
+        await self._run(self._snapshot_slots)   # fresh per-slot counts for the API's relay
         return self.metrics.render()
 
     async def _configure(self, params: Any) -> None:
         self._req.labels("configure").inc()
         if not isinstance(params, dict):
             raise BadInput("configure takes a map", field="params")
-        unknown = set(params) - {"optimizer", "embedding_config", "digest"}
+        unknown = set(params) - {"optimizer", "embedding_config", "policies", "digest"}
         if unknown:
             raise BadInput(f"unknown configure field(s) {sorted(unknown)}",
                            field=sorted(unknown)[0],
-                           hint="optimizer, embedding_config, digest")
+                           hint="optimizer, embedding_config, policies, digest")
         opt = params.get("optimizer")
         cfg = params.get("embedding_config")
         optimizer = optim_mod.optimizer_from_dict(opt) if opt is not None else None
         emb_cfg = EmbeddingConfig.from_dict(cfg) if cfg is not None else None
+        pol = params.get("policies")
+        policies = parse_policies(pol) if pol is not None else None
         if params.get("digest") is not None:   # a get_config reply, given back as it is
             digest = require_hex16(params["digest"], "digest", "a configuration digest")
             if optimizer is None or emb_cfg is None:
                 raise BadInput("a configure that names a digest gives the whole "
                                "configuration: optimizer and embedding_config", field="digest")
-            got = described(optimizer, emb_cfg)["digest"]
+            got = described(optimizer, emb_cfg, policies)["digest"]
             if got != digest:
                 raise BadInput(f"the configuration given has digest {got}, not {digest}",
                                field="digest", hint="send a get_config reply unchanged")
 
         def run() -> None:
+            # Policies first: a store without them refuses, and nothing else has changed.
+            apply_policies(self.store, policies)
+            if policies is not None:
+                self._policies = None if policies.is_default else policies
             self.store.configure(optimizer=optimizer, embedding_config=emb_cfg)
             self._config_digest = self._config()["digest"]
 
@@ -635,7 +737,7 @@ class EmbeddingServer:
 
     def _config(self) -> ServerConfig:
         """The store's whole configuration and its digest (store thread)."""
-        return described(self.store.optimizer, self.store.embedding_config)
+        return described(self.store.optimizer, self.store.embedding_config, self._policies)
 
     async def _get_config(self, params: Any) -> ServerConfig | None:
         self._req.labels("get_config").inc()
@@ -677,7 +779,12 @@ class EmbeddingServer:
         def run() -> LoadReply:
             old = self._serving.store
             staging = make_store(old.capacity, old.optimizer, old.embedding_config,
-                                 shards=self.store_threads)
+                                 shards=self.store_threads, sketch_bytes=self.sketch_bytes)
+            try:
+                apply_policies(staging, self._policies)
+            except BaseException:
+                staging.close()
+                raise
             self._drop_staged("replaced by a newer load")  # its memory, first
             try:
                 kept = stage_shard_files(staging, directory, files, expected,
@@ -731,6 +838,7 @@ class EmbeddingServer:
         was, own = serving.store.stats(), staging.stats()
         carried = {k: serving.carried[k] + was[k] - own[k] for k in COUNTERS}
         self._serving = _Serving(staging, carried, serving.loads + 1)
+        self._slot_stats.carry(serving.store, staging)
         serving.store.close()
 
     async def _commit_load(self, params: Any) -> LoadReply:

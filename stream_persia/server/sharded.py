@@ -37,6 +37,11 @@ What differs from one store of the same total capacity:
   shard in turn; evictions merged in order of version). The eviction log is split over the
   shards (``eviction_log // k`` entries each, at least 1), and ``complete`` is False when
   any shard's log no longer covers ``since``.
+- **Table policies** (issue 20) apply per shard: a group's ``max_rows`` and the sketch's
+  ``sketch_bytes`` are split as the capacity is (a cap at least 1 row per shard), a shard
+  counts ``ttl_steps`` in the training lookups that had ids for it, and ``expire`` bounds
+  each shard's work by ``max_rows``. ``set_policies`` and ``expire`` take one version when
+  some shard evicts, none otherwise; ``policy_stats`` adds the shards' counters up.
 
 Values (initialisation from the id, the optimizer, the weight bound) are per row and do not
 depend on ``k``: without evictions and with full admission, every lookup and update gives
@@ -45,6 +50,7 @@ what one store gives.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -56,19 +62,25 @@ from stream_persia.config.global_config import MAX_STORE_THREADS
 from stream_persia.errors import BadInput
 from stream_persia.kernels import segments
 from stream_persia.server import _pystore as _py
+from stream_persia.server import policies as _pol
 from stream_persia.server.store import EmbeddingStore, Store
 
 __all__ = ["ShardedStore", "make_store"]
 
 
 def make_store(capacity: int, optimizer: Any, embedding_config: Any = None, *,
-               shards: int = 1, eviction_log: int = _py.EVICTION_LOG) -> Store:
+               shards: int = 1, eviction_log: int = _py.EVICTION_LOG,
+               sketch_bytes: int | None = None) -> Store:
     """An ``EmbeddingStore``, or a :class:`ShardedStore` of ``shards`` of them when
-    ``shards`` > 1."""
+    ``shards`` > 1. ``sketch_bytes``: the frequency admission sketch's memory over all
+    shards (None: the store's default, ``admission.sketch_bytes``'s)."""
+    if sketch_bytes is None:
+        sketch_bytes = _pol.SKETCH_BYTES
     if shards == 1:
-        return EmbeddingStore(capacity, optimizer, embedding_config, eviction_log=eviction_log)
+        return EmbeddingStore(capacity, optimizer, embedding_config, eviction_log=eviction_log,
+                              sketch_bytes=sketch_bytes)
     return ShardedStore(capacity, optimizer, embedding_config, shards=shards,
-                        eviction_log=eviction_log)
+                        eviction_log=eviction_log, sketch_bytes=sketch_bytes)
 
 
 def _check_shards(shards: Any, capacity: int) -> int:
@@ -97,14 +109,16 @@ class ShardedStore:
 
     def __init__(self, capacity: int, optimizer: Any, embedding_config: Any = None, *,
                  shards: int, store_type: type = EmbeddingStore,
-                 eviction_log: int = _py.EVICTION_LOG):
+                 eviction_log: int = _py.EVICTION_LOG, sketch_bytes: int = _pol.SKETCH_BYTES):
         capacity = _py.check_capacity(capacity)
         k = _check_shards(shards, capacity)
         log = max(_py.check_eviction_log(eviction_log) // k, 1)
+        sketch = max(_pol.check_sketch_bytes(sketch_bytes) // k, _pol.MIN_SKETCH_BYTES)
         self._capacity = capacity
         self._cver = 0
         self._stores = [store_type(capacity // k + (s < capacity % k), optimizer,
-                                   embedding_config, eviction_log=log) for s in range(k)]
+                                   embedding_config, eviction_log=log, sketch_bytes=sketch)
+                        for s in range(k)]
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max(k - 1, 1), thread_name_prefix="store-shard")
 
@@ -282,6 +296,64 @@ class ShardedStore:
 
     def memory_bytes(self) -> int:
         return sum(s.memory_bytes() for s in self._stores)
+
+    def memory_breakdown(self) -> dict[str, int]:
+        out = {"rows": 0, "bookkeeping": 0}
+        for s in self._stores:
+            for key, value in s.memory_breakdown().items():
+                out[key] += value
+        return out
+
+    # ----------------------------------------------------------------- table policies
+    def _maybe_mutating(self, fn: Callable[[int], Any]) -> list[Any]:
+        """Run ``fn`` on every shard for a call that mutates only if it evicts: the shards
+        that evict stamp ``change_version + 1``, which becomes this store's if any did."""
+        self._open()
+        for store in self._stores:
+            store.advance_version(self._cver)
+        out = self._map(fn)
+        self._cver = max(s.change_version for s in self._stores)
+        return out
+
+    def set_policies(self, prefix_bits: int, policies: Any, *, now: float | None = None
+                     ) -> None:
+        """Every shard's table (a shard's cap is the group's ``max_rows`` split as the
+        capacity is); see ``PyEmbeddingStore.set_policies``."""
+        bits, pols = _pol.check_policies(prefix_bits, policies)
+        k = self.shards
+
+        def part(s: int) -> None:
+            mine = [p if p.max_rows is None else dataclasses.replace(
+                p, max_rows=max(p.max_rows // k + (s < p.max_rows % k), 1)) for p in pols]
+            self._stores[s].set_policies(bits, mine, now=now)
+
+        self._maybe_mutating(part)
+
+    def expire(self, now: float | None = None, max_rows: int = _pol.EXPIRE_ROWS) -> int:
+        """Every shard's expired rows (at most ``max_rows`` per shard); how many."""
+        limit = _pol.check_expire_rows(max_rows)
+        return sum(self._maybe_mutating(lambda s: self._stores[s].expire(now, limit)))
+
+    def policy_stats(self) -> dict[int, dict[str, int]]:
+        """The shards' policy counters added up."""
+        out: dict[int, dict[str, int]] = {}
+        for store in self._stores:
+            for p, counts in store.policy_stats().items():
+                mine = out.setdefault(p, dict.fromkeys(counts, 0))
+                for key, value in counts.items():
+                    mine[key] += value
+        return out
+
+    def sketch_counts(self, ids: Any) -> np.ndarray:
+        """The sketch estimates of ``ids``, each from its shard."""
+        ids = _py.check_ids(ids)
+        out = np.zeros(len(ids), np.int64)
+        owner = self._owner(ids)
+        for s, store in enumerate(self._stores):
+            pos = np.flatnonzero(owner == s)
+            if pos.size:
+                out[pos] = store.sketch_counts(ids[pos])
+        return out
 
     def dump(self, chunk_rows: int = _py.DUMP_CHUNK_ROWS) -> Iterator[dict[str, Any]]:
         """Every shard's chunks in turn (see the module docstring)."""

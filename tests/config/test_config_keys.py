@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH, API_SETTINGS = "stream_persia/launch/roles.py", "api/settings.py"
 CONSUMER, PRODUCER = "stream_persia/kafka/consumer.py", "stream_persia/kafka/producer.py"
 KAFKA_CONFIG, POOLING = "stream_persia/config/kafka.py", "stream_persia/worker/pooling.py"
+EMBEDDING = "stream_persia/config/embedding.py"
 TRAIN_CTX, DENSE_PUBLISHER = "stream_persia/nn/train_ctx.py", "stream_persia/nn/dense_publisher.py"
 
 
@@ -129,6 +130,18 @@ READ: dict[str, list[tuple[str, str]]] = {
         (POOLING, r"hash_stack_config\.hash_stack_rounds")],
     "slots_config.<slot>.hash_stack_config.embedding_size": [
         (POOLING, r"hash_stack_config\.embedding_size")],
+    # the table policies (issue 20): each slot's SlotPolicy, which the launcher hands the
+    # embedding servers and the NN rank 0 sends in configure (policy_params)
+    **{f"slots_config.<slot>.{key}": [
+        (EMBEDDING, rf'_POLICY_KEYS[^)]*"{key}"'),
+        (EMBEDDING, r"def policy_params[\s\S]*p\.to_dict\(\)"),
+        (LAUNCH, r"policies = embedding_schema\(args\)\.policy_params\(\)"),
+        (TRAIN_CTX, r"load_embedding_config\(path\)\.policy_params\(\)")]
+       for key in ("admit_probability", "min_count", "ttl_s", "ttl_steps", "max_rows",
+                   "dtype")},
+    "admission.sketch_bytes": [(LAUNCH, r"sketch_bytes=gc\.admission\.sketch_bytes"),
+                               ("stream_persia/server/service.py",
+                                r"shards=store_threads,\s*sketch_bytes=sketch_bytes")],
 }
 
 #: key -> (the value accepted, a value refused)

@@ -544,6 +544,7 @@ def test_cython_and_python_agree_bit_for_bit(opt, capacity, admit, steps):
     for step in steps:
         assert _apply(c, step) == _apply(p, step), step
         assert c.stats() == p.stats()
+        assert c.policy_stats() == p.policy_stats()   # the default policy's counters
         assert c.change_version == p.change_version
     assert _dump_bytes(c) == _dump_bytes(p)
     for since in range(c.change_version + 1):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from stream_persia.core.embedding_config import SlotPolicy
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad
 from stream_persia.errors import BadInput, Misuse
@@ -362,6 +363,36 @@ def test_a_replica_following_the_changes_ends_equal(impl, sharded, log):
         assert got[k][0] == dim and np.array_equal(got[k][1], w), k
     if log == 8:
         assert train.stats()["evictions"] > 8        # the log overflowed: resyncs happened
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_replica_drops_what_policies_evict(impl, sharded):
+    """Rows a group's cap or TTL evicts (issue 20) reach the eviction log like LRU
+    evictions: a replica following the changes ends with exactly the store's rows."""
+    rng = np.random.default_rng(5 + sharded)
+    train = (ShardedStore(150, Adagrad(), shards=3, store_type=impl) if sharded
+             else impl(150, Adagrad()))
+    policies = [None] * 3 + [SlotPolicy(max_rows=40, ttl_steps=4), None,
+                             SlotPolicy(min_count=2, ttl_steps=3)]
+    train.set_policies(8, policies)      # ids of dim 3 and 5 are prefixed 3 and 5
+    replica = impl(10**4, SGD(lr=0.0))
+    published = 0
+    for i in range(40):
+        for _ in range(int(rng.integers(1, 6))):
+            _train_step(train, rng)
+        train.expire()
+        if i == 20:
+            train.set_policies(8, policies[:3] + [SlotPolicy(max_rows=10)])
+        published = _sync(train, replica, published, rng)
+    train.lookup(np.arange(100, dtype=np.uint64) | np.uint64(3 << 56), 3)   # rows at the end
+    _sync(train, replica, published, _Quiet())
+    want, got = _rows(train), _rows(replica)
+    assert want.keys() == got.keys() and len(want) >= 10
+    for k, (dim, w) in want.items():
+        assert got[k][0] == dim and np.array_equal(got[k][1], w), k
+    stats = train.policy_stats()
+    assert stats[3]["evicted_cap"] > 0 and stats[3]["rows"] <= 10
+    assert stats[3]["expired"] > 0
 
 
 def _rows(s):

@@ -1,0 +1,297 @@
+"""Compact rows (issue 20): float16 / bfloat16 row weights in both stores, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stream_persia.core.embedding_config import SlotPolicy
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import SGD, Adagrad, Adam
+from stream_persia.kernels import segments
+from stream_persia.server import row_dtypes
+from stream_persia.server._pystore import PyEmbeddingStore, initial_rows
+
+_cstore = pytest.importorskip("stream_persia.server._cstore")
+CEmbeddingStore = _cstore.CEmbeddingStore
+IMPLS = [pytest.param(CEmbeddingStore, id="cython"), pytest.param(PyEmbeddingStore, id="python")]
+BITS = 8
+INIT = EmbeddingConfig().emb_initialization
+CODES = {"float16": 1, "bfloat16": 2}
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    return request.param
+
+
+def gid(group, *ids):
+    return np.array([((group + 1) << (64 - BITS)) | i for i in ids], np.uint64)
+
+
+def compact(impl, dtype, opt=None, capacity=1000, **kw):
+    """A store whose group 0 stores ``dtype`` rows, group 1 float32."""
+    s = impl(capacity, opt or SGD(lr=0.1), **kw)
+    s.set_policies(BITS, [None, SlotPolicy(dtype=dtype), None])
+    return s
+
+
+def bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+# --- the rounding: numpy twin and C kernels agree ----------------------------------------
+
+def _patterns():
+    rng = np.random.default_rng(7)
+    special = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7FFFFFFF,
+               0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000, 0x7F7FFFFF,
+               0x33000000, 0x33000001, 0x337FFFFF, 0x38000000, 0x387FC000, 0x387FE000,
+               0x00000001, 0x00800000, 0x3F808000, 0x3F818000, 0x3F80FFFF]
+    top = np.arange(1 << 16, dtype=np.uint32) << 16          # every bfloat16
+    halfway = top | 0x8000                                    # every tie of bfloat16
+    f16 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    f16 = f16[~np.isnan(f16)].view(np.uint32)
+    f16_ties = f16 + 0x1000                                   # ties of normal float16s
+    rand = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    return np.concatenate([np.array(special, np.uint32), top, halfway, f16, f16_ties,
+                           f16 + 1, f16 - 1, rand]).view(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_c_kernels_round_as_the_twin_does(dtype):
+    x = _patterns()
+    code = CODES[dtype]
+    assert (bits(_cstore.round_weights(x, code)) == bits(row_dtypes.round_weights(x, code))).all()
+
+
+def test_float16_rounds_as_numpy_and_saturates():
+    x = _patterns()
+    x = x[np.isfinite(x) & (np.abs(x) <= 65504)]
+    with np.errstate(over="ignore"):
+        ref = x.astype(np.float16).astype(np.float32)
+    assert (bits(row_dtypes.round_weights(x, 1)) == bits(ref)).all()
+    big = np.array([65519.0, 65520.0, 1e9, np.inf, -np.inf, 2.0**-25, 2.0**-24 * 1.5],
+                   np.float32)
+    got = _cstore.round_weights(big, 1)
+    assert got.tolist() == [65504.0, 65504.0, 65504.0, 65504.0, -65504.0, 0.0, 2.0**-23]
+    assert np.isnan(_cstore.round_weights(np.array([np.nan], np.float32), 1)).all()
+
+
+def test_bfloat16_rounds_to_nearest_even():
+    x = np.array([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-8 + 2.0**-20, -2.0**-130,
+                  np.float32(3.4028235e38)], np.float32)
+    got = _cstore.round_weights(x, 2)
+    assert got[:4].tolist() == [1.0, 1.0 + 4 * 2.0**-8, 1.0 + 2 * 2.0**-8, -2.0**-130]
+    assert got[4] == np.inf      # past the largest bfloat16: IEEE rounding
+
+
+# --- rows ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_new_rows_are_rounded_and_lookups_return_float32(impl, dtype):
+    s = compact(impl, dtype)
+    ids16, ids32 = gid(0, *range(10)), gid(1, *range(10))
+    out = s.lookup(np.concatenate([ids16, ids32]), 8)
+    assert out.dtype == np.float32
+    init16, init32 = initial_rows(ids16, 8, INIT), initial_rows(ids32, 8, INIT)
+    assert (bits(out[:10]) == bits(row_dtypes.round_weights(init16, CODES[dtype]))).all()
+    assert not (out[:10] == init16).all()
+    assert (bits(out[10:]) == bits(init32)).all()   # the float32 group is unchanged
+    index, offsets = np.arange(20, dtype=np.int32), np.array([0, 10, 20], np.int64)
+    pooled = s.lookup_pooled(np.concatenate([ids16, ids32]), 8, index, offsets, train=False)
+    assert (bits(pooled) == bits(segments.pool(out, index, offsets))).all()
+
+
+@pytest.mark.parametrize("opt", [SGD(lr=0.1), Adagrad(lr=0.1), Adam(lr=0.01)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_update_steps_in_float32_and_stores_rounded(impl, dtype, opt):
+    s = compact(impl, dtype, opt)
+    ids = gid(0, 1, 2, 3, 4)
+    w = s.lookup(ids, 4)
+    g = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    s.update(ids, g)
+    ref = PyEmbeddingStore(10, opt)        # float32 rows, started from the rounded weights
+    ref.load([{"dim": 4, "ids": ids, "weights": w}])
+    ref.update(ids, g)
+    expect = row_dtypes.round_weights(ref.lookup(ids, 4, train=False), CODES[dtype])
+    assert (bits(s.lookup(ids, 4, train=False)) == bits(expect)).all()
+    state = next(iter(s.dump()))["state"]
+    assert (bits(state) == bits(next(iter(ref.dump()))["state"])).all()  # state stays float32
+
+
+def test_compact_rows_take_less_memory(impl):
+    sizes = {}
+    for dtype in ("float32", "float16", "bfloat16"):
+        s = compact(impl, dtype, capacity=100_000)
+        s.lookup(gid(0, *range(32768)), 64)
+        sizes[dtype] = s.memory_breakdown()
+        assert sum(sizes[dtype].values()) == s.memory_bytes()
+    # SGD keeps no state: half the row bytes (up to the empty float32 arena of the dim)
+    assert 1.99 < sizes["float32"]["rows"] / sizes["float16"]["rows"] <= 2
+    assert sizes["bfloat16"]["rows"] == sizes["float16"]["rows"]
+    assert abs(sizes["float16"]["bookkeeping"] / sizes["float32"]["bookkeeping"] - 1) < 0.01
+
+
+def test_checkpoints_carry_float32_and_convert_across_dtypes(impl):
+    src = impl(1000, Adagrad(lr=0.1))
+    ids = np.arange(1, 200, dtype=np.uint64)
+    src.lookup(ids, 6)
+    src.update(ids, np.random.default_rng(1).standard_normal((199, 6)).astype(np.float32))
+    fp32 = list(src.dump())
+    half = compact(impl, "float16", Adagrad(lr=0.1))
+    half.set_policies(BITS, [SlotPolicy(dtype="float16")])     # the default policy: all ids
+    half.load(fp32)
+    chunks = list(half.dump())
+    assert all(c["weights"].dtype == np.float32 for c in chunks)
+    w32 = np.concatenate([c["weights"] for c in fp32])
+    w16 = np.concatenate([c["weights"] for c in chunks])
+    assert (bits(w16) == bits(row_dtypes.round_weights(w32, 1))).all()
+    assert (bits(np.concatenate([c["state"] for c in chunks]))
+            == bits(np.concatenate([c["state"] for c in fp32]))).all()
+    back = impl(1000, Adagrad(lr=0.1))                        # float16 into float32: exact
+    back.load(chunks)
+    assert [bits(c["weights"]).tolist() for c in back.dump()] == \
+        [bits(c["weights"]).tolist() for c in chunks]
+    changed = np.concatenate([c["weights"] for c in half.changed_since(0) if len(c["ids"])])
+    assert sorted(bits(changed).ravel().tolist()) == sorted(bits(w16).ravel().tolist())
+
+
+def test_a_changed_dtype_applies_to_new_rows_only(impl):
+    s = impl(1000, SGD(lr=0.1))
+    old = gid(0, 1, 2)
+    before = s.lookup(old, 8)
+    s.set_policies(BITS, [None, SlotPolicy(dtype="float16")])
+    new = gid(0, 3, 4)
+    assert (bits(s.lookup(old, 8)) == bits(before)).all()      # kept as float32
+    assert (bits(s.lookup(new, 8)) ==
+            bits(row_dtypes.round_weights(initial_rows(new, 8, INIT), 1))).all()
+    s.remove(old)                                              # re-admitted: float16 now
+    assert (bits(s.lookup(old, 8)) == bits(row_dtypes.round_weights(before, 1))).all()
+    s.set_policies(BITS, [None])                               # back: float16 rows stay
+    assert (bits(s.lookup(new, 8)) ==
+            bits(row_dtypes.round_weights(initial_rows(new, 8, INIT), 1))).all()
+
+
+def test_a_dim_mismatch_with_compact_rows_is_still_an_error(impl):
+    s = compact(impl, "float16")
+    s.lookup(gid(0, 1), 8)
+    with pytest.raises(Exception, match="dim"):
+        s.lookup(gid(0, 1), 4)
+    with pytest.raises(Exception, match="dim"):
+        s.update(gid(0, 1), np.zeros((1, 4), np.float32))
+
+
+# --- the two stores agree -----------------------------------------------------------------
+
+POLICIES = [None, SlotPolicy(dtype="float16"), SlotPolicy(dtype="bfloat16", max_rows=5),
+            SlotPolicy(min_count=2, dtype="float16")]
+op = st.tuples(st.sampled_from(["lookup", "lookup", "infer", "pooled", "update", "load",
+                                "remove", "policies"]),
+               st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12)), max_size=12),
+               st.integers(0, 1000))
+
+
+def _run(s, step):
+    kind, raw, seed = step
+    ids = np.array([((g + 1) << (64 - BITS)) | i if g < 3 else i for g, i in raw], np.uint64)
+    rng = np.random.default_rng(seed)
+    if kind in ("lookup", "infer"):
+        return s.lookup(ids, 3, train=kind == "lookup").tobytes()
+    if kind == "pooled":
+        index = rng.integers(0, max(len(ids), 1), len(ids)).astype(np.int32)
+        offsets = np.array([0, len(ids) // 2, len(ids)], np.int64)
+        if not len(ids):
+            index = np.zeros(0, np.int32)
+        return s.lookup_pooled(ids, 3, index, offsets, train=bool(seed % 2)).tobytes()
+    if kind == "update":
+        s.update(ids, (rng.standard_normal((len(ids), 3)) * 10).astype(np.float32))
+    elif kind == "load":
+        u = np.unique(ids)
+        s.load([{"dim": 3, "ids": u, "weights": rng.standard_normal((len(u), 3))
+                 .astype(np.float32)}])
+    elif kind == "remove":
+        return s.remove(ids)
+    else:
+        pols = list(POLICIES)
+        rng.shuffle(pols[1:])
+        s.set_policies(BITS, pols[:int(rng.integers(1, 5))])
+    return None
+
+
+def _dump(s):
+    return [(c["ids"].tobytes(), c["weights"].tobytes(), c["state"].tobytes())
+            for c in s.dump(chunk_rows=5)]
+
+
+def _changed(s):
+    rows = {}
+    for c in s.changed_since(0):
+        for k, w, v in zip(c["ids"].tolist(), c["weights"], c["versions"].tolist(),
+                           strict=True):
+            rows[k] = (w.tobytes(), v)
+    return rows
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(capacity=st.integers(1, 30), steps=st.lists(op, max_size=30),
+       opt=st.sampled_from([SGD(lr=0.5), Adagrad(lr=0.1), Adam(lr=0.1)]))
+def test_cython_and_python_agree_with_compact_rows(capacity, steps, opt):
+    c = CEmbeddingStore(capacity, opt, eviction_log=50, sketch_bytes=4096)
+    p = PyEmbeddingStore(capacity, opt, eviction_log=50, sketch_bytes=4096)
+    c.set_policies(BITS, POLICIES)
+    p.set_policies(BITS, POLICIES)
+    for step in steps:
+        assert _run(c, step) == _run(p, step), step
+        assert c.stats() == p.stats()
+        assert c.policy_stats() == p.policy_stats()
+    assert _dump(c) == _dump(p)
+    assert _changed(c) == _changed(p)
+
+
+def test_shard_files_carry_float32_across_dtypes(impl, tmp_path):
+    """A server's checkpoint path: a shard file of a float16 store restores into a float32
+    store exactly, and a float32 one into a float16 store (policies set first) rounded."""
+    from stream_persia.server.shard_files import stage_shard_files, write_shard_file
+    half = impl(1000, Adagrad(lr=0.1))
+    half.set_policies(BITS, [SlotPolicy(dtype="float16")])
+    ids = np.arange(1, 300, dtype=np.uint64)
+    half.lookup(ids, 8)
+    half.update(ids, np.random.default_rng(2).standard_normal((299, 8)).astype(np.float32))
+    info = write_shard_file(half.dump(), str(tmp_path), "half.bin")
+    expected = {"half.bin": {"sha256": info["sha256"], "bytes": info["bytes"],
+                             "rows": info["rows"]}}
+    full = impl(1000, Adagrad(lr=0.1))
+    assert stage_shard_files(full, str(tmp_path), ["half.bin"], expected, 0, 1) == 299
+    got = {k: w.tobytes() for c in full.dump() for k, w in zip(c["ids"].tolist(), c["weights"],
+                                                                strict=True)}
+    want = {k: w.tobytes() for c in half.dump() for k, w in zip(c["ids"].tolist(), c["weights"],
+                                                                 strict=True)}
+    assert got == want
+    full.update(ids, np.full((299, 8), 1e-3, np.float32))     # now float32 values
+    info = write_shard_file(full.dump(), str(tmp_path), "full.bin")
+    again = impl(1000, Adagrad(lr=0.1))
+    again.set_policies(BITS, [SlotPolicy(dtype="float16")])
+    stage_shard_files(again, str(tmp_path), ["full.bin"], {}, 0, 1)
+    w32 = np.concatenate([c["weights"] for c in full.dump()])
+    w16 = np.concatenate([c["weights"] for c in again.dump()])
+    assert (bits(w16) == bits(row_dtypes.round_weights(w32, 1))).all()
+    assert not (bits(w16) == bits(w32)).all()
+
+
+def test_a_new_optimizer_keeps_compact_weights(impl):
+    s = compact(impl, "bfloat16", SGD(lr=0.1))
+    ids = np.concatenate([gid(0, *range(40)), gid(1, *range(40))])
+    before = s.lookup(ids, 5)
+    s.configure(optimizer=Adam(lr=0.01))      # another state kind: rows are re-laid out
+    assert (bits(s.lookup(ids, 5, train=False)) == bits(before)).all()
+    s.update(ids, np.ones((80, 5), np.float32))
+    twin = compact(PyEmbeddingStore, "bfloat16", SGD(lr=0.1))
+    twin.lookup(ids, 5)
+    twin.configure(optimizer=Adam(lr=0.01))
+    twin.update(ids, np.ones((80, 5), np.float32))
+    assert [(c["ids"].tobytes(), c["weights"].tobytes(), c["state"].tobytes())
+            for c in s.dump()] == [(c["ids"].tobytes(), c["weights"].tobytes(),
+                                    c["state"].tobytes()) for c in twin.dump()]
