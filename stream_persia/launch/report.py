@@ -302,7 +302,7 @@ def plot_report(metrics: dict[str, Any], path: Path, title: str) -> list[str]:
             if b is not None:
                 ax2.hlines(b, 0, shift, linestyle="--", color="darkgrey",
                            label=f"{task} Bayes-optimal before")
-        ax1.legend()
+        ax1.legend(loc="lower left", fontsize="small")
     ax2.set(title="eval and progressive AUC", xlabel="samples", ylabel="AUC")
     if evals or drift:
         ax2.legend(fontsize="small")
