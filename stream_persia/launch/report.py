@@ -309,8 +309,8 @@ def plot_report(metrics: dict[str, Any], path: Path, title: str) -> list[str]:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    drawn = [line.get_label() for ax in fig.axes for line in ax.get_lines()
-             if not line.get_label().startswith("_")]
+    drawn = [label for ax in fig.axes for line in ax.get_lines()
+             if not (label := str(line.get_label())).startswith("_")]
     plt.close(fig)
     return drawn
 

@@ -204,6 +204,13 @@ from stream_persia.kernels import segments
 from stream_persia.rpc import RpcServer, auth
 from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
 from stream_persia.server.dense_hub import DEFAULT_MAX_DENSE_BYTES, DenseHub
+from stream_persia.server.shard_files import (
+    check_load_request,
+    shard_file_name,
+    stage_shard_files,
+    write_shard_file,
+)
+from stream_persia.server.sharded import make_store
 from stream_persia.server.slot_policies import (
     EXPIRE_INTERVAL_S,
     EXPIRE_ROWS,
@@ -213,13 +220,6 @@ from stream_persia.server.slot_policies import (
     parse_policies,
     policies_digest_part,
 )
-from stream_persia.server.shard_files import (
-    check_load_request,
-    shard_file_name,
-    stage_shard_files,
-    write_shard_file,
-)
-from stream_persia.server.sharded import make_store
 from stream_persia.server.store import IMPLEMENTATION
 from stream_persia.server.updates import DenseRelay, UpdateFeed
 

@@ -14,7 +14,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from stream_persia.config import EmbeddingSchema
 from stream_persia.rpc import RpcClient
 
-
 CONFIGURE = "/v1/embeddings/configure"
 
 

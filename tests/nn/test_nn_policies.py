@@ -15,7 +15,6 @@ from stream_persia.embedding.optim import SGD
 from stream_persia.testing.samples import SCHEMA, make_batch
 
 
-
 def test_the_nn_sends_the_files_policies_and_restarted_servers_get_them_back(
         job_factory, tmp_path, monkeypatch):
     d = SCHEMA.to_dict()

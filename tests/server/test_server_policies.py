@@ -20,7 +20,6 @@ from stream_persia.rpc import RpcClient
 from stream_persia.server.row_dtypes import dtype_code, round_weights
 from stream_persia.server.service import EmbeddingServer, described
 
-
 BITS = 8
 DIM = 4
 
