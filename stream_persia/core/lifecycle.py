@@ -10,8 +10,10 @@ end of the stream. A stop is requested by
 
 - SIGTERM, while :meth:`Drain.install` (the rank entry :mod:`stream_persia.launch.rank`, for the
   whole process) or a ``TrainCtx`` (for its lifetime, where SIGTERM had its default action)
-  holds the handler. Outside a ``TrainCtx`` there is nothing to drain: the handler raises
-  :class:`StopRequested` (the rank entry exits 0). A second SIGTERM takes the default
+  holds the handler. Before a ``TrainCtx`` there is nothing to drain: the handler raises
+  :class:`StopRequested` (the rank entry exits 0). After one was left, training is over
+  (perhaps on another rank's stop, which every rank agrees on at each step) and the
+  script finishes its own work (evaluating, saving) undisturbed. A second SIGTERM takes the default
   action (the process dies): that is how ``torchrun`` ends ranks that did not drain in time;
 - the stop file: ``stream-persia launch nn-worker`` creates it (on SIGTERM or SIGINT) to
   ask every rank of its node to drain, since ``torchrun`` passes signals on only to kill
@@ -74,6 +76,7 @@ class Drain:
         self._lock = threading.Lock()
         self.reason: str | None = None
         self._training = 0
+        self._trained = False      # a TrainCtx was entered and left in this process
         self._installed = False
         self._pid = os.getpid()
         self._watches: list[Any] = []
@@ -128,8 +131,16 @@ class Drain:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        if not self._training:
-            raise StopRequested(reason)
+        if self._training:
+            return
+        if self._trained:
+            # Training is over (it may have ended on another rank's stop: the ranks agree
+            # each step): the script is on its own way out, saving what it trained; a stop
+            # must not unwind that. A second signal still stops the process at once.
+            log.warning("stop requested (%s) after training: the script finishes its own "
+                        "work (a second SIGTERM stops it at once)", reason)
+            return
+        raise StopRequested(reason)
 
     # ------------------------------------------------------------------ TrainCtx
     def enter_training(self) -> Callable[[], None]:
@@ -149,6 +160,7 @@ class Drain:
         def leave() -> None:
             with self._lock:
                 self._training -= 1
+                self._trained = True
             if restore is not None and signal.getsignal(signal.SIGTERM) == self._on_signal:
                 signal.signal(signal.SIGTERM, restore)
 
@@ -161,6 +173,7 @@ class Drain:
         self._watches.clear()
         self._requested.clear()
         self.reason = None
+        self._trained = False
 
 
 #: The process's drain request.

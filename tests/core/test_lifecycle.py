@@ -51,6 +51,27 @@ def test_sigterm_while_training_asks_for_a_drain_and_a_second_one_kills():
     assert out.returncode == -signal.SIGTERM
 
 
+def test_a_stop_after_training_lets_the_script_finish_its_work():
+    """Two DDP ranks: rank 1's stop ends both ranks' loops at the same step, and rank 0's
+    own stop (its poll of the stop file) can come only after it left its TrainCtx, while it
+    saves what it trained: that must not unwind the script (it did, once, in CI)."""
+    out = run('''
+        import os, signal, time
+        from stream_persia.core.lifecycle import drain
+        drain.install()
+        leave = drain.enter_training()
+        leave()                                # the loop ended on another rank's stop
+        os.kill(os.getpid(), signal.SIGTERM)   # this rank's stop comes now
+        time.sleep(0.1)
+        print("saved after the stop; requested:", drain.requested, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)   # a second one still stops it at once
+        time.sleep(5)
+        print("not reached")
+    ''')
+    assert out.stdout.strip() == "saved after the stop; requested: True", out.stderr
+    assert out.returncode == -signal.SIGTERM
+
+
 def test_a_train_context_handles_sigterm_only_while_entered():
     out = run('''
         import signal
