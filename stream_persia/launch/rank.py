@@ -8,8 +8,8 @@ the script's folder first on ``sys.path``) after arranging how the rank stops
 ``torchrun`` disappearing request a drain. While a ``TrainCtx`` is entered the rank then
 stops training at the next step boundary (at the same step on every rank), returns its
 untrained batches and waits for its gradient pushes, and the script goes on from the end of
-its loop; before or after, there is nothing to drain and the script is unwound. Either way
-the rank exits 0. This module imports nothing heavy, so a stop that comes while the script
+its loop; before it, there is nothing to drain and the script is unwound; after it,
+training is over and the script finishes its own work. Either way the rank exits 0. This module imports nothing heavy, so a stop that comes while the script
 still imports torch is handled too.
 """
 
