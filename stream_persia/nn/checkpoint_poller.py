@@ -18,7 +18,7 @@ import math
 import time
 from typing import Any
 
-from stream_persia.errors import Misuse, PersiaError
+from stream_persia.errors import BadInput, Misuse, PersiaError
 from stream_persia.nn import checkpointing
 from stream_persia.nn.progressive import summarize
 from stream_persia.nn.seams import TrainerSeam
@@ -87,6 +87,7 @@ class NnCheckpointPoller:
         self._keepalive: Any = None    # rank 0: the keepalive future while a checkpoint runs
         self._figures: dict[str, Any] | None = None   # rank 0's last progressive figures
         self._figures_at = -math.inf
+        self._relay_figures = True     # rank 0: False once worker 0 refused the figures
 
     @property
     def _rank0(self) -> bool:
@@ -110,7 +111,8 @@ class NnCheckpointPoller:
         """A copy of rank 0's progressive state, at most every PROGRESSIVE_EVERY_S."""
         pv = self.ctx.progressive_validation
         now = time.monotonic()
-        if pv is None or now - self._figures_at < PROGRESSIVE_EVERY_S:
+        if pv is None or not self._relay_figures \
+                or now - self._figures_at < PROGRESSIVE_EVERY_S:
             return None
         self._figures_at = now
         return pv.state(), pv.window_samples
@@ -131,7 +133,12 @@ class NnCheckpointPoller:
             except Exception as e:   # never stops training nor the heartbeat
                 log.debug("progressive figures for the heartbeat: %r", e)
         try:
-            reply = await cluster.workers[0].call("nn_heartbeat", params)
+            try:
+                reply = await cluster.workers[0].call("nn_heartbeat", params)
+            except BadInput as e:
+                if not self._refused_figures(e, params):
+                    raise
+                reply = await cluster.workers[0].call("nn_heartbeat", params)
         except Misuse as e:
             if "no RPC method" in e.message:
                 self.enabled = False
@@ -149,6 +156,23 @@ class NnCheckpointPoller:
             self._offer = offer
         else:
             self._offer = None
+
+    def _refused_figures(self, err: BadInput, params: dict[str, Any]) -> bool:
+        """Worker 0 refused the heartbeat for its progressive figures (more tasks, or a
+        longer task name, than :mod:`stream_persia.worker.nn_relay` takes): relay them no
+        more and drop them from ``params``, so the heartbeat, sent again, keeps the
+        mailbox (checkpoints over HTTP) and the ``trained`` watermark working. False for
+        any other refusal."""
+        if "progressive" not in params or not (err.field or "").startswith("progressive"):
+            return False
+        if self._relay_figures:
+            log.warning("embedding worker 0 refuses rank 0's progressive figures (%s): "
+                        "they are not relayed to /metrics for the rest of the run; "
+                        "TrainCtx.progressive() and report.json still have them", err.message)
+        self._relay_figures = False
+        self._figures = None
+        del params["progressive"]
+        return True
 
     def _wait_heartbeat(self, timeout_s: float = 5.0) -> None:
         fut = self._inflight
@@ -300,13 +324,19 @@ class NnCheckpointPoller:
             self._wait_heartbeat()
             self._sent = time.monotonic()
             pv = self.ctx.progressive_validation
-            if pv is not None:   # the final figures (the stream ended, or the context exits)
+            if pv is not None and self._relay_figures:   # the final figures
                 try:
                     self._figures = progressive_figures(pv.state(), pv.window_samples)
                 except Exception as e:
                     log.debug("progressive figures for the heartbeat: %r", e)
             try:
-                reply = self._call("nn_heartbeat", self._heartbeat_params(), timeout_s=5)
+                params = self._heartbeat_params()
+                try:
+                    reply = self._call("nn_heartbeat", params, timeout_s=5)
+                except BadInput as e:
+                    if not self._refused_figures(e, params):
+                        raise
+                    reply = self._call("nn_heartbeat", params, timeout_s=5)
                 offer = reply.get("checkpoint") if isinstance(reply, dict) else None
                 if isinstance(offer, dict) and offer.get("id") not in self._seen:
                     request = self._claim(offer)

@@ -186,3 +186,30 @@ async def test_a_serving_replica_exports_the_served_stage(tmp_path):
         assert [(s.value, "role" in s.labels) for s in served] == [(T0 + 2, False)]
     finally:
         await stop_job(job)
+
+
+async def test_a_relay_the_worker_refuses_costs_the_figures_not_the_mailbox(job):
+    """A model whose task name is longer than the relay takes: rank 0's heartbeats still
+    reach the mailbox (so checkpoints over HTTP still do), without the figures."""
+    worker = job.client(job.workers[0].address)
+    for i in range(6):
+        await worker.call("ingest", {"batch": make_batch(i).stamped(T0 + i).to_wire()})
+
+    def train() -> TrainCtx:
+        model = Click(seed=3)
+        model.tasks = ["x" * 129]
+        ctx = TrainCtx(SGD(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.05),
+                       model=model, embedding_workers=[job.workers[0].address],
+                       mixed_precision=False, ready_timeout_s=10)
+        with ctx:
+            for tb in DataLoader(StreamingDataset(), embedding_staleness=2, timeout_ms=300):
+                output, labels = ctx.forward(tb)
+                ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+        return ctx
+
+    ctx = await asyncio.get_running_loop().run_in_executor(None, train)
+    assert ctx.steps == 6 and set(ctx.progressive()) == {"x" * 129}
+    hb = await worker.call("nn_status")
+    assert hb is not None, "every heartbeat of rank 0 was refused"
+    assert hb["trained"] == T0 + 5 and hb["detached"] is True
+    assert hb["progressive"] == {}
