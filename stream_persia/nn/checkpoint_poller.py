@@ -23,6 +23,7 @@ from stream_persia.nn import checkpointing
 from stream_persia.nn.progressive import summarize
 from stream_persia.nn.seams import TrainerSeam
 from stream_persia.worker.mailbox import KEEPALIVES_PER_TIMEOUT, REPORT_TIMEOUT_S
+from stream_persia.worker.nn_relay import FIGURES
 
 __all__ = ["NnCheckpointPoller"]
 
@@ -35,13 +36,11 @@ PROGRESSIVE_EVERY_S = 2.0
 def progressive_figures(state: list[dict[str, Any]], window: int) -> dict[str, Any]:
     """Rank 0's progressive figures per task (the heartbeat's ``progressive``) from its
     ``ProgressiveValidation.state()``."""
-    keys = ("auc", "ne", "lifetime_ne", "calibration", "lifetime_calibration", "log_loss",
-            "lifetime_log_loss")
     out: dict[str, Any] = {}
     for task in state:
         merged = summarize([task])
         fig = {k: (float(merged[k]) if merged.get(k) is not None
-                   and math.isfinite(merged[k]) else None) for k in keys}
+                   and math.isfinite(merged[k]) else None) for k in FIGURES}
         out[task["name"]] = {"window": int(window), "samples": int(merged["samples"]), **fig}
     return out
 
