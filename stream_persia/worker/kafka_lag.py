@@ -153,12 +153,6 @@ class KafkaLag:
             mark = newer(mark, t)
         return mark
 
-    def ingested_mark(self) -> float | None:
-        mark: float | None = None
-        for t in self.ingested.values():
-            mark = newer(mark, t)
-        return mark
-
     async def start(self, positions: Mapping[int, int]) -> None:
         """Start probing; ``positions``: where the ingest starts each partition."""
         from stream_persia.kafka import TailProbe
