@@ -93,7 +93,7 @@ class KafkaIngest:
     #: The keys of :meth:`stats` that only grow (``consumer_partitions`` is a level).
     COUNTERS = frozenset({*(f"consumer_{k}" for k in SampleConsumer.COUNTERS),
                           *(f"dlq_{k}" for k in DeadLetterWriter.COUNTERS),
-                          "backpressure_pauses"})
+                          "backpressure_pauses", "lag_probe_failures"})
 
     def stats(self) -> dict[str, float]:
         """Counts and levels for the worker's metrics (the worker registers them once, and
@@ -101,6 +101,7 @@ class KafkaIngest:
         stats = {f"consumer_{k}": v for k, v in self.consumer.stats().items()}
         stats.update({f"dlq_{k}": v for k, v in self.dead_letters.stats().items()})
         stats["backpressure_pauses"] = self.backpressure_pauses
+        stats["lag_probe_failures"] = self.lag.probe_failures
         return stats
 
     async def start(self) -> None:

@@ -39,6 +39,10 @@ partition.
 
 Exported (:class:`KafkaLagCollector`) as ``persia_embedding_worker_kafka_lag_messages
 {topic,partition}`` and ``persia_embedding_worker_kafka_lag_seconds{topic,partition}``.
+A probe that fails (brokers down or slow: it gives up after 2 s, and the next one comes a
+``probe_interval_s`` later) leaves both as last known; the worker counts the failures in
+``persia_embedding_worker_kafka_lag_probe_failures_total`` (:class:`~stream_persia.worker.
+ingest.KafkaIngest` ``stats``), and logs a warning when probes start failing.
 """
 
 from __future__ import annotations
@@ -111,7 +115,9 @@ class KafkaLag:
         self._tail: dict[int, float] = {}      # newest event time probed, per partition
         self._probe: TailProbe | None = None
         self._task: asyncio.Task | None = None
+        #: probes that failed (a broker down or slow); the worker exports the count
         self.probe_failures = 0
+        self._failing = False
 
     def saw(self, partition: int, offset: int, event_time: float | None) -> None:
         """The record at ``offset`` of ``partition`` was handled: ingested (with its
@@ -193,8 +199,16 @@ class KafkaLag:
             except asyncio.CancelledError:
                 raise
             except Exception as e:    # the next probe may succeed; lag stays as it was
+                if not self._failing:
+                    log.warning("Kafka lag probe of %s failed: %r; the lag stays as last "
+                                "known until a probe succeeds (counted in "
+                                "kafka_lag_probe_failures)", self.topic, e)
+                self._failing = True
                 self.probe_failures += 1
-                log.debug("Kafka lag probe of %s failed: %r", self.topic, e)
+            else:
+                if self._failing:
+                    log.info("Kafka lag probe of %s succeeds again", self.topic)
+                self._failing = False
 
 
 class KafkaLagCollector(Collector):

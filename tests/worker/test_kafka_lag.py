@@ -7,6 +7,7 @@ and 0) and ``ingested`` reaches ``produced``. Both are in ``status`` and on its 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stream_persia.config import KafkaConfig
 from stream_persia.kafka import BatchProducer, DeadLetterWriter, SampleConsumer
 from stream_persia.rpc import RpcClient
+from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker.ingest import KafkaIngest
@@ -108,3 +110,53 @@ async def test_a_lagging_worker_reports_lag_in_messages_and_seconds_then_catches
                            if name.startswith("persia_embedding_worker_kafka_lag_"))
         finally:
             await worker.stop()
+
+
+@pytest.mark.kafka
+async def test_a_dead_broker_neither_hangs_nor_hides_the_lag_probe():
+    """The broker dies under a lagging worker: the probe gives up within its bound, status
+    still answers, and the failures show on the worker's metrics (the lag figures stay as
+    last known, so without the count nothing would say they are stale)."""
+    cluster = MockKafkaCluster().start()
+    try:
+        topic = "lag-dies"
+        cluster.create_topic(topic, 1)
+        bootstrap = cluster.bootstrap_servers
+        async with BatchProducer(topic, bootstrap_servers=bootstrap) as producer:
+            for i in range(N):
+                await producer.send_and_wait(make_batch(i).stamped(T0 + i), key=i)
+        cfg = KafkaConfig(bootstrap_servers=bootstrap, samples_topic=topic,
+                          dlq_topic=f"{topic}.dlq", job_name="lag")
+        async with running_servers(1) as (servers, _):
+            worker = EmbeddingWorker(SCHEMA, [s.address for s in servers],
+                                     ready_buffer_batches=2)
+            await worker.start()
+            try:
+                await worker.start_kafka_ingest(lambda start: KafkaIngest(
+                    worker, SampleConsumer.from_config(cfg, replica_index=0, replica_size=1),
+                    DeadLetterWriter.from_config(cfg), start_offsets=start,
+                    lag_probe_interval_s=0.2))
+                async with RpcClient(worker.address, timeout_ms=20_000) as c:
+                    async def lagging():
+                        rows = (await c.call("status")).get("kafka_lag") or []
+                        return rows if rows and rows[0]["seconds"] else None
+
+                    before = await _until(lagging, "a lag in seconds")
+                    cluster.kill()
+
+                    async def failures():
+                        got = _samples((await c.call("metrics")).decode())
+                        return got.get(("persia_embedding_worker_kafka_"
+                                        "lag_probe_failures_total", ())) or None
+
+                    assert await _until(failures, "probe failures counted") >= 1
+                    started = time.monotonic()
+                    st = await c.call("status")
+                    assert time.monotonic() - started < 5
+                    assert st["kafka_lag"] == before      # as last known
+            finally:
+                async with asyncio.timeout(30):
+                    await worker.stop()
+    finally:
+        if cluster.is_running:
+            cluster.stop()
