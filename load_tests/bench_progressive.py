@@ -1,6 +1,6 @@
 """The cost of progressive validation: training samples/s with it on against off.
 
-Same pipeline as ``load_tests/bench_train.py`` (whose model, data and feeder it reuses):
+Same pipeline as ``load_tests/bench_train.py`` (whose training run it reuses):
 a data loader process → 1 embedding worker → 1 embedding server → this process, the NN
 worker (``TrainCtx`` + ``DataLoader(StreamingDataset)``, staleness 8). Model: 26 ID slots of
 dim 16, 13 dense features, MLP 512-256-1, batch 1,024, BCE. The only difference between the
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import shutil
 import statistics
@@ -39,16 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_train import (  # noqa: E402
-    BATCH,
-    DENSE_LR,
-    DIM,
-    EMB_LR,
-    SLOTS,
-    PersiaModel,
-    feed,
-    proc_cpu_s,
-)
+from bench_train import BATCH, DIM, SLOTS, train_window  # noqa: E402
 
 STALENESS = 8
 
@@ -57,49 +47,13 @@ def run(worker: Any, server: Any, n: int, vocab: int, warmup: int, on: bool
         ) -> tuple[float, float, dict]:
     """One training run; returns (samples/s, CPU seconds per sample, ctx.progressive())."""
     from stream_persia.config import ProgressiveConfig
-    from stream_persia.ctx import TrainCtx
-    from stream_persia.data import DataLoader, StreamingDataset
-    from stream_persia.embedding import EmbeddingConfig
-    from stream_persia.embedding.optim import Adagrad
 
-    torch.manual_seed(0)
-    model = PersiaModel()
-    mp = multiprocessing.get_context("spawn")
-    send_cpu_s = mp.Value("d", 0.0)
-    loader_proc = mp.Process(target=feed, args=(worker.address, n, vocab, 0, send_cpu_s),
-                             daemon=True)
-    roles = [worker.proc.pid, server.proc.pid]
-    with TrainCtx(Adagrad(lr=EMB_LR), torch.optim.Adam(model.parameters(), lr=DENSE_LR),
-                  model=model, embedding_config=EmbeddingConfig((-0.01, 0.01)),
-                  mixed_precision=False, embedding_workers=[worker.address],
-                  progressive=ProgressiveConfig(enabled=on)) as ctx:
-        ctx.clear_embeddings()
-        loader_proc.start()
-        loader = DataLoader(StreamingDataset(16), forward_buffer_size=16,
-                            embedding_staleness=STALENESS, timeout_ms=60_000, max_batches=n)
-        t0 = c0 = 0.0
-        r0: list[float] = []
-        steps = 0
-        for i, tb in enumerate(loader):
-            if i == warmup:
-                t0, c0 = time.perf_counter(), time.process_time()
-                r0 = [proc_cpu_s(pid) for pid in roles]
-            output, labels = ctx.forward(tb)
-            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
-            steps += 1
-        elapsed = time.perf_counter() - t0
-        cpu = time.process_time() - c0 + sum(
-            proc_cpu_s(pid) - c for pid, c in zip(roles, r0, strict=True))
-        prog = ctx.progressive()
-    loader_proc.join(30)
-    if steps != n:
-        raise RuntimeError(f"trained {steps} batches, expected {n}")
+    rate, cpu, _, prog = train_window(worker, server, n, vocab, warmup, STALENESS,
+                                      progressive=ProgressiveConfig(enabled=on))
     if on and prog["task0"]["samples"] != n * BATCH:
         raise RuntimeError(f"progressive validation scored {prog['task0']['samples']} "
                            f"samples, expected {n * BATCH}")
-    cpu += send_cpu_s.value * (n - warmup) / n
-    samples = (n - warmup) * BATCH
-    return samples / elapsed, cpu / samples, prog
+    return rate, cpu, prog
 
 
 def accumulator_cost(repeat: int = 200) -> dict[str, float]:

@@ -149,9 +149,11 @@ def feed(worker: str, n: int, vocab: int, seed: int, send_cpu_s: Any) -> None:
     send_cpu_s.value = time.process_time() - c0
 
 
-def run_pipeline(worker: Any, server: Any, n: int, vocab: int, warmup: int, staleness: int
-                 ) -> tuple[float, float]:
-    """Returns (samples/s, CPU seconds per sample over every process of the pipeline)."""
+def train_window(worker: Any, server: Any, n: int, vocab: int, warmup: int, staleness: int,
+                 **ctx_kwargs: Any) -> tuple[float, float, dict, dict]:
+    """``n`` batches fed by a loader process and trained here (``ctx_kwargs`` go to
+    ``TrainCtx``), the last ``n - warmup`` timed. Returns (samples/s, CPU seconds per
+    sample over every process of the pipeline, ``ctx.stats()``, ``ctx.progressive()``)."""
     from stream_persia.ctx import TrainCtx
     from stream_persia.data import DataLoader, StreamingDataset
     from stream_persia.embedding import EmbeddingConfig
@@ -166,7 +168,8 @@ def run_pipeline(worker: Any, server: Any, n: int, vocab: int, warmup: int, stal
     roles = [worker.proc.pid, server.proc.pid]
     with TrainCtx(Adagrad(lr=EMB_LR), torch.optim.Adam(model.parameters(), lr=DENSE_LR),
                   model=model, embedding_config=EmbeddingConfig((-0.01, 0.01)),
-                  mixed_precision=False, embedding_workers=[worker.address]) as ctx:
+                  mixed_precision=False, embedding_workers=[worker.address],
+                  **ctx_kwargs) as ctx:
         ctx.clear_embeddings()
         loader_proc.start()
         loader = DataLoader(StreamingDataset(16), forward_buffer_size=16,
@@ -186,12 +189,20 @@ def run_pipeline(worker: Any, server: Any, n: int, vocab: int, warmup: int, stal
         cpu = time.process_time() - c0 + sum(
             proc_cpu_s(pid) - c for pid, c in zip(roles, r0, strict=True))
         stats = ctx.stats()
+        progressive = ctx.progressive()
     loader_proc.join(30)
     if steps != n or stats["pushed"] != n:
         raise RuntimeError(f"trained {steps} batches ({stats['pushed']} pushed), expected {n}")
     cpu += send_cpu_s.value * (n - warmup) / n      # the loader's share of the window
     samples = (n - warmup) * BATCH
-    return samples / elapsed, cpu / samples
+    return samples / elapsed, cpu / samples, stats, progressive
+
+
+def run_pipeline(worker: Any, server: Any, n: int, vocab: int, warmup: int, staleness: int
+                 ) -> tuple[float, float]:
+    """Returns (samples/s, CPU seconds per sample over every process of the pipeline)."""
+    rate, cpu, _, _ = train_window(worker, server, n, vocab, warmup, staleness)
+    return rate, cpu
 
 
 def main() -> None:
