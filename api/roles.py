@@ -97,14 +97,23 @@ class Roles:
                 raise item
         return list(out)
 
-    async def health(self) -> list[dict[str, Any]]:
-        """Probe every role's ``health`` (short deadline); never raises for a role's failure."""
+    async def health(self, replies: dict[tuple[str, int], Any] | None = None
+                     ) -> list[dict[str, Any]]:
+        """Probe every role's ``health`` (short deadline); never raises for a role's failure.
+
+        Args:
+            replies: if given, filled with each answering role's ``health`` reply, by
+                ``(kind, index)`` (``GET /v1/status`` reads the servers'
+                ``trained_through`` there instead of asking them again).
+        """
         async def probe(role: Role) -> dict[str, Any]:
             t0 = time.perf_counter()
             entry: dict[str, Any] = {"role": role.kind, "index": role.index,
                                      "address": role.address}
             try:
                 reply = await self.call(role, "health", None, HEALTH_TIMEOUT_MS)
+                if replies is not None:
+                    replies[(role.kind, role.index)] = reply
                 entry["healthy"] = bool(isinstance(reply, dict) and reply.get("ok"))
                 why = reply.get("error") if isinstance(reply, dict) else None   # its reason
                 entry["error"] = None if entry["healthy"] else (

@@ -119,14 +119,14 @@ async def status(request: Request) -> JobStatus:
     Kafka lag per partition, NN rank 0's relayed progressive figures)."""
     roles = _roles(request)
     state = request.app.state
-    (health, w_status, w_metrics, s_stats, s_size, s_health, s_slots, training,
+    replies: dict[tuple[str, int], Any] = {}   # health replies; servers': "applied"
+    (health, w_status, w_metrics, s_stats, s_size, s_slots, training,
      last) = await asyncio.gather(
-        roles.health(),
+        roles.health(replies),
         roles.gather_settled(roles.workers, "status"),
         roles.gather_settled(roles.workers, "metrics"),
         roles.gather_settled(roles.servers, "stats"),
         roles.gather_settled(roles.servers, "size"),
-        roles.gather_settled(roles.servers, "health"),   # trained_through: "applied"
         roles.gather_settled(roles.servers, "slot_stats"),
         state.checkpoints.training(),
         state.checkpoints.last(),
@@ -165,7 +165,8 @@ async def status(request: Request) -> JobStatus:
                              if any(a is not None for a in applied) else None)),
         last_checkpoint=last,
         model=state.predictor.info() if state.predictor is not None else None,
-        watermarks=_watermarks(w_status, s_health, training, served))
+        watermarks=_watermarks(w_status, [replies.get((SERVER, r.index))
+                                          for r in roles.servers], training, served))
 
 
 async def _set_ingest(request: Request, paused: bool) -> IngestState:
