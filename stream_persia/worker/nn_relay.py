@@ -26,6 +26,9 @@ Worker 0 exports them (:class:`NnRelayCollector`): ``persia_nn_progressive_auc_r
 ``windowed`` | ``lifetime``), ``persia_nn_progressive_samples_total{task}`` and
 ``persia_nn_heartbeat_age_seconds``; the ``trained`` watermark goes with the worker's stage
 watermarks (:mod:`stream_persia.core.stages`). A figure not known (None) has no sample.
+The last heartbeat's figures stay exported after rank 0 stops, cleanly or killed (a
+final reading is worth keeping); ``persia_nn_heartbeat_age_seconds`` says how old they
+are, and the ``PersiaNNHeartbeatStale`` alert (``deploy/prometheus/alerts.yml``) fires on it.
 """
 
 from __future__ import annotations
