@@ -19,6 +19,7 @@ from stream_persia.errors import BadInput
 from stream_persia.server import policies as pol
 from stream_persia.server._pystore import PyEmbeddingStore, initial_rows
 from stream_persia.server.sharded import ShardedStore
+from stream_persia.server.slot_policies import parse_policies
 
 CEmbeddingStore = pytest.importorskip("stream_persia.server._cstore").CEmbeddingStore
 IMPLS = [pytest.param(CEmbeddingStore, id="cython"), pytest.param(PyEmbeddingStore, id="python")]
@@ -352,12 +353,21 @@ def test_clear_and_remove_keep_the_counts_right(impl):
     ((8, [None, {"min_count": 2}]), "policies[1]"),
     ((8, "x"), "policies"),
     ((0, [None, SlotPolicy(min_count=2)]), "prefix_bits"),
+    ((1, [None, None, SlotPolicy(max_rows=1)]), "policies[2]"),   # index 2 needs 2 bits
 ])
 def test_set_policies_validates(impl, args, field):
     s = store(impl)
     with pytest.raises(BadInput) as e:
         s.set_policies(*args)
     assert e.value.field == field
+
+
+def test_a_table_the_store_cannot_hold_is_refused_where_it_is_parsed():
+    """The server's parser allows what a store accepts (an entry keeps its policy index
+    in 15 bits), so a table it passes is not refused later on the store thread."""
+    with pytest.raises(BadInput) as e:
+        parse_policies({"prefix_bits": 16, "policies": [None] * (pol.MAX_POLICIES + 1)})
+    assert e.value.field == "policies.policies"
 
 
 def test_sketch_bytes_is_validated(impl):
