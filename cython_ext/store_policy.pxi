@@ -84,7 +84,7 @@ cdef inline void _requeue(CEmbeddingStore self, int32_t e) noexcept nogil:
 
 cdef _stamp_now(CEmbeddingStore self):
     """The stamp of the rows this call refreshes or stores (a training lookup, a load)."""
-    self.tnow = <float>(time.time() - self.epoch)
+    self.tnow = <float>(time.monotonic() - self.epoch)
     self.snow = <uint32_t>self.steps
 
 

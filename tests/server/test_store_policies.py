@@ -132,7 +132,7 @@ def test_ttl_in_seconds(impl):
     s = store(impl)
     s.set_policies(BITS, [None, SlotPolicy(ttl_s=100.0)])
     s.lookup(np.concatenate([gid(0, 1, 2), gid(1, 1)]), 4)
-    t = time.time()
+    t = time.monotonic()
     assert s.expire(now=t + 50) == 0
     v = s.change_version
     assert s.change_version == v                          # nothing expired: no version
@@ -143,6 +143,22 @@ def test_ttl_in_seconds(impl):
     ids, versions, complete = s.evicted_since(v)
     assert sorted(ids.tolist()) == sorted(gid(0, 1, 2).tolist()) and complete
     assert versions.tolist() == [v + 1, v + 1]
+
+
+def test_a_wall_clock_step_neither_expires_rows_nor_keeps_them(impl, monkeypatch):
+    """The TTL clock is monotonic: the wall clock stepping a day ahead (NTP, a VM
+    resumed) does not expire every row of the group at the next pass, and TTLs still
+    run on the store's clock."""
+    s = store(impl)
+    s.set_policies(BITS, [None, SlotPolicy(ttl_s=100.0)])
+    s.lookup(gid(0, 1, 2), 4)
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + 86400.0)
+    assert s.expire() == 0 and s.contains(gid(0, 1, 2)).all()
+    monkeypatch.setattr(time, "time", lambda: wall() - 86400.0)
+    s.lookup(gid(0, 3), 4)
+    assert s.expire() == 0
+    assert s.expire(now=time.monotonic() + 200) == 3
 
 
 def test_a_training_lookup_refreshes_the_ttl(impl):
@@ -161,7 +177,7 @@ def test_a_training_lookup_refreshes_the_ttl(impl):
 def test_rows_present_when_a_ttl_appears_are_stamped_now(impl):
     s = store(impl)
     s.lookup(gid(0, 1), 4)
-    t = time.time() + 1000
+    t = time.monotonic() + 1000
     s.set_policies(BITS, [None, SlotPolicy(ttl_s=10.0)], now=t)
     assert s.expire(now=t + 5) == 0
     assert s.expire(now=t + 11) == 1
@@ -187,7 +203,7 @@ def test_a_ttl_appearing_beside_a_cap_stamps_rows_now(impl):
     s.set_policies(BITS, [None, SlotPolicy(max_rows=10)])
     s.lookup(gid(0, 1, 2), 4)
     s.lookup(gid(0, 1), 4)               # no TTL yet: a hit marks, stamps nothing
-    t = time.time() + 1000
+    t = time.monotonic() + 1000
     s.set_policies(BITS, [None, SlotPolicy(max_rows=10, ttl_s=10.0)], now=t)
     assert s.expire(now=t + 5) == 0
     assert s.expire(now=t + 11) == 2
