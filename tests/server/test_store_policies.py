@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from stream_persia.core.embedding_config import SlotPolicy
 from stream_persia.embedding import EmbeddingConfig
-from stream_persia.embedding.optim import SGD, Adagrad
+from stream_persia.embedding.optim import SGD, Adagrad, Adam
 from stream_persia.errors import BadInput
 from stream_persia.server import policies as pol
 from stream_persia.server._pystore import PyEmbeddingStore, initial_rows
@@ -434,37 +434,45 @@ def test_sharded_store_forwards_policies(kind):
 
 # --- the two stores agree -----------------------------------------------------------------
 
-POLICIES = [None, SlotPolicy(min_count=2, max_rows=5), SlotPolicy(ttl_steps=3),
-            SlotPolicy(admit_probability=0.5, min_count=3, ttl_steps=2, max_rows=4)]
-op = st.tuples(st.sampled_from(["lookup", "lookup", "pooled", "update", "expire", "load",
-                                "remove", "policies"]),
+# The policies' table (admission, TTL, caps) and compact rows' (dtypes beside a cap and a
+# min_count); a "policies" step shuffles the table's groups and may cut it short.
+TABLES = {
+    "policies": [None, SlotPolicy(min_count=2, max_rows=5), SlotPolicy(ttl_steps=3),
+                 SlotPolicy(admit_probability=0.5, min_count=3, ttl_steps=2, max_rows=4)],
+    "compact": [None, SlotPolicy(dtype="float16"), SlotPolicy(dtype="bfloat16", max_rows=5),
+                SlotPolicy(min_count=2, dtype="float16")],
+}
+op = st.tuples(st.sampled_from(["lookup", "lookup", "infer", "pooled", "update", "expire",
+                                "load", "remove", "policies"]),
                st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12)), max_size=12),
                st.integers(0, 1000))
 
 
-def _run(s, step):
+def _run(s, step, table):
     kind, raw, seed = step
     ids = np.array([((g + 1) << (64 - BITS)) | i if g < 3 else i for g, i in raw], np.uint64)
     rng = np.random.default_rng(seed)
-    if kind == "lookup":
-        return s.lookup(ids, 3).tobytes()
+    if kind in ("lookup", "infer"):
+        return s.lookup(ids, 3, train=kind == "lookup").tobytes()
     if kind == "pooled":
         index = rng.integers(0, max(len(ids), 1), len(ids)).astype(np.int32)
         offsets = np.array([0, len(ids) // 2, len(ids)], np.int64)
         if not len(ids):
             index = np.zeros(0, np.int32)
-        return s.lookup_pooled(ids, 3, index, offsets).tobytes()
-    if kind == "update":
-        s.update(ids, rng.standard_normal((len(ids), 3)).astype(np.float32))
+        return s.lookup_pooled(ids, 3, index, offsets, train=bool(seed % 2)).tobytes()
+    if kind == "update":     # every other one large: rows reach the weight bound
+        scale = np.float32(10.0 if seed % 2 else 1.0)
+        s.update(ids, rng.standard_normal((len(ids), 3)).astype(np.float32) * scale)
     elif kind == "expire":
         return s.expire(max_rows=int(rng.integers(1, 4)))
     elif kind == "load":
-        s.load([{"dim": 3, "ids": np.unique(ids),
-                 "weights": np.full((len(np.unique(ids)), 3), 0.5, np.float32)}])
+        u = np.unique(ids)
+        s.load([{"dim": 3, "ids": u, "weights": rng.standard_normal((len(u), 3))
+                 .astype(np.float32)}])
     elif kind == "remove":
         return s.remove(ids)
     else:
-        pols = list(POLICIES)
+        pols = list(table)
         rng.shuffle(pols[1:])
         s.set_policies(BITS, pols[:int(rng.integers(1, 5))])
     return None
@@ -475,20 +483,31 @@ def _dump(s):
             for c in s.dump(chunk_rows=5)]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(capacity=st.integers(1, 30), steps=st.lists(op, max_size=30),
-       opt=st.sampled_from([SGD(lr=0.5), Adagrad(lr=0.1)]))
-def test_cython_and_python_agree_with_policies(capacity, steps, opt):
+def _changed(s):
+    rows = {}
+    for c in s.changed_since(0):
+        for k, w, v in zip(c["ids"].tolist(), c["weights"], c["versions"].tolist(),
+                           strict=True):
+            rows[k] = (w.tobytes(), v)
+    return rows
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(table=st.sampled_from(sorted(TABLES)), capacity=st.integers(1, 30),
+       steps=st.lists(op, max_size=30),
+       opt=st.sampled_from([SGD(lr=0.5), Adagrad(lr=0.1), Adam(lr=0.1)]))
+def test_cython_and_python_agree_with_policies(table, capacity, steps, opt):
     c = CEmbeddingStore(capacity, opt, eviction_log=50, sketch_bytes=4096)
     p = PyEmbeddingStore(capacity, opt, eviction_log=50, sketch_bytes=4096)
-    c.set_policies(BITS, POLICIES)
-    p.set_policies(BITS, POLICIES)
+    c.set_policies(BITS, TABLES[table])
+    p.set_policies(BITS, TABLES[table])
     for step in steps:
-        assert _run(c, step) == _run(p, step), step
+        assert _run(c, step, TABLES[table]) == _run(p, step, TABLES[table]), step
         assert c.stats() == p.stats()
         assert c.policy_stats() == p.policy_stats()
         assert c.change_version == p.change_version
     assert _dump(c) == _dump(p)
+    assert _changed(c) == _changed(p)
     for since in range(0, c.change_version + 1, 3):
         a, b = c.evicted_since(since), p.evicted_since(since)
         assert (a[0].tolist(), a[1].tolist(), a[2]) == (b[0].tolist(), b[1].tolist(), b[2])
