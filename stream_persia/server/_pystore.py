@@ -407,6 +407,7 @@ class PyEmbeddingStore:
         self._arenas.clear()
         self._elog.clear()
         self._forget_all()
+        self._sketch = None
         self._version += 1
         self._closed = True
 
@@ -774,20 +775,19 @@ class PyEmbeddingStore:
 
     def memory_bytes(self) -> int:
         """Bytes held by row storage, with each row's id and change version, and by the
-        eviction log (16 bytes an entry; the dict and list overhead is not counted)."""
-        return self.memory_breakdown()["rows"] + sum(
-            a.keys.nbytes + a.ver.nbytes for a in self._arenas.values()) \
-            + 16 * len(self._elog) + (self._sketch.nbytes if self._sketch is not None else 0)
+        eviction log (16 bytes an entry; the dict and list overhead is not counted), and
+        by the frequency sketch."""
+        return sum(self.memory_breakdown().values())
 
     def memory_breakdown(self) -> dict[str, int]:
         """``{"rows", "bookkeeping"}``: bytes of row storage (weights at their dtype's
         size, as the Cython store lays them out, and float32 optimizer state) and of
         everything else :meth:`memory_bytes` counts; they add up to it."""
+        if self._closed:
+            return {"rows": 0, "bookkeeping": 0}
         rows = sum(len(a.data) * (_rdt.weight_bytes(a.dim, a.code)
                                   + 4 * (a.data.shape[1] - a.dim))
                    for a in self._arenas.values())
-        if self._closed:
-            return {"rows": 0, "bookkeeping": 0}
         keys = sum(a.keys.nbytes + a.ver.nbytes for a in self._arenas.values())
         return {"rows": rows, "bookkeeping": keys + 16 * len(self._elog)
                 + (self._sketch.nbytes if self._sketch is not None else 0)}

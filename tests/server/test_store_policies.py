@@ -117,6 +117,15 @@ def test_sketch_counters_are_halved_every_width_counts(impl):
     assert s.sketch_counts(gid(0, 1))[0] == 20
 
 
+def test_a_closed_store_frees_its_sketch(impl):
+    s = store(impl, sketch_bytes=1 << 20)
+    s.set_policies(BITS, [None, SlotPolicy(min_count=2)])
+    s.lookup(gid(0, 1, 2), 4)
+    assert s.memory_bytes() == sum(s.memory_breakdown().values()) >= 1 << 20
+    s.close()
+    assert s.memory_bytes() == sum(s.memory_breakdown().values()) == 0
+
+
 def test_sketch_is_allocated_only_while_needed(impl):
     s = store(impl, sketch_bytes=1 << 20)
     before = s.memory_bytes()
