@@ -503,9 +503,13 @@ cdef class CEmbeddingStore:
             return out
         cdef const uint64_t[::1] keys = ids
         cdef int64_t[::1] o = out
-        with nogil:
-            for i in range(n):
-                o[i] = _sketch_estimate(self, keys[i])
+        _enter(self)    # set_policies may free the sketch while the loop reads it
+        try:
+            with nogil:
+                for i in range(n):
+                    o[i] = _sketch_estimate(self, keys[i])
+        finally:
+            self.busy = False
         return out
 
     def memory_bytes(self):

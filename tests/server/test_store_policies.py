@@ -5,6 +5,9 @@ that they agree bit for bit), and through a ShardedStore."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -124,6 +127,45 @@ def test_a_closed_store_frees_its_sketch(impl):
     assert s.memory_bytes() == sum(s.memory_breakdown().values()) >= 1 << 20
     s.close()
     assert s.memory_bytes() == sum(s.memory_breakdown().values()) == 0
+
+
+def test_sketch_counts_beside_set_policies_is_misuse_not_a_crash():
+    """A second call on a store while one runs raises Misuse: a sketch_counts() reading
+    the sketch without the GIL while another thread's set_policies() freed it crashed the
+    process (in a subprocess here, so that a crash fails this test only)."""
+    script = textwrap.dedent("""
+        import threading
+        import numpy as np
+        from stream_persia.core.embedding_config import SlotPolicy
+        from stream_persia.embedding.optim import SGD
+        from stream_persia.errors import Misuse
+        from stream_persia.server._cstore import CEmbeddingStore
+        s = CEmbeddingStore(100, SGD(lr=0.1), sketch_bytes=1 << 24)
+        tables = [[SlotPolicy()], [SlotPolicy(min_count=2)]]
+        s.set_policies(0, tables[1])
+        ids = np.arange(1 << 21, dtype=np.uint64)
+        misuse, done = [], threading.Event()
+        def read():
+            while not done.is_set():
+                try:
+                    s.sketch_counts(ids)
+                except Misuse:
+                    misuse.append(1)
+        t = threading.Thread(target=read)
+        t.start()
+        for i in range(300):
+            try:
+                s.set_policies(0, tables[i % 2])
+            except Misuse:
+                misuse.append(1)
+        done.set()
+        t.join()
+        print("misuse", len(misuse))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert int(proc.stdout.split()[-1]) > 0
 
 
 def test_sketch_is_allocated_only_while_needed(impl):
