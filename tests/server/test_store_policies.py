@@ -168,6 +168,41 @@ def test_sketch_counts_beside_set_policies_is_misuse_not_a_crash():
     assert int(proc.stdout.split()[-1]) > 0
 
 
+def test_a_set_policies_out_of_memory_leaves_the_table_in_force():
+    """A set_policies() that cannot allocate the new table's queues raises MemoryError
+    and changes nothing: it freed the old table's sketch first, and its min_count then
+    admitted every id at its first lookup. In a subprocess whose address space is capped
+    just above its use."""
+    script = textwrap.dedent("""
+        import resource
+        import numpy as np
+        from stream_persia.core.embedding_config import SlotPolicy
+        from stream_persia.embedding.optim import SGD
+        from stream_persia.server._cstore import CEmbeddingStore
+        n = 1 << 21                       # the queues of n entries: 16 MiB
+        s = CEmbeddingStore(n, SGD(lr=0.1))
+        ids = np.arange(1, n + 1, dtype=np.uint64)
+        for i in range(0, n, 1 << 16):
+            s.lookup(ids[i:i + (1 << 16)], 4)
+        s.set_policies(0, [SlotPolicy(min_count=2)])
+        size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+                    if line.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, (size + (4 << 20), resource.RLIM_INFINITY))
+        try:
+            s.set_policies(0, [SlotPolicy(ttl_s=10.0)])
+        except MemoryError:
+            print("MemoryError")
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)
+        new = np.array([n + 7], np.uint64)
+        s.lookup(new, 4)
+        print(int(s.contains(new)[0]), s.policy_stats()[0]["rejected"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.split() == ["MemoryError", "0", "1"], proc.stdout
+
+
 def test_sketch_is_allocated_only_while_needed(impl):
     s = store(impl, sketch_bytes=1 << 20)
     before = s.memory_bytes()
