@@ -202,7 +202,7 @@ cdef class CEmbeddingStore:
     cdef int64_t sk_count    # counts since the last halving
     cdef uint64_t seeds[SKETCH_DEPTH]
     cdef int64_t steps       # training lookup calls with at least one id
-    cdef double epoch        # time.time() when the store was made
+    cdef double epoch        # time.monotonic() when the store was made (the TTL clock)
     cdef float tnow          # the stamp of the call under way (see _stamp_now)
     cdef uint32_t snow
     cdef float *ibuf         # lookup's initial row of an id below its min_count; the
@@ -223,7 +223,7 @@ cdef class CEmbeddingStore:
         self.sk_bits = _pol.sketch_bits(_pol.check_sketch_bytes(sketch_bytes))
         for j in range(SKETCH_DEPTH):
             self.seeds[j] = _pol.SKETCH_SEEDS[j]
-        self.epoch = time.time()
+        self.epoch = time.monotonic()
         self.pol = <Pol*>calloc(1, sizeof(Pol))
         if self.pol == NULL:
             raise MemoryError()
@@ -464,7 +464,7 @@ cdef class CEmbeddingStore:
         """Replace the policy table; see ``PyEmbeddingStore.set_policies``."""
         _open(self)
         bits, pols = _pol.check_policies(prefix_bits, policies)
-        cdef double t = time.time() if now is None else float(now)
+        cdef double t = time.monotonic() if now is None else float(now)
         _enter(self)
         try:
             _set_policies(self, bits, pols, t)
@@ -475,7 +475,7 @@ cdef class CEmbeddingStore:
         """Evict rows past their TTL; see ``PyEmbeddingStore.expire``."""
         _open(self)
         cdef int64_t limit = _pol.check_expire_rows(max_rows), n = 0
-        cdef double rel = (time.time() if now is None else float(now)) - self.epoch
+        cdef double rel = (time.monotonic() if now is None else float(now)) - self.epoch
         if not self.has_ttl:
             return 0
         _enter(self)
@@ -503,9 +503,13 @@ cdef class CEmbeddingStore:
             return out
         cdef const uint64_t[::1] keys = ids
         cdef int64_t[::1] o = out
-        with nogil:
-            for i in range(n):
-                o[i] = _sketch_estimate(self, keys[i])
+        _enter(self)    # set_policies may free the sketch while the loop reads it
+        try:
+            with nogil:
+                for i in range(n):
+                    o[i] = _sketch_estimate(self, keys[i])
+        finally:
+            self.busy = False
         return out
 
     def memory_bytes(self):

@@ -84,7 +84,7 @@ cdef inline void _requeue(CEmbeddingStore self, int32_t e) noexcept nogil:
 
 cdef _stamp_now(CEmbeddingStore self):
     """The stamp of the rows this call refreshes or stores (a training lookup, a load)."""
-    self.tnow = <float>(time.time() - self.epoch)
+    self.tnow = <float>(time.monotonic() - self.epoch)
     self.snow = <uint32_t>self.steps
 
 
@@ -277,9 +277,12 @@ cdef _set_policies(CEmbeddingStore self, int bits, list pols, double now):
     cdef int32_t n = len(pols), i, e
     cdef uint16_t p
     cdef Pol *P
-    cdef bint need_aux = False, need_sketch = False, bumped = False, need_ttl
+    cdef bint need_aux = False, need_sketch = False, bumped = False, need_ttl, failed = False
     cdef Pol *table = <Pol*>calloc(n, sizeof(Pol))
     cdef int64_t sk_bytes
+    cdef uint8_t *sketch = NULL
+    cdef Aux *aux = NULL
+    cdef Stamp *stamps = NULL
     if table == NULL:
         raise MemoryError()
     for i in range(n):
@@ -300,34 +303,39 @@ cdef _set_policies(CEmbeddingStore self, int bits, list pols, double now):
             need_aux = True
         if q.min_count > 1:
             need_sketch = True
+    need_ttl = any(q.ttl_s is not None or q.ttl_steps is not None for q in pols)
+    # Allocate what the table needs first, then change the store: a MemoryError leaves
+    # the table in force with all it had (its sketch, queues and stamps).
+    sk_bytes = (<int64_t>SKETCH_DEPTH) << self.sk_bits
     if need_sketch and self.sketch == NULL:
-        sk_bytes = (<int64_t>SKETCH_DEPTH) << self.sk_bits
-        self.sketch = <uint8_t*>sp_alloc(sk_bytes, sk_bytes >= BLOCK_BYTES)
-        if self.sketch == NULL:
-            free(table)
-            raise MemoryError()
-        memset(self.sketch, 0, sk_bytes)
+        sketch = <uint8_t*>sp_alloc(sk_bytes, sk_bytes >= BLOCK_BYTES)
+        failed = sketch == NULL
+    if need_aux and not self.use_aux and self.ecap and not failed:
+        aux = <Aux*>sp_alloc(sizeof(Aux) * self.ecap, self.ecap >= 1 << 17)
+        failed = aux == NULL
+    if need_ttl and not self.has_ttl and self.ecap and not failed:
+        stamps = <Stamp*>sp_alloc(sizeof(Stamp) * self.ecap, self.ecap >= 1 << 17)
+        failed = stamps == NULL
+    if failed:
+        sp_free(sketch, sk_bytes)
+        sp_free(aux, sizeof(Aux) * self.ecap)
+        free(table)
+        raise MemoryError()
+    if sketch != NULL:
+        memset(sketch, 0, sk_bytes)
+        self.sketch = sketch
         self.sk_count = 0
     elif not need_sketch:
         _free_sketch(self)
-    need_ttl = any(q.ttl_s is not None or q.ttl_steps is not None for q in pols)
     if need_aux and not self.use_aux:
-        if self.ecap:
-            self.aux = <Aux*>sp_alloc(sizeof(Aux) * self.ecap, self.ecap >= 1 << 17)
-            if self.aux == NULL:
-                free(table)
-                raise MemoryError()
+        self.aux = aux
         self.use_aux = True
     elif not need_aux and self.use_aux:
         sp_free(self.aux, sizeof(Aux) * self.ecap)
         self.aux = NULL
         self.use_aux = False
     if need_ttl and not self.has_ttl:
-        if self.ecap:
-            self.stamps = <Stamp*>sp_alloc(sizeof(Stamp) * self.ecap, self.ecap >= 1 << 17)
-            if self.stamps == NULL:
-                free(table)
-                raise MemoryError()
+        self.stamps = stamps
         self.has_ttl = True
         # Stamps are kept only while a TTL exists: the rows present now get ``now``.
         self.tnow = <float>(now - self.epoch)

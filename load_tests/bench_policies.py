@@ -33,10 +33,7 @@ Configurations (one fresh store each, same stream):
 Rows and bytes are the store's own (``len(store)``, ``memory_bytes()``) at the end of
 training; rows per GiB = rows * 2**30 / bytes.
 
-The policies are issue 20's store API (``store.set_policies``, ``SlotPolicy``): on a build
-without them those configurations are skipped with the reason printed (their JSON figures
-are null); so is ``fp16`` where a float16 policy is refused or leaves a row's bytes as
-they are (a store with policies but no compact rows yet).
+A configuration left out of ``--configs`` has null JSON figures.
 
 Targets, printed beside the figures: freq2 holds <= 0.5x the rows of unbounded at an AUC
 loss <= 0.002; fp16 holds >= 1.9x the rows per GiB of fp32 (the unbounded run) at an AUC
@@ -57,7 +54,6 @@ sizes run in under a minute on 2 cores (``--samples`` scales the training split)
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -70,21 +66,19 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
+from stream_persia.core.embedding_config import SlotPolicy  # noqa: E402
 from stream_persia.core.optim import SGD, Adagrad, Optimizer  # noqa: E402
 from stream_persia.kernels.ids import index_prefix, prefix_ids  # noqa: E402
 from stream_persia.nn.utils import roc_auc  # noqa: E402
 from stream_persia.server.store import CEmbeddingStore  # noqa: E402
 
 PREFIX_BITS = 8
-# Issue 20's policy type; None on a build without it (then the policy runs are skipped).
-SlotPolicy: Any = getattr(importlib.import_module("stream_persia.core.embedding_config"),
-                          "SlotPolicy", None)
 
 TARGETS = {"freq2_rows_vs_unbounded": ("<=", 0.5), "freq2_auc_loss": ("<=", 0.002),
            "fp16_rows_per_gib_vs_fp32": (">=", 1.9), "fp16_auc_loss": ("<=", 0.001)}
 
 ADULT_HELP = """\
-adult_income with float16 rows (after issue 20 is merged), from the project root: the
+adult_income with float16 rows, from the project root: the
 topology as shipped and a copy whose slots all have dtype float16 (the copy takes the
 whole topologies/ folder: the roles import topologies/common.py), then their test AUCs.
 
@@ -141,38 +135,10 @@ def sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.clip(z, -30.0, 30.0)))
 
 
-def skip_reason(store: Any) -> str | None:
-    """Why a policy configuration cannot run on this build (None: it can)."""
-    if SlotPolicy is None:
-        return "no SlotPolicy in stream_persia.core.embedding_config (issue 20 not merged)"
-    if not hasattr(store, "set_policies"):
-        return "the store has no set_policies (issue 20's store part not merged)"
-    return None
-
-
 def new_store(capacity: int, args: argparse.Namespace, eviction_log: int) -> Any:
-    """A Cython store (Any: set_policies and expire are issue 20's, looked up at run time;
-    see skip_reason)."""
     if CEmbeddingStore is None:
         raise SystemExit("the Cython store is not built (see the README's build step)")
     return CEmbeddingStore(capacity, store_optimizer(args), eviction_log=eviction_log)
-
-
-def float16_stored(args: argparse.Namespace) -> bool:
-    """Whether a float16 policy makes rows smaller on this build (a store may accept the
-    policy before its rows can be compact): the same ids in a float32 and a float16 store."""
-    ids = prefix_ids(np.arange(1, 1 << 16, dtype=np.uint64),
-                     index_prefix=index_prefix(0, PREFIX_BITS), prefix_bits=PREFIX_BITS)
-    nbytes = []
-    for dtype in ("float32", "float16"):
-        store = new_store(len(ids), args, 1024)
-        try:
-            store.set_policies(PREFIX_BITS, [None, SlotPolicy(dtype=dtype)])
-            store.lookup(ids, args.dim, True)
-            nbytes.append(store.memory_bytes())
-        finally:
-            store.close()
-    return nbytes[1] < nbytes[0]
 
 
 def policies_for(name: str, args: argparse.Namespace) -> list[Any]:
@@ -188,17 +154,7 @@ def run_config(name: str, capacity: int, train: Split, test: Split,
     store = new_store(capacity, args, args.eviction_log)
     try:
         if name in ("freq2", "ttl", "fp16"):
-            reason = skip_reason(store)
-            if reason is None:
-                try:
-                    store.set_policies(PREFIX_BITS, policies_for(name, args))
-                except Exception as e:  # noqa: BLE001 - reported, e.g. float16 not built yet
-                    reason = f"set_policies refused it: {type(e).__name__}: {e}"
-            if reason is None and name == "fp16" and not float16_stored(args):
-                reason = ("set_policies accepts float16 but rows take as many bytes as float32 "
-                          "ones on this build (issue 20's dtype part not merged)")
-            if reason is not None:
-                return {"skipped": reason}
+            store.set_policies(PREFIX_BITS, policies_for(name, args))
         return train_and_test(name, store, train, test, args)
     finally:
         store.close()
@@ -238,8 +194,7 @@ def train_and_test(name: str, store: Any, train: Split, test: Split,
         "rows": rows, "bytes": nbytes, "bytes_per_row": nbytes / max(rows, 1),
         "rows_per_gib": rows * 2**30 / nbytes if nbytes else 0.0,
         "auc": roc_auc(test.labels, scores), "train_s": train_s}
-    if hasattr(store, "policy_stats"):
-        out["policy_stats"] = {str(k): v for k, v in store.policy_stats().items()}
+    out["policy_stats"] = {str(k): v for k, v in store.policy_stats().items()}
     if name == "ttl":
         out["expired"] = expired
     return out
@@ -325,9 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     ref = table["unbounded"]
     for r in table.values():
-        if "rows" in r:
-            r["rows_vs_unbounded"] = r["rows"] / ref["rows"]
-            r["auc_loss"] = ref["auc"] - r["auc"]
+        r["rows_vs_unbounded"] = r["rows"] / ref["rows"]
+        r["auc_loss"] = ref["auc"] - r["auc"]
     f2, f16 = table.get("freq2", {}), table.get("fp16", {})
     opt = store_optimizer(args)
     overhead = ref["bytes_per_row"] - 4 * (args.dim + opt.state_width(args.dim))
@@ -347,9 +301,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{'':10}{'rows':>12}{'x unbnd':>9}{'MiB':>9}{'B/row':>8}{'test AUC':>10}"
           f"{'loss':>9}{'train s':>9}")
     for name, r in table.items():
-        if "skipped" in r:
-            print(f"{name:10}  skipped: {r['skipped']}")
-            continue
         print(f"{name:10}{r['rows']:12,}{r['rows_vs_unbounded']:9.3f}{r['bytes'] / 2**20:9.1f}"
               f"{r['bytes_per_row']:8.1f}{r['auc']:10.4f}{r['auc_loss']:9.4f}{r['train_s']:9.1f}")
     print(f"Bayes-optimal test AUC {bayes:.4f}; unbounded's lift above chance is "
@@ -357,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for key, (op, target) in TARGETS.items():
         v = res[key]
         if v is None:
-            print(f"{key}: skipped   (target {op} {target})")
+            print(f"{key}: not run   (target {op} {target})")
         else:
             ok = v <= target if op == "<=" else v >= target
             print(f"{key}: {v:.4f}   (target {op} {target}: {'met' if ok else 'NOT met'})")

@@ -66,6 +66,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 # Single-threaded means no idle BLAS/OpenMP worker threads spinning beside the timed loops.
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -184,72 +185,12 @@ def load_old_build(path: str):
     return module.CEmbeddingStore
 
 
-def versus_old_build(new, old, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict[str, float]:
-    """Rates of this build / the old one: both stores (same rows) run the same batch in
-    turn, each build first every other batch, with a publisher's pass on both every 40
-    batches (the dirty list restarts); medians (and quartiles) of the per-batch ratios."""
-    ratios: dict[str, list[float]] = {"lookup": [], "update": []}
-    for i in range(n):
-        batch = stable_hash64(zipf.ranks(BATCH).astype(np.uint64))
-        t: dict[str, tuple[float, float]] = {}
-        for name, store in (("new", new), ("old", old))[::1 if i % 2 else -1]:
-            t0 = time.thread_time()
-            store.lookup(batch, DIM, True)
-            t1 = time.thread_time()
-            store.update(batch, grads)
-            t[name] = (t1 - t0, time.thread_time() - t1)
-        ratios["lookup"].append(t["old"][0] / t["new"][0])
-        ratios["update"].append(t["old"][1] / t["new"][1])
-        if i % 40 == 39:
-            for store in (new, old):
-                drain(store.changed_since(store.change_version - 40, 1 << 18))
-    out: dict[str, float] = {"old_build_batches": n}
-    for what, xs in ratios.items():
-        q1, med, q3 = np.percentile(xs, [25, 50, 75])
-        out.update({f"{what}_vs_old_build": float(med), f"{what}_vs_old_build_q1": float(q1),
-                    f"{what}_vs_old_build_q3": float(q3)})
-    return out
-
-
-POLICY_PARTS = {
-    "all": {"min_count": 2, "ttl_s": 3600.0, "max_rows": CAPACITY * 9 // 10},
-    "ttl": {"ttl_s": 3600.0},
-    "cap": {"max_rows": CAPACITY * 9 // 10},
-    "min_count": {"min_count": 2},
-}
-
-
-def versus_policies(on, off, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict[str, float]:
-    """Rates with policies / without, as versus_old_build: the same batch on both stores in
-    turn, each first every other batch; ``on.expire()`` every 40 batches."""
-    ratios: dict[str, list[float]] = {"lookup": [], "update": []}
-    for i in range(n):
-        batch = stable_hash64(zipf.ranks(BATCH).astype(np.uint64))
-        t: dict[str, tuple[float, float]] = {}
-        for name, store in (("on", on), ("off", off))[::1 if i % 2 else -1]:
-            t0 = time.thread_time()
-            store.lookup(batch, DIM, True)
-            t1 = time.thread_time()
-            store.update(batch, grads)
-            t[name] = (t1 - t0, time.thread_time() - t1)
-        ratios["lookup"].append(t["off"][0] / t["on"][0])
-        ratios["update"].append(t["off"][1] / t["on"][1])
-        if i % 40 == 39:
-            on.expire()
-    out: dict[str, float] = {"policy_batches": n}
-    for what, xs in ratios.items():
-        q1, med, q3 = np.percentile(xs, [25, 50, 75])
-        out.update({f"{what}_policies_vs_none": float(med),
-                    f"{what}_policies_vs_none_q1": float(q1),
-                    f"{what}_policies_vs_none_q3": float(q3)})
-    stats = on.policy_stats()[0]
-    out.update({f"policies_{k}": v for k, v in stats.items()})
-    return out
-
-
-def paired(a, b, zipf: ZipfIds, grads: np.ndarray, n: int, key: str) -> dict[str, float]:
-    """Rates of store ``a`` / store ``b``, as versus_old_build: the same batch on both in
-    turn, each first every other batch; medians and quartiles of the per-batch ratios."""
+def paired(a, b, zipf: ZipfIds, grads: np.ndarray, n: int, key: str,
+           every_40: Callable[[], object] | None = None) -> dict[str, float]:
+    """Rates of store ``a`` / store ``b``: the same batch (a training lookup, then an
+    update) on both in turn, each first every other batch, and ``every_40()`` after every
+    40 batches; medians and quartiles of the per-batch ratios (rates of a shared machine
+    drift by more than 10% between rounds; a pair of batches in turn drifts less)."""
     ratios: dict[str, list[float]] = {"lookup": [], "update": []}
     for i in range(n):
         batch = stable_hash64(zipf.ranks(BATCH).astype(np.uint64))
@@ -262,11 +203,40 @@ def paired(a, b, zipf: ZipfIds, grads: np.ndarray, n: int, key: str) -> dict[str
             t[name] = (t1 - t0, time.thread_time() - t1)
         ratios["lookup"].append(t["b"][0] / t["a"][0])
         ratios["update"].append(t["b"][1] / t["a"][1])
+        if every_40 is not None and i % 40 == 39:
+            every_40()
     out: dict[str, float] = {}
     for what, xs in ratios.items():
         q1, med, q3 = np.percentile(xs, [25, 50, 75])
         out.update({f"{what}_{key}": float(med), f"{what}_{key}_q1": float(q1),
                     f"{what}_{key}_q3": float(q3)})
+    return out
+
+
+def versus_old_build(new, old, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict[str, float]:
+    """Rates of this build / the old one (paired), with a publisher's pass on both every
+    40 batches (the dirty list restarts)."""
+    def passes() -> None:
+        for store in (new, old):
+            drain(store.changed_since(store.change_version - 40, 1 << 18))
+
+    return {"old_build_batches": n, **paired(new, old, zipf, grads, n, "vs_old_build", passes)}
+
+
+POLICY_PARTS = {
+    "all": {"min_count": 2, "ttl_s": 3600.0, "max_rows": CAPACITY * 9 // 10},
+    "ttl": {"ttl_s": 3600.0},
+    "cap": {"max_rows": CAPACITY * 9 // 10},
+    "min_count": {"min_count": 2},
+}
+
+
+def versus_policies(on, off, zipf: ZipfIds, grads: np.ndarray, n: int) -> dict[str, float]:
+    """Rates with policies / without (paired), ``on.expire()`` every 40 batches; and the
+    policed store's counters."""
+    out: dict[str, float] = {"policy_batches": n,
+                             **paired(on, off, zipf, grads, n, "policies_vs_none", on.expire)}
+    out.update({f"policies_{k}": v for k, v in on.policy_stats()[0].items()})
     return out
 
 

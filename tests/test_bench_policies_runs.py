@@ -3,9 +3,8 @@
 It runs at a small size (about a second; no figure is held to its target: a unit test never
 asserts a benchmark's result) and checks the JSON the lead reads: the issue's four keys,
 the table of every configuration, and that the model learned something (test AUC above
-chance, below the Bayes-optimal AUC of the stream). On a build whose store has issue 20's
-policies, the policy configurations must have run; on one without them they must say why
-they were skipped.
+chance, below the Bayes-optimal AUC of the stream), and that every policy configuration
+ran: frequency admission and TTL hold fewer rows, float16 rows as many in fewer bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ KEYS = ("freq2_rows_vs_unbounded", "freq2_auc_loss", "fp16_rows_per_gib_vs_fp32"
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(CEmbeddingStore is None, reason="the benchmark measures the Cython store")
 def test_bench_policies_small_run_reports_every_configuration(tmp_path):
     out = tmp_path / "policies.json"
     proc = subprocess.run(
@@ -42,15 +42,8 @@ def test_bench_policies_small_run_reports_every_configuration(tmp_path):
     assert ref["rows"] == res["distinct_train_ids"]   # unbounded: every id it saw
     assert 0.6 < ref["auc"] < res["bayes_auc"] + 0.01, (ref["auc"], res["bayes_auc"])
     assert table["lru"]["rows"] == ref["rows"] // 2   # --lru-fraction 0.5 of unbounded
-    policies = hasattr(CEmbeddingStore, "set_policies")
-    for name in ("freq2", "ttl", "fp16"):
-        if policies and name != "fp16":
-            assert "skipped" not in table[name], table[name]
-            assert 0 < table[name]["rows"] < ref["rows"], (name, table[name])
-        elif not policies:
-            assert "issue 20" in table[name]["skipped"], table[name]
-            assert name + " " in proc.stdout and "skipped" in proc.stdout
-    if policies:
-        assert res["freq2_rows_vs_unbounded"] is not None
-    else:
-        assert all(res[k] is None for k in KEYS), res
+    for name in ("freq2", "ttl"):
+        assert 0 < table[name]["rows"] < ref["rows"], (name, table[name])
+    assert table["fp16"]["rows"] == ref["rows"]       # compact rows, none dropped
+    assert table["fp16"]["bytes"] < ref["bytes"], table["fp16"]
+    assert all(res[k] is not None for k in KEYS), res

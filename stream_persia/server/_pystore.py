@@ -70,7 +70,9 @@ queue at the head, unmarked, when it is stored or loaded (stamped then) and when
 it and, while some policy has a TTL, stamps it. The stamp is the time (float32 seconds
 since the store was made) and step (the store's count of training lookup calls with at
 least one id, mod 2**32) of the row's last training lookup or load, or the ``now`` and
-step of the ``set_policies`` call that introduced the first TTL if that is later. A group
+step of the ``set_policies`` call that introduced the first TTL if that is later (times
+on the monotonic clock, ``time.monotonic()``, as the ``now`` of ``set_policies`` and
+``expire``: a step of the wall clock neither expires rows early nor keeps them). A group
 at its cap evicts (``evicted_cap``) the first unmarked row from its queue's tail,
 re-queueing (unmarked, stamp kept) the marked rows before it: second chance, as CLOCK
 does. So the row a cap evicts was not looked up since it was last queued, every row of
@@ -383,7 +385,7 @@ class PyEmbeddingStore:
         self._stamps: dict[int, tuple[np.float32, int]] = {}
         self._marked: set[int] = set()
         self._has_ttl = False
-        self._epoch = time.time()
+        self._epoch = time.monotonic()   # the TTL clock (a wall clock step moves no stamp)
         self._steps = 0
         self._stamp_now: tuple[np.float32, int] = (np.float32(0.0), 0)
 
@@ -405,6 +407,7 @@ class PyEmbeddingStore:
         self._arenas.clear()
         self._elog.clear()
         self._forget_all()
+        self._sketch = None
         self._version += 1
         self._closed = True
 
@@ -458,7 +461,7 @@ class PyEmbeddingStore:
         if train_call:
             self._steps += 1
         if self._plru is not None:
-            self._stamp_now = (np.float32(time.time() - self._epoch),
+            self._stamp_now = (np.float32(time.monotonic() - self._epoch),
                                self._steps & 0xFFFFFFFF)
 
     def _added(self, key: int, p: int) -> None:
@@ -684,11 +687,11 @@ class PyEmbeddingStore:
         """Replace the policy table: ``policies[p]`` (a SlotPolicy; None: the default)
         rules the ids of policy index ``p``. Rows are re-assigned to the new indices;
         counters of indices kept are kept; a lower ``max_rows`` evicts at once, a shorter
-        TTL expires at the next :meth:`expire`. ``now`` (default ``time.time()``) stamps
+        TTL expires at the next :meth:`expire`. ``now`` (default ``time.monotonic()``) stamps
         the rows present when the first TTL or cap appears."""
         self._open()
         bits, pols = _pol.check_policies(prefix_bits, policies)
-        now = time.time() if now is None else float(now)
+        now = time.monotonic() if now is None else float(now)
         old = self._pstats
         self._pbits, self._pols = bits, pols
         self._pstats = [old[i] if i < len(old) else dict.fromkeys(_pol.STAT_KEYS, 0)
@@ -727,11 +730,11 @@ class PyEmbeddingStore:
                 self._drop(next(iter(self._plru[pi])), None, "evicted_cap")
 
     def expire(self, now: float | None = None, max_rows: int = _pol.EXPIRE_ROWS) -> int:
-        """Evict the rows past their policy's TTL (``now``, default ``time.time()``),
+        """Evict the rows past their policy's TTL (``now``, default ``time.monotonic()``),
         at most ``max_rows``; returns how many. See the module docstring."""
         self._open()
         limit = _pol.check_expire_rows(max_rows)
-        rel = (time.time() if now is None else float(now)) - self._epoch
+        rel = (time.monotonic() if now is None else float(now)) - self._epoch
         n = moved = 0
         if self._plru is None:
             return 0
@@ -772,20 +775,19 @@ class PyEmbeddingStore:
 
     def memory_bytes(self) -> int:
         """Bytes held by row storage, with each row's id and change version, and by the
-        eviction log (16 bytes an entry; the dict and list overhead is not counted)."""
-        return self.memory_breakdown()["rows"] + sum(
-            a.keys.nbytes + a.ver.nbytes for a in self._arenas.values()) \
-            + 16 * len(self._elog) + (self._sketch.nbytes if self._sketch is not None else 0)
+        eviction log (16 bytes an entry; the dict and list overhead is not counted), and
+        by the frequency sketch."""
+        return sum(self.memory_breakdown().values())
 
     def memory_breakdown(self) -> dict[str, int]:
         """``{"rows", "bookkeeping"}``: bytes of row storage (weights at their dtype's
         size, as the Cython store lays them out, and float32 optimizer state) and of
         everything else :meth:`memory_bytes` counts; they add up to it."""
+        if self._closed:
+            return {"rows": 0, "bookkeeping": 0}
         rows = sum(len(a.data) * (_rdt.weight_bytes(a.dim, a.code)
                                   + 4 * (a.data.shape[1] - a.dim))
                    for a in self._arenas.values())
-        if self._closed:
-            return {"rows": 0, "bookkeeping": 0}
         keys = sum(a.keys.nbytes + a.ver.nbytes for a in self._arenas.values())
         return {"rows": rows, "bookkeeping": keys + 16 * len(self._elog)
                 + (self._sketch.nbytes if self._sketch is not None else 0)}

@@ -37,8 +37,8 @@ from stream_persia.core.embedding_config import SlotPolicy
 from stream_persia.errors import BadInput
 from stream_persia.kernels.sharding import stable_hash64_int
 
-__all__ = ["SKETCH_BYTES", "SKETCH_DEPTH", "SKETCH_SEEDS", "STAT_KEYS", "PySketch",
-           "check_policies", "check_sketch_bytes", "check_expire_rows", "sketch_bits",
+__all__ = ["SKETCH_BYTES", "SKETCH_DEPTH", "SKETCH_SEEDS", "STAT_KEYS", "MAX_POLICIES",
+           "PySketch", "check_policies", "check_sketch_bytes", "check_expire_rows", "sketch_bits",
            "policy_of"]
 
 SKETCH_BYTES = 8 << 20
@@ -79,8 +79,8 @@ def check_expire_rows(n: Any) -> int:
 def check_policies(prefix_bits: Any, policies: Any
                    ) -> tuple[int, list[SlotPolicy]]:
     """``(prefix_bits, policies)`` checked: a list of at least one SlotPolicy (None and
-    a missing index 0 are the default). BadInput names ``prefix_bits`` or
-    ``policies[i]``."""
+    a missing index 0 are the default), none past index ``2**prefix_bits - 1`` but
+    defaults. BadInput names ``prefix_bits`` or ``policies[i]``."""
     if isinstance(prefix_bits, bool) or not isinstance(prefix_bits, (int, np.integer)) \
             or not 0 <= prefix_bits <= MAX_PREFIX_BITS:
         raise BadInput(f"prefix_bits must be an int in [0, {MAX_PREFIX_BITS}], got "
@@ -102,9 +102,18 @@ def check_policies(prefix_bits: Any, policies: Any
         out.append(p)
     if not out:
         out.append(SlotPolicy())
-    if prefix_bits == 0 and len(out) > 1 and any(not p.is_default for p in out[1:]):
+    # An id's policy index is its top prefix_bits bits: a policy at 2**prefix_bits or
+    # beyond would never rule a row, and the table would say it does.
+    unreachable = [i for i in range(1 << prefix_bits, len(out)) if not out[i].is_default]
+    if unreachable and prefix_bits == 0:
         raise BadInput("policies of feature groups need prefixed ids (prefix_bits > 0)",
                        field="prefix_bits", hint="set feature_index_prefix_bit")
+    if unreachable:
+        i = unreachable[0]
+        raise BadInput(f"policies[{i}] can never apply: ids carry {prefix_bits} prefix "
+                       f"bits, so policy indices stop at {(1 << prefix_bits) - 1}",
+                       field=f"policies[{i}]",
+                       hint="the schema's feature_index_prefix_bit, or a shorter table")
     return int(prefix_bits), out
 
 

@@ -13,7 +13,7 @@ gets float32. Storing rounds to nearest even:
   operations (a NaN keeps its top bits with the quiet bit set).
 
 The Cython store's ``sp_narrow``/``sp_widen`` (``cython_ext/store_kernels.h``) give the
-same bits; ``tests/server/test_row_dtypes.py`` checks it over many bit patterns.
+same bits; ``tests/server/test_store_dtypes.py`` checks it over many bit patterns.
 """
 
 from __future__ import annotations

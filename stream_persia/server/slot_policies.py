@@ -43,14 +43,13 @@ from prometheus_client.registry import Collector
 
 from stream_persia.core.embedding_config import SlotPolicy
 from stream_persia.errors import BadInput
+from stream_persia.server.policies import MAX_POLICIES
 
 __all__ = ["SlotPolicies", "parse_policies", "SlotStats", "MAX_POLICIES", "EXPIRE_ROWS",
            "EXPIRE_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
 
-#: The most entries a policy table may have (2**16: groups of a 16-bit prefix).
-MAX_POLICIES = 1 << 16
 #: Rows one expiry pass may evict (bounded work on the store thread, once a second).
 EXPIRE_ROWS = 65_536
 #: Seconds between two expiry passes.

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from stream_persia.core.embedding_config import SlotPolicy
 from stream_persia.embedding import EmbeddingConfig
@@ -182,73 +180,6 @@ def test_a_dim_mismatch_with_compact_rows_is_still_an_error(impl):
         s.lookup(gid(0, 1), 4)
     with pytest.raises(Exception, match="dim"):
         s.update(gid(0, 1), np.zeros((1, 4), np.float32))
-
-
-# --- the two stores agree -----------------------------------------------------------------
-
-POLICIES = [None, SlotPolicy(dtype="float16"), SlotPolicy(dtype="bfloat16", max_rows=5),
-            SlotPolicy(min_count=2, dtype="float16")]
-op = st.tuples(st.sampled_from(["lookup", "lookup", "infer", "pooled", "update", "load",
-                                "remove", "policies"]),
-               st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12)), max_size=12),
-               st.integers(0, 1000))
-
-
-def _run(s, step):
-    kind, raw, seed = step
-    ids = np.array([((g + 1) << (64 - BITS)) | i if g < 3 else i for g, i in raw], np.uint64)
-    rng = np.random.default_rng(seed)
-    if kind in ("lookup", "infer"):
-        return s.lookup(ids, 3, train=kind == "lookup").tobytes()
-    if kind == "pooled":
-        index = rng.integers(0, max(len(ids), 1), len(ids)).astype(np.int32)
-        offsets = np.array([0, len(ids) // 2, len(ids)], np.int64)
-        if not len(ids):
-            index = np.zeros(0, np.int32)
-        return s.lookup_pooled(ids, 3, index, offsets, train=bool(seed % 2)).tobytes()
-    if kind == "update":
-        s.update(ids, (rng.standard_normal((len(ids), 3)) * 10).astype(np.float32))
-    elif kind == "load":
-        u = np.unique(ids)
-        s.load([{"dim": 3, "ids": u, "weights": rng.standard_normal((len(u), 3))
-                 .astype(np.float32)}])
-    elif kind == "remove":
-        return s.remove(ids)
-    else:
-        pols = list(POLICIES)
-        rng.shuffle(pols[1:])
-        s.set_policies(BITS, pols[:int(rng.integers(1, 5))])
-    return None
-
-
-def _dump(s):
-    return [(c["ids"].tobytes(), c["weights"].tobytes(), c["state"].tobytes())
-            for c in s.dump(chunk_rows=5)]
-
-
-def _changed(s):
-    rows = {}
-    for c in s.changed_since(0):
-        for k, w, v in zip(c["ids"].tolist(), c["weights"], c["versions"].tolist(),
-                           strict=True):
-            rows[k] = (w.tobytes(), v)
-    return rows
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(capacity=st.integers(1, 30), steps=st.lists(op, max_size=30),
-       opt=st.sampled_from([SGD(lr=0.5), Adagrad(lr=0.1), Adam(lr=0.1)]))
-def test_cython_and_python_agree_with_compact_rows(capacity, steps, opt):
-    c = CEmbeddingStore(capacity, opt, eviction_log=50, sketch_bytes=4096)
-    p = PyEmbeddingStore(capacity, opt, eviction_log=50, sketch_bytes=4096)
-    c.set_policies(BITS, POLICIES)
-    p.set_policies(BITS, POLICIES)
-    for step in steps:
-        assert _run(c, step) == _run(p, step), step
-        assert c.stats() == p.stats()
-        assert c.policy_stats() == p.policy_stats()
-    assert _dump(c) == _dump(p)
-    assert _changed(c) == _changed(p)
 
 
 def test_shard_files_carry_float32_across_dtypes(impl, tmp_path):

@@ -5,6 +5,9 @@ that they agree bit for bit), and through a ShardedStore."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -14,11 +17,12 @@ from hypothesis import strategies as st
 
 from stream_persia.core.embedding_config import SlotPolicy
 from stream_persia.embedding import EmbeddingConfig
-from stream_persia.embedding.optim import SGD, Adagrad
+from stream_persia.embedding.optim import SGD, Adagrad, Adam
 from stream_persia.errors import BadInput
 from stream_persia.server import policies as pol
 from stream_persia.server._pystore import PyEmbeddingStore, initial_rows
 from stream_persia.server.sharded import ShardedStore
+from stream_persia.server.slot_policies import parse_policies
 
 CEmbeddingStore = pytest.importorskip("stream_persia.server._cstore").CEmbeddingStore
 IMPLS = [pytest.param(CEmbeddingStore, id="cython"), pytest.param(PyEmbeddingStore, id="python")]
@@ -116,6 +120,89 @@ def test_sketch_counters_are_halved_every_width_counts(impl):
     assert s.sketch_counts(gid(0, 1))[0] == 20
 
 
+def test_a_closed_store_frees_its_sketch(impl):
+    s = store(impl, sketch_bytes=1 << 20)
+    s.set_policies(BITS, [None, SlotPolicy(min_count=2)])
+    s.lookup(gid(0, 1, 2), 4)
+    assert s.memory_bytes() == sum(s.memory_breakdown().values()) >= 1 << 20
+    s.close()
+    assert s.memory_bytes() == sum(s.memory_breakdown().values()) == 0
+
+
+def test_sketch_counts_beside_set_policies_is_misuse_not_a_crash():
+    """A second call on a store while one runs raises Misuse: a sketch_counts() reading
+    the sketch without the GIL while another thread's set_policies() freed it crashed the
+    process (in a subprocess here, so that a crash fails this test only)."""
+    script = textwrap.dedent("""
+        import threading
+        import numpy as np
+        from stream_persia.core.embedding_config import SlotPolicy
+        from stream_persia.embedding.optim import SGD
+        from stream_persia.errors import Misuse
+        from stream_persia.server._cstore import CEmbeddingStore
+        s = CEmbeddingStore(100, SGD(lr=0.1), sketch_bytes=1 << 24)
+        tables = [[SlotPolicy()], [SlotPolicy(min_count=2)]]
+        s.set_policies(0, tables[1])
+        ids = np.arange(1 << 21, dtype=np.uint64)
+        misuse, done = [], threading.Event()
+        def read():
+            while not done.is_set():
+                try:
+                    s.sketch_counts(ids)
+                except Misuse:
+                    misuse.append(1)
+        t = threading.Thread(target=read)
+        t.start()
+        for i in range(300):
+            try:
+                s.set_policies(0, tables[i % 2])
+            except Misuse:
+                misuse.append(1)
+        done.set()
+        t.join()
+        print("misuse", len(misuse))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert int(proc.stdout.split()[-1]) > 0
+
+
+def test_a_set_policies_out_of_memory_leaves_the_table_in_force():
+    """A set_policies() that cannot allocate the new table's queues raises MemoryError
+    and changes nothing: it freed the old table's sketch first, and its min_count then
+    admitted every id at its first lookup. In a subprocess whose address space is capped
+    just above its use."""
+    script = textwrap.dedent("""
+        import resource
+        import numpy as np
+        from stream_persia.core.embedding_config import SlotPolicy
+        from stream_persia.embedding.optim import SGD
+        from stream_persia.server._cstore import CEmbeddingStore
+        n = 1 << 21                       # the queues of n entries: 16 MiB
+        s = CEmbeddingStore(n, SGD(lr=0.1))
+        ids = np.arange(1, n + 1, dtype=np.uint64)
+        for i in range(0, n, 1 << 16):
+            s.lookup(ids[i:i + (1 << 16)], 4)
+        s.set_policies(0, [SlotPolicy(min_count=2)])
+        size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+                    if line.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, (size + (4 << 20), resource.RLIM_INFINITY))
+        try:
+            s.set_policies(0, [SlotPolicy(ttl_s=10.0)])
+        except MemoryError:
+            print("MemoryError")
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)
+        new = np.array([n + 7], np.uint64)
+        s.lookup(new, 4)
+        print(int(s.contains(new)[0]), s.policy_stats()[0]["rejected"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.split() == ["MemoryError", "0", "1"], proc.stdout
+
+
 def test_sketch_is_allocated_only_while_needed(impl):
     s = store(impl, sketch_bytes=1 << 20)
     before = s.memory_bytes()
@@ -131,7 +218,7 @@ def test_ttl_in_seconds(impl):
     s = store(impl)
     s.set_policies(BITS, [None, SlotPolicy(ttl_s=100.0)])
     s.lookup(np.concatenate([gid(0, 1, 2), gid(1, 1)]), 4)
-    t = time.time()
+    t = time.monotonic()
     assert s.expire(now=t + 50) == 0
     v = s.change_version
     assert s.change_version == v                          # nothing expired: no version
@@ -142,6 +229,22 @@ def test_ttl_in_seconds(impl):
     ids, versions, complete = s.evicted_since(v)
     assert sorted(ids.tolist()) == sorted(gid(0, 1, 2).tolist()) and complete
     assert versions.tolist() == [v + 1, v + 1]
+
+
+def test_a_wall_clock_step_neither_expires_rows_nor_keeps_them(impl, monkeypatch):
+    """The TTL clock is monotonic: the wall clock stepping a day ahead (NTP, a VM
+    resumed) does not expire every row of the group at the next pass, and TTLs still
+    run on the store's clock."""
+    s = store(impl)
+    s.set_policies(BITS, [None, SlotPolicy(ttl_s=100.0)])
+    s.lookup(gid(0, 1, 2), 4)
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + 86400.0)
+    assert s.expire() == 0 and s.contains(gid(0, 1, 2)).all()
+    monkeypatch.setattr(time, "time", lambda: wall() - 86400.0)
+    s.lookup(gid(0, 3), 4)
+    assert s.expire() == 0
+    assert s.expire(now=time.monotonic() + 200) == 3
 
 
 def test_a_training_lookup_refreshes_the_ttl(impl):
@@ -160,7 +263,7 @@ def test_a_training_lookup_refreshes_the_ttl(impl):
 def test_rows_present_when_a_ttl_appears_are_stamped_now(impl):
     s = store(impl)
     s.lookup(gid(0, 1), 4)
-    t = time.time() + 1000
+    t = time.monotonic() + 1000
     s.set_policies(BITS, [None, SlotPolicy(ttl_s=10.0)], now=t)
     assert s.expire(now=t + 5) == 0
     assert s.expire(now=t + 11) == 1
@@ -186,7 +289,7 @@ def test_a_ttl_appearing_beside_a_cap_stamps_rows_now(impl):
     s.set_policies(BITS, [None, SlotPolicy(max_rows=10)])
     s.lookup(gid(0, 1, 2), 4)
     s.lookup(gid(0, 1), 4)               # no TTL yet: a hit marks, stamps nothing
-    t = time.time() + 1000
+    t = time.monotonic() + 1000
     s.set_policies(BITS, [None, SlotPolicy(max_rows=10, ttl_s=10.0)], now=t)
     assert s.expire(now=t + 5) == 0
     assert s.expire(now=t + 11) == 2
@@ -352,12 +455,21 @@ def test_clear_and_remove_keep_the_counts_right(impl):
     ((8, [None, {"min_count": 2}]), "policies[1]"),
     ((8, "x"), "policies"),
     ((0, [None, SlotPolicy(min_count=2)]), "prefix_bits"),
+    ((1, [None, None, SlotPolicy(max_rows=1)]), "policies[2]"),   # index 2 needs 2 bits
 ])
 def test_set_policies_validates(impl, args, field):
     s = store(impl)
     with pytest.raises(BadInput) as e:
         s.set_policies(*args)
     assert e.value.field == field
+
+
+def test_a_table_the_store_cannot_hold_is_refused_where_it_is_parsed():
+    """The server's parser allows what a store accepts (an entry keeps its policy index
+    in 15 bits), so a table it passes is not refused later on the store thread."""
+    with pytest.raises(BadInput) as e:
+        parse_policies({"prefix_bits": 16, "policies": [None] * (pol.MAX_POLICIES + 1)})
+    assert e.value.field == "policies.policies"
 
 
 def test_sketch_bytes_is_validated(impl):
@@ -408,37 +520,45 @@ def test_sharded_store_forwards_policies(kind):
 
 # --- the two stores agree -----------------------------------------------------------------
 
-POLICIES = [None, SlotPolicy(min_count=2, max_rows=5), SlotPolicy(ttl_steps=3),
-            SlotPolicy(admit_probability=0.5, min_count=3, ttl_steps=2, max_rows=4)]
-op = st.tuples(st.sampled_from(["lookup", "lookup", "pooled", "update", "expire", "load",
-                                "remove", "policies"]),
+# The policies' table (admission, TTL, caps) and compact rows' (dtypes beside a cap and a
+# min_count); a "policies" step shuffles the table's groups and may cut it short.
+TABLES = {
+    "policies": [None, SlotPolicy(min_count=2, max_rows=5), SlotPolicy(ttl_steps=3),
+                 SlotPolicy(admit_probability=0.5, min_count=3, ttl_steps=2, max_rows=4)],
+    "compact": [None, SlotPolicy(dtype="float16"), SlotPolicy(dtype="bfloat16", max_rows=5),
+                SlotPolicy(min_count=2, dtype="float16")],
+}
+op = st.tuples(st.sampled_from(["lookup", "lookup", "infer", "pooled", "update", "expire",
+                                "load", "remove", "policies"]),
                st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12)), max_size=12),
                st.integers(0, 1000))
 
 
-def _run(s, step):
+def _run(s, step, table):
     kind, raw, seed = step
     ids = np.array([((g + 1) << (64 - BITS)) | i if g < 3 else i for g, i in raw], np.uint64)
     rng = np.random.default_rng(seed)
-    if kind == "lookup":
-        return s.lookup(ids, 3).tobytes()
+    if kind in ("lookup", "infer"):
+        return s.lookup(ids, 3, train=kind == "lookup").tobytes()
     if kind == "pooled":
         index = rng.integers(0, max(len(ids), 1), len(ids)).astype(np.int32)
         offsets = np.array([0, len(ids) // 2, len(ids)], np.int64)
         if not len(ids):
             index = np.zeros(0, np.int32)
-        return s.lookup_pooled(ids, 3, index, offsets).tobytes()
-    if kind == "update":
-        s.update(ids, rng.standard_normal((len(ids), 3)).astype(np.float32))
+        return s.lookup_pooled(ids, 3, index, offsets, train=bool(seed % 2)).tobytes()
+    if kind == "update":     # every other one large: rows reach the weight bound
+        scale = np.float32(10.0 if seed % 2 else 1.0)
+        s.update(ids, rng.standard_normal((len(ids), 3)).astype(np.float32) * scale)
     elif kind == "expire":
         return s.expire(max_rows=int(rng.integers(1, 4)))
     elif kind == "load":
-        s.load([{"dim": 3, "ids": np.unique(ids),
-                 "weights": np.full((len(np.unique(ids)), 3), 0.5, np.float32)}])
+        u = np.unique(ids)
+        s.load([{"dim": 3, "ids": u, "weights": rng.standard_normal((len(u), 3))
+                 .astype(np.float32)}])
     elif kind == "remove":
         return s.remove(ids)
     else:
-        pols = list(POLICIES)
+        pols = list(table)
         rng.shuffle(pols[1:])
         s.set_policies(BITS, pols[:int(rng.integers(1, 5))])
     return None
@@ -449,20 +569,31 @@ def _dump(s):
             for c in s.dump(chunk_rows=5)]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(capacity=st.integers(1, 30), steps=st.lists(op, max_size=30),
-       opt=st.sampled_from([SGD(lr=0.5), Adagrad(lr=0.1)]))
-def test_cython_and_python_agree_with_policies(capacity, steps, opt):
+def _changed(s):
+    rows = {}
+    for c in s.changed_since(0):
+        for k, w, v in zip(c["ids"].tolist(), c["weights"], c["versions"].tolist(),
+                           strict=True):
+            rows[k] = (w.tobytes(), v)
+    return rows
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(table=st.sampled_from(sorted(TABLES)), capacity=st.integers(1, 30),
+       steps=st.lists(op, max_size=30),
+       opt=st.sampled_from([SGD(lr=0.5), Adagrad(lr=0.1), Adam(lr=0.1)]))
+def test_cython_and_python_agree_with_policies(table, capacity, steps, opt):
     c = CEmbeddingStore(capacity, opt, eviction_log=50, sketch_bytes=4096)
     p = PyEmbeddingStore(capacity, opt, eviction_log=50, sketch_bytes=4096)
-    c.set_policies(BITS, POLICIES)
-    p.set_policies(BITS, POLICIES)
+    c.set_policies(BITS, TABLES[table])
+    p.set_policies(BITS, TABLES[table])
     for step in steps:
-        assert _run(c, step) == _run(p, step), step
+        assert _run(c, step, TABLES[table]) == _run(p, step, TABLES[table]), step
         assert c.stats() == p.stats()
         assert c.policy_stats() == p.policy_stats()
         assert c.change_version == p.change_version
     assert _dump(c) == _dump(p)
+    assert _changed(c) == _changed(p)
     for since in range(0, c.change_version + 1, 3):
         a, b = c.evicted_since(since), p.evicted_since(since)
         assert (a[0].tolist(), a[1].tolist(), a[2]) == (b[0].tolist(), b[1].tolist(), b[2])
