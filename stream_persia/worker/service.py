@@ -700,10 +700,14 @@ class EmbeddingWorker:
             "pending": self.frontier.pending(),
             "frontier": {str(p): o for p, o in self.frontier.offsets().items()},
             "ingest_paused": self.ingest_paused.is_set(), "failed": self.pushes.failed(),
-            "watermarks": self.watermarks(),
         }
         if self.kafka is not None:
             status["kafka"] = await self.kafka.status()
+        # One snapshot, taken after the last await: a lag probe finishing while the
+        # ingest's status awaited the broker would otherwise leave the watermarks older
+        # than the lag rows (a ``produced`` below the tail the rows' seconds were read from).
+        status["watermarks"] = self.watermarks()
+        if self.kafka is not None:
             status["kafka_lag"] = self.kafka_lag()
         return status
 

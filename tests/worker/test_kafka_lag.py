@@ -56,7 +56,22 @@ async def test_a_lagging_worker_reports_lag_in_messages_and_seconds_then_catches
             await worker.start_kafka_ingest(lambda start: KafkaIngest(
                 worker, SampleConsumer.from_config(cfg, replica_index=0, replica_size=1),
                 DeadLetterWriter.from_config(cfg), start_offsets=start,
-                lag_probe_interval_s=0.2))
+                lag_probe_interval_s=3600))
+            # The probes run inside each status call, while it awaits the broker: the
+            # watermarks and the lag rows it answers must still be one snapshot (they
+            # were not, and a produced older than the probed tail failed in CI).
+            ingest = worker.kafka
+            assert ingest is not None
+            ingest_status = ingest.status
+
+            async def status_across_a_probe():
+                got = await ingest_status()
+                rows = ingest.lag.rows()
+                if any((r["messages"] or 0) > 0 and r["seconds"] is None for r in rows):
+                    await ingest.lag.probe()
+                return got
+
+            ingest.status = status_across_a_probe   # type: ignore[method-assign]
             async with RpcClient(worker.address, timeout_ms=20_000) as c:
                 async def lagging():
                     st = await c.call("status")
