@@ -216,8 +216,8 @@ def _checked_config(body: EmbeddingConfigRequest) -> dict[str, Any]:
 
 async def _policies_param(request: Request, body: EmbeddingConfigRequest, servers: list[Role]
                           ) -> dict[str, Any] | None:
-    """The ``policies`` param of ``configure``: the table the servers hold (server 0's, else
-    the job file's), with the feature group of every slot the body names replaced by its
+    """The ``policies`` param of ``configure``: the table the servers hold (server 0's, or
+    the job file's while it was never configured), with the feature group of every slot the body names replaced by its
     policy. Slot names map to groups with the API's embedding schema."""
     if body.policies is None:
         return None
@@ -234,7 +234,10 @@ async def _policies_param(request: Request, body: EmbeddingConfigRequest, server
     groups = schema.group_names
     table: list[dict[str, Any] | None] = [None] * (len(groups) + 1)
     held = await _roles(request).call(servers[0], "get_config")
-    base = (held or {}).get("policies") or schema.policy_params()
+    # A configured server's table is the base (no "policies": every group the default, as
+    # an operator may have reset them); only a server never configured, whose get_config
+    # is None, holds the file's (its launcher passed them), which the API cannot read.
+    base = schema.policy_params() if held is None else held.get("policies")
     if base is not None and base.get("prefix_bits") == bits:
         for p, entry in enumerate(base.get("policies") or []):
             if 0 < p < len(table):

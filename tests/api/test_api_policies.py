@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia.config import EmbeddingSchema
 from stream_persia.rpc import RpcClient
+from stream_persia.testing.samples import SCHEMA
 
 CONFIGURE = "/v1/embeddings/configure"
 
@@ -99,3 +100,28 @@ async def test_policies_by_slot_name_reach_every_server_and_others_keep_theirs(j
     assert {s.labels["replica"] for s in rows} == {"0", "1"}
     assert sum(s.value for s in rows) <= sizes["total"]
     assert sum(sizes["slots"].values()) <= sizes["total"]
+
+
+async def test_a_group_reset_at_run_time_is_not_brought_back_from_the_file(job):
+    # The job's file gives user a policy; the operator resets it to the default, then
+    # changes another slot: the servers' table (no policies at all now) is the base, not
+    # the file's.
+    d = SCHEMA.to_dict()
+    d["slots_config"]["user"]["min_count"] = 3
+    filed = EmbeddingSchema.from_dict(d)
+    async with LiveApi(settings_for(job, schema=filed)) as api:
+        r = await api.client.post(CONFIGURE, headers=AUTH,
+                                  json={"policies": {"item": {"ttl_s": 60}}})
+        assert r.status_code == 200, r.text
+        table = (await held_configs(job))[0]["policies"]
+        assert table["policies"][1]["min_count"] == 3        # the file's, servers unconfigured
+        r = await api.client.post(CONFIGURE, headers=AUTH,
+                                  json={"policies": {"user": None, "item": None}})
+        assert r.status_code == 200, r.text
+        assert "policies" not in (await held_configs(job))[0]
+        r = await api.client.post(CONFIGURE, headers=AUTH,
+                                  json={"policies": {"tags": {"max_rows": 1000}}})
+        assert r.status_code == 200, r.text
+        table = (await held_configs(job))[0]["policies"]
+    assert table["policies"][3]["max_rows"] == 1000
+    assert table["policies"][1] is None, table               # stays reset
