@@ -8,11 +8,12 @@ job's schema; groups not named keep theirs), per-slot rows in ``/v1/status`` and
 from __future__ import annotations
 
 import pytest
-from api_helpers import AUTH, LiveApi, settings_for
+from api_helpers import AUTH, LiveApi, settings_for, start_job, stop_job
 from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia.config import EmbeddingSchema
 from stream_persia.rpc import RpcClient
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.samples import SCHEMA
 
 CONFIGURE = "/v1/embeddings/configure"
@@ -125,3 +126,35 @@ async def test_a_group_reset_at_run_time_is_not_brought_back_from_the_file(job):
         table = (await held_configs(job))[0]["policies"]
     assert table["policies"][3]["max_rows"] == 1000
     assert table["policies"][1] is None, table               # stays reset
+
+
+async def test_a_server_restarted_after_a_policy_change_gets_the_new_policies_back():
+    """kill -9 and a supervisor's restart of a server launched with the file's policies
+    (the launcher passes them) after the API changed them: the embedding worker
+    (``on_server_restart: continue``) configures it with what it learned, the new table,
+    and the digests agree again."""
+    d = SCHEMA.to_dict()
+    d["slots_config"]["item"]["ttl_s"] = 3600
+    filed = EmbeddingSchema.from_dict(d)
+    job = await start_job(on_server_restart="continue")
+    try:
+        async with LiveApi(settings_for(job, schema=filed)) as api:
+            r = await api.client.post(CONFIGURE, headers=AUTH,
+                                      json={"policies": {"user": {"min_count": 2}}})
+            assert r.status_code == 200, r.text
+        await job.train(1)
+        want = (await held_configs(job))[1]
+        assert want["policies"]["policies"][1]["min_count"] == 2
+        assert want["policies"]["policies"][2]["ttl_s"] == 3600.0
+        old = job.servers[0]
+        await old.stop()
+        host, port = old.address.rsplit(":", 1)
+        fresh = EmbeddingServer(old.store.capacity, replica_index=0, replica_size=2,
+                                host=host, port=int(port), checkpoint_root=old.checkpoint_root,
+                                policies=filed.policy_params())
+        await fresh.start()
+        job.servers[0] = fresh
+        await job.train(2, seed=1)
+        assert await held_configs(job) == [want, want]
+    finally:
+        await stop_job(job)
