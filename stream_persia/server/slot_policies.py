@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 
 #: The most entries a policy table may have (2**16: groups of a 16-bit prefix).
 MAX_POLICIES = 1 << 16
-#: Rows one expiry pass may evict (bounded work on the store thread, once a second).
+#: Rows one expiry pass may evict (bounded work on the store thread between requests; a
+#: pass that reaches it is followed by the next at once, others by EXPIRE_INTERVAL_S).
 EXPIRE_ROWS = 65_536
 #: Seconds between two expiry passes.
 EXPIRE_INTERVAL_S = 1.0
