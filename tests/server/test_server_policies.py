@@ -69,6 +69,7 @@ class running:
     ({"prefix_bits": 8, "policies": [None, {"colour": 1}]}, "policies.policies[1].colour"),
     ({"prefix_bits": 8, "policies": [None, 5]}, "policies.policies[1]"),
     ({"prefix_bits": 2, "policies": [None] * 5}, "policies.policies"),
+    ({"prefix_bits": 16, "policies": [None] * 40_000}, "policies.policies"),   # > the store's
     ({"prefix_bits": 8, "policies": [None], "names": [None, "x"]}, "policies.names"),
     ({"prefix_bits": 8, "policies": [None, None], "names": [None, "a b"]}, "policies.names[1]"),
     ({"prefix_bits": 8, "policies": [], "extra": 1}, "policies.extra"),
