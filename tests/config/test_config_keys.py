@@ -136,7 +136,7 @@ READ: dict[str, list[tuple[str, str]]] = {
         (EMBEDDING, rf'_POLICY_KEYS[^)]*"{key}"'),
         (EMBEDDING, r"def policy_params[\s\S]*p\.to_dict\(\)"),
         (LAUNCH, r"policies = embedding_schema\(args\)\.policy_params\(\)"),
-        (TRAIN_CTX, r"load_embedding_config\(path\)\.policy_params\(\)")]
+        (TRAIN_CTX, r"schema = checkpointing\.job_schema\(\)[\s\S]*schema\.policy_params\(\)")]
        for key in ("admit_probability", "min_count", "ttl_s", "ttl_steps", "max_rows",
                    "dtype")},
     "admission.sketch_bytes": [(LAUNCH, r"sketch_bytes=gc\.admission\.sketch_bytes"),
