@@ -9,7 +9,7 @@ from typing import Any
 from stream_persia.errors import BadInput
 
 __all__ = ["EmbeddingConfig", "SlotPolicy", "MAX_CAPACITY", "MAX_MIN_COUNT", "MAX_TTL_STEPS",
-           "ROW_DTYPES"]
+           "ROW_DTYPES", "MIN_SKETCH_BYTES", "MAX_SKETCH_BYTES", "SKETCH_BYTES"]
 
 #: The most rows one store holds (both stores, any number of store threads): the Cython
 #: store's hash table has at most 2**31 slots and int32 row counters. The config loader
@@ -19,6 +19,10 @@ MAX_CAPACITY = 2**30
 MAX_MIN_COUNT = 255
 #: The longest ``ttl_steps``: the stores keep a row's step in 32 bits.
 MAX_TTL_STEPS = 2**31 - 1
+#: Bounds and default of each embedding server's frequency-admission sketch
+#: (``admission.sketch_bytes``; the stores' :mod:`stream_persia.server.policies` and the
+#: config loader check the same ones).
+MIN_SKETCH_BYTES, MAX_SKETCH_BYTES, SKETCH_BYTES = 1 << 12, 1 << 34, 8 << 20
 #: Storage dtypes of row weights (optimizer state stays float32; lookups return float32).
 ROW_DTYPES = ("float32", "float16", "bfloat16")
 

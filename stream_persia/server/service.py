@@ -378,12 +378,7 @@ class EmbeddingServer:
         self.trained_through: float | None = None
         # This process, as opposed to one restarted at its address (module docstring).
         self.incarnation = secrets.token_hex(8)
-        if sketch_bytes is not None and (isinstance(sketch_bytes, bool)
-                                         or not isinstance(sketch_bytes, int)
-                                         or sketch_bytes < 1):
-            raise BadInput(f"sketch_bytes must be a positive int, got {sketch_bytes!r}",
-                           field="sketch_bytes")
-        self.sketch_bytes = sketch_bytes
+        self.sketch_bytes = sketch_bytes   # checked by make_store, with its bounds
         # The feature groups' table policies in force (store thread; see configure).
         self._policies: SlotPolicies | None = (
             None if policies is None else parse_policies(policies))
