@@ -17,8 +17,8 @@ from stream_persia.core.optim import SGD
 from stream_persia.errors import BadInput
 from stream_persia.kernels.ids import index_prefix, prefix_ids
 from stream_persia.rpc import RpcClient
-from stream_persia.server.row_dtypes import dtype_code, round_weights
 from stream_persia.server import service as service_mod
+from stream_persia.server.row_dtypes import dtype_code, round_weights
 from stream_persia.server.service import EmbeddingServer, described
 from stream_persia.server.slot_policies import EXPIRE_INTERVAL_S
 
