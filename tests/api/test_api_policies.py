@@ -158,3 +158,31 @@ async def test_a_server_restarted_after_a_policy_change_gets_the_new_policies_ba
         assert await held_configs(job) == [want, want]
     finally:
         await stop_job(job)
+
+
+async def test_a_change_while_server_0_restarted_unconfigured_keeps_the_others_table(job):
+    """Server 0 restarted (launched with the file's policies, not yet configured again by
+    the embedding workers) when the operator changes another slot: the base is the table
+    the configured servers hold, not the file's, so the run-time change of user is kept."""
+    d = SCHEMA.to_dict()
+    d["slots_config"]["user"]["min_count"] = 3
+    filed = EmbeddingSchema.from_dict(d)
+    async with LiveApi(settings_for(job, schema=filed)) as api:
+        r = await api.client.post(CONFIGURE, headers=AUTH,
+                                  json={"policies": {"user": {"ttl_s": 60}}})
+        assert r.status_code == 200, r.text
+        old = job.servers[0]
+        await old.stop()
+        host, port = old.address.rsplit(":", 1)
+        job.servers[0] = EmbeddingServer(old.store.capacity, replica_index=0, replica_size=2,
+                                         host=host, port=int(port),
+                                         checkpoint_root=old.checkpoint_root,
+                                         policies=filed.policy_params())
+        await job.servers[0].start()
+        r = await api.client.post(CONFIGURE, headers=AUTH,
+                                  json={"policies": {"tags": {"max_rows": 1000}}})
+        assert r.status_code == 200, r.text
+        configs = await held_configs(job)
+    assert configs[0]["policies"] == configs[1]["policies"]
+    user = configs[1]["policies"]["policies"][1]
+    assert user["ttl_s"] == 60.0 and user["min_count"] == 1, user
