@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from stream_persia.errors import BadInput
@@ -83,9 +83,6 @@ class EmbeddingConfig:
         return cls(**kw)
 
 
-_POLICY_KEYS = ("admit_probability", "min_count", "ttl_s", "ttl_steps", "max_rows", "dtype")
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -153,7 +150,7 @@ class SlotPolicy:
         return self == SlotPolicy()
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _POLICY_KEYS}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "") -> SlotPolicy:
@@ -165,10 +162,11 @@ class SlotPolicy:
         if not isinstance(d, dict):
             raise BadInput(f"a slot policy must be a mapping, got {type(d).__name__}",
                            field=where or None)
-        unknown = sorted(set(d) - set(_POLICY_KEYS))
+        keys = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(keys))
         if unknown:
             raise BadInput(f"unknown policy key(s) {unknown}", field=name(str(unknown[0])),
-                           hint="accepted: " + ", ".join(_POLICY_KEYS))
+                           hint="accepted: " + ", ".join(keys))
         try:
             return cls(**d)
         except BadInput as e:
