@@ -217,8 +217,8 @@ def _checked_config(body: EmbeddingConfigRequest) -> dict[str, Any]:
 
 async def _policies_param(request: Request, body: EmbeddingConfigRequest, servers: list[Role]
                           ) -> dict[str, Any] | None:
-    """The ``policies`` param of ``configure``: the table the servers hold (server 0's, else
-    the job file's), with the feature group of every slot the body names replaced by its
+    """The ``policies`` param of ``configure``: the table the servers hold (the first
+    configured one's, or the job file's while none is), with the feature group of every slot the body names replaced by its
     policy. Slot names map to groups with the API's embedding schema."""
     if body.policies is None:
         return None
@@ -234,8 +234,12 @@ async def _policies_param(request: Request, body: EmbeddingConfigRequest, server
                        hint="set feature_index_prefix_bit > 0 in embedding_config.yml")
     groups = schema.group_names
     table: list[dict[str, Any] | None] = [None] * (len(groups) + 1)
-    held = await _roles(request).call(servers[0], "get_config")
-    base = (held or {}).get("policies") or schema.policy_params()
+    # The first configured server's table is the base (no "policies": every group the
+    # default, as an operator may have reset them); a server never configured (get_config
+    # None; perhaps restarted, not yet configured again by the workers) holds the file's,
+    # which its launcher passed: the base only while no server is configured.
+    held = [c for c in await _roles(request).fanout(servers, "get_config") if c is not None]
+    base = held[0].get("policies") if held else schema.policy_params()
     if base is not None and base.get("prefix_bits") == bits:
         for p, entry in enumerate(base.get("policies") or []):
             if 0 < p < len(table):

@@ -16,7 +16,7 @@ timeouts, Kafka names: a job moved or retuned still reads its rows), and the emb
 optimizer and initialisation, which the manifest's ``server_config`` carries (a restore
 configures fresh servers with it), and the slots' table policies (``min_count``, ``ttl_s``,
 ``max_rows``, ``dtype``, ...: which rows are kept and how they are stored, not what a row
-is; ``server_config`` carries them too).
+is; ``server_config`` records them, and a restore leaves them to the job).
 
 The digest is ``schema-v1:<sha256 hex>``; the schema itself goes into the manifest's
 ``extra["embedding_schema"]``, so a refused restore names what differs (a slot, its dim,

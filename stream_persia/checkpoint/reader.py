@@ -205,7 +205,7 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
         failures = await asyncio.gather(*(
             _roll_forward(server_clients[i], i, len(server_clients), request,
                           int(replies[i]["rows"]), commits[i], timeout_ms, roll_forward_s,
-                          manifest.server_config)
+                          _job_config(manifest))
             for i in bad))
         still = [(i, e) for i, e in zip(bad, failures, strict=True) if e is not None]
         if still:
@@ -229,9 +229,10 @@ async def _configure_fresh(manifest: Manifest, clients: Sequence[Any],
     configured by the job) with the one the checkpoint was written with, so that they
     take its optimizer state and then train as the job did. A server that holds a
     configuration keeps it (the job's, or one an operator set on purpose); one that
-    differs from the checkpoint's is logged."""
-    want = manifest.server_config
-    if want is None:
+    differs from the checkpoint's is logged. The checkpoint's table policies are not
+    given (:func:`_job_config`)."""
+    want, given = manifest.server_config, _job_config(manifest)
+    if want is None or given is None:
         return
     held = await asyncio.gather(*(c.call("get_config", None, timeout_ms=timeout_ms)
                                   for c in clients))
@@ -245,8 +246,21 @@ async def _configure_fresh(manifest: Manifest, clients: Sequence[Any],
         log.info("restore of %s: configuring %d embedding server(s) that hold no "
                  "configuration with the checkpoint's (%s)", manifest.path, len(fresh),
                  want["optimizer"])
-        await asyncio.gather(*(c.call("configure", want, timeout_ms=timeout_ms)
+        await asyncio.gather(*(c.call("configure", given, timeout_ms=timeout_ms)
                                for c in fresh))
+
+
+def _job_config(manifest: Manifest) -> dict[str, Any] | None:
+    """The ``configure`` a restore gives servers that hold none: the checkpoint's optimizer
+    and EmbeddingConfig, without its table policies. Policies belong to the job (its
+    embedding_config.yml, which the launcher gives every server, or the API's configure)
+    and a restore reads rows across them (dtypes included), as the schema digest leaves
+    them out: a fresh server keeps what it was launched with, whatever the order of the
+    restore and the NN's own configure."""
+    want = manifest.server_config
+    if want is None:
+        return None
+    return {"optimizer": want["optimizer"], "embedding_config": want["embedding_config"]}
 
 
 async def _roll_forward(client: Any, replica: int, replicas: int, request: dict,

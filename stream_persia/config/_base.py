@@ -186,8 +186,10 @@ def build(cls: type, raw: Any, path: str, **extra: Any) -> Any:
     """Build config dataclass ``cls`` from a YAML mapping found at key path ``path``.
 
     The class may declare ``_ALIASES`` (other spellings PERSIA used → field name),
-    ``_REJECTED`` (keys refused with a specific explanation) and ``_NESTED`` (field name →
-    section dataclass). ``extra`` supplies fields that do not come from the mapping (a
+    ``_REJECTED`` (keys refused with a specific explanation), ``_NESTED`` (field name →
+    section dataclass) and ``_FLAT`` (field name → dataclass whose keys stand in the
+    mapping itself: they are gathered into a dict for that field, which the class's
+    ``__post_init__`` turns into the dataclass). ``extra`` supplies fields that do not come from the mapping (a
     slot's name). Unknown keys, missing required keys and the class's own validation
     errors come back as :class:`ConfigError` naming the full key path.
     """
@@ -195,7 +197,11 @@ def build(cls: type, raw: Any, path: str, **extra: Any) -> Any:
         raw = {}  # an empty YAML section (``metrics_config:``) means "all defaults"
     if not isinstance(raw, Mapping):
         raise error(path, f"expected a mapping of keys to values, got {describe(raw)}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in extra}
+    flat: dict[str, type] = getattr(cls, "_FLAT", {})
+    fields = {f.name: f for f in dataclasses.fields(cls)
+              if f.init and f.name not in extra and f.name not in flat}
+    # key -> the field it is gathered into (a dict the class's __post_init__ builds from)
+    gathered = {f.name: name for name, c in flat.items() for f in dataclasses.fields(c)}
     aliases: dict[str, str] = getattr(cls, "_ALIASES", {})
     rejected: dict[str, str] = getattr(cls, "_REJECTED", {})
     nested: dict[str, type] = getattr(cls, "_NESTED", {})
@@ -208,8 +214,11 @@ def build(cls: type, raw: Any, path: str, **extra: Any) -> Any:
         if key in rejected:
             raise error(where, "is not accepted", rejected[key])
         name = aliases.get(key, key)
+        if name in gathered and name not in rejected:
+            kwargs.setdefault(gathered[name], {})[name] = value
+            continue
         if name not in fields or name in rejected:
-            accepted = sorted(f for f in fields if f not in rejected)
+            accepted = sorted([f for f in fields if f not in rejected] + list(gathered))
             hint = did_you_mean(key, accepted + list(aliases)) or ""
             hint = (hint + " " if hint else "") + f"accepted keys: {', '.join(accepted)}"
             raise error(where, "unknown key", hint)

@@ -112,7 +112,9 @@ class SlotConfig:
     """One slot (ID feature) of ``slots_config``.
 
     ``index_prefix`` is computed by :class:`EmbeddingSchema` from the feature groups
-    (PERSIA refuses it in files too); a value given by hand is replaced there.
+    (PERSIA refuses it in files too); a value given by hand is replaced there. ``policy``
+    is the slot's :class:`SlotPolicy`, whose keys the file gives flat in the slot's entry
+    (``_FLAT``: the loader gathers them).
     """
 
     name: str
@@ -122,16 +124,10 @@ class SlotConfig:
     sqrt_scaling: bool = False
     hash_stack_config: HashStackConfig = field(default_factory=HashStackConfig)
     index_prefix: int = 0
-    # The slot's SlotPolicy, flat in its entry (see the module docstring and `policy`).
-    admit_probability: float | None = None
-    min_count: int = 1
-    ttl_s: float | None = None
-    ttl_steps: int | None = None
-    max_rows: int | None = None
-    dtype: str = "float32"
+    # The slot's table policy; its keys stand flat in the slot's entry (module docstring).
+    policy: SlotPolicy = field(default_factory=SlotPolicy)
 
-    _POLICY_KEYS: ClassVar[tuple[str, ...]] = (
-        "admit_probability", "min_count", "ttl_s", "ttl_steps", "max_rows", "dtype")
+    _FLAT: ClassVar[dict[str, type]] = {"policy": SlotPolicy}
     _NESTED: ClassVar[dict[str, type]] = {"hash_stack_config": HashStackConfig}
     _REJECTED: ClassVar[dict[str, str]] = {
         "index_prefix": "it is computed from feature_groups (PERSIA refuses it too): remove it",
@@ -151,18 +147,13 @@ class SlotConfig:
             object.__setattr__(self, "hash_stack_config", HashStackConfig())
         check_instance(self, "hash_stack_config", HashStackConfig)
         check_int(self, "index_prefix", lo=0, hi=_U64_MAX)
-        try:
-            policy = SlotPolicy(**{k: getattr(self, k) for k in self._POLICY_KEYS})
-        except BadInput as e:
-            raise error(e.field or "policy", e.message.removeprefix(f"{e.field} "),
-                        e.hint) from None
-        for key, value in policy.to_dict().items():   # normalised (ttl_s: 86400 -> 86400.0)
-            object.__setattr__(self, key, value)
-
-    @property
-    def policy(self) -> SlotPolicy:
-        """The slot's table policy (``SlotPolicy()`` when the entry sets none of its keys)."""
-        return SlotPolicy(**{k: getattr(self, k) for k in self._POLICY_KEYS})
+        if isinstance(self.policy, Mapping):   # its keys, as build() gathered them
+            try:
+                object.__setattr__(self, "policy", SlotPolicy(**self.policy))
+            except BadInput as e:
+                raise error(e.field or "policy", e.message.removeprefix(f"{e.field} "),
+                            e.hint) from None
+        check_instance(self, "policy", SlotPolicy)
 
     def to_dict(self) -> dict[str, Any]:
         """The slot's entry under ``slots_config`` (without name and computed prefix).
@@ -433,6 +424,6 @@ class EmbeddingSchema:
         digest (``get_config``) covers them."""
         d = self.to_dict()
         for slot in d["slots_config"].values():
-            for key in SlotConfig._POLICY_KEYS:
+            for key in SlotPolicy().to_dict():
                 slot.pop(key, None)
         return canonical_digest(d)

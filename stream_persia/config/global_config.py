@@ -87,7 +87,12 @@ from stream_persia.config._base import (
     section_to_dict,
 )
 from stream_persia.config.kafka import KafkaConfig
-from stream_persia.core.embedding_config import MAX_CAPACITY
+from stream_persia.core.embedding_config import (
+    MAX_CAPACITY,
+    MAX_SKETCH_BYTES,
+    MIN_SKETCH_BYTES,
+    SKETCH_BYTES,
+)
 from stream_persia.errors import ConfigError
 
 #: The most threads (internal shards) one embedding server's store may have.
@@ -524,10 +529,6 @@ class ProgressiveConfig(_Section):
                   hint="samples in the windowed progressive metrics, e.g. 100000")
 
 
-#: Bounds of ``admission.sketch_bytes`` (the store's count-min sketch per server).
-MIN_SKETCH_BYTES, MAX_SKETCH_BYTES = 1 << 12, 1 << 32
-
-
 @dataclass(frozen=True)
 class AdmissionConfig(_Section):
     """``admission``: frequency admission on the embedding servers (a slot's
@@ -539,7 +540,7 @@ class AdmissionConfig(_Section):
             by a collision (the bound is in the store's docstring).
     """
 
-    sketch_bytes: int = 8 << 20
+    sketch_bytes: int = SKETCH_BYTES
 
     def __post_init__(self) -> None:
         check_int(self, "sketch_bytes", lo=MIN_SKETCH_BYTES, hi=MAX_SKETCH_BYTES,

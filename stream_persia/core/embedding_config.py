@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from stream_persia.errors import BadInput
 
 __all__ = ["EmbeddingConfig", "SlotPolicy", "MAX_CAPACITY", "MAX_MIN_COUNT", "MAX_TTL_STEPS",
-           "ROW_DTYPES"]
+           "ROW_DTYPES", "MIN_SKETCH_BYTES", "MAX_SKETCH_BYTES", "SKETCH_BYTES"]
 
 #: The most rows one store holds (both stores, any number of store threads): the Cython
 #: store's hash table has at most 2**31 slots and int32 row counters. The config loader
@@ -19,6 +19,10 @@ MAX_CAPACITY = 2**30
 MAX_MIN_COUNT = 255
 #: The longest ``ttl_steps``: the stores keep a row's step in 32 bits.
 MAX_TTL_STEPS = 2**31 - 1
+#: Bounds and default of each embedding server's frequency-admission sketch
+#: (``admission.sketch_bytes``; the stores' :mod:`stream_persia.server.policies` and the
+#: config loader check the same ones).
+MIN_SKETCH_BYTES, MAX_SKETCH_BYTES, SKETCH_BYTES = 1 << 12, 1 << 34, 8 << 20
 #: Storage dtypes of row weights (optimizer state stays float32; lookups return float32).
 ROW_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -77,9 +81,6 @@ class EmbeddingConfig:
         if "emb_initialization" in kw:
             kw["emb_initialization"] = tuple(kw["emb_initialization"])
         return cls(**kw)
-
-
-_POLICY_KEYS = ("admit_probability", "min_count", "ttl_s", "ttl_steps", "max_rows", "dtype")
 
 
 def _is_int(v: Any) -> bool:
@@ -149,7 +150,7 @@ class SlotPolicy:
         return self == SlotPolicy()
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _POLICY_KEYS}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "") -> SlotPolicy:
@@ -161,10 +162,11 @@ class SlotPolicy:
         if not isinstance(d, dict):
             raise BadInput(f"a slot policy must be a mapping, got {type(d).__name__}",
                            field=where or None)
-        unknown = sorted(set(d) - set(_POLICY_KEYS))
+        keys = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(keys))
         if unknown:
             raise BadInput(f"unknown policy key(s) {unknown}", field=name(str(unknown[0])),
-                           hint="accepted: " + ", ".join(_POLICY_KEYS))
+                           hint="accepted: " + ", ".join(keys))
         try:
             return cls(**d)
         except BadInput as e:

@@ -66,8 +66,8 @@ from stream_persia.config.embedding import EmbeddingSchema
 from stream_persia.errors import Misuse
 from stream_persia.nn.seams import ContextSeam, TrainerSeam
 
-__all__ = ["dump_checkpoint", "dump_embedding", "dump_torch_state_dict", "load_checkpoint",
-           "load_embedding", "load_torch_state_dict", "scripted"]
+__all__ = ["dump_checkpoint", "dump_embedding", "dump_torch_state_dict", "job_schema",
+           "load_checkpoint", "load_embedding", "load_torch_state_dict", "scripted"]
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +93,10 @@ def _job_name() -> str:
     return "persia"
 
 
-def _schema() -> EmbeddingSchema | None:
+def job_schema() -> EmbeddingSchema | None:
     """The job's embedding schema (the file ``PERSIA_EMBEDDING_CONFIG`` names), if any: its
-    digest goes into every checkpoint written here and is checked by every restore."""
+    digest goes into every checkpoint written here and is checked by every restore, and
+    its table policies are what ``TrainCtx`` configures the embedding servers with."""
     if not os.environ.get("PERSIA_EMBEDDING_CONFIG"):
         return None
     from stream_persia.config import load_embedding_config
@@ -208,7 +209,7 @@ def _write(ctx: ContextSeam, cluster: Any, dst_dir: str, *, trainer: TrainerSeam
         note("committing")
         manifest = writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0),
                                  offsets=offsets, stream=stream,
-                                 schema=_schema(),
+                                 schema=job_schema(),
                                  extra={"world_size": getattr(ctx, "world_size", 1),
                                         # the newest sample event time in the dense model
                                         # (a serving replica starts its trained_through)
@@ -231,7 +232,7 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
     cluster = ctx.require_cluster()
     manifest = read_manifest(src_dir)
     # Every rank, before anything changes: rows of another embedding schema are refused.
-    check_config(manifest, _schema(), f"checkpoint {src_dir}")
+    check_config(manifest, job_schema(), f"checkpoint {src_dir}")
     resume = trainer.quiesce(strict=False) if trainer is not None else []
     try:
         _barrier(ctx)
@@ -288,7 +289,7 @@ def dump_embedding(ctx: ContextSeam, dst_dir: str, blocking: bool = True
         with CheckpointWriter(dst_dir) as writer:
             cluster.run(writer.dump_embeddings(cluster.servers))
             writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0), offsets={},
-                          stream="direct", schema=_schema(),
+                          stream="direct", schema=job_schema(),
                           extra={"embedding_only": True})
 
     return _guarded(ctx, dump, blocking)
@@ -299,7 +300,7 @@ def load_embedding(ctx: ContextSeam, src_dir: str, blocking: bool = True
     """Replace the servers' rows by the checkpoint's (resharded to the server count)."""
     cluster = ctx.require_cluster()
     # Fail here, not in the background, on a wrong path or another embedding schema.
-    check_config(read_manifest(src_dir), _schema(), f"checkpoint {src_dir}")
+    check_config(read_manifest(src_dir), job_schema(), f"checkpoint {src_dir}")
 
     def load() -> None:
         cluster.run(load_embeddings(src_dir, cluster.servers))

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 import numpy as np
@@ -264,7 +263,8 @@ class TrainCtx(EmbeddingCtx):
         params: dict[str, Any] = {"optimizer": self.embedding_optimizer.to_dict()}
         if self.embedding_config is not None:
             params["embedding_config"] = self.embedding_config.to_dict()
-        policies = _policy_params()
+        schema = checkpointing.job_schema()
+        policies = None if schema is None else schema.policy_params()
         if policies is not None:   # the servers hold them already when launched with the file
             params["policies"] = policies
         # Rank 0 only: DDP's initial broadcast keeps other ranks from training before it.
@@ -664,14 +664,3 @@ def _grad_array(g: torch.Tensor | None, scale: float) -> np.ndarray | None:
         g = g.float() * (1.0 / scale)
     return g.to("cpu", torch.float32).contiguous().numpy()
 
-
-def _policy_params() -> dict[str, Any] | None:
-    """The table policies of the job's embedding schema (the file
-    ``PERSIA_EMBEDDING_CONFIG`` names), as the servers' ``configure`` takes them; None
-    without the file or without policies."""
-    path = os.environ.get("PERSIA_EMBEDDING_CONFIG")
-    if not path:
-        return None
-    from stream_persia.config import load_embedding_config
-
-    return load_embedding_config(path).policy_params()

@@ -33,7 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from stream_persia.core.embedding_config import SlotPolicy
+from stream_persia.core.embedding_config import (
+    MAX_SKETCH_BYTES,
+    MIN_SKETCH_BYTES,
+    SKETCH_BYTES,
+    SlotPolicy,
+)
 from stream_persia.errors import BadInput
 from stream_persia.kernels.sharding import stable_hash64_int
 
@@ -41,9 +46,6 @@ __all__ = ["SKETCH_BYTES", "SKETCH_DEPTH", "SKETCH_SEEDS", "STAT_KEYS", "MAX_POL
            "PySketch", "check_policies", "check_sketch_bytes", "check_expire_rows", "sketch_bits",
            "policy_of"]
 
-SKETCH_BYTES = 8 << 20
-MIN_SKETCH_BYTES = 4096
-MAX_SKETCH_BYTES = 1 << 34
 SKETCH_DEPTH = 4
 SKETCH_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0,
                 0x082EFA98EC4E6C89)

@@ -97,7 +97,8 @@ RPC methods (params → result):
   configures it; workers and NN ranks that configure a restarted server from what they
   learned send them back too. While some policy has a TTL, an expiry pass runs on the
   store thread every :data:`~stream_persia.server.slot_policies.EXPIRE_INTERVAL_S` (at most
-  :data:`~stream_persia.server.slot_policies.EXPIRE_ROWS` rows a pass; the metrics
+  :data:`~stream_persia.server.slot_policies.EXPIRE_ROWS` rows a pass, and a pass that
+  reached it is followed by the next at once; the metrics
   ``persia_embedding_server_slot_*`` of that module come from the same pass).
   Lookup and update replies carry ``"config"``: that digest, or None. A lookup or update
   whose params carry ``"config"`` (the digest the caller expects) is refused with a
@@ -377,12 +378,7 @@ class EmbeddingServer:
         self.trained_through: float | None = None
         # This process, as opposed to one restarted at its address (module docstring).
         self.incarnation = secrets.token_hex(8)
-        if sketch_bytes is not None and (isinstance(sketch_bytes, bool)
-                                         or not isinstance(sketch_bytes, int)
-                                         or sketch_bytes < 1):
-            raise BadInput(f"sketch_bytes must be a positive int, got {sketch_bytes!r}",
-                           field="sketch_bytes")
-        self.sketch_bytes = sketch_bytes
+        self.sketch_bytes = sketch_bytes   # checked by make_store, with its bounds
         # The feature groups' table policies in force (store thread; see configure).
         self._policies: SlotPolicies | None = (
             None if policies is None else parse_policies(policies))
@@ -491,11 +487,15 @@ class EmbeddingServer:
         """Every EXPIRE_INTERVAL_S: rows past their TTL evicted (bounded, while some policy
         has one) and the per-slot metrics read, on the store thread. A failed pass is
         logged and counted (``persia_embedding_server_expire_errors_total``); the next one
-        tries again."""
+        tries again. A pass that evicted its bound of rows leaves a backlog: the next one
+        is queued at once (requests queued meanwhile go first), so a backlog drains at the
+        store's pace, not EXPIRE_ROWS a second."""
+        expired = 0
         while True:
-            await asyncio.sleep(EXPIRE_INTERVAL_S)
+            await asyncio.sleep(0 if expired >= EXPIRE_ROWS else EXPIRE_INTERVAL_S)
+            expired = 0
             try:
-                await self._run(self._expire_pass)
+                expired = await self._run(self._expire_pass)
             except Exception as e:  # noqa: BLE001 - logged, counted; the next pass retries
                 self._expire_errors += 1
                 if self._expire_errors == 1 or self._expire_errors % 60 == 0:

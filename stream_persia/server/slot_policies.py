@@ -43,15 +43,17 @@ from prometheus_client.registry import Collector
 
 from stream_persia.core.embedding_config import SlotPolicy
 from stream_persia.errors import BadInput
-from stream_persia.server.policies import MAX_POLICIES
+from stream_persia.server.policies import EXPIRE_ROWS, MAX_POLICIES
 
 __all__ = ["SlotPolicies", "parse_policies", "SlotStats", "MAX_POLICIES", "EXPIRE_ROWS",
            "EXPIRE_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
 
-#: Rows one expiry pass may evict (bounded work on the store thread, once a second).
-EXPIRE_ROWS = 65_536
+# MAX_POLICIES, the most entries a policy table may have, and EXPIRE_ROWS, the rows one
+# expiry pass may evict (bounded work on the store thread between requests; a pass that
+# reaches it is followed by the next at once, others by EXPIRE_INTERVAL_S), are the
+# stores' own (stream_persia.server.policies): a table this module accepts, they take.
 #: Seconds between two expiry passes.
 EXPIRE_INTERVAL_S = 1.0
 #: The store's policy_stats() keys: (metric, kind, extra label).

@@ -21,10 +21,11 @@ from stream_persia.checkpoint import CheckpointWriter, load_embeddings, read_man
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Adagrad, Adam
 from stream_persia.errors import BadInput, PeerUnavailable, RemoteError
+from stream_persia.kernels.ids import index_prefix, prefix_ids
 from stream_persia.server import service as embedding_server
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker.router import ShardRouter
-from stream_persia.worker.shards import RowLookup
+from stream_persia.worker.shards import RowLookup, UpdateGroup
 
 cluster = shard_load.cluster   # the fixture: 2 servers, a checkpoint, trained on since
 observe, probe_ids = shard_load.observe, shard_load.probe_ids
@@ -336,3 +337,46 @@ async def test_a_restore_leaves_a_configured_server_its_configuration(cluster):
     assert held["digest"] != manifest.server_config["digest"]
     assert await load_embeddings(d, router.clients) == manifest.rows
     assert [await c.call("get_config", None) for c in router.clients] == [held] * 2
+
+
+async def test_a_float16_checkpoint_restores_into_fresh_servers_of_a_job_without_policies(
+        tmp_path):
+    """Table policies belong to the job (its embedding_config.yml, which the launcher
+    gives the servers, or the API's configure), not to the checkpoint: the checkpoint of
+    a job whose group was float16 restores into fresh servers of a job whose file has no
+    policies as float32 rows holding the float16 values exactly, with the checkpoint's
+    optimizer and no policies; a restore before or after the NN configures them ends alike."""
+    float16 = {"prefix_bits": 8, "policies": [None, {"dtype": "float16"}],
+               "names": [None, "user"]}
+    config = {"optimizer": Adam(lr=0.01).to_dict(),
+              "embedding_config": EmbeddingConfig((-0.05, 0.05)).to_dict()}
+    ids = prefix_ids(np.arange(1, 200, dtype=np.uint64), index_prefix=index_prefix(0, 8),
+                     prefix_bits=8)
+    d = str(tmp_path / "ck")
+    async with running_servers(2) as (servers, router):
+        await asyncio.gather(*(c.call("configure", {**config, "policies": float16})
+                               for c in router.clients))
+        await router.lookup([RowLookup(4, ids)], "train")
+        grads = np.random.default_rng(0).normal(size=(ids.size, 4)).astype(np.float32)
+        await router.update([UpdateGroup(4, ids, grads)])
+        with CheckpointWriter(d) as w:
+            await w.dump_embeddings(router.clients)
+            manifest = w.commit(job="j", step=1, offsets={}, stream="direct")
+        assert manifest.server_config["policies"]["policies"][1]["dtype"] == "float16"
+        want = by_id(servers)
+    fresh = [embedding_server.EmbeddingServer(10_000, replica_index=i, replica_size=2,
+                                              checkpoint_root=str(tmp_path))
+             for i in range(2)]
+    for s in fresh:
+        await s.start()
+    router = ShardRouter([s.address for s in fresh], timeout_ms=5000)
+    try:
+        assert await load_embeddings(d, router.clients) == manifest.rows
+        held = [await c.call("get_config", None) for c in router.clients]
+        assert all("policies" not in h for h in held), held
+        assert held[0]["optimizer"] == config["optimizer"]
+        assert by_id(fresh) == want     # float16 values held exactly as float32 rows
+    finally:
+        await router.close()
+        for s in fresh:
+            await s.stop()

@@ -133,10 +133,12 @@ READ: dict[str, list[tuple[str, str]]] = {
     # the table policies (issue 20): each slot's SlotPolicy, which the launcher hands the
     # embedding servers and the NN rank 0 sends in configure (policy_params)
     **{f"slots_config.<slot>.{key}": [
-        (EMBEDDING, rf'_POLICY_KEYS[^)]*"{key}"'),
+        (EMBEDDING, r'_FLAT: ClassVar\[dict\[str, type\]\] = \{"policy": SlotPolicy\}'),
+        ("stream_persia/core/embedding_config.py",
+         rf"class SlotPolicy:[\s\S]*\n    {key}: "),
         (EMBEDDING, r"def policy_params[\s\S]*p\.to_dict\(\)"),
         (LAUNCH, r"policies = embedding_schema\(args\)\.policy_params\(\)"),
-        (TRAIN_CTX, r"load_embedding_config\(path\)\.policy_params\(\)")]
+        (TRAIN_CTX, r"schema = checkpointing\.job_schema\(\)[\s\S]*schema\.policy_params\(\)")]
        for key in ("admit_probability", "min_count", "ttl_s", "ttl_steps", "max_rows",
                    "dtype")},
     "admission.sketch_bytes": [(LAUNCH, r"sketch_bytes=gc\.admission\.sketch_bytes"),
@@ -154,9 +156,12 @@ ONLY: dict[str, tuple[object, object]] = {
 
 
 def _walk(cls: type, prefix: str) -> list[str]:
-    nested = getattr(cls, "_NESTED", {})
+    nested, flat = getattr(cls, "_NESTED", {}), getattr(cls, "_FLAT", {})
     out = []
     for f in dataclasses.fields(cls):
+        if f.name in flat:   # its keys stand in the entry itself
+            out += [f"{prefix}.{k.name}" for k in dataclasses.fields(flat[f.name])]
+            continue
         path = f"{prefix}.{f.name}" if prefix else f.name
         out += _walk(nested[f.name], path) if f.name in nested else [path]
     return out

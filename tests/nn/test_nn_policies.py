@@ -1,6 +1,6 @@
 """The NN rank 0 sends the job file's table policies (issue 20) with the configuration it
 gives the embedding servers, so servers restarted mid-job get them back from it
-(``on_server_restart: continue``). Skipped until the store part of issue 20 is merged."""
+(``on_server_restart: continue``)."""
 
 from __future__ import annotations
 

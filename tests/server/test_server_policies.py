@@ -17,8 +17,10 @@ from stream_persia.core.optim import SGD
 from stream_persia.errors import BadInput
 from stream_persia.kernels.ids import index_prefix, prefix_ids
 from stream_persia.rpc import RpcClient
+from stream_persia.server import service as service_mod
 from stream_persia.server.row_dtypes import dtype_code, round_weights
 from stream_persia.server.service import EmbeddingServer, described
+from stream_persia.server.slot_policies import EXPIRE_INTERVAL_S
 
 BITS = 8
 DIM = 4
@@ -67,6 +69,7 @@ class running:
     ({"prefix_bits": 8, "policies": [None, {"colour": 1}]}, "policies.policies[1].colour"),
     ({"prefix_bits": 8, "policies": [None, 5]}, "policies.policies[1]"),
     ({"prefix_bits": 2, "policies": [None] * 5}, "policies.policies"),
+    ({"prefix_bits": 16, "policies": [None] * 40_000}, "policies.policies"),   # > the store's
     ({"prefix_bits": 8, "policies": [None], "names": [None, "x"]}, "policies.names"),
     ({"prefix_bits": 8, "policies": [None, None], "names": [None, "a b"]}, "policies.names[1]"),
     ({"prefix_bits": 8, "policies": [], "extra": 1}, "policies.extra"),
@@ -215,3 +218,20 @@ async def test_a_server_with_store_threads_starts_and_answers_slot_stats():
     async with running(store_threads=2) as (_, c):
         assert isinstance(await c.call("slot_stats"), dict)
         assert b"persia_embedding_server_slot_rows" in await c.call("metrics")
+
+
+async def test_an_expiry_backlog_beyond_one_pass_drains_without_waiting_a_second_a_pass(
+        monkeypatch):
+    """A pass evicts at most EXPIRE_ROWS rows (bounded work between requests on the store
+    thread), but a backlog larger than that is not left to drain at EXPIRE_ROWS a second:
+    a pass that hit the bound is followed by the next at once."""
+    monkeypatch.setattr(service_mod, "EXPIRE_ROWS", 100)
+    async with running(policies=table(user={"ttl_steps": 1})) as (_, c):
+        await lookup(c, group_ids(0, list(range(1, 2001))))
+        await lookup(c, group_ids(0, [0]))
+        await lookup(c, group_ids(0, [0]))     # every other row unseen for a step
+        start = time.monotonic()
+        while await c.call("size") > 1 and time.monotonic() - start < 15:
+            await asyncio.sleep(0.05)
+        assert await c.call("size") == 1
+        assert time.monotonic() - start < 2 * EXPIRE_INTERVAL_S + 1.0   # not 20 passes
