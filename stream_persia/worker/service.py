@@ -693,6 +693,10 @@ class EmbeddingWorker:
                 "inflight": len(self.inflight), "error": "; ".join(problems) or None}
 
     async def _status(self, params: Any) -> WorkerStatus:
+        kafka = await self.kafka.status() if self.kafka is not None else None
+        # One snapshot, taken after the last await: a lag probe finishing while the
+        # ingest's status awaited the broker would otherwise leave the watermarks older
+        # than the lag rows (a ``produced`` below the tail the rows' seconds were read from).
         status: WorkerStatus = {
             "replica_index": self.replica_index, "ready": len(self.ready),
             "ready_capacity": self.ready.maxsize, "ready_bytes": self.ready.bytes,
@@ -700,14 +704,10 @@ class EmbeddingWorker:
             "pending": self.frontier.pending(),
             "frontier": {str(p): o for p, o in self.frontier.offsets().items()},
             "ingest_paused": self.ingest_paused.is_set(), "failed": self.pushes.failed(),
+            "watermarks": self.watermarks(),
         }
-        if self.kafka is not None:
-            status["kafka"] = await self.kafka.status()
-        # One snapshot, taken after the last await: a lag probe finishing while the
-        # ingest's status awaited the broker would otherwise leave the watermarks older
-        # than the lag rows (a ``produced`` below the tail the rows' seconds were read from).
-        status["watermarks"] = self.watermarks()
-        if self.kafka is not None:
+        if kafka is not None:
+            status["kafka"] = kafka
             status["kafka_lag"] = self.kafka_lag()
         return status
 
