@@ -342,8 +342,10 @@ def test_k8s_stable_addresses_match_headless_services(k8s):
 def test_k8s_kafka_is_strimzi_kraft_with_the_jobs_topics(k8s):
     (kafka,) = [d for (kind, _), d in k8s.items() if kind == "Kafka"]
     name = kafka["metadata"]["name"]
-    assert kafka["metadata"]["annotations"] == {"strimzi.io/node-pools": "enabled",
-                                                "strimzi.io/kraft": "enabled"}
+    # Strimzi 1.0 serves kafka.strimzi.io/v1 only; KRaft with node pools is its only mode
+    assert {d["apiVersion"] for (kind, _), d in k8s.items()
+            if kind.startswith("Kafka")} == {"kafka.strimzi.io/v1"}
+    assert "zookeeper" not in kafka["spec"]
     pools = [d for (kind, _), d in k8s.items() if kind == "KafkaNodePool"]
     assert all(p["metadata"]["labels"]["strimzi.io/cluster"] == name for p in pools)
     assert {"controller", "broker"} <= {r for p in pools for r in p["spec"]["roles"]}
