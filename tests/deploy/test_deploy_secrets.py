@@ -9,7 +9,9 @@ typo each, to show that it names the typo (the real files are never edited).
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -141,3 +143,13 @@ def test_compose_checker_follows_compose_secrets_files(tmp_path):
     problems = compose_secret_problems(copy, README, tmp_path / "files2")
     assert any("/run/secrets/role_secret" in p and "cannot read" in p for p in problems), \
         problems
+
+
+def test_the_files_the_readme_writes_secrets_into_stay_out_of_git_and_the_image():
+    written = set(re.findall(r"openssl rand -hex 32\)\" >>? (\S+)", README))
+    assert written == {"deploy/.env"}, written
+    ignored_in_context = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    for path in written:
+        proc = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", path])
+        assert proc.returncode == 0, f"{path} holds secrets but git would commit it"
+        assert path.split("/")[0] in ignored_in_context, f"{path} would enter the image"
