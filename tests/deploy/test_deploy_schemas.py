@@ -57,8 +57,8 @@ def _minor(version: str) -> tuple[int, int]:
 
 
 def readme_min_kubernetes() -> str:
-    m = re.search(r"Kubernetes ≥ (\d+\.\d+)", README)
-    assert m, "deploy/README.md names no minimum Kubernetes version (`Kubernetes ≥ 1.NN`)"
+    m = re.search(r"\*\*Kubernetes ≥ (\d+\.\d+)\*\*", README)
+    assert m, "deploy/README.md names no minimum Kubernetes version (**Kubernetes ≥ 1.NN**)"
     return m.group(1)
 
 
