@@ -154,7 +154,7 @@ async def _serve(role: Any, args: argparse.Namespace,
     try:
         await role.start()
     except OSError as e:  # the RPC port: a traceback would bury the reason
-        if args.well_known_port:
+        if getattr(args, "well_known_port", False):
             raise local_ports.taken(args.host, args.port, f"{args.role} {args.replica_index}",
                                     e) from None
         raise ConfigError(f"--port {args.port}: cannot listen on {args.host}:{args.port} "
@@ -232,7 +232,7 @@ def embedding_worker(args: argparse.Namespace) -> int:
     from stream_persia.worker import batchplan
     from stream_persia.worker.service import EmbeddingWorker
 
-    if not args.embedding_servers and args.well_known_port:   # it listens after the wait
+    if not args.embedding_servers and getattr(args, "well_known_port", False):   # listens later
         local_ports.check_port_free(args.host, args.port, f"embedding worker "
                                                           f"{args.replica_index}")
     gc = global_config(args)
