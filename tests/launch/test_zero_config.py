@@ -217,6 +217,21 @@ def test_a_worker_waits_for_its_servers_then_gives_up_naming_them(tmp_path):
     assert f"no embedding server 0 answered at 127.0.0.1:{base} within 2 s" in proc.stderr
 
 
+def test_sigterm_while_a_worker_waits_for_its_servers_stops_it_cleanly(tmp_path):
+    base = free_base()
+    (tmp_path / "emb.yml").write_text(EMBEDDING_YAML)
+    log = tmp_path / "worker.log"
+    proc = launch(["embedding-worker", "--embedding-config", str(tmp_path / "emb.yml")],
+                  zero_env(base), log)
+    try:
+        wait_for(lambda: "waiting for embedding server 0" in log.read_text(), 30,
+                 "the worker waits")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, log.read_text()
+    finally:
+        stop([proc])
+
+
 # --------------------------------------------------------------- addresses still override
 def test_explicit_ports_and_addresses_override_the_well_known_ones(tmp_path):
     """``--port`` wins over the plan, and a worker given its servers (the flag or
