@@ -217,6 +217,27 @@ def test_a_worker_waits_for_its_servers_then_gives_up_naming_them(tmp_path):
     assert f"no embedding server 0 answered at 127.0.0.1:{base} within 2 s" in proc.stderr
 
 
+def test_servers_started_with_different_replica_sizes_are_refused_by_name(tmp_path):
+    """The worker takes the count from server 0 and checks every server against it: a
+    shard left out (or one too many) would train a job with a wrong id -> shard map."""
+    base = free_base()
+    (tmp_path / "emb.yml").write_text(EMBEDDING_YAML)
+    env = zero_env(base)
+    servers = [launch(["embedding-server", "--replica-index", str(i), "--replica-size", size],
+                      env, tmp_path / f"s{i}.log") for i, size in ((0, "2"), (1, "3"))]
+    try:
+        proc = subprocess.run([sys.executable, "-m", "stream_persia.launch.cli", "launch",
+                               "embedding-worker", "--embedding-config",
+                               str(tmp_path / "emb.yml"), "--peer-timeout-s", "30"],
+                              env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        stop(servers)
+    assert proc.returncode == 2, proc.stderr
+    assert (f"127.0.0.1:{base + 1} answers as embedding-server 1 of 3, where the well-known "
+            "local ports put embedding server 1 of 2") in proc.stderr
+    assert "PERSIA_EMBEDDING_SERVERS" in proc.stderr
+
+
 def test_sigterm_while_a_worker_waits_for_its_servers_stops_it_cleanly(tmp_path):
     base = free_base()
     (tmp_path / "emb.yml").write_text(EMBEDDING_YAML)
