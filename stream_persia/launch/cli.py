@@ -15,8 +15,15 @@ Settings come from flags, then the environment (PERSIA's variable names: ``PERSI
 CONFIG``, ``PERSIA_GLOBAL_CONFIG``, ``PERSIA_DATALOADER_ENTRY``, ``REPLICA_INDEX``,
 ``REPLICA_SIZE``; ours: ``PERSIA_EMBEDDING_SERVERS`` and ``PERSIA_EMBEDDING_WORKERS`` as
 comma-separated ``host:port`` lists, ``KAFKA_BOOTSTRAP_SERVERS``, ``PERSIA_CHECKPOINT_ROOT``,
-and the job's role secret ``PERSIA_ROLE_SECRET`` / ``PERSIA_ROLE_SECRET_FILE``, which every
-role needs to listen beyond loopback and every RPC client presents), then the config files.
+``PERSIA_BASE_PORT``, and the job's role secret ``PERSIA_ROLE_SECRET`` /
+``PERSIA_ROLE_SECRET_FILE``, which every role needs to listen beyond loopback and every RPC
+client presents), then the config files.
+
+Zero-config on one host (:mod:`stream_persia.rpc.local_ports`): an embedding server or
+worker given no ``--port`` listens on 127.0.0.1 at its role's well-known port (servers
+``PERSIA_BASE_PORT`` + index, workers + 100 + index; base 10000), and a role given no peer
+addresses finds its peers there, waiting for them, so PERSIA's Procfile runs as written
+with ``persia-launcher`` replaced by ``stream-persia launch``.
 Every flag is checked when parsed (:mod:`stream_persia.config.flags`), environment defaults
 included, and each role takes only the flags it acts on: a bad one ends the command with
 exit status 2 and a message naming it, before anything starts.
@@ -34,8 +41,11 @@ from stream_persia.config.global_config import MAX_STORE_THREADS
 from stream_persia.core.embedding_config import MAX_CAPACITY
 from stream_persia.core.logger import RepeatFilter
 from stream_persia.errors import PersiaError
+from stream_persia.rpc import local_ports
 
 ROLE_ALIASES = {"embedding-parameter-server": "embedding-server"}
+#: Default of ``launch embedding-worker --peer-timeout-s``.
+PEER_TIMEOUT_S = 300.0
 
 
 def _add_replica(p: argparse.ArgumentParser) -> None:
@@ -47,11 +57,26 @@ def _add_replica(p: argparse.ArgumentParser) -> None:
                    help="number of replicas of this role (env REPLICA_SIZE; default 1)")
 
 
+def _add_base_port(p: argparse.ArgumentParser) -> None:
+    """``--base-port`` (env ``PERSIA_BASE_PORT``): where the well-known local ports start."""
+    p.add_argument("--base-port",
+                   **flags.env(local_ports.BASE_PORT_ENV,
+                               flags.integer(local_ports.MIN_BASE_PORT,
+                                             local_ports.MAX_BASE_PORT),
+                               str(local_ports.DEFAULT_BASE_PORT)),
+                   help="first of the job's well-known local ports: embedding server i "
+                        "listens on base+i, embedding worker i on base+100+i, when started "
+                        "with no --port, and roles given no addresses look for them there "
+                        f"(env {local_ports.BASE_PORT_ENV}; default "
+                        f"{local_ports.DEFAULT_BASE_PORT}; the same for every role of a job)")
+
+
 def _add_listen(p: argparse.ArgumentParser, *, metrics: bool = True) -> None:
     """The RPC address a server role listens on, its metrics port and ready file."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=flags.port(), default=0,
-                   help="RPC port, 0-65535 (0: any free port)")
+    p.add_argument("--port", type=flags.port(), default=None,
+                   help="RPC port, 0-65535 (0: any free port; default: this replica's "
+                        "well-known local port, see --base-port)")
     if metrics:
         p.add_argument("--metrics-port", type=flags.port(zero="any free port, logged"),
                        default=None,
@@ -64,6 +89,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     _add_replica(p)
     _add_configs(p)
     _add_listen(p)
+    _add_base_port(p)
 
 
 def _add_checkpoint_root(p: argparse.ArgumentParser, what: str) -> None:
@@ -113,7 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     ew.add_argument("--embedding-servers",
                     **flags.env("PERSIA_EMBEDDING_SERVERS", flags.addresses, None),
                     help="comma-separated host:port of every embedding server, in order "
-                         "(env PERSIA_EMBEDDING_SERVERS)")
+                         "(env PERSIA_EMBEDDING_SERVERS; none: the servers' well-known "
+                         "local ports, see --base-port)")
+    ew.add_argument("--peer-timeout-s", type=flags.number(0, lo_open=True),
+                    default=PEER_TIMEOUT_S,
+                    help="with no --embedding-servers: longest wait for the servers to "
+                         f"answer on their well-known ports (default {PEER_TIMEOUT_S:g})")
     ew.add_argument("--kafka", type=flags.addresses, default=None,
                     help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP_SERVERS, then the "
                          "global config); none: broker-less, data loaders push over RPC")
@@ -135,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the data loader script (env PERSIA_DATALOADER_ENTRY)")
     dl.add_argument("--embedding-workers",
                     **flags.env("PERSIA_EMBEDDING_WORKERS", flags.addresses, None),
-                    help="broker-less mode: host:port of the embedding workers")
+                    help="broker-less mode: host:port of the embedding workers (env "
+                         "PERSIA_EMBEDDING_WORKERS; none: their well-known local ports)")
+    _add_base_port(dl)
     dl.add_argument("--kafka", type=flags.addresses, default=None,
                     help="Kafka bootstrap servers")
 
@@ -200,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rendezvous port (env MASTER_PORT; one node: a free port)")
     nw.add_argument("--embedding-workers",
                     **flags.env("PERSIA_EMBEDDING_WORKERS", flags.addresses, None),
-                    help="host:port of the embedding workers (env PERSIA_EMBEDDING_WORKERS)")
+                    help="host:port of the embedding workers (env PERSIA_EMBEDDING_WORKERS; "
+                         "none: their well-known local ports)")
+    _add_base_port(nw)
     nw.add_argument("--drain-timeout-s", type=flags.number(0, lo_open=True), default=60.0,
                     help="on SIGTERM/SIGINT: longest wait for the ranks to stop at a step "
                          "boundary and finish before torchrun is stopped (default 60)")
@@ -273,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("embedding_servers", "embedding_workers"):
                 if hasattr(args, name):
                     setattr(args, name, _split(getattr(args, name)))
+            if hasattr(args, "base_port"):
+                # For what the role starts (the scripts' DataCtx / TrainCtx, torchrun's ranks).
+                os.environ[local_ports.BASE_PORT_ENV] = str(args.base_port)
+            args.well_known_port = role in local_ports.ROLE_OFFSETS and args.port is None
+            if args.well_known_port:
+                args.port = local_ports.well_known_port(role, args.replica_index,
+                                                        args.base_port)
             return launch.ROLES[role](args)
         if args.command == "produce":
             from stream_persia.loader import produce

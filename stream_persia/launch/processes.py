@@ -27,6 +27,10 @@ __all__ = ["RoleProcess", "QUIET_ROLES"]
 
 #: Roles that listen on no port (no ``--ready-file``; ready as soon as they run).
 QUIET_ROLES = frozenset({"data-loader", "nn-worker"})
+#: Roles that listen on a well-known local port without ``--port``
+#: (:mod:`stream_persia.rpc.local_ports`): started here, they get ``--port 0`` unless
+#: ``args`` name one (whoever starts them learns the port from the ready file).
+PORT_ROLES = frozenset({"embedding-server", "embedding-parameter-server", "embedding-worker"})
 
 
 class RoleProcess:
@@ -70,6 +74,9 @@ class RoleProcess:
         cmd = [sys.executable, "-m", "stream_persia.launch.cli", "launch", self.role, *self.args]
         if self.listens:
             cmd += ["--ready-file", str(self.ready_file)]
+            if self.role in PORT_ROLES and not any(a == "--port" or a.startswith("--port=")
+                                                   for a in self.args):
+                cmd += ["--port", "0"]   # the ready file says where: no well-known port
         if self.nice and (nice_bin := shutil.which("nice")):
             cmd = [nice_bin, "-n", str(self.nice), *cmd]   # exec's the role: same pid
         with open(self.log_path, "ab") as log:

@@ -21,6 +21,12 @@ root their RPCs are confined to (``--checkpoint-root``, env ``PERSIA_CHECKPOINT_
 else ``PERSIA_CHECKPOINT_DIR``) and the connection bounds (``rpc`` in the global config).
 ``--metrics-port`` serves on the RPC ``--host``: loopback without a secret; with one it
 may face the network, unauthenticated and read-only (counters and gauges, nothing else).
+With no ``--port`` they listen on their well-known local port, and a worker with no
+servers given finds them on theirs, waiting up to ``--peer-timeout-s``
+(:mod:`stream_persia.rpc.local_ports`).
+
+Size: five role entry points and the edge they share (:func:`role_settings`, the serve
+loop, the ready file and metrics); split by role, each module would import that edge back.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from stream_persia.core.supervisor import EXIT_GRACE_S
 from stream_persia.errors import ConfigError
 from stream_persia.launch.memory import KEEP_FREED_ENV, freeze_startup_heap, keep_freed_memory
 from stream_persia.launch.stop_signals import stop_signals, unless_stopped, until_signal
+from stream_persia.rpc import local_ports
 from stream_persia.rpc.auth import RoleSecret, check_bind
 from stream_persia.rpc.server import ConnectionLimits
 
@@ -147,6 +154,9 @@ async def _serve(role: Any, args: argparse.Namespace,
     try:
         await role.start()
     except OSError as e:  # the RPC port: a traceback would bury the reason
+        if getattr(args, "well_known_port", False):
+            raise local_ports.taken(args.host, args.port, f"{args.role} {args.replica_index}",
+                                    e) from None
         raise ConfigError(f"--port {args.port}: cannot listen on {args.host}:{args.port} "
                           f"({e.strerror or e})", field="--port",
                           hint="pick a free port, or 0 for any") from None
@@ -222,6 +232,9 @@ def embedding_worker(args: argparse.Namespace) -> int:
     from stream_persia.worker import batchplan
     from stream_persia.worker.service import EmbeddingWorker
 
+    if not args.embedding_servers and getattr(args, "well_known_port", False):   # listens later
+        local_ports.check_port_free(args.host, args.port, f"embedding worker "
+                                                          f"{args.replica_index}")
     gc = global_config(args)
     schema = embedding_schema(args)
     # Slots pooled on the worker run torch's segment sums on every batch: import torch now
@@ -229,9 +242,6 @@ def embedding_worker(args: argparse.Namespace) -> int:
     # imports it.
     if batchplan.pools_on_worker(schema) and (torch := load_segment_sum()) is not None:
         torch.set_num_threads(1)   # the kernels are small; leave the cores to the NN worker
-    if not args.embedding_servers:
-        raise ConfigError("no embedding servers: pass --embedding-servers or set "
-                          "PERSIA_EMBEDDING_SERVERS", field="PERSIA_EMBEDDING_SERVERS")
     kafka_cfg = gc.kafka
     if args.topic:
         import dataclasses
@@ -244,6 +254,13 @@ def embedding_worker(args: argparse.Namespace) -> int:
     edge = role_settings(args, gc, "embedding worker")
 
     async def main() -> int:
+        stop = stop_signals()
+        if not args.embedding_servers:   # zero-config: the servers' well-known local ports
+            find = asyncio.ensure_future(local_ports.find_local(
+                "embedding-server", timeout_s=args.peer_timeout_s, base=args.base_port))
+            if not await unless_stopped(find, stop):
+                return 0
+            args.embedding_servers = find.result()
         worker = EmbeddingWorker(schema, args.embedding_servers,
                                  replica_index=args.replica_index,
                                  replica_size=args.replica_size, host=args.host, port=args.port,
@@ -271,12 +288,11 @@ def embedding_worker(args: argparse.Namespace) -> int:
 
             # A worker started before its broker waits for it; SIGTERM meanwhile is a
             # stop with nothing to drain (exit 0), not a death by signal.
-            stop = stop_signals()
             if not await unless_stopped(worker.start_kafka_ingest(make_ingest), stop):
                 await worker.stop()
                 return 0
             return await _serve(worker, args, stop=stop)
-        return await _serve(worker, args)
+        return await _serve(worker, args, stop=stop)
 
     return aio.run(main())
 

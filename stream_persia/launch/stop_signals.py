@@ -112,10 +112,10 @@ def stop_signals() -> asyncio.Event:
     return stop
 
 
-async def unless_stopped(step: Awaitable[None], stop: asyncio.Event) -> bool:
+async def unless_stopped(step: Awaitable[object], stop: asyncio.Event) -> bool:
     """Run a start-up step (an embedding worker waiting for its broker: up to
-    ``kafka.startup_timeout_ms``); False, with the step cancelled, if SIGTERM/SIGINT came
-    first."""
+    ``kafka.startup_timeout_ms``; or for its servers' well-known ports); False, with the
+    step cancelled, if SIGTERM/SIGINT came first."""
     task = asyncio.ensure_future(step)
     waiting = asyncio.ensure_future(stop.wait())
     try:

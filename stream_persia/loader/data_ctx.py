@@ -14,7 +14,10 @@ Two paths behind one interface, chosen once when the context is built (:attr:`Da
 
 Where the destination comes from (first match wins): the ``embedding_workers`` or
 ``kafka_bootstrap_servers`` argument (not both), env ``KAFKA_BOOTSTRAP_SERVERS``,
-``kafka.bootstrap_servers`` in the global config, env ``PERSIA_EMBEDDING_WORKERS``.
+``kafka.bootstrap_servers`` in the global config, env ``PERSIA_EMBEDDING_WORKERS``, and
+with none of these (zero-config, one host) the embedding workers' well-known local ports
+(:mod:`stream_persia.rpc.local_ports`; ``PERSIA_BASE_PORT``), found by ``start()``, which
+waits for them up to ``startup_timeout_ms``.
 
 Semantics:
 
@@ -89,6 +92,7 @@ from stream_persia.errors import (
     Misuse,
     RemoteTimeout,
 )
+from stream_persia.rpc import local_ports
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +151,7 @@ class DataCtx:
             0 tries once).
 
     Raises:
-        ConfigError: no destination (naming ``KAFKA_BOOTSTRAP_SERVERS``), both kinds
+        ConfigError: a bad ``PERSIA_BASE_PORT`` (no destination given), both kinds
             given, or a bad address, topic or compression type.
         Misuse: unknown arguments, or ``max_inflight``/``timeout_ms`` below 1.
 
@@ -192,12 +196,9 @@ class DataCtx:
             self.bootstrap = resolve_bootstrap_servers(self.config, kafka_bootstrap_servers)
             self.workers = [] if self.bootstrap else _workers(
                 os.environ.get("PERSIA_EMBEDDING_WORKERS"), "PERSIA_EMBEDDING_WORKERS")
-        if not self.bootstrap and not self.workers:
-            raise ConfigError(
-                "DataCtx needs somewhere to send: no Kafka bootstrap servers and no "
-                "embedding workers", field="KAFKA_BOOTSTRAP_SERVERS",
-                hint="set KAFKA_BOOTSTRAP_SERVERS (Kafka) or PERSIA_EMBEDDING_WORKERS "
-                     "(broker-less), or pass them to DataCtx")
+        # Nowhere given: the workers' well-known local ports (the base is checked now).
+        self._base_port = (local_ports.base_port() if not self.bootstrap and not self.workers
+                           else None)
         overrides: dict[str, Any] = {k: v for k, v in (("samples_topic", topic),
                                        ("compression_type", compression_type)) if v}
         # replace() re-validates the section, so a bad topic or codec fails here, by name.
@@ -236,7 +237,7 @@ class DataCtx:
 
     def __repr__(self) -> str:
         where = (f"kafka {self.bootstrap} topic {self.topic!r}" if self.bootstrap
-                 else f"embedding workers {','.join(self.workers)}")
+                 else f"embedding workers {','.join(self.workers) or 'on local ports'}")
         return f"DataCtx({where}, max_inflight={self.max_inflight}, sent={self.sent})"
 
     # ----------------------------------------------------------------- lifecycle
@@ -266,6 +267,10 @@ class DataCtx:
                 else:
                     from stream_persia.loader.direct_sender import DirectSender
 
+                    if self._base_port is not None:
+                        self.workers = _run(loop, local_ports.find_local(
+                            "embedding-worker", timeout_s=self.startup_timeout_ms / 1000,
+                            base=self._base_port))
                     self._direct = DirectSender(
                         self.workers, loop, max_inflight=self.max_inflight,
                         timeout_ms=self.timeout_ms, first_worker=self._first_worker,

@@ -1,8 +1,9 @@
 """The NN worker's connections to the rest of the job, and the loop they run on.
 
 NN workers find embedding workers from ``embedding_workers=[...]`` or the environment
-(``PERSIA_EMBEDDING_WORKERS``, comma-separated ``host:port``) and the embedding servers
-from a worker's ``servers`` RPC. Every call runs on one :class:`~stream_persia.core.aio.
+(``PERSIA_EMBEDDING_WORKERS``, comma-separated ``host:port``), else (zero-config, one host)
+at their well-known local ports (:mod:`stream_persia.rpc.local_ports`), and the embedding
+servers from a worker's ``servers`` RPC. Every call runs on one :class:`~stream_persia.core.aio.
 LoopThread` owned by the context, so the synchronous training loop never blocks on the
 network except where it must wait for a result.
 """
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 
 from stream_persia.core.aio import LoopThread
 from stream_persia.errors import ConfigError, PeerUnavailable
-from stream_persia.rpc import RpcClient
+from stream_persia.rpc import RpcClient, local_ports
 
 __all__ = ["Cluster", "worker_addresses_from_env"]
 
@@ -35,23 +36,22 @@ class Cluster:
     """Clients for every embedding worker and embedding server, on one loop thread.
 
     Args:
-        worker_addresses: embedding workers (default: env ``PERSIA_EMBEDDING_WORKERS``).
+        worker_addresses: embedding workers (default: env ``PERSIA_EMBEDDING_WORKERS``,
+            else their well-known local ports, found by :meth:`start`).
         rpc_timeout_ms: default timeout of one call.
         ready_timeout_s: how long :meth:`start` waits for every role to answer.
         name: loop thread name.
 
     Raises:
-        ConfigError: no embedding worker address anywhere.
+        ConfigError: a bad ``PERSIA_BASE_PORT`` (with no worker address given).
     """
 
     def __init__(self, worker_addresses: list[str] | None = None, *,
                  rpc_timeout_ms: float = 30_000, ready_timeout_s: float = 300.0,
                  name: str = "nn-worker-rpc"):
         addresses = list(worker_addresses) if worker_addresses else worker_addresses_from_env()
-        if not addresses:
-            raise ConfigError("no embedding workers to talk to", field="PERSIA_EMBEDDING_WORKERS",
-                              hint="set PERSIA_EMBEDDING_WORKERS=host:port[,host:port...] or "
-                                   "pass embedding_workers=[...] to the context")
+        # None given: the workers' well-known local ports (the base is checked now).
+        self._base_port = local_ports.base_port() if not addresses else None
         self.worker_addresses = addresses
         self.server_addresses: list[str] = []
         self.rpc_timeout_ms = rpc_timeout_ms
@@ -78,6 +78,9 @@ class Cluster:
         self.run(self._start(need_servers))
 
     async def _start(self, need_servers: bool) -> None:
+        if self._base_port is not None and not self.worker_addresses:
+            self.worker_addresses = await local_ports.find_local(
+                "embedding-worker", timeout_s=self.ready_timeout_s, base=self._base_port)
         self.workers = [RpcClient(a, timeout_ms=self.rpc_timeout_ms,
                                   name=f"embedding worker {i}")
                         for i, a in enumerate(self.worker_addresses)]

@@ -103,11 +103,21 @@ def free_port() -> int:
 
 # ------------------------------------------------------------------ configuration
 
-def test_no_destination_names_the_variable():
-    with pytest.raises(ConfigError) as err:
-        DataCtx()
-    assert err.value.field == "KAFKA_BOOTSTRAP_SERVERS"
+def test_no_destination_looks_for_the_workers_on_their_well_known_local_ports(monkeypatch):
+    """Zero-config (issue 23): nothing given, ``start`` waits for embedding worker 0 on its
+    well-known port (``PERSIA_BASE_PORT`` + 100), then names it and the variables."""
+    base = free_port()   # a port no one listens on now: its +100 almost surely free too
+    monkeypatch.setenv("PERSIA_BASE_PORT", str(min(base, 65000)))
+    ctx = DataCtx(startup_timeout_ms=300)
+    assert ctx.mode == "direct"
+    with pytest.raises(PeerUnavailable) as err:
+        ctx.start()
+    assert f"127.0.0.1:{min(base, 65000) + 100}" in str(err.value)
     assert "PERSIA_EMBEDDING_WORKERS" in str(err.value)
+    monkeypatch.setenv("PERSIA_BASE_PORT", "80")
+    with pytest.raises(ConfigError) as cerr:
+        DataCtx()
+    assert cerr.value.field == "PERSIA_BASE_PORT"
 
 
 def test_destination_precedence_and_bad_arguments(monkeypatch):

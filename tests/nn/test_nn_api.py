@@ -148,13 +148,26 @@ def test_train_ctx_rejects_wrong_arguments():
     assert ctx.mixed_precision is False and ctx.grad_scaler is None
 
 
-def test_no_embedding_workers_is_a_config_error(monkeypatch):
+def test_no_embedding_workers_are_looked_for_on_their_well_known_local_ports(monkeypatch):
+    """Zero-config (issue 23): no address given, entering waits for embedding worker 0 on
+    its well-known port (``PERSIA_BASE_PORT`` + 100), then names it and the variables; a
+    bad base is a config error naming it."""
     monkeypatch.delenv("PERSIA_EMBEDDING_WORKERS", raising=False)
+    base = min(utils.find_free_port(), 65000)   # nothing listens there, nor (surely) at +100
+    monkeypatch.setenv("PERSIA_BASE_PORT", str(base))
     model = torch.nn.Linear(2, 1)
-    ctx = ctx_mod.TrainCtx(Adagrad(), torch.optim.SGD(model.parameters(), lr=0.1), model=model)
-    with pytest.raises(ConfigError) as err:
-        ctx.__enter__()
-    assert err.value.field == "PERSIA_EMBEDDING_WORKERS"
+    ctx = ctx_mod.TrainCtx(Adagrad(), torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                           ready_timeout_s=0.5)
+    with pytest.raises(PeerUnavailable) as err:
+        with ctx:
+            pass
+    assert f"127.0.0.1:{base + 100}" in str(err.value)
+    assert "PERSIA_EMBEDDING_WORKERS" in str(err.value)
+    monkeypatch.setenv("PERSIA_BASE_PORT", "nope")
+    with pytest.raises(ConfigError) as cerr:
+        ctx_mod.TrainCtx(Adagrad(), torch.optim.SGD(model.parameters(), lr=0.1),
+                         model=model).__enter__()
+    assert cerr.value.field == "PERSIA_BASE_PORT"
 
 
 def test_unreachable_worker_is_named_within_the_bound():
