@@ -60,6 +60,9 @@ def test_a_job_takes_its_periodic_checkpoints_at_the_configured_steps(tmp_path):
         verify(m.path)
         assert Path(m.path or "").name.startswith(f"periodic-step-{m.step:012d}-")
         assert {"dense.pt", "opt.pt"} <= set(m.files) and m.rows > 0
+        # the cut of any checkpoint: the stream position, and the update stream's
+        # position per server for serving replicas
+        assert m.stream == "direct" and m.model_updates, m
     logs = "\n".join(p.read_text(errors="replace") for p in out.rglob("*.log"))
     lines = re.findall(r"periodic checkpoint (\S+): step (\d+), (\d+) bytes, [\d.]+ s", logs)
     assert [int(step) for _, step, _ in lines] == [3, 6, 9], logs[-4000:]
