@@ -39,6 +39,9 @@ After each ``backward`` the rank looks at the checkpoint mailbox
 (:mod:`stream_persia.worker.mailbox`): a checkpoint started over HTTP is taken right there,
 at the same step on every rank, exactly as ``dump_checkpoint`` from the training script.
 Rank 0's heartbeats go out in the background, so a step never waits for the mailbox.
+Periodic checkpoints (``common_config.checkpointing_config.every_steps`` / ``every_s``,
+off by default) are taken there too, the same cut, decided by rank 0
+(:mod:`~stream_persia.nn.periodic`).
 There too, rank 0 publishes the dense model to embedding server 0 for serving replicas
 every ``model_updates.dense_every_steps`` steps or ``dense_interval_ms`` (and once more on
 a clean exit), in the background, without changing what training computes
