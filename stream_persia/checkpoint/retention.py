@@ -21,7 +21,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import datetime, timezone
 
 from stream_persia.checkpoint._common import Location
@@ -49,13 +49,17 @@ def expired(manifests: Sequence[Manifest], keep: int, protect: Collection[str] =
     return [m for m in old if Location(m.path or "").name not in protect]
 
 
-def prune_checkpoints(root: str, keep: int, protect: Collection[str] = ()) -> list[str]:
+def prune_checkpoints(root: str, keep: int, protect: Collection[str] = (),
+                      select: Callable[[Manifest], bool] | None = None) -> list[str]:
     """Delete the complete checkpoints right under ``root`` beyond the ``keep`` newest,
     except those named (directory name) in ``protect``; returns the names deleted.
+    ``select``: only the checkpoints it accepts are counted and deleted (periodic
+    checkpoints keep their own ``keep`` newest in a directory shared with others).
     Blocking. A checkpoint that cannot be deleted is logged and left."""
     loc = Location(root)
     found = [m for m in list_checkpoints(root)
-             if not (loc.local and os.path.islink(m.path or ""))]
+             if not (loc.local and os.path.islink(m.path or ""))
+             and (select is None or select(m))]
     deleted = []
     for m in expired(found, keep, protect):
         name = Location(m.path or "").name

@@ -7,7 +7,10 @@ PERSIA's keys and documented defaults::
       metrics_config: {enable_metrics: false, push_interval_sec: 10,   # true is refused:
                        job_name: persia_default_jobname}               # no push gateway
       checkpointing_config: {num_workers: 4,
-                             keep_checkpoints: 3}  # ours: kept under the API's directory
+                             keep_checkpoints: 3,  # ours: kept under the API's directory
+                             every_steps: null,    # ours: periodic checkpoints every this
+                             every_s: null,        #   many steps and/or seconds (null: off)
+                             periodic_dir: null}   #   into here (null: the API's directory)
       infer_config: {servers: [], embedding_checkpoint: null}   # a checkpoint is refused
     embedding_parameter_server_config:
       capacity: 1000000000               # embedding rows per server (LRU beyond it),
@@ -170,16 +173,52 @@ class CheckpointingConfig(_Section):
     takes, older ones beyond this number are deleted, never the model it serves nor one
     in use. 3 by default: the newest plus two to fall back on, since each holds every
     embedding row (as large as the servers' memory). 0 keeps them all (unbounded disk).
+
+    Periodic checkpoints (ours; :mod:`stream_persia.nn.periodic`), off unless
+    ``every_steps`` or ``every_s`` is set: NN rank 0 has every rank take the consistent
+    cut of an on-request checkpoint every ``every_steps`` training steps and/or every
+    ``every_s`` seconds, into ``periodic_dir`` (default: the job's checkpoint directory,
+    ``PERSIA_CHECKPOINT_DIR``, where the API lists, restores and serves them), and keeps
+    the ``keep_checkpoints`` newest periodic ones there (it deletes no other checkpoint).
     """
 
     num_workers: int = 4
     keep_checkpoints: int = 3
+    every_steps: int | None = None
+    every_s: float | None = None
+    periodic_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_int(self, "num_workers", lo=1, hi=1024)
         check_int(self, "keep_checkpoints", lo=0, hi=1_000_000,
                   hint="complete checkpoints kept under the checkpoint directory, e.g. 3; "
                        "0 keeps every one")
+        check_int(self, "every_steps", lo=1, hi=10**12, optional=True,
+                  hint="take a periodic checkpoint every this many training steps, e.g. "
+                       "1000; null (or no key): not by steps")
+        every_s = self.every_s
+        if every_s is not None:
+            if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) \
+                    or not 0 < every_s <= 365 * 86_400:
+                raise error("every_s", f"expected a number of seconds in (0, 31536000] or "
+                            f"null, got {describe(every_s)}",
+                            "take a periodic checkpoint every this many seconds, e.g. 600; "
+                            "null (or no key): not by time")
+            object.__setattr__(self, "every_s", float(every_s))
+        check_str(self, "periodic_dir", optional=True,
+                  hint="a directory or fsspec URL under the roles' checkpoint root")
+        if self.periodic_dir is not None and "::" in self.periodic_dir:
+            raise error("periodic_dir", f"{self.periodic_dir!r} is a chained URL",
+                        "give the storage URL itself")
+        if self.periodic_dir is not None and not self.periodic:
+            raise error("periodic_dir", "is set but neither every_steps nor every_s is: no "
+                        "periodic checkpoint would be taken",
+                        "set every_steps and/or every_s, or remove periodic_dir")
+
+    @property
+    def periodic(self) -> bool:
+        """Whether periodic checkpoints are on."""
+        return self.every_steps is not None or self.every_s is not None
 
 
 @dataclass(frozen=True)

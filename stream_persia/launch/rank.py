@@ -11,10 +11,16 @@ untrained batches and waits for its gradient pushes, and the script goes on from
 its loop; before it, there is nothing to drain and the script is unwound; after it,
 training is over and the script finishes its own work. Either way the rank exits 0. This module imports nothing heavy, so a stop that comes while the script
 still imports torch is handled too.
+
+Logging is set up as in every other role (``LOG_LEVEL``, which ``launch nn-worker`` sets
+from its ``--log-level``; info by default), so what stream-persia logs in a rank (a periodic
+checkpoint's line, say) reaches the role's log. A script that configures logging itself
+calls ``logging.basicConfig(..., force=True)``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import sys
@@ -28,6 +34,9 @@ def main(argv: list[str]) -> int:
         print("usage: python -m stream_persia.launch.rank SCRIPT [ARGS...]", file=sys.stderr)
         return 2
     entry = Path(argv[0])
+    level = os.environ.get("LOG_LEVEL", "info").strip().upper()
+    logging.basicConfig(level=getattr(logging, level, logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         # A stop file present already raises StopRequested right here.
         drain.install(stop_file=os.environ.get(STOP_FILE_ENV) or None,

@@ -409,7 +409,7 @@ def nn_worker(args: argparse.Namespace) -> int:
         env["PERSIA_GLOBAL_CONFIG"] = args.global_config
     if args.embedding_config:
         env["PERSIA_EMBEDDING_CONFIG"] = args.embedding_config
-    env["PERSIA_NN_WORKER_ENTRY"] = str(args.entry)
+    env["PERSIA_NN_WORKER_ENTRY"], env["LOG_LEVEL"] = str(args.entry), args.log_level  # ranks too
     stop_dir = Path(tempfile.mkdtemp(prefix="persia-nn-stop-"))
     stop_file = stop_dir / "stop"
     env[lifecycle.STOP_FILE_ENV] = str(stop_file)

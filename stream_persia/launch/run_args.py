@@ -12,7 +12,7 @@ import argparse
 import os
 from pathlib import Path
 
-from stream_persia.config import flags
+from stream_persia.config import flags, load_global_config
 from stream_persia.errors import ConfigError
 from stream_persia.launch.topology import Topology
 
@@ -109,8 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_topology(topo: Topology, args: argparse.Namespace) -> None:
-    """The topology's ``run:`` settings the roles will read, and flags that need a role the
-    topology does not start (ConfigError naming the file and key, or the flag)."""
+    """The topology's ``run:`` settings and its global config, which the roles will read,
+    and flags that need a role the topology does not start (ConfigError naming the file
+    and key, or the flag)."""
     file = topo.directory / "topology.yml"
     for key, parse in SETTINGS_TYPES.items():
         if key in topo.run and getattr(args, key) is None:
@@ -123,6 +124,9 @@ def check_topology(topo: Topology, args: argparse.Namespace) -> None:
                 raise ConfigError(f"{file}: run.{key}: {e}", field=f"run.{key}",
                                   hint=f"fix it there, or override it with "
                                        f"--{key.replace('_', '-')}") from None
+    # Every role reads the global config: a bad key (a periodic checkpoint setting, say)
+    # fails here, naming the file and the key, rather than in the roles once started.
+    load_global_config(topo.path(topo.global_config))
     if args.data is not None and not topo.data:
         raise ConfigError(f"--data: {topo.name} reads no dataset (its topology.yml has no "
                           "data: section)", field="--data", hint="drop --data")

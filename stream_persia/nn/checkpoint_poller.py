@@ -16,6 +16,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from stream_persia.errors import BadInput, Misuse, PersiaError
@@ -68,11 +69,15 @@ class NnCheckpointPoller:
         dump_kwargs: for :func:`stream_persia.nn.checkpointing.dump_checkpoint` (default:
             the TorchScript model too when the model can be scripted, so the API can serve
             the checkpoint without the model class).
+        periodic: rank 0's periodic checkpoint figures (:mod:`stream_persia.nn.periodic`),
+            relayed in each heartbeat; None: periodic checkpoints are off.
     """
 
     def __init__(self, ctx: TrainerSeam, *, every_steps: int = 10, min_interval_s: float = 0.5,
-                 dump_kwargs: dict[str, Any] | None = None):
+                 dump_kwargs: dict[str, Any] | None = None,
+                 periodic: Callable[[], dict[str, Any]] | None = None):
         self.ctx = ctx
+        self.periodic = periodic
         self.every_steps = max(1, int(every_steps))
         self.min_interval_s = float(min_interval_s)
         self.dump_kwargs = dict(dump_kwargs) if dump_kwargs is not None else {
@@ -104,6 +109,8 @@ class NnCheckpointPoller:
                                   "trained": self.ctx.trained_through}
         if self._figures is not None:
             params["progressive"] = self._figures
+        if self.periodic is not None:
+            params["periodic"] = self.periodic()
         return params
 
     def _progressive_state(self) -> tuple[list[dict[str, Any]], int] | None:

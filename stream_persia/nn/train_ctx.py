@@ -39,6 +39,9 @@ After each ``backward`` the rank looks at the checkpoint mailbox
 (:mod:`stream_persia.worker.mailbox`): a checkpoint started over HTTP is taken right there,
 at the same step on every rank, exactly as ``dump_checkpoint`` from the training script.
 Rank 0's heartbeats go out in the background, so a step never waits for the mailbox.
+Periodic checkpoints (``common_config.checkpointing_config.every_steps`` / ``every_s``,
+off by default) are taken there too, the same cut, decided by rank 0
+(:mod:`~stream_persia.nn.periodic`).
 There too, rank 0 publishes the dense model to embedding server 0 for serving replicas
 every ``model_updates.dense_every_steps`` steps or ``dense_interval_ms`` (and once more on
 a clean exit), in the background, without changing what training computes
@@ -68,7 +71,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stream_persia.config import ModelUpdatesConfig, ProgressiveConfig
+from stream_persia.config import CheckpointingConfig, ModelUpdatesConfig, ProgressiveConfig
 from stream_persia.core.embedding_config import EmbeddingConfig
 from stream_persia.core.lifecycle import drain
 from stream_persia.core.optim import Optimizer
@@ -81,6 +84,7 @@ from stream_persia.nn.distributed import DistributedBaseOption, get_default_dist
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
 from stream_persia.nn.env import get_rank, get_world_size
 from stream_persia.nn.loader import HELD, PUSHING, StreamPrefetcher, Ticket
+from stream_persia.nn.periodic import PeriodicCheckpoints, checkpointing_config, periodic_root
 from stream_persia.nn.progressive import ProgressiveValidation, progressive_config
 
 __all__ = ["TrainCtx"]
@@ -120,6 +124,10 @@ class TrainCtx(EmbeddingCtx):
             replicas (:mod:`~stream_persia.nn.dense_publisher`); default: the
             ``model_updates`` section of the job's global config (``PERSIA_GLOBAL_CONFIG``),
             else its defaults.
+        checkpointing: periodic checkpoints (:mod:`~stream_persia.nn.periodic`: every
+            ``every_steps`` steps and/or ``every_s`` seconds, taken at a step boundary on
+            every rank, as the same cut as ``dump_checkpoint``); default: the
+            ``common_config.checkpointing_config`` of the job's global config, else off.
         progressive: progressive validation (:mod:`~stream_persia.nn.progressive`): the
             predictions of every training batch's forward pass, made before its update,
             scored against its labels; read with :meth:`progressive`. Default: the
@@ -141,7 +149,8 @@ class TrainCtx(EmbeddingCtx):
                  embedding_workers: list[str] | None = None, ready_timeout_s: float = 300.0,
                  rpc_timeout_ms: float = 30_000, checkpoint_poll_steps: int = 10,
                  model_updates: ModelUpdatesConfig | None = None,
-                 progressive: ProgressiveConfig | None = None):
+                 progressive: ProgressiveConfig | None = None,
+                 checkpointing: CheckpointingConfig | None = None):
         super().__init__(PreprocessMode.TRAIN, model=model, embedding_config=embedding_config,
                          threadpool_worker_size=threadpool_worker_size, device_id=device_id,
                          embedding_workers=embedding_workers, ready_timeout_s=ready_timeout_s,
@@ -166,6 +175,9 @@ class TrainCtx(EmbeddingCtx):
         if model_updates is not None and not isinstance(model_updates, ModelUpdatesConfig):
             raise Misuse(f"model_updates must be a ModelUpdatesConfig, got "
                          f"{type(model_updates).__name__}", field="model_updates")
+        if checkpointing is not None and not isinstance(checkpointing, CheckpointingConfig):
+            raise Misuse(f"checkpointing must be a CheckpointingConfig, got "
+                         f"{type(checkpointing).__name__}", field="checkpointing")
         if progressive is not None and not isinstance(progressive, ProgressiveConfig):
             raise Misuse(f"progressive must be a ProgressiveConfig, got "
                          f"{type(progressive).__name__}", field="progressive")
@@ -198,6 +210,10 @@ class TrainCtx(EmbeddingCtx):
         # The inputs of the first batch trained (nn.batch.input_signature), for checkpoints.
         self.input_signature: dict[str, Any] | None = None
         self.checkpoint_poller: NnCheckpointPoller | None = None
+        self.checkpointing_config = checkpointing if checkpointing is not None \
+            else checkpointing_config()
+        #: the periodic checkpoints while entered (None: off)
+        self.periodic_checkpoints: PeriodicCheckpoints | None = None
         self.model_updates = model_updates if model_updates is not None \
             else model_updates_config()
         self.dense_publisher: DensePublisher | None = None
@@ -244,9 +260,16 @@ class TrainCtx(EmbeddingCtx):
                 self.progressive_validation = ProgressiveValidation(
                     pc.window_samples, self.world_size,
                     tasks=list(tasks) if isinstance(tasks, list | tuple) else None)
+            if self.checkpointing_config.periodic:
+                self.periodic_checkpoints = PeriodicCheckpoints(
+                    self, self.checkpointing_config,
+                    periodic_root(self.checkpointing_config),
+                    agree_steps=self.checkpoint_poll_steps or 10)
             if self.checkpoint_poll_steps:
                 self.checkpoint_poller = NnCheckpointPoller(
-                    self, every_steps=self.checkpoint_poll_steps)
+                    self, every_steps=self.checkpoint_poll_steps,
+                    periodic=(self.periodic_checkpoints.figures
+                              if self.periodic_checkpoints is not None else None))
                 self.checkpoint_poller.attach()
             if self.rank == 0 and self.model_updates.enabled and self.raw_model is not None:
                 self.dense_publisher = DensePublisher(
@@ -274,6 +297,7 @@ class TrainCtx(EmbeddingCtx):
 
     def _exit(self, clean: bool) -> None:
         poller, self.checkpoint_poller = self.checkpoint_poller, None
+        self.periodic_checkpoints = None
         leave_drain, self._leave_drain = self._leave_drain, None
         try:
             if self.cluster is not None:
@@ -462,6 +486,10 @@ class TrainCtx(EmbeddingCtx):
         # checkpoint_poll_steps steps with several ranks).
         if self.checkpoint_poller is not None:
             self.checkpoint_poller.step_boundary()
+        # Periodic checkpoints (checkpointing_config.every_steps / every_s): the same cut,
+        # decided by rank 0 and taken at the same step on every rank.
+        if self.periodic_checkpoints is not None:
+            self.periodic_checkpoints.step_boundary()
         if self.dense_publisher is not None:
             self.dense_publisher.step_boundary(self.steps, self.trained_through)
 

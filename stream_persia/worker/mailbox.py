@@ -9,11 +9,12 @@ and ``TrainCtx`` polls it through
 
 RPC methods (params → result):
 
-- ``nn_heartbeat {"rank", "world_size", "step", "trained"?, "progressive"?}`` →
-  ``{"checkpoint": {"id", "dst", "report_every_s"} | None}``: NN rank 0 calls it at step
-  boundaries (at most every ~0.5 s). ``trained`` and ``progressive`` are the figures it
-  relays for the worker to export (:mod:`stream_persia.worker.nn_relay`, which validates
-  them). The reply carries the pending request, again on every call until the rank
+- ``nn_heartbeat {"rank", "world_size", "step", "trained"?, "progressive"?,
+  "periodic"?}`` → ``{"checkpoint": {"id", "dst", "report_every_s"} | None}``: NN rank 0
+  calls it at step boundaries (at most every ~0.5 s). ``trained``, ``progressive`` and
+  ``periodic`` are the figures it relays for the worker to export
+  (:mod:`stream_persia.worker.nn_relay`, which validates them). The reply carries the
+  pending request, again on every call until the rank
   reports it ``running`` (so a lost reply loses nothing). Rank 0 then tells the other
   ranks (a broadcast), and every rank calls ``dump_checkpoint(dst)`` at the same step:
   the consistent cut of DESIGN §7.
@@ -31,8 +32,8 @@ RPC methods (params → result):
   "manifest"?, "error"?}`` → None: NN rank 0 reports progress and the outcome. A report of
   ``running`` with nothing else is a keepalive (the progress stays).
 - ``checkpoint_status {"id"}`` → the record or None; ``nn_status`` → ``{"rank",
-  "world_size", "step", "age_s", "detached", "trained", "progressive"}`` of the last
-  heartbeat, or None.
+  "world_size", "step", "age_s", "detached", "trained", "progressive", "periodic"}`` of the
+  last heartbeat, or None.
 
 A record: ``{"id", "dst", "state", "step", "progress", "manifest", "error",
 "requested_at", "updated_at", "report_timeout_s"}`` with ``state`` one of pending, running,
@@ -243,7 +244,8 @@ class CheckpointMailbox:
             return None
         return {"rank": hb["rank"], "world_size": hb["world_size"], "step": hb["step"],
                 "age_s": max(0.0, self._clock() - hb["at"]), "detached": hb["detached"],
-                "trained": hb["relay"]["trained"], "progressive": hb["relay"]["progressive"]}
+                "trained": hb["relay"]["trained"], "progressive": hb["relay"]["progressive"],
+                "periodic": hb["relay"]["periodic"]}
 
     def relay(self) -> tuple[NnRelay, float] | None:
         """What the last heartbeat relayed, and its age in seconds (None before one)."""

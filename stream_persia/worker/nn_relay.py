@@ -16,7 +16,12 @@ NN ranks are clients nothing scrapes, so rank 0 adds to its ``nn_heartbeat``
   and ``samples`` counts rank 0's only. ``TrainCtx.progressive()`` (every rank, the same
   step) and ``report.json`` ``progressive`` give the merged ones.
 
-Both are optional (an older NN sends neither) and validated (:func:`parse_relay`): at most
+- ``periodic``: ``{"taken", "skipped", "failed": int, "last_step": int | None,
+  "last_at": float | None (Unix time), "last_duration_s": float | None, "last_bytes": int |
+  None}``, rank 0's periodic checkpoints (:mod:`stream_persia.nn.periodic`), only when
+  they are on.
+
+All are optional (an older NN sends none) and validated (:func:`parse_relay`): at most
 :data:`MAX_TASKS` tasks, names of 1-:data:`MAX_TASK_CHARS` characters, finite floats, no
 unknown key; a bad one refuses the heartbeat with BadInput naming the field.
 
@@ -24,7 +29,11 @@ Worker 0 exports them (:class:`NnRelayCollector`): ``persia_nn_progressive_auc_r
 ``persia_nn_progressive_ne_ratio{task,window}``, ``persia_nn_progressive_calibration_ratio
 {task,window}``, ``persia_nn_progressive_log_loss_nats{task,window}`` (``window`` =
 ``windowed`` | ``lifetime``), ``persia_nn_progressive_samples_total{task}`` and
-``persia_nn_heartbeat_age_seconds``; the ``trained`` watermark goes with the worker's stage
+``persia_nn_heartbeat_age_seconds``; ``periodic`` as ``persia_nn_periodic_checkpoints_total
+{outcome}`` (``taken`` | ``skipped`` | ``failed``), ``persia_nn_periodic_checkpoint_last_step``,
+``persia_nn_periodic_checkpoint_last_timestamp_seconds``,
+``persia_nn_periodic_checkpoint_last_duration_seconds`` and
+``persia_nn_periodic_checkpoint_last_bytes``; the ``trained`` watermark goes with the worker's stage
 watermarks (:mod:`stream_persia.core.stages`). A figure not known (None) has no sample.
 The last heartbeat's figures stay exported after rank 0 stops, cleanly or killed (a
 final reading is worth keeping); ``persia_nn_heartbeat_age_seconds`` says how old they
@@ -45,7 +54,7 @@ from stream_persia.core.data import check_event_time
 from stream_persia.errors import BadInput
 
 __all__ = ["MAX_TASKS", "MAX_TASK_CHARS", "FIGURES", "NnRelay", "NnRelayCollector",
-           "parse_relay", "TaskFigures"]
+           "PeriodicFigures", "parse_relay", "TaskFigures"]
 
 MAX_TASKS = 64
 MAX_TASK_CHARS = 128
@@ -67,9 +76,24 @@ class TaskFigures(TypedDict, total=False):
     lifetime_log_loss: float | None
 
 
+class PeriodicFigures(TypedDict):
+    taken: int
+    skipped: int
+    failed: int
+    last_step: int | None
+    last_at: float | None
+    last_duration_s: float | None
+    last_bytes: int | None
+
+
+_PERIODIC_COUNTS = ("taken", "skipped", "failed")
+_PERIODIC_LAST = ("last_step", "last_at", "last_duration_s", "last_bytes")
+
+
 class NnRelay(TypedDict):
     trained: float | None
     progressive: dict[str, TaskFigures]
+    periodic: PeriodicFigures | None
 
 
 def _figure(value: Any, field: str) -> float | None:
@@ -88,18 +112,41 @@ def _count(value: Any, field: str) -> int:
     return value
 
 
+def _periodic(raw: Any) -> PeriodicFigures | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise BadInput(f"periodic must map figure -> value, got {type(raw).__name__}",
+                       field="periodic")
+    unknown = sorted(map(str, set(raw) - set(_PERIODIC_COUNTS) - set(_PERIODIC_LAST)))
+    if unknown:
+        raise BadInput(f"periodic has unknown figure(s) {unknown[:8]}",
+                       field=f"periodic.{unknown[0][:40]}",
+                       hint=", ".join((*_PERIODIC_COUNTS, *_PERIODIC_LAST)))
+    counts = {k: _count(raw.get(k, 0), f"periodic.{k}") for k in _PERIODIC_COUNTS}
+    step, size = (None if raw.get(k) is None else _count(raw[k], f"periodic.{k}")
+                  for k in ("last_step", "last_bytes"))
+    return {"taken": counts["taken"], "skipped": counts["skipped"],
+            "failed": counts["failed"], "last_step": step, "last_bytes": size,
+            "last_at": _figure(raw.get("last_at"), "periodic.last_at"),
+            "last_duration_s": _figure(raw.get("last_duration_s"),
+                                       "periodic.last_duration_s")}
+
+
 def parse_relay(params: dict[str, Any]) -> NnRelay:
-    """The ``trained`` and ``progressive`` of an ``nn_heartbeat``'s params, validated.
+    """The ``trained``, ``progressive`` and ``periodic`` of an ``nn_heartbeat``'s params,
+    validated.
 
     Raises:
         BadInput: naming the field (``trained``, ``progressive``,
-            ``progressive.<task>.<figure>``).
+            ``progressive.<task>.<figure>``, ``periodic.<figure>``).
     """
     trained = check_event_time(params.get("trained"), "trained")
+    periodic = _periodic(params.get("periodic"))
     raw = params.get("progressive")
     progressive: dict[str, TaskFigures] = {}
     if raw is None:
-        return {"trained": trained, "progressive": progressive}
+        return {"trained": trained, "progressive": progressive, "periodic": periodic}
     if not isinstance(raw, dict):
         raise BadInput(f"progressive must map task -> figures, got {type(raw).__name__}",
                        field="progressive")
@@ -126,7 +173,7 @@ def parse_relay(params: dict[str, Any]) -> NnRelay:
         for key in FIGURES:
             out[key] = _figure(figures.get(key), f"{where}.{key}")   # type: ignore[literal-required]
         progressive[task] = out
-    return {"trained": trained, "progressive": progressive}
+    return {"trained": trained, "progressive": progressive, "periodic": periodic}
 
 
 _WINDOWED = (("ne_ratio", "ne", "lifetime_ne"),
@@ -151,6 +198,7 @@ class NnRelayCollector(Collector):
         relay, age = got
         yield GaugeMetricFamily("persia_nn_heartbeat_age_seconds",
                                 "seconds since NN rank 0's last heartbeat", value=age)
+        yield from _periodic_families(relay.get("periodic"))
         tasks = relay["progressive"]
         if not tasks:
             return
@@ -174,3 +222,25 @@ class NnRelayCollector(Collector):
         for fam in (auc, samples, *windowed.values()):
             if fam.samples:
                 yield fam
+
+
+def _periodic_families(fig: PeriodicFigures | None) -> Iterable[Metric]:
+    if fig is None:
+        return
+    total = CounterMetricFamily("persia_nn_periodic_checkpoints", "periodic checkpoints of "
+                                "the NN ranks by outcome", labels=["outcome"])
+    for outcome in _PERIODIC_COUNTS:
+        total.add_metric([outcome], float(fig[outcome]))   # type: ignore[literal-required]
+    yield total
+    for name, key, doc in (("last_step", "last_step", "training step of the last periodic "
+                            "checkpoint"),
+                           ("last_timestamp_seconds", "last_at", "Unix time the last "
+                            "periodic checkpoint committed"),
+                           ("last_duration_seconds", "last_duration_s", "seconds the last "
+                            "periodic checkpoint took"),
+                           ("last_bytes", "last_bytes", "bytes of the last periodic "
+                            "checkpoint")):
+        value = fig[key]   # type: ignore[literal-required]
+        if value is not None:
+            yield GaugeMetricFamily(f"persia_nn_periodic_checkpoint_{name}", doc,
+                                    value=float(value))

@@ -47,7 +47,7 @@ async def test_a_request_is_offered_until_taken_then_reported():
     clock.now += 1.5
     assert await box.nn_status(None) == {"rank": 0, "world_size": 2, "step": 7, "age_s": 1.5,
                                          "detached": False, "trained": None,
-                                         "progressive": {}}
+                                         "progressive": {}, "periodic": None}
     rec = await box.request({"id": "a", "dst": "/c/a"})
     assert rec["state"] == "pending" and rec["step"] is None
     assert (await box.request({"id": "a", "dst": "/c/a"}))["id"] == "a"   # idempotent

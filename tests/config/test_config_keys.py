@@ -31,6 +31,7 @@ CONSUMER, PRODUCER = "stream_persia/kafka/consumer.py", "stream_persia/kafka/pro
 KAFKA_CONFIG, POOLING = "stream_persia/config/kafka.py", "stream_persia/worker/pooling.py"
 EMBEDDING = "stream_persia/config/embedding.py"
 TRAIN_CTX, DENSE_PUBLISHER = "stream_persia/nn/train_ctx.py", "stream_persia/nn/dense_publisher.py"
+PERIODIC = "stream_persia/nn/periodic.py"
 
 
 def _security(name: str) -> list[tuple[str, str]]:
@@ -43,7 +44,16 @@ READ: dict[str, list[tuple[str, str]]] = {
     "common_config.infer_config.servers": [(API_SETTINGS, r"infer_config\.servers")],
     "common_config.checkpointing_config.keep_checkpoints": [
         (API_SETTINGS, r"checkpointing_config\s*\.keep_checkpoints"),
-        ("api/checkpoints.py", r"settings\.keep_checkpoints")],
+        ("api/checkpoints.py", r"settings\.keep_checkpoints"),
+        (PERIODIC, r"self\.keep = config\.keep_checkpoints")],
+    # periodic checkpoints on the NN ranks (stream_persia/nn/periodic.py)
+    "common_config.checkpointing_config.every_steps": [
+        (TRAIN_CTX, r"if self\.checkpointing_config\.periodic:"),
+        (PERIODIC, r"self\.every_steps = config\.every_steps")],
+    "common_config.checkpointing_config.every_s": [
+        (PERIODIC, r"self\.every_s = config\.every_s")],
+    "common_config.checkpointing_config.periodic_dir": [
+        (PERIODIC, r"root = config\.periodic_dir or")],
     "embedding_parameter_server_config.capacity": [(LAUNCH, r"cfg\.capacity")],
     "embedding_parameter_server_config.restore_stage_ttl_s": [
         (LAUNCH, r"cfg\.restore_stage_ttl_s")],

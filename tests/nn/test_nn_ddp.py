@@ -19,6 +19,7 @@ import pytest
 import torch
 from nn_helpers import LEARNABLE_SCHEMA, learnable_batches
 
+from stream_persia.checkpoint import list_checkpoints
 from stream_persia.errors import ConfigError
 from stream_persia.launch.roles import nn_worker_command
 
@@ -29,8 +30,15 @@ def test_two_ranks_keep_identical_dense_parameters(job_factory, tmp_path):
     job = job_factory(LEARNABLE_SCHEMA)
     fed = 41     # odd: one rank would get one batch more without the stop agreement
     feeder = job.feed(learnable_batches(fed, 64))
+    # periodic checkpoints every 4 steps (issue 21): rank 0 decides, both ranks take the cut
+    # at the same step (a rank out of step would hang or fail the collectives)
+    ckpts = tmp_path / "periodic"
+    (tmp_path / "global_config.yml").write_text(
+        f"common_config:\n  checkpointing_config:\n    every_steps: 4\n"
+        f"    keep_checkpoints: 0\n    periodic_dir: {ckpts}\n")
     env = {**os.environ, "PERSIA_EMBEDDING_WORKERS": ",".join(job.worker_addresses),
            "PERSIA_NN_WORKER_ENTRY": str(HERE / "ddp_train.py"),
+           "PERSIA_GLOBAL_CONFIG": str(tmp_path / "global_config.yml"),
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-m", "stream_persia.launch.cli", "launch", "nn-worker",
@@ -56,6 +64,9 @@ def test_two_ranks_keep_identical_dense_parameters(job_factory, tmp_path):
     assert prog["samples"] == prog["window_samples"] == trained * 64 == len(p)
     pos, neg = p[y == 1][:, None], p[y == 0][None, :]
     assert prog["auc"] == pytest.approx(((pos > neg) + 0.5 * (pos == neg)).mean(), rel=1e-6)
+    taken = sorted(m.step for m in list_checkpoints(str(ckpts)))
+    assert taken == list(range(4, stats[0]["steps"] + 1, 4)), taken
+    assert all(m.extra["world_size"] == 2 for m in list_checkpoints(str(ckpts)))
 
 
 def _args(**kw) -> argparse.Namespace:
