@@ -44,6 +44,9 @@ _restore_env: dict[str, str | None] = {}
 #: Tansu 0.6's deviations from Kafka, named by the tests that meet them.
 TANSU_LIST_OFFSETS = ("Tansu 0.6 deviates from Kafka: ListOffsets 'latest' answers the last "
                       "record batch's base offset + 1, not the end of the log")
+TANSU_FETCH_ONE_PARTITION = ("Tansu 0.6 deviates from Kafka: a consumer behind on two "
+                             "partitions is served records of one of them only (the other "
+                             "got none in 20 s), so the other's lag in seconds stays unknown")
 TANSU_NO_IDEMPOTENCE = ("Tansu 0.6 deviates from Kafka: it refuses InitProducerId, so an "
                         "idempotent producer cannot start")
 
