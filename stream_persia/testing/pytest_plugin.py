@@ -67,8 +67,6 @@ def session_broker() -> str:
     return kind
 
 
-
-
 def deviates_on(broker: str, reason: str) -> pytest.MarkDecorator:
     """A strict xfail when the session's test broker is ``broker`` (``reason`` names the
     deviation from Kafka); nothing on the other brokers."""
