@@ -290,9 +290,9 @@ class Predictor:
         if kafka is None:
             self.replica.start()
             return
-        bootstrap, topic, security = kafka
+        bootstrap, topic, security, idempotent = kafka
         self._kafka = KafkaFollow(self.replica, bootstrap, topic, positions,
-                                  security_kwargs=security)
+                                  security_kwargs=security, enable_idempotence=idempotent)
         await self._kafka.start()
         self.replica.start(over_rpc=False)
 

@@ -97,18 +97,20 @@ class KafkaFollow:
         bootstrap_servers, topic: the brokers and ``<job>.model.updates``.
         positions: the manifest's ``model_updates`` (``offset`` where recorded).
         security_kwargs: aiokafka's security settings.
+        enable_idempotence: of the dead-letter writer's producer (``kafka.enable_idempotence``).
     """
 
     def __init__(self, replica: Replica, bootstrap_servers: str, topic: str,
                  positions: list[dict[str, Any]] | None, *,
                  security_kwargs: dict[str, Any] | None = None,
-                 startup_timeout_s: float = 60.0):
+                 startup_timeout_s: float = 60.0, enable_idempotence: bool = True):
         self.replica = replica
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.positions = positions
         self.security_kwargs = security_kwargs or {}
         self.startup_timeout_s = startup_timeout_s
+        self.enable_idempotence = enable_idempotence
         self._consumer: Any = None
         self._dense_key: tuple | None = None
         self._dense_parts: dict[int, bytes] = {}
@@ -151,7 +153,8 @@ class KafkaFollow:
                 await self._consumer.seek_to_beginning(tp)
         self._dlq = DeadLetterWriter(f"{self.topic}.dlq", bootstrap_servers=self.bootstrap_servers,
                                      security_kwargs=self.security_kwargs,
-                                     startup_timeout_s=self.startup_timeout_s)
+                                     startup_timeout_s=self.startup_timeout_s,
+                                     enable_idempotence=self.enable_idempotence)
         await self._dlq.start()
         self._task = asyncio.create_task(self._run(), name="replica-kafka")
 

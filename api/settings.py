@@ -32,7 +32,7 @@ from stream_persia.config import (
     KafkaConfig,
     load_embedding_config,
 )
-from stream_persia.config.kafka import resolve_bootstrap_servers
+from stream_persia.config.kafka import resolve_bootstrap_servers, resolve_idempotence
 from stream_persia.core.embedding_config import MAX_CAPACITY
 from stream_persia.core.hosts import is_loopback
 from stream_persia.errors import ConfigError
@@ -187,9 +187,10 @@ class ApiSettings:
     def _bootstrap(self) -> str | None:
         return resolve_bootstrap_servers(self.global_config, None)
 
-    def updates_kafka(self) -> tuple[str, str, dict[str, Any]] | None:
-        """(bootstrap servers, update topic, security settings) when a replica follows
-        Kafka (``updates`` kafka, or auto with brokers configured), else None (RPC)."""
+    def updates_kafka(self) -> tuple[str, str, dict[str, Any], bool] | None:
+        """(bootstrap servers, update topic, security settings, producer idempotence) when
+        a replica follows Kafka (``updates`` kafka, or auto with brokers configured), else
+        None (RPC)."""
         if self.updates == "rpc":
             return None
         bootstrap = self._bootstrap()
@@ -198,7 +199,8 @@ class ApiSettings:
         from stream_persia.kafka.updates import updates_topic
 
         kafka = self.global_config.kafka if self.global_config is not None else KafkaConfig()
-        return bootstrap, updates_topic(kafka.job_name), kafka.security_kwargs()
+        return (bootstrap, updates_topic(kafka.job_name), kafka.security_kwargs(),
+                resolve_idempotence(kafka))
 
     def replica_rows(self) -> int:
         """Rows a serving replica's table holds: ``table_rows``, else what the servers may

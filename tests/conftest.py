@@ -19,6 +19,4 @@ def pytest_report_header(config):
              f"{segments.IMPLEMENTATION}, worker segment sums: "
              f"{segments.SEGMENT_SUM_IMPLEMENTATION}"
              f" (STREAM_PERSIA_PURE_PYTHON={os.environ.get('STREAM_PERSIA_PURE_PYTHON', '')!r})"]
-    kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    lines.append(f"kafka test broker: {kafka or 'librdkafka mock cluster (started by the suite)'}")
     return lines

@@ -9,7 +9,9 @@ A ``consumer_group``/``group_id`` key is therefore refused rather than ignored.
 
 Bootstrap servers are resolved by :func:`resolve_bootstrap_servers` with the precedence
 explicit argument (CLI ``--kafka``) > environment ``KAFKA_BOOTSTRAP_SERVERS`` > file. None
-everywhere means the embedded, broker-less mode (DESIGN §8).
+everywhere means the embedded, broker-less mode (DESIGN §8). Producer idempotence
+(``enable_idempotence``) is resolved the same way by :func:`resolve_idempotence`: explicit
+argument (``run --no-kafka-idempotence``) > environment ``KAFKA_ENABLE_IDEMPOTENCE`` > file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from stream_persia.config._base import (
+    check_bool,
     check_choice,
     check_int,
     check_str,
@@ -29,9 +32,13 @@ from stream_persia.config._base import (
 )
 from stream_persia.errors import ConfigError, Misuse
 
-__all__ = ["KafkaConfig", "resolve_bootstrap_servers", "ENV_KAFKA_BOOTSTRAP_SERVERS"]
+__all__ = ["KafkaConfig", "resolve_bootstrap_servers", "resolve_idempotence",
+           "parse_switch", "ENV_KAFKA_BOOTSTRAP_SERVERS", "ENV_KAFKA_ENABLE_IDEMPOTENCE"]
 
 ENV_KAFKA_BOOTSTRAP_SERVERS = "KAFKA_BOOTSTRAP_SERVERS"
+ENV_KAFKA_ENABLE_IDEMPOTENCE = "KAFKA_ENABLE_IDEMPOTENCE"
+_SWITCH = {"true": True, "1": True, "yes": True, "on": True,
+           "false": False, "0": False, "no": False, "off": False}
 
 COMPRESSION_TYPES = ("none", "gzip", "snappy", "lz4", "zstd")
 ON_DATA_LOSS = ("fail", "skip")  # kafka.on_data_loss: see stream_persia.kafka.loss
@@ -92,6 +99,14 @@ class KafkaConfig:
         broker_timeout_ms: how long a running consumer or producer may go without any
             broker answering before it fails naming the bootstrap servers (aiokafka
             itself would retry forever).
+        enable_idempotence: every producer stream-persia starts (data loaders, dead-letter
+            writers, the model update stream) is idempotent (default true): the broker
+            drops a batch a producer retries after it had already written it. Off, a
+            retry (a lost acknowledgement, a broker restart) may write a batch twice,
+            and the embedding workers then train on it twice. Turn it off only for a
+            broker that refuses idempotent producers (Tansu 0.6 refuses aiokafka's
+            InitProducerId); the environment variable ``KAFKA_ENABLE_IDEMPOTENCE``
+            (true/false) overrides the file.
     """
 
     bootstrap_servers: str | None = None
@@ -113,6 +128,7 @@ class KafkaConfig:
     on_data_loss: str = "fail"
     startup_timeout_ms: int = 60_000
     broker_timeout_ms: int = 60_000
+    enable_idempotence: bool = True
 
     _REJECTED: ClassVar[dict[str, str]] = {
         k: _STATIC for k in ("consumer_group", "group_id", "group", "consumer_group_id",
@@ -144,6 +160,9 @@ class KafkaConfig:
         check_int(self, "startup_timeout_ms", lo=0, hi=86_400_000,
                   hint="0 tries once; e.g. 60000 waits up to a minute for the brokers")
         check_int(self, "broker_timeout_ms", lo=1000, hi=86_400_000)
+        check_bool(self, "enable_idempotence",
+                   hint="false only for a broker that refuses idempotent producers (a "
+                        "retry may then duplicate a batch)")
         for name in ("sasl_username", "sasl_password", "sasl_password_file", "ssl_cafile",
                      "ssl_certfile", "ssl_keyfile"):
             check_str(self, name, optional=True)
@@ -268,3 +287,38 @@ def resolve_bootstrap_servers(config: Any = None, cli_value: str | None = None) 
         raise Misuse(f"config must be a GlobalConfig, KafkaConfig or None, got "
                      f"{type(config).__name__}", field="config")
     return kafka.bootstrap_servers
+
+
+def parse_switch(raw: str, name: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no, on/off, any case) as a bool.
+
+    Raises:
+        ConfigError: naming ``name`` for anything else.
+    """
+    value = _SWITCH.get(raw.strip().lower())
+    if value is None:
+        raise ConfigError(f"{name} = {raw!r} is not true or false", field=name,
+                          hint="true or false (1/0, yes/no and on/off also work)")
+    return value
+
+
+def resolve_idempotence(config: Any = None, explicit: bool | None = None) -> bool:
+    """Whether producers are idempotent: ``explicit`` > env ``KAFKA_ENABLE_IDEMPOTENCE`` >
+    the file's ``kafka.enable_idempotence`` > true.
+
+    Args:
+        config: a ``GlobalConfig``, a :class:`KafkaConfig` or None.
+        explicit: a value given in code or by a flag; None when not given.
+    """
+    if explicit is not None:
+        return bool(explicit)
+    env = os.environ.get(ENV_KAFKA_ENABLE_IDEMPOTENCE, "")
+    if env.strip():
+        return parse_switch(env, ENV_KAFKA_ENABLE_IDEMPOTENCE)
+    kafka = getattr(config, "kafka", config)
+    if kafka is None:
+        return True
+    if not isinstance(kafka, KafkaConfig):
+        raise Misuse(f"config must be a GlobalConfig, KafkaConfig or None, got "
+                     f"{type(config).__name__}", field="config")
+    return kafka.enable_idempotence

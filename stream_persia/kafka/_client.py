@@ -1,5 +1,5 @@
 """Kafka clients: addresses, topic names, static partition assignment, topic metadata and
-the idempotent producer every writer starts (see :mod:`stream_persia.kafka`)."""
+the producer every writer starts (idempotent unless ``kafka.enable_idempotence`` is off) (see :mod:`stream_persia.kafka`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,19 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import (
+    AuthenticationFailedError,
+    KafkaConnectionError,
+    KafkaError,
+    SaslAuthenticationFailed,
+)
 
-from stream_persia.config.kafka import TOPIC_HINT, TOPIC_RE, resolve_bootstrap_servers
+from stream_persia.config.kafka import (
+    TOPIC_HINT,
+    TOPIC_RE,
+    resolve_bootstrap_servers,
+    resolve_idempotence,
+)
 from stream_persia.errors import BadInput, ConfigError, Misuse
 from stream_persia.kafka.liveness import (
     DEFAULT_STARTUP_TIMEOUT_S,
@@ -134,11 +145,19 @@ async def create_producer(bootstrap_servers: str | Iterable[str], *,
                           security_kwargs: Mapping[str, Any] | None = None,
                           client_id: str | None = "stream-persia",
                           startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                          enable_idempotence: bool | None = None,
                           **kwargs: Any) -> AIOKafkaProducer:
-    """Start an idempotent ``acks=all`` producer sized for ``max_message_bytes`` messages.
+    """Start an ``acks=all`` producer sized for ``max_message_bytes`` messages.
+
+    It is idempotent unless ``enable_idempotence`` is False (None: the environment's
+    ``KAFKA_ENABLE_IDEMPOTENCE``, else true; see
+    :func:`~stream_persia.config.kafka.resolve_idempotence`). Without idempotence a
+    retried send may write its batch twice.
 
     Raises:
-        ConfigError: a bad compression type, size or address (names the field).
+        ConfigError: a bad compression type, size or address (names the field); or the
+            broker refused an idempotent producer (names ``kafka.enable_idempotence`` and
+            how to turn it off).
         KafkaUnavailable: no broker answered within ``startup_timeout_s`` (a
             ``PeerUnavailable``).
     """
@@ -157,12 +176,36 @@ async def create_producer(bootstrap_servers: str | Iterable[str], *,
         raise ConfigError(f"kafka.max_batch_bytes = {max_message_bytes} is too small",
                           field="kafka.max_batch_bytes", hint="at least 1024")
     kw = client_kwargs(bootstrap_servers, security_kwargs, client_id)
-    kw.update(acks="all", enable_idempotence=True, compression_type=compression_type,
+    kw.update(acks="all", enable_idempotence=resolve_idempotence(None, enable_idempotence),
+              compression_type=compression_type,
               linger_ms=linger_ms, max_request_size=max_message_bytes + _REQUEST_OVERHEAD_BYTES,
               max_batch_size=min(max_message_bytes, 1024 * 1024))
     kw.update(kwargs)
-    return await start_client(lambda: AIOKafkaProducer(**kw), kw["bootstrap_servers"],
-                              timeout_s=startup_timeout_s)
+    try:
+        return await start_client(lambda: AIOKafkaProducer(**kw), kw["bootstrap_servers"],
+                                  timeout_s=startup_timeout_s)
+    except KafkaError as e:
+        if not kw["enable_idempotence"] or isinstance(e, _NOT_A_REFUSAL):
+            raise
+        raise idempotence_refused(bootstrap_servers, e) from e
+
+
+# Errors an idempotent producer's start can meet that are not the broker refusing
+# InitProducerId (the one request a plain producer's start does not make).
+_NOT_A_REFUSAL = (KafkaConnectionError, AuthenticationFailedError, SaslAuthenticationFailed)
+IDEMPOTENCE_HINT = ("if this broker cannot give producers an id (Tansu 0.6 refuses "
+                    "InitProducerId), turn producer idempotence off: "
+                    "kafka.enable_idempotence: false in global_config.yml, "
+                    "KAFKA_ENABLE_IDEMPOTENCE=false, or stream-persia run "
+                    "--no-kafka-idempotence (a retried send may then write a batch twice)")
+
+
+def idempotence_refused(servers: Any, error: BaseException) -> ConfigError:
+    """The error for a broker that refused to start an idempotent producer."""
+    where = servers if isinstance(servers, str) else ",".join(map(str, servers))
+    return ConfigError(f"the Kafka broker at {where} refused an idempotent producer "
+                       f"(InitProducerId failed: {error!r})", field="kafka.enable_idempotence",
+                       hint=IDEMPOTENCE_HINT)
 
 
 def encode_key(key: object) -> bytes | None:

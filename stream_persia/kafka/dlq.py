@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from aiokafka import AIOKafkaProducer, ConsumerRecord
 from aiokafka.errors import KafkaError
 
+from stream_persia.config.kafka import resolve_idempotence
 from stream_persia.core.backoff import wait_bounded
 from stream_persia.errors import BadInput
 from stream_persia.kafka._client import (
@@ -75,6 +76,7 @@ class DeadLetterWriter(ProducerUser):
         if producer is not None:
             return cls(kafka.dlq_topic, producer=producer, **kwargs)
         kwargs.setdefault("security_kwargs", kafka.security_kwargs())
+        kwargs.setdefault("enable_idempotence", resolve_idempotence(kafka))
         kwargs.setdefault("max_message_bytes", kafka.max_batch_bytes)
         kwargs.setdefault("startup_timeout_s", kafka.startup_timeout_ms / 1000)
         return cls(kafka.dlq_topic,

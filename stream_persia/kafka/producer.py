@@ -13,6 +13,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
+from stream_persia.config.kafka import resolve_idempotence
 from stream_persia.core.backoff import wait_bounded
 from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import (
@@ -79,6 +80,7 @@ class BatchProducer(ProducerUser):
         """A producer for ``kafka.samples_topic`` (``kafka`` is a ``KafkaConfig``;
         ``bootstrap_servers`` overrides it as ``--kafka`` does)."""
         kwargs.setdefault("compression_type", kafka.compression_type)
+        kwargs.setdefault("enable_idempotence", resolve_idempotence(kafka))
         kwargs.setdefault("max_message_bytes", kafka.max_batch_bytes)
         kwargs.setdefault("security_kwargs", kafka.security_kwargs())
         kwargs.setdefault("startup_timeout_s", kafka.startup_timeout_ms / 1000)

@@ -31,7 +31,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from stream_persia.config.kafka import resolve_bootstrap_servers
+from stream_persia.config.kafka import resolve_bootstrap_servers, resolve_idempotence
 from stream_persia.core import wire
 from stream_persia.core.backoff import wait_bounded
 from stream_persia.errors import BadInput, ConfigError, RemoteError
@@ -155,4 +155,5 @@ async def server_sink(gc: Any, replica_index: int, replica_size: int) -> UpdateS
     return UpdateSink(topic, replica_index, bootstrap_servers=bootstrap,
                       security_kwargs=gc.kafka.security_kwargs(),
                       max_message_bytes=gc.kafka.max_batch_bytes,
-                      startup_timeout_s=gc.kafka.startup_timeout_ms / 1000)
+                      startup_timeout_s=gc.kafka.startup_timeout_ms / 1000,
+                      enable_idempotence=resolve_idempotence(gc.kafka))

@@ -30,7 +30,8 @@ read, a gap, a truncated log) stops that partition, and the run ends with exit 1
 the topic, partitions and offsets, whatever the accuracy (``--on-data-loss skip`` accepts
 the loss: the run goes on and reports the messages lost). A broker that stops answering
 fails the roles that use it after ``--broker-timeout-s`` (``kafka.broker_timeout_ms``,
-default 60 s), naming it.
+default 60 s), naming it. A broker refusing idempotent producers (Tansu 0.6) stops the
+run at once (exit 2), naming ``--no-kafka-idempotence``.
 
 Exit status: 0 done (gates passed), 1 a role failed (or, with Kafka, data was lost),
 2 bad flags or topology, 3 an accuracy gate failed, 128 + the signal's number when stopped
@@ -53,6 +54,7 @@ from typing import Any
 
 import yaml
 
+from stream_persia.config.kafka import ENV_KAFKA_ENABLE_IDEMPOTENCE
 from stream_persia.core.supervisor import UNHEALTHY_MARK
 from stream_persia.errors import (
     ConfigError,
@@ -85,7 +87,7 @@ from stream_persia.launch.run_args import (
     check_args,
     check_topology,
 )
-from stream_persia.launch.samples_topic import ensure_topic, ensure_updates_topic
+from stream_persia.launch.samples_topic import check_idempotence, ensure_topic, ensure_updates_topic
 from stream_persia.launch.stop_signals import Stopped, StopSignals
 from stream_persia.launch.topology import Topology, load_topology
 from stream_persia.launch.watermark_watch import WatermarkWatch
@@ -151,6 +153,8 @@ class Job:
                                                      if a.concept_shift_at is not None else -1),
                "PYTHONPATH": os.pathsep.join(
                    [str(topo.directory)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+        if getattr(a, "no_kafka_idempotence", False):
+            env[ENV_KAFKA_ENABLE_IDEMPOTENCE] = "false"   # over an inherited one
         for key, var in SETTINGS_ENV.items():
             value = getattr(a, key, None)
             if value is None and key == "data" and topo.data.get("default"):
@@ -187,6 +191,8 @@ class Job:
             kafka["on_data_loss"] = self.args.on_data_loss
         if getattr(self.args, "broker_timeout_s", None) is not None:
             kafka["broker_timeout_ms"] = int(self.args.broker_timeout_s * 1000)
+        if getattr(self.args, "no_kafka_idempotence", False):
+            kafka["enable_idempotence"] = False
         data["kafka"] = kafka
         dst = self.out / "global_config.yml"
         dst.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -210,6 +216,8 @@ class Job:
         topo, a = self.topo, self.args
         n_servers = a.embedding_servers or topo.embedding_servers
         n_workers = a.embedding_workers or topo.embedding_workers
+        if a.kafka:
+            check_idempotence(a.kafka, self.env["PERSIA_GLOBAL_CONFIG"])
         if a.kafka and not getattr(a, "no_model_updates", False):
             ensure_updates_topic(a.kafka, self.env["PERSIA_GLOBAL_CONFIG"], n_servers)
         servers = [self._role("embedding-server",

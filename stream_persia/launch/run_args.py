@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from stream_persia.config import flags, load_global_config
+from stream_persia.config.kafka import ENV_KAFKA_ENABLE_IDEMPOTENCE, parse_switch
 from stream_persia.errors import ConfigError
 from stream_persia.launch.topology import Topology
 
@@ -63,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "deleted before they were read (kafka.on_data_loss): fail (default: "
                         "stop the partition, and the run fails naming it) or skip (count "
                         "the loss and go on)")
+    p.add_argument("--no-kafka-idempotence", action="store_true",
+                   help="with --kafka: producers without idempotence "
+                        "(kafka.enable_idempotence: false), for a broker that refuses "
+                        "idempotent producers (Tansu 0.6; run stops and names this flag "
+                        "when the broker refuses them); a retried send may then write a "
+                        "batch twice")
     p.add_argument("--broker-timeout-s", type=_seconds, default=None,
                    help="with --kafka: fail a role once no broker answered for this long "
                         "(kafka.broker_timeout_ms; default 60)")
@@ -148,8 +155,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--partitions only sets the partitions of a topic this run "
                           "creates (with --kafka and without --topic)", field="--partitions",
                           hint="drop --partitions" + (", or --topic" if args.topic else ""))
-    for flag in ("on_data_loss", "broker_timeout_s"):
-        if getattr(args, flag, None) is not None and not args.kafka:
+    for flag in ("on_data_loss", "broker_timeout_s", "no_kafka_idempotence"):
+        if getattr(args, flag, None) not in (None, False) and not args.kafka:
             name = "--" + flag.replace("_", "-")
             raise ConfigError(f"{name} applies to Kafka only", field=name,
                               hint="add --kafka BOOTSTRAP, or remove it")
@@ -157,6 +164,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--predict-samples predicts through the API, which --no-api "
                           "leaves out", field="--predict-samples",
                           hint="drop one of the two flags")
+    raw = os.environ.get(ENV_KAFKA_ENABLE_IDEMPOTENCE, "")
+    if raw.strip():
+        parse_switch(raw, ENV_KAFKA_ENABLE_IDEMPOTENCE)   # ConfigError naming it
     for key, var in SETTINGS_ENV.items():
         raw = os.environ.get(var, "").strip()
         if key in SETTINGS_TYPES and getattr(args, key) is None and raw:

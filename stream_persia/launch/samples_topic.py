@@ -7,7 +7,7 @@ import sys
 
 from stream_persia.errors import ConfigError
 
-__all__ = ["ensure_topic", "ensure_updates_topic"]
+__all__ = ["check_idempotence", "ensure_topic", "ensure_updates_topic"]
 
 
 def ensure_topic(bootstrap: str, topic: str, partitions: int, *, create: bool,
@@ -100,3 +100,36 @@ def ensure_updates_topic(bootstrap: str, global_config: str, servers: int) -> in
     job_name = load_global_config(global_config).kafka.job_name
     return ensure_topic(bootstrap, updates_topic(job_name), servers + 1, create=True,
                         min_partitions=servers + 1)
+
+
+def check_idempotence(bootstrap: str, global_config: str) -> None:
+    """Start (and stop) one producer as the roles will (idempotent unless the run's
+    ``global_config`` or ``KAFKA_ENABLE_IDEMPOTENCE`` turns it off), so that a broker
+    refusing idempotent producers stops the run before any role starts, naming the flag
+    that turns idempotence off.
+
+    Raises:
+        ConfigError: naming ``--no-kafka-idempotence`` when the broker refused it.
+    """
+    from stream_persia.config import load_global_config
+    from stream_persia.config.kafka import resolve_idempotence
+    from stream_persia.core import aio
+    from stream_persia.kafka import create_producer
+    from stream_persia.kafka.liveness import stop_client
+
+    enabled = resolve_idempotence(load_global_config(global_config))
+
+    async def go() -> None:
+        producer = await create_producer(bootstrap, enable_idempotence=enabled,
+                                         startup_timeout_s=10.0, client_id="stream-persia-run")
+        await stop_client(producer)
+
+    try:
+        aio.run(go())
+    except ConfigError as e:
+        if e.field != "kafka.enable_idempotence":
+            raise
+        raise ConfigError(f"--kafka {bootstrap}: {e.message}", field="--no-kafka-idempotence",
+                          hint="pass --no-kafka-idempotence to run with producers that are "
+                               "not idempotent (a retried send may then write a batch "
+                               "twice), or use a broker that supports them") from None

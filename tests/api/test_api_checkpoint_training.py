@@ -33,6 +33,7 @@ from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding.optim import SGD
 from stream_persia.kafka import BatchProducer, DeadLetterWriter, SampleConsumer
 from stream_persia.rpc import RpcClient
+from stream_persia.testing.pytest_plugin import TANSU_LIST_OFFSETS, deviates_on
 from stream_persia.testing.samples import make_batch
 from stream_persia.worker.ingest import KafkaIngest
 
@@ -85,6 +86,7 @@ def train(worker: str, metas: list, *, dense_from: str | None = None,
     return {"taken": taken, "dense": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
+@deviates_on("tansu", TANSU_LIST_OFFSETS)
 async def test_http_checkpoint_while_training_restores_exactly_once(kafka_topic, kafka_broker,
                                                                    tmp_path):
     topic = kafka_topic(partitions=2)

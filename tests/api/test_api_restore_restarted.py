@@ -20,6 +20,7 @@ from stream_persia.config import KafkaConfig
 from stream_persia.errors import ServerRestarted
 from stream_persia.kafka import BatchProducer, DeadLetterWriter, SampleConsumer
 from stream_persia.rpc import RpcClient
+from stream_persia.testing.pytest_plugin import TANSU_LIST_OFFSETS, deviates_on
 from stream_persia.testing.samples import make_batch
 from stream_persia.testing.servers import restarted
 from stream_persia.worker.ingest import KafkaIngest
@@ -61,6 +62,7 @@ async def wait_done(api: LiveApi, ident: str) -> dict:
             await asyncio.sleep(0.05)
 
 
+@deviates_on("tansu", TANSU_LIST_OFFSETS)
 async def test_a_restarted_server_refuses_checkpoints_and_a_restore_brings_the_job_back(
         kafka_broker, kafka_topic, tmp_path):
     topic = kafka_topic(partitions=1)

@@ -28,6 +28,7 @@ from stream_persia.kafka import (
     validate_topic,
 )
 from stream_persia.testing.kafka_mock import MockKafkaCluster
+from stream_persia.testing.pytest_plugin import TANSU_LIST_OFFSETS, deviates_on
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -148,6 +149,7 @@ async def test_two_replicas_read_their_own_partitions_exactly_once(kafka_broker,
             assert offsets == list(range(len(offsets)))
 
 
+@deviates_on("tansu", TANSU_LIST_OFFSETS)
 async def test_start_from_stored_offsets_resumes_exactly(kafka_broker, kafka_topic):
     topic = kafka_topic(2)
     await bounded(produce(kafka_broker.bootstrap_servers, topic,
@@ -235,6 +237,7 @@ async def test_missing_topic_and_too_many_replicas_are_config_errors(kafka_broke
         await bounded(consumer.start())
 
 
+@deviates_on("tansu", TANSU_LIST_OFFSETS)
 async def test_pause_stops_fetching_and_resume_restarts_it(kafka_broker, kafka_topic):
     topic = kafka_topic(2)
     bootstrap = kafka_broker.bootstrap_servers
@@ -257,6 +260,7 @@ async def test_pause_stops_fetching_and_resume_restarts_it(kafka_broker, kafka_t
         await consumer.stop()
 
 
+@deviates_on("tansu", TANSU_LIST_OFFSETS)
 async def test_lag_comes_from_end_offsets(kafka_broker, kafka_topic):
     topic = kafka_topic(1)
     await bounded(produce(kafka_broker.bootstrap_servers, topic, [(0, b"v")] * 10))

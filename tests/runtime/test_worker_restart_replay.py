@@ -29,6 +29,7 @@ from stream_persia.kafka import BatchProducer
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
 from stream_persia.server.shard_files import read_shard_file
+from stream_persia.testing.pytest_plugin import TANSU_LIST_OFFSETS, deviates_on
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 
 pytestmark = pytest.mark.kafka
@@ -92,6 +93,7 @@ def assert_rows_close(got: dict[int, bytes], want: dict[int, bytes]) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("way_back", ["reset_stream", "worker_started_after_the_restore"])
+@deviates_on("tansu", TANSU_LIST_OFFSETS)
 async def test_a_worker_restarted_alone_refuses_the_replay_and_a_restore_trains_once(
         tmp_path, kafka_broker, kafka_topic, way_back):
     topic = kafka_topic(partitions=1)

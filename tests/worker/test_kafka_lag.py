@@ -17,6 +17,7 @@ from stream_persia.config import KafkaConfig
 from stream_persia.kafka import BatchProducer, DeadLetterWriter, SampleConsumer
 from stream_persia.rpc import RpcClient
 from stream_persia.testing.kafka_mock import MockKafkaCluster
+from stream_persia.testing.pytest_plugin import TANSU_FETCH_ONE_PARTITION, deviates_on
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker.ingest import KafkaIngest
@@ -40,6 +41,7 @@ async def _until(check, what: str, timeout_s: float = 20.0):
 
 
 @pytest.mark.kafka
+@deviates_on("tansu", TANSU_FETCH_ONE_PARTITION)
 async def test_a_lagging_worker_reports_lag_in_messages_and_seconds_then_catches_up(
         kafka_broker, kafka_topic):
     topic = kafka_topic(partitions=2)

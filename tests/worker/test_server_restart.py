@@ -29,6 +29,7 @@ from stream_persia.kafka import BatchProducer, DeadLetterWriter, SampleConsumer
 from stream_persia.kernels.sharding import shard_of
 from stream_persia.rpc import RpcClient
 from stream_persia.server.service import EmbeddingServer
+from stream_persia.testing.pytest_plugin import TANSU_LIST_OFFSETS, deviates_on
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT, restarted, running_servers
 from stream_persia.worker.ingest import KafkaIngest
@@ -273,6 +274,7 @@ N, CUT = 10, 4
 
 
 @pytest.mark.kafka
+@deviates_on("tansu", TANSU_LIST_OFFSETS)
 async def test_a_worker_fails_loudly_then_a_restore_trains_every_batch_exactly_once(
         kafka_broker, kafka_topic, tmp_path):
     topic = kafka_topic(partitions=1)
