@@ -280,13 +280,8 @@ def resolve_bootstrap_servers(config: Any = None, cli_value: str | None = None) 
         except ConfigError as err:
             raise ConfigError(f"environment {err.message}", field=ENV_KAFKA_BOOTSTRAP_SERVERS,
                               hint=err.hint) from None
-    kafka = getattr(config, "kafka", config)
-    if kafka is None:
-        return None
-    if not isinstance(kafka, KafkaConfig):
-        raise Misuse(f"config must be a GlobalConfig, KafkaConfig or None, got "
-                     f"{type(config).__name__}", field="config")
-    return kafka.bootstrap_servers
+    kafka = _kafka_section(config)
+    return kafka.bootstrap_servers if kafka is not None else None
 
 
 def parse_switch(raw: str, name: str) -> bool:
@@ -315,10 +310,14 @@ def resolve_idempotence(config: Any = None, explicit: bool | None = None) -> boo
     env = os.environ.get(ENV_KAFKA_ENABLE_IDEMPOTENCE, "")
     if env.strip():
         return parse_switch(env, ENV_KAFKA_ENABLE_IDEMPOTENCE)
+    kafka = _kafka_section(config)
+    return kafka.enable_idempotence if kafka is not None else True
+
+
+def _kafka_section(config: Any) -> KafkaConfig | None:
+    """The :class:`KafkaConfig` of ``config`` (a ``GlobalConfig``, a KafkaConfig or None)."""
     kafka = getattr(config, "kafka", config)
-    if kafka is None:
-        return True
-    if not isinstance(kafka, KafkaConfig):
+    if kafka is not None and not isinstance(kafka, KafkaConfig):
         raise Misuse(f"config must be a GlobalConfig, KafkaConfig or None, got "
                      f"{type(config).__name__}", field="config")
-    return kafka.enable_idempotence
+    return kafka
