@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import IO
 
 from stream_persia.errors import ConfigError, InternalError, Misuse, PeerUnavailable, RemoteTimeout
+from stream_persia.testing.broker_process import BrokerProcess
 
 __all__ = ["MockKafkaCluster", "find_librdkafka"]
 
@@ -155,6 +156,8 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 class _Cluster:
     """The mock cluster, owned by the child process."""
+
+    WHAT = 'the mock Kafka cluster'
 
     def __init__(self, library: Path, brokers: int):
         self.lib = lib = ctypes.CDLL(str(library))
@@ -258,7 +261,7 @@ def _serve(argv: list[str] | None = None) -> int:
 
 # -------------------------------------------------------------------------- parent side
 
-class MockKafkaCluster:
+class MockKafkaCluster(BrokerProcess):
     """librdkafka's mock Kafka cluster, run as a child process on loopback.
 
     Example::
@@ -350,36 +353,6 @@ class MockKafkaCluster:
             self._stderr = None
             self._buf = b""
 
-    def kill(self) -> None:
-        """SIGKILL the broker, as a crash would (no more answers, no shutdown: a graceful
-        :meth:`stop` tears the partitions down first and can answer a last fetch with
-        OFFSET_OUT_OF_RANGE), then reap it."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self.stop()
-
-    def __enter__(self) -> MockKafkaCluster:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    # state -------------------------------------------------------------------------
-
-    @property
-    def bootstrap_servers(self) -> str:
-        """``host:port[,host:port...]`` of the brokers, all on 127.0.0.1."""
-        if self._bootstrap is None or self._proc is None:
-            raise Misuse("the mock Kafka cluster is not running", hint="call start() first")
-        return self._bootstrap
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     # control -----------------------------------------------------------------------
 

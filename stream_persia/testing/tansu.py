@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from stream_persia.errors import ConfigError, Misuse, PeerUnavailable, RemoteTimeout
+from stream_persia.testing.broker_process import BrokerProcess
 from stream_persia.testing.external_kafka import ExternalKafka
 
 __all__ = ["TansuBroker", "find_tansu", "TANSU_WHEEL"]
@@ -97,7 +98,7 @@ def _die_with_parent() -> None:   # runs in the child between fork and exec
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
-class TansuBroker:
+class TansuBroker(BrokerProcess):
     """Tansu with in-memory storage, as a child process listening on 127.0.0.1.
 
     Example::
@@ -115,6 +116,8 @@ class TansuBroker:
         binary: the Tansu executable (default :func:`find_tansu`).
         command_timeout_s: how long creating a topic may take.
     """
+
+    WHAT = 'the Tansu broker'
 
     def __init__(self, binary: str | Path | None = None, *, command_timeout_s: float = 30.0):
         self.binary = Path(binary) if binary is not None else find_tansu()
@@ -237,34 +240,6 @@ class TansuBroker:
             if proc.stdout is not None:
                 proc.stdout.close()
 
-    def kill(self) -> None:
-        """SIGKILL Tansu, as a crash would, then reap it (its data is gone)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self.stop()
-
-    def __enter__(self) -> TansuBroker:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    # state -------------------------------------------------------------------------
-
-    @property
-    def bootstrap_servers(self) -> str:
-        """``127.0.0.1:PORT``."""
-        if self._bootstrap is None or self._proc is None:
-            raise Misuse("the Tansu broker is not running", hint="call start() first")
-        return self._bootstrap
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     def log_tail(self) -> str:
         """The last lines Tansu wrote (at most 64 KiB)."""
