@@ -43,18 +43,30 @@ def checkpoint_and_wait(api_address: str, token: str, budget_s: float) -> str | 
     headers = {"Authorization": f"Bearer {token}"}
     deadline = time.monotonic() + budget_s
     try:
+        idle_conflicts = 0
         while True:
             left = max(0.1, deadline - time.monotonic())
             r = httpx.post(f"{base}/v1/checkpoints", headers=headers, json={},
                            timeout=min(10.0, left))
             # 409 while another checkpoint is being taken (the serving replica's first, or
             # one a user asked for): wait for it to end, then ask for ours, which must cut
-            # the training where it stops.
-            if r.status_code != 409 or time.monotonic() + 0.5 >= deadline \
-                    or not _checkpoint_busy(base, headers, min(10.0, left)):
+            # the training where it stops. The other one may end between our POST and the
+            # look at the list: then ask again at once (a 409 that persists with nothing
+            # being taken is a real refusal, said with its body below).
+            if r.status_code != 409 or time.monotonic() + 0.5 >= deadline:
                 break
-            time.sleep(0.5)
-        r.raise_for_status()
+            if _checkpoint_busy(base, headers, min(10.0, left)):
+                idle_conflicts = 0
+                time.sleep(0.5)
+            else:
+                idle_conflicts += 1
+                if idle_conflicts >= 3:
+                    break
+                time.sleep(0.1)
+        if r.status_code != 202:
+            print(f"stream-persia run: checkpoint on interrupt refused: HTTP "
+                  f"{r.status_code} {r.text[:300]}", file=sys.stderr)
+            return None
         ckpt_id = r.json()["id"]
         while time.monotonic() < deadline:
             left = max(0.1, deadline - time.monotonic())
