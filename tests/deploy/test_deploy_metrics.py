@@ -12,11 +12,13 @@ until the day it should have fired.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from monitoring import REPO, family, used_metric_names
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,12 +35,25 @@ def scraped_names(out: Path) -> dict[str, set[str]]:
     return where
 
 
+def _with_periodic_checkpoints(tmp_path: Path) -> Path:
+    """synthetic_ctr with periodic checkpoints on, so their metrics are exported too."""
+    topologies = tmp_path / "topologies"
+    shutil.copytree(REPO / "topologies", topologies,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.png"))
+    path = topologies / "synthetic_ctr" / "global_config.yml"
+    data = yaml.safe_load(path.read_text())
+    data["common_config"]["checkpointing_config"] = {"every_steps": 2}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return topologies / "synthetic_ctr"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_metric_named_by_an_alert_or_panel_is_exported(tmp_path, kafka_broker,
                                                              kafka_topic):
     topic = kafka_topic(2)
-    cmd = [sys.executable, "-m", "stream_persia.launch.cli", "run", "topologies/synthetic_ctr",
+    cmd = [sys.executable, "-m", "stream_persia.launch.cli", "run",
+           str(_with_periodic_checkpoints(tmp_path)),
            "--output-dir", str(tmp_path), "--samples", "4096", "--eval-samples", "1024",
            "--predict-samples", "256", "--no-gates", "--embedding-workers", "2",
            "--kafka", kafka_broker.bootstrap_servers, "--topic", topic]
