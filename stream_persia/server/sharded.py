@@ -37,8 +37,11 @@ What differs from one store of the same total capacity:
   shard in turn; evictions merged in order of version). The eviction log is split over the
   shards (``eviction_log // k`` entries each, at least 1), and ``complete`` is False when
   any shard's log no longer covers ``since``.
-- **Table policies** (issue 20) apply per shard: a group's ``max_rows`` and the sketch's
-  ``sketch_bytes`` are split as the capacity is (a cap at least 1 row per shard), a shard
+- **Table policies** (issue 20) apply per shard: a group's ``max_rows`` is split as the
+  capacity is (a cap at least 1 row per shard), each shard's frequency sketch gets
+  ``sketch_bytes // k`` bytes, so that the shards' sketches together stay within
+  ``sketch_bytes`` (a ``sketch_bytes`` under ``k`` times a store's least sketch,
+  ``MIN_SKETCH_BYTES``, is refused, naming it), a shard
   counts ``ttl_steps`` in the training lookups that had ids for it, and ``expire`` bounds
   each shard's work by ``max_rows``. ``set_policies`` and ``expire`` take one version when
   some shard evicts, none otherwise; ``policy_stats`` adds the shards' counters up.
@@ -96,6 +99,20 @@ def _check_shards(shards: Any, capacity: int) -> int:
     return shards
 
 
+def _shard_sketch_bytes(sketch_bytes: Any, k: int) -> int:
+    """Each of ``k`` shards' sketch: ``sketch_bytes // k``, so that the shards' sketches
+    together stay within ``sketch_bytes``; a BadInput naming ``sketch_bytes`` when that is
+    below a store's least sketch."""
+    total = _pol.check_sketch_bytes(sketch_bytes)
+    if total // k < _pol.MIN_SKETCH_BYTES:
+        raise BadInput(f"sketch_bytes {total} cannot be shared by {k} store threads: each "
+                       f"internal shard's frequency sketch takes at least "
+                       f"{_pol.MIN_SKETCH_BYTES} bytes", field="sketch_bytes",
+                       hint=f"raise admission.sketch_bytes to at least "
+                            f"{k * _pol.MIN_SKETCH_BYTES} or lower store_threads")
+    return total // k
+
+
 class ShardedStore:
     """``shards`` embedding stores behind one store interface (see the module docstring).
 
@@ -113,7 +130,7 @@ class ShardedStore:
         capacity = _py.check_capacity(capacity)
         k = _check_shards(shards, capacity)
         log = max(_py.check_eviction_log(eviction_log) // k, 1)
-        sketch = max(_pol.check_sketch_bytes(sketch_bytes) // k, _pol.MIN_SKETCH_BYTES)
+        sketch = _shard_sketch_bytes(sketch_bytes, k)
         self._capacity = capacity
         self._cver = 0
         self._stores = [store_type(capacity // k + (s < capacity % k), optimizer,
