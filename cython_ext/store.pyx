@@ -179,7 +179,9 @@ cdef class CEmbeddingStore:
     cdef uint32_t *obuf      # before the call (restored if it fails)
     cdef size_t gbuf_bytes, rbuf_bytes, zbuf_bytes, ebuf_bytes, obuf_bytes
     cdef int64_t n_lookups, n_misses, n_admissions, n_evictions, n_updates, n_dropped
-    cdef int64_t n_removals
+    cdef int64_t n_removals, n_nonfinite
+    cdef float *kbuf         # update's copy of a row before its step (see _step)
+    cdef size_t kbuf_bytes
     cdef int64_t cver        # change_version
     cdef int64_t vbase       # Entry.ver is a version less vbase (see _rebase)
     cdef int64_t reset_ver   # change_version of the last clear() or close()
@@ -240,6 +242,7 @@ cdef class CEmbeddingStore:
     def __dealloc__(self):
         _release(self)
         sp_free(self.ibuf, self.ibuf_bytes)
+        sp_free(self.kbuf, self.kbuf_bytes)
         free(self.pol)
 
     # --- public interface ------------------------------------------------------------------
@@ -385,6 +388,8 @@ cdef class CEmbeddingStore:
             _scratch(self, <void**>&self.rbuf, &self.rbuf_bytes, sizeof(float*) * n)
             _scratch(self, <void**>&self.ebuf, &self.ebuf_bytes, sizeof(int32_t) * n)
             _scratch(self, <void**>&self.obuf, &self.obuf_bytes, sizeof(uint32_t) * n)
+            # a row's weights and state (at most Adam's 2 dim + 2), kept for _step
+            _scratch(self, <void**>&self.kbuf, &self.kbuf_bytes, sizeof(float) * (3 * dim + 2))
             if self.ncompact:
                 _scratch(self, <void**>&self.ibuf, &self.ibuf_bytes, sizeof(float) * dim)
             with nogil:
@@ -452,11 +457,12 @@ cdef class CEmbeddingStore:
 
     def stats(self):
         """Counters: rows, capacity, lookups, misses, admissions, evictions, updates,
-        dropped_updates, removals."""
+        dropped_updates, removals, nonfinite_updates."""
         return {"rows": self.count, "capacity": self.capacity_, "lookups": self.n_lookups,
                 "misses": self.n_misses, "admissions": self.n_admissions,
                 "evictions": self.n_evictions, "updates": self.n_updates,
-                "dropped_updates": self.n_dropped, "removals": self.n_removals}
+                "dropped_updates": self.n_dropped, "removals": self.n_removals,
+                "nonfinite_updates": self.n_nonfinite}
 
     # --- table policies (issue 20; see PyEmbeddingStore) ------------------------------
 

@@ -368,7 +368,7 @@ class PyEmbeddingStore:
         self._arenas: dict[tuple[int, int], _Arena] = {}   # by (dim, dtype code)
         self._counts = dict.fromkeys(
             ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates",
-             "removals"), 0)
+             "removals", "nonfinite_updates"), 0)
         self._draws = 0
         self._version = 0
         self._closed = False
@@ -599,6 +599,13 @@ class PyEmbeddingStore:
 
         Gradients of the same id are summed first; ids not stored are dropped and counted;
         rows are then clamped to ±weight_bound. Errors leave the store unchanged.
+
+        A non-finite row of ``grads`` is a BadInput (nothing applied). Finite gradients of
+        one id may still add up to inf (float32 sums of a batch that names it many times),
+        and a finite sum may overflow the optimizer's state (``g * g``): such an id's row is
+        not stepped (it keeps its weights and state, and gets the call's version like the
+        others) and is counted in ``stats()["nonfinite_updates"]``, so no row ever holds
+        inf or NaN from an update.
         """
         self._open()
         ids = check_ids(ids)
@@ -631,12 +638,17 @@ class PyEmbeddingStore:
             mine = np.fromiter((s is arena for s in src), bool, len(src))
             uniq, inv = np.unique(rows[mine], return_inverse=True)
             g = np.zeros((len(uniq), dim), np.float32)
-            np.add.at(g, inv, grads[mine])  # in call order, from 0.0, like the C loop
-            w = arena.data[uniq, :dim]
-            s = arena.data[uniq, dim:]
-            self._opt.step(w, s, g)   # in float32, on the stored (rounded) weights
-            arena.data[uniq, :dim] = _rdt.round_weights(np.clip(w, -bound, bound), arena.code)
-            arena.data[uniq, dim:] = s
+            with np.errstate(over="ignore", invalid="ignore"):
+                np.add.at(g, inv, grads[mine])  # in call order, from 0.0, like the C loop
+                ok = np.isfinite(g).all(axis=1)
+                w = arena.data[uniq, :dim]
+                s = arena.data[uniq, dim:]
+                self._opt.step(w, s, g)   # in float32, on the stored (rounded) weights
+                w = np.clip(w, -bound, bound)
+            ok &= np.isfinite(w).all(axis=1) & np.isfinite(s).all(axis=1)
+            self._counts["nonfinite_updates"] += int((~ok).sum())
+            arena.data[uniq[ok], :dim] = _rdt.round_weights(w[ok], arena.code)
+            arena.data[uniq[ok], dim:] = s[ok]
             arena.ver[uniq] = self._cver
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
@@ -677,7 +689,8 @@ class PyEmbeddingStore:
 
     def stats(self) -> dict[str, int]:
         """Counters: rows, capacity, lookups, misses, admissions, evictions, updates,
-        dropped_updates, removals."""
+        dropped_updates, removals, nonfinite_updates (ids of updates whose summed gradient
+        or step was not finite: their rows were left as they were)."""
         return {"rows": len(self._lru), "capacity": self._capacity, **self._counts}
 
     # --- table policies (issue 20; semantics in the module docstring) --------------------
