@@ -518,6 +518,17 @@ cdef class CEmbeddingStore:
             self.busy = False
         return out
 
+    def sketch_state(self):
+        """``(counters, counted)``: a copy of the frequency sketch and its counts since the
+        last halving, or None without one; see ``PyEmbeddingStore.sketch_state``."""
+        _open(self)
+        if self.sketch == NULL:
+            return None
+        out = np.empty((SKETCH_DEPTH, <int64_t>1 << self.sk_bits), np.uint8)
+        cdef uint8_t[:, ::1] ov = out
+        memcpy(&ov[0, 0], self.sketch, (<size_t>SKETCH_DEPTH) << self.sk_bits)
+        return out, int(self.sk_count)
+
     def memory_bytes(self):
         """Bytes allocated for rows, entries (with their change versions), the hash table,
         block pointers, the eviction log, the dirty list, and the policies' sketch and
@@ -611,6 +622,9 @@ cdef class CEmbeddingStore:
                 if self.version != version:
                     raise Misuse("the embedding store changed while it was being dumped",
                                  hint="pause lookups and updates until dump() is exhausted")
+        sketch = self.sketch_state()
+        if sketch is not None:    # the frequency sketch's counts go with the rows
+            yield _pol.sketch_chunk(*sketch)
 
     def __iter__(self):
         return self.dump()
@@ -629,6 +643,9 @@ cdef class CEmbeddingStore:
         cdef bint has_state
         for chunk in chunks:
             dim, ids, weights, state = _py.check_chunk(chunk, self._opt_obj)
+            if "sketch" in chunk:
+                _merge_sketch(self, chunk)
+                continue
             n = len(ids)
             if n == 0:
                 continue

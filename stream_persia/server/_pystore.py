@@ -786,6 +786,23 @@ class PyEmbeddingStore:
             return np.zeros(len(ids), np.int64)
         return np.array([self._sketch.estimate(k) for k in ids.tolist()], np.int64)
 
+    def sketch_state(self) -> tuple[np.ndarray, int] | None:
+        """``(counters, counted)``: a copy of the frequency sketch (uint8 ``(SKETCH_DEPTH,
+        w)``) and its counts since the last halving; None without a sketch. ``dump`` ends
+        with it (:func:`policies.sketch_chunk`) and ``load`` merges it back."""
+        self._open()
+        if self._sketch is None:
+            return None
+        return self._sketch.counters.copy(), self._sketch.counted
+
+    def _merge_sketch(self, chunk: dict[str, Any]) -> None:
+        counters, counted, _ = _pol.check_sketch_chunk(chunk)
+        if self._sketch is None:
+            self._sketch = _pol.PySketch(self._sketch_bytes)
+        sk = self._sketch
+        _pol.merge_counters(sk.counters, counters)
+        sk.counted = min(max(sk.counted, counted), sk.width)
+
     def memory_bytes(self) -> int:
         """Bytes held by row storage, with each row's id and change version, and by the
         eviction log (16 bytes an entry; the dict and list overhead is not counted), and
@@ -810,7 +827,10 @@ class PyEmbeddingStore:
 
         Rows are taken in windows of ``chunk_rows`` in LRU order; each window yields one chunk
         per dim (dims in order of first appearance), ``{"dim", "ids" (uint64 (n,)),
-        "weights" (float32 (n, dim)), "state" (float32 (n, width)), "state_kind"}``.
+        "weights" (float32 (n, dim)), "state" (float32 (n, width)), "state_kind"}``. A
+        store with a frequency sketch then yields it as a chunk of no rows
+        (:func:`policies.sketch_chunk`), so that a checkpoint keeps the counts of ids not
+        yet admitted.
         Loading the chunks in order reproduces the recency order exactly within a dim.
         Changing the store while iterating raises Misuse.
         """
@@ -824,7 +844,7 @@ class PyEmbeddingStore:
         while True:
             window = [kv for _, kv in zip(range(chunk_rows), items, strict=False)]
             if not window:
-                return
+                break
             groups: dict[int, list[tuple[int, int]]] = {}
             for key, (arena, r) in window:
                 groups.setdefault(arena.dim, []).append((key, r))
@@ -838,6 +858,9 @@ class PyEmbeddingStore:
                 if self._version != version:
                     raise Misuse("the embedding store changed while it was being dumped",
                                  hint="pause lookups and updates until dump() is exhausted")
+        sketch = self.sketch_state()
+        if sketch is not None:     # the frequency sketch's counts go with the rows
+            yield _pol.sketch_chunk(*sketch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self.dump()
@@ -846,11 +869,18 @@ class PyEmbeddingStore:
         """Insert dumped rows (overwriting stored ids) as the most recently used, in order.
 
         A chunk without ``"state"`` gets the optimizer's initial state. A chunk is validated
-        as a whole before any of it is applied.
+        as a whole before any of it is applied. A sketch chunk (a dump's last, while its
+        store had a frequency sketch) is merged into this store's sketch
+        (:func:`policies.merge_counters`: no id's count goes down), which is made (within
+        ``sketch_bytes``) if the store has none yet: policies set after a restore find the
+        counts; a ``set_policies`` without a ``min_count`` drops it, as it drops any sketch.
         """
         self._open()
         for chunk in chunks:
             dim, ids, weights, state = check_chunk(chunk, self._opt)
+            if "sketch" in chunk:
+                self._merge_sketch(chunk)
+                continue
             keys = ids.tolist()
             for key in keys:
                 where = self._lru.get(key)

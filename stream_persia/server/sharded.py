@@ -29,7 +29,9 @@ What differs from one store of the same total capacity:
   their part of that call by then. (One store would have refused the whole update.)
 - ``dump`` yields each shard's rows in turn, least recently used first within a shard;
   ``load`` routes every chunk's rows to their shards in order. Dumps of either kind load
-  into either kind, at any ``k``.
+  into either kind, at any ``k``. Each shard's frequency sketch goes with its rows
+  (``sketch_part`` ``[s, k]``); a load at the same ``k`` gives each shard its own back,
+  at another ``k`` every shard merges them all (``policies``: no count goes down).
 - **Change tracking**: the sharded store keeps its own ``change_version``, counted by the
   rules of one store (``_pystore``'s docstring); before each mutating call it advances
   every shard to the version before the new one, so the shards stamp one version for one
@@ -373,9 +375,12 @@ class ShardedStore:
         return out
 
     def dump(self, chunk_rows: int = _py.DUMP_CHUNK_ROWS) -> Iterator[dict[str, Any]]:
-        """Every shard's chunks in turn (see the module docstring)."""
+        """Every shard's chunks in turn (see the module docstring); a shard's sketch chunk
+        says which shard of how many it is (``sketch_part``)."""
         dumps = [s.dump(chunk_rows) for s in self._stores]   # each checks chunk_rows now
-        return (chunk for d in dumps for chunk in d)
+        k = len(self._stores)
+        return ({**chunk, "sketch_part": [s, k]} if "sketch" in chunk else chunk
+                for s, d in enumerate(dumps) for chunk in d)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self.dump()
@@ -385,6 +390,9 @@ class ShardedStore:
         checked whole (shapes, dtypes, optimizer state) before any shard loads it."""
         for chunk in chunks:
             dim, ids, weights, state = _py.check_chunk(chunk, self.optimizer)
+            if "sketch" in chunk:
+                self._load_sketch(chunk)
+                continue
             if not len(ids):
                 continue
             owner = self._owner(ids)
@@ -392,6 +400,15 @@ class ShardedStore:
             self._next_version()
             kind = chunk.get("state_kind")
             self._map(partial(self._load_part, owner, dim, ids, weights, state, kind))
+
+    def _load_sketch(self, chunk: dict[str, Any]) -> None:
+        """A sketch chunk goes to the shard it came from when the dump had as many shards
+        (each gets its own sketch back), else to every shard (each merges it: no id is
+        counted lower than it was)."""
+        _, _, (j, k) = _pol.check_sketch_chunk(chunk)
+        self._open()
+        for s in ([j] if k == len(self._stores) else range(len(self._stores))):
+            self._stores[s].load([chunk])
 
     def _load_part(self, owner: np.ndarray, dim: int, ids: np.ndarray, weights: np.ndarray,
                    state: np.ndarray | None, kind: Any, s: int) -> None:
