@@ -179,7 +179,9 @@ cdef class CEmbeddingStore:
     cdef uint32_t *obuf      # before the call (restored if it fails)
     cdef size_t gbuf_bytes, rbuf_bytes, zbuf_bytes, ebuf_bytes, obuf_bytes
     cdef int64_t n_lookups, n_misses, n_admissions, n_evictions, n_updates, n_dropped
-    cdef int64_t n_removals
+    cdef int64_t n_removals, n_nonfinite
+    cdef float *kbuf         # update's copy of a row before its step (see _step)
+    cdef size_t kbuf_bytes
     cdef int64_t cver        # change_version
     cdef int64_t vbase       # Entry.ver is a version less vbase (see _rebase)
     cdef int64_t reset_ver   # change_version of the last clear() or close()
@@ -240,6 +242,7 @@ cdef class CEmbeddingStore:
     def __dealloc__(self):
         _release(self)
         sp_free(self.ibuf, self.ibuf_bytes)
+        sp_free(self.kbuf, self.kbuf_bytes)
         free(self.pol)
 
     # --- public interface ------------------------------------------------------------------
@@ -385,6 +388,8 @@ cdef class CEmbeddingStore:
             _scratch(self, <void**>&self.rbuf, &self.rbuf_bytes, sizeof(float*) * n)
             _scratch(self, <void**>&self.ebuf, &self.ebuf_bytes, sizeof(int32_t) * n)
             _scratch(self, <void**>&self.obuf, &self.obuf_bytes, sizeof(uint32_t) * n)
+            # a row's weights and state (at most Adam's 2 dim + 2), kept for _step
+            _scratch(self, <void**>&self.kbuf, &self.kbuf_bytes, sizeof(float) * (3 * dim + 2))
             if self.ncompact:
                 _scratch(self, <void**>&self.ibuf, &self.ibuf_bytes, sizeof(float) * dim)
             with nogil:
@@ -452,11 +457,12 @@ cdef class CEmbeddingStore:
 
     def stats(self):
         """Counters: rows, capacity, lookups, misses, admissions, evictions, updates,
-        dropped_updates, removals."""
+        dropped_updates, removals, nonfinite_updates."""
         return {"rows": self.count, "capacity": self.capacity_, "lookups": self.n_lookups,
                 "misses": self.n_misses, "admissions": self.n_admissions,
                 "evictions": self.n_evictions, "updates": self.n_updates,
-                "dropped_updates": self.n_dropped, "removals": self.n_removals}
+                "dropped_updates": self.n_dropped, "removals": self.n_removals,
+                "nonfinite_updates": self.n_nonfinite}
 
     # --- table policies (issue 20; see PyEmbeddingStore) ------------------------------
 
@@ -511,6 +517,17 @@ cdef class CEmbeddingStore:
         finally:
             self.busy = False
         return out
+
+    def sketch_state(self):
+        """``(counters, counted)``: a copy of the frequency sketch and its counts since the
+        last halving, or None without one; see ``PyEmbeddingStore.sketch_state``."""
+        _open(self)
+        if self.sketch == NULL:
+            return None
+        out = np.empty((SKETCH_DEPTH, <int64_t>1 << self.sk_bits), np.uint8)
+        cdef uint8_t[:, ::1] ov = out
+        memcpy(&ov[0, 0], self.sketch, (<size_t>SKETCH_DEPTH) << self.sk_bits)
+        return out, int(self.sk_count)
 
     def memory_bytes(self):
         """Bytes allocated for rows, entries (with their change versions), the hash table,
@@ -605,6 +622,9 @@ cdef class CEmbeddingStore:
                 if self.version != version:
                     raise Misuse("the embedding store changed while it was being dumped",
                                  hint="pause lookups and updates until dump() is exhausted")
+        sketch = self.sketch_state()
+        if sketch is not None:    # the frequency sketch's counts go with the rows
+            yield _pol.sketch_chunk(*sketch)
 
     def __iter__(self):
         return self.dump()
@@ -623,6 +643,9 @@ cdef class CEmbeddingStore:
         cdef bint has_state
         for chunk in chunks:
             dim, ids, weights, state = _py.check_chunk(chunk, self._opt_obj)
+            if "sketch" in chunk:
+                _merge_sketch(self, chunk)
+                continue
             n = len(ids)
             if n == 0:
                 continue

@@ -230,7 +230,7 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
     cdef Arena *xa
     cdef float *row
     cdef int64_t dropped = 0
-    cdef int lines = (dim + (self.arenas[ai].width if ai >= 0 else 0) + 15) // 16, j
+    cdef int lines = (dim + (self.arenas[ai].width if ai >= 0 else 0) + 15) // 16, j, width
     cdef uint32_t bad = 0
     # Pass 1: resolve ids, sum the gradients of each stored id (in call order, from 0),
     # and check that every gradient is finite (on the same read of grads).
@@ -279,17 +279,35 @@ cdef int _update(CEmbeddingStore self, const uint64_t *keys, const float *g, int
         self.pol[_policy_of(self, keys[self.ebuf[n - 1 - i]])].dropped += 1
     self.version += 1
     _bump(self)
-    # Pass 2: one optimizer step per stored id.
+    # Pass 2: one optimizer step per stored id (none where its sum or step is not finite).
     if self.ncompact:
         _apply_compact(self, nu, dim, lines)
         return OK
+    width = self.arenas[ai].width if ai >= 0 else 0
     for u in range(nu):
         if u + PF_ROW < nu:
             for j in range(lines):
                 sp_prefetch(self.rbuf[u + PF_ROW] + 16 * j)
-        sp_apply(&self.opt, self.rbuf[u], self.rbuf[u] + dim,
-                 self.gbuf + <int64_t>u * dim, dim)
+        if _step(self, self.rbuf[u], self.gbuf + <int64_t>u * dim, dim, width):
+            self.n_nonfinite += 1
     return OK
+
+
+cdef inline bint _step(CEmbeddingStore self, float *row, float *g, int dim,
+                       int width) noexcept nogil:
+    """One optimizer step (and the clamp) of a float32 row with its summed gradient ``g``,
+    unless ``g`` or the step's result (weights or state) is not finite: then the row keeps
+    its values and the result is True. Finite gradients of one id can add up to inf (a
+    batch naming it many times), and a finite one can overflow the state (g * g): neither
+    may leave inf or NaN in a row (the clamp turns inf weights into the bound, not NaN)."""
+    if sp_nonfinite_bits(g, dim):
+        return True
+    memcpy(self.kbuf, row, sizeof(float) * (dim + width))
+    sp_apply(&self.opt, row, row + dim, g, dim)
+    if sp_nonfinite_bits(row, dim + width):
+        memcpy(row, self.kbuf, sizeof(float) * (dim + width))
+        return True
+    return False
 
 
 cdef void _apply_compact(CEmbeddingStore self, int32_t nu, int dim, int lines) noexcept nogil:
@@ -300,6 +318,7 @@ cdef void _apply_compact(CEmbeddingStore self, int32_t nu, int dim, int lines) n
     cdef int j
     cdef Arena *xa
     cdef float *row
+    cdef float *g
     for u in range(nu):
         if u + PF_ROW < nu:   # as pass 2 does (a compact row has fewer lines: no harm)
             for j in range(lines):
@@ -307,12 +326,21 @@ cdef void _apply_compact(CEmbeddingStore self, int32_t nu, int dim, int lines) n
             sp_prefetch(&self.entries[self.ebuf[u + PF_ROW]])
         xa = &self.arenas[self.entries[self.ebuf[u]].arena]
         row = self.rbuf[u]
+        g = self.gbuf + <int64_t>u * dim
         if xa.dtype == 0:
-            sp_apply(&self.opt, row, row + dim, self.gbuf + <int64_t>u * dim, dim)
-        else:
+            if _step(self, row, g, dim, xa.width):
+                self.n_nonfinite += 1
+        elif sp_nonfinite_bits(g, dim):
+            self.n_nonfinite += 1
+        else:   # as _step: the weights stay in the row until narrowed, the state is kept
             sp_widen(self.ibuf, row, dim, xa.dtype)
-            sp_apply(&self.opt, self.ibuf, row + xa.wlen, self.gbuf + <int64_t>u * dim, dim)
-            sp_narrow(row, self.ibuf, dim, xa.dtype)
+            memcpy(self.kbuf, row + xa.wlen, sizeof(float) * xa.width)
+            sp_apply(&self.opt, self.ibuf, row + xa.wlen, g, dim)
+            if sp_nonfinite_bits(self.ibuf, dim) | sp_nonfinite_bits(row + xa.wlen, xa.width):
+                memcpy(row + xa.wlen, self.kbuf, sizeof(float) * xa.width)
+                self.n_nonfinite += 1
+            else:
+                sp_narrow(row, self.ibuf, dim, xa.dtype)
 
 
 cdef void _unstamp(CEmbeddingStore self, int32_t nu) noexcept nogil:

@@ -220,8 +220,9 @@ SP_KERNEL void sp_apply(const SpOpt *o, float *restrict w, float *restrict s,
    float16: numpy's float->half (subnormals, NaN stays NaN with its top payload bits and
    the quiet bit set); a finite value beyond +-65504 SATURATES to +-65504 (and so does an
    infinity) rather than becoming inf: a stored row stays finite whatever weight_bound is.
-   bfloat16: the top 16 bits rounded to nearest even (overflow past the largest bfloat16
-   to inf, as IEEE rounds); a NaN keeps its top bits with the quiet bit set. */
+   bfloat16: the top 16 bits rounded to nearest even; a value that rounds past the largest
+   bfloat16 (+-3.3895e38: float32 values from about +-3.3961e38 up) SATURATES to it, and so
+   does an infinity, as float16's; a NaN keeps its top bits with the quiet bit set. */
 static inline uint16_t sp_f2h(uint32_t f) {
     uint32_t sgn = (f >> 16) & 0x8000u, e = f & 0x7f800000u, sig;
     if (e == 0x7f800000u && (f & 0x007fffffu))
@@ -259,9 +260,13 @@ static inline float sp_h2f(uint16_t h) {
     return f;
 }
 static inline uint16_t sp_f2b(uint32_t f) {
+    uint32_t r;
     if ((f & 0x7f800000u) == 0x7f800000u && (f & 0x007fffffu))
         return (uint16_t)((f >> 16) | 0x0040u);
-    return (uint16_t)((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
+    r = (f + 0x7fffu + ((f >> 16) & 1u)) >> 16;
+    if ((r & 0x7f80u) == 0x7f80u)      /* rounded past the largest bfloat16 (or an inf): */
+        r = (r & 0x8000u) | 0x7f7fu;   /* saturate to +-3.3895e38 */
+    return (uint16_t)r;
 }
 /* d weights of a row: float32 -> the row's dtype (dt 1 or 2) and back. Vectorised where
    the CPU allows (the results are the scalar routines' bit for bit: tests/server/
@@ -305,7 +310,8 @@ static void sp_narrow(void *restrict dst, const float *restrict src, int d, int 
 #if defined(__SSE2__)
         const __m128i one = _mm_set1_epi32(1), bias = _mm_set1_epi32(0x7fff),
                       absm = _mm_set1_epi32(0x7fffffff), inf = _mm_set1_epi32(0x7f800000),
-                      quiet = _mm_set1_epi32(0x00400000);
+                      quiet = _mm_set1_epi32(0x00400000),
+                      bmax = _mm_set1_epi32(0x7f7f0000);
         for (; j + 8 <= d; j += 8) {
             __m128i r[2];
             int k;
@@ -314,6 +320,10 @@ static void sp_narrow(void *restrict dst, const float *restrict src, int d, int 
                 __m128i up = _mm_add_epi32(x, _mm_add_epi32(
                     bias, _mm_and_si128(_mm_srli_epi32(x, 16), one)));
                 __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(x, absm), inf);
+                /* rounded to the all-ones exponent (not a NaN): saturate, as sp_f2b */
+                __m128i ovf = _mm_andnot_si128(nan, _mm_cmpeq_epi32(_mm_and_si128(up, inf), inf));
+                up = _mm_or_si128(_mm_andnot_si128(ovf, up), _mm_and_si128(ovf, _mm_or_si128(
+                    _mm_andnot_si128(absm, x), bmax)));
                 up = _mm_or_si128(_mm_andnot_si128(nan, up),
                                   _mm_and_si128(nan, _mm_or_si128(x, quiet)));
                 r[k] = _mm_srai_epi32(up, 16);   /* sign-extended: packs keeps the bits */

@@ -388,6 +388,27 @@ cdef inline void _relink(CEmbeddingStore self, int32_t e) noexcept nogil:
     P.head = e
 
 
+cdef _merge_sketch(CEmbeddingStore self, chunk):
+    """A dump's sketch chunk (policies.sketch_chunk) merged into the sketch, which is made
+    if the store has none (see PyEmbeddingStore.load)."""
+    cdef size_t sk_bytes = (<size_t>SKETCH_DEPTH) << self.sk_bits
+    cdef uint8_t *sketch
+    cdef uint8_t[:, ::1] mv
+    counters, counted, _ = _pol.check_sketch_chunk(chunk)
+    if self.sketch == NULL:
+        sketch = <uint8_t*>sp_alloc(sk_bytes, sk_bytes >= BLOCK_BYTES)
+        if sketch == NULL:
+            raise MemoryError()
+        memset(sketch, 0, sk_bytes)
+        self.sketch = sketch
+        self.sk_count = 0
+    into, have = self.sketch_state()
+    _pol.merge_counters(into, counters)
+    mv = into
+    memcpy(self.sketch, &mv[0, 0], sk_bytes)
+    self.sk_count = min(max(have, counted), <int64_t>1 << self.sk_bits)
+
+
 cdef void _free_sketch(CEmbeddingStore self) noexcept nogil:
     if self.sketch != NULL:
         sp_free(self.sketch, (<size_t>SKETCH_DEPTH) << self.sk_bits)

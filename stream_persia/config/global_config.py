@@ -576,7 +576,9 @@ class AdmissionConfig(_Section):
     Args:
         sketch_bytes: memory of each embedding server's count-min sketch, which counts the
             training lookups of ids not yet admitted; more bytes, fewer ids admitted early
-            by a collision (the bound is in the store's docstring).
+            by a collision (the bound is in the store's docstring). It bounds the server
+            whole: each of its ``store_threads`` internal shards gets ``sketch_bytes //
+            store_threads``, at least ``MIN_SKETCH_BYTES`` (GlobalConfig checks it).
     """
 
     sketch_bytes: int = SKETCH_BYTES
@@ -618,6 +620,16 @@ class GlobalConfig(_Section):
     def __post_init__(self) -> None:
         for name, cls in self._NESTED.items():
             check_instance(self, name, cls)
+        # Each internal shard of a server's store has a sketch of its own, within the
+        # server's sketch_bytes (server.sharded): each needs at least MIN_SKETCH_BYTES.
+        threads = self.embedding_parameter_server_config.store_threads
+        if self.admission.sketch_bytes // threads < MIN_SKETCH_BYTES:
+            raise error("admission.sketch_bytes",
+                        f"{self.admission.sketch_bytes} bytes cannot be shared by the "
+                        f"{threads} store_threads of embedding_parameter_server_config: each "
+                        f"internal shard's sketch takes at least {MIN_SKETCH_BYTES} bytes",
+                        f"raise it to at least {threads * MIN_SKETCH_BYTES} or lower "
+                        f"store_threads")
 
     @property
     def job_type(self) -> str:

@@ -368,7 +368,7 @@ class PyEmbeddingStore:
         self._arenas: dict[tuple[int, int], _Arena] = {}   # by (dim, dtype code)
         self._counts = dict.fromkeys(
             ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates",
-             "removals"), 0)
+             "removals", "nonfinite_updates"), 0)
         self._draws = 0
         self._version = 0
         self._closed = False
@@ -599,6 +599,13 @@ class PyEmbeddingStore:
 
         Gradients of the same id are summed first; ids not stored are dropped and counted;
         rows are then clamped to ±weight_bound. Errors leave the store unchanged.
+
+        A non-finite row of ``grads`` is a BadInput (nothing applied). Finite gradients of
+        one id may still add up to inf (float32 sums of a batch that names it many times),
+        and a finite sum may overflow the optimizer's state (``g * g``): such an id's row is
+        not stepped (it keeps its weights and state, and gets the call's version like the
+        others) and is counted in ``stats()["nonfinite_updates"]``, so no row ever holds
+        inf or NaN from an update.
         """
         self._open()
         ids = check_ids(ids)
@@ -631,12 +638,17 @@ class PyEmbeddingStore:
             mine = np.fromiter((s is arena for s in src), bool, len(src))
             uniq, inv = np.unique(rows[mine], return_inverse=True)
             g = np.zeros((len(uniq), dim), np.float32)
-            np.add.at(g, inv, grads[mine])  # in call order, from 0.0, like the C loop
-            w = arena.data[uniq, :dim]
-            s = arena.data[uniq, dim:]
-            self._opt.step(w, s, g)   # in float32, on the stored (rounded) weights
-            arena.data[uniq, :dim] = _rdt.round_weights(np.clip(w, -bound, bound), arena.code)
-            arena.data[uniq, dim:] = s
+            with np.errstate(over="ignore", invalid="ignore"):
+                np.add.at(g, inv, grads[mine])  # in call order, from 0.0, like the C loop
+                ok = np.isfinite(g).all(axis=1)
+                w = arena.data[uniq, :dim]
+                s = arena.data[uniq, dim:]
+                self._opt.step(w, s, g)   # in float32, on the stored (rounded) weights
+                w = np.clip(w, -bound, bound)
+            ok &= np.isfinite(w).all(axis=1) & np.isfinite(s).all(axis=1)
+            self._counts["nonfinite_updates"] += int((~ok).sum())
+            arena.data[uniq[ok], :dim] = _rdt.round_weights(w[ok], arena.code)
+            arena.data[uniq[ok], dim:] = s[ok]
             arena.ver[uniq] = self._cver
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
@@ -677,7 +689,8 @@ class PyEmbeddingStore:
 
     def stats(self) -> dict[str, int]:
         """Counters: rows, capacity, lookups, misses, admissions, evictions, updates,
-        dropped_updates, removals."""
+        dropped_updates, removals, nonfinite_updates (ids of updates whose summed gradient
+        or step was not finite: their rows were left as they were)."""
         return {"rows": len(self._lru), "capacity": self._capacity, **self._counts}
 
     # --- table policies (issue 20; semantics in the module docstring) --------------------
@@ -773,6 +786,23 @@ class PyEmbeddingStore:
             return np.zeros(len(ids), np.int64)
         return np.array([self._sketch.estimate(k) for k in ids.tolist()], np.int64)
 
+    def sketch_state(self) -> tuple[np.ndarray, int] | None:
+        """``(counters, counted)``: a copy of the frequency sketch (uint8 ``(SKETCH_DEPTH,
+        w)``) and its counts since the last halving; None without a sketch. ``dump`` ends
+        with it (:func:`policies.sketch_chunk`) and ``load`` merges it back."""
+        self._open()
+        if self._sketch is None:
+            return None
+        return self._sketch.counters.copy(), self._sketch.counted
+
+    def _merge_sketch(self, chunk: dict[str, Any]) -> None:
+        counters, counted, _ = _pol.check_sketch_chunk(chunk)
+        if self._sketch is None:
+            self._sketch = _pol.PySketch(self._sketch_bytes)
+        sk = self._sketch
+        _pol.merge_counters(sk.counters, counters)
+        sk.counted = min(max(sk.counted, counted), sk.width)
+
     def memory_bytes(self) -> int:
         """Bytes held by row storage, with each row's id and change version, and by the
         eviction log (16 bytes an entry; the dict and list overhead is not counted), and
@@ -797,7 +827,10 @@ class PyEmbeddingStore:
 
         Rows are taken in windows of ``chunk_rows`` in LRU order; each window yields one chunk
         per dim (dims in order of first appearance), ``{"dim", "ids" (uint64 (n,)),
-        "weights" (float32 (n, dim)), "state" (float32 (n, width)), "state_kind"}``.
+        "weights" (float32 (n, dim)), "state" (float32 (n, width)), "state_kind"}``. A
+        store with a frequency sketch then yields it as a chunk of no rows
+        (:func:`policies.sketch_chunk`), so that a checkpoint keeps the counts of ids not
+        yet admitted.
         Loading the chunks in order reproduces the recency order exactly within a dim.
         Changing the store while iterating raises Misuse.
         """
@@ -811,7 +844,7 @@ class PyEmbeddingStore:
         while True:
             window = [kv for _, kv in zip(range(chunk_rows), items, strict=False)]
             if not window:
-                return
+                break
             groups: dict[int, list[tuple[int, int]]] = {}
             for key, (arena, r) in window:
                 groups.setdefault(arena.dim, []).append((key, r))
@@ -825,6 +858,9 @@ class PyEmbeddingStore:
                 if self._version != version:
                     raise Misuse("the embedding store changed while it was being dumped",
                                  hint="pause lookups and updates until dump() is exhausted")
+        sketch = self.sketch_state()
+        if sketch is not None:     # the frequency sketch's counts go with the rows
+            yield _pol.sketch_chunk(*sketch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self.dump()
@@ -833,11 +869,18 @@ class PyEmbeddingStore:
         """Insert dumped rows (overwriting stored ids) as the most recently used, in order.
 
         A chunk without ``"state"`` gets the optimizer's initial state. A chunk is validated
-        as a whole before any of it is applied.
+        as a whole before any of it is applied. A sketch chunk (a dump's last, while its
+        store had a frequency sketch) is merged into this store's sketch
+        (:func:`policies.merge_counters`: no id's count goes down), which is made (within
+        ``sketch_bytes``) if the store has none yet: policies set after a restore find the
+        counts; a ``set_policies`` without a ``min_count`` drops it, as it drops any sketch.
         """
         self._open()
         for chunk in chunks:
             dim, ids, weights, state = check_chunk(chunk, self._opt)
+            if "sketch" in chunk:
+                self._merge_sketch(chunk)
+                continue
             keys = ids.tolist()
             for key in keys:
                 where = self._lru.get(key)

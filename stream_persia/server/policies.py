@@ -14,6 +14,20 @@ at 255) and returns the new minimum, ``k``'s estimate. Every ``w`` counts (befor
 next one) all counters are halved, so that an endless stream cannot saturate them: counts
 decay by half every ``w`` counted lookups.
 
+Checkpoints. A store with a sketch ends its ``dump`` with a *sketch chunk*
+(:func:`sketch_chunk`): a store chunk of no rows (so a reader that does not know it loads
+nothing from it) that carries the counters (``"sketch"``, uint8 ``(SKETCH_DEPTH, w)``),
+the counts since the last halving (``"sketch_counted"``) and which sketch it is
+(``"sketch_part"``: internal shard ``j`` of ``k``, ``[0, 1]`` for a plain store). A ``load``
+merges it into the store's sketch (if it has one; :func:`merge_counters`): counters of
+another width are first folded (width halved: the max of the two cells that become one)
+or spread (doubled: each cell to both of its halves), then the element-wise max is taken.
+Because an id's cell of the narrower sketch covers its cells of the wider one, a merged
+sketch never counts an id below what the sketch it came from did: after a restore, an id
+seen ``c`` times before the checkpoint needs ``min_count - c`` more lookups at most (sooner
+when several sketches merge into one, their collisions adding up). A store that restores
+into the same layout (same servers, same internal shards) gets back exactly its sketch.
+
 Error bound. Between two halvings, for ``N`` counts since the last one, an id's estimate
 ``c`` and its exact count ``n`` in those ``N`` satisfy ``n <= c`` (never below; the
 counters carried over from before the halving only add) and, with probability at least
@@ -44,7 +58,7 @@ from stream_persia.kernels.sharding import stable_hash64_int
 
 __all__ = ["SKETCH_BYTES", "SKETCH_DEPTH", "SKETCH_SEEDS", "STAT_KEYS", "MAX_POLICIES",
            "PySketch", "check_policies", "check_sketch_bytes", "check_expire_rows", "sketch_bits",
-           "policy_of"]
+           "policy_of", "sketch_chunk", "check_sketch_chunk", "merge_counters"]
 
 SKETCH_DEPTH = 4
 SKETCH_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0,
@@ -161,3 +175,47 @@ class PySketch:
 
     def estimate(self, key: int) -> int:
         return min(int(self.counters[j, x]) for j, x in enumerate(self._cells(key)))
+
+
+def sketch_chunk(counters: np.ndarray, counted: int, part: tuple[int, int] = (0, 1)
+                 ) -> dict[str, Any]:
+    """The dump chunk that carries a sketch (see the module docstring): no rows."""
+    return {"dim": 1, "ids": np.empty(0, np.uint64), "weights": np.empty((0, 1), np.float32),
+            "sketch": np.ascontiguousarray(counters, np.uint8), "sketch_counted": int(counted),
+            "sketch_part": [int(part[0]), int(part[1])]}
+
+
+def check_sketch_chunk(chunk: dict[str, Any]) -> tuple[np.ndarray, int, tuple[int, int]]:
+    """``(counters, counted, part)`` of a chunk with ``"sketch"``; BadInput naming the key."""
+    c = chunk["sketch"]
+    lo, hi = sketch_bits(MIN_SKETCH_BYTES), sketch_bits(MAX_SKETCH_BYTES)
+    if not (isinstance(c, np.ndarray) and c.dtype == np.uint8 and c.ndim == 2
+            and c.shape[0] == SKETCH_DEPTH and c.shape[1] & (c.shape[1] - 1) == 0
+            and 1 << lo <= c.shape[1] <= 1 << hi):
+        got = f"{c.dtype} {c.shape}" if isinstance(c, np.ndarray) else type(c).__name__
+        raise BadInput(f"chunk sketch must be uint8 of shape ({SKETCH_DEPTH}, w), w a power "
+                       f"of two in [{1 << lo}, {1 << hi}], got {got}", field="sketch")
+    counted = chunk.get("sketch_counted")
+    if isinstance(counted, bool) or not isinstance(counted, (int, np.integer)) \
+            or not 0 <= counted <= c.shape[1]:
+        raise BadInput(f"chunk sketch_counted must be an int in [0, {c.shape[1]}], got "
+                       f"{counted!r}", field="sketch_counted")
+    part = chunk.get("sketch_part", [0, 1])
+    if not (isinstance(part, (list, tuple)) and len(part) == 2
+            and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in part)
+            and 0 <= part[0] < part[1]):
+        raise BadInput(f"chunk sketch_part must be [j, k] with 0 <= j < k, got {part!r}",
+                       field="sketch_part")
+    return np.ascontiguousarray(c), int(counted), (int(part[0]), int(part[1]))
+
+
+def merge_counters(into: np.ndarray, counters: np.ndarray) -> None:
+    """``into`` (uint8 ``(SKETCH_DEPTH, w)``, changed in place) takes the element-wise max
+    with ``counters`` brought to its width (folded or spread: module docstring)."""
+    w = into.shape[1]
+    c = counters
+    while c.shape[1] > w:                 # cell x of width w/2 covers cells 2x, 2x + 1
+        c = np.maximum(c[:, 0::2], c[:, 1::2])
+    if c.shape[1] < w:
+        c = np.repeat(c, w // c.shape[1], axis=1)
+    np.maximum(into, c, out=into)

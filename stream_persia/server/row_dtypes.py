@@ -10,7 +10,9 @@ gets float32. Storing rounds to nearest even:
   clamps to ±weight_bound first, then rounds, so with a bound over 65504 the effective
   bound of a float16 row is 65504);
 - ``bfloat16``: the top 16 bits of the float32, rounded to nearest even with integer
-  operations (a NaN keeps its top bits with the quiet bit set).
+  operations (a NaN keeps its top bits with the quiet bit set), except that a value that
+  rounds past the largest bfloat16 (float32 values from about ±3.3961e38), or an infinity,
+  *saturates* to ±3.3895e38 instead of becoming inf, as float16 rows do.
 
 The Cython store's ``sp_narrow``/``sp_widen`` (``cython_ext/store_kernels.h``) give the
 same bits; ``tests/server/test_store_dtypes.py`` checks it over many bit patterns.
@@ -54,4 +56,6 @@ def round_weights(x: np.ndarray, code: int) -> np.ndarray:
     nan = ((b & 0x7F800000) == 0x7F800000) & ((b & 0x007FFFFF) != 0)
     r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
     r = np.where(nan, (b >> 16) | 0x40, r) & 0xFFFF
+    over = ~nan & ((r & 0x7F80) == 0x7F80)     # rounded to inf, or an inf: saturate
+    r = np.where(over, (r & 0x8000) | 0x7F7F, r)
     return (r << 16).astype(np.uint32).view(np.float32)

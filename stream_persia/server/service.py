@@ -74,7 +74,8 @@ RPC methods (params → result):
 - ``size`` → int, ``clear`` → None (drops the rows and the stream watermarks: a job that
   trains the stream again on purpose clears the servers first)
 - ``stats`` → ``{"rows", "capacity", "lookups", "misses", "admissions", "evictions",
-  "updates", "dropped_updates", "removals", "loads"}``: the store's levels (``rows``, ``capacity``) and
+  "updates", "dropped_updates", "removals", "nonfinite_updates", "loads"}``: the store's
+  levels (``rows``, ``capacity``) and
   this server's counters (:data:`COUNTERS`, continuous across loads; ``loads`` counts the
   loads swapped in); the metrics export the counters as the Prometheus counters
   ``persia_embedding_server_store_<key>_total`` and the levels as the gauges
@@ -229,7 +230,7 @@ log = logging.getLogger(__name__)
 MODES = ("train", "eval", "infer")
 #: The store statistics that only grow; the others (``rows``, ``capacity``) are levels.
 COUNTERS = ("lookups", "misses", "admissions", "evictions", "updates", "dropped_updates",
-            "removals")
+            "removals", "nonfinite_updates")
 #: Update tokens a server remembers by default (see ``update`` in the module docstring):
 #: about 200 bytes each. It must exceed the updates one server takes while a worker may
 #: still retry one (``push_retry_ms``).
@@ -625,10 +626,18 @@ class EmbeddingServer:
                     self._replays_refused += 1
                     log.error("%s", e.message)
                     raise
-            before = self.store.stats()["dropped_updates"]
+            was = self.store.stats()
             for ids, grads in checked:
                 self.store.update(ids, grads)
-            dropped = self.store.stats()["dropped_updates"] - before
+            now = self.store.stats()
+            dropped = now["dropped_updates"] - was["dropped_updates"]
+            refused = now["nonfinite_updates"] - was["nonfinite_updates"]
+            if refused:
+                log.warning("embedding server %d: %d id(s) of update %s were not stepped: "
+                            "their summed gradients (or the optimizer steps) were not finite, "
+                            "so their rows keep their values (counted in "
+                            "persia_embedding_server_store_nonfinite_updates_total)",
+                            self.replica_index, refused, token or "(no token)")
             applied = sum(int(ids.size) for ids, _ in checked) - dropped
             if source is not None:
                 self._marks.advance(source)

@@ -3,7 +3,14 @@ all-or-nothing procedure by which a server loads its rows from any number of the
 
 Format (``embedding-shard-<i>-of-<n>.bin``, see :func:`shard_file_name`): a sequence of
 records, each a 4-byte big-endian length followed by a ``wire.pack``-ed store chunk (see
-``EmbeddingStore.dump``), oldest rows first so loading reproduces LRU order.
+``EmbeddingStore.dump``), oldest rows first so loading reproduces LRU order. A store with
+a frequency-admission sketch ends its dump with a *sketch chunk*
+(:func:`stream_persia.server.policies.sketch_chunk`): a valid store chunk of no rows
+carrying the sketch's counters, so the format's version is unchanged (a reader that does
+not know the sketch loads no row from it and restores without the counts, as before), and
+the file's sha256 and row count in the manifest cover it. A server restores the sketches of
+its own file when the checkpoint had as many servers (its own counts back), else of every
+file (merged: no id counted lower than it was).
 
 Restoring a shard (the server's ``load``, :mod:`stream_persia.server.service`) is all or
 nothing. The files are streamed into a fresh staging store built with the server's
@@ -63,6 +70,7 @@ from stream_persia.core.replies import ShardFileInfo
 from stream_persia.errors import BadInput, RemoteError, WireError, require
 from stream_persia.kernels.sharding import shard_of
 from stream_persia.server._pystore import check_chunk
+from stream_persia.server.policies import check_sketch_chunk
 
 __all__ = ["check_load_request", "is_plain_file_name", "read_shard_file", "shard_file_name",
            "stage_shard_files", "write_shard_file"]
@@ -71,6 +79,7 @@ _LEN = struct.Struct(">I")
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_FILE_NAME = re.compile(r"embedding-shard-(\d+)-of-(\d+)\.bin")
 _EXPECTED_KEYS = ("sha256", "bytes", "rows")
 
 
@@ -107,7 +116,7 @@ def stage_shard_files(staging: Any, directory: str, files: list[str],
             for k, chunk in enumerate(chunks):
                 try:
                     owned = _owned_chunk(chunk, staging.optimizer, replica_index,
-                                         replica_size)
+                                         replica_size, name)
                     if owned is not None:
                         staging.load([owned])
                         kept += len(owned["ids"])
@@ -123,10 +132,17 @@ def stage_shard_files(staging: Any, directory: str, files: list[str],
 
 
 def _owned_chunk(chunk: Any, optimizer: Any, replica_index: int,
-                 replica_size: int) -> dict | None:
+                 replica_size: int, name: str = "") -> dict | None:
     """The rows of ``chunk`` this shard owns as a store chunk (None if none), after
-    checking the whole chunk against the store's contract."""
+    checking the whole chunk against the store's contract. A sketch chunk of file
+    ``name`` is this shard's unless the file is another server's of as many servers."""
     dim, ids, weights, state = check_chunk(chunk, optimizer)
+    if "sketch" in chunk:
+        check_sketch_chunk(chunk)
+        m = _FILE_NAME.fullmatch(name)
+        if m is not None and int(m[2]) == replica_size and int(m[1]) != replica_index:
+            return None
+        return chunk
     keep = shard_of(ids, replica_size) == replica_index
     if not keep.any():
         return None

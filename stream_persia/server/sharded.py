@@ -29,7 +29,9 @@ What differs from one store of the same total capacity:
   their part of that call by then. (One store would have refused the whole update.)
 - ``dump`` yields each shard's rows in turn, least recently used first within a shard;
   ``load`` routes every chunk's rows to their shards in order. Dumps of either kind load
-  into either kind, at any ``k``.
+  into either kind, at any ``k``. Each shard's frequency sketch goes with its rows
+  (``sketch_part`` ``[s, k]``); a load at the same ``k`` gives each shard its own back,
+  at another ``k`` every shard merges them all (``policies``: no count goes down).
 - **Change tracking**: the sharded store keeps its own ``change_version``, counted by the
   rules of one store (``_pystore``'s docstring); before each mutating call it advances
   every shard to the version before the new one, so the shards stamp one version for one
@@ -37,8 +39,11 @@ What differs from one store of the same total capacity:
   shard in turn; evictions merged in order of version). The eviction log is split over the
   shards (``eviction_log // k`` entries each, at least 1), and ``complete`` is False when
   any shard's log no longer covers ``since``.
-- **Table policies** (issue 20) apply per shard: a group's ``max_rows`` and the sketch's
-  ``sketch_bytes`` are split as the capacity is (a cap at least 1 row per shard), a shard
+- **Table policies** (issue 20) apply per shard: a group's ``max_rows`` is split as the
+  capacity is (a cap at least 1 row per shard), each shard's frequency sketch gets
+  ``sketch_bytes // k`` bytes, so that the shards' sketches together stay within
+  ``sketch_bytes`` (a ``sketch_bytes`` under ``k`` times a store's least sketch,
+  ``MIN_SKETCH_BYTES``, is refused, naming it), a shard
   counts ``ttl_steps`` in the training lookups that had ids for it, and ``expire`` bounds
   each shard's work by ``max_rows``. ``set_policies`` and ``expire`` take one version when
   some shard evicts, none otherwise; ``policy_stats`` adds the shards' counters up.
@@ -96,6 +101,20 @@ def _check_shards(shards: Any, capacity: int) -> int:
     return shards
 
 
+def _shard_sketch_bytes(sketch_bytes: Any, k: int) -> int:
+    """Each of ``k`` shards' sketch: ``sketch_bytes // k``, so that the shards' sketches
+    together stay within ``sketch_bytes``; a BadInput naming ``sketch_bytes`` when that is
+    below a store's least sketch."""
+    total = _pol.check_sketch_bytes(sketch_bytes)
+    if total // k < _pol.MIN_SKETCH_BYTES:
+        raise BadInput(f"sketch_bytes {total} cannot be shared by {k} store threads: each "
+                       f"internal shard's frequency sketch takes at least "
+                       f"{_pol.MIN_SKETCH_BYTES} bytes", field="sketch_bytes",
+                       hint=f"raise admission.sketch_bytes to at least "
+                            f"{k * _pol.MIN_SKETCH_BYTES} or lower store_threads")
+    return total // k
+
+
 class ShardedStore:
     """``shards`` embedding stores behind one store interface (see the module docstring).
 
@@ -113,7 +132,7 @@ class ShardedStore:
         capacity = _py.check_capacity(capacity)
         k = _check_shards(shards, capacity)
         log = max(_py.check_eviction_log(eviction_log) // k, 1)
-        sketch = max(_pol.check_sketch_bytes(sketch_bytes) // k, _pol.MIN_SKETCH_BYTES)
+        sketch = _shard_sketch_bytes(sketch_bytes, k)
         self._capacity = capacity
         self._cver = 0
         self._stores = [store_type(capacity // k + (s < capacity % k), optimizer,
@@ -356,9 +375,12 @@ class ShardedStore:
         return out
 
     def dump(self, chunk_rows: int = _py.DUMP_CHUNK_ROWS) -> Iterator[dict[str, Any]]:
-        """Every shard's chunks in turn (see the module docstring)."""
+        """Every shard's chunks in turn (see the module docstring); a shard's sketch chunk
+        says which shard of how many it is (``sketch_part``)."""
         dumps = [s.dump(chunk_rows) for s in self._stores]   # each checks chunk_rows now
-        return (chunk for d in dumps for chunk in d)
+        k = len(self._stores)
+        return ({**chunk, "sketch_part": [s, k]} if "sketch" in chunk else chunk
+                for s, d in enumerate(dumps) for chunk in d)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self.dump()
@@ -368,6 +390,9 @@ class ShardedStore:
         checked whole (shapes, dtypes, optimizer state) before any shard loads it."""
         for chunk in chunks:
             dim, ids, weights, state = _py.check_chunk(chunk, self.optimizer)
+            if "sketch" in chunk:
+                self._load_sketch(chunk)
+                continue
             if not len(ids):
                 continue
             owner = self._owner(ids)
@@ -375,6 +400,15 @@ class ShardedStore:
             self._next_version()
             kind = chunk.get("state_kind")
             self._map(partial(self._load_part, owner, dim, ids, weights, state, kind))
+
+    def _load_sketch(self, chunk: dict[str, Any]) -> None:
+        """A sketch chunk goes to the shard it came from when the dump had as many shards
+        (each gets its own sketch back), else to every shard (each merges it: no id is
+        counted lower than it was)."""
+        _, _, (j, k) = _pol.check_sketch_chunk(chunk)
+        self._open()
+        for s in ([j] if k == len(self._stores) else range(len(self._stores))):
+            self._stores[s].load([chunk])
 
     def _load_part(self, owner: np.ndarray, dim: int, ids: np.ndarray, weights: np.ndarray,
                    state: np.ndarray | None, kind: Any, s: int) -> None:

@@ -210,7 +210,8 @@ def _pooled_group(dim: int, items: list[tuple[str, np.ndarray, np.ndarray, bool,
 def reduce_gradients(plan: BatchPlan, grads: Mapping[str, np.ndarray | None]
                      ) -> pooling.BatchGradients:
     """Every slot's gradient (None: the slot has none) reduced to one row per distinct id
-    and merged by dim; slots with NaN or infinity are skipped and listed."""
+    and merged by dim; slots with NaN or infinity are skipped and listed, and ids whose
+    sums overflowed are left out and counted (:func:`pooling.drop_nonfinite`)."""
     if not plan.requires_grad:
         raise Misuse("the batch was planned with requires_grad=False",
                      hint="plan the batch with requires_grad=True to reduce gradients")
@@ -236,8 +237,9 @@ def reduce_gradients(plan: BatchPlan, grads: Mapping[str, np.ndarray | None]
         reduced = _reduce_group(group, grads, skipped)
         if reduced is not None:
             parts.setdefault(group.dim, []).append(reduced)
-    return pooling.BatchGradients(pooling.merge_gradients(parts),
-                                  tuple(n for n in plan.names if n in skipped))
+    by_dim, nonfinite = pooling.drop_nonfinite(pooling.merge_gradients(parts))
+    return pooling.BatchGradients(by_dim, tuple(n for n in plan.names if n in skipped),
+                                  nonfinite)
 
 
 def _reduce_group(group: PooledGroup, grads: Mapping[str, np.ndarray | None],

@@ -449,10 +449,33 @@ class BatchGradients:
         by_dim: dim -> (ids uint64 ``(m,)`` distinct, rows float32 ``(m, dim)``), summed
             across slots that share ids.
         skipped: slots whose gradient held NaN or infinity and was dropped.
+        nonfinite_ids: ids whose finite gradients summed to inf or NaN in float32 (an id
+            named many times in a batch) and were left out of ``by_dim``.
     """
 
     by_dim: dict[int, tuple[np.ndarray, np.ndarray]]
     skipped: tuple[str, ...]
+    nonfinite_ids: int = 0
+
+
+def drop_nonfinite(by_dim: dict[int, tuple[np.ndarray, np.ndarray]]
+                   ) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], int]:
+    """``by_dim`` without the ids whose summed rows are not finite, and how many there were.
+
+    Every gradient summed here was finite (a slot with NaN or inf is skipped first), but
+    float32 sums of one id named many times can still overflow: sending such a row would
+    make the servers refuse the whole update (and fail the batch), so the id is left out,
+    and the caller counts and logs it."""
+    out, dropped = {}, 0
+    for dim, (ids, rows) in by_dim.items():
+        finite = np.isfinite(rows).all(axis=1)
+        if finite.all():
+            out[dim] = (ids, rows)
+            continue
+        dropped += int(len(finite) - finite.sum())
+        if finite.any():
+            out[dim] = (ids[finite], rows[finite])
+    return out, dropped
 
 
 def merge_gradients(parts: Mapping[int, list[tuple[np.ndarray, np.ndarray]]]

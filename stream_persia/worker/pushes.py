@@ -98,6 +98,9 @@ class GradientPushes:
                                     "answered without applying again")
         self.m_nonfinite = m.counter("nonfinite_gradient_slots_total",
                                      "slot gradients skipped for NaN/Inf", ("slot",))
+        self.m_nonfinite_ids = m.counter("nonfinite_gradient_ids_total",
+                                         "ids left out of an update: their finite gradients "
+                                         "summed to inf or NaN in float32")
         self.m_update_s = m.histogram("update_seconds", "gradient apply latency",
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
 
@@ -161,6 +164,12 @@ class GradientPushes:
         reduced = reduce_gradients(plan, grads)
         for name in reduced.skipped:
             self.m_nonfinite.labels(name).inc()
+        if reduced.nonfinite_ids:
+            self.m_nonfinite_ids.inc(reduced.nonfinite_ids)
+            log.warning("%s: batch %d: %d id(s) left out of its update: their gradients "
+                        "summed to inf or NaN in float32 (counted in "
+                        "nonfinite_gradient_ids_total)", self.name, batch_id,
+                        reduced.nonfinite_ids)
         groups = [UpdateGroup(dim, ids, rows) for dim, (ids, rows) in reduced.by_dim.items()]
         mark = None
         if stream is not None and source is not None:   # the servers' watermarks

@@ -380,3 +380,40 @@ async def test_a_float16_checkpoint_restores_into_fresh_servers_of_a_job_without
         await router.close()
         for s in fresh:
             await s.stop()
+
+
+@pytest.mark.parametrize("into, configured", [(2, "before"), (3, "after")])
+async def test_a_restore_keeps_the_counts_of_frequency_admission(tmp_path, into, configured):
+    """Issue 20: the count-min sketch of ``min_count`` admission went unsaved, so after a
+    restore every id had to be seen ``min_count`` times again. It is in the checkpoint
+    now: ids seen twice under ``min_count: 3`` get rows at their next training lookup
+    after a restore into as many servers (and internal shards), or into another count
+    (merged), the job's policies given before or after the restore."""
+    policies = {"prefix_bits": 8, "policies": [None, {"min_count": 3}], "names": [None, "user"]}
+    config = {"optimizer": Adagrad(lr=0.1).to_dict(),
+              "embedding_config": EmbeddingConfig((-0.05, 0.05)).to_dict()}
+    ids = prefix_ids(np.arange(1, 200, dtype=np.uint64), index_prefix=index_prefix(0, 8),
+                     prefix_bits=8)
+    d = str(tmp_path / "ck")
+
+    async def configure(router):
+        await asyncio.gather(*(c.call("configure", {**config, "policies": policies})
+                               for c in router.clients))
+
+    async with running_servers(2, store_threads=2) as (servers, router):
+        await configure(router)
+        for _ in range(2):
+            await router.lookup([RowLookup(4, ids)], "train")
+        assert sum(len(s.store) for s in servers) == 0, "seen twice: no row yet"
+        with CheckpointWriter(d) as w:
+            await w.dump_embeddings(router.clients)
+            manifest = w.commit(job="j", step=1, offsets={}, stream="direct")
+    async with running_servers(into, store_threads=2, checkpoint_root=str(tmp_path)) \
+            as (fresh, router):
+        if configured == "before":
+            await configure(router)
+        assert await load_embeddings(d, router.clients) == manifest.rows == 0
+        if configured == "after":
+            await configure(router)
+        await router.lookup([RowLookup(4, ids)], "train")
+        assert sum(len(s.store) for s in fresh) == len(ids), "the third sight admits them"

@@ -160,3 +160,14 @@ def test_admission_sketch_bytes_in_global_config(tmp_path):
         with pytest.raises(ConfigError) as info:
             load_global_config(write(tmp_path, "g.yml", f"admission: {{sketch_bytes: {bad}}}\n"))
         assert info.value.field == "admission.sketch_bytes" and "g.yml" in str(info.value)
+
+
+def test_admission_sketch_bytes_must_cover_every_store_thread(tmp_path):
+    """Each internal shard of a store has a sketch of at least 4096 bytes within the
+    server's sketch_bytes: a config where they cannot fit is refused, naming the key."""
+    ok = ("embedding_parameter_server_config: {store_threads: 4}\n"
+          "admission: {sketch_bytes: 16384}\n")
+    assert load_global_config(write(tmp_path, "g.yml", ok)).admission.sketch_bytes == 16384
+    with pytest.raises(ConfigError) as info:
+        load_global_config(write(tmp_path, "g.yml", ok.replace("16384", "16383")))
+    assert info.value.field == "admission.sketch_bytes" and "store_threads" in str(info.value)

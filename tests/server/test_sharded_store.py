@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 
+from stream_persia.core.embedding_config import SlotPolicy
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad, Adam
 from stream_persia.errors import BadInput
@@ -192,3 +193,20 @@ def test_close_stops_the_threads_and_later_calls_are_refused():
     assert not any(t.is_alive() for t in mine)
     with pytest.raises(RuntimeError, match="closed"):
         store.lookup(np.arange(10, dtype=np.uint64), 4)
+
+
+@pytest.mark.parametrize("shards", [2, 3, 4])
+def test_the_shards_sketches_stay_within_sketch_bytes(shards):
+    """Every resource bounded: the shards' frequency sketches together take at most the
+    store's sketch_bytes, or the store is refused, naming sketch_bytes."""
+    for total in (8 << 20, 4096 * shards, 4096 * shards + 4095, 3 * 4096 * shards - 1):
+        many = ShardedStore(shards * 10, SGD(lr=0.1), shards=shards, sketch_bytes=total)
+        before = many.memory_bytes()
+        many.set_policies(0, [SlotPolicy(min_count=2)])
+        assert 0 < many.memory_bytes() - before <= total
+        many.close()
+    with pytest.raises(BadInput) as info:
+        ShardedStore(shards * 10, SGD(lr=0.1), shards=shards, sketch_bytes=4096 * shards - 1)
+    assert info.value.field == "sketch_bytes" and "store threads" in info.value.message
+    with pytest.raises(BadInput, match="sketch_bytes"):
+        make_store(shards * 10, SGD(lr=0.1), shards=shards, sketch_bytes=4096)

@@ -173,6 +173,32 @@ def test_duplicate_ids_in_one_update_are_summed(impl):
     assert s.stats()["dropped_updates"] == 1 and s.stats()["updates"] == 4
 
 
+@pytest.mark.parametrize("opt", [SGD(0.1), SGD(0.1, momentum=0.9), Adagrad(lr=0.1),
+                                 Adam(lr=0.01)], ids=lambda o: f"{o.name}{getattr(o, 'momentum', '')}")
+def test_duplicate_gradients_summing_past_float32_leave_the_row_unchanged(impl, opt):
+    """One id 64 times in an update, each gradient finite (1e37): the float32 sum is inf.
+    The id's row is not stepped (weights and state kept) and counted; the other ids of the
+    call are stepped as usual; no row ever holds inf or NaN."""
+    s = impl(10, opt, EmbeddingConfig(weight_bound=1e30))
+    s.lookup(u64(1, 2, 3), 4)
+    before = {k: (s.lookup(u64(k), 4, train=False), state_of(s, k)) for k in (1, 2, 3)}
+    ids = u64(*([1] * 64 + [2, 3, 3, 3]))
+    grads = np.full((len(ids), 4), 1e37, np.float32)
+    grads[64], grads[66], grads[67] = 0.5, -1e37, 0.25   # id 3: 1e37 - 1e37 + 0.25
+    s.update(ids, grads)
+    assert s.stats()["nonfinite_updates"] == 1 and s.stats()["updates"] == len(ids)
+    after = s.lookup(u64(1, 2, 3), 4, train=False)
+    assert np.isfinite(after).all() and all(np.isfinite(state_of(s, k)).all() for k in (1, 2, 3))
+    assert (after[0] == before[1][0]).all() and (state_of(s, 1) == before[1][1]).all()
+    assert not (after[1] == before[2][0]).all() and not (after[2] == before[3][0]).all()
+    # A finite sum whose square overflows the optimizer's state (Adagrad, Adam): refused
+    # too, where it would leave inf in the state; SGD's step keeps it finite (clamped).
+    s.update(u64(2), np.full((1, 4), 3e38, np.float32))
+    assert np.isfinite(s.lookup(u64(2), 4, train=False)).all()
+    assert np.isfinite(state_of(s, 2)).all()
+    assert s.stats()["nonfinite_updates"] == (1 if opt.name == "sgd" else 2)
+
+
 def test_duplicates_are_summed_before_the_step(impl):
     """Adagrad is not linear: one step with g1+g2 differs from two steps."""
     s = impl(10, Adagrad(lr=0.1))
@@ -221,7 +247,7 @@ def test_stats_count_lookups_and_misses(impl):
     s.lookup(u64(1, 5), 2, train=False)
     assert s.stats() == {"rows": 2, "capacity": 10, "lookups": 5, "misses": 3,
                          "admissions": 2, "evictions": 0, "updates": 0, "dropped_updates": 0,
-                         "removals": 0}
+                         "removals": 0, "nonfinite_updates": 0}
 
 
 def test_clear_drops_rows_and_keeps_counters(impl):

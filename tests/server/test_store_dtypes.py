@@ -83,7 +83,36 @@ def test_bfloat16_rounds_to_nearest_even():
                   np.float32(3.4028235e38)], np.float32)
     got = _cstore.round_weights(x, 2)
     assert got[:4].tolist() == [1.0, 1.0 + 4 * 2.0**-8, 1.0 + 2 * 2.0**-8, -2.0**-130]
-    assert got[4] == np.inf      # past the largest bfloat16: IEEE rounding
+    assert got[4] == BF16_MAX    # past the largest bfloat16: saturated, not inf
+
+
+BF16_MAX = np.float32(3.3895314e38)   # 0x7F7F0000, the largest finite bfloat16
+
+
+def test_bfloat16_saturates_instead_of_becoming_inf():
+    big = np.array([3.3895314e38, 3.39e38, 3.3961e38, 3.4028235e38, np.inf, -3.4e38,
+                    -np.inf], np.float32)
+    want = [BF16_MAX, BF16_MAX, BF16_MAX, BF16_MAX, BF16_MAX, -BF16_MAX, -BF16_MAX]
+    for got in (_cstore.round_weights(big, 2), row_dtypes.round_weights(big, 2)):
+        assert got.tolist() == want
+    # the vector loop (8 at a time) and the scalar tail agree
+    many = np.tile(big, 5)
+    assert (bits(_cstore.round_weights(many, 2)) == bits(np.tile(np.array(want, np.float32),
+                                                                5))).all()
+
+
+def test_a_bfloat16_row_past_its_largest_value_stays_finite(impl):
+    """A row whose weights grow past bfloat16's largest value (a weight_bound above it)
+    stores that value, never inf: loaded, or stepped by an update."""
+    cfg = EmbeddingConfig(weight_bound=3.4e38)
+    s = compact(impl, "bfloat16", SGD(lr=1.0), embedding_config=cfg)
+    ids = gid(0, 1, 2)
+    s.load([{"dim": 8, "ids": ids[:1], "weights": np.full((1, 8), 3.4e38, np.float32)}])
+    s.lookup(ids[1:], 8)
+    s.update(ids[1:], np.full((1, 8), -3.39e38, np.float32))   # w = init + 3.39e38
+    out = s.lookup(ids, 8, train=False)
+    assert np.isfinite(out).all()
+    assert (out == BF16_MAX).all()
 
 
 # --- rows ------------------------------------------------------------------------------

@@ -120,6 +120,76 @@ def test_sketch_counters_are_halved_every_width_counts(impl):
     assert s.sketch_counts(gid(0, 1))[0] == 20
 
 
+def test_the_sketch_is_checkpointed_with_the_rows(impl, tmp_path):
+    """A checkpoint (a server's shard file) keeps the counts of ids not yet admitted: after
+    a restore an id seen twice of min_count 3 is admitted at its next lookup, as it would
+    have been without the restore; into another sketch size no id is counted lower."""
+    from stream_persia.server.shard_files import stage_shard_files, write_shard_file
+    s = store(impl, capacity=1000, sketch_bytes=8192)
+    s.set_policies(BITS, [None, SlotPolicy(min_count=3)])
+    seen = gid(0, *range(1, 400))
+    s.lookup(seen, 4)
+    s.lookup(seen[:200], 4)            # ids 1-199 seen twice, 200-399 once
+    s.lookup(gid(0, 500, 500, 500), 4)  # admitted: a row
+    want = s.sketch_counts(seen)
+    assert (want[:199] >= 2).all() and len(s) == 1
+    chunks = list(s.dump())
+    assert "sketch" in chunks[-1] and len(chunks[-1]["ids"]) == 0
+    name = "embedding-shard-00000-of-00001.bin"
+    info = write_shard_file(iter(chunks), str(tmp_path), name)
+    expected = {name: {"sha256": info["sha256"], "bytes": info["bytes"], "rows": info["rows"]}}
+    for sketch_bytes in (8192, 4096, 1 << 16):
+        back = store(impl, capacity=1000, sketch_bytes=sketch_bytes)
+        back.set_policies(BITS, [None, SlotPolicy(min_count=3)])
+        assert stage_shard_files(back, str(tmp_path), list(expected), expected, 0, 1) == 1
+        got = back.sketch_counts(seen)
+        if sketch_bytes == 8192:
+            assert (got == want).all()
+            assert back.sketch_state()[1] == s.sketch_state()[1]
+        assert (got >= want).all()
+        back.lookup(seen[:199], 4)
+        assert back.contains(seen[:199]).all(), "seen twice before, three times now"
+    # Policies set after the restore (as a job's NN configures them) find the counts.
+    later = store(impl, sketch_bytes=8192)
+    later.load(chunks)
+    later.set_policies(BITS, [None, SlotPolicy(min_count=3)])
+    assert (later.sketch_counts(seen) == want).all()
+    later.set_policies(BITS, [None])     # no min_count: the sketch is dropped
+    assert later.sketch_state() is None and not (later.sketch_counts(seen)).any()
+
+
+def test_a_sketch_chunk_is_checked_naming_its_key(impl):
+    s = store(impl)
+    s.set_policies(BITS, [None, SlotPolicy(min_count=3)])
+    s.lookup(gid(0, 1), 4)
+    chunk = list(s.dump())[-1]
+    for key, bad in (("sketch", chunk["sketch"][:, :1000]), ("sketch", chunk["sketch"][:3]),
+                     ("sketch", chunk["sketch"].astype(np.int16)),
+                     ("sketch_counted", -1), ("sketch_part", [2, 2])):
+        with pytest.raises(BadInput) as info:
+            s.load([{**chunk, key: bad}])
+        assert info.value.field == key
+
+
+@pytest.mark.parametrize("into", [2, 3])
+def test_a_sharded_stores_sketches_are_checkpointed(impl, into):
+    many = ShardedStore(1000, SGD(lr=0.1), shards=2, store_type=impl, sketch_bytes=1 << 14)
+    many.set_policies(BITS, [None, SlotPolicy(min_count=4)])
+    seen = gid(0, *range(1, 300))
+    for _ in range(3):
+        many.lookup(seen, 4)
+    want = many.sketch_counts(seen)
+    assert (want >= 3).all() and len(many) == 0
+    back = ShardedStore(1000, SGD(lr=0.1), shards=into, store_type=impl,
+                        sketch_bytes=1 << 14)
+    back.set_policies(BITS, [None, SlotPolicy(min_count=4)])
+    back.load(many.dump())
+    got = back.sketch_counts(seen)
+    assert (got == want).all() if into == 2 else (got >= want).all()
+    back.lookup(seen, 4)
+    assert back.contains(seen).all()
+
+
 def test_a_closed_store_frees_its_sketch(impl):
     s = store(impl, sketch_bytes=1 << 20)
     s.set_policies(BITS, [None, SlotPolicy(min_count=2)])
@@ -570,7 +640,8 @@ def _run(s, step, table):
 
 
 def _dump(s):
-    return [(c["ids"].tobytes(), c["weights"].tobytes(), c["state"].tobytes())
+    return [(c["sketch"].tobytes(), c["sketch_counted"]) if "sketch" in c else
+            (c["ids"].tobytes(), c["weights"].tobytes(), c["state"].tobytes())
             for c in s.dump(chunk_rows=5)]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import types
 
 import numpy as np
@@ -19,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream_persia.config import EmbeddingSchema
+from stream_persia.core.metrics import RoleMetrics
 from stream_persia.embedding.data import IDTypeFeature, PersiaBatch
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import BadInput, Misuse
@@ -29,6 +31,7 @@ from stream_persia.rpc import RpcClient
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker import batchplan, pooling
+from stream_persia.worker.pushes import GradientPushes
 from stream_persia.worker.shards import LookupGroup, PooledLookup, RowLookup
 
 SETTINGS = settings(max_examples=25, deadline=None)
@@ -671,3 +674,44 @@ async def test_eval_lookups_count_every_id_without_a_row(mode, store_threads):
             train = await client.call("lookup", {"mode": "train", "groups": [
                 {"dim": 4, "ids": plain}]})
             assert train["missing"] == 0   # a training lookup reports none: it admits them
+
+
+async def test_gradients_of_a_hot_id_summing_past_float32_never_reach_a_row(caplog):
+    """A real batch names one id 64 times, every gradient finite (1e37): its float32 sum is
+    inf. The worker leaves that id out of the update (counted in
+    nonfinite_gradient_ids_total, logged) and the server applies the rest; an update that
+    names an id many times itself (the server sums it) is refused for that id alone
+    (counted in the server's nonfinite_updates, logged). No row holds inf or NaN."""
+    schema = EmbeddingSchema.from_dict({"slots_config": {"a": {"dim": 4}}})
+    batch = [feature("a", [[7, 7, 7, 7, 100 + i] for i in range(16)])]
+    plan = batchplan.plan_batch(batch, schema)
+    grads = {"a": np.full((16, 4), 1e37, np.float32)}
+    hot = int(schema.prefix_ids("a", np.array([7], np.uint64))[0])
+    others = schema.prefix_ids("a", np.arange(100, 116, dtype=np.uint64))
+    async with running_servers(1, SGD(lr=0.1)) as (started, router):
+        _, groups = plan.lookup_groups()
+        await router.lookup(groups, "train")
+        every = np.r_[np.array([hot], np.uint64), others]
+        (before,), _ = await router.lookup([RowLookup(4, every)], "eval")
+        metrics = RoleMetrics("embedding_worker", 0)
+        pushes = GradientPushes(router, metrics, name="embedding worker 0",
+                                on_applied=lambda _: None)
+        with caplog.at_level(logging.WARNING):
+            reply = await pushes.push(1, plan, None, grads, retry_s=1.0)
+        assert reply["applied"] == 16 and reply["dropped"] == 0
+        assert "1 id(s) left out of its update" in caplog.text
+        assert b"nonfinite_gradient_ids_total 1.0" in metrics.render()
+        (after,), _ = await router.lookup([RowLookup(4, every)], "eval")
+        assert np.isfinite(after).all()
+        assert (after[0] == before[0]).all() and (after[1:] != before[1:]).all()
+
+        caplog.clear()
+        async with RpcClient(started[0].address, timeout_ms=5000) as client:
+            ids = np.array([hot] * 64 + [int(others[0])], np.uint64)
+            await client.call("update", {"groups": [
+                {"dim": 4, "ids": ids, "grads": np.full((65, 4), 1e37, np.float32)}]})
+            stats = await client.call("stats", {})
+        assert stats["nonfinite_updates"] == 1
+        assert "1 id(s) of update" in caplog.text and "not finite" in caplog.text
+        (last,), _ = await router.lookup([RowLookup(4, every)], "eval")
+        assert np.isfinite(last).all() and (last[0] == before[0]).all()
