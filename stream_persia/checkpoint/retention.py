@@ -33,7 +33,7 @@ from stream_persia.checkpoint._common import Location
 from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest
 from stream_persia.checkpoint.reader import list_checkpoints
 
-__all__ = ["delete_checkpoint", "expired", "prune_checkpoints"]
+__all__ = ["delete_checkpoint", "dependents", "expired", "prune_checkpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -85,21 +85,35 @@ def prune_checkpoints(root: str, keep: int, protect: Collection[str] = (),
     return deleted
 
 
+def _ancestors(m: Manifest, by_name: dict[str, Manifest]) -> set[str]:
+    """The names of the checkpoints ``m``'s chain needs: its parent, the parent's parent,
+    ... up to its base (a missing one ends the walk)."""
+    out: set[str] = set()
+    link = m.chain
+    while link is not None and link["parent"] is not None and link["parent"] not in out:
+        out.add(link["parent"])
+        parent = by_name.get(link["parent"])
+        link = None if parent is None else parent.chain
+    return out
+
+
+def _by_name(every: Sequence[Manifest]) -> dict[str, Manifest]:
+    return {Location(m.path or "").name: m for m in every}
+
+
 def _needed(every: Sequence[Manifest], doomed: Collection[str]) -> set[str]:
-    """Names of the checkpoints that a checkpoint not in ``doomed`` needs (its parent,
-    the parent's parent, ... up to its base), among ``every`` under one root."""
-    by_name = {Location(m.path or "").name: m for m in every}
-    needed: set[str] = set()
-    for name, m in by_name.items():
-        if name in doomed:
-            continue
-        link = m.chain
-        while link is not None and link["parent"] is not None \
-                and link["parent"] not in needed:
-            needed.add(link["parent"])
-            parent = by_name.get(link["parent"])
-            link = None if parent is None else parent.chain
-    return needed
+    """Names of the checkpoints that a checkpoint not in ``doomed`` needs, among
+    ``every`` under one root."""
+    by_name = _by_name(every)
+    return {n for name, m in by_name.items() if name not in doomed
+            for n in _ancestors(m, by_name)}
+
+
+def dependents(root: str, name: str) -> list[str]:
+    """The complete checkpoints under ``root`` whose chain needs the checkpoint ``name``
+    (patches of it, and patches of those), by name: deleting it breaks their restore."""
+    by_name = _by_name(list_checkpoints(root))
+    return sorted(n for n, m in by_name.items() if name in _ancestors(m, by_name))
 
 
 def delete_checkpoint(src: str) -> None:

@@ -57,14 +57,14 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from stream_persia.checkpoint import Manifest, prune_checkpoints
+from stream_persia.checkpoint import Manifest, list_checkpoints, prune_checkpoints
 from stream_persia.config import CheckpointingConfig
 from stream_persia.errors import Misuse
 from stream_persia.nn import checkpointing
 from stream_persia.nn.seams import TrainerSeam
 
 __all__ = ["BY", "PeriodicCheckpoints", "checkpoint_name", "checkpointing_config",
-           "periodic_root"]
+           "incremental_enabled", "latest_parent", "periodic_root"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,20 @@ def periodic_root(config: CheckpointingConfig) -> str:
     if "://" not in root:
         root = os.path.abspath(root)
     return root
+
+
+def latest_parent(dst: str, full_every: int) -> str | None:
+    """The checkpoint an incremental checkpoint at ``dst`` patches: the newest complete
+    one beside it that records a chain shorter than ``full_every`` patches (None: take a
+    full base). Checkpoints requested over HTTP use it (the API's directory holds
+    periodic ones and others alike; the servers refuse a parent they cannot patch)."""
+    root = dst.rstrip("/").rsplit("/", 1)[0]
+    found = [m for m in list_checkpoints(root) if m.chain is not None]
+    if not found:
+        return None
+    newest = found[-1]
+    depth = int(newest.chain["depth"]) if newest.chain is not None else full_every
+    return newest.path if depth < full_every else None
 
 
 def checkpoint_name(step: int, at: float) -> str:
