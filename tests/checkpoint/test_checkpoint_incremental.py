@@ -189,3 +189,12 @@ def test_a_manifest_chain_is_validated(chain):
     with pytest.raises(BadInput) as err:
         read_manifest(str(root / "ck-2"))
     assert err.value.field == "chain.depth"
+
+
+def test_a_requested_checkpoint_patches_the_newest_chain_shorter_than_full_every(chain):
+    from stream_persia.nn.periodic import latest_parent
+
+    root = chain[0]
+    assert latest_parent(str(root / "next"), 8) == str(root / "ck-3")
+    assert latest_parent(str(root / "next"), 3) is None   # ck-3 is the 3rd patch: a base
+    assert latest_parent(str(root / "empty" / "next"), 8) is None
