@@ -28,8 +28,10 @@ does).
    before the timed run (a job's chain goes on across it); ``amortized_pause_fraction``
    adds a base's cost back: (full_every x patch seconds + full seconds) / ((full_every +
    1) x every_s), from the figures of part 1. Reported: batches/s of each run, the rows
-   of each patch, and the median of the per-pair ratios
-   ``train_while_checkpointing_vs_off`` (target >= 0.9).
+   of each patch, the median of the per-pair ratios ``train_while_checkpointing_vs_off``
+   (target >= 0.9), and ``checkpoint_pause_fraction``, the median share of a run with
+   checkpoints that training waited for them (1 minus it is what the ratio would be
+   without the drift between two runs).
 
 Wall-clock figures of a shared 2-core machine drift; the ratios pair runs taken in turn.
 Run: ``python load_tests/bench_checkpoint.py [--rows 5000000] [--changed 0.01]
@@ -203,6 +205,10 @@ async def run(args: argparse.Namespace, address: str, root: Path) -> dict[str, A
                                                    for x in rounds),
         "train_while_checkpointing_vs_off": statistics.median(
             p["on"]["batches_per_s"] / p["off"]["batches_per_s"] for p in pairs),
+        # the share of each run with checkpoints that training waited for them (what the
+        # ratio above measures, without the drift between two runs of a shared machine)
+        "checkpoint_pause_fraction": statistics.median(
+            p["on"]["checkpoint_s"] / p["on"]["seconds"] for p in pairs),
         "targets": {"patch_bytes_vs_full": "<= 0.05", "patch_seconds_vs_full": "<= 0.1",
                     "train_while_checkpointing_vs_off": ">= 0.9"},
         "rounds": rounds, "training": pairs,

@@ -217,7 +217,7 @@ class CheckpointWriter:
         for r in replies:
             for info in (r, r.get("tombstones")):
                 if isinstance(info, dict) and r.get("tombstones") \
-                        and is_plain(info.get("file")):
+                        and _is_plain(info.get("file")):
                     path = self._stage.join(str(info["file"]))
                     if self._stage.fs.exists(path):
                         self._stage.fs.rm_file(path)
@@ -348,7 +348,7 @@ class CheckpointWriter:
                            hint="give each checkpoint its own directory, e.g. ROOT/step-000100")
 
 
-def is_plain(name: Any) -> bool:
+def _is_plain(name: Any) -> bool:
     return isinstance(name, str) and bool(name) and "/" not in name \
         and not name.startswith(".")
 
