@@ -198,3 +198,33 @@ def test_a_requested_checkpoint_patches_the_newest_chain_shorter_than_full_every
     assert latest_parent(str(root / "next"), 8) == str(root / "ck-3")
     assert latest_parent(str(root / "next"), 3) is None   # ck-3 is the 3rd patch: a base
     assert latest_parent(str(root / "empty" / "next"), 8) is None
+
+
+@pytest.mark.parametrize("impl", ["cython", "python"])
+def test_an_overrun_eviction_log_or_a_clear_makes_a_full_shard_not_a_patch(tmp_path, impl):
+    """The server never writes a patch it cannot make complete (write_patch is what its
+    dump runs on the store thread)."""
+    from stream_persia.server import patches
+    from stream_persia.server._pystore import PyEmbeddingStore
+    from stream_persia.server.store import CEmbeddingStore
+
+    store_type = PyEmbeddingStore if impl == "python" or CEmbeddingStore is None \
+        else CEmbeddingStore
+    store = store_type(4, Adam(lr=0.01), eviction_log=2)
+    store.lookup(np.arange(1, 5, dtype=np.uint64), 4)
+    since = patches.tracking("inc", 0, store)
+    store.lookup(np.arange(5, 7, dtype=np.uint64), 4)     # evicts 2: the log holds them
+    got = patches.write_patch(store, since, patches.tracking("inc", 0, store),
+                              str(tmp_path), 0, 1)
+    assert got is not None and got["tombstones"]["rows"] == 2 and got["rows"]["rows"] == 2
+    store.lookup(np.arange(7, 10, dtype=np.uint64), 4)    # 3 more: the log overflows
+    now = patches.tracking("inc", 0, store)
+    assert patches.write_patch(store, since, now, str(tmp_path), 0, 1) is None
+    assert "eviction log" in patches.why_full(since, now, store.evicted_since(
+        since["version"])[2])
+    later = patches.tracking("inc", 0, store)
+    store.clear()
+    assert patches.write_patch(store, later, patches.tracking("inc", 0, store),
+                               str(tmp_path), 0, 1) is None
+    assert "restarted" in patches.why_full(since, {**now, "incarnation": "other"}, True)
+    assert "restore" in patches.why_full(since, {**now, "loads": 1}, True)
