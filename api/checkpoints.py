@@ -66,6 +66,7 @@ from stream_persia.checkpoint import (
     Manifest,
     check_config,
     delete_checkpoint,
+    dependents,
     list_checkpoints,
     load_embeddings,
     prune_checkpoints,
@@ -277,6 +278,12 @@ class Checkpoints:
             manifest = await asyncio.to_thread(read_manifest, src)
         except BadInput:
             return None
+        needed = await asyncio.to_thread(dependents, src.rstrip("/").rsplit("/", 1)[0], ident)
+        if needed:
+            raise Misuse(f"checkpoint {ident!r} is the base or a patch that incremental "
+                         f"checkpoint(s) {needed[:5]} need to restore: it cannot be deleted "
+                         "while they exist", field="checkpoint",
+                         hint="delete the patches that depend on it first (newest first)")
         self._deleting.add(ident)   # a restore of it is refused from now on
         try:
             await asyncio.to_thread(delete_checkpoint, src)

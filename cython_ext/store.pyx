@@ -90,12 +90,14 @@ include "store_table.pxi"     # hash table, LRU list, prefetching, admission, ev
 include "store_batch.pxi"     # guards; the batched loops of lookup, lookup_pooled, update
 
 
-cdef list _changed_rows(CEmbeddingStore self, sel):
-    """The chunks (one per dim) of the entries ``sel`` (int32): ids, weights, versions."""
+cdef list _changed_rows(CEmbeddingStore self, sel, bint with_state):
+    """The chunks (one per dim) of the entries ``sel`` (int32): ids, weights, versions,
+    and (``with_state``) the optimizer state read at the same moment."""
     cdef int32_t[::1] sv = sel, gv
     cdef int64_t m = sv.shape[0], k, g
     cdef uint64_t[::1] kv
-    cdef float[:, ::1] wv
+    cdef float[:, ::1] wv, stv
+    cdef bint copy_state
     cdef int64_t[::1] vv
     cdef Arena *a
     cdef Entry *x
@@ -113,6 +115,11 @@ cdef list _changed_rows(CEmbeddingStore self, sel):
         weights = np.empty((g, a.dim), np.float32)
         versions = np.empty(g, np.int64)
         kv, wv, vv = ids, weights, versions
+        copy_state = with_state and a.width > 0
+        if with_state:
+            state = np.empty((g, a.width), np.float32)
+            if copy_state:
+                stv = state
         with nogil:
             for k in range(g):
                 if k + PF_ROW < g:
@@ -121,7 +128,12 @@ cdef list _changed_rows(CEmbeddingStore self, sel):
                 kv[k] = x.key
                 vv[k] = self.vbase + x.ver
                 sp_read_w(&wv[k, 0], row_ptr(a, x.row), a.dim, a.dtype)
-        chunks.append({"dim": a.dim, "ids": ids, "weights": weights, "versions": versions})
+                if copy_state:
+                    memcpy(&stv[k, 0], row_ptr(a, x.row) + a.wlen, sizeof(float) * a.width)
+        chunk = {"dim": a.dim, "ids": ids, "weights": weights, "versions": versions}
+        if with_state:
+            chunk.update(state=state, state_kind=self._opt_obj.state_kind)
+        chunks.append(chunk)
     return chunks
 
 
@@ -740,7 +752,7 @@ cdef class CEmbeddingStore:
             self.busy = False
         return removed
 
-    def changed_since(self, since, chunk_rows=_py.DUMP_CHUNK_ROWS):
+    def changed_since(self, since, chunk_rows=_py.DUMP_CHUNK_ROWS, *, state=False):
         """Rows changed after version ``since``, in chunks; see
         ``PyEmbeddingStore.changed_since``. Each chunk comes from one window of at most
         ``chunk_rows`` entries, read whole under the store's guard with the GIL released;
@@ -770,9 +782,9 @@ cdef class CEmbeddingStore:
                 _dirty_mark(self)
         finally:
             self.busy = False
-        return self._changed(s, c, listed)
+        return self._changed(s, c, listed, bool(state))
 
-    def _changed(self, int64_t since, int64_t chunk_rows, listed):
+    def _changed(self, int64_t since, int64_t chunk_rows, listed, bint with_state):
         cdef int64_t pos = 0, end, m, k, total
         cdef int32_t e
         cdef int32_t[::1] sv
@@ -816,7 +828,7 @@ cdef class CEmbeddingStore:
                                 m += 1
                 pos = end
                 if m:
-                    chunks = _changed_rows(self, sel[:m])
+                    chunks = _changed_rows(self, sel[:m], with_state)
             finally:
                 self.busy = False
             if not chunks:

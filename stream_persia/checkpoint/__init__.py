@@ -47,6 +47,7 @@ from stream_persia.checkpoint.manifest import (
     Manifest,
 )
 from stream_persia.checkpoint.reader import (
+    chain_of,
     latest_checkpoint,
     list_checkpoints,
     load_embeddings,
@@ -54,12 +55,16 @@ from stream_persia.checkpoint.reader import (
     read_manifest,
     verify,
 )
-from stream_persia.checkpoint.retention import delete_checkpoint, prune_checkpoints
+from stream_persia.checkpoint.retention import (
+    delete_checkpoint,
+    dependents,
+    prune_checkpoints,
+)
 from stream_persia.checkpoint.writer import CheckpointWriter
 
 __all__ = [
     "CheckpointWriter", "Manifest", "read_manifest", "verify", "load_embeddings", "load_torch",
-    "list_checkpoints", "latest_checkpoint", "Cut", "read_cut", "stream_cut",
+    "list_checkpoints", "latest_checkpoint", "chain_of", "Cut", "read_cut", "stream_cut",
     "config_digest", "check_config", "FORMAT_VERSION", "MANIFEST_NAME",
-    "DENSE_FILENAME", "OPT_FILENAME", "JIT_FILENAME", "prune_checkpoints", "delete_checkpoint",
+    "DENSE_FILENAME", "OPT_FILENAME", "JIT_FILENAME", "prune_checkpoints", "delete_checkpoint", "dependents",
 ]

@@ -13,7 +13,28 @@ Schema (format version 1; JSON object, every key present, ``null`` where optiona
      "jit_filename": name | null,
      "server_config": {"digest": 16 hex chars, "optimizer": {...},
                        "embedding_config": {...}, "policies"?: {...}} | null,
+     "chain": {...} | null  (incremental checkpoints; optional, below),
      "extra": {...}}
+
+``chain`` (null or absent: written before incremental checkpoints, a full checkpoint no
+patch can follow)::
+
+    {"id": str          the checkpoint's name (its directory's; members of a chain are
+                        siblings under one root),
+     "parent": str | null   the id of the checkpoint this one patches; null: a full base,
+     "base": str        the id of the full checkpoint the chain starts at (``id`` for a base),
+     "depth": int >= 0  patches since the base (0 for a base; the parent's depth + 1),
+     "rows": int >= 0   embedding rows held after applying the chain up to here,
+     "tombstone_files": [name, ...]  a patch's files of evicted ids, one per server in
+                        replica order ([] for a base), each a key of ``files``,
+     "tracking": [{"incarnation": str, "loads": int, "version": int}, ...]  each server's
+                        store position at the dump (what a child patch is taken since),
+     "full_because": str | null  why a checkpoint asked to be a patch is a base instead}
+
+A patch's ``embedding_files`` hold the rows changed since its parent (values with their
+optimizer state); its dense files and offsets are whole, as a base's. Every file, of a
+base or a patch, has its sha256 and size in ``files``. A restore of a patch loads the
+base, then every patch in order (:func:`stream_persia.checkpoint.reader.chain_of`).
 
 ``config_digest`` is ``schema-v1:<sha256>`` of the job's embedding schema, which a restore
 checks (:mod:`stream_persia.checkpoint.digest`; null: not known, restored unchecked).
@@ -183,6 +204,45 @@ def _update_positions(v: Any, shards: int) -> list[dict[str, Any]] | None:
     return out
 
 
+def _chain(v: Any, shards: int, files: dict[str, Any]) -> dict[str, Any] | None:
+    """``chain`` (module docstring), validated; BadInput naming ``chain.<key>``."""
+    if v is None:
+        return None
+    keys = {"id", "parent", "base", "depth", "rows", "tombstone_files", "tracking",
+            "full_because"}
+    if not isinstance(v, dict) or set(v) != keys:
+        raise BadInput(f"manifest 'chain' must be null or a map of {sorted(keys)}, got "
+                       f"{str(v)[:120]}", field="chain")
+    for key in ("id", "base"):
+        check_file_name(v[key], f"chain.{key}")
+    if v["parent"] is not None:
+        check_file_name(v["parent"], "chain.parent")
+    _opt_str(v["full_because"], "chain.full_because")
+    depth = _int(v["depth"], "chain.depth")
+    _int(v["rows"], "chain.rows")
+    if (depth == 0) != (v["parent"] is None) or (depth == 0) != (v["base"] == v["id"]):
+        raise BadInput(f"manifest 'chain': a base (depth 0) has no parent and is its own "
+                       f"base, a patch (depth > 0) has a parent; got depth {depth}, parent "
+                       f"{v['parent']!r}, base {v['base']!r}, id {v['id']!r}",
+                       field="chain.depth")
+    tombs = v["tombstone_files"]
+    if not isinstance(tombs, list) or len(tombs) != (shards if depth else 0) \
+            or any(t not in files or "rows" not in files[t] for t in tombs):
+        raise BadInput(f"manifest 'chain.tombstone_files' must list {shards if depth else 0} "
+                       f"file(s) of 'files' (with 'rows'), got {str(tombs)[:120]}",
+                       field="chain.tombstone_files")
+    tracking = v["tracking"]
+    if not isinstance(tracking, list) or len(tracking) != shards or not all(
+            isinstance(t, dict) and set(t) == {"incarnation", "loads", "version"}
+            and isinstance(t["incarnation"], str)
+            and all(isinstance(t[k], int) and not isinstance(t[k], bool) and t[k] >= 0
+                    for k in ("loads", "version")) for t in tracking):
+        raise BadInput(f"manifest 'chain.tracking' must be {shards} "
+                       f"{{incarnation, loads, version}}, got {str(tracking)[:120]}",
+                       field="chain.tracking")
+    return json.loads(json.dumps(v))
+
+
 @dataclass
 class Manifest:
     """What a checkpoint holds. Validated on construction (``BadInput`` naming the key).
@@ -204,6 +264,7 @@ class Manifest:
     jit_filename: str | None = None
     server_config: dict[str, Any] | None = None
     model_updates: list[dict[str, Any]] | None = None
+    chain: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     path: str | None = field(default=None, compare=False, repr=False)
@@ -247,6 +308,7 @@ class Manifest:
                                field=key)
         _server_config(self.server_config)
         self.model_updates = _update_positions(self.model_updates, self.shard_count)
+        self.chain = _chain(self.chain, self.shard_count, self.files)
         if not isinstance(self.extra, dict):
             raise BadInput(f"manifest 'extra' must be a map, got {type(self.extra).__name__}",
                            field="extra")
@@ -258,13 +320,25 @@ class Manifest:
 
     @property
     def rows(self) -> int:
-        """Embedding rows stored in the checkpoint (over every shard file)."""
+        """Embedding rows stored in the checkpoint (over every shard file; a patch's:
+        the rows changed since its parent)."""
         return sum(self.files[n]["rows"] for n in self.embedding_files)
+
+    @property
+    def table_rows(self) -> int:
+        """Embedding rows a restore of this checkpoint (its whole chain) loads."""
+        return self.chain["rows"] if self.chain is not None else self.rows
+
+    @property
+    def is_patch(self) -> bool:
+        return self.chain is not None and self.chain["parent"] is not None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form written to ``manifest.json`` (``path`` is not stored)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "path"}
         out = {"format_version": out.pop("format_version"), **out}
+        if out["chain"] is None:   # a reader from before chains reads it as it did
+            del out["chain"]
         return json.loads(json.dumps(out))   # deep copy, JSON types only
 
     @classmethod

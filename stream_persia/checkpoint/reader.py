@@ -28,7 +28,7 @@ from stream_persia.errors import (
     RemoteTimeout,
 )
 
-__all__ = ["read_manifest", "verify", "load_embeddings", "load_torch", "list_checkpoints",
+__all__ = ["read_manifest", "verify", "chain_of", "load_embeddings", "load_torch", "list_checkpoints",
            "latest_checkpoint"]
 
 log = logging.getLogger(__name__)
@@ -101,17 +101,57 @@ def _check_file(loc: Location, name: str, entry: dict[str, Any], *, checksum: bo
                        field=f"files.{name}")
 
 
+def chain_of(src: str) -> list[Manifest]:
+    """The checkpoints a restore of ``src`` loads, its base first and ``src`` last (one
+    for a full checkpoint). A patch's parent is its sibling directory named by
+    ``chain.parent`` (:mod:`stream_persia.checkpoint.manifest`).
+
+    Raises:
+        BadInput: ``src`` or a checkpoint of its chain is missing, incomplete or not the
+            one the patch was taken on (names it; the chain up to its parent restores).
+    """
+    manifest = read_manifest(src)
+    chain = [manifest]
+    while manifest.is_patch:
+        link = manifest.chain or {}
+        loc = Location(manifest.path or src)
+        parent_url = f"{loc.url.rsplit('/', 1)[0]}/{link['parent']}"
+        try:
+            parent = read_manifest(parent_url)
+        except BadInput as e:
+            raise BadInput(f"checkpoint {chain[-1].path} is a patch of {link['parent']!r}, "
+                           f"which cannot be read: {e.message}", field="chain.parent",
+                           hint=f"restore a checkpoint that does not depend on it; "
+                                f"{parent_url} is needed by every later patch of its "
+                                "chain") from None
+        pc = parent.chain
+        if pc is None or pc["id"] != link["parent"] or pc["base"] != link["base"] \
+                or pc["depth"] != link["depth"] - 1:
+            raise BadInput(f"checkpoint {manifest.path} is a patch of {link['parent']!r} "
+                           f"(base {link['base']!r}, depth {link['depth'] - 1}), but "
+                           f"{parent_url} is another checkpoint ({pc and pc['id']!r}, base "
+                           f"{pc and pc['base']!r}, depth {pc and pc['depth']})",
+                           field="chain.parent")
+        if len(chain) > 100_000:
+            raise BadInput(f"checkpoint {src}: its chain does not end", field="chain")
+        chain.append(parent)
+        manifest = parent
+    return chain[::-1]
+
+
 def verify(src: str) -> None:
-    """Recompute the size and sha256 of every file the manifest lists.
+    """Recompute the size and sha256 of every file the manifest lists, and, for a patch,
+    of every checkpoint of its chain (:func:`chain_of`).
 
     Raises:
         BadInput: the manifest is missing or invalid, or a file is missing, truncated or
-            corrupt (the message names the file).
+            corrupt (the message names the checkpoint and the file), or the chain is
+            broken (names the missing parent).
     """
-    manifest = read_manifest(src)
-    loc = Location(src)
-    for name, entry in manifest.files.items():
-        _check_file(loc, name, entry, checksum=True)
+    for manifest in chain_of(src):
+        loc = Location(manifest.path or src)
+        for name, entry in manifest.files.items():
+            _check_file(loc, name, entry, checksum=True)
 
 
 async def load_embeddings(src: str, server_clients: Sequence[Any], *,
@@ -168,23 +208,36 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
             ``roll_forward_s``: then the error names the servers that hold the checkpoint
             and those that do not; load again.
     """
-    manifest = read_manifest(src)
-    loc = Location(src)
-    for name in manifest.embedding_files:   # cheap checks before any server reads
-        _check_file(loc, name, manifest.files[name], checksum=verify_checksums)
+    chain = chain_of(src)
+    manifest, base = chain[-1], chain[0]
+    loc = Location(manifest.path or src)
+    for m in chain:   # cheap checks before any server reads
+        for name in [*m.embedding_files, *(m.chain["tombstone_files"] if m.chain else [])]:
+            _check_file(Location(m.path or src), name, m.files[name],
+                        checksum=verify_checksums)
     await check_server_set(server_clients, timeout_ms)
     await _configure_fresh(manifest, server_clients, timeout_ms)
-    expected = {name: {k: v for k, v in manifest.files[name].items()
-                       if k in ("sha256", "bytes", "rows")}
-                for name in manifest.embedding_files}
-    request = {"dir": loc.url, "files": manifest.embedding_files, "expected": expected,
-               "cut": manifest.offsets if manifest.stream == "kafka" else {}}
+
+    def expect(m: Manifest, names: list[str]) -> dict[str, dict[str, Any]]:
+        return {name: {k: v for k, v in m.files[name].items()
+                       if k in ("sha256", "bytes", "rows")} for name in names}
+
+    request: dict[str, Any] = {
+        "dir": Location(base.path or src).url, "files": base.embedding_files,
+        "expected": expect(base, base.embedding_files),
+        "cut": manifest.offsets if manifest.stream == "kafka" else {}}
+    if len(chain) > 1:   # the patches, in order, over the base
+        request["patches"] = [
+            {"dir": Location(m.path or src).url, "files": m.embedding_files,
+             "tombstones": (m.chain or {})["tombstone_files"],
+             "expected": expect(m, [*m.embedding_files, *(m.chain or {})["tombstone_files"]])}
+            for m in chain[1:]]
     staged = await asyncio.gather(*(
         c.call("load", {**request, "stage": True}, timeout_ms=timeout_ms)
         for c in server_clients), return_exceptions=True)
     failed = [(i, r) for i, r in enumerate(staged) if isinstance(r, BaseException)]
     loaded = sum(int(r["rows"]) for r in staged if not isinstance(r, BaseException))
-    if failed or loaded != manifest.rows:
+    if failed or loaded != manifest.table_rows:
         await _abort(server_clients, staged, timeout_ms)
         if failed:
             i, error = failed[0]
@@ -194,7 +247,7 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
                             [k for k, _ in failed], i)
             raise error
         raise InternalError(f"servers staged {loaded} rows from {loc.url} but it holds "
-                            f"{manifest.rows}: every row should have exactly one owner; "
+                            f"{manifest.table_rows}: every row should have exactly one owner; "
                             "no server changed")
     replies = [r for r in staged if not isinstance(r, BaseException)]   # every one, now
     commits = await asyncio.gather(*(

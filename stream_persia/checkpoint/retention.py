@@ -9,6 +9,11 @@ served, a checkpoint being restored or loaded, the one just written). Directorie
 a manifest (being written, or abandoned) are not checkpoints and are never counted or
 touched, nor are symbolic links.
 
+Chains (incremental checkpoints, :mod:`stream_persia.checkpoint.manifest`'s ``chain``):
+a checkpoint that a kept one's chain needs (its parent, the parent's parent, ... up to its
+base) is never deleted, whatever its age or whether ``select`` accepts it: a restore of
+the kept patch reads them all.
+
 Deleting (:func:`delete_checkpoint`): a local checkpoint is first renamed to a hidden
 sibling ``.<name>.deleting-<random>`` (one atomic step: readers skip hidden names), then
 removed; a remote one loses its manifest first (readers then treat it as incomplete),
@@ -28,7 +33,7 @@ from stream_persia.checkpoint._common import Location
 from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest
 from stream_persia.checkpoint.reader import list_checkpoints
 
-__all__ = ["delete_checkpoint", "expired", "prune_checkpoints"]
+__all__ = ["delete_checkpoint", "dependents", "expired", "prune_checkpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +66,13 @@ def prune_checkpoints(root: str, keep: int, protect: Collection[str] = (),
              if not (loc.local and os.path.islink(m.path or ""))
              and (select is None or select(m))]
     deleted = []
-    for m in expired(found, keep, protect):
+    old = expired(found, keep, protect)
+    needed = _needed(list_checkpoints(root), {Location(m.path or "").name for m in old})
+    for m in old:
+        if Location(m.path or "").name in needed:
+            log.info("retention: keeping checkpoint %s (step %d): a kept patch's chain "
+                     "needs it", m.path, m.step)
+            continue
         name = Location(m.path or "").name
         try:
             delete_checkpoint(m.path or "")
@@ -72,6 +83,37 @@ def prune_checkpoints(root: str, keep: int, protect: Collection[str] = (),
                  m.path, m.step, keep, loc.url)
         deleted.append(name)
     return deleted
+
+
+def _ancestors(m: Manifest, by_name: dict[str, Manifest]) -> set[str]:
+    """The names of the checkpoints ``m``'s chain needs: its parent, the parent's parent,
+    ... up to its base (a missing one ends the walk)."""
+    out: set[str] = set()
+    link = m.chain
+    while link is not None and link["parent"] is not None and link["parent"] not in out:
+        out.add(link["parent"])
+        parent = by_name.get(link["parent"])
+        link = None if parent is None else parent.chain
+    return out
+
+
+def _by_name(every: Sequence[Manifest]) -> dict[str, Manifest]:
+    return {Location(m.path or "").name: m for m in every}
+
+
+def _needed(every: Sequence[Manifest], doomed: Collection[str]) -> set[str]:
+    """Names of the checkpoints that a checkpoint not in ``doomed`` needs, among
+    ``every`` under one root."""
+    by_name = _by_name(every)
+    return {n for name, m in by_name.items() if name not in doomed
+            for n in _ancestors(m, by_name)}
+
+
+def dependents(root: str, name: str) -> list[str]:
+    """The complete checkpoints under ``root`` whose chain needs the checkpoint ``name``
+    (patches of it, and patches of those), by name: deleting it breaks their restore."""
+    by_name = _by_name(list_checkpoints(root))
+    return sorted(n for n, m in by_name.items() if name in _ancestors(m, by_name))
 
 
 def delete_checkpoint(src: str) -> None:

@@ -74,6 +74,7 @@ class CheckpointWriter:
         self._server_marks: list[Any] = []   # each server's stream watermarks at its dump
         # each server's update log position at its dump (None: one publishes none)
         self._update_positions: list[Any] | None = None
+        self._chain: dict[str, Any] | None = None   # see dump_embeddings
         self._state = "open"
         self._check_replaceable()
         fs = self._dst.fs
@@ -135,8 +136,17 @@ class CheckpointWriter:
         return dict(self._files[name])
 
     async def dump_embeddings(self, server_clients: Sequence[Any], *,
+                              parent: Manifest | None = None,
                               timeout_ms: float = DEFAULT_SHARD_TIMEOUT_MS) -> list[str]:
         """Have every embedding server write its shard into :attr:`staging`, concurrently.
+
+        With ``parent`` (a checkpoint under the same root as ``dst``), an incremental
+        checkpoint: each server writes only what changed since the parent's dump (a
+        patch: :mod:`stream_persia.server.patches`). When that cannot be known (the
+        parent records no tracking, was written by another number of servers, a server
+        restarted or was restored since, its eviction log was overrun), every server
+        writes its full shard instead and the checkpoint is a new base whose manifest
+        says why (``chain.full_because``; logged): never an incomplete patch.
 
         Each server dumps on its store thread, so its shard is a snapshot between two
         updates; a consistent cut across servers is the caller's job (nothing in flight).
@@ -155,9 +165,17 @@ class CheckpointWriter:
         """
         self._check_open()
         await check_server_set(server_clients, timeout_ms)
-        replies = await asyncio.gather(*(
-            c.call("dump", {"dir": self.staging}, timeout_ms=timeout_ms)
-            for c in server_clients))
+        since, why = _since(parent, self._dst, len(server_clients))
+        replies = await self._dump(server_clients, since, timeout_ms)
+        if since is not None:
+            why = next((str(r["full_because"]) for r in replies if r.get("full_because")),
+                       None)
+            if why is not None:   # every server writes its full shard: a base
+                self._drop_patch_files(replies)
+                replies = await self._dump(server_clients, None, timeout_ms)
+        if parent is not None and why is not None:
+            log.warning("checkpoint %s: a full base instead of a patch of %s: %s",
+                        self._dst.url, parent.path, why)
         names = []
         for i, r in enumerate(replies):
             try:
@@ -173,12 +191,41 @@ class CheckpointWriter:
             self._files[name] = entry
         for stale in set(self._embedding_files) - set(names):
             self._files.pop(stale, None)
+        for r in replies:   # a patch's files of evicted ids
+            if r.get("tombstones"):
+                t = r["tombstones"]
+                self._files[check_file_name(t["file"], "file")] = {
+                    "sha256": str(t["sha256"]), "bytes": int(t["bytes"]), "rows": int(t["rows"])}
         self._embedding_files = names
         self._server_config = _one_config(replies)
+        self._chain = _chain(self._dst.name, parent if why is None else None, replies, why,
+                             self._files)
         self._server_marks = [r.get("watermarks") for r in replies]
         positions = [r.get("updates") for r in replies]
         self._update_positions = positions if all(p is not None for p in positions) else None
         return list(names)
+
+    async def _dump(self, clients: Sequence[Any], since: list[dict] | None,
+                    timeout_ms: float) -> list[dict]:
+        return list(await asyncio.gather(*(
+            c.call("dump", {"dir": self.staging} if since is None
+                   else {"dir": self.staging, "since": since[i]}, timeout_ms=timeout_ms)
+            for i, c in enumerate(clients))))
+
+    def _drop_patch_files(self, replies: Sequence[dict]) -> None:
+        """Remove the patch files some servers wrote before another could not patch."""
+        for r in replies:
+            for info in (r, r.get("tombstones")):
+                if isinstance(info, dict) and r.get("tombstones") \
+                        and _is_plain(info.get("file")):
+                    path = self._stage.join(str(info["file"]))
+                    if self._stage.fs.exists(path):
+                        self._stage.fs.rm_file(path)
+
+    @property
+    def chain(self) -> dict[str, Any] | None:
+        """The manifest's ``chain`` (after :meth:`dump_embeddings`)."""
+        return None if self._chain is None else dict(self._chain)
 
     # ----------------------------------------------------------------- publishing
     def commit(self, *, job: str, step: int, offsets: dict[str, dict[str, int]], stream: str,
@@ -221,7 +268,7 @@ class CheckpointWriter:
             opt_filename=OPT_FILENAME if OPT_FILENAME in files else None,
             jit_filename=JIT_FILENAME if JIT_FILENAME in files else None,
             server_config=self._server_config, model_updates=self._update_positions,
-            extra=extra)
+            chain=self._chain, extra=extra)
         data = (json.dumps(manifest.to_dict(), indent=2) + "\n").encode()
         if self._dst.local:
             self._check_replaceable()
@@ -299,6 +346,46 @@ class CheckpointWriter:
                            f"({subdirs[0].rsplit('/', 1)[-1]!r}), so it is not a checkpoint: "
                            f"refusing to replace it", field="dst",
                            hint="give each checkpoint its own directory, e.g. ROOT/step-000100")
+
+
+def _is_plain(name: Any) -> bool:
+    return isinstance(name, str) and bool(name) and "/" not in name \
+        and not name.startswith(".")
+
+
+def _since(parent: Manifest | None, dst: Location, servers: int
+           ) -> tuple[list[dict] | None, str | None]:
+    """Each server's ``since`` for a patch of ``parent`` (None: none), and why not."""
+    if parent is None:
+        return None, None
+    chain = parent.chain
+    if chain is None:
+        return None, f"the parent {parent.path} records no tracking (written before chains)"
+    if Location(parent.path or "").url.rsplit("/", 1)[0] != dst.url.rsplit("/", 1)[0]:
+        return None, f"the parent {parent.path} is not under the same root as {dst.url}"
+    if chain["id"] == dst.name:
+        return None, f"the parent {parent.path} is the checkpoint being replaced"
+    if len(chain["tracking"]) != servers:
+        return None, (f"the parent was written by {len(chain['tracking'])} embedding "
+                      f"servers, the job has {servers} now")
+    return [dict(t) for t in chain["tracking"]], None
+
+
+def _chain(name: str, parent: Manifest | None, replies: Sequence[dict], why: str | None,
+           files: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The manifest's ``chain`` (None: a server sent no tracking, an older one)."""
+    tracking = [r.get("tracking") for r in replies]
+    if not all(isinstance(t, dict) for t in tracking) \
+            or not all(isinstance(r.get("held"), int) for r in replies):
+        return None
+    held = sum(int(r["held"]) for r in replies)
+    if parent is None or parent.chain is None:
+        return {"id": name, "parent": None, "base": name, "depth": 0, "rows": held,
+                "tombstone_files": [], "tracking": tracking, "full_because": why}
+    return {"id": name, "parent": parent.chain["id"], "base": parent.chain["base"],
+            "depth": parent.chain["depth"] + 1, "rows": held,
+            "tombstone_files": [str(r["tombstones"]["file"]) for r in replies],
+            "tracking": tracking, "full_because": None}
 
 
 def _one_config(replies: Sequence[dict]) -> dict[str, Any] | None:

@@ -17,7 +17,8 @@ PERSIA's keys and documented defaults::
                                          # at most 2**30 (the store's limit)
       num_hashmap_internal_shards: 100
       full_amount_manager_buffer_size: 1000
-      enable_incremental_update: false   # true is refused: not implemented
+      enable_incremental_update: false   # true: checkpoints are patches on a base
+                                         # (checkpointing_config.full_every)
       incremental_buffer_size: 1000000
       incremental_dir: null
       incremental_channel_capacity: 1000
@@ -122,13 +123,16 @@ INERT_KEYS: dict[str, str] = {
         "PERSIA's lock striping of its hash map; the store here has none (its parallelism "
         "is store_threads)",
     "embedding_parameter_server_config.full_amount_manager_buffer_size":
-        "a buffer of PERSIA's incremental update, which is off (true is refused)",
+        "a buffer of PERSIA's incremental update; stream-persia's incremental checkpoints "
+        "read the store's own change tracking",
     "embedding_parameter_server_config.incremental_buffer_size":
-        "incremental update is off (enable_incremental_update: true is refused)",
+        "PERSIA's incremental update buffer; incremental checkpoints here need none (the "
+        "store's change tracking)",
     "embedding_parameter_server_config.incremental_dir":
-        "incremental update is off (enable_incremental_update: true is refused)",
+        "PERSIA's incremental update directory; incremental checkpoints go where the "
+        "checkpoints go",
     "embedding_parameter_server_config.incremental_channel_capacity":
-        "incremental update is off (enable_incremental_update: true is refused)",
+        "PERSIA's incremental update channel; incremental checkpoints need none",
 }
 
 
@@ -180,6 +184,13 @@ class CheckpointingConfig(_Section):
     ``every_s`` seconds, into ``periodic_dir`` (default: the job's checkpoint directory,
     ``PERSIA_CHECKPOINT_DIR``, where the API lists, restores and serves them), and keeps
     the ``keep_checkpoints`` newest periodic ones there (it deletes no other checkpoint).
+
+    Incremental checkpoints (``embedding_parameter_server_config.enable_incremental_update:
+    true``, PERSIA's key): a periodic checkpoint is a *patch* holding only the embedding
+    rows changed since the previous one (:mod:`stream_persia.checkpoint.manifest`'s
+    ``chain``), and every ``full_every``-th one after a base is a full base again (8 by
+    default: a restore reads at most 8 patches after its base). Retention never deletes a
+    checkpoint a kept patch needs.
     """
 
     num_workers: int = 4
@@ -187,6 +198,7 @@ class CheckpointingConfig(_Section):
     every_steps: int | None = None
     every_s: float | None = None
     periodic_dir: str | None = None
+    full_every: int = 8
 
     def __post_init__(self) -> None:
         check_int(self, "num_workers", lo=1, hi=1024)
@@ -207,6 +219,9 @@ class CheckpointingConfig(_Section):
             object.__setattr__(self, "every_s", float(every_s))
         check_str(self, "periodic_dir", optional=True,
                   hint="a directory or fsspec URL under the roles' checkpoint root")
+        check_int(self, "full_every", lo=1, hi=100_000,
+                  hint="with enable_incremental_update, a full base after this many "
+                       "patches, e.g. 8")
         if self.periodic_dir is not None and "::" in self.periodic_dir:
             raise error("periodic_dir", f"{self.periodic_dir!r} is a chained URL",
                         "give the storage URL itself")
@@ -359,11 +374,6 @@ class EmbeddingParameterServerConfig(_Section):
             raise error("store_threads", f"{self.store_threads} internal shards cannot share "
                         f"a capacity of {self.capacity} rows (each holds at least one)",
                         "lower store_threads or raise capacity")
-        if self.enable_incremental_update:
-            raise error("enable_incremental_update", "true is not supported: stream-persia "
-                        "does not implement PERSIA's incremental update",
-                        "set it to false; periodic checkpoints (consistent with the Kafka "
-                        "offsets) take its place")
 
 
 #: ``embedding_worker_config.on_server_restart``: see :mod:`stream_persia.worker.router`.

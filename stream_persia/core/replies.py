@@ -117,6 +117,13 @@ class DumpReply(ShardFileInfo):
     config: ServerConfig
     watermarks: dict[str, dict[str, MarkWire]]
     updates: UpdatePosition | None
+    #: the store's position at the dump (a later dump's ``since``;
+    #: :mod:`stream_persia.server.patches`), and, for a dump given ``since``, the patch's
+    #: tombstone file (None: the full shard was written, ``full_because`` says why)
+    tracking: NotRequired[dict[str, Any]]
+    held: NotRequired[int]   # rows the store held at the dump
+    tombstones: NotRequired[ShardFileInfo | None]
+    full_because: NotRequired[str | None]
 
 
 

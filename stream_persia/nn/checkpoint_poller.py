@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stream_persia.errors import BadInput, Misuse, PersiaError
-from stream_persia.nn import checkpointing
+from stream_persia.nn import checkpointing, periodic
 from stream_persia.nn.progressive import summarize
 from stream_persia.nn.seams import TrainerSeam
 from stream_persia.worker.mailbox import KEEPALIVES_PER_TIMEOUT, REPORT_TIMEOUT_S
@@ -243,6 +243,17 @@ class NnCheckpointPoller:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def _parent(self, dst: str, rank0: bool) -> str | None:
+        """With ``enable_incremental_update``, the checkpoint a requested one patches
+        (rank 0 writes; :func:`stream_persia.nn.periodic.latest_parent`)."""
+        if not rank0 or not periodic.incremental_enabled():
+            return None
+        try:
+            return periodic.latest_parent(dst, periodic.checkpointing_config().full_every)
+        except (BadInput, OSError) as e:   # a full base then
+            log.warning("checkpoint %s: no parent to patch (%s): a full base", dst, e)
+            return None
+
     def step_boundary(self) -> str | None:
         """Poll; returns the id of a checkpoint taken now (every rank calls this)."""
         multi = self.ctx.world_size > 1
@@ -299,7 +310,8 @@ class NnCheckpointPoller:
             try:
                 manifest = checkpointing.dump_checkpoint(
                     self.ctx, dst, opt_filename="opt.pt", progress=progress if rank0 else None,
-                    extra={"id": ident, "by": "nn"}, **self.dump_kwargs)
+                    extra={"id": ident, "by": "nn"}, parent=self._parent(dst, rank0),
+                    **self.dump_kwargs)
             finally:   # before the outcome, which a late keepalive would only contradict
                 self._stop_keepalive()
         except (PersiaError, OSError) as e:

@@ -63,7 +63,7 @@ from stream_persia.checkpoint import (
 )
 from stream_persia.checkpoint.cut import check_servers_kept
 from stream_persia.config.embedding import EmbeddingSchema
-from stream_persia.errors import Misuse
+from stream_persia.errors import BadInput, Misuse
 from stream_persia.nn.seams import ContextSeam, TrainerSeam
 
 __all__ = ["dump_checkpoint", "dump_embedding", "dump_torch_state_dict", "job_schema",
@@ -127,7 +127,8 @@ def dump_checkpoint(ctx: ContextSeam, dst_dir: str, *, dense_filename: str = "de
                     jit_dense_filename: str = "jit_dense.pt", opt_filename: str | None = None,
                     with_jit_model: bool | str = False,
                     progress: Callable[..., None] | None = None,
-                    extra: dict[str, Any] | None = None) -> Manifest | None:
+                    extra: dict[str, Any] | None = None,
+                    parent: str | None = None) -> Manifest | None:
     """Write a checkpoint of ``ctx``'s job at ``dst_dir`` (see the module docstring).
 
     Args:
@@ -136,6 +137,10 @@ def dump_checkpoint(ctx: ContextSeam, dst_dir: str, *, dense_filename: str = "de
         progress: rank 0 calls ``progress(phase, **details)`` as the checkpoint advances
             (the checkpoint mailbox reports it to the API).
         extra: more entries for the manifest's ``extra`` (e.g. the API's id and ``by``).
+        parent: a checkpoint under the same root as ``dst_dir``: write an incremental
+            checkpoint, its embedding rows only those changed since ``parent`` (a full
+            base instead when that cannot be known; see
+            :meth:`~stream_persia.checkpoint.CheckpointWriter.dump_embeddings`).
 
     Returns:
         The committed manifest on rank 0, None on the other ranks.
@@ -154,7 +159,7 @@ def dump_checkpoint(ctx: ContextSeam, dst_dir: str, *, dense_filename: str = "de
                                   jit_dense_filename=jit_dense_filename,
                                   opt_filename=opt_filename, with_jit_model=with_jit_model,
                                   note=progress or (lambda phase, **details: None),
-                                  extra=extra or {})
+                                  extra=extra or {}, parent=parent)
             except Exception as e:
                 failure = e
         # Every rank reaches this barrier, even when rank 0 failed to write: the ranks
@@ -170,8 +175,8 @@ def dump_checkpoint(ctx: ContextSeam, dst_dir: str, *, dense_filename: str = "de
 
 def _write(ctx: ContextSeam, cluster: Any, dst_dir: str, *, trainer: TrainerSeam | None,
            dense_filename: str, jit_dense_filename: str, opt_filename: str | None,
-           with_jit_model: bool | str, note: Callable[..., None], extra: dict[str, Any]
-           ) -> Manifest:
+           with_jit_model: bool | str, note: Callable[..., None], extra: dict[str, Any],
+           parent: str | None = None) -> Manifest:
     """Rank 0's part of :func:`dump_checkpoint`, once every rank is quiet."""
     train = trainer is not None
     note("reading the stream position")
@@ -201,7 +206,7 @@ def _write(ctx: ContextSeam, cluster: Any, dst_dir: str, *, trainer: TrainerSeam
         if jit is not None:
             writer.write_bytes(jit_dense_filename, jit)
         note("dumping embeddings", servers=len(cluster.servers))
-        cluster.run(writer.dump_embeddings(cluster.servers))
+        cluster.run(writer.dump_embeddings(cluster.servers, parent=_parent(parent)))
         if train:
             # A server that restarted between the frontier and its dump wrote an empty
             # table: the workers find it now (its incarnation changed), before the commit.
@@ -222,6 +227,18 @@ def _write(ctx: ContextSeam, cluster: Any, dst_dir: str, *, trainer: TrainerSeam
         for topic_offsets in offsets.values():
             cluster.run(cluster.call_workers("commit_offsets", {"offsets": topic_offsets}))
     return manifest
+
+
+def _parent(path: str | None) -> Manifest | None:
+    """The parent of an incremental checkpoint; one that cannot be read (deleted, say)
+    makes the checkpoint a full base (logged), not a failure."""
+    if path is None:
+        return None
+    try:
+        return read_manifest(path)
+    except BadInput as e:
+        log.warning("checkpoint parent %s cannot be read (%s): writing a full base", path, e)
+        return None
 
 
 def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,

@@ -26,6 +26,13 @@ mailbox (:mod:`~stream_persia.nn.checkpoint_poller`):
   ``periodic_dir`` beyond the ``keep_checkpoints`` newest
   (:func:`stream_persia.checkpoint.prune_checkpoints`, selecting ``extra.by ==
   "periodic"``: other checkpoints in the same directory are neither counted nor deleted).
+- **Incremental.** With ``embedding_parameter_server_config.enable_incremental_update:
+  true`` each periodic checkpoint after the first this process took is a patch of the
+  previous one (only the embedding rows changed since: :mod:`stream_persia.checkpoint.
+  manifest`'s ``chain``), and after ``full_every`` patches the next one is a full base.
+  A patch the servers cannot take (one restarted or was restored, an eviction log
+  overrun) is written as a full base instead, with the reason in the manifest and the
+  log. Retention keeps every checkpoint a kept patch depends on.
 - **No pile-up.** The cut holds training still while it is written, so a checkpoint never
   overlaps the next; due times of ``every_s`` that passed while one was being written are
   skipped (counted in ``skipped``) rather than taken back to back, and the next one is
@@ -50,14 +57,14 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from stream_persia.checkpoint import Manifest, prune_checkpoints
+from stream_persia.checkpoint import Manifest, list_checkpoints, prune_checkpoints
 from stream_persia.config import CheckpointingConfig
 from stream_persia.errors import Misuse
 from stream_persia.nn import checkpointing
 from stream_persia.nn.seams import TrainerSeam
 
 __all__ = ["BY", "PeriodicCheckpoints", "checkpoint_name", "checkpointing_config",
-           "periodic_root"]
+           "incremental_enabled", "latest_parent", "periodic_root"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +84,18 @@ def checkpointing_config() -> CheckpointingConfig:
     return load_global_config(path).common_config.checkpointing_config
 
 
+def incremental_enabled() -> bool:
+    """Whether the job asks for incremental checkpoints (PERSIA's
+    ``embedding_parameter_server_config.enable_incremental_update``)."""
+    path = os.environ.get("PERSIA_GLOBAL_CONFIG")
+    if not path:
+        return False
+    from stream_persia.config import load_global_config
+
+    return load_global_config(path).embedding_parameter_server_config \
+        .enable_incremental_update
+
+
 def periodic_root(config: CheckpointingConfig) -> str:
     """Where periodic checkpoints go: ``periodic_dir`` (a relative local path made
     absolute here), else ``PERSIA_CHECKPOINT_DIR``, else ``PERSIA_CHECKPOINT_ROOT``.
@@ -93,6 +112,20 @@ def periodic_root(config: CheckpointingConfig) -> str:
     if "://" not in root:
         root = os.path.abspath(root)
     return root
+
+
+def latest_parent(dst: str, full_every: int) -> str | None:
+    """The checkpoint an incremental checkpoint at ``dst`` patches: the newest complete
+    one beside it that records a chain shorter than ``full_every`` patches (None: take a
+    full base). Checkpoints requested over HTTP use it (the API's directory holds
+    periodic ones and others alike; the servers refuse a parent they cannot patch)."""
+    root = dst.rstrip("/").rsplit("/", 1)[0]
+    found = [m for m in list_checkpoints(root) if m.chain is not None]
+    if not found:
+        return None
+    newest = found[-1]
+    depth = int(newest.chain["depth"]) if newest.chain is not None else full_every
+    return newest.path if depth < full_every else None
 
 
 def checkpoint_name(step: int, at: float) -> str:
@@ -115,6 +148,8 @@ class PeriodicCheckpoints:
         ctx: an entered ``TrainCtx``.
         config: the job's ``checkpointing_config`` (with ``every_steps`` or ``every_s``).
         root: where they go (:func:`periodic_root`).
+        incremental: patches on a base, a base every ``config.full_every`` patches
+            (default: the job's ``enable_incremental_update``, :func:`incremental_enabled`).
         agree_steps: with several ranks and ``every_s``, how often (in steps) rank 0 tells
             the others whether one is due.
         dump_kwargs: more arguments of :func:`~stream_persia.nn.checkpointing.
@@ -125,7 +160,8 @@ class PeriodicCheckpoints:
 
     def __init__(self, ctx: TrainerSeam, config: CheckpointingConfig, root: str, *,
                  agree_steps: int = 10, dump_kwargs: dict[str, Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 incremental: bool | None = None):
         if not config.periodic:
             raise Misuse("periodic checkpoints need every_steps or every_s",
                          field="common_config.checkpointing_config.every_steps")
@@ -133,6 +169,9 @@ class PeriodicCheckpoints:
         self.every_steps = config.every_steps
         self.every_s = config.every_s
         self.keep = config.keep_checkpoints
+        self.full_every = config.full_every
+        self.incremental = incremental_enabled() if incremental is None else incremental
+        self._parent: tuple[str, int] | None = None   # rank 0: (path, depth) to patch
         self.root = root.rstrip("/") or root
         self.agree_steps = max(1, int(agree_steps))
         self.dump_kwargs = dict(dump_kwargs) if dump_kwargs is not None else {
@@ -183,10 +222,14 @@ class PeriodicCheckpoints:
         dst = f"{self.root}/{name}"
         rank0 = self.ctx.rank == 0
         began = self._clock()
+        parent = None
+        if self.incremental and self._parent is not None \
+                and self._parent[1] < self.full_every:
+            parent = self._parent[0]
         try:
             manifest = checkpointing.dump_checkpoint(
                 self.ctx, dst, opt_filename="opt.pt", extra={"id": name, "by": BY},
-                **self.dump_kwargs)
+                parent=parent, **self.dump_kwargs)
         except Exception as e:   # never stops training: logged, counted, tried again
             self.failed += 1
             log.error("periodic checkpoint at step %d into %s failed (%d so far; training "
@@ -197,6 +240,8 @@ class PeriodicCheckpoints:
         if rank0 and manifest is not None:
             size = sum(int(f.get("bytes", 0)) for f in manifest.files.values())
             self.taken.append(dst)
+            chain = manifest.chain
+            self._parent = None if chain is None else (dst, int(chain["depth"]))
             self.last_step, self.last_at = step, time.time()
             self.last_duration_s, self.last_bytes = took, size
             log.info("periodic checkpoint %s: step %d, %d bytes, %.2f s", dst, step, size,

@@ -940,11 +940,13 @@ class PyEmbeddingStore:
             self._version += 1
         return removed
 
-    def changed_since(self, since: int, chunk_rows: int = DUMP_CHUNK_ROWS
-                      ) -> Iterator[dict[str, Any]]:
+    def changed_since(self, since: int, chunk_rows: int = DUMP_CHUNK_ROWS, *,
+                      state: bool = False) -> Iterator[dict[str, Any]]:
         """The stored rows whose change version is > ``since``, in chunks
         ``{"dim", "ids" (uint64 (n,)), "weights" (float32 (n, dim)), "versions" (int64
-        (n,))}`` of one dim each and at most ``chunk_rows`` rows (no optimizer state).
+        (n,))}`` of one dim each and at most ``chunk_rows`` rows; with ``state``, also
+        their optimizer state read at the same moment (``"state"``, ``"state_kind"``, as
+        ``dump`` gives them: an incremental checkpoint).
 
         The store is scanned in windows of at most ``chunk_rows`` row slots (the Cython
         store: entries); each ``next()`` reads one window whole (ids, weights and versions
@@ -957,9 +959,11 @@ class PyEmbeddingStore:
         Order and chunking depend on the store's layout; the set of rows does not.
         """
         self._open()
-        return self._changed(check_version(since, "since"), check_chunk_rows(chunk_rows))
+        return self._changed(check_version(since, "since"), check_chunk_rows(chunk_rows),
+                             bool(state))
 
-    def _changed(self, since: int, chunk_rows: int) -> Iterator[dict[str, Any]]:
+    def _changed(self, since: int, chunk_rows: int, state: bool
+                 ) -> Iterator[dict[str, Any]]:
         for (dim, code), arena in sorted(self._arenas.items()):
             pos = 0
             while True:
@@ -972,8 +976,12 @@ class PyEmbeddingStore:
                 if not len(rows):
                     yield empty_changes()
                     continue
-                yield {"dim": dim, "ids": arena.keys[rows], "versions": arena.ver[rows],
-                       "weights": np.ascontiguousarray(arena.data[rows, :dim])}
+                chunk = {"dim": dim, "ids": arena.keys[rows], "versions": arena.ver[rows],
+                         "weights": np.ascontiguousarray(arena.data[rows, :dim])}
+                if state:
+                    chunk.update(state=np.ascontiguousarray(arena.data[rows, dim:]),
+                                 state_kind=self._opt.state_kind)
+                yield chunk
 
     def evicted_since(self, since: int) -> tuple[np.ndarray, np.ndarray, bool]:
         """``(ids uint64, versions int64, complete)``: the ids evicted (LRU) or removed

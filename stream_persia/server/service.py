@@ -113,12 +113,19 @@ RPC methods (params → result):
   the shard as one file; ``config`` is the store's configuration as ``get_config``
   describes it (also when this process was never configured), which the checkpoint
   manifest records; ``watermarks`` the stream watermarks at the dump (as ``watermarks``
-  answers them: a checkpoint refuses offsets at or below them).
+  answers them: a checkpoint refuses offsets at or below them); ``tracking`` the store's
+  position (``{"incarnation", "loads", "version"}``). With ``"since"``: a tracking a
+  previous dump answered, the shard's *patch* since then (rows changed with their
+  optimizer state, and a ``tombstones`` file of the ids evicted) when the store can tell
+  what changed, else the full shard with ``full_because`` saying why
+  (:mod:`stream_persia.server.patches`).
   ``dump`` and ``load`` take only directories under the server's checkpoint root
   (:mod:`stream_persia.checkpoint.root`; BadInput on field ``dir`` otherwise, Misuse when
   the server has no root), and their errors never quote a file's contents.
 - ``load {"dir": url, "files": [...], "expected"?: {file: {"sha256"?, "bytes"?, "rows"?}},
-  "cut"?: {topic: {partition: offset}}}``
+  "cut"?: {topic: {partition: offset}}, "patches"?: [{"dir", "files", "tombstones",
+  "expected"}]}`` (``patches``: applied in order over the files, an incremental
+  checkpoint's chain; the reply's ``rows`` is then the rows held after the last)
   → ``{"rows": int}`` — replaces the shard's rows with the rows it owns in every listed
   shard file, so a checkpoint written by S servers loads into S' servers; all or nothing.
   ``expected``, when given, has an entry for every listed file (the manifest's ``files``
@@ -205,6 +212,7 @@ from stream_persia.errors import (
 from stream_persia.kernels import segments
 from stream_persia.rpc import RpcServer, auth
 from stream_persia.rpc.server import CONNECTION_COUNTERS, ConnectionLimits
+from stream_persia.server import patches
 from stream_persia.server.dense_hub import DEFAULT_MAX_DENSE_BYTES, DenseHub
 from stream_persia.server.shard_files import (
     check_load_request,
@@ -769,19 +777,45 @@ class EmbeddingServer:
     async def _dump(self, params: Any) -> DumpReply:
         self._req.labels("dump").inc()
         directory = self._confine(require(params, "dir", str))
+        since = params.get("since")
+        if since is not None:
+            since = patches.check_since(since)
         name = shard_file_name(self.replica_index, self.replica_size)
+
         # dump() is called on the store thread: a load queued ahead of it swaps the store.
         # The reply names the configuration the rows were written with (their optimizer
-        # state's kind), so that a restore can configure a server that holds none.
-        return await self._run(
-            lambda: DumpReply(**write_shard_file(self.store.dump(), directory, name),
-                              config=self._config(), watermarks=self._marks.to_wire(),
-                              updates=None if self.feed is None else self.feed.position()))
+        # state's kind), so that a restore can configure a server that holds none. With
+        # ``since``, only what changed after it (stream_persia.server.patches), when the
+        # store can tell; else the full shard and why.
+        def run() -> DumpReply:
+            store = self.store
+            now = patches.tracking(self.incarnation, self._serving.loads, store)
+            patch = full_because = None
+            if since is not None:
+                patch = patches.write_patch(store, since, now, directory,
+                                            self.replica_index, self.replica_size)
+                if patch is None:
+                    full_because = patches.why_full(
+                        since, now, store.evicted_since(since["version"])[2])
+            info = patch["rows"] if patch is not None else \
+                write_shard_file(store.dump(), directory, name)
+            reply = DumpReply(**info, config=self._config(), watermarks=self._marks.to_wire(),
+                              updates=None if self.feed is None else self.feed.position(),
+                              tracking=now, held=len(store))
+            if since is not None:
+                reply["tombstones"] = None if patch is None else patch["tombstones"]
+                reply["full_because"] = full_because
+            return reply
+
+        return await self._run(run)
 
     async def _load(self, params: Any) -> LoadReply:
         self._req.labels("load").inc()
         directory, files, expected, stage = check_load_request(params)
         directory = self._confine(directory)
+        chain = patches.check_patches(params)
+        for p in chain:
+            p["dir"] = self._confine(p["dir"])
         marks = Watermarks(f"embedding server {self.replica_index}",
                            parse_cut(params.get("cut")))
 
@@ -799,6 +833,10 @@ class EmbeddingServer:
                 kept = stage_shard_files(staging, directory, files, expected,
                                          self.replica_index, self.replica_size,
                                          held_rows=len(old))
+                if chain:   # the rows held after the chain, not the base's
+                    patches.stage_patches(staging, chain, self.replica_index,
+                                          self.replica_size, held_rows=len(old))
+                    kept = len(staging)
             except BaseException:
                 staging.close()
                 raise

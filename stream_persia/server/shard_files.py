@@ -256,10 +256,12 @@ def check_load_request(params: Any
     directory = require(params, "dir", str)
     files = require(params, "files", list)
     # ``cut`` (the stream watermarks a load sets) is the server's: stream_persia.core.watermarks.
-    unknown = sorted(map(str, set(params) - {"dir", "files", "expected", "stage", "cut"}))
+    # ``patches`` (applied over the files) are checked by stream_persia.server.patches.
+    unknown = sorted(map(str, set(params) - {"dir", "files", "expected", "stage", "cut",
+                                             "patches"}))
     if unknown:
         raise BadInput(f"unknown load field(s) {unknown}", field=unknown[0],
-                       hint="dir, files, expected, stage, cut")
+                       hint="dir, files, expected, stage, cut, patches")
     stage = params.get("stage", False)
     if not isinstance(stage, bool):
         raise BadInput(f"stage must be true or false, got {stage!r}", field="stage")

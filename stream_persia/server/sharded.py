@@ -451,11 +451,12 @@ class ShardedStore:
         self._next_version()
         return sum(self._map(part))
 
-    def changed_since(self, since: int, chunk_rows: int = _py.DUMP_CHUNK_ROWS
-                      ) -> Iterator[dict[str, Any]]:
+    def changed_since(self, since: int, chunk_rows: int = _py.DUMP_CHUNK_ROWS, *,
+                      state: bool = False) -> Iterator[dict[str, Any]]:
         """Every shard's changed rows in turn, as ``EmbeddingStore.changed_since``."""
         self._open()
-        parts = [s.changed_since(since, chunk_rows) for s in self._stores]  # each checks
+        parts = [s.changed_since(since, chunk_rows, state=state)   # each checks
+                 for s in self._stores]
         return (chunk for p in parts for chunk in p)
 
     def evicted_since(self, since: int) -> tuple[np.ndarray, np.ndarray, bool]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import os
 
+import numpy as np
 import pytest
 from api_helpers import AUTH, LiveApi, TwoHeads, settings_for, take_checkpoint, write_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 from stream_persia.api import ApiSettings
 
-from stream_persia.checkpoint import list_checkpoints
+from stream_persia.checkpoint import CheckpointWriter, list_checkpoints, read_manifest
 from stream_persia.config import GlobalConfig
 from stream_persia.errors import ConfigError
 
@@ -138,3 +139,44 @@ def test_keep_checkpoints_is_validated_and_reaches_the_api():
         assert "global_config.yml" in str(err.value)
     with pytest.raises(ConfigError):
         ApiSettings(keep_checkpoints=-1)
+
+
+
+def rows_of(job) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """id -> (weights, optimizer state) over every server."""
+    return {k: (c["weights"][i].copy(), c["state"][i].copy())
+            for s in job.servers for c in s.store.dump()
+            for i, k in enumerate(c["ids"].tolist())}
+
+
+async def test_a_patch_restores_through_the_api_and_its_base_is_not_deleted(job, tmp_path):
+    """An incremental checkpoint (issue 21): POST /v1/checkpoints/{patch}/restore loads
+    its base, then the patch; DELETE of the base is 409 while the patch needs it, and
+    retention keeps the base of a kept patch."""
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    await write_checkpoint(job, f"{root}/base", TwoHeads())
+    await job.train(2, seed=3)
+    clients = [job.client(a) for a in job.server_addresses]
+    with CheckpointWriter(f"{root}/patch") as w:
+        w.write_torch("dense.pt", TwoHeads().state_dict())
+        await w.dump_embeddings(clients, parent=read_manifest(f"{root}/base"))
+        patch = w.commit(job="test", step=2, offsets={}, stream="direct")
+    assert patch.chain is not None and patch.chain["parent"] == "base" and patch.rows > 0
+    want = rows_of(job)
+    await job.train(2, seed=4)
+    async with LiveApi(settings_for(job, checkpoint_dir=root, keep_checkpoints=2)) as api:
+        c = api.client
+        r = await c.post("/v1/checkpoints/patch/restore", headers=AUTH)
+        assert r.status_code == 200, r.text
+        got = rows_of(job)
+        assert got.keys() == want.keys()
+        for k, (w8, st) in want.items():
+            np.testing.assert_allclose(got[k][0], w8, atol=1e-6, rtol=0)
+            np.testing.assert_allclose(got[k][1], st, atol=1e-6, rtol=0)
+        r = await c.delete("/v1/checkpoints/base", headers=AUTH)
+        assert r.status_code == 409 and "'patch'" in r.json()["error"]["message"], r.text
+        await take_checkpoint(api, "c1")   # keeps c1 and patch, and base for patch
+        assert on_disk(root) == ["base", "c1", "patch"]
+        assert (await c.delete("/v1/checkpoints/patch", headers=AUTH)).status_code == 200
+        assert (await c.delete("/v1/checkpoints/base", headers=AUTH)).status_code == 200

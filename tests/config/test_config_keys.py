@@ -52,6 +52,11 @@ READ: dict[str, list[tuple[str, str]]] = {
         (PERIODIC, r"self\.every_steps = config\.every_steps")],
     "common_config.checkpointing_config.every_s": [
         (PERIODIC, r"self\.every_s = config\.every_s")],
+    # incremental checkpoints (issue 21): periodic ones are patches on a base
+    "embedding_parameter_server_config.enable_incremental_update": [
+        (PERIODIC, r"enable_incremental_update")],
+    "common_config.checkpointing_config.full_every": [
+        (PERIODIC, r"self\.full_every = config\.full_every")],
     "common_config.checkpointing_config.periodic_dir": [
         (PERIODIC, r"root = config\.periodic_dir or")],
     "embedding_parameter_server_config.capacity": [(LAUNCH, r"cfg\.capacity")],
@@ -169,7 +174,6 @@ ONLY: dict[str, tuple[object, object]] = {
     "common_config.job_type": ("Train", "Infer"),
     "common_config.metrics_config.enable_metrics": (False, True),
     "common_config.infer_config.embedding_checkpoint": (None, "/ckpt/x"),
-    "embedding_parameter_server_config.enable_incremental_update": (False, True),
 }
 
 

@@ -151,6 +151,35 @@ def test_changed_since_returns_the_values_and_splits_by_dim_and_chunk(impl):
     assert len(chunks) >= 7 and all(len(c["ids"]) == 0 and c["dim"] == 0 for c in chunks)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_changed_since_with_state_gives_the_optimizer_state_dump_gives(impl, sharded):
+    """An incremental checkpoint's patch: the changed rows with values and optimizer
+    state, as dump has them (rows of two dims, one in float16)."""
+    s = ShardedStore(100, Adagrad(), shards=2, store_type=impl) if sharded \
+        else impl(100, Adagrad())
+    s.lookup(u64(1, 2, 3), 4)
+    s.update(u64(1, 2, 3), np.ones((3, 4), np.float32))
+    v = s.change_version
+    s.lookup(u64(7, 8), 2)
+    s.update(u64(2), np.full((1, 4), 0.5, np.float32))
+    s.update(u64(8), np.array([[0.25, 0.25]], np.float32))
+    dumped = {k: (c["weights"][i], c["state"][i]) for c in s.dump()
+              for i, k in enumerate(c["ids"].tolist())}
+    got = {}
+    for c in s.changed_since(v, state=True):
+        if not len(c["ids"]):
+            continue
+        assert c["state"].dtype == np.float32 and c["state"].shape[0] == len(c["ids"])
+        assert c["state_kind"] == Adagrad().state_kind
+        for i, k in enumerate(c["ids"].tolist()):
+            got[k] = (c["weights"][i], c["state"][i])
+    assert sorted(got) == [2, 7, 8]
+    for k, (w, st) in got.items():
+        np.testing.assert_array_equal(w, dumped[k][0])
+        np.testing.assert_array_equal(st, dumped[k][1])
+    assert all("state" not in c for c in s.changed_since(v))   # the update feed's
+
+
 def test_rows_changed_during_a_pass_are_never_torn_and_show_up_in_the_next(impl):
     s = impl(1000, SGD(0.5))
     ids = np.arange(200, dtype=np.uint64)

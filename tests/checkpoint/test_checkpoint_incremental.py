@@ -1,0 +1,230 @@
+"""Incremental checkpoints: patches on a base, restored in order (issue 21, item 2).
+
+Embedding servers run in this process on real loopback sockets (as in
+``test_checkpoint_shard_load``); they train through the RPC router, write a base, train
+on (with a small capacity, so that rows are evicted between checkpoints) and write
+patches. Restoring base + patches into fresh servers gives every row, with its optimizer
+state, that the servers held at the last patch; an id evicted before it stays evicted. A
+corrupt or missing member of a chain is an error naming it, and the chain before it
+still restores. The crash of a server during a patch write is in
+``tests/launch/test_incremental_crash.py`` (a real process killed with SIGKILL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from stream_persia.checkpoint import (
+    CheckpointWriter,
+    chain_of,
+    load_embeddings,
+    prune_checkpoints,
+    read_manifest,
+    verify,
+)
+from stream_persia.embedding.optim import Adam
+from stream_persia.errors import BadInput
+from stream_persia.testing.servers import running_servers
+from stream_persia.worker.shards import RowLookup, UpdateGroup
+
+DIMS = (8, 4)
+CAPACITY = 300     # per server: training evicts rows between checkpoints
+
+
+async def train(router, rng, n: int = 150) -> None:
+    """Look up ``n`` ids of each dim (some new, some seen) and update them."""
+    groups = [RowLookup(dim, np.unique(rng.choice(3_000, size=n, replace=False))
+                        .astype(np.uint64) + np.uint64((k + 1) << 40))
+              for k, dim in enumerate(DIMS)]
+    await router.lookup(groups, "train")
+    await router.update([UpdateGroup(g.dim, g.ids, rng.normal(size=(g.ids.size, g.dim))
+                                     .astype(np.float32)) for g in groups])
+
+
+def table(servers) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """id → (weights, optimizer state) over every server."""
+    out = {}
+    for s in servers:
+        for c in s.store.dump():
+            for i, key in enumerate(c["ids"].tolist()):
+                assert key not in out
+                out[key] = (c["weights"][i].copy(), c["state"][i].copy())
+    return out
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want), (
+        f"{len(set(want) - set(got))} ids missing, {len(set(got) - set(want))} extra")
+    for key, (w, s) in want.items():
+        np.testing.assert_allclose(got[key][0], w, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(got[key][1], s, atol=1e-6, rtol=0)
+
+
+async def checkpoint(router, dst, parent=None, step=1):
+    with CheckpointWriter(str(dst)) as w:
+        await w.dump_embeddings(router.clients,
+                                parent=None if parent is None else read_manifest(str(parent)))
+        return w.commit(job="j", step=step, offsets={}, stream="direct")
+
+
+@pytest.fixture
+async def chain(tmp_path):
+    """A base and three patches of 2 servers that trained (and evicted) in between:
+    (root, [manifests], the table at each, the ids evicted since the base)."""
+    rng = np.random.default_rng(7)
+    async with running_servers(2, Adam(lr=0.01), capacity=CAPACITY) as (servers, router):
+        await train(router, rng, 400)
+        made, tables = [], []
+        parent = None
+        for k in range(4):
+            if k:
+                await train(router, rng)
+            m = await checkpoint(router, tmp_path / f"ck-{k}", parent, step=k)
+            made.append(m)
+            tables.append(table(servers))
+            parent = tmp_path / f"ck-{k}"
+        evicted = set(tables[0]) - set(tables[-1])
+        yield tmp_path, made, tables, evicted
+
+
+async def restored(src: str) -> dict:
+    async with running_servers(3, Adam(lr=0.01), capacity=CAPACITY) as (servers, router):
+        await load_embeddings(src, router.clients, verify_checksums=True)
+        return table(servers)
+
+
+async def test_base_and_patches_restore_every_row_and_its_optimizer_state(chain):
+    root, made, tables, evicted = chain
+    assert [m.chain["depth"] for m in made] == [0, 1, 2, 3]
+    assert [m.chain["parent"] for m in made] == [None, "ck-0", "ck-1", "ck-2"]
+    assert {m.chain["base"] for m in made} == {"ck-0"}
+    assert all(m.chain["full_because"] is None for m in made)
+    assert evicted, "the test must evict rows between the base and the last patch"
+    for m in made[1:]:   # a patch holds what changed, not the table
+        assert 0 < m.rows < m.table_rows
+        assert sum(m.files[t]["rows"] for t in m.chain["tombstone_files"]) > 0
+    assert [m.table_rows for m in made] == [len(t) for t in tables]
+    for k in (1, 3):   # into 3 servers: every row goes to its new owner
+        got = await restored(str(root / f"ck-{k}"))
+        assert_same(got, tables[k])
+    assert not evicted & set(got), "an id evicted after the base came back"
+
+
+async def test_a_corrupt_or_missing_patch_is_named_and_the_chain_before_it_restores(chain):
+    root, made, tables, _ = chain
+    bad = root / "ck-2" / made[2].embedding_files[0]
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    for src in ("ck-2", "ck-3"):
+        with pytest.raises(BadInput, match=f"ck-2.*{made[2].embedding_files[0]}"):
+            verify(str(root / src))
+        with pytest.raises(BadInput, match="ck-2"):
+            await restored(str(root / src))
+    assert_same(await restored(str(root / "ck-1")), tables[1])
+
+    os.rename(root / "ck-1", root / ".ck-1.gone")   # a missing parent
+    with pytest.raises(BadInput, match="patch of 'ck-1'") as err:
+        chain_of(str(root / "ck-3"))
+    assert err.value.field == "chain.parent"
+    with pytest.raises(BadInput, match="ck-1"):
+        await restored(str(root / "ck-3"))
+    assert_same(await restored(str(root / "ck-0")), tables[0])
+
+
+async def test_a_tombstone_file_is_checked_too(chain):
+    root, made, _, _ = chain
+    name = made[1].chain["tombstone_files"][1]
+    (root / "ck-1" / name).write_bytes(b"")
+    with pytest.raises(BadInput, match=f"ck-1.*{name}"):
+        await restored(str(root / "ck-3"))
+
+
+def test_retention_keeps_what_a_kept_patch_needs(chain):
+    root, made, _, _ = chain
+    assert prune_checkpoints(str(root), keep=1) == []   # ck-3 needs ck-0..ck-2
+    assert [m.chain["id"] for m in (read_manifest(str(root / f"ck-{k}"))
+                                    for k in range(4))] == ["ck-0", "ck-1", "ck-2", "ck-3"]
+
+
+async def test_a_patch_after_a_restore_or_into_other_servers_is_a_full_base(tmp_path):
+    rng = np.random.default_rng(3)
+    async with running_servers(2, Adam(lr=0.01), capacity=CAPACITY) as (servers, router):
+        await train(router, rng)
+        await checkpoint(router, tmp_path / "a")
+        await load_embeddings(str(tmp_path / "a"), router.clients)   # replaces the tables
+        await train(router, rng)
+        m = await checkpoint(router, tmp_path / "b", tmp_path / "a")
+        assert m.chain["parent"] is None and m.chain["depth"] == 0
+        assert "restore replaced" in m.chain["full_because"]
+        assert m.rows == m.table_rows == len(table(servers))
+        assert not [n for n in os.listdir(tmp_path / "b") if "patch" in n or "tomb" in n]
+    async with running_servers(3, Adam(lr=0.01), capacity=CAPACITY) as (servers, router):
+        await load_embeddings(str(tmp_path / "b"), router.clients)
+        m = await checkpoint(router, tmp_path / "c", tmp_path / "b")
+        assert "3 now" in m.chain["full_because"]
+
+
+async def test_a_server_restarted_since_the_parent_makes_a_full_base(tmp_path):
+    rng = np.random.default_rng(4)
+    async with running_servers(1, Adam(lr=0.01), capacity=CAPACITY) as (servers, router):
+        await train(router, rng)
+        await checkpoint(router, tmp_path / "a")
+    async with running_servers(1, Adam(lr=0.01), capacity=CAPACITY) as (servers, router):
+        await train(router, rng)
+        m = await checkpoint(router, tmp_path / "b", tmp_path / "a")
+        assert "restarted" in m.chain["full_because"]
+
+
+def test_a_manifest_chain_is_validated(chain):
+    root, made, _, _ = chain
+    path = root / "ck-2" / "manifest.json"
+    d = json.loads(path.read_text())
+    d["chain"]["depth"] = 0
+    path.write_text(json.dumps(d))
+    with pytest.raises(BadInput) as err:
+        read_manifest(str(root / "ck-2"))
+    assert err.value.field == "chain.depth"
+
+
+def test_a_requested_checkpoint_patches_the_newest_chain_shorter_than_full_every(chain):
+    from stream_persia.nn.periodic import latest_parent
+
+    root = chain[0]
+    assert latest_parent(str(root / "next"), 8) == str(root / "ck-3")
+    assert latest_parent(str(root / "next"), 3) is None   # ck-3 is the 3rd patch: a base
+    assert latest_parent(str(root / "empty" / "next"), 8) is None
+
+
+@pytest.mark.parametrize("impl", ["cython", "python"])
+def test_an_overrun_eviction_log_or_a_clear_makes_a_full_shard_not_a_patch(tmp_path, impl):
+    """The server never writes a patch it cannot make complete (write_patch is what its
+    dump runs on the store thread)."""
+    from stream_persia.server import patches
+    from stream_persia.server._pystore import PyEmbeddingStore
+    from stream_persia.server.store import CEmbeddingStore
+
+    store_type = PyEmbeddingStore if impl == "python" or CEmbeddingStore is None \
+        else CEmbeddingStore
+    store = store_type(4, Adam(lr=0.01), eviction_log=2)
+    store.lookup(np.arange(1, 5, dtype=np.uint64), 4)
+    since = patches.tracking("inc", 0, store)
+    store.lookup(np.arange(5, 7, dtype=np.uint64), 4)     # evicts 2: the log holds them
+    got = patches.write_patch(store, since, patches.tracking("inc", 0, store),
+                              str(tmp_path), 0, 1)
+    assert got is not None and got["tombstones"]["rows"] == 2 and got["rows"]["rows"] == 2
+    store.lookup(np.arange(7, 10, dtype=np.uint64), 4)    # 3 more: the log overflows
+    now = patches.tracking("inc", 0, store)
+    assert patches.write_patch(store, since, now, str(tmp_path), 0, 1) is None
+    assert "eviction log" in patches.why_full(since, now, store.evicted_since(
+        since["version"])[2])
+    later = patches.tracking("inc", 0, store)
+    store.clear()
+    assert patches.write_patch(store, later, patches.tracking("inc", 0, store),
+                               str(tmp_path), 0, 1) is None
+    assert "restarted" in patches.why_full(since, {**now, "incarnation": "other"}, True)
+    assert "restore" in patches.why_full(since, {**now, "loads": 1}, True)
