@@ -1,4 +1,15 @@
-"""``stream-persia checkpoint inspect DIR [--json] [--verify]`` and ``checkpoint list ROOT``."""
+"""``stream-persia checkpoint inspect DIR [--json] [--verify]``, ``checkpoint list ROOT
+[--json]`` and ``checkpoint compact SRC [--dst DIR]``.
+
+Chains (incremental checkpoints): ``inspect`` shows the chain a restore of DIR reads (base
+first, each member's step, rows after it, bytes and why it is a base if it was asked to be
+a patch), and ``--verify`` checks every file of every member; ``--json`` adds
+``chain_members`` (the same, base first) to the manifest when it has a ``chain``. ``list``
+shows each checkpoint's kind (``base``/``patch``/``full``: no chain recorded), parent,
+depth and bytes, with a patch's line marked under its base's; ``--json`` adds ``id`` and
+``bytes`` to each manifest. ``compact`` is :mod:`stream_persia.server.compaction`'s (the
+console script runs it: this layer does not read shard files).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +18,11 @@ import json
 import sys
 from typing import Any, TextIO
 
+from stream_persia.checkpoint._common import Location
 from stream_persia.checkpoint.manifest import Manifest
-from stream_persia.checkpoint.reader import list_checkpoints, read_manifest, verify
+from stream_persia.checkpoint.reader import chain_of, list_checkpoints, read_manifest, verify
 from stream_persia.config import flags
+from stream_persia.errors import BadInput
 
 
 def add_parser(sub: Any) -> None:
@@ -24,7 +37,17 @@ def add_parser(sub: Any) -> None:
     ls = cmds.add_parser("list", help="list the complete checkpoints under a root")
     ls.add_argument("root", help="directory holding checkpoint directories")
     ls.add_argument("--json", action="store_true", help="print the manifests as JSON")
-    for p in (ins, ls):
+    cmp = cmds.add_parser("compact", help="compact a chain (a base and its patches) into a "
+                                          "new full base, offline")
+    # its arguments and its run are the server package's (it reads shard files):
+    # stream_persia.server.compaction, which the console script dispatches to
+    cmp.add_argument("src", help="a checkpoint of the chain (local path or fsspec URL): the "
+                                 "chain up to it is compacted")
+    cmp.add_argument("--dst", default=None,
+                     help="the new base's directory (default: SRC's sibling "
+                          "<name>-compacted); must not exist")
+    cmp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    for p in (ins, ls, cmp):
         p.add_argument("--log-level", type=flags.log_level, default="warning",
                        help="debug, info, warning, error, critical (default warning)")
 
@@ -35,26 +58,95 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.checkpoint_command == "inspect":
         manifest = read_manifest(args.dir)
         if args.verify:
-            verify(args.dir)
+            verify(args.dir)   # every member of its chain
+        members, broken = _members(manifest, args.dir)
         if args.json:
-            print(json.dumps(manifest.to_dict(), indent=2), file=out)
+            d = manifest.to_dict()
+            if manifest.chain is not None:
+                d["chain_members"] = members
+            print(json.dumps(d, indent=2), file=out)
         else:
             print(summary(manifest), file=out)
+            if manifest.chain is not None:
+                print(chain_summary(members, broken), file=out)
             if args.verify:
-                print(f"verified: {len(manifest.files)} file(s) match their checksums", file=out)
+                files = sum(len(m["files"]) for m in members) if members else len(manifest.files)
+                print(f"verified: {files} file(s) of {max(len(members), 1)} checkpoint(s) "
+                      "match their checksums", file=out)
         return 0
     found = list_checkpoints(args.root)
     if args.json:
-        print(json.dumps([{"path": m.path, **m.to_dict()} for m in found], indent=2), file=out)
+        print(json.dumps([{"path": m.path, "id": Location(m.path or "").name,
+                           "bytes": size_of(m), **m.to_dict()} for m in found], indent=2),
+              file=out)
     elif not found:
         print(f"no complete checkpoints under {args.root}", file=out)
     else:
-        print(f"{'STEP':>10}  {'CREATED':<20}  {'JOB':<16} {'SHARDS':>6} {'ROWS':>12}  PATH",
-              file=out)
-        for m in found:
-            print(f"{m.step:>10}  {m.created_at:<20}  {m.job:<16} {m.shard_count:>6} "
-                  f"{m.rows:>12,}  {m.path}", file=out)
+        print(f"{'STEP':>10}  {'CREATED':<20}  {'JOB':<12} {'SHARDS':>6} {'ROWS':>12} "
+              f"{'SIZE':>10}  {'KIND':<5} {'DEPTH':>5}  {'PARENT':<24} PATH", file=out)
+        for m in _grouped(found):
+            c = m.chain
+            kind = "full" if c is None else "patch" if c["parent"] else "base"
+            mark = "  └ " if c is not None and c["parent"] else ""
+            print(f"{m.step:>10}  {m.created_at:<20}  {m.job:<12} {m.shard_count:>6} "
+                  f"{m.table_rows:>12,} {_size(size_of(m)):>10}  {kind:<5} "
+                  f"{'-' if c is None else c['depth']:>5}  "
+                  f"{(c or {}).get('parent') or '-':<24} {mark}{m.path}", file=out)
     return 0
+
+
+def size_of(m: Manifest) -> int:
+    """Bytes of one checkpoint's files, as its manifest records them (a patch's own, not
+    its chain's)."""
+    return sum(int(e["bytes"]) for e in m.files.values())
+
+
+def _members(manifest: Manifest, src: str) -> tuple[list[dict[str, Any]], str | None]:
+    """The chain a restore of ``manifest`` reads, base first, as dicts (and why it is
+    broken: then the members from the first readable one on, this one last)."""
+    try:
+        chain, broken = chain_of(manifest.path or src), None
+    except BadInput as e:
+        chain, broken = [manifest], e.message
+    return [{"id": Location(m.path or "").name, "path": m.path, "step": m.step,
+             "depth": (m.chain or {}).get("depth"), "parent": (m.chain or {}).get("parent"),
+             "rows": m.table_rows, "rows_in_files": m.rows, "bytes": size_of(m),
+             "full_because": (m.chain or {}).get("full_because"),
+             "created_at": m.created_at, "files": sorted(m.files)}
+            for m in chain], broken
+
+
+def chain_summary(members: list[dict[str, Any]], broken: str | None = None) -> str:
+    """The chain of a checkpoint, base first: one line per member."""
+    total = sum(m["bytes"] for m in members)
+    lines = [f"  chain ({len(members)} checkpoint(s), {_size(total)}; a restore reads them "
+             "in this order):"]
+    if broken is not None:
+        lines.append(f"    BROKEN: {broken}")
+    for m in members:
+        arrow = "  " if m["parent"] is None else "→ "
+        why = f"  (a base: {m['full_because']})" if m["full_because"] else ""
+        lines.append(f"    {arrow}{m['id']}  depth {m['depth']}  step {m['step']}  "
+                     f"{m['rows']:,} rows ({m['rows_in_files']:,} in its files)  "
+                     f"{_size(m['bytes'])}{why}")
+    return "\n".join(lines)
+
+
+def _grouped(found: list[Manifest]) -> list[Manifest]:
+    """``found`` (oldest first) with every chain's members together, after its base, in
+    the order of its base (a patch whose base is not under the root stays in place)."""
+    names = {Location(m.path or "").name for m in found}
+    by_base: dict[str, list[Manifest]] = {}
+    order: list[str] = []
+    for m in found:
+        base = m.chain["base"] if m.chain is not None and m.chain["base"] in names \
+            else f"\0{m.path}"
+        if base not in by_base:
+            by_base[base] = []
+            order.append(base)
+        by_base[base].append(m)
+    return [m for b in order for m in sorted(by_base[b], key=lambda m: (m.chain or {})
+                                             .get("depth") or 0)]
 
 
 def _size(n: int) -> str:

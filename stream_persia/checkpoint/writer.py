@@ -14,6 +14,7 @@ from typing import Any
 
 from stream_persia.checkpoint._common import (
     DEFAULT_SHARD_TIMEOUT_MS,
+    HASH_BLOCK_BYTES,
     HashingWriter,
     Location,
     check_server_set,
@@ -130,6 +131,33 @@ class CheckpointWriter:
             w = HashingWriter(f)
             torch.save(obj, w)  # type: ignore[arg-type]  # it only writes; typed as IO[bytes]
         return self._record(name, w)
+
+    def copy_file(self, src: str, name: str, entry: dict[str, Any]) -> dict[str, Any]:
+        """Copy file ``name`` of the checkpoint at ``src`` into this one, streamed, checking
+        it against its manifest ``entry`` (``{"sha256", "bytes", ...}``: kept, ``rows``
+        included). Raises BadInput naming the file when it differs."""
+        self._check_open()
+        check_file_name(name)
+        loc = Location(src)
+        with loc.fs.open(loc.join(name), "rb") as f, \
+                self._stage.fs.open(self._stage.join(name), "wb") as g:
+            w = HashingWriter(g)
+            while block := f.read(HASH_BLOCK_BYTES):
+                w.write(block)
+        if w.bytes != entry["bytes"] or w.digest.hexdigest() != entry["sha256"]:
+            raise BadInput(f"checkpoint {loc.url}: file {name} is corrupt or truncated (its "
+                           "size or sha256 differs from the manifest)", field=f"files.{name}")
+        self._files[name] = dict(entry)
+        return dict(entry)
+
+    def record_file(self, name: str, entry: dict[str, Any]) -> None:
+        """Record a file another writer put into :attr:`staging` (``{"sha256", "bytes",
+        "rows"?}``), as the servers' dumps are: compaction writes shard files so."""
+        self._check_open()
+        check_file_name(name)
+        if not self._stage.fs.exists(self._stage.join(name)):
+            raise Misuse(f"record_file: {name} is not in {self.staging}")
+        self._files[name] = dict(entry)
 
     def _record(self, name: str, w: HashingWriter) -> dict[str, Any]:
         self._files[name] = {"sha256": w.digest.hexdigest(), "bytes": w.bytes}
@@ -269,6 +297,20 @@ class CheckpointWriter:
             jit_filename=JIT_FILENAME if JIT_FILENAME in files else None,
             server_config=self._server_config, model_updates=self._update_positions,
             chain=self._chain, extra=extra)
+        return self.publish(manifest)
+
+    def publish(self, manifest: Manifest) -> Manifest:
+        """Write ``manifest`` (last), then make the checkpoint visible at ``dst``: what
+        :meth:`commit` does with the manifest it builds. ``manifest.files`` must be the
+        files written (compaction builds its manifest from another one).
+
+        Raises:
+            Misuse: the manifest lists other files than were written.
+        """
+        self._check_open()
+        if manifest.files != self._files:
+            raise Misuse(f"the manifest for {self.dst} lists files "
+                         f"{sorted(manifest.files)} but {sorted(self._files)} were written")
         data = (json.dumps(manifest.to_dict(), indent=2) + "\n").encode()
         if self._dst.local:
             self._check_replaceable()
@@ -284,7 +326,8 @@ class CheckpointWriter:
         self._state = "committed"
         manifest.path = self._dst.url
         log.info("checkpoint step %d of job %s committed at %s (%d shard(s), %d rows)",
-                 step, job, self._dst.url, manifest.shard_count, manifest.rows)
+                 manifest.step, manifest.job, self._dst.url, manifest.shard_count,
+                 manifest.rows)
         return manifest
 
     def _swap_into_place(self) -> None:

@@ -320,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
             from stream_persia.loader import produce
 
             return produce.main(args)
+        if args.command == "checkpoint" and args.checkpoint_command == "compact":
+            from stream_persia.server import compaction
+
+            return compaction.main(args)
         if args.command == "checkpoint":
             from stream_persia.checkpoint import command as checkpoint_command
 

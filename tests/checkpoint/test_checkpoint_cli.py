@@ -63,7 +63,10 @@ def test_inspect_prints_a_summary(checkpoints, capsys):
 def test_inspect_json_and_verify(checkpoints, capsys):
     _, (path, _) = checkpoints
     code, out, _ = run_cli("inspect", path, "--json", "--verify", capsys=capsys)
-    assert code == 0 and json.loads(out) == read_manifest(path).to_dict()
+    got = json.loads(out)
+    members = got.pop("chain_members")   # a full base: a chain of itself
+    assert code == 0 and got == read_manifest(path).to_dict()
+    assert [(m["id"], m["depth"], m["parent"]) for m in members] == [("step-200", 0, None)]
     code, out, _ = run_cli("inspect", path, "--verify", capsys=capsys)
     assert code == 0 and "verified: 2 file(s)" in out
 
