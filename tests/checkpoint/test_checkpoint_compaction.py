@@ -10,6 +10,7 @@ row with its optimizer state, and the dense files, that a restore of the chain g
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -149,3 +150,51 @@ async def test_the_console_command_compacts_with_progress_and_exit_codes(chain):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "exists" in again.stderr
     assert "Traceback" not in again.stderr
+
+
+def run_cli(*argv: str, capsys) -> tuple[int, str, str]:
+    from stream_persia.launch import cli
+
+    code = cli.main(["checkpoint", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_inspect_shows_the_chain_and_verify_checks_every_member(chain, capsys):
+    root, made, _, _ = chain
+    code, out, _ = run_cli("inspect", str(root / "ck-2"), "--verify", capsys=capsys)
+    assert code == 0
+    lines = out[out.index("  chain (3 checkpoint(s)"):].splitlines()[1:4]
+    assert [line.split()[0:2] for line in lines] == [["ck-0", "depth"], ["→", "ck-1"],
+                                                      ["→", "ck-2"]]
+    assert f"step 20  {made[2].table_rows:,} rows ({made[2].rows:,} in its files)" in out
+    assert "verified: " in out and "of 3 checkpoint(s)" in out
+    code, out, _ = run_cli("inspect", str(root / "ck-2"), "--json", capsys=capsys)
+    members = json.loads(out)["chain_members"]
+    assert [(m["id"], m["depth"], m["parent"], m["step"]) for m in members] == [
+        ("ck-0", 0, None, 0), ("ck-1", 1, "ck-0", 10), ("ck-2", 2, "ck-1", 20)]
+    assert [m["bytes"] for m in members] == [
+        sum(e["bytes"] for e in m.files.values()) for m in made[:3]]
+    assert members[0]["full_because"] is None
+    # a corrupt base: --verify of a patch names it
+    bad = root / "ck-0" / made[0].embedding_files[0]
+    bad.write_bytes(bad.read_bytes()[:-1] + b"\0")
+    code, out, err = run_cli("inspect", str(root / "ck-2"), "--verify", capsys=capsys)
+    assert code == 2 and f"ck-0: file {made[0].embedding_files[0]} is corrupt" in err
+
+
+def test_list_marks_chain_members_and_groups_them_under_their_base(chain, capsys):
+    root, made, _, _ = chain
+    compact(str(root / "ck-1"), str(root / "ck-1c"))
+    code, out, _ = run_cli("list", str(root), capsys=capsys)
+    rows = [line.split() for line in out.splitlines()[1:]]
+    # columns: step, created, job, shards, rows, size (2 words), kind, depth, parent, [mark], path
+    assert [(r[7], r[8], r[9], r[-1].rsplit("/", 1)[-1]) for r in rows] == [
+        ("base", "0", "-", "ck-0"), ("patch", "1", "ck-0", "ck-1"),
+        ("patch", "2", "ck-1", "ck-2"), ("patch", "3", "ck-2", "ck-3"),
+        ("base", "0", "-", "ck-1c")]
+    assert all(r[-2] == "└" for r in rows[1:4])
+    code, out, _ = run_cli("list", str(root), "--json", capsys=capsys)
+    got = {d["id"]: d for d in json.loads(out)}
+    assert got["ck-3"]["chain"]["parent"] == "ck-2" and got["ck-3"]["chain"]["depth"] == 3
+    assert got["ck-1"]["bytes"] == sum(e["bytes"] for e in made[1].files.values())
