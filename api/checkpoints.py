@@ -108,20 +108,32 @@ class CheckpointJob:
     task: asyncio.Task | None = field(default=None, repr=False)
 
     def info(self) -> dict[str, Any]:
+        chain = (self.manifest or {}).get("chain") or {}
+        files = (self.manifest or {}).get("files")
         return {"id": self.id, "state": self.state, "dst": self.dst, "by": self.by,
                 "step": self.step, "progress": dict(self.progress), "error": self.error,
                 "requested_at": self.requested_at, "finished_at": self.finished_at,
+                "parent": chain.get("parent"), "base": chain.get("base"),
+                "depth": chain.get("depth"),
+                "bytes": None if files is None else _bytes(files),
                 "manifest": self.manifest}
+
+
+def _bytes(files: dict[str, Any]) -> int:
+    """Bytes of a checkpoint's own files, as its manifest records them."""
+    return sum(int(e["bytes"]) for e in files.values())
 
 
 def _manifest_info(m: Manifest) -> dict[str, Any]:
     from stream_persia.api.model import checkpoint_id
 
     created = datetime.fromisoformat(m.created_at.replace("Z", "+00:00")).timestamp()
+    chain = m.chain or {}
     return {"id": checkpoint_id(m), "state": "done", "dst": m.path or "",
             "by": m.extra.get("by"), "step": m.step,
             "progress": {"phase": "committed"}, "error": None, "requested_at": None,
-            "finished_at": created, "manifest": m.to_dict()}
+            "finished_at": created, "parent": chain.get("parent"), "base": chain.get("base"),
+            "depth": chain.get("depth"), "bytes": _bytes(m.files), "manifest": m.to_dict()}
 
 
 class Checkpoints:

@@ -354,7 +354,8 @@ class CheckpointInfo(BaseModel):
         "id": "ckpt-20250101T000000Z-0001", "state": "done",
         "dst": "/ckpt/ckpt-20250101T000000Z-0001", "by": "nn", "step": 1200,
         "progress": {"phase": "committed", "done": 1, "total": 1}, "error": None,
-        "requested_at": 1735689600.0, "finished_at": 1735689604.2,
+        "requested_at": 1735689600.0, "finished_at": 1735689604.2, "parent": None,
+        "base": "ckpt-20250101T000000Z-0001", "depth": 0, "bytes": 167772160,
         "manifest": {"step": 1200, "offsets": {"job.samples": {"0": 1200}}}})
     id: str
     state: str = Field(description="pending, running, done or failed")
@@ -365,6 +366,18 @@ class CheckpointInfo(BaseModel):
     error: str | None = None
     requested_at: float | None = None
     finished_at: float | None = None
+    parent: str | None = Field(
+        default=None, description="the id of the checkpoint this one patches (an "
+        "incremental checkpoint: a restore loads its base, then every patch up to it); null "
+        "for a full base, or while not done")
+    base: str | None = Field(
+        default=None, description="the id of the full checkpoint its chain starts at (its "
+        "own id for a base); null when its manifest records no chain, or while not done")
+    depth: int | None = Field(
+        default=None, description="patches since its base (0: a base)")
+    bytes: int | None = Field(
+        default=None, description="size of this checkpoint's own files (a patch's, not "
+        "its chain's), as its manifest records them; null while not done")
     manifest: dict[str, Any] | None = None
 
 
@@ -373,7 +386,15 @@ class CheckpointList(BaseModel):
         "id": "ckpt-20250101T000000Z-a1b2c3", "state": "done",
         "dst": "/ckpt/ckpt-20250101T000000Z-a1b2c3", "by": "nn", "step": 1200,
         "progress": {"phase": "committed"}, "error": None, "requested_at": None,
-        "finished_at": 1735689604.2, "manifest": {"step": 1200, "stream": "kafka"}}]})
+        "finished_at": 1735689604.2, "parent": None,
+        "base": "ckpt-20250101T000000Z-a1b2c3", "depth": 0, "bytes": 167772160,
+        "manifest": {"step": 1200, "stream": "kafka"}}, {
+        "id": "periodic-step-000000001300-20250101T000100.000Z-9f3e", "state": "done",
+        "dst": "/ckpt/periodic-step-000000001300-20250101T000100.000Z-9f3e", "by": "periodic",
+        "step": 1300, "progress": {"phase": "committed"}, "error": None,
+        "requested_at": None, "finished_at": 1735689664.0,
+        "parent": "ckpt-20250101T000000Z-a1b2c3", "base": "ckpt-20250101T000000Z-a1b2c3",
+        "depth": 1, "bytes": 4194304, "manifest": {"step": 1300, "stream": "kafka"}}]})
     checkpoints: list[CheckpointInfo] = Field(
         description="complete ones oldest step first, then those being taken or failed")
 

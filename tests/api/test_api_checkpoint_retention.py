@@ -180,3 +180,44 @@ async def test_a_patch_restores_through_the_api_and_its_base_is_not_deleted(job,
         assert on_disk(root) == ["base", "c1", "patch"]
         assert (await c.delete("/v1/checkpoints/patch", headers=AUTH)).status_code == 200
         assert (await c.delete("/v1/checkpoints/base", headers=AUTH)).status_code == 200
+
+
+async def test_the_list_shows_each_chain_member_and_any_member_restores(job, tmp_path):
+    """GET /v1/checkpoints gives each checkpoint's parent, base, depth and bytes (issue
+    21, item 4); POST /v1/checkpoints/{id}/restore of a patch that is not the newest
+    loads its chain up to it, not the patches after it."""
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    await write_checkpoint(job, f"{root}/base", TwoHeads())
+    clients = [job.client(a) for a in job.server_addresses]
+    tables = {}
+    for k, parent in ((1, "base"), (2, "p1")):
+        await job.train(2, seed=10 + k)
+        with CheckpointWriter(f"{root}/p{k}") as w:
+            w.write_torch("dense.pt", TwoHeads(seed=k).state_dict())
+            await w.dump_embeddings(clients, parent=read_manifest(f"{root}/{parent}"))
+            w.commit(job="test", step=2 + k, offsets={}, stream="direct")
+        tables[k] = rows_of(job)
+    assert any(k not in tables[2] or not np.array_equal(v[0], tables[2][k][0])
+               for k, v in tables[1].items()), "p2 must change rows p1 holds"
+    async with LiveApi(settings_for(job, checkpoint_dir=root, keep_checkpoints=0)) as api:
+        c = api.client
+        listed = (await c.get("/v1/checkpoints", headers=AUTH)).json()["checkpoints"]
+        got = {i["id"]: (i["parent"], i["base"], i["depth"]) for i in listed}
+        assert got == {"base": (None, "base", 0), "p1": ("base", "base", 1),
+                       "p2": ("p1", "base", 2)}
+        for info in listed:
+            d = os.path.join(root, info["id"])
+            assert info["bytes"] == sum(os.path.getsize(os.path.join(d, n))
+                                        for n in os.listdir(d) if n != "manifest.json")
+        one = (await c.get("/v1/checkpoints/p2", headers=AUTH)).json()
+        assert (one["parent"], one["depth"]) == ("p1", 2) and one["bytes"] > 0
+        await job.train(2, seed=20)
+        r = await c.post("/v1/checkpoints/p1/restore", headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert r.json()["rows"] == len(tables[1])
+        got_rows = rows_of(job)
+        assert got_rows.keys() == tables[1].keys()
+        for key, (w8, st) in tables[1].items():
+            np.testing.assert_allclose(got_rows[key][0], w8, atol=1e-6, rtol=0)
+            np.testing.assert_allclose(got_rows[key][1], st, atol=1e-6, rtol=0)
