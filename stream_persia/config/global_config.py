@@ -190,7 +190,11 @@ class CheckpointingConfig(_Section):
     rows changed since the previous one (:mod:`stream_persia.checkpoint.manifest`'s
     ``chain``), and every ``full_every``-th one after a base is a full base again (8 by
     default: a restore reads at most 8 patches after its base). Retention never deletes a
-    checkpoint a kept patch needs.
+    checkpoint a kept patch needs. ``compact_after`` (null: off): once a periodic patch is
+    that many patches from its base, NN rank 0 compacts its chain in the background into a
+    new base (``stream-persia checkpoint compact``) which the next periodic patch patches,
+    so chains stay short without the servers dumping a full table, and retention frees the
+    old chain as it ages out.
     """
 
     num_workers: int = 4
@@ -199,6 +203,7 @@ class CheckpointingConfig(_Section):
     every_s: float | None = None
     periodic_dir: str | None = None
     full_every: int = 8
+    compact_after: int | None = None
 
     def __post_init__(self) -> None:
         check_int(self, "num_workers", lo=1, hi=1024)
@@ -222,6 +227,10 @@ class CheckpointingConfig(_Section):
         check_int(self, "full_every", lo=1, hi=100_000,
                   hint="with enable_incremental_update, a full base after this many "
                        "patches, e.g. 8")
+        check_int(self, "compact_after", lo=1, hi=100_000, optional=True,
+                  hint="with enable_incremental_update, compact a periodic chain into a new "
+                       "base in the background once it has this many patches, e.g. 4; "
+                       "null (or no key): never")
         if self.periodic_dir is not None and "::" in self.periodic_dir:
             raise error("periodic_dir", f"{self.periodic_dir!r} is a chained URL",
                         "give the storage URL itself")

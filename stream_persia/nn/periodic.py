@@ -33,6 +33,18 @@ mailbox (:mod:`~stream_persia.nn.checkpoint_poller`):
   A patch the servers cannot take (one restarted or was restored, an eviction log
   overrun) is written as a full base instead, with the reason in the manifest and the
   log. Retention keeps every checkpoint a kept patch depends on.
+- **Compaction.** With ``compact_after`` (and incremental checkpoints), once a periodic
+  patch is ``compact_after`` patches from its base, rank 0 compacts its chain into a new
+  base beside it (``<name>-compacted``, :func:`stream_persia.server.compaction.compact`:
+  offline, from the files, in a background thread while training goes on). The compacted
+  base records the servers' tracking of the patch it was made from, so the next periodic
+  checkpoint after it is done is a patch of it (depth 1), not a full dump of every server:
+  chains stay at most ``compact_after`` patches long, and the old chain, which no kept
+  checkpoint needs any more, is deleted by retention as it ages out (the compacted base
+  is periodic too: ``extra.by``). While a compaction runs, retention keeps the chain it
+  reads; one runs at a time (a chain that grows meanwhile is patched on as before); a
+  failed one is logged and counted (``compactions_failed``) and training goes on. The
+  context's exit waits for a running one (:meth:`PeriodicCheckpoints.close`).
 - **No pile-up.** The cut holds training still while it is written, so a checkpoint never
   overlaps the next; due times of ``every_s`` that passed while one was being written are
   skipped (counted in ``skipped``) rather than taken back to back, and the next one is
@@ -52,16 +64,18 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from stream_persia.checkpoint import Manifest, list_checkpoints, prune_checkpoints
+from stream_persia.checkpoint import Manifest, chain_of, list_checkpoints, prune_checkpoints
 from stream_persia.config import CheckpointingConfig
 from stream_persia.errors import Misuse
 from stream_persia.nn import checkpointing
 from stream_persia.nn.seams import TrainerSeam
+from stream_persia.server import compaction
 
 __all__ = ["BY", "PeriodicCheckpoints", "checkpoint_name", "checkpointing_config",
            "incremental_enabled", "latest_parent", "periodic_root"]
@@ -170,6 +184,10 @@ class PeriodicCheckpoints:
         self.every_s = config.every_s
         self.keep = config.keep_checkpoints
         self.full_every = config.full_every
+        self.compact_after = config.compact_after
+        self._compaction: _Compaction | None = None   # rank 0: the one running
+        self.compacted: list[str] = []       # rank 0: the compacted bases made, in order
+        self.compactions_failed = 0
         self.incremental = incremental_enabled() if incremental is None else incremental
         self._parent: tuple[str, int] | None = None   # rank 0: (path, depth) to patch
         self.root = root.rstrip("/") or root
@@ -223,6 +241,8 @@ class PeriodicCheckpoints:
         rank0 = self.ctx.rank == 0
         began = self._clock()
         parent = None
+        if rank0:
+            self._adopt()
         if self.incremental and self._parent is not None \
                 and self._parent[1] < self.full_every:
             parent = self._parent[0]
@@ -247,8 +267,53 @@ class PeriodicCheckpoints:
             log.info("periodic checkpoint %s: step %d, %d bytes, %.2f s", dst, step, size,
                      took)
             self._prune(name)
+            if self.incremental and self.compact_after is not None and chain is not None \
+                    and int(chain["depth"]) >= self.compact_after and self._compaction is None:
+                self._compact(dst)
         self._reschedule(began)
         return dst
+
+    def _compact(self, src: str) -> None:
+        try:
+            self._compaction = _Compaction(src)
+        except Exception as e:   # its chain cannot be read: patched on, retried next time
+            self.compactions_failed += 1
+            log.error("periodic checkpoints: cannot compact %s (%d failed so far): %s: %s",
+                      src, self.compactions_failed, type(e).__name__, e)
+
+    def _adopt(self) -> None:
+        """Take in a finished compaction: the next patch patches its base (when the chain
+        it compacted is still the one being patched)."""
+        job = self._compaction
+        if job is None or job.thread.is_alive():
+            return
+        self._compaction = None
+        if job.error is not None or job.result is None:
+            self.compactions_failed += 1
+            log.error("periodic checkpoints: compacting %s failed (%d so far; its chain is "
+                      "patched on): %s: %s", job.src, self.compactions_failed,
+                      type(job.error).__name__, job.error)
+            return
+        self.compacted.append(job.result)
+        if self._parent is not None and self._parent[0] == job.src:
+            self._parent = (job.result, 0)
+
+    def wait_compaction(self, timeout_s: float | None = None) -> bool:
+        """Wait for the running compaction, if any, and take it in; False when it is still
+        running after ``timeout_s``."""
+        job = self._compaction
+        if job is not None:
+            job.thread.join(timeout_s)
+        self._adopt()
+        return self._compaction is None
+
+    def close(self, timeout_s: float | None = 600.0) -> None:
+        """Wait (up to ``timeout_s``) for a running compaction; one still running then
+        is abandoned with the process (it publishes nothing: a hidden staging directory
+        is left, which readers skip)."""
+        if not self.wait_compaction(timeout_s):
+            log.warning("periodic checkpoints: compacting %s still runs after %s s; it is "
+                        "abandoned", self._compaction and self._compaction.src, timeout_s)
 
     def _reschedule(self, began: float) -> None:
         """The next time-based one is due ``every_s`` after ``began``; due times that
@@ -267,7 +332,32 @@ class PeriodicCheckpoints:
         if self.keep <= 0:
             return
         try:
-            prune_checkpoints(self.root, self.keep, protect={name}, select=_is_periodic)
+            running = self._compaction.reads if self._compaction is not None else set()
+            prune_checkpoints(self.root, self.keep, protect={name} | running,
+                              select=_is_periodic)
         except Exception as e:   # retention is retried after the next checkpoint
             log.warning("periodic checkpoints: retention under %s failed: %s: %s",
                         self.root, type(e).__name__, e)
+
+
+class _Compaction:
+    """One background compaction of the chain up to ``src`` (rank 0; see the module
+    docstring): its thread, the names it reads (retention keeps them) and its outcome."""
+
+    def __init__(self, src: str):
+        self.src = src
+        self.reads = {(m.path or "").rstrip("/").rsplit("/", 1)[-1] for m in chain_of(src)}
+        self.result: str | None = None
+        self.error: BaseException | None = None
+        # A daemon: a process that exits abandons it (nothing is published then).
+        self.thread = threading.Thread(target=self._run, name="periodic-compaction",
+                                       daemon=True)
+        log.info("periodic checkpoints: compacting the chain of %s (%d checkpoints) in the "
+                 "background", src, len(self.reads))
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = compaction.compact(self.src).path
+        except Exception as e:   # reported by PeriodicCheckpoints._adopt
+            self.error = e

@@ -297,6 +297,8 @@ class TrainCtx(EmbeddingCtx):
 
     def _exit(self, clean: bool) -> None:
         poller, self.checkpoint_poller = self.checkpoint_poller, None
+        if self.periodic_checkpoints is not None:   # a compaction running in the background
+            self.periodic_checkpoints.close()
         self.periodic_checkpoints = None
         leave_drain, self._leave_drain = self._leave_drain, None
         try:

@@ -287,6 +287,8 @@ GLOBAL_ERRORS = [
      "embedding_parameter_server_config.store_threads", "raise capacity"),
     ({"common_config": {"checkpointing_config": {"full_every": 0}}},
      "common_config.checkpointing_config.full_every", "full base"),
+    ({"common_config": {"checkpointing_config": {"compact_after": 0}}},
+     "common_config.checkpointing_config.compact_after", "compact a periodic chain"),
     ({"embedding_parameter_server_config": {"num_embedding_io_workers": 4}},
      "embedding_parameter_server_config.num_embedding_io_workers",
      "checkpointing_config.num_workers"),

@@ -57,6 +57,8 @@ READ: dict[str, list[tuple[str, str]]] = {
         (PERIODIC, r"enable_incremental_update")],
     "common_config.checkpointing_config.full_every": [
         (PERIODIC, r"self\.full_every = config\.full_every")],
+    "common_config.checkpointing_config.compact_after": [
+        (PERIODIC, r"self\.compact_after = config\.compact_after")],
     "common_config.checkpointing_config.periodic_dir": [
         (PERIODIC, r"root = config\.periodic_dir or")],
     "embedding_parameter_server_config.capacity": [(LAUNCH, r"cfg\.capacity")],

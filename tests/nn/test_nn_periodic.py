@@ -214,3 +214,42 @@ def test_a_periodic_checkpoint_restores_into_a_run_that_continues(job_factory, k
     kept = _periodic(root)
     assert [m.step for m in kept] == [8, 8] and kept[0].path != kept[1].path
     assert all(m.offsets == {topic: {"0": 8}} for m in kept)
+
+
+def test_compact_after_compacts_a_chain_that_the_next_patch_patches(job_factory, tmp_path):
+    """With incremental checkpoints and ``compact_after: 2``, the second patch's chain is
+    compacted in the background into a new base; the next periodic checkpoint patches
+    that base (not a full dump), retention then deletes the old chain, and no kept
+    checkpoint ever misses a member of its chain."""
+    from stream_persia.checkpoint import chain_of
+    from stream_persia.server.compaction import COMPACTED_FROM
+
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(10)], background=False)
+    root = _root(tmp_path)
+    config = CheckpointingConfig(every_steps=2, keep_checkpoints=2, compact_after=2,
+                                 periodic_dir=str(root))
+    with _ctx(job.worker_addresses, SumModel(IN_DIM), config) as ctx:
+        periodic = ctx.periodic_checkpoints
+        assert periodic is not None
+        periodic.incremental = True   # as enable_incremental_update: true makes it
+        _train(ctx, 6)               # steps 2 (base), 4, 6: 6 is 2 patches from its base
+        assert periodic.wait_compaction(60) and len(periodic.compacted) == 1
+        compacted = read_manifest(periodic.compacted[0])
+        names = [p.rsplit("/", 1)[-1] for p in periodic.taken]
+        assert compacted.extra[COMPACTED_FROM] == names[:3]
+        assert (compacted.step, compacted.chain["depth"], compacted.extra["by"]) == \
+            (6, 0, "periodic")
+        _train(ctx, 2)               # step 8: a patch of the compacted base
+        after = read_manifest(periodic.taken[3])
+        assert (after.chain["parent"], after.chain["depth"]) == \
+            (compacted.chain["id"], 1)
+        assert after.chain["full_because"] is None and after.rows < after.table_rows
+        # keep 2: the compacted base and step 8 are the newest; steps 2, 4, 6 are gone
+        kept = [m.path.rsplit("/", 1)[-1] for m in _periodic(root)]
+        assert not set(names[:3]) & set(kept), kept
+        _train(ctx, 2)               # step 10: 2 patches from the compacted base
+    assert periodic.compactions_failed == 0 and len(periodic.compacted) == 2
+    for m in _periodic(root):        # every kept one restores: its whole chain is there
+        verify(m.path)
+        assert chain_of(m.path)[0].chain["depth"] == 0
