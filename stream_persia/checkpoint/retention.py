@@ -12,7 +12,9 @@ touched, nor are symbolic links.
 Chains (incremental checkpoints, :mod:`stream_persia.checkpoint.manifest`'s ``chain``):
 a checkpoint that a kept one's chain needs (its parent, the parent's parent, ... up to its
 base) is never deleted, whatever its age or whether ``select`` accepts it: a restore of
-the kept patch reads them all.
+the kept patch reads them all. A compacted base (``stream-persia checkpoint compact``,
+:mod:`stream_persia.server.compaction`) needs nothing, so the chain it was made from is
+freed once no kept patch needs it.
 
 Deleting (:func:`delete_checkpoint`): a local checkpoint is first renamed to a hidden
 sibling ``.<name>.deleting-<random>`` (one atomic step: readers skip hidden names), then
