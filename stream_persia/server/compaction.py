@@ -23,9 +23,11 @@ decides: a row is written (in the order of those last events, so least recent fi
 tombstone drops the id.
 
 Memory: one output shard at a time: the events of that shard (its rows over the chain,
-about ``1/n`` of the table plus what the patches rewrote) plus one record; every file is
-read ``n`` times (as a restore into ``n`` servers reads it). A table whose one shard does
-not fit in memory needs more shards to compact.
+about ``1/n`` of the table plus what the patches rewrote), held about twice while they are
+gathered into order; every file is read ``n`` times (as a restore into ``n`` servers reads
+it). A table one shard of which does not fit in memory twice needs more shards. (Measured:
+5M rows of dim 16 with Adam state, 2 shards, a 950 MB base and three 1% patches: 18 s,
+1.2 GiB peak.)
 
 Atomic as a checkpoint write is (:class:`stream_persia.checkpoint.CheckpointWriter`):
 files are staged in a hidden sibling of ``dst`` and renamed into place with the manifest
@@ -179,6 +181,7 @@ def _shard_events(chain: list[Manifest], shard: int, shards: int,
         return read_shard_file(loc.url, name, expected=m.files[name], field="src")
 
     base = chain[0]
+    say(f"  shard {shard + 1}/{shards}: reading base {Location(base.path or '').name}")
     for j, name in enumerate(base.embedding_files):
         for k, chunk in enumerate(read(base, name)):
             where = f"checkpoint {base.path}: {name} record {k}"
