@@ -47,7 +47,10 @@ async def start(request: Request, body: CheckpointStart | None = None) -> JSONRe
 @router.get("", response_model=CheckpointList, summary="Checkpoints with their manifests")
 async def list_all(request: Request) -> CheckpointList:
     """Complete checkpoints under the checkpoint directory (oldest step first, each with
-    its manifest), then those this API is taking or failed to take."""
+    its manifest), then those this API is taking or failed to take. Each says where it
+    stands in its chain (incremental checkpoints): ``parent`` (the checkpoint it patches;
+    null for a full base), ``base``, ``depth`` (patches since the base), and ``bytes``, the
+    size of its own files."""
     # validated from the plain dicts Checkpoints.list gives
     return CheckpointList.model_validate({"checkpoints": await _ckpts(request).list()})
 
@@ -65,7 +68,8 @@ async def get_one(request: Request, checkpoint_id: str = _ID) -> CheckpointInfo:
              summary="Restore the job to a checkpoint")
 async def restore(request: Request, checkpoint_id: str = _ID,
                   body: RestoreRequest | None = None) -> RestoreResult:
-    """Every embedding server loads the checkpoint's rows (any server count), every worker
+    """Every embedding server loads the checkpoint's rows (any server count; any member of
+    a chain: its base, then its patches up to it), every worker
     consumes again from its offsets, and (by default) the API serves its dense model. 409
     while batches are in flight: stop the NN workers, restore, then start them with
     ``load_checkpoint``. Batches whose push failed and embedding servers that restarted
