@@ -25,6 +25,7 @@ from stream_persia.checkpoint import (
     CheckpointWriter,
     chain_of,
     list_checkpoints,
+    load_embeddings,
     load_torch,
     prune_checkpoints,
     read_manifest,
@@ -198,3 +199,41 @@ def test_list_marks_chain_members_and_groups_them_under_their_base(chain, capsys
     got = {d["id"]: d for d in json.loads(out)}
     assert got["ck-3"]["chain"]["parent"] == "ck-2" and got["ck-3"]["chain"]["depth"] == 3
     assert got["ck-1"]["bytes"] == sum(e["bytes"] for e in made[1].files.values())
+
+
+async def test_the_compacted_base_keeps_the_counts_of_frequency_admission(tmp_path):
+    """The base's count-min sketch (``min_count`` admission) is what a restore of the chain
+    restores (patches carry none); the compacted base carries it too: ids seen twice under
+    ``min_count: 3`` get rows at their next sight after restoring it."""
+    import asyncio
+
+    from stream_persia.embedding import EmbeddingConfig
+    from stream_persia.embedding.optim import Adagrad
+    from stream_persia.kernels.ids import index_prefix, prefix_ids
+    from stream_persia.worker.shards import RowLookup
+
+    policies = {"prefix_bits": 8, "policies": [None, {"min_count": 3}],
+                "names": [None, "user"]}
+    config = {"optimizer": Adagrad(lr=0.1).to_dict(),
+              "embedding_config": EmbeddingConfig((-0.05, 0.05)).to_dict(),
+              "policies": policies}
+    ids = prefix_ids(np.arange(1, 200, dtype=np.uint64), index_prefix=index_prefix(0, 8),
+                     prefix_bits=8)
+
+    async def configure(router):
+        await asyncio.gather(*(c.call("configure", config) for c in router.clients))
+
+    async with running_servers(2, store_threads=2) as (servers, router):
+        await configure(router)
+        for _ in range(2):
+            await router.lookup([RowLookup(4, ids)], "train")
+        assert sum(len(s.store) for s in servers) == 0, "seen twice: no row yet"
+        await checkpoint(router, tmp_path / "b")
+        await checkpoint(router, tmp_path / "p", tmp_path / "b")
+    assert read_manifest(str(tmp_path / "p")).is_patch
+    compact(str(tmp_path / "p"), str(tmp_path / "c"))
+    async with running_servers(2, store_threads=2) as (fresh, router):
+        await configure(router)
+        await load_embeddings(str(tmp_path / "c"), router.clients)
+        await router.lookup([RowLookup(4, ids)], "train")
+        assert sum(len(s.store) for s in fresh) == len(ids), "the third sight admits them"
