@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_checkpoint_incremental import CAPACITY, assert_same, restored, table, train
+from test_checkpoint_incremental import CAPACITY, assert_same, flip_a_byte, restored, table, train
 
 from stream_persia.checkpoint import (
     DENSE_FILENAME,
@@ -126,10 +126,7 @@ def test_retention_never_deletes_what_a_kept_patch_needs_even_with_a_compacted_b
 
 async def test_a_corrupt_member_fails_the_compaction_naming_it_and_publishes_nothing(chain):
     root, made, _, _ = chain
-    bad = root / "ck-2" / made[2].embedding_files[1]
-    data = bytearray(bad.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    bad.write_bytes(bytes(data))
+    flip_a_byte(root / "ck-2" / made[2].embedding_files[1])
     before = sorted(os.listdir(root))
     with pytest.raises(BadInput, match=f"ck-2.*{made[2].embedding_files[1]}"):
         compact(str(root / "ck-3"))

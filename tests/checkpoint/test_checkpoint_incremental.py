@@ -114,12 +114,16 @@ async def test_base_and_patches_restore_every_row_and_its_optimizer_state(chain)
     assert not evicted & set(got), "an id evicted after the base came back"
 
 
+def flip_a_byte(path) -> None:
+    """Corrupt ``path`` in place: its middle byte inverted (its size unchanged)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 async def test_a_corrupt_or_missing_patch_is_named_and_the_chain_before_it_restores(chain):
     root, made, tables, _ = chain
-    bad = root / "ck-2" / made[2].embedding_files[0]
-    data = bytearray(bad.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    bad.write_bytes(bytes(data))
+    flip_a_byte(root / "ck-2" / made[2].embedding_files[0])
     for src in ("ck-2", "ck-3"):
         with pytest.raises(BadInput, match=f"ck-2.*{made[2].embedding_files[0]}"):
             verify(str(root / src))
