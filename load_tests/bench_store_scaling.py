@@ -46,6 +46,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
+from stream_persia.config import flags  # noqa: E402
 from stream_persia.embedding.optim import SGD, Adagrad  # noqa: E402
 from stream_persia.kernels.sharding import stable_hash64  # noqa: E402
 from stream_persia.server.store import CEmbeddingStore  # noqa: E402
@@ -63,16 +64,8 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def size(text: str) -> int:
-    """An argparse type: a whole number >= 1; ``1e6`` and ``1_000_000`` are accepted."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        value = 0.0
-    if not value.is_integer() or value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 (1e6 works), got "
-                                         f"{text!r}")
-    return int(value)
+#: an argparse type: a whole number >= 1 (``1e6`` and ``1_000_000`` work)
+size = flags.size(1)
 
 
 def positive(text: str) -> float:

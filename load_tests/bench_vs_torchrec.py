@@ -72,6 +72,8 @@ from typing import Any
 
 import numpy as np
 
+from stream_persia.config import flags
+
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 TOPOLOGY = HERE / "vs_torchrec"
@@ -89,15 +91,8 @@ VENV_PACKAGES = [
 ]
 
 
-def size(text: str) -> int:
-    """An argparse type: a whole number >= 1 (``1e6`` and ``1_000_000`` work)."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        value = 0.0
-    if not value.is_integer() or value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return int(value)
+#: an argparse type: a whole number >= 1 (``1e6`` and ``1_000_000`` work)
+size = flags.size(1)
 
 
 def positive(text: str) -> float:
