@@ -16,9 +16,9 @@ consumed before it applied, none after it, offsets pointing at the first batch a
   or evicted), and commits with the workers' frontier offsets. When the newest
   checkpoint under the checkpoint directory is at the very same stream position (a Kafka
   stream whose offsets did not move since), its dense files are carried over
-  (``extra.dense_from``) and the result serves too; otherwise nothing proves which dense
-  state matches these embeddings, and the checkpoint holds the embeddings alone
-  (``extra.embeddings_only``).
+  (``extra.dense_from``, with its ``trained_through``) and the result serves too;
+  otherwise nothing proves which dense state matches these embeddings, and the
+  checkpoint holds the embeddings alone (``extra.embeddings_only``).
   If training starts meanwhile the attempt fails (nothing is published) and can be retried.
 
 Both ways take the same cut (:func:`stream_persia.checkpoint.read_cut`; workers that mix
@@ -500,8 +500,12 @@ class Checkpoints:
             job.progress = {"phase": "committing"}
             extra = {"id": job.id, "by": "api", "dense_from": carried,
                      "embeddings_only": carried is None}
-            if carried is not None and base is not None:   # what serving its model needs
-                extra |= {k: base.extra[k] for k in ("heads", "inputs") if k in base.extra}
+            if carried is not None and base is not None:   # what serving its model needs,
+                # and the dense model's event time: a serving replica restored from this
+                # checkpoint starts trained through it (without it, trained_through stays
+                # unknown until training moves again)
+                extra |= {k: base.extra[k] for k in ("heads", "inputs", "trained_through")
+                          if k in base.extra}
             manifest = await asyncio.to_thread(
                 lambda: writer.commit(job=self.job_name, step=step, offsets=offsets,
                                       stream=stream, schema=self.settings.schema,

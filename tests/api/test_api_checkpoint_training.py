@@ -174,6 +174,13 @@ async def test_http_checkpoint_while_training_restores_exactly_once(kafka_topic,
             assert info["manifest"]["step"] == final.step
             assert info["manifest"]["jit_filename"] == "jit_dense.pt"
             assert final.extra["inputs"] == info["manifest"]["extra"]["inputs"] == INPUTS
+            # The dense model's event time comes with it: a serving replica restored from
+            # this checkpoint starts trained through it (it had none, and a replica that
+            # started from it never advanced: run's bootstrap checkpoint taken by the API
+            # after a short run's NN worker had ended)
+            assert final.extra["trained_through"] is not None
+            assert info["manifest"]["extra"]["trained_through"] == \
+                final.extra["trained_through"]
     finally:
         await stop_job(job)
 
