@@ -152,17 +152,30 @@ def feed(worker: str, n: int, vocab: int, seed: int, send_cpu_s: Any) -> None:
 
 
 def train_window(worker: Any, server: Any, n: int, vocab: int, warmup: int, staleness: int,
-                 **ctx_kwargs: Any) -> tuple[float, float, dict, dict]:
+                 nn_threads: int = 0, **ctx_kwargs: Any) -> tuple[float, float, dict, dict]:
     """``n`` batches fed by a loader process and trained here (``ctx_kwargs`` go to
-    ``TrainCtx``), the last ``n - warmup`` timed. Returns (samples/s, CPU seconds per
-    sample over every process of the pipeline, ``ctx.stats()``, ``ctx.progressive()``)."""
+    ``TrainCtx``) with ``nn_threads`` torch threads (0: torch's default), the last
+    ``n - warmup`` timed. Returns (samples/s, CPU seconds per sample over every process of
+    the pipeline, ``ctx.stats()``, ``ctx.progressive()``)."""
+    torch.manual_seed(0)
+    model = PersiaModel()
+    threads = torch.get_num_threads()
+    if nn_threads:
+        torch.set_num_threads(nn_threads)
+    try:
+        return _train_window(model, worker, server, n, vocab, warmup, staleness, **ctx_kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_window(model: torch.nn.Module, worker: Any, server: Any, n: int, vocab: int,
+                  warmup: int, staleness: int, **ctx_kwargs: Any
+                  ) -> tuple[float, float, dict, dict]:
     from stream_persia.ctx import TrainCtx
     from stream_persia.data import DataLoader, StreamingDataset
     from stream_persia.embedding import EmbeddingConfig
     from stream_persia.embedding.optim import Adagrad
 
-    torch.manual_seed(0)
-    model = PersiaModel()
     mp = multiprocessing.get_context("spawn")
     send_cpu_s = mp.Value("d", 0.0)
     loader_proc = mp.Process(target=feed, args=(worker.address, n, vocab, 0, send_cpu_s),
@@ -200,10 +213,10 @@ def train_window(worker: Any, server: Any, n: int, vocab: int, warmup: int, stal
     return samples / elapsed, cpu / samples, stats, progressive
 
 
-def run_pipeline(worker: Any, server: Any, n: int, vocab: int, warmup: int, staleness: int
-                 ) -> tuple[float, float]:
+def run_pipeline(worker: Any, server: Any, n: int, vocab: int, warmup: int, staleness: int,
+                 nn_threads: int = 0) -> tuple[float, float]:
     """Returns (samples/s, CPU seconds per sample over every process of the pipeline)."""
-    rate, cpu, _, _ = train_window(worker, server, n, vocab, warmup, staleness)
+    rate, cpu, _, _ = train_window(worker, server, n, vocab, warmup, staleness, nn_threads)
     return rate, cpu
 
 
@@ -216,10 +229,22 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs of each configuration, interleaved; the best counts (other "
                              "load on the machine only ever slows a run down)")
+    parser.add_argument("--nn-threads", type=int, default=None,
+                        help="torch threads of the NN worker (this process) during the "
+                             "pipeline runs; default: what `stream-persia run` gives an NN "
+                             "rank sharing this machine with the other roles (cores - 1); "
+                             "0: torch's default (every core). The baseline keeps torch's "
+                             "default: it runs alone")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     if args.batches <= args.warmup:
         raise SystemExit("--batches must exceed --warmup")
+    if args.nn_threads is None:
+        from stream_persia.launch.run import torch_threads
+
+        args.nn_threads = int(torch_threads(1).get("OMP_NUM_THREADS", 0))
+    elif args.nn_threads < 0:
+        raise SystemExit("--nn-threads must be >= 0")
 
     from stream_persia.launch.processes import RoleProcess
 
@@ -246,7 +271,7 @@ def main() -> None:
                     else:
                         st = int(name.split("_")[1])
                         w, c = run_pipeline(worker, server, args.batches, args.vocab,
-                                            args.warmup, st)
+                                            args.warmup, st, args.nn_threads)
                     wall[name].append(w)
                     cpu[name].append(c)
     best = {k: max(v) for k, v in wall.items()}
@@ -268,6 +293,7 @@ def main() -> None:
     result = json.dumps({
         "benchmark": "train_pipeline", "python": sys.version.split()[0],
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "nn_threads": args.nn_threads or torch.get_num_threads(),
         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "batch_size": BATCH, "slots": SLOTS, "dim": DIM, "mlp": [512, 256, 1],
         "batches": args.batches, "warmup": args.warmup, "vocab": args.vocab,
