@@ -6,27 +6,17 @@ and must complete with every key of its ``--json`` present and its patches being
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_runs import run_bench
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(180)
 def test_bench_checkpoint_completes(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "load_tests" / "bench_checkpoint.py"), "--rows", "20000",
-         "--rounds", "1", "--repeat", "1", "--train-s", "1.5", "--every-s", "0.5",
-         "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    got = json.loads(out.read_text())
+    got = run_bench("bench_checkpoint.py", ["--rows", "20000", "--rounds", "1", "--repeat",
+                                            "1", "--train-s", "1.5", "--every-s", "0.5"],
+                    tmp_path / "bench.json")
     for key in ("patch_bytes_vs_full", "patch_seconds_vs_full",
                 "train_while_checkpointing_vs_off"):
         assert got[key] > 0, got

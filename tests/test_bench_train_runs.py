@@ -7,27 +7,20 @@ its ``--json``.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_runs import ROOT, run_bench
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(180)
 def test_bench_train_completes(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "load_tests" / "bench_train.py"), "--batches", "4",
-         "--warmup", "2", "--vocab", "1000", "--repeat", "1", "--nn-threads", "1",
-         "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    got = json.loads(out.read_text())
+    got = run_bench("bench_train.py", ["--batches", "4", "--warmup", "2", "--vocab", "1000",
+                                       "--repeat", "1", "--nn-threads", "1"],
+                    tmp_path / "bench.json")
     assert got["hybrid_vs_sync"] > 0, got
     assert got["nn_threads"] == 1, got
     assert [r["embedding_staleness"] for r in got["runs"]] == [1, 8], got["runs"]
