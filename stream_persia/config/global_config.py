@@ -10,7 +10,11 @@ PERSIA's keys and documented defaults::
                              keep_checkpoints: 3,  # ours: kept under the API's directory
                              every_steps: null,    # ours: periodic checkpoints every this
                              every_s: null,        #   many steps and/or seconds (null: off)
-                             periodic_dir: null}   #   into here (null: the API's directory)
+                             periodic_dir: null,   #   into here (null: the API's directory)
+                             full_every: 8,        # ours: with incremental updates, a full
+                                                   #   base after this many patches
+                             compact_after: null}  # ours: compact a periodic chain this
+                                                   #   many patches long (null: off)
       infer_config: {servers: [], embedding_checkpoint: null}   # a checkpoint is refused
     embedding_parameter_server_config:
       capacity: 1000000000               # embedding rows per server (LRU beyond it),
