@@ -1,5 +1,5 @@
 """``stream-persia checkpoint inspect DIR [--json] [--verify]``, ``checkpoint list ROOT
-[--json]`` and ``checkpoint compact SRC [--dst DIR]``.
+[--json]``, ``checkpoint clean ROOT`` and ``checkpoint compact SRC [--dst DIR]``.
 
 Chains (incremental checkpoints): ``inspect`` shows the chain a restore of DIR reads (base
 first, each member's step, rows after it, bytes and why it is a base if it was asked to be
@@ -7,7 +7,8 @@ a patch), and ``--verify`` checks every file of every member; ``--json`` adds
 ``chain_members`` (the same, base first) to the manifest when it has a ``chain``. ``list``
 shows each checkpoint's kind (``base``/``patch``/``full``: no chain recorded), parent,
 depth and bytes, with a patch's line marked under its base's; ``--json`` adds ``id`` and
-``bytes`` to each manifest. ``compact`` is :mod:`stream_persia.server.compaction`'s (the
+``bytes`` to each manifest. ``clean ROOT [--dry-run]`` removes what killed writers left
+under ROOT (:mod:`stream_persia.checkpoint.leftovers`). ``compact`` is :mod:`stream_persia.server.compaction`'s (the
 console script runs it: this layer does not read shard files).
 """
 
@@ -19,6 +20,7 @@ import sys
 from typing import Any, TextIO
 
 from stream_persia.checkpoint._common import Location
+from stream_persia.checkpoint.leftovers import IDLE_S, STALE_S, find_leftovers, sweep_abandoned
 from stream_persia.checkpoint.manifest import Manifest
 from stream_persia.checkpoint.reader import chain_of, list_checkpoints, read_manifest, verify
 from stream_persia.config import flags
@@ -47,7 +49,18 @@ def add_parser(sub: Any) -> None:
                      help="the new base's directory (default: SRC's sibling "
                           "<name>-compacted); must not exist")
     cmp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    for p in (ins, ls, cmp):
+    cl = cmds.add_parser("clean", help="remove what killed writers left under a root (hidden "
+                                       "staging, replaced and half-deleted checkpoints)")
+    cl.add_argument("root", help="local directory holding checkpoint directories")
+    cl.add_argument("--dry-run", action="store_true",
+                    help="list every leftover and what would be removed; remove nothing")
+    cl.add_argument("--idle-s", type=flags.number(0.0), default=IDLE_S,
+                    help="seconds unchanged after which a leftover whose writer is known "
+                         f"to be gone is removed (default {IDLE_S:.0f})")
+    cl.add_argument("--stale-s", type=flags.number(0.0), default=STALE_S,
+                    help="seconds unchanged after which any staging directory is taken "
+                         f"as abandoned (default {STALE_S:.0f})")
+    for p in (ins, ls, cmp, cl):
         p.add_argument("--log-level", type=flags.log_level, default="warning",
                        help="debug, info, warning, error, critical (default warning)")
 
@@ -74,6 +87,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 print(f"verified: {files} file(s) of {max(len(members), 1)} checkpoint(s) "
                       "match their checksums", file=out)
         return 0
+    if args.checkpoint_command == "clean":
+        return _clean(args, out)
     found = list_checkpoints(args.root)
     if args.json:
         print(json.dumps([{"path": m.path, "id": Location(m.path or "").name,
@@ -92,6 +107,23 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                   f"{m.table_rows:>12,} {_size(size_of(m)):>10}  {kind:<5} "
                   f"{'-' if c is None else c['depth']:>5}  "
                   f"{(c or {}).get('parent') or '-':<24} {mark}{m.path}", file=out)
+    return 0
+
+
+def _clean(args: argparse.Namespace, out: TextIO) -> int:
+    root = Location(args.root)
+    if not root.local:
+        raise BadInput(f"checkpoint clean: {args.root} is not a local directory (remote roots "
+                       "have no hidden leftovers: their writers write in place)", field="root")
+    found = find_leftovers(root.path, idle_s=args.idle_s, stale_s=args.stale_s)
+    removed = {lo.path for lo in sweep_abandoned(root.path, idle_s=args.idle_s,
+                                                 stale_s=args.stale_s, dry_run=args.dry_run)}
+    if not found:
+        print(f"no leftovers under {root.path}", file=out)
+    for lo in found:
+        what = ("would remove" if args.dry_run else "removed") if lo.path in removed \
+            else "kept"
+        print(f"{what:<12}  {lo.kind:<8}  {lo.path}  ({lo.why})", file=out)
     return 0
 
 

@@ -16,6 +16,11 @@ the kept patch reads them all. A compacted base (``stream-persia checkpoint comp
 :mod:`stream_persia.server.compaction`) needs nothing, so the chain it was made from is
 freed once no kept patch needs it.
 
+Leftovers: after each pass, the hidden directories that killed writers left under the
+root (staging, replaced and half-deleted checkpoints) are removed once abandoned
+(:mod:`stream_persia.checkpoint.leftovers`), so a job killed now and then does not fill
+its disk.
+
 Deleting (:func:`delete_checkpoint`): a local checkpoint is first renamed to a hidden
 sibling ``.<name>.deleting-<random>`` (one atomic step: readers skip hidden names), then
 removed; a remote one loses its manifest first (readers then treat it as incomplete),
@@ -32,6 +37,7 @@ from collections.abc import Callable, Collection, Sequence
 from datetime import datetime, timezone
 
 from stream_persia.checkpoint._common import Location
+from stream_persia.checkpoint.leftovers import sweep_abandoned
 from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest
 from stream_persia.checkpoint.reader import list_checkpoints
 
@@ -84,6 +90,11 @@ def prune_checkpoints(root: str, keep: int, protect: Collection[str] = (),
         log.info("retention: deleted checkpoint %s (step %d), keeping the %d newest under %s",
                  m.path, m.step, keep, loc.url)
         deleted.append(name)
+    if loc.local:
+        try:
+            sweep_abandoned(loc.path)
+        except OSError as e:    # tried again after the next checkpoint
+            log.warning("retention: could not sweep the leftovers under %s: %s", loc.url, e)
     return deleted
 
 

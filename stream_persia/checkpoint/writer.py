@@ -20,6 +20,7 @@ from stream_persia.checkpoint._common import (
     check_server_set,
 )
 from stream_persia.checkpoint.digest import SCHEMA_KEY, config_digest
+from stream_persia.checkpoint.leftovers import staging_owner
 from stream_persia.checkpoint.manifest import (
     DENSE_FILENAME,
     JIT_FILENAME,
@@ -82,8 +83,10 @@ class CheckpointWriter:
         if self._dst.local:
             parent = os.path.dirname(self._dst.path)
             os.makedirs(parent, exist_ok=True)
-            self._stage = Location(tempfile.mkdtemp(prefix=f".{self._dst.name}.staging-",
-                                                    dir=parent))
+            # The name says which process stages here, so retention can tell a staging
+            # directory abandoned by a killed writer from a live one (retention.sweep_abandoned).
+            self._stage = Location(tempfile.mkdtemp(
+                prefix=f".{self._dst.name}.staging-{staging_owner()}-", dir=parent))
             # mkdtemp makes it private (0700); a published checkpoint reads like any dir.
             os.chmod(self._stage.path, 0o755)
         else:

@@ -8,7 +8,8 @@ Commands:
   ``--nnodes``, ``--node-rank``; script from ``PERSIA_NN_WORKER_ENTRY`` by default).
 - ``launch api``: the HTTP control plane and online inference (package ``api``; uvicorn).
 - ``produce``: stream a dataset file into the samples topic (see ``stream_persia.loader.produce``).
-- ``checkpoint inspect DIR [--json] [--verify]``, ``checkpoint list ROOT``: show checkpoints
+- ``checkpoint inspect DIR [--json] [--verify]``, ``checkpoint list ROOT``: show checkpoints;
+  ``checkpoint clean ROOT [--dry-run]``: remove what killed writers left (hidden directories)
   (see ``stream_persia.checkpoint``); exit 2 for a directory that is not a checkpoint.
 
 Settings come from flags, then the environment (PERSIA's variable names: ``PERSIA_EMBEDDING_
