@@ -310,7 +310,8 @@ class PeriodicCheckpoints:
     def close(self, timeout_s: float | None = 600.0) -> None:
         """Wait (up to ``timeout_s``) for a running compaction; one still running then
         is abandoned with the process (it publishes nothing: a hidden staging directory
-        is left, which readers skip)."""
+        is left, which readers skip and retention removes once abandoned:
+        :mod:`stream_persia.checkpoint.leftovers`)."""
         if not self.wait_compaction(timeout_s):
             log.warning("periodic checkpoints: compacting %s still runs after %s s; it is "
                         "abandoned", self._compaction and self._compaction.src, timeout_s)
