@@ -207,6 +207,7 @@ class PeriodicCheckpoints:
     def figures(self) -> dict[str, Any]:
         """What rank 0's heartbeat relays (:mod:`stream_persia.worker.nn_relay`)."""
         return {"taken": len(self.taken), "skipped": self.skipped, "failed": self.failed,
+                "compacted": len(self.compacted), "compaction_failed": self.compactions_failed,
                 "last_step": self.last_step, "last_at": self.last_at,
                 "last_duration_s": self.last_duration_s, "last_bytes": self.last_bytes}
 

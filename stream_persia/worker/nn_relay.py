@@ -16,7 +16,8 @@ NN ranks are clients nothing scrapes, so rank 0 adds to its ``nn_heartbeat``
   and ``samples`` counts rank 0's only. ``TrainCtx.progressive()`` (every rank, the same
   step) and ``report.json`` ``progressive`` give the merged ones.
 
-- ``periodic``: ``{"taken", "skipped", "failed": int, "last_step": int | None,
+- ``periodic``: ``{"taken", "skipped", "failed", "compacted", "compaction_failed": int
+  (background compactions of a chain, ``compact_after``), "last_step": int | None,
   "last_at": float | None (Unix time), "last_duration_s": float | None, "last_bytes": int |
   None}``, rank 0's periodic checkpoints (:mod:`stream_persia.nn.periodic`), only when
   they are on.
@@ -30,7 +31,8 @@ Worker 0 exports them (:class:`NnRelayCollector`): ``persia_nn_progressive_auc_r
 {task,window}``, ``persia_nn_progressive_log_loss_nats{task,window}`` (``window`` =
 ``windowed`` | ``lifetime``), ``persia_nn_progressive_samples_total{task}`` and
 ``persia_nn_heartbeat_age_seconds``; ``periodic`` as ``persia_nn_periodic_checkpoints_total
-{outcome}`` (``taken`` | ``skipped`` | ``failed``), ``persia_nn_periodic_checkpoint_last_step``,
+{outcome}`` (``taken`` | ``skipped`` | ``failed`` | ``compacted`` | ``compaction_failed``),
+``persia_nn_periodic_checkpoint_last_step``,
 ``persia_nn_periodic_checkpoint_last_timestamp_seconds``,
 ``persia_nn_periodic_checkpoint_last_duration_seconds`` and
 ``persia_nn_periodic_checkpoint_last_bytes``; the ``trained`` watermark goes with the worker's stage
@@ -80,13 +82,15 @@ class PeriodicFigures(TypedDict):
     taken: int
     skipped: int
     failed: int
+    compacted: int
+    compaction_failed: int
     last_step: int | None
     last_at: float | None
     last_duration_s: float | None
     last_bytes: int | None
 
 
-_PERIODIC_COUNTS = ("taken", "skipped", "failed")
+_PERIODIC_COUNTS = ("taken", "skipped", "failed", "compacted", "compaction_failed")
 _PERIODIC_LAST = ("last_step", "last_at", "last_duration_s", "last_bytes")
 
 
@@ -127,7 +131,9 @@ def _periodic(raw: Any) -> PeriodicFigures | None:
     step, size = (None if raw.get(k) is None else _count(raw[k], f"periodic.{k}")
                   for k in ("last_step", "last_bytes"))
     return {"taken": counts["taken"], "skipped": counts["skipped"],
-            "failed": counts["failed"], "last_step": step, "last_bytes": size,
+            "failed": counts["failed"], "compacted": counts["compacted"],
+            "compaction_failed": counts["compaction_failed"], "last_step": step,
+            "last_bytes": size,
             "last_at": _figure(raw.get("last_at"), "periodic.last_at"),
             "last_duration_s": _figure(raw.get("last_duration_s"),
                                        "periodic.last_duration_s")}
@@ -228,7 +234,8 @@ def _periodic_families(fig: PeriodicFigures | None) -> Iterable[Metric]:
     if fig is None:
         return
     total = CounterMetricFamily("persia_nn_periodic_checkpoints", "periodic checkpoints of "
-                                "the NN ranks by outcome", labels=["outcome"])
+                                "the NN ranks (and compactions of their chains) by outcome",
+                                labels=["outcome"])
     for outcome in _PERIODIC_COUNTS:
         total.add_metric([outcome], float(fig[outcome]))   # type: ignore[literal-required]
     yield total

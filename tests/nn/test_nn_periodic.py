@@ -94,7 +94,8 @@ def test_every_steps_with_retention_and_the_relayed_figures(job_factory, tmp_pat
     totals = {s.labels["outcome"]: s.value
               for s in families["persia_nn_periodic_checkpoints"].samples
               if s.name.endswith("_total")}
-    assert totals == {"taken": 3.0, "skipped": 0.0, "failed": 0.0}
+    assert totals == {"taken": 3.0, "skipped": 0.0, "failed": 0.0, "compacted": 0.0,
+                      "compaction_failed": 0.0}
     assert families["persia_nn_periodic_checkpoint_last_step"].samples[0].value == 9
 
 
@@ -250,6 +251,8 @@ def test_compact_after_compacts_a_chain_that_the_next_patch_patches(job_factory,
         assert not set(names[:3]) & set(kept), kept
         _train(ctx, 2)               # step 10: 2 patches from the compacted base
     assert periodic.compactions_failed == 0 and len(periodic.compacted) == 2
+    figures = periodic.figures()     # relayed, exported as outcome="compacted"
+    assert (figures["compacted"], figures["compaction_failed"]) == (2, 0)
     for m in _periodic(root):        # every kept one restores: its whole chain is there
         verify(m.path)
         assert chain_of(m.path)[0].chain["depth"] == 0
