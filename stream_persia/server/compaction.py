@@ -11,7 +11,10 @@ none), and ``src``'s own dense, optimizer and other files, offsets, model-update
 and server configuration, unchanged. Its manifest's ``chain`` is a base (depth 0) that
 records ``src``'s ``tracking``: the servers' position at ``src``'s dump, so the next
 incremental checkpoint can patch the compacted base as it would have patched ``src``; its
-``extra`` is ``src``'s plus ``compacted_from`` (the chain's ids, base first).
+``extra`` is ``src``'s plus ``compacted_from`` (the chain's ids, base first) and
+``compacted_at`` (when it was written). Its ``created_at`` is ``src``'s: it holds the state
+cut then, so retention (newest ``created_at`` first) ranks it as ``src``, never above the
+newer checkpoints of a job that compacted an older member of its chain.
 
 How (numpy, no loop per row): for each output shard ``i`` of ``n`` (``src``'s
 ``shard_count``, file ``embedding-shard-i-of-n.bin``), every file of the chain is streamed
@@ -63,6 +66,8 @@ log = logging.getLogger(__name__)
 
 #: ``extra`` key of a compacted base: the ids of the chain it was made from, base first
 COMPACTED_FROM = "compacted_from"
+#: ``extra`` key of a compacted base: when it was written (its ``created_at`` is ``src``'s)
+COMPACTED_AT = "compacted_at"
 #: most rows per record of a compacted shard file
 _CHUNK_ROWS = 1 << 16
 
@@ -266,10 +271,11 @@ def compact(src: str, dst: str | None = None, *,
         if "id" in extra:   # the API's id is the directory's name
             extra["id"] = out.name
         extra[COMPACTED_FROM] = ids
+        extra[COMPACTED_AT] = utc_now()
         manifest = Manifest(
             job=top.job, step=top.step, stream=top.stream, offsets=top.offsets,
             shard_count=shards, files=writer.files, embedding_files=names,
-            created_at=utc_now(), config_digest=top.config_digest,
+            created_at=top.created_at, config_digest=top.config_digest,
             dense_filename=top.dense_filename, opt_filename=top.opt_filename,
             jit_filename=top.jit_filename, server_config=top.server_config,
             model_updates=top.model_updates, chain=chain_info, extra=extra)

@@ -32,7 +32,7 @@ from stream_persia.checkpoint import (
 )
 from stream_persia.embedding.optim import Adam
 from stream_persia.errors import BadInput
-from stream_persia.server.compaction import COMPACTED_FROM, compact
+from stream_persia.server.compaction import COMPACTED_AT, COMPACTED_FROM, compact
 from stream_persia.testing.servers import running_servers
 
 
@@ -115,9 +115,18 @@ async def test_the_next_patch_patches_the_compacted_base_and_retention_frees_the
 
 def test_retention_never_deletes_what_a_kept_patch_needs_even_with_a_compacted_base(chain):
     root, _, _, _ = chain
-    compact(str(root / "ck-1"), str(root / "ck-1c"))   # a base at step 10, made last
-    # ck-3 is kept (newest by step, or the base made in the same second); it needs
-    # ck-0..ck-2 whatever their age, and the compacted ck-1c does not free them
+    for i in range(4):   # the chain was cut days ago (the manifest has no checksum of itself)
+        path = root / f"ck-{i}" / "manifest.json"
+        m = json.loads(path.read_text())
+        m["created_at"] = f"2024-01-0{i + 1}T00:00:00Z"
+        path.write_text(json.dumps(m))
+    compact(str(root / "ck-1"), str(root / "ck-1c"))   # a base at step 10, made now
+    made = read_manifest(str(root / "ck-1c"))
+    # it holds ck-1's state, so it ranks as ck-1 did: never above the newer ck-3
+    assert made.created_at == "2024-01-02T00:00:00Z"
+    assert made.extra[COMPACTED_AT] > "2024"
+    # ck-3 is kept (the newest); it needs ck-0..ck-2 whatever their age, and the
+    # compacted ck-1c does not free them
     for keep in (2, 1):
         assert set(prune_checkpoints(str(root), keep=keep)) <= {"ck-1c"}
         names = {os.path.basename(m.path) for m in list_checkpoints(str(root))}
