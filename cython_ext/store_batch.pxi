@@ -299,12 +299,10 @@ cdef inline bint _step(CEmbeddingStore self, float *row, float *g, int dim,
     unless ``g`` or the step's result (weights or state) is not finite: then the row keeps
     its values and the result is True. Finite gradients of one id can add up to inf (a
     batch naming it many times), and a finite one can overflow the state (g * g): neither
-    may leave inf or NaN in a row (the clamp turns inf weights into the bound, not NaN)."""
-    if sp_nonfinite_bits(g, dim):
-        return True
-    memcpy(self.kbuf, row, sizeof(float) * (dim + width))
-    sp_apply(&self.opt, row, row + dim, g, dim)
-    if sp_nonfinite_bits(row, dim + width):
+    may leave inf or NaN in a row (the clamp turns inf weights into the bound, not NaN).
+    sp_step tests the values as it computes them, keeping the ones it replaces in
+    ``kbuf`` (put back on a refusal)."""
+    if sp_step(&self.opt, row, row + dim, g, dim, self.kbuf, self.kbuf + dim):
         memcpy(row, self.kbuf, sizeof(float) * (dim + width))
         return True
     return False
@@ -330,14 +328,11 @@ cdef void _apply_compact(CEmbeddingStore self, int32_t nu, int dim, int lines) n
         if xa.dtype == 0:
             if _step(self, row, g, dim, xa.width):
                 self.n_nonfinite += 1
-        elif sp_nonfinite_bits(g, dim):
-            self.n_nonfinite += 1
-        else:   # as _step: the weights stay in the row until narrowed, the state is kept
+        else:   # as _step, from the weights read to float32, stored back rounded
             sp_widen(self.ibuf, row, dim, xa.dtype)
-            memcpy(self.kbuf, row + xa.wlen, sizeof(float) * xa.width)
-            sp_apply(&self.opt, self.ibuf, row + xa.wlen, g, dim)
-            if sp_nonfinite_bits(self.ibuf, dim) | sp_nonfinite_bits(row + xa.wlen, xa.width):
-                memcpy(row + xa.wlen, self.kbuf, sizeof(float) * xa.width)
+            if sp_step(&self.opt, self.ibuf, row + xa.wlen, g, dim, self.kbuf,
+                       self.kbuf + dim):
+                memcpy(row + xa.wlen, self.kbuf + dim, sizeof(float) * xa.width)
                 self.n_nonfinite += 1
             else:
                 sp_narrow(row, self.ibuf, dim, xa.dtype)
