@@ -268,7 +268,7 @@ GUARDED = [SGD(lr=0.1), SGD(lr=0.1, momentum=0.9), SGD(lr=0.1, weight_decay=1.0)
 def rows_of(s):
     """Every row of ``s`` as {id: (weight bits, state bits)}, in dump order."""
     return {int(k): (w.tobytes(), st.tobytes()) for c in s.dump()
-            for k, w, st in zip(c["ids"], c["weights"], c["state"])}
+            for k, w, st in zip(c["ids"], c["weights"], c["state"], strict=True)}
 
 
 @pytest.mark.parametrize("opt", GUARDED, ids=[
