@@ -217,8 +217,7 @@ cdef class CEmbeddingStore:
     cdef uint64_t seeds[SKETCH_DEPTH]
     cdef int64_t steps       # training lookup calls with at least one id
     cdef double epoch        # time.monotonic() when the store was made (the TTL clock)
-    cdef float tnow          # the stamp of the call under way (see _stamp_now)
-    cdef uint32_t snow
+    cdef Stamp stamp         # the stamp of the call under way (see _stamp_now)
     cdef float *ibuf         # lookup's initial row of an id below its min_count; the
                              # float32 weights of a compact row in update and admission
     cdef int32_t cur_ai[3]   # the call's arena of its dim per dtype (see _dt_arenas)

@@ -15,7 +15,8 @@ cdef extern from "store_kernels.h":
     uint32_t sp_nonfinite_bits(const float *x, int64_t n) nogil
     void sp_add(float *acc, const float *g, int d) nogil
     void sp_first(float *acc, const float *g, int d) nogil
-    void sp_apply(const SpOpt *o, float *w, float *s, float *g, int d) nogil
+    uint32_t sp_step(const SpOpt *o, float *w, float *s, float *g, int d, float *kw,
+                     float *ks) nogil
     void sp_read_w(float *dst, const float *row, int d, int dt) nogil
     void sp_write_w(float *row, const float *src, int d, int dt) nogil
     void sp_narrow(void *dst, const float *src, int d, int dt) nogil

@@ -139,27 +139,82 @@ static inline void sp_first(float *restrict acc, const float *restrict g, int d)
     for (; j < d; j++) acc[j] = 0.0f + g[j];
 }
 
-/* One optimizer step and the clamp: the float32 twin of Optimizer.step in optim.py. */
-SP_KERNEL void sp_apply(const SpOpt *o, float *restrict w, float *restrict s,
-                        float *restrict g, int d) {
+/* Non-finite tests folded into the step's loops: bit 31 of (bits & exponent) + 2**23 is
+   set only where the exponent is all ones (inf or NaN), so OR-ing these words over a row
+   and keeping bit 31 tells whether any value is not finite (as sp_nonfinite_bits). */
+static inline uint32_t sp_nf(float x) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    return (b & 0x7f800000u) + 0x00800000u;
+}
+#if defined(__SSE2__)
+static inline __m128i sp_nf4(__m128 x) {
+    return _mm_add_epi32(_mm_and_si128(_mm_castps_si128(x), _mm_set1_epi32(0x7f800000)),
+                         _mm_set1_epi32(0x00800000));
+}
+#endif
+
+/* One optimizer step and the clamp (the float32 twin of Optimizer.step in optim.py) of
+   weights w and state s with the summed gradient g, in place; the values it replaces are
+   kept in kw (d weights) and ks (the state), from the same loads. Nonzero where g as
+   given (before weight decay), a new weight (clamped) or a new state value is not
+   finite: the caller then puts kw/ks back (update's guard, see _step in
+   store_batch.pxi). The tests ride in the loops that compute the values, so that a
+   finite step costs one store per value more (to kw/ks, in L1) than it did without
+   them. g is scratch (the decay is added to it). */
+SP_KERNEL uint32_t sp_step(const SpOpt *o, float *restrict w, float *restrict s,
+                           float *restrict g, int d, float *restrict kw,
+                           float *restrict ks) {
     int j;
-    if (o->wd != 0.0f)
-        for (j = 0; j < d; j++) g[j] = g[j] + o->wd * w[j];
+    uint32_t acc = 0, gm = 0xFFFFFFFFu;   /* gm: g's test rides in the step's loop */
+#if defined(__SSE2__)
+    __m128i vacc = _mm_setzero_si128(), vgm;
+#endif
+    if (o->wd != 0.0f) {
+        /* g is tested before the decay is added: the decayed g is not (as the twin). */
+        for (j = 0; j < d; j++) {
+            acc |= sp_nf(g[j]);
+            g[j] = g[j] + o->wd * w[j];
+        }
+        gm = 0;
+    }
+#if defined(__SSE2__)
+    vgm = _mm_set1_epi32((int)gm);
+#endif
     if (o->kind == 0) {
         if (o->momentum > 0.0f) {
             for (j = 0; j < d; j++) {
-                s[j] = o->momentum * s[j] + g[j];
-                w[j] = w[j] - o->lr * s[j];
+                float sj = s[j], wj = w[j];
+                ks[j] = sj;
+                kw[j] = wj;
+                sj = o->momentum * sj + g[j];
+                s[j] = sj;
+                w[j] = wj - o->lr * sj;
+                acc |= (sp_nf(g[j]) & gm) | sp_nf(sj);
             }
         } else {
-            for (j = 0; j < d; j++) w[j] = w[j] - o->lr * g[j];
+            for (j = 0; j < d; j++) {
+                float wj = w[j];
+                kw[j] = wj;
+                w[j] = wj - o->lr * g[j];
+                acc |= sp_nf(g[j]) & gm;
+            }
         }
     } else if (o->kind == 1) {
         if (o->shared) {
-            float sq = 0.0f, den = sqrtf(s[0] + o->eps);
-            for (j = 0; j < d; j++) sq = sq + g[j] * g[j];
-            for (j = 0; j < d; j++) w[j] = w[j] - o->lr * g[j] / den;
-            s[0] = o->g2m * s[0] + sq / (float)d;
+            float sq = 0.0f, s0 = s[0], den = sqrtf(s0 + o->eps);
+            for (j = 0; j < d; j++) {
+                sq = sq + g[j] * g[j];
+                acc |= sp_nf(g[j]) & gm;
+            }
+            for (j = 0; j < d; j++) {
+                float wj = w[j];
+                kw[j] = wj;
+                w[j] = wj - o->lr * g[j] / den;
+            }
+            ks[0] = s0;
+            s[0] = o->g2m * s0 + sq / (float)d;
+            acc |= sp_nf(s[0]);
         } else {
             j = 0;
 #if defined(__SSE2__)
@@ -167,22 +222,38 @@ SP_KERNEL void sp_apply(const SpOpt *o, float *restrict w, float *restrict s,
             const __m128 lr = _mm_set1_ps(o->lr), eps = _mm_set1_ps(o->eps),
                          g2m = _mm_set1_ps(o->g2m);
             for (; j + 4 <= d; j += 4) {
-                __m128 gj = _mm_loadu_ps(g + j), sj = _mm_loadu_ps(s + j);
+                __m128 gj = _mm_loadu_ps(g + j), sj = _mm_loadu_ps(s + j),
+                       wj = _mm_loadu_ps(w + j);
                 __m128 step = _mm_div_ps(_mm_mul_ps(lr, gj), _mm_sqrt_ps(_mm_add_ps(sj, eps)));
-                _mm_storeu_ps(w + j, _mm_sub_ps(_mm_loadu_ps(w + j), step));
-                _mm_storeu_ps(s + j, _mm_add_ps(_mm_mul_ps(g2m, sj), _mm_mul_ps(gj, gj)));
+                __m128 nsj = _mm_add_ps(_mm_mul_ps(g2m, sj), _mm_mul_ps(gj, gj));
+                _mm_storeu_ps(kw + j, wj);
+                _mm_storeu_ps(ks + j, sj);
+                _mm_storeu_ps(w + j, _mm_sub_ps(wj, step));
+                _mm_storeu_ps(s + j, nsj);
+                vacc = _mm_or_si128(vacc, _mm_or_si128(sp_nf4(nsj),
+                                                       _mm_and_si128(sp_nf4(gj), vgm)));
             }
 #endif
             for (; j < d; j++) {
-                w[j] = w[j] - o->lr * g[j] / sqrtf(s[j] + o->eps);
-                s[j] = o->g2m * s[j] + g[j] * g[j];
+                float sj = s[j], wj = w[j];
+                kw[j] = wj;
+                ks[j] = sj;
+                w[j] = wj - o->lr * g[j] / sqrtf(sj + o->eps);
+                sj = o->g2m * sj + g[j] * g[j];
+                s[j] = sj;
+                acc |= (sp_nf(g[j]) & gm) | sp_nf(sj);
             }
         }
     } else {
-        float p1 = s[2 * d] * o->b1, p2 = s[2 * d + 1] * o->b2;
-        float *m = s, *v = s + d;
+        float p1 = s[2 * d], p2 = s[2 * d + 1];
+        float *m = s, *v = s + d, *km = ks, *kv = ks + d;
+        ks[2 * d] = p1;
+        ks[2 * d + 1] = p2;
+        p1 = p1 * o->b1;
+        p2 = p2 * o->b2;
         s[2 * d] = p1;
         s[2 * d + 1] = p2;
+        acc |= sp_nf(p1) | sp_nf(p2);
         p1 = 1.0f - p1;
         p2 = 1.0f - p2;
         j = 0;
@@ -192,27 +263,57 @@ SP_KERNEL void sp_apply(const SpOpt *o, float *restrict w, float *restrict s,
                      lr = _mm_set1_ps(o->lr), eps = _mm_set1_ps(o->eps),
                      q1 = _mm_set1_ps(p1), q2 = _mm_set1_ps(p2);
         for (; j + 4 <= d; j += 4) {
-            __m128 gj = _mm_loadu_ps(g + j);
-            __m128 mj = _mm_add_ps(_mm_mul_ps(b1, _mm_loadu_ps(m + j)), _mm_mul_ps(c1, gj));
-            __m128 vj = _mm_add_ps(_mm_mul_ps(b2, _mm_loadu_ps(v + j)),
-                                   _mm_mul_ps(c2, _mm_mul_ps(gj, gj)));
+            __m128 gj = _mm_loadu_ps(g + j), mo = _mm_loadu_ps(m + j),
+                   vo = _mm_loadu_ps(v + j), wj = _mm_loadu_ps(w + j);
+            __m128 mj = _mm_add_ps(_mm_mul_ps(b1, mo), _mm_mul_ps(c1, gj));
+            __m128 vj = _mm_add_ps(_mm_mul_ps(b2, vo), _mm_mul_ps(c2, _mm_mul_ps(gj, gj)));
             __m128 step = _mm_div_ps(_mm_mul_ps(lr, _mm_div_ps(mj, q1)),
                                      _mm_add_ps(_mm_sqrt_ps(_mm_div_ps(vj, q2)), eps));
+            _mm_storeu_ps(km + j, mo);
+            _mm_storeu_ps(kv + j, vo);
+            _mm_storeu_ps(kw + j, wj);
             _mm_storeu_ps(m + j, mj);
             _mm_storeu_ps(v + j, vj);
-            _mm_storeu_ps(w + j, _mm_sub_ps(_mm_loadu_ps(w + j), step));
+            _mm_storeu_ps(w + j, _mm_sub_ps(wj, step));
+            vacc = _mm_or_si128(vacc, _mm_or_si128(_mm_or_si128(sp_nf4(mj), sp_nf4(vj)),
+                                                   _mm_and_si128(sp_nf4(gj), vgm)));
         }
 #endif
         for (; j < d; j++) {
-            m[j] = o->b1 * m[j] + o->c1 * g[j];
-            v[j] = o->b2 * v[j] + o->c2 * (g[j] * g[j]);
-            w[j] = w[j] - o->lr * (m[j] / p1) / (sqrtf(v[j] / p2) + o->eps);
+            float mj = m[j], vj = v[j], wj = w[j];
+            km[j] = mj;
+            kv[j] = vj;
+            kw[j] = wj;
+            mj = o->b1 * mj + o->c1 * g[j];
+            vj = o->b2 * vj + o->c2 * (g[j] * g[j]);
+            m[j] = mj;
+            v[j] = vj;
+            w[j] = wj - o->lr * (mj / p1) / (sqrtf(vj / p2) + o->eps);
+            acc |= (sp_nf(g[j]) & gm) | sp_nf(mj) | sp_nf(vj);
         }
     }
-    for (j = 0; j < d; j++) {
-        float x = w[j];
-        w[j] = x > o->bound ? o->bound : (x < -o->bound ? -o->bound : x);
+    /* The clamp (a NaN stays NaN, and is caught), and the test of the clamped weights. */
+    j = 0;
+#if defined(__SSE2__)
+    {
+        /* MINPS/MAXPS return their second operand (x) when either is a NaN; otherwise
+           these are the scalar comparisons below, -0.0 included. */
+        const __m128 hi = _mm_set1_ps(o->bound), lo = _mm_set1_ps(-o->bound);
+        for (; j + 4 <= d; j += 4) {
+            __m128 x = _mm_max_ps(lo, _mm_min_ps(hi, _mm_loadu_ps(w + j)));
+            _mm_storeu_ps(w + j, x);
+            vacc = _mm_or_si128(vacc, sp_nf4(x));
+        }
+        acc |= _mm_movemask_ps(_mm_castsi128_ps(vacc)) ? 0x80000000u : 0;
     }
+#endif
+    for (; j < d; j++) {
+        float x = w[j];
+        x = x > o->bound ? o->bound : (x < -o->bound ? -o->bound : x);
+        w[j] = x;
+        acc |= sp_nf(x);
+    }
+    return acc & 0x80000000u;
 }
 
 /* Compact rows (issue 20): weights stored as float16 (dt 1) or bfloat16 (dt 2), both

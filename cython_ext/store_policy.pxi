@@ -9,8 +9,9 @@
 # the hot paths cost 7-10% of lookup and update rates). A training lookup's hit does not
 # move the row in its queue (that cost three more cache lines per row, 20% of the lookup
 # rate in load_tests/bench_store.py): it sets REF in the entry (already in cache) and,
-# while a TTL exists, writes the stamp (8 bytes, fetched ahead by _stage). Cap evictions and expire() re-queue the REF rows they meet at the tail
-# (second chance, as CLOCK does) and evict the others.
+# while a TTL exists, writes the stamp (8 bytes, fetched ahead by _stage), in the loop
+# (_hit_mark in store_batch.pxi). Cap evictions and expire() re-queue the REF rows they
+# meet at the tail (second chance, as CLOCK does) and evict the others.
 # Frequency admission counts misses in a count-min sketch of 8-bit counters
 # (stream_persia/server/policies.py states its layout and error bound), allocated only while
 # a policy has min_count > 1.
@@ -18,12 +19,14 @@
 # The hot loops reach this file's routines only while policies are set, and through
 # function pointers (the P_* below): the compiler inlines _row_of and _drop into the loops
 # only while they stay small, and inlining these routines into them made it stop (10% of
-# the lookup rate of a store without policies, in load_tests/bench_store.py).
+# the lookup rate of a store without policies, in load_tests/bench_store.py). A hit's
+# marking is the exception (two stores, inlined: the call through a pointer per hit cost
+# about 4% of the lookup rate with a TTL); _row_of calls out for its misses to make room.
 
 ctypedef void (*entry_fn)(CEmbeddingStore, int32_t) noexcept nogil
 ctypedef float *(*admit_fn)(CEmbeddingStore, uint64_t, int, Arena *, const float *,
                             int *) noexcept nogil
-cdef entry_fn P_PUSH, P_UNLINK, P_TOUCH, P_DROP
+cdef entry_fn P_PUSH, P_UNLINK, P_DROP
 cdef admit_fn P_ADMIT
 ctypedef void (*stage_fn)(CEmbeddingStore, uint64_t, int32_t) noexcept nogil
 cdef stage_fn P_STAGE
@@ -41,8 +44,7 @@ cdef void _ppush(CEmbeddingStore self, int32_t e) noexcept nogil:
     """Queue entry ``e`` at the head of its policy's queue, stamped with the call's stamp."""
     _relink(self, e)
     if self.has_ttl:
-        self.stamps[e].t = self.tnow
-        self.stamps[e].step = self.snow
+        self.stamps[e] = self.stamp
 
 
 cdef void _punlink(CEmbeddingStore self, int32_t e) noexcept nogil:
@@ -56,15 +58,6 @@ cdef void _punlink(CEmbeddingStore self, int32_t e) noexcept nogil:
         self.aux[x.next].prev = x.prev
     else:
         P.tail = x.prev
-
-
-cdef void _ptouch(CEmbeddingStore self, int32_t e) noexcept nogil:
-    """A training lookup's hit: mark the row (it stays where it is in its queue) and,
-    while a TTL exists, stamp it."""
-    self.entries[e].pol |= REF
-    if self.has_ttl:
-        self.stamps[e].t = self.tnow
-        self.stamps[e].step = self.snow
 
 
 cdef void _pload(CEmbeddingStore self, int32_t e) noexcept nogil:
@@ -84,8 +77,8 @@ cdef inline void _requeue(CEmbeddingStore self, int32_t e) noexcept nogil:
 
 cdef _stamp_now(CEmbeddingStore self):
     """The stamp of the rows this call refreshes or stores (a training lookup, a load)."""
-    self.tnow = <float>(time.monotonic() - self.epoch)
-    self.snow = <uint32_t>self.steps
+    self.stamp.t = <float>(time.monotonic() - self.epoch)
+    self.stamp.step = <uint32_t>self.steps
 
 
 cdef inline void _prefetch_victim(CEmbeddingStore self, int32_t t) noexcept nogil:
@@ -338,11 +331,10 @@ cdef _set_policies(CEmbeddingStore self, int bits, list pols, double now):
         self.stamps = stamps
         self.has_ttl = True
         # Stamps are kept only while a TTL exists: the rows present now get ``now``.
-        self.tnow = <float>(now - self.epoch)
-        self.snow = <uint32_t>self.steps
+        self.stamp.t = <float>(now - self.epoch)
+        self.stamp.step = <uint32_t>self.steps
         for e in range(self.eused):
-            self.stamps[e].t = self.tnow
-            self.stamps[e].step = self.snow
+            self.stamps[e] = self.stamp
     elif not need_ttl and self.has_ttl:
         sp_free(self.stamps, sizeof(Stamp) * self.ecap)
         self.stamps = NULL
@@ -437,5 +429,5 @@ cdef void _drop_out_of_line(CEmbeddingStore self, int32_t e) noexcept nogil:
     _drop(self, e)
 
 
-P_PUSH, P_UNLINK, P_TOUCH, P_ADMIT = _ppush, _punlink, _ptouch, _admit_policed
+P_PUSH, P_UNLINK, P_ADMIT = _ppush, _punlink, _admit_policed
 P_DROP, P_STAGE, P_STAGE_EVICT = _drop_out_of_line, _stage_policy, _stage_evict

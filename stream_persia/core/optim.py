@@ -3,7 +3,7 @@
 Each optimizer keeps a per-row state vector of :meth:`Optimizer.state_width` float32 values
 stored beside the embedding vector, checkpointed with it and initialised from
 :meth:`Optimizer.initial_state`. :meth:`Optimizer.step` is the numpy reference of the update;
-the Cython store's kernel (``sp_apply`` in ``cython_ext/store_kernels.h``) performs the same
+the Cython store's kernel (``sp_step`` in ``cython_ext/store_kernels.h``) performs the same
 float32 operations in the same order, so both stores produce bit-identical rows.
 
 Unlike PERSIA, parameters it silently ignored work here: SGD ``momentum`` (PyTorch's form

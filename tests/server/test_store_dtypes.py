@@ -255,3 +255,66 @@ def test_a_new_optimizer_keeps_compact_weights(impl):
     assert [(c["ids"].tobytes(), c["weights"].tobytes(), c["state"].tobytes())
             for c in s.dump()] == [(c["ids"].tobytes(), c["weights"].tobytes(),
                                     c["state"].tobytes()) for c in twin.dump()]
+
+
+# --- update's guard (no inf or NaN into a row), in every optimizer's loops ----------------
+
+GUARDED = [SGD(lr=0.1), SGD(lr=0.1, momentum=0.9), SGD(lr=0.1, weight_decay=1.0),
+           Adagrad(lr=0.1), Adagrad(lr=0.1, vectorwise_shared=True),
+           Adagrad(lr=0.1, weight_decay=1.0, g_square_momentum=0.5), Adam(lr=0.01),
+           Adam(lr=0.01, weight_decay=1.0)]
+
+
+def rows_of(s):
+    """Every row of ``s`` as {id: (weight bits, state bits)}, in dump order."""
+    return {int(k): (w.tobytes(), st.tobytes()) for c in s.dump()
+            for k, w, st in zip(c["ids"], c["weights"], c["state"], strict=True)}
+
+
+@pytest.mark.parametrize("opt", GUARDED, ids=[
+    "sgd", "sgd_momentum", "sgd_decay", "adagrad", "adagrad_shared", "adagrad_decay", "adam",
+    "adam_decay"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_update_refuses_the_steps_the_twin_refuses_and_keeps_their_rows(dtype, opt):
+    """The guard rides in the optimizer's loops (sp_step): for each optimizer, float32 and
+    compact rows, and a dim of 6 (vector loop and scalar tail), the Cython store refuses
+    exactly the twin's steps (a sum past float32, a state that overflows) and ends bit for
+    bit as the twin, every refused row as it was. With weight decay, g is tested before
+    the decay is added (a finite g whose decayed sum is inf is stepped: SGD clamps it)."""
+    dim, big = 6, 1e33
+    cfg = EmbeddingConfig(weight_bound=big)
+    ids = np.concatenate([gid(0, *range(1, 9)), gid(1, *range(1, 9))])
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((len(ids), dim)) * 0.1).astype(np.float32)
+    w[[3, 11], :2] = big                     # + decayed FLT_MAX: inf (float32 rows)
+    grads = (rng.standard_normal((len(ids), dim)) * 0.01).astype(np.float32)
+    grads[[2, 10], 1] = 3e38                 # finite, but g * g overflows the state
+    grads[[3, 11], :2] = np.finfo(np.float32).max
+    grads[[4, 12], 0] = -3e38                # named twice below: -inf
+    sums_to_inf = [ids[1]] * 64 + [ids[9]] * 64 + [ids[4], ids[12]]
+    upd_ids = np.concatenate([ids, np.array(sums_to_inf, np.uint64)])
+    upd = np.concatenate([grads, np.full((128, dim), 1e37, np.float32), grads[[4, 12]]])
+    refused = {int(k) for k in (ids[1], ids[9], ids[4], ids[12])}
+
+    def run(impl):
+        if dtype == "float32":
+            s = impl(100, opt, cfg)
+        else:
+            s = compact(impl, dtype, opt, embedding_config=cfg)
+        s.lookup(ids, dim)
+        s.load([{"dim": dim, "ids": ids, "weights": w}])
+        before = rows_of(s)
+        s.update(upd_ids, upd)
+        s.update(upd_ids[::-1].copy(), upd[::-1].copy())
+        return s, before, rows_of(s)
+
+    c, c_before, c_after = run(CEmbeddingStore)
+    p, p_before, p_after = run(PyEmbeddingStore)
+    assert c_before == p_before
+    assert list(c_after.items()) == list(p_after.items())
+    n = c.stats()["nonfinite_updates"]
+    assert n == p.stats()["nonfinite_updates"] and n >= 2 * len(refused)
+    assert all(c_after[k] == c_before[k] for k in refused)
+    assert any(c_after[k] != c_before[k] for k in c_after if k not in refused)
+    for chunk in c.dump():
+        assert np.isfinite(chunk["weights"]).all() and np.isfinite(chunk["state"]).all()

@@ -335,6 +335,23 @@ def test_a_training_lookup_refreshes_the_ttl(impl):
     assert s.contains(gid(0, 1, 2, 3)).tolist() == [False, True, True]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_training_lookup_refreshes_the_ttl_beside_compact_rows(impl, dtype):
+    """As above, in a store that holds compact rows (group 1's): its lookups take another
+    loop, which stamps a hit on a float32 row and on a compact one alike."""
+    s = store(impl)
+    s.set_policies(BITS, [None, SlotPolicy(ttl_steps=3, dtype=dtype),
+                          SlotPolicy(dtype="float16")])
+    s.lookup(np.concatenate([gid(0, 1, 2), gid(1, 9)]), 4)
+    s.lookup(gid(0, 2), 4)
+    s.lookup(gid(0, 2), 4, train=False)
+    s.lookup(gid(0, 3), 4)
+    assert s.expire() == 0
+    s.lookup(gid(0, 3), 4)
+    assert s.expire() == 1
+    assert s.contains(gid(0, 1, 2, 3)).tolist() == [False, True, True]
+
+
 def test_rows_present_when_a_ttl_appears_are_stamped_now(impl):
     s = store(impl)
     s.lookup(gid(0, 1), 4)
