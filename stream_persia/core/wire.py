@@ -59,6 +59,15 @@ _EXT_NDARRAY = 1
 _DTYPE_CODES = ("b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8")
 _DTYPE_BY_CODE = tuple(np.dtype("<" + s) for s in _DTYPE_CODES)
 _CODE_BY_KIND = {s: i for i, s in enumerate(_DTYPE_CODES)}
+# The code of every little-endian (or byte-order-free) dtype, looked up by the dtype itself:
+# one dict probe per array instead of building its ``dtype.str``.
+_CODE_BY_DTYPE = {np.dtype("<" + s): i for i, s in enumerate(_DTYPE_CODES)}
+# An array header (dtype code, ndim, shape, offset) per ndim, compiled once.
+_EXT_HEADERS = tuple(struct.Struct(f"<BB{n}QQ") for n in range(33))
+_EXT_SHAPES = tuple(struct.Struct(f"<{n}QQ") for n in range(33))
+# msgpack.ExtType's own __new__ re-checks its arguments in Python for every array; the
+# code and payload made here are valid by construction.
+_new_ext = tuple.__new__
 #: numpy dtypes that can travel in a frame (any byte order; sent little-endian)
 SUPPORTED_DTYPES = tuple(np.dtype(s) for s in
                          ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
@@ -191,7 +200,9 @@ def pack_parts(obj: Any, limits: WireLimits = DEFAULT_LIMITS, *,
 
 def _array_ext(a: np.ndarray, arrays: list, cursor: list[int],
                limits: WireLimits) -> msgpack.ExtType:
-    code = _CODE_BY_KIND.get(a.dtype.str[1:]) if a.dtype.fields is None else None
+    code = _CODE_BY_DTYPE.get(a.dtype)
+    if code is None and a.dtype.fields is None:   # big-endian, or an unsupported dtype
+        code = _CODE_BY_KIND.get(a.dtype.str[1:])
     if code is None:
         raise WireError(f"cannot encode a numpy array of dtype {a.dtype}",
                         hint="supported: " + ", ".join(str(d) for d in SUPPORTED_DTYPES))
@@ -208,8 +219,8 @@ def _array_ext(a: np.ndarray, arrays: list, cursor: list[int],
     off = _align(cursor[0])
     arrays.append((off, a))
     cursor[0] = off + a.nbytes
-    return msgpack.ExtType(_EXT_NDARRAY,
-                           struct.pack(f"<BB{a.ndim}QQ", code, a.ndim, *a.shape, off))
+    return _new_ext(msgpack.ExtType,
+                    (_EXT_NDARRAY, _EXT_HEADERS[a.ndim].pack(code, a.ndim, *a.shape, off)))
 
 
 # ------------------------------------------------------------------------------- unpack
@@ -297,8 +308,18 @@ def _array_from_ext(code: int, payload: bytes, data: memoryview, writable: bool,
     if len(payload) != 10 + 8 * ndim:
         raise WireError(f"array header of {len(payload)} bytes, expected {10 + 8 * ndim} "
                         f"for ndim {ndim}")
-    *shape, off = struct.unpack_from(f"<{ndim}QQ", payload, 2)
+    *shape, off = _EXT_SHAPES[ndim].unpack_from(payload, 2)
     dtype = _DTYPE_BY_CODE[dcode]
+    if ndim == 1:   # most arrays: the loop below, unrolled
+        count = shape[0]
+        if count > limits.max_array_bytes:
+            raise WireError(f"array dimension {count} exceeds max_array_bytes "
+                            f"{limits.max_array_bytes}", field="max_array_bytes")
+        if count * dtype.itemsize > limits.max_array_bytes:
+            raise WireError(f"array of shape {tuple(shape)} and dtype {dtype} exceeds "
+                            f"max_array_bytes {limits.max_array_bytes}",
+                            field="max_array_bytes")
+        return _array_view(dtype, count, off, shape, data, writable)
     count = 1
     for dim in shape:
         # Checking each factor keeps the running product small (no bignum blow-up) and
@@ -311,11 +332,19 @@ def _array_from_ext(code: int, payload: bytes, data: memoryview, writable: bool,
             raise WireError(f"array of shape {tuple(shape)} and dtype {dtype} exceeds "
                             f"max_array_bytes {limits.max_array_bytes}",
                             field="max_array_bytes")
+    return _array_view(dtype, count, off, shape, data, writable)
+
+
+def _array_view(dtype: np.dtype, count: int, off: int, shape: list[int], data: memoryview,
+                writable: bool) -> np.ndarray:
+    """The checked array's view of the data section (``count`` items of ``shape``)."""
     nbytes = count * dtype.itemsize
     if off % dtype.itemsize or off + nbytes > data.nbytes:
         raise WireError(f"array data [{off}, {off + nbytes}) is misaligned or outside the "
                         f"{data.nbytes}-byte data section")
-    arr = np.frombuffer(data, dtype=dtype, count=count, offset=off).reshape(shape)
+    arr = np.frombuffer(data, dtype=dtype, count=count, offset=off)
+    if len(shape) != 1:
+        arr = arr.reshape(shape)
     if dtype.kind == "b" and count and arr.view(np.uint8).max() > 1:
         raise WireError("bool array holds bytes other than 0 and 1")
     if writable:

@@ -245,8 +245,12 @@ def reduce_gradients(plan: BatchPlan, grads: Mapping[str, np.ndarray | None]
 def _reduce_group(group: PooledGroup, grads: Mapping[str, np.ndarray | None],
                   skipped: set[str]) -> tuple[np.ndarray, np.ndarray] | None:
     b, k = group.batch_size, len(group.names) * group.batch_size
-    seg = np.zeros((k, group.dim), dtype=np.float32)
-    active = np.zeros(k, dtype=bool)
+    # Only the slots that carry a finite gradient are copied in; ``seg`` is not zeroed
+    # first (a 1.7 MB memset per 26 x 1,024 x 16 batch): the rows of the others are
+    # inactive, which ``segments.scatter`` never reads, and are zeroed only when some
+    # slot has no gradient (so that the scaling below multiplies zeros, not garbage).
+    seg: np.ndarray | None = None
+    active: np.ndarray | None = None
     for i, name in enumerate(group.names):
         grad = grads[name]
         if grad is None:
@@ -255,10 +259,16 @@ def _reduce_group(group: PooledGroup, grads: Mapping[str, np.ndarray | None],
         if not pooling.is_finite(grad):
             skipped.add(name)
             continue
+        if seg is None:
+            seg = np.empty((k, group.dim), dtype=np.float32)
+            active = np.zeros(k, dtype=bool)
+        assert active is not None
         seg[i * b:(i + 1) * b] = grad
         active[i * b:(i + 1) * b] = True
-    if not active.any():
+    if seg is None or active is None:   # no slot of the group has a gradient
         return None
+    if not active.all():
+        seg[~active] = 0.0
     if group.scale is not None:
         seg *= group.scale[:, None]
     sums, touched = segments.scatter(seg, group.index, group.offsets, len(group.ids), active)

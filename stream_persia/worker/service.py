@@ -517,12 +517,16 @@ class EmbeddingWorker:
             self._all_servers_unconfigured(want)
         deadline = time.monotonic() + timeout_ms / 1000.0
         # Room for one more in-flight batch first, so a batch is never taken off the ready
-        # buffer only to wait there.
-        try:
-            await asyncio.wait_for(self._inflight_room.acquire(),
-                                   max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            return None
+        # buffer only to wait there. With room to spare (the usual case) the permit is
+        # taken at once, without the task and timer of a wait_for.
+        left = deadline - time.monotonic()
+        if left > 0 and not self._inflight_room.locked():
+            await self._inflight_room.acquire()   # returns without suspending
+        else:
+            try:
+                await asyncio.wait_for(self._inflight_room.acquire(), max(0.0, left))
+            except TimeoutError:
+                return None
         pb = await self.ready.get(timeout=max(0.0, deadline - time.monotonic()))
         if pb is None:
             self._inflight_room.release()
