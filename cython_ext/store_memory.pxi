@@ -152,18 +152,17 @@ cdef bint _grow_entries(CEmbeddingStore self) noexcept nogil:
             sp_free(e, sizeof(Entry) * cap)
             sp_free(t, sizeof(Stamp) * cap)
             return False
-        if self.eused:
-            memcpy(x, self.aux, sizeof(Aux) * self.eused)
-        sp_free(self.aux, sizeof(Aux) * self.ecap)
+        # Moved, not copied, where both are mapped (sp_move: mremap): every allocation
+        # above succeeded, so nothing can fail from here on.
+        sp_move(x, self.aux, sizeof(Aux) * self.ecap, sizeof(Aux) * self.eused,
+                cap >= 1 << 17)
         self.aux = x
     if self.has_ttl:
-        if self.eused:
-            memcpy(t, self.stamps, sizeof(Stamp) * self.eused)
-        sp_free(self.stamps, sizeof(Stamp) * self.ecap)
+        sp_move(t, self.stamps, sizeof(Stamp) * self.ecap, sizeof(Stamp) * self.eused,
+                cap >= 1 << 17)
         self.stamps = t
-    if self.eused:
-        memcpy(e, self.entries, sizeof(Entry) * self.eused)
-    sp_free(self.entries, sizeof(Entry) * self.ecap)
+    sp_move(e, self.entries, sizeof(Entry) * self.ecap, sizeof(Entry) * self.eused,
+            cap >= 1 << 17)
     self.entries = e
     self.ecap = <int32_t>cap
     return True
