@@ -9,8 +9,6 @@ bookkeeping per row at full load) and for loops that run without the GIL:
 
 - ``entries``: one 32-byte ``Entry`` per stored row (id, intrusive doubly linked LRU list,
   arena and row of its vector), reused through a free list threaded through ``next``;
-  the array grows by half again, its pages moved (mremap) rather than copied once it is
-  mapped (sp_move, store_kernels.h), as are the policies' ``Aux`` and ``Stamp`` beside it;
 - ``table``: open addressing with linear probing, load <= 1/2, slots of (32-bit hash, entry)
   so that probing past other keys and rehashing never touch the entries; deletion shifts
   the cluster back (no tombstones, so probes stay short under constant eviction);

@@ -11,7 +11,6 @@ cdef extern from "store_kernels.h":
     uint32_t sp_hash32(uint64_t key) nogil
     void *sp_alloc(size_t n, int huge) nogil
     void sp_free(void *p, size_t n) nogil
-    void sp_move(void *dst, void *src, size_t n, size_t keep, int huge) nogil
     void sp_init_row(float *w, int d, uint64_t key, float lo, float span) nogil
     uint32_t sp_nonfinite_bits(const float *x, int64_t n) nogil
     void sp_add(float *acc, const float *g, int d) nogil

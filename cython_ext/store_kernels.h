@@ -40,7 +40,6 @@ static inline uint32_t sp_hash32(uint64_t key) {
 }
 #if defined(__linux__)
 #include <sys/mman.h>
-#include <unistd.h>
 #define SP_MMAP 1
 #else
 #define SP_MMAP 0
@@ -78,35 +77,6 @@ static void sp_free(void *p, size_t n) {
     if (n >= SP_MAP_MIN) { munmap(p, n); return; }
 #endif
     free(p);
-}
-
-/* The first `keep` bytes of `src` (n bytes, from sp_alloc) moved to the start of `dst`
-   (from sp_alloc, at least n bytes), and `src` freed: what a buffer that grows does.
-   Two mapped buffers (n >= SP_MAP_MIN) trade pages instead of bytes: mremap moves src's
-   page tables over the head of dst, so nothing is copied and no page of the part already
-   in use is faulted in (zeroed) again; on 2 MiB-aligned huge-page buffers whole huge
-   pages move. With 1.9 M entries of 32 bytes, the copies of the entries' growth were
-   about half of the page faults of a growing store (bench_ingest's server). Anything
-   else, or an mremap that fails (e.g. the process's mapping limit), copies. */
-static void sp_move(void *dst, void *src, size_t n, size_t keep, int huge) {
-    if (src == NULL) return;
-#if SP_MMAP && defined(MREMAP_MAYMOVE) && defined(MREMAP_FIXED)
-    if (n >= SP_MAP_MIN && keep > 0) {
-        long page = sysconf(_SC_PAGESIZE);
-        size_t len = (n + (size_t)page - 1) & ~((size_t)page - 1);
-        if (page > 0 && ((uintptr_t)src % (uintptr_t)page) == 0
-                && ((uintptr_t)dst % (uintptr_t)page) == 0
-                && mremap(src, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, dst) != MAP_FAILED) {
-#if defined(MADV_HUGEPAGE)
-            if (huge) madvise(dst, len, MADV_HUGEPAGE);
-#endif
-            return;
-        }
-    }
-#endif
-    (void)huge;
-    if (keep) memcpy(dst, src, keep);
-    sp_free(src, n);
 }
 
 /* New row of `key`: see _pystore.initial_rows (two 24-bit draws per mix64). */

@@ -152,17 +152,18 @@ cdef bint _grow_entries(CEmbeddingStore self) noexcept nogil:
             sp_free(e, sizeof(Entry) * cap)
             sp_free(t, sizeof(Stamp) * cap)
             return False
-        # Moved, not copied, where both are mapped (sp_move: mremap): every allocation
-        # above succeeded, so nothing can fail from here on.
-        sp_move(x, self.aux, sizeof(Aux) * self.ecap, sizeof(Aux) * self.eused,
-                cap >= 1 << 17)
+        if self.eused:
+            memcpy(x, self.aux, sizeof(Aux) * self.eused)
+        sp_free(self.aux, sizeof(Aux) * self.ecap)
         self.aux = x
     if self.has_ttl:
-        sp_move(t, self.stamps, sizeof(Stamp) * self.ecap, sizeof(Stamp) * self.eused,
-                cap >= 1 << 17)
+        if self.eused:
+            memcpy(t, self.stamps, sizeof(Stamp) * self.eused)
+        sp_free(self.stamps, sizeof(Stamp) * self.ecap)
         self.stamps = t
-    sp_move(e, self.entries, sizeof(Entry) * self.ecap, sizeof(Entry) * self.eused,
-            cap >= 1 << 17)
+    if self.eused:
+        memcpy(e, self.entries, sizeof(Entry) * self.eused)
+    sp_free(self.entries, sizeof(Entry) * self.ecap)
     self.entries = e
     self.ecap = <int32_t>cap
     return True

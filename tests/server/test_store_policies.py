@@ -690,32 +690,3 @@ def test_cython_and_python_agree_with_policies(table, capacity, steps, opt):
     for since in range(0, c.change_version + 1, 3):
         a, b = c.evicted_since(since), p.evicted_since(since)
         assert (a[0].tolist(), a[1].tolist(), a[2]) == (b[0].tolist(), b[1].tolist(), b[2])
-
-
-def test_entries_growing_past_mapped_sizes_keep_rows_recency_and_policy_state():
-    """The Cython store's entries, and with a TTL and a cap their policy data, grow by
-    half again from 1,024 past the sizes it maps (256 KiB) and puts on huge pages (2**17
-    entries); mapped buffers then move their pages rather than copy them (``sp_move`` in
-    cython_ext/store_kernels.h). Through every growth the rows, their recency (what is
-    evicted, and in which order they dump), the TTL stamps and the per-policy counts must
-    stay as the Python twin keeps them."""
-    rng = np.random.default_rng(11)
-    c = CEmbeddingStore(250_000, Adagrad(), EmbeddingConfig())
-    p = PyEmbeddingStore(250_000, Adagrad(), EmbeddingConfig())
-    for s in (c, p):
-        s.set_policies(BITS, [None, SlotPolicy(max_rows=200_000, ttl_steps=40)])
-    for step in range(30):
-        # new ids, and some old ones again (their recency changes between growths)
-        fresh = np.arange(step * 10_000, (step + 1) * 10_000)
-        again = rng.integers(0, (step + 1) * 10_000, 3_000)
-        for group, ids in ((0, fresh), (1, fresh), (1, again)):
-            keys = gid(group, *ids.tolist())
-            assert c.lookup(keys, 8).tobytes() == p.lookup(keys, 8).tobytes(), step
-        if step % 7 == 6:
-            assert c.expire() == p.expire()
-    assert len(c) == len(p) > 1 << 17
-    assert c.stats() == p.stats()
-    assert c.policy_stats() == p.policy_stats()
-    dumps = [[(d["ids"].tobytes(), d["weights"].tobytes(), d["state"].tobytes())
-              for d in s.dump(chunk_rows=50_000)] for s in (c, p)]
-    assert dumps[0] == dumps[1]
