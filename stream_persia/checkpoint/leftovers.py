@@ -12,13 +12,16 @@ writer can still need. It runs after every retention pass (the API's and the per
 checkpoints'), and from ``stream-persia checkpoint clean ROOT``. A directory is abandoned
 when:
 
-- ``.staging-``: its owner (``<pid>@<host>`` in the name, written by this version's
-  writer) is a process of this host that no longer runs, and nothing in it changed for
-  ``idle_s`` (default 5 minutes: hosts that share a name and a volume, such as two
-  containers, cannot then remove each other's live staging, which a writer refreshes as
-  it writes). A staging directory of another host, or of an older writer without an
-  owner in its name, is abandoned once nothing in it changed for ``stale_s`` (default
-  24 hours; so is one whose owner's pid was reused);
+- ``.staging-``: its owner (``<pid>.<start>.<pidns>@<host>`` in the name, written by
+  this version's writer: the process id, its start time in clock ticks after boot and
+  its pid namespace) is a process of this host and pid namespace that no longer runs (no
+  process has that pid, or one started at another time has it), and nothing in it
+  changed for ``idle_s`` (default 5 minutes). A staging directory of another host or pid
+  namespace (another container, a pod with the host's network and name), or of an older
+  writer, is abandoned once nothing in it changed for ``stale_s`` (default 24 hours).
+  Never while it holds a manifest and the checkpoint it was to become is not complete: a
+  writer killed between its manifest and its rename left the only complete copy there
+  (:func:`~stream_persia.checkpoint.read_manifest` says to rename it into place);
 - ``.old-``: the checkpoint it was renamed aside from is complete again (it has a
   manifest), and nothing in it changed for ``idle_s``. Without that checkpoint the
   ``.old-`` directory may be the only complete copy (a crash between the two renames of
@@ -28,7 +31,11 @@ when:
   view; its deleter died).
 
 "Changed" is the newest modification time of the directory and of the files right in it
-(a server dumping a shard keeps its file's time fresh). Remote roots (fsspec URLs) have no
+(a server dumping a shard keeps its file's time fresh); for ``.old-`` and ``.deleting-``
+also the directory's status change time, which the rename that made it sets (a rename
+keeps modification times, so a checkpoint renamed aside a moment ago is not taken as
+idle while its deleter still removes it). One entry that cannot be read is logged and
+skipped; the others are swept. Remote roots (fsspec URLs) have no
 hidden siblings (their writers write in place) and are not swept.
 """
 
@@ -44,8 +51,8 @@ from dataclasses import dataclass
 
 from stream_persia.checkpoint.manifest import MANIFEST_NAME
 
-__all__ = ["IDLE_S", "STALE_S", "Leftover", "find_leftovers", "staging_owner",
-           "sweep_abandoned"]
+__all__ = ["IDLE_S", "STALE_S", "Leftover", "find_leftovers", "rmtree_racing",
+           "staging_owner", "sweep_abandoned"]
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +62,38 @@ IDLE_S = 300.0
 STALE_S = 24 * 3600.0
 
 _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>staging|old|deleting)-(?P<rest>.+)$")
-_OWNER = re.compile(r"^(?P<pid>\d+)@(?P<host>[A-Za-z0-9.-]+)-")
+_OWNER = re.compile(r"^(?P<pid>\d{1,10})\.(?P<start>\d{1,20})\.(?P<ns>\d{1,20})"
+                    r"@(?P<host>[A-Za-z0-9.-]+)-")
 
 
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:64] or "host"
 
 
+def _start_ticks(pid: int | str) -> int | None:
+    """When process ``pid`` started (clock ticks after boot; /proc), None without it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    try:   # the fields after the command (which may hold spaces) in parentheses
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def staging_owner() -> str:
-    """``<pid>@<host>`` of this process, as the writer puts it in a staging directory's name."""
-    return f"{os.getpid()}@{_host()}"
+    """``<pid>.<start>.<pidns>@<host>`` of this process, as the writer puts it in a
+    staging directory's name (0 for what this platform does not tell)."""
+    return f"{os.getpid()}.{_start_ticks('self') or 0}.{_pid_namespace()}@{_host()}"
 
 
 @dataclass(frozen=True)
@@ -78,8 +107,9 @@ class Leftover:
     why: str             # why it is (or is not) taken as abandoned
 
 
-def _idle_s(path: str, now: float) -> float:
-    newest = os.stat(path, follow_symlinks=False).st_mtime
+def _idle_s(path: str, now: float, renamed: bool) -> float:
+    st = os.stat(path, follow_symlinks=False)
+    newest = max(st.st_mtime, st.st_ctime) if renamed else st.st_mtime
     with os.scandir(path) as it:
         for e in it:
             try:
@@ -89,31 +119,34 @@ def _idle_s(path: str, now: float) -> float:
     return max(0.0, now - newest)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def _owner_gone(owner: re.Match[str]) -> bool:
+    """Whether the writer ``owner`` names is known to run no more: it ran on this host in
+    this pid namespace, and its pid is free or taken by a process started at another time."""
+    if owner["host"] != _host() or int(owner["ns"]) == 0 \
+            or int(owner["ns"]) != _pid_namespace() or int(owner["start"]) == 0:
         return False
-    except PermissionError:   # it exists, under another user
-        return True
-    return True
+    started = _start_ticks(int(owner["pid"]))
+    return started is None or started != int(owner["start"])
 
 
-def _judge(root: str, kind: str, name: str, rest: str, idle: float, idle_s: float,
-           stale_s: float) -> tuple[bool, str]:
+def _judge(root: str, kind: str, name: str, rest: str, path: str, idle: float,
+           idle_s: float, stale_s: float) -> tuple[bool, str]:
     if kind == "deleting":
         return idle >= idle_s, f"a deletion left unfinished, unchanged for {idle:.0f} s"
+    complete = os.path.isfile(os.path.join(root, name, MANIFEST_NAME))
     if kind == "old":
-        if not os.path.isfile(os.path.join(root, name, MANIFEST_NAME)):
+        if not complete:
             return False, f"kept: {name} is not complete, so this may be its only copy"
         return idle >= idle_s, f"{name} was replaced; unchanged for {idle:.0f} s"
+    if not complete and os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        return False, (f"kept: it is complete and {name} is not (its writer stopped before "
+                       f"the rename): rename it to {os.path.join(root, name)}")
     owner = _OWNER.match(rest)
-    if owner is not None and owner["host"] == _host():
-        pid = int(owner["pid"])
-        if not _pid_alive(pid):
-            return idle >= idle_s, (f"its writer (pid {pid} on this host) is gone; unchanged "
-                                    f"for {idle:.0f} s")
-    who = "owner unknown" if owner is None else f"written by pid {owner['pid']}@{owner['host']}"
+    if owner is not None and _owner_gone(owner):
+        return idle >= idle_s, (f"its writer (pid {owner['pid']} on this host) is gone; "
+                                f"unchanged for {idle:.0f} s")
+    who = "owner unknown" if owner is None else \
+        f"written by pid {owner['pid']} on {owner['host']}"
     return idle >= stale_s, f"{who}; unchanged for {idle:.0f} s (stale after {stale_s:.0f} s)"
 
 
@@ -129,15 +162,30 @@ def find_leftovers(root: str, *, idle_s: float = IDLE_S, stale_s: float = STALE_
         return out
     for e in entries:
         m = _HIDDEN.match(e.name)
-        if m is None or not e.is_dir(follow_symlinks=False):
-            continue
         try:
-            idle = _idle_s(e.path, now)
+            if m is None or not e.is_dir(follow_symlinks=False):
+                continue
+            idle = _idle_s(e.path, now, renamed=m["kind"] != "staging")
+            abandoned, why = _judge(root, m["kind"], m["name"], m["rest"], e.path, idle,
+                                    idle_s, stale_s)
         except FileNotFoundError:    # removed meanwhile
             continue
-        abandoned, why = _judge(root, m["kind"], m["name"], m["rest"], idle, idle_s, stale_s)
+        except (OSError, ValueError) as err:   # one unreadable entry stops no other
+            log.warning("checkpoint leftovers: skipping %s: %s: %s", e.path,
+                        type(err).__name__, err)
+            continue
         out.append(Leftover(e.path, m["kind"], m["name"], idle, abandoned, why))
     return out
+
+
+def rmtree_racing(path: str) -> None:
+    """``shutil.rmtree`` that ignores what another remover took first (two sweeps, or a
+    sweep and a deleter, on one directory); other errors raise."""
+    def onerror(_func: object, _path: str, exc: tuple) -> None:
+        if not isinstance(exc[1], FileNotFoundError):
+            raise exc[1]
+
+    shutil.rmtree(path, onerror=onerror)
 
 
 def _size(path: str) -> int:
@@ -152,7 +200,7 @@ def _size(path: str) -> int:
 
 
 def sweep_abandoned(root: str, *, idle_s: float = IDLE_S, stale_s: float = STALE_S,
-                    dry_run: bool = False) -> list[Leftover]:
+                    dry_run: bool = False, now: float | None = None) -> list[Leftover]:
     """Remove the abandoned leftovers under the local directory ``root`` (module
     docstring); returns those removed (with ``dry_run``, those it would remove). Blocking;
     a leftover that cannot be removed is logged and left. A remote root is not swept."""
@@ -160,13 +208,13 @@ def sweep_abandoned(root: str, *, idle_s: float = IDLE_S, stale_s: float = STALE
         return []
     root = root.removeprefix("file://")
     removed = []
-    for lo in find_leftovers(root, idle_s=idle_s, stale_s=stale_s):
+    for lo in find_leftovers(root, idle_s=idle_s, stale_s=stale_s, now=now):
         if not lo.abandoned:
             continue
         if not dry_run:
             size = _size(lo.path)
             try:
-                shutil.rmtree(lo.path)
+                rmtree_racing(lo.path)
             except FileNotFoundError:
                 continue
             except OSError as e:

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from datetime import datetime, timezone
 
 from stream_persia.checkpoint._common import Location
-from stream_persia.checkpoint.leftovers import sweep_abandoned
+from stream_persia.checkpoint.leftovers import rmtree_racing, sweep_abandoned
 from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest
 from stream_persia.checkpoint.reader import list_checkpoints
 
@@ -141,7 +140,7 @@ def delete_checkpoint(src: str) -> None:
         parent, name = os.path.split(loc.path)
         hidden = os.path.join(parent, f".{name}.deleting-{uuid.uuid4().hex[:12]}")
         os.rename(loc.path, hidden)
-        shutil.rmtree(hidden)
+        rmtree_racing(hidden)   # a sweep may remove parts of it meanwhile
         return
     manifest = loc.join(MANIFEST_NAME)
     if loc.fs.exists(manifest):

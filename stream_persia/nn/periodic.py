@@ -205,11 +205,15 @@ class PeriodicCheckpoints:
         self.last_bytes: int | None = None
 
     def figures(self) -> dict[str, Any]:
-        """What rank 0's heartbeat relays (:mod:`stream_persia.worker.nn_relay`)."""
-        return {"taken": len(self.taken), "skipped": self.skipped, "failed": self.failed,
-                "compacted": len(self.compacted), "compaction_failed": self.compactions_failed,
-                "last_step": self.last_step, "last_at": self.last_at,
-                "last_duration_s": self.last_duration_s, "last_bytes": self.last_bytes}
+        """What rank 0's heartbeat relays (:mod:`stream_persia.worker.nn_relay`). The
+        compaction counts go only once non-zero, so a job that never compacts sends what
+        a worker of the previous version accepts (it refuses unknown figures)."""
+        out = {"taken": len(self.taken), "skipped": self.skipped, "failed": self.failed,
+               "last_step": self.last_step, "last_at": self.last_at,
+               "last_duration_s": self.last_duration_s, "last_bytes": self.last_bytes}
+        if self.compacted or self.compactions_failed:
+            out.update(compacted=len(self.compacted), compaction_failed=self.compactions_failed)
+        return out
 
     def _agree(self, name: str | None) -> str | None:
         import torch.distributed as dist

@@ -4,6 +4,7 @@ live writer or a recovery still needs (stream_persia.checkpoint.leftovers)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def test_a_writer_killed_with_minus_9_leaves_staging_that_retention_removes(tmp_
                          text=True, env=env)
     try:
         staging = p.stdout.readline().strip()
-        assert os.path.isdir(staging) and f"staging-{p.pid}@" in staging
+        assert os.path.isdir(staging) and f"staging-{p.pid}." in staging
         # while the writer lives its staging is kept, however old it looks (short of stale)
         age(staging, 3600)
         assert sweep_abandoned(root) == []
@@ -92,19 +93,59 @@ def test_a_live_writer_in_this_process_keeps_its_staging_until_stale(tmp_path):
     assert [os.path.basename(m.path or "") for m in list_checkpoints(root)] == ["c"]
 
 
-def test_other_hosts_and_older_writers_staging_goes_only_when_stale(tmp_path):
+def test_other_hosts_namespaces_and_older_writers_staging_goes_only_when_stale(tmp_path):
     root = str(tmp_path)
-    fresh = leftover(root, ".a.staging-123@elsewhere-3k2j1x9q")
-    stale = leftover(root, ".b.staging-456@elsewhere-abcdefgh")
+    pid, start, ns, host = re.match(r"(\d+)\.(\d+)\.(\d+)@(.+)$", staging_owner()).groups()
+    fresh = leftover(root, ".a.staging-123.456.789@elsewhere-3k2j1x9q")
+    stale = leftover(root, ".b.staging-456.1.2@elsewhere-abcdefgh")
     unowned = leftover(root, ".c.staging-qwertyui")   # named before owners were recorded
+    # this host's name but another pid namespace (a container, a pod on the host's network):
+    # its pid says nothing here, so only staleness counts
+    other_ns = leftover(root, f".d.staging-999999.5.{int(ns) + 1}@{host}-aaaaaaaa")
+    # this host and namespace, our pid but another start time: the pid was reused
+    reused = leftover(root, f".e.staging-{pid}.{int(start) + 1}.{ns}@{host}-bbbbbbbb")
+    ours = leftover(root, f".f.staging-{pid}.{start}.{ns}@{host}-cccccccc")
     age(fresh, 3600)
-    age(stale, 2 * 24 * 3600)
-    age(unowned, 2 * 24 * 3600)
+    for p in (stale, unowned):
+        age(p, 2 * 24 * 3600)
+    for p in (other_ns, reused, ours):
+        age(p, 3600)
     removed = sweep_abandoned(root)
     assert sorted(os.path.basename(lo.path) for lo in removed) == [
-        ".b.staging-456@elsewhere-abcdefgh", ".c.staging-qwertyui"]
-    assert os.listdir(root) == [".a.staging-123@elsewhere-3k2j1x9q"]
-    assert sweep_abandoned(root, stale_s=1800) and os.listdir(root) == []
+        ".b.staging-456.1.2@elsewhere-abcdefgh", ".c.staging-qwertyui",
+        os.path.basename(reused)]
+    assert sorted(os.listdir(root)) == sorted(os.path.basename(p)
+                                              for p in (fresh, other_ns, ours))
+    # stale goes for every owner (even a live one: its pid may have been reused)
+    assert {os.path.basename(lo.path) for lo in sweep_abandoned(root, stale_s=1800)} == {
+        os.path.basename(p) for p in (fresh, other_ns, ours)}
+    assert os.listdir(root) == []
+
+
+def test_a_complete_staging_whose_rename_never_came_is_kept_while_it_is_the_only_copy(
+        tmp_path):
+    root = str(tmp_path)
+    made = {}
+    for name in ("new", "replaced"):
+        w = CheckpointWriter(f"{root}/{name}")
+        w.write_bytes("dense.pt", b"x")
+        made[name] = w
+    # the writers' staging, complete (a manifest) but never renamed: a kill between the two
+    for w in made.values():
+        with open(os.path.join(w.staging, "manifest.json"), "w") as f:
+            f.write("{}")
+    checkpoint(root, "replaced")      # ... and "replaced" was written again since
+    gone_owner = f"{2**22 + 7}.1.{os.stat('/proc/self/ns/pid').st_ino}@" + \
+        staging_owner().split("@", 1)[1]
+    for w in made.values():
+        dead = w.staging.replace(staging_owner(), gone_owner)
+        os.rename(w.staging, dead)
+        age(dead, 10 * 24 * 3600)
+    found = {lo.checkpoint: lo for lo in find_leftovers(root)}
+    assert not found["new"].abandoned and "rename it to" in found["new"].why
+    assert found["replaced"].abandoned
+    assert [lo.checkpoint for lo in sweep_abandoned(root)] == ["replaced"]
+    assert [lo.checkpoint for lo in find_leftovers(root)] == ["new"]
 
 
 def test_a_replaced_checkpoint_goes_only_when_its_successor_is_complete(tmp_path):
@@ -115,10 +156,14 @@ def test_a_replaced_checkpoint_goes_only_when_its_successor_is_complete(tmp_path
     deleting = leftover(root, ".gone.deleting-89ab0123", files=3)
     for p in (replaced, orphan, deleting):
         age(p, 10 * 24 * 3600)
-    found = {os.path.basename(lo.path): lo for lo in find_leftovers(root)}
+    # a rename keeps modification times but sets the change time: just renamed aside (its
+    # deleter may be removing it now), none of them is idle yet
+    assert sweep_abandoned(root) == []
+    later = time.time() + 600
+    found = {os.path.basename(lo.path): lo for lo in find_leftovers(root, now=later)}
     assert not found[".lost.old-4567cdef"].abandoned
     assert "may be its only copy" in found[".lost.old-4567cdef"].why
-    removed = sweep_abandoned(root)
+    removed = sweep_abandoned(root, now=later)
     assert sorted(os.path.basename(lo.path) for lo in removed) == [
         ".done.old-0123abcd", ".gone.deleting-89ab0123"]
     assert sorted(os.listdir(root)) == [".lost.old-4567cdef", "done"]
@@ -143,9 +188,10 @@ def test_what_is_not_a_leftover_is_never_touched(tmp_path):
 def test_clean_command_lists_then_removes(tmp_path, capsys):
     root = str(tmp_path)
     checkpoint(root, "a")
-    stale = leftover(root, ".a.staging-9@elsewhere-zzzzzzzz")
+    stale = leftover(root, ".a.staging-9.1.1@elsewhere-zzzzzzzz")
     age(stale, 2 * 24 * 3600)
     kept = leftover(root, ".b.old-11112222")
+    age(kept, 10 * 24 * 3600)
     assert cli.main(["checkpoint", "clean", root, "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert f"would remove  staging   {stale}" in out
