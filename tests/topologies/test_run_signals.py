@@ -81,8 +81,11 @@ def test_a_stop_signal_stops_every_role_of_the_run(tmp_path, sig, times, checkpo
         wait_for(log, "roles up after", proc, 150)
         # The NN worker is training: it takes the checkpoint at a step boundary. Frozen
         # before it attached, the API would take the cut itself at once (nothing in flight)
-        # and the second signal would come too late to skip it on a slow machine.
-        wait_for(out / "logs" / "nn-worker.log", "training ", proc, 120)
+        # and the second signal would come too late to skip it on a slow machine. The
+        # "training N steps" line comes before TrainCtx attaches (its first heartbeat to the
+        # mailbox: CI once froze it in between); a progress line ("... samples .../s loss")
+        # comes after steps, so after the heartbeat.
+        wait_for(out / "logs" / "nn-worker.log", "/s loss ", proc, 120)
         roles = descendants(proc.pid)
         groups = {st[1] for pid in roles if (st := _stat(pid)) is not None} - {
             os.getpgid(proc.pid)}
