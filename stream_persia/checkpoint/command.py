@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, TextIO
 
@@ -115,6 +116,8 @@ def _clean(args: argparse.Namespace, out: TextIO) -> int:
     if not root.local:
         raise BadInput(f"checkpoint clean: {args.root} is not a local directory (remote roots "
                        "have no hidden leftovers: their writers write in place)", field="root")
+    if os.path.exists(root.path) and not os.path.isdir(root.path):
+        raise BadInput(f"checkpoint clean: {args.root} is not a directory", field="root")
     found = find_leftovers(root.path, idle_s=args.idle_s, stale_s=args.stale_s)
     removed = {lo.path for lo in sweep_abandoned(root.path, idle_s=args.idle_s,
                                                  stale_s=args.stale_s, dry_run=args.dry_run)}

@@ -49,6 +49,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from stream_persia.checkpoint._common import Location
 from stream_persia.checkpoint.manifest import MANIFEST_NAME
 
 __all__ = ["IDLE_S", "STALE_S", "Leftover", "find_leftovers", "rmtree_racing",
@@ -152,10 +153,15 @@ def _judge(root: str, kind: str, name: str, rest: str, path: str, idle: float,
 
 def find_leftovers(root: str, *, idle_s: float = IDLE_S, stale_s: float = STALE_S,
                    now: float | None = None) -> list[Leftover]:
-    """The hidden leftovers right under the local directory ``root`` (none for a missing
-    root), each judged abandoned or not (module docstring)."""
+    """The hidden leftovers right under the local directory ``root`` (a path or a
+    ``file://`` URL; none for a missing or remote root), each judged abandoned or not
+    (module docstring)."""
     now = time.time() if now is None else now
     out: list[Leftover] = []
+    loc = Location(root)
+    if not loc.local:
+        return out
+    root = loc.path
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
@@ -204,9 +210,6 @@ def sweep_abandoned(root: str, *, idle_s: float = IDLE_S, stale_s: float = STALE
     """Remove the abandoned leftovers under the local directory ``root`` (module
     docstring); returns those removed (with ``dry_run``, those it would remove). Blocking;
     a leftover that cannot be removed is logged and left. A remote root is not swept."""
-    if "://" in root and not root.startswith("file://"):
-        return []
-    root = root.removeprefix("file://")
     removed = []
     for lo in find_leftovers(root, idle_s=idle_s, stale_s=stale_s, now=now):
         if not lo.abandoned:

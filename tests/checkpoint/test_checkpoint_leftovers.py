@@ -183,6 +183,8 @@ def test_what_is_not_a_leftover_is_never_touched(tmp_path):
                                         ".y.staging-file", "elsewhere"]
     assert sweep_abandoned(str(tmp_path / "missing")) == []
     assert sweep_abandoned("memory://root") == []       # remote writers write in place
+    gone = leftover(root, ".z.deleting-00000000")       # a file:// URL is a local root
+    assert [lo.path for lo in sweep_abandoned(f"file://{root}", now=time.time() + 600)] == [gone]
 
 
 def test_clean_command_lists_then_removes(tmp_path, capsys):
@@ -207,5 +209,7 @@ def test_clean_command_lists_then_removes(tmp_path, capsys):
         cli.main(["checkpoint", "clean", root, "--idle-s", "-1"])
     assert e.value.code == 2
     assert "--idle-s" in capsys.readouterr().err
+    assert cli.main(["checkpoint", "clean", os.path.join(root, "a", "manifest.json")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
     assert cli.main(["checkpoint", "clean", "memory://bucket/ckpt"]) == 2
     assert "not a local directory" in capsys.readouterr().err
