@@ -237,6 +237,10 @@ class ReplicaWatch:
 
         out: dict[str, Any] = {
             "advances": len(adv),
+            # the event time the advances cover; freshness is None when it is under the
+            # 10 ms grid (every advance trained through the same sample: nothing to time)
+            "freshness_span_s": round(max(t for _, t in adv) - min(t for _, t in adv), 3)
+            if adv else None,
             "freshness_p50_s": pct(fresh, 50), "freshness_p99_s": pct(fresh, 99),
             "freshness_max_s": pct(fresh, 100),
             # without the first STEADY_AFTER_S of event time, when the replica catches up

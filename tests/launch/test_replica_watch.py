@@ -25,3 +25,9 @@ def test_steady_figures_leave_out_the_start_and_order_does_not_matter():
 
 def test_fewer_than_two_advances_measure_nothing():
     assert freshness_of([]).size == 0 and freshness_of([(1.0, 0.5)]).size == 0
+
+
+def test_advances_through_one_event_time_measure_nothing():
+    # a dense-only advance: applied later, trained through the same sample as the one
+    # before it; the report then has a zero span and no freshness (not a crash)
+    assert freshness_of([(10.0, 5.0), (11.0, 5.0)]).size == 0

@@ -82,7 +82,9 @@ def check_replica(report: dict) -> None:
     assert replica["advances"] >= 1 and "error" not in replica, replica
     assert replica["served_max_abs_diff"] is not None and \
         replica["served_max_abs_diff"] <= 1e-6, replica
-    if replica["advances"] >= 2:   # a short run may end before a second one
+    # a short run may end before a second advance, or advance twice through the same
+    # event time (a dense model with no new sparse rows): nothing to time then
+    if replica["advances"] >= 2 and replica["freshness_span_s"] >= 0.02:
         assert 0 <= replica["freshness_p50_s"] <= replica["freshness_p99_s"] < 120, replica
 
 
