@@ -42,6 +42,14 @@ the eval split (one AUC function for both) against the Bayes-optimal AUC.
 Targets (issue 22): ``samples_per_s_vs_torchrec >= 0.8``, ``cpu_per_sample_vs_torchrec <=
 1.25``, ``auc_gap <= 0.002``.
 
+A reference, never a baseline: ``mlp:1`` (in the default ``--torchrec-configs``) trains the
+MLP alone, one torch thread, with fixed random rows in place of the embeddings: the ceiling
+of an NN rank with one thread. ``mlp_floor`` reports it (``samples_per_s``,
+``cpu_us_per_sample``), its ratio to the TorchRec baseline (``vs_torchrec``: the best
+``samples_per_s_vs_torchrec`` such an NN rank could reach), stream-persia's fraction of it
+(``persia_vs_floor``) and the CPU per sample stream-persia spends beyond it
+(``persia_cpu_over_floor_us``: the embedding pipeline's cost, everything but the MLP).
+
 The TorchRec environment is never the project's: TorchRec's ``fbgemm-gpu`` dependency
 would replace the CPU build. Create it once (a few minutes; CPU wheels)::
 
@@ -116,11 +124,11 @@ def nonneg(text: str) -> float:
 
 
 def config(text: str) -> tuple[str, int]:
-    """An argparse type: ``VARIANT:THREADS``, variant ``tbe`` or ``torchrec``."""
+    """An argparse type: ``VARIANT:THREADS``, variant ``tbe``, ``torchrec`` or ``mlp``."""
     variant, _, threads = text.partition(":")
-    if variant not in ("tbe", "torchrec") or not threads.isdigit() or int(threads) < 1:
-        raise argparse.ArgumentTypeError(f"expected VARIANT:THREADS with VARIANT tbe or "
-                                         f"torchrec and THREADS >= 1, got {text!r}")
+    if variant not in ("tbe", "torchrec", "mlp") or not threads.isdigit() or int(threads) < 1:
+        raise argparse.ArgumentTypeError(f"expected VARIANT:THREADS with VARIANT tbe, "
+                                         f"torchrec or mlp and THREADS >= 1, got {text!r}")
     return variant, int(threads)
 
 
@@ -249,9 +257,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--adagrad-eps", type=nonneg, default=1e-8, help="rowwise Adagrad's eps")
     ap.add_argument("--seed", type=int, default=0, help="the generated stream's seed")
     ap.add_argument("--torchrec-configs", type=config, nargs="+",
-                    default=[("tbe", 1), ("tbe", 2), ("torchrec", 1)],
-                    help="TorchRec configurations to run, VARIANT:THREADS (the fastest is "
-                         "the baseline)")
+                    default=[("tbe", 1), ("tbe", 2), ("torchrec", 1), ("mlp", 1)],
+                    help="TorchRec configurations to run, VARIANT:THREADS (the fastest tbe "
+                         "or torchrec one is the baseline; mlp runs are the reference "
+                         "mlp_floor, never a baseline)")
     ap.add_argument("--torchrec-python", default=os.environ.get(ENV_PYTHON) or str(
                         DEFAULT_VENV / "bin" / "python"),
                     help=f"the TorchRec environment's python (env {ENV_PYTHON}; default "
@@ -340,9 +349,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    for name, runs in torchrec.items()}
         # each ratio against TorchRec's best at it: the fastest configuration for
         # samples/s (and AUC), the leanest for CPU per sample
-        best = max(figures, key=lambda n: figures[n]["samples_per_s"])
-        lean = min(figures, key=lambda n: figures[n]["cpu_us_per_sample"])
+        peers = [n for n in figures if not n.startswith("mlp:")] or list(figures)
+        best = max(peers, key=lambda n: figures[n]["samples_per_s"])
+        lean = min(peers, key=lambda n: figures[n]["cpu_us_per_sample"])
         base = figures[best]
+        floor = {n: f for n, f in figures.items() if n.startswith("mlp:")}
+        if "mlp:1" in floor:
+            # the NN rank's ceiling: one torch thread, the MLP alone, rows for free
+            out["mlp_floor"] = {
+                "samples_per_s": floor["mlp:1"]["samples_per_s"],
+                "cpu_us_per_sample": floor["mlp:1"]["cpu_us_per_sample"],
+                "vs_torchrec": round(floor["mlp:1"]["samples_per_s"] / base["samples_per_s"],
+                                     3),
+                "persia_vs_floor": round(p_rate / floor["mlp:1"]["samples_per_s"], 3),
+                "persia_cpu_over_floor_us": round(
+                    p_cpu - floor["mlp:1"]["cpu_us_per_sample"], 2)}
         out.update({
             "samples_per_s_vs_torchrec": round(p_rate / base["samples_per_s"], 3),
             "cpu_per_sample_vs_torchrec": round(p_cpu / figures[lean]["cpu_us_per_sample"], 3),
@@ -363,6 +384,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{out['cpu_per_sample_vs_torchrec']}x {out['torchrec_cpu_baseline']} (target "
               f"<= 1.25), AUC gap "
               f"{out['auc_gap']} (target <= 0.002; Bayes {out['bayes_auc']})", file=sys.stderr)
+        if "mlp_floor" in out:
+            fl = out["mlp_floor"]
+            print(f"the MLP alone on one torch thread (the NN rank's ceiling): "
+                  f"{fl['samples_per_s']:.0f} samples/s = {fl['vs_torchrec']}x "
+                  f"{out['torchrec_baseline']}, {fl['cpu_us_per_sample']} us CPU per sample; "
+                  f"stream-persia reaches {fl['persia_vs_floor']}x of it and spends "
+                  f"{fl['persia_cpu_over_floor_us']} us per sample beyond it", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(text + "\n")
     return out

@@ -77,15 +77,22 @@ def test_persia_side_runs_the_job_and_counts_every_role(tmp_path):
 def test_both_sides_give_the_issue_keys(tmp_path):
     out = tmp_path / "vs.json"
     proc = run([BENCH, *TINY, "--torchrec-python", TORCHREC_PYTHON, "--torchrec-configs",
-                "tbe:1", "torchrec:1", "--json", out])
+                "tbe:1", "torchrec:1", "mlp:1", "--json", out])
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     res = json.loads(out.read_text())
     for key in ("samples_per_s_vs_torchrec", "cpu_per_sample_vs_torchrec", "auc_gap"):
         assert isinstance(res[key], float) and res[key] >= 0, (key, res.get(key))
-    assert set(res["torchrec"]) == {"tbe:1", "torchrec:1"}
-    assert res["torchrec_baseline"] in res["torchrec"]
-    for fig in res["torchrec"].values():
-        assert 0.5 < fig["auc"] <= 1.0, fig
+    assert set(res["torchrec"]) == {"tbe:1", "torchrec:1", "mlp:1"}
+    # the MLP alone is a reference (the NN rank's ceiling), never the baseline
+    assert res["torchrec_baseline"] in ("tbe:1", "torchrec:1")
+    assert res["torchrec_cpu_baseline"] in ("tbe:1", "torchrec:1")
+    floor = res["mlp_floor"]
+    assert floor["samples_per_s"] == res["torchrec"]["mlp:1"]["samples_per_s"] > 0
+    for key in ("cpu_us_per_sample", "vs_torchrec", "persia_vs_floor"):
+        assert floor[key] > 0, (key, floor)
+    assert "the NN rank's ceiling" in proc.stderr
+    for name in ("tbe:1", "torchrec:1"):
+        assert 0.5 < res["torchrec"][name]["auc"] <= 1.0, res["torchrec"][name]
 
 
 @pytest.mark.skipif(CEmbeddingStore is None, reason="the benchmark measures the Cython store")

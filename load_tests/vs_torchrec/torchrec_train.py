@@ -19,6 +19,12 @@ The embeddings (``--variant``):
   26 tables, pooled sums, float32 rows in host memory, ``EXACT_ROWWISE_ADAGRAD`` applied in
   the backward pass (TorchRec's fused optimizer: no separate step, no gradient tensor of
   the table). The input is the flat id tensor and offsets.
+- ``mlp``: no embeddings at all, a reference rather than a baseline: the same MLP and
+  Adam fed one fixed random ``(batch, slots * dim)`` tensor as the embeddings (a fresh
+  leaf each step, so that backward computes its gradient as both real sides do) beside
+  the real dense features. Its samples/s at one thread is what an NN rank of one torch
+  thread (what ``stream-persia run`` gives it on 2 cores) could reach if looking rows up
+  and updating them cost nothing; the benchmark reports it as ``mlp_floor``.
 - ``torchrec``: ``torchrec.modules.fused_embedding_modules.FusedEmbeddingBagCollection``
   with ``torchrec.optim.RowWiseAdagrad`` (it builds the same FBGEMM module) fed a
   ``KeyedJaggedTensor`` per batch, as a TorchRec model is written.
@@ -85,6 +91,26 @@ class TbeModel(torch.nn.Module):
         return self.mlp(torch.cat([pooled, dense], dim=1))
 
 
+class MlpOnlyModel(torch.nn.Module):
+    """The MLP alone (variant ``mlp``): fixed random rows in place of the embeddings."""
+
+    def __init__(self, meta: dict):
+        super().__init__()
+        self.slots, self.dim = meta["slots"], meta["dim"]
+        self.mlp = mlp(self.slots * self.dim + meta["dense"], meta["mlp"])
+        g = torch.Generator().manual_seed(meta["seed"])
+        self.rows = (torch.rand(meta["batch"], self.slots * self.dim, generator=g) * 2 - 1) \
+            * meta["emb_init"]
+
+    def forward(self, rows: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        n = len(dense)
+        emb = self.rows[:n] if n <= len(self.rows) else self.rows.repeat(
+            -(-n // len(self.rows)), 1)[:n]
+        if self.training:
+            emb = emb.detach().requires_grad_()
+        return self.mlp(torch.cat([emb, dense], dim=1))
+
+
 class FusedEbcModel(torch.nn.Module):
     """TorchRec's FusedEmbeddingBagCollection (RowWiseAdagrad) + the MLP."""
 
@@ -141,7 +167,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("data_dir")
     ap.add_argument("out_dir")
-    ap.add_argument("--variant", choices=("tbe", "torchrec"), default="tbe")
+    ap.add_argument("--variant", choices=("tbe", "torchrec", "mlp"), default="tbe")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     data, out = Path(args.data_dir), Path(args.out_dir)
@@ -152,7 +178,7 @@ def main() -> None:
     rows = np.load(data / "train_rows.npy", mmap_mode="r")
     dense = np.load(data / "train_dense.npy", mmap_mode="r")
     label = np.load(data / "train_label.npy", mmap_mode="r")
-    model = (TbeModel if args.variant == "tbe" else FusedEbcModel)(meta)
+    model = {"tbe": TbeModel, "torchrec": FusedEbcModel, "mlp": MlpOnlyModel}[args.variant](meta)
     dense_opt = torch.optim.Adam(model.mlp.parameters(), lr=meta["dense_lr"])
     bsz, warmup = meta["batch"], meta["warmup"]
     steps = len(label) // bsz
