@@ -45,6 +45,7 @@ from stream_persia.checkpoint import latest_checkpoint
 from stream_persia.core.data import PersiaBatch
 from stream_persia.core.served import ServedBatch
 from stream_persia.errors import BadInput, ConfigError, PeerUnavailable, PersiaError
+from stream_persia.server.dense_hub import LEGACY_LINEAGE, lineage_or_legacy
 
 __all__ = ["Predictor", "Served", "Prediction", "predictions_json", "LATEST"]
 
@@ -285,7 +286,8 @@ class Predictor:
             execute=lambda fn: loop.run_in_executor(self._pool, fn),
             on_dense=self._on_dense, dense_step=served.dense.step,
             metrics=self.replica_metrics,
-            dense_event_time=_event_time(served.dense.manifest.extra.get("trained_through")))
+            dense_event_time=_event_time(served.dense.manifest.extra.get("trained_through")),
+            dense_lineage=_lineage(served.dense.manifest.extra.get("dense_lineage")))
         kafka = self.settings.updates_kafka()
         if kafka is None:
             self.replica.start()
@@ -426,6 +428,17 @@ def _event_time(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if np.isfinite(value) and value >= 0 else None
+
+
+def _lineage(value: Any) -> int:
+    """A manifest's ``extra["dense_lineage"]`` if it is a valid lineage, else the legacy
+    one (the replica then takes the published model of any other lineage)."""
+    try:
+        return lineage_or_legacy(value, "dense_lineage")
+    except BadInput as e:
+        log.warning("checkpoint: %s; following the dense model as of the legacy lineage",
+                    e.message)
+        return LEGACY_LINEAGE
 
 
 def predictions_json(p: Prediction) -> list[dict[str, Any]]:

@@ -11,7 +11,12 @@ does (its rows into a table in this process, its dense model), then follows:
   table is never read and written at once);
 - the **dense model** that NN rank 0 publishes to embedding server 0 (``get_dense``, chunks
   checked against their sha256): loaded into a copy of the served module, then swapped in
-  with one reference, between requests.
+  with one reference, between requests. One is taken when its step is newer than the one
+  served *or its lineage differs* (:mod:`~stream_persia.server.dense_hub`): a trainer
+  restarted from scratch or an earlier checkpoint publishes lower steps in a new lineage,
+  and its rows are served already. The replica starts with the checkpoint's step and
+  ``extra["dense_lineage"]``; without one (older checkpoints) it is the legacy lineage 0
+  of publishers from before lineages: with those, only a newer step is taken, as before.
 
 It never looks anything up on the training servers. The table is bounded
 (``PERSIA_API_TABLE_ROWS``, default: the rows the servers may hold together) and LRU: a row
@@ -55,6 +60,7 @@ from stream_persia.core.metrics import RoleMetrics
 from stream_persia.core.stages import StageCollector
 from stream_persia.errors import BadInput, PersiaError
 from stream_persia.kernels.sharding import shard_of
+from stream_persia.server.dense_hub import LEGACY_LINEAGE, check_lineage, lineage_or_legacy
 from stream_persia.server.store import Store
 
 __all__ = ["Replica", "ReplicaMetrics", "ShardCursor", "apply_messages", "drop_shard", "message_bytes",
@@ -174,7 +180,7 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
 
 _COUNTERS = frozenset({"pulls", "pull_failures", "bad_messages", "dense_loads",
                        "dense_failures", "resyncs", "server_restarts", "bytes",
-                       "dense_kafka"})
+                       "dense_kafka", "dense_lineage_changes"})
 
 
 class ReplicaMetrics:
@@ -222,6 +228,8 @@ class Replica:
             newer dense model; the predictor builds and swaps the model.
         dense_step: the step of the dense model served at start (the checkpoint's).
         dense_event_time: its event time, if known.
+        dense_lineage: its lineage (the checkpoint's ``extra["dense_lineage"]``; default
+            the legacy lineage 0).
         metrics: where the replica's metrics go (one per API process).
     """
 
@@ -229,6 +237,7 @@ class Replica:
                  execute: Callable[[Callable[[], Any]], Awaitable[Any]],
                  on_dense: Callable[[dict[str, Any], int, float | None], Awaitable[None]],
                  *, dense_step: int = -1, dense_event_time: float | None = None,
+                 dense_lineage: int = LEGACY_LINEAGE,
                  metrics: ReplicaMetrics | None = None,
                  interval_s: float = FOLLOW_INTERVAL_S):
         self.roles = roles
@@ -241,6 +250,7 @@ class Replica:
         self._positions = positions
         self.dense_step = dense_step
         self.dense_event_time = dense_event_time
+        self.dense_lineage = check_lineage(dense_lineage, "dense_lineage")
         self.trained_through: float | None = None
         self._known: float | None = None   # trained_through before it became unknown
         self.advances: collections.deque[tuple[float, float]] = collections.deque(
@@ -248,7 +258,8 @@ class Replica:
         self._tasks: list[asyncio.Task] = []
         self._warned: dict[str, bool] = {}
         self.counts = {"pulls": 0, "pull_failures": 0, "bad_messages": 0, "dense_loads": 0,
-                       "dense_failures": 0, "bytes": 0, "dense_kafka": 0}
+                       "dense_failures": 0, "bytes": 0, "dense_kafka": 0,
+                       "dense_lineage_changes": 0}
         self.metrics = metrics
         self.freshness = metrics.freshness if metrics is not None else None
         if metrics is not None:
@@ -278,7 +289,8 @@ class Replica:
                             "resyncs": c.resyncs, "applied": dict(c.applied)}
                            for c in self.cursors],
                 "advances": [list(a) for a in list(self.advances)[-256:]],
-                "counts": dict(self.counts), "dense_event_time": self.dense_event_time}
+                "counts": dict(self.counts), "dense_event_time": self.dense_event_time,
+                "dense_lineage": self.dense_lineage}
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, *, over_rpc: bool = True) -> None:
@@ -401,26 +413,28 @@ class Replica:
                 await asyncio.sleep(self.interval_s)
 
     async def pull_dense(self) -> bool:
-        """Fetch and apply server 0's dense model if newer; True when one was applied."""
+        """Fetch and apply server 0's dense model if newer or of another lineage (True)."""
         role = self.roles.servers[0]
-        first = await self.roles.call(role, "get_dense", {"since": self.dense_step,
-                                                          "chunk": 0})
+        ask = {"since": self.dense_step, "lineage": self.dense_lineage}
+        first = await self.roles.call(role, "get_dense", {**ask, "chunk": 0})
         if first.get("data") is None:
             return False
         step, chunks, digest = int(first["version"]), int(first["chunks"]), first["sha256"]
+        lineage = lineage_or_legacy(first.get("lineage"))
         parts = [first["data"]]
         for i in range(1, chunks):
-            r = await self.roles.call(role, "get_dense", {"since": self.dense_step, "chunk": i})
-            if r.get("data") is None or int(r["version"]) != step:
+            r = await self.roles.call(role, "get_dense", {**ask, "chunk": i})
+            if r.get("data") is None or int(r["version"]) != step \
+                    or r.get("lineage", LEGACY_LINEAGE) != lineage:
                 return False   # replaced by a newer one meanwhile: start over next time
             parts.append(r["data"])
         return await self.apply_dense(b"".join(bytes(p) for p in parts), step, digest,
-                                      first.get("event_time"))
+                                      first.get("event_time"), lineage)
 
     async def apply_dense(self, blob: bytes, step: int, digest: Any,
-                          event_time: Any) -> bool:
-        """Check a whole dense blob and serve it if it is newer (from RPC or Kafka)."""
-        if step <= self.dense_step:
+                          event_time: Any, lineage: int = LEGACY_LINEAGE) -> bool:
+        """Check a whole dense blob; serve it if newer or of another lineage (RPC, Kafka)."""
+        if lineage == self.dense_lineage and step <= self.dense_step:
             return False
         self.counts["bytes"] += len(blob)
         if not isinstance(digest, str) or hashlib.sha256(blob).hexdigest() != digest:
@@ -438,8 +452,14 @@ class Replica:
         if not isinstance(state, dict):
             raise BadInput("the dense model blob is not a state dict", field="data")
         await self.on_dense(state, step, event_time)
+        if lineage != self.dense_lineage:
+            self.counts["dense_lineage_changes"] += 1
+            log.warning("replica: serving the dense model of lineage %d step %d (was lineage "
+                        "%d step %d): the trainer restarted", lineage, step,
+                        self.dense_lineage, self.dense_step)
         self.dense_step = step
         self.dense_event_time = event_time
+        self.dense_lineage = lineage
         self.counts["dense_loads"] += 1
         self.advance()
         return True

@@ -29,6 +29,7 @@ from stream_persia.api.replica import (
 from stream_persia.core import wire
 from stream_persia.core.aio import cancel_and_wait
 from stream_persia.errors import BadInput, PersiaError
+from stream_persia.server.dense_hub import lineage_or_legacy
 
 __all__ = ["KafkaFollow", "admit", "check_dense"]
 
@@ -52,6 +53,8 @@ def check_dense(msg: Any, shards: int) -> dict[str, Any]:
         raise BadInput("dense record data must be bytes", field="data")
     if not isinstance(msg.get("sha256"), str) or not isinstance(msg.get("incarnation"), str):
         raise BadInput("dense record needs sha256 and incarnation strings", field="sha256")
+    # absent: relayed by a server from before lineages (the legacy lineage)
+    msg["lineage"] = lineage_or_legacy(msg.get("lineage"))
     return msg
 
 
@@ -189,14 +192,16 @@ class KafkaFollow:
                     await self.take(self.replica.cursors[tp.partition], records)
 
     async def take_dense(self, records: list[Any]) -> None:
-        """Assemble ``dense`` records into blobs; serve each whole, newer one."""
+        """Assemble ``dense`` records into blobs; serve each whole one that is newer or
+        of another lineage (:meth:`Replica.apply_dense`)."""
         for rec in records:
             try:
                 msg = check_dense(wire.unpack(rec.value), self.replica.shards)
             except (BadInput, ValueError) as e:
                 await self._dead_letter(rec, e)
                 continue
-            key = (msg["incarnation"], msg["version"], msg["chunks"], msg["sha256"])
+            key = (msg["incarnation"], msg["lineage"], msg["version"], msg["chunks"],
+                   msg["sha256"])
             if self._dense_key != key:
                 self._dense_key, self._dense_parts = key, {}
             self._dense_parts[msg["chunk"]] = bytes(msg["data"])
@@ -206,7 +211,7 @@ class KafkaFollow:
             self._dense_key, self._dense_parts = None, {}
             try:
                 if await self.replica.apply_dense(blob, msg["version"], msg["sha256"],
-                                                  msg["event_time"]):
+                                                  msg["event_time"], msg["lineage"]):
                     self.replica.counts["dense_kafka"] += 1
             except BadInput as e:
                 await self._dead_letter(rec, e)

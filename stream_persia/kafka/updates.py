@@ -3,8 +3,9 @@
 Partition ``i`` of ``S`` embedding servers carries server ``i``'s update log
 (:mod:`stream_persia.server.updates`: ``reset``, ``tombstones``, ``rows``, ``mark``
 messages, numbered by ``seq`` within one server process, its ``incarnation``); partition
-``S`` carries the dense model (``dense`` messages: the chunks of one versioned blob, relayed
-by embedding server 0 as NN rank 0 publishes it). The topic needs ``S + 1`` partitions.
+``S`` carries the dense model (``dense`` messages: the chunks of one versioned blob and its
+publisher's lineage, relayed by embedding server 0 as NN rank 0 publishes it:
+:class:`stream_persia.server.updates.DenseRelay`). The topic needs ``S + 1`` partitions.
 
 Records::
 

@@ -19,8 +19,12 @@
    checkpoint becomes visible atomically), the servers' configuration (embedding
    optimizer and EmbeddingConfig) and, in ``extra["inputs"]``, the ID slots and non-ID
    features of the batches the model was trained on, in order (serving matches requests
-   to them by name). Then the workers ``commit_offsets`` to the
-   consumer group (for lag monitors only: restoring uses the manifest).
+   to them by name), and in ``extra["dense_lineage"]`` the lineage rank 0's dense
+   publisher publishes this model in (None: it publishes none;
+   :mod:`stream_persia.nn.dense_publisher`), so that a serving replica restored from the
+   checkpoint compares published versions with its step only within that lineage. Then
+   the workers ``commit_offsets`` to the consumer group (for lag monitors only:
+   restoring uses the manifest).
 4. Barrier; prefetching resumes.
 
 The manifest's ``config_digest`` is the digest of the job's embedding schema (the file
@@ -220,6 +224,10 @@ def _write(ctx: ContextSeam, cluster: Any, dst_dir: str, *, trainer: TrainerSeam
                                         # (a serving replica starts its trained_through)
                                         "trained_through": getattr(ctx, "trained_through",
                                                                    None),
+                                        # the lineage rank 0 publishes this model
+                                        # in (a replica restored from it takes a
+                                        # published one of another lineage only)
+                                        "dense_lineage": _dense_lineage(ctx),
                                         "dense_filename": dense_filename,
                                         "opt_filename": opt_filename if train else None,
                                         **_heads(model), **_inputs(ctx), **extra})
@@ -227,6 +235,12 @@ def _write(ctx: ContextSeam, cluster: Any, dst_dir: str, *, trainer: TrainerSeam
         for topic_offsets in offsets.values():
             cluster.run(cluster.call_workers("commit_offsets", {"offsets": topic_offsets}))
     return manifest
+
+
+def _dense_lineage(ctx: ContextSeam) -> int | None:
+    """The lineage of rank 0's dense publisher (None: it publishes nothing)."""
+    publisher = getattr(ctx, "dense_publisher", None)
+    return getattr(publisher, "lineage", None)
 
 
 def _parent(path: str | None) -> Manifest | None:

@@ -20,10 +20,26 @@ sets to its step), the event time the newest ``PersiaTrainingBatch.event_time`` 
 so far (None while no batch carried one). At most one publication is in flight: one due
 while the previous one is still being sent is skipped and counted (``skipped``), and the
 next is due a full period later. A failed publication (server 0 unreachable, refusing the
-version because it holds a newer one, a blob over ``max_dense_bytes``) is counted
-(``failed``, ``too_large``) and logged once per streak of failures, never raised into
-training. A clean exit of the context publishes the final model once more (waiting a
-bounded time for it); an exit on an error does not wait for anything in flight.
+version because it holds a newer one of the same lineage, or the lineage because a newer
+publisher replaced it, a blob over ``max_dense_bytes``) is counted (``failed``,
+``too_large``) and logged once per streak of failures, never raised into training. A
+clean exit of the context publishes the final model once more (waiting a bounded time for
+it); an exit on an error does not wait for anything in flight.
+
+Every publication also names the publisher's **lineage** (``put_dense``'s ``lineage``), a
+random id in ``[1, MAX_LINEAGE]`` drawn when the publisher is created and drawn again when
+its context restores a checkpoint (:meth:`DensePublisher.restored`; the restored model is
+published at the next step boundary due, or when the stream idles): a step count starts
+again from 0 or from a checkpoint's step, so versions order only the publications of one
+lineage. Server 0 takes the first publication of a new lineage whatever its version, and
+from then on refuses the replaced lineage's (:mod:`stream_persia.server.dense_hub`): a job
+restarted from scratch, or restored to an earlier step, against a running embedding
+server has its model served from its first publication on, not once its step passes the
+crashed run's (its rows are served from the start: the old dense model with the new rows
+would be wrong), and a stale trainer still running cannot publish over it. A random id,
+not a clock: the clocks of two hosts do not order two incarnations, and the id needs no
+round trip; two ids collide with probability about 2**-63. ``dump_checkpoint`` records
+the lineage (``extra["dense_lineage"]``) for the replicas restored from the checkpoint.
 
 A stream that pauses (ingest paused through the control plane, or only slow) has no step
 boundary for as long as it lasts: the steps since the last publication would stay
@@ -48,6 +64,7 @@ import hashlib
 import io
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,9 +73,9 @@ import torch
 
 from stream_persia.config import ModelUpdatesConfig
 from stream_persia.nn.cluster import Cluster
-from stream_persia.server.dense_hub import DENSE_CHUNK_BYTES, chunk_count
+from stream_persia.server.dense_hub import DENSE_CHUNK_BYTES, MAX_LINEAGE, chunk_count
 
-__all__ = ["DensePublisher", "model_updates_config", "serialize", "snapshot"]
+__all__ = ["DensePublisher", "model_updates_config", "new_lineage", "serialize", "snapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +89,12 @@ def model_updates_config() -> ModelUpdatesConfig:
     from stream_persia.config import load_global_config
 
     return load_global_config(path).model_updates
+
+
+def new_lineage() -> int:
+    """A fresh publisher lineage: a random int in ``[1, MAX_LINEAGE]`` (0 is the legacy
+    lineage of a publication that names none)."""
+    return 1 + secrets.randbelow(MAX_LINEAGE)
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, Any]:
@@ -114,10 +137,15 @@ class DensePublisher:
         self._clock = clock
         self._last_step = step
         self._last_time = clock()
-        self._started = step       # the step of the last publication started (or restored)
+        # the step of the last publication started (or the step it starts from); None
+        # after a restore
+        self._started: int | None = step
         self._inflight: concurrent.futures.Future[bool] | None = None
         self._failing = False
-        #: the newest version embedding server 0 took from this publisher
+        #: the id of this publisher's publications (module docstring)
+        self.lineage = new_lineage()
+        log.info("dense model publications: lineage %d from step %d", self.lineage, step)
+        #: the newest version embedding server 0 took from this publisher (this lineage)
         self.last_version: int | None = None
         self.published = 0
         self.skipped = 0
@@ -130,6 +158,18 @@ class DensePublisher:
         ``too_large``), ``bytes_sent``."""
         return {"published": self.published, "skipped": self.skipped, "failed": self.failed,
                 "too_large": self.too_large, "bytes_sent": self.bytes_sent}
+
+    def restored(self, step: int) -> None:
+        """The context restored a checkpoint at ``step`` (maybe below steps published):
+        a new lineage from here, so server 0 takes this model's publications whatever
+        versions it holds. The next publication is due ``dense_every_steps`` after
+        ``step``, or at the next :meth:`idle` (the restored model itself)."""
+        old, self.lineage = self.lineage, new_lineage()
+        self._last_step, self._last_time = step, self._clock()
+        self._started = None        # the restored model is not published: idle() sends it
+        self.last_version = None
+        log.info("dense model publications: lineage %d from step %d (restored; was %d)",
+                 self.lineage, step, old)
 
     # ------------------------------------------------------------------ training thread
     def step_boundary(self, step: int, event_time: float | None) -> None:
@@ -164,7 +204,8 @@ class DensePublisher:
     def _start(self, step: int, event_time: float | None) -> None:
         state = snapshot(self.model)   # synchronous: the model at exactly this step
         self._started = step
-        self._inflight = self.cluster.loop.submit(self._publish(state, step, event_time))
+        self._inflight = self.cluster.loop.submit(
+            self._publish(state, step, event_time, self.lineage))
 
     def close(self, final: tuple[int, float | None] | None) -> None:
         """The context exits: with ``final`` (its step and event time; a clean exit),
@@ -191,7 +232,7 @@ class DensePublisher:
 
     # ------------------------------------------------------------------ loop thread
     async def _publish(self, state: dict[str, Any], version: int,
-                       event_time: float | None) -> bool:
+                       event_time: float | None, lineage: int) -> bool:
         try:
             blob, sha = await asyncio.to_thread(_blob_and_digest, state)
             del state
@@ -206,7 +247,7 @@ class DensePublisher:
                 await server.call("put_dense", {
                     "version": version, "event_time": event_time, "chunk": i, "chunks": n,
                     "data": view[i * DENSE_CHUNK_BYTES:(i + 1) * DENSE_CHUNK_BYTES],
-                    "sha256": sha}, timeout_ms=self.timeout_s * 1000)
+                    "sha256": sha, "lineage": lineage}, timeout_ms=self.timeout_s * 1000)
         except Exception as e:
             self.failed += 1
             if not self._failing:
@@ -222,7 +263,8 @@ class DensePublisher:
                      version, self.failed)
         self.published += 1
         self.bytes_sent += len(blob)
-        self.last_version = version
+        if lineage == self.lineage:   # (not one from before a restore)
+            self.last_version = version
         return True
 
 

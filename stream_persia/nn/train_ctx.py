@@ -670,10 +670,14 @@ class TrainCtx(EmbeddingCtx):
                         map_location: str | None = None,
                         dense_model_filename: str = "dense.pt", opt_filename: str = "opt.pt",
                         blocking: bool = True) -> None:
-        """Restore dense model, optimizer, embeddings and (Kafka) stream position."""
+        """Restore dense model, optimizer, embeddings and (Kafka) stream position; rank 0's
+        dense publisher starts a new lineage (the step may go back: server 0 and the
+        replicas must take this model's publications whatever versions they hold)."""
         checkpointing.load_checkpoint(self, src_dir, map_location=map_location,
                                       dense_filename=dense_model_filename,
                                       opt_filename=opt_filename)
+        if self.dense_publisher is not None:
+            self.dense_publisher.restored(self.steps)
 
     def wait_servers_ready(self) -> None:
         """Wait until every embedding server answers (entering the context already did)."""

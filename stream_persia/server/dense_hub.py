@@ -7,36 +7,60 @@ newest complete blob; serving replicas pull it chunk by chunk. Nothing is writte
 disk: a restarted server holds none until rank 0's next publication (replicas wait), and
 ``clear`` (which drops the rows) keeps it.
 
+Lineages. The version is the trainer's step count, which starts again from 0 (or from a
+checkpoint's step) when the trainer restarts: versions only order the publications of one
+trainer incarnation. So every publication names its **lineage**, an id its publisher drew
+when it was created (and again when its trainer restored a checkpoint): versions are
+compared only within one lineage. A chunk of a lineage other than the current one (the
+lineage of the last chunk accepted) makes it current: the previous lineage is *replaced*
+(its unfinished blob is dropped, its puts are refused from then on: a stale trainer still
+running cannot publish over its successor) and the blob of the new one, once complete,
+replaces the held blob whatever their versions. The :data:`REPLACED_LINEAGES_KEPT` most
+recently replaced lineages are remembered (a server restart forgets them, like the
+blob). A put without ``lineage`` (a publisher from before lineages) is of the
+:data:`LEGACY_LINEAGE`: with only such publishers everything is as it was before
+lineages existed (the held version only grows).
+
 RPC methods (params → result), served by :class:`DenseHub` on the server's loop:
 
-- ``put_dense {"version", "event_time", "chunk", "chunks", "data", "sha256"}`` →
-  ``{"complete": bool}``. ``version``: int >= 0, the training step the model is at;
-  ``event_time``: float or None, the event time of the newest sample trained into it;
-  ``chunk``: this chunk's index in ``[0, chunks)``; ``chunks``: int >= 1, how many the
-  blob has; ``data``: bytes, exactly :data:`DENSE_CHUNK_BYTES` except the last chunk's
-  (1 to :data:`DENSE_CHUNK_BYTES`); ``sha256``: 64 lowercase hex digits of the whole
-  blob. Chunks of one version assemble in any order (a chunk sent twice replaces
-  itself); the metadata of every chunk of a version must agree. A chunk of a newer
-  version than the one assembling drops the unfinished one; a chunk of an older one is
-  refused. A ``version`` at or below the one held complete is refused (the held version
-  only grows). When the last chunk arrives the blob is checked against ``sha256`` (a
-  mismatch drops it: BadInput on ``sha256``) and, if no newer one completed meanwhile,
-  replaces the held one: ``complete`` is then True. Bounds: ``chunks`` at most what
-  ``max_dense_bytes`` allows, so at most ``max_dense_bytes`` are ever assembling and at
-  most that much held. Every bad param, unknown keys too, is a BadInput naming it.
-- ``get_dense {"since"?: int >= -1 (default -1), "chunk"?: int >= 0 (default 0)}`` →
-  ``{"version", "event_time", "chunks", "chunk", "data", "sha256"}``: the held blob's
-  metadata and its chunk ``chunk`` as ``data``; ``data`` None (and only the metadata)
-  when the held version is not newer than ``since``; ``version`` None (``chunks`` 0)
-  when none is held. A replica fetches chunks ``0..chunks-1`` of one version with
-  ``since`` below it, checks that every reply names that same ``version`` (a newer
-  publication may replace the blob between two calls: then it starts over with the new
-  one), joins them and checks ``sha256``. ``chunk`` past the held blob's is a BadInput.
+- ``put_dense {"version", "event_time", "chunk", "chunks", "data", "sha256",
+  "lineage"?}`` → ``{"complete": bool}``. ``version``: int >= 0, the training step the
+  model is at; ``event_time``: float or None, the event time of the newest sample trained
+  into it; ``chunk``: this chunk's index in ``[0, chunks)``; ``chunks``: int >= 1, how
+  many the blob has; ``data``: bytes, exactly :data:`DENSE_CHUNK_BYTES` except the last
+  chunk's (1 to :data:`DENSE_CHUNK_BYTES`); ``sha256``: 64 lowercase hex digits of the
+  whole blob; ``lineage``: int in ``[0, MAX_LINEAGE]`` (absent or None:
+  :data:`LEGACY_LINEAGE`). A replaced ``lineage`` is refused (BadInput on ``lineage``).
+  Within one lineage: chunks of one version assemble in any order (a chunk sent twice
+  replaces itself); the metadata of every chunk of a version must agree. A chunk of a
+  newer version than the one assembling drops the unfinished one; a chunk of an older
+  one is refused. A ``version`` at or below the one held complete of the same lineage is
+  refused (within a lineage the held version only grows). When the last chunk arrives
+  the blob is checked against ``sha256`` (a mismatch drops it: BadInput on ``sha256``)
+  and, if its lineage is still the current one (else BadInput on ``lineage``) and no
+  newer version of it completed meanwhile, replaces the held one: ``complete`` is then
+  True. Bounds: ``chunks`` at most what ``max_dense_bytes`` allows, so at most
+  ``max_dense_bytes`` are ever assembling and at most that much held. Every bad param,
+  unknown keys too, is a BadInput naming it.
+- ``get_dense {"since"?: int >= -1 (default -1), "chunk"?: int >= 0 (default 0),
+  "lineage"?: int in [0, MAX_LINEAGE] or None}`` → ``{"version", "event_time", "chunks",
+  "chunk", "data", "sha256", "lineage"}``: the held blob's metadata and its chunk
+  ``chunk`` as ``data``; ``data`` None (and only the metadata) when the held version is
+  not newer than ``since`` and the held lineage is ``lineage`` (``lineage`` absent or
+  None: versions alone are compared, as before lineages); ``version`` and ``lineage``
+  None (``chunks`` 0) when none is held. A replica passes the version and lineage it
+  serves: it gets the held blob when that is newer *or of another lineage* (a restarted
+  trainer's, at a lower step). It fetches chunks ``0..chunks-1`` of one blob, checks that
+  every reply names that same ``version`` and ``lineage`` (a newer publication may
+  replace the blob between two calls: then it starts over with the new one), joins them
+  and checks ``sha256``. ``chunk`` past the held blob's is a BadInput.
 
 Metrics (:meth:`DenseHub.stats`): ``persia_embedding_server_dense_version`` (-1: none
 held), ``..._dense_bytes`` held, ``..._dense_assembling_bytes``, and the counters
-``..._dense_published_total`` (blobs completed) and ``..._dense_refused_total`` (puts
-refused).
+``..._dense_published_total`` (blobs completed), ``..._dense_refused_total`` (puts
+refused, for any reason), ``..._dense_lineage_changes_total`` (held blobs that replaced
+one of another lineage) and ``..._dense_lineage_refused_total`` (puts refused because
+their lineage was replaced: a stale trainer publishing).
 
 The hub is pure logic on the server's event loop (no lock: one thread) except the
 sha256 of a completed blob, which runs on a worker thread (hashlib releases the GIL) so
@@ -50,14 +74,16 @@ import hashlib
 import logging
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from stream_persia.errors import BadInput
 
-__all__ = ["DEFAULT_MAX_DENSE_BYTES", "DENSE_CHUNK_BYTES", "DenseChunk", "DenseHub",
-           "chunk_count"]
+__all__ = ["DEFAULT_MAX_DENSE_BYTES", "DENSE_CHUNK_BYTES", "LEGACY_LINEAGE", "MAX_LINEAGE",
+           "REPLACED_LINEAGES_KEPT", "DenseChunk", "DenseHub", "check_lineage", "chunk_count",
+           "lineage_or_legacy"]
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +92,17 @@ DENSE_CHUNK_BYTES = 1 << 20
 #: ``model_updates.max_dense_bytes``'s default.
 DEFAULT_MAX_DENSE_BYTES = 1 << 30
 
-_PUT_KEYS = frozenset({"version", "event_time", "chunk", "chunks", "data", "sha256"})
-_GET_KEYS = frozenset({"since", "chunk"})
+#: The lineage of a publication that names none (a publisher from before lineages).
+LEGACY_LINEAGE = 0
+#: The largest lineage (an int64, for every reader); publishers draw theirs in
+#: ``[1, MAX_LINEAGE]``.
+MAX_LINEAGE = (1 << 63) - 1
+#: Replaced lineages remembered (their puts refused); the oldest is forgotten first.
+REPLACED_LINEAGES_KEPT = 1024
+
+_PUT_KEYS = frozenset({"version", "event_time", "chunk", "chunks", "data", "sha256",
+                       "lineage"})
+_GET_KEYS = frozenset({"since", "chunk", "lineage"})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -80,6 +115,7 @@ class DenseChunk(TypedDict):
     chunk: int
     data: bytes | None
     sha256: str | None
+    lineage: int | None
 
 
 def chunk_count(size: int) -> int:
@@ -95,6 +131,7 @@ class _Blob:
     event_time: float | None
     chunks: int
     sha256: str
+    lineage: int = LEGACY_LINEAGE
     parts: dict[int, bytes] = field(default_factory=dict)
     data: bytes = b""
 
@@ -112,6 +149,22 @@ def _int(params: dict, key: str, lo: int, hi: int | None = None) -> int:
     return value
 
 
+def check_lineage(value: Any, key: str = "lineage") -> int:
+    """A lineage as it must be: an int in ``[0, MAX_LINEAGE]`` (BadInput naming ``key``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+            0 <= value <= MAX_LINEAGE):
+        raise BadInput(f"{key} must be an int in [0, 2**63 - 1], got {str(value)[:40]!r}",
+                       field=key, hint="the id the publisher drew; leave it out for the "
+                                       "legacy lineage")
+    return value
+
+
+def lineage_or_legacy(value: Any, key: str = "lineage") -> int:
+    """A ``lineage`` field as received: None (absent: from before lineages) is the
+    :data:`LEGACY_LINEAGE`, else :func:`check_lineage`."""
+    return LEGACY_LINEAGE if value is None else check_lineage(value, key)
+
+
 def _check_keys(params: Any, allowed: frozenset[str], method: str) -> dict:
     if not isinstance(params, dict):
         raise BadInput(f"{method} takes a map, got {type(params).__name__}", field="params")
@@ -123,7 +176,7 @@ def _check_keys(params: Any, allowed: frozenset[str], method: str) -> dict:
 
 
 class DenseHub:
-    """Embedding server 0's newest dense model (module docstring: RPC and bounds).
+    """Embedding server 0's newest dense model (module docstring: RPC, lineages, bounds).
 
     Args:
         max_dense_bytes: the largest blob accepted (``model_updates.max_dense_bytes``).
@@ -138,8 +191,13 @@ class DenseHub:
         self.max_chunks = chunk_count(max_dense_bytes)
         self.held: _Blob | None = None
         self._assembling: _Blob | None = None
+        #: the current lineage: of the last chunk accepted (None: none yet)
+        self.lineage: int | None = None
+        self._replaced: OrderedDict[int, None] = OrderedDict()
         self.published = 0
         self.refused = 0
+        self.lineage_changes = 0
+        self.lineage_refused = 0
         #: Called with each newly held blob (the server relays it to Kafka, if any).
         self.on_complete: Callable[[_Blob], None] | None = None
 
@@ -157,11 +215,23 @@ class DenseHub:
                 raise BadInput(f"dense version {blob.version}: the {len(data)} bytes "
                                f"assembled have sha256 {digest}, not {blob.sha256}; dropped",
                                field="sha256", hint="publish the version again")
+            if blob.lineage != self.lineage:
+                # Another publisher took over while this blob was being hashed.
+                self.lineage_refused += 1
+                raise BadInput(f"dense lineage {blob.lineage} was replaced by lineage "
+                               f"{self.lineage} while its version {blob.version} was "
+                               "checked: dropped", field="lineage")
             held = self.held
-            if held is not None and held.version >= blob.version:
+            if held is not None and held.lineage == blob.lineage \
+                    and held.version >= blob.version:
                 # A newer version completed while this one was being hashed.
                 raise BadInput(f"dense version {blob.version} completed after version "
                                f"{held.version}: dropped", field="version")
+            if held is not None and held.lineage != blob.lineage:
+                self.lineage_changes += 1
+                log.warning("dense model: lineage %d (version %d) replaces lineage %d "
+                            "(version %d): a restarted trainer publishes", blob.lineage,
+                            blob.version, held.lineage, held.version)
             blob.data = data
             self.held = blob
             self.published += 1
@@ -177,6 +247,7 @@ class DenseHub:
         (taken out of assembly), else None."""
         params = _check_keys(params, _PUT_KEYS, "put_dense")
         version = _int(params, "version", 0)
+        lineage = lineage_or_legacy(params.get("lineage"))
         chunks = _int(params, "chunks", 1)
         if chunks > self.max_chunks:
             raise BadInput(f"chunks={chunks} would exceed max_dense_bytes="
@@ -209,12 +280,20 @@ class DenseHub:
                            f"{(chunks - 1) * DENSE_CHUNK_BYTES + len(data)} bytes, over "
                            f"max_dense_bytes={self.max_dense_bytes}", field="data",
                            hint="raise model_updates.max_dense_bytes")
+        if lineage in self._replaced:
+            self.lineage_refused += 1
+            raise BadInput(f"dense lineage {lineage} was replaced by lineage {self.lineage} "
+                           f"(another publisher: a restarted trainer); version {version} "
+                           "refused", field="lineage",
+                           hint="a trainer that was replaced is still running: stop it")
+        if lineage != self.lineage:
+            self._take_over(lineage)
         held = self.held
-        if held is not None and version <= held.version:
+        if held is not None and held.lineage == lineage and version <= held.version:
             raise BadInput(f"dense version {version} is not newer than version "
                            f"{held.version}, which this server holds", field="version",
-                           hint="versions are training steps and only grow; a job restored "
-                                "to an earlier step publishes again once past it")
+                           hint="versions are training steps and only grow within one "
+                                "publisher's lineage")
         blob = self._assembling
         if blob is not None and version < blob.version:
             raise BadInput(f"dense version {version} is older than version {blob.version} "
@@ -223,7 +302,7 @@ class DenseHub:
             if blob is not None:
                 log.info("dense version %d dropped unfinished (%d of %d chunks) for version "
                          "%d", blob.version, len(blob.parts), blob.chunks, version)
-            blob = self._assembling = _Blob(version, event_time, chunks, sha)
+            blob = self._assembling = _Blob(version, event_time, chunks, sha, lineage)
         else:
             agree: tuple[tuple[str, object, object], ...] = (
                 ("chunks", chunks, blob.chunks), ("sha256", sha, blob.sha256),
@@ -238,32 +317,54 @@ class DenseHub:
         self._assembling = None
         return blob
 
+    def _take_over(self, lineage: int) -> None:
+        """``lineage`` (never replaced) becomes the current one: the current one, if any,
+        is replaced, and its unfinished blob dropped."""
+        old, blob = self.lineage, self._assembling
+        if blob is not None:
+            log.info("dense version %d of lineage %d dropped unfinished (%d of %d chunks) "
+                     "for lineage %d", blob.version, blob.lineage, len(blob.parts),
+                     blob.chunks, lineage)
+            self._assembling = None
+        if old is not None:
+            self._replaced[old] = None
+            while len(self._replaced) > REPLACED_LINEAGES_KEPT:
+                self._replaced.popitem(last=False)
+            log.info("dense model: lineage %d replaces lineage %d (its puts are refused "
+                     "from now on)", lineage, old)
+        self.lineage = lineage
+
     # ----------------------------------------------------------------- get_dense
     async def get_dense(self, params: Any) -> DenseChunk:
         """The ``get_dense`` RPC handler."""
         params = _check_keys({} if params is None else params, _GET_KEYS, "get_dense")
         since = _int(params, "since", -1) if "since" in params else -1
         chunk = _int(params, "chunk", 0) if "chunk" in params else 0
+        lineage = params.get("lineage")
+        lineage = None if lineage is None else check_lineage(lineage)
         held = self.held
         if held is None:
             return {"version": None, "event_time": None, "chunks": 0, "chunk": chunk,
-                    "data": None, "sha256": None}
+                    "data": None, "sha256": None, "lineage": None}
         data = None
-        if held.version > since:
+        if held.version > since or (lineage is not None and held.lineage != lineage):
             if chunk >= held.chunks:
                 raise BadInput(f"chunk {chunk} is past dense version {held.version}'s "
                                f"{held.chunks} chunks", field="chunk")
             data = held.data[chunk * DENSE_CHUNK_BYTES:(chunk + 1) * DENSE_CHUNK_BYTES]
         return {"version": held.version, "event_time": held.event_time,
-                "chunks": held.chunks, "chunk": chunk, "data": data, "sha256": held.sha256}
+                "chunks": held.chunks, "chunk": chunk, "data": data, "sha256": held.sha256,
+                "lineage": held.lineage}
 
     # ----------------------------------------------------------------- metrics
     def stats(self) -> dict[str, float]:
         """Gauges ``version`` (-1: none), ``bytes``, ``assembling_bytes``; counters
-        ``published`` and ``refused``."""
+        ``published``, ``refused``, ``lineage_changes`` and ``lineage_refused``."""
         held, assembling = self.held, self._assembling
         return {"version": float(held.version if held is not None else -1),
                 "bytes": float(len(held.data) if held is not None else 0),
                 "assembling_bytes": float(assembling.assembling_bytes
                                           if assembling is not None else 0),
-                "published": float(self.published), "refused": float(self.refused)}
+                "published": float(self.published), "refused": float(self.refused),
+                "lineage_changes": float(self.lineage_changes),
+                "lineage_refused": float(self.lineage_refused)}

@@ -146,8 +146,10 @@ RPC methods (params → result):
   ``embedding_parameter_server_config.restore_stage_ttl_s`` for a launched server.
 
 - ``put_dense`` / ``get_dense``: the newest dense model, published by NN rank 0 for
-  serving replicas (kept by every server, sent to server 0 only; schema and bounds in
-  :mod:`stream_persia.server.dense_hub`). ``clear`` and ``load`` keep it.
+  serving replicas (kept by every server, sent to server 0 only; schema, lineages and
+  bounds in :mod:`stream_persia.server.dense_hub`). ``clear`` and ``load`` keep it;
+  nothing of it is checkpointed (a restarted server holds none, and remembers no
+  replaced lineage).
 
 The shard file format and the all-or-nothing load procedure (its checks, errors and
 memory peak) are described in :mod:`stream_persia.server.shard_files`.
@@ -428,7 +430,8 @@ class EmbeddingServer:
             self.dense_relay = DenseRelay(update_sink, job=job, shards=replica_size,
                                           incarnation=self.incarnation)
             self.dense.on_complete = self.dense_relay.offer
-        self.metrics.add_callback("dense", self.dense.stats, counters={"published", "refused"})
+        self.metrics.add_callback("dense", self.dense.stats, counters={
+            "published", "refused", "lineage_changes", "lineage_refused"})
         self._req = self.metrics.counter("requests_total", "RPC requests", ("method",))
         # What serving replicas follow (stream_persia.server.updates); None: not published.
         self.feed: UpdateFeed | None = None

@@ -379,8 +379,10 @@ class UpdateFeed:
 class DenseRelay:
     """Embedding server 0 relays each dense model it comes to hold
     (:mod:`stream_persia.server.dense_hub`) to the update topic's last partition (index
-    ``shards``), as ``dense`` messages: ``version``, ``event_time``, ``chunk``, ``chunks``,
-    ``sha256`` (of the whole blob) and ``data`` (at most :data:`MESSAGE_BYTES` each),
+    ``shards``), as ``dense`` messages: ``version``, ``lineage`` (the publisher's: a
+    replica takes a blob of another lineage whatever its version), ``event_time``,
+    ``chunk``, ``chunks``, ``sha256`` (of the whole blob) and ``data`` (at most
+    :data:`MESSAGE_BYTES` each),
     numbered by ``seq`` like the update log. Only the newest blob is sent: one that a newer
     one replaces before it is out is dropped. A send that fails is retried with the next
     blob (the dense model is published every few hundred milliseconds)."""
@@ -408,6 +410,7 @@ class DenseRelay:
                 msgs.append({"job": self.job, "shard": self.shards, "shards": self.shards,
                              "incarnation": self.incarnation, "seq": self._seq,
                              "kind": "dense", "version": int(blob.version),
+                             "lineage": int(blob.lineage),
                              "event_time": blob.event_time, "chunk": i, "chunks": n,
                              "sha256": blob.sha256,
                              "data": data[i * MESSAGE_BYTES:(i + 1) * MESSAGE_BYTES]})

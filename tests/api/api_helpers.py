@@ -138,29 +138,35 @@ async def stop_job(job: Job) -> None:
 
 async def write_checkpoint(job: Job, dst: str, model: torch.nn.Module, *, step: int = 1,
                            jit: bool = True, heads: list[str] | None = None,
-                           inputs: dict | None = None) -> str:
+                           inputs: dict | None = None, dense_lineage: int | None = None
+                           ) -> str:
     """A checkpoint of ``job``'s servers and ``model`` at ``dst`` (direct stream); with
-    ``inputs`` (``nn.batch.input_signature``) recorded as ``dump_checkpoint`` does."""
+    ``inputs`` (``nn.batch.input_signature``) and ``dense_lineage`` (rank 0's dense
+    publisher's) recorded as ``dump_checkpoint`` does."""
     clients = [job.client(a) for a in job.server_addresses]
     with CheckpointWriter(dst) as w:
         w.write_torch("dense.pt", model.state_dict())
         if jit:
             w.write_bytes(JIT_FILENAME, scripted(model))
         await w.dump_embeddings(clients)
-        extra = ({"heads": heads} if heads else {}) | ({"inputs": inputs} if inputs else {})
+        extra = ({"heads": heads} if heads else {}) | ({"inputs": inputs} if inputs else {}) \
+            | ({} if dense_lineage is None else {"dense_lineage": dense_lineage})
         w.commit(job="test", step=step, offsets={}, stream="direct", extra=extra or None)
     return dst
 
 
-async def publish_dense(job: Job, model: torch.nn.Module, step: int, event_time: float) -> None:
-    """Publish ``model`` to server 0 as NN rank 0 does (one ``put_dense`` chunk)."""
+async def publish_dense(job: Job, model: torch.nn.Module, step: int, event_time: float,
+                        lineage: int | None = None) -> None:
+    """Publish ``model`` to server 0 as NN rank 0 does (one ``put_dense`` chunk; without
+    ``lineage``, as a publisher from before lineages does)."""
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
     blob = buf.getvalue()
     client = job.client(job.server_addresses[0])
     await client.call("put_dense", {"version": step, "event_time": event_time, "chunk": 0,
                                     "chunks": 1, "data": blob,
-                                    "sha256": hashlib.sha256(blob).hexdigest()})
+                                    "sha256": hashlib.sha256(blob).hexdigest(),
+                                    **({} if lineage is None else {"lineage": lineage})})
 
 
 class LiveApi:

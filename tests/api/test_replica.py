@@ -28,6 +28,7 @@ from api_helpers import (
 )
 
 from stream_persia.embedding.data import PersiaBatch
+from stream_persia.errors import BadInput
 from stream_persia.testing.samples import make_batch
 
 
@@ -127,6 +128,81 @@ async def test_replica_follows_training_exactly(tmp_path, n_servers):
             assert all(m["model_version"] == 57 for m in metas)
             # trained_through: the oldest of the shards' marks and the dense model's
             assert info["trained_through"] is None or info["trained_through"] <= t0
+    finally:
+        await stop_job(job)
+
+
+async def test_a_restarted_trainers_dense_model_is_served_at_a_lower_step(tmp_path):
+    """Training restarted from scratch against the running servers: the crashed run
+    published step 60, the new one publishes step 1 in a lineage of its own. The replica
+    serves the new model (whose rows it serves already) from then on, as an API on the
+    training servers with that model predicts; the crashed run, still publishing, is
+    refused."""
+    job = await start_job(n_servers=2)
+    try:
+        await job.train(3)
+        _, settings = await replica_of(job, tmp_path)
+        async with LiveApi(settings) as replica:
+            await publish_dense(job, TwoHeads(seed=5), step=60, event_time=time.time(),
+                                lineage=1234)
+            async with asyncio.timeout(20):
+                while (await replica.client.get("/v1/model")).json()["model_version"] != 60:
+                    await asyncio.sleep(0.05)
+            restarted = TwoHeads(seed=13)
+            await publish_dense(job, restarted, step=1, event_time=time.time(), lineage=99)
+            await job.train(2, seed=1)
+            async with asyncio.timeout(20):
+                while (await replica.client.get("/v1/model")).json()["model_version"] != 1:
+                    await asyncio.sleep(0.05)
+            follower = replica.state.predictor.replica
+            assert (follower.dense_lineage, follower.counts["dense_lineage_changes"]) \
+                == (99, 2)      # the checkpoint's legacy lineage, 1234, then 99
+            info = await drained(replica, job)
+            assert info["replica"]["dense_lineage"] == 99
+            served, metas = await predictions(replica)
+            assert all(m["model_version"] == 1 for m in metas)
+            ckpt2 = await write_checkpoint(job, str(tmp_path / "ckpts" / "c2"), restarted)
+            async with LiveApi(settings_for(job, model_checkpoint=ckpt2,
+                                            embeddings="workers")) as on_training:
+                want, _ = await predictions(on_training)
+            assert_close(served, want)
+            with pytest.raises(BadInput) as e:     # the crashed run, still publishing
+                await publish_dense(job, TwoHeads(seed=6), step=61, event_time=time.time(),
+                                    lineage=1234)
+            assert e.value.field == "lineage"
+            await asyncio.sleep(0.3)
+            assert (await replica.client.get("/v1/model")).json()["model_version"] == 1
+    finally:
+        await stop_job(job)
+
+
+async def test_a_replica_takes_the_lineage_and_step_of_its_checkpoint(tmp_path):
+    """A checkpoint at step 5 records the lineage its model was published in: a replica
+    restored from it does not go back to that lineage's step 4 (a publication that lagged
+    the checkpoint), but takes another lineage's step 2 (a trainer restarted since)."""
+    job = await start_job(n_servers=1)
+    try:
+        await job.train(2)
+        ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3),
+                                      step=5, dense_lineage=4321)
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                checkpoint_dir=str(tmp_path / "ckpts"))
+        await publish_dense(job, TwoHeads(seed=7), step=4, event_time=time.time(),
+                            lineage=4321)
+        async with LiveApi(settings) as replica:
+            follower = replica.state.predictor.replica
+            async with asyncio.timeout(20):
+                while follower.counts["pulls"] < 5:      # it has looked a few times
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)                     # (dense: every 0.05 s too)
+            assert (follower.dense_step, follower.dense_lineage) == (5, 4321)
+            assert follower.counts["dense_loads"] == 0
+            await publish_dense(job, TwoHeads(seed=8), step=2, event_time=time.time(),
+                                lineage=8765)
+            async with asyncio.timeout(20):
+                while follower.dense_lineage != 8765:
+                    await asyncio.sleep(0.05)
+            assert (await replica.client.get("/v1/model")).json()["model_version"] == 2
     finally:
         await stop_job(job)
 

@@ -1,14 +1,15 @@
 """Which update records a Kafka-following replica applies (``api.replica_kafka.admit``) and
 how it applies them (``api.replica.apply_messages``): duplicates are skipped, a gap or an
 incarnation joined mid-log skips to the next reset, the checkpoint's position is honoured,
-a restarted server's log is followed from its reset; and messages are validated first."""
+a restarted server's log is followed from its reset; and messages are validated first
+(``dense`` records too: their ``lineage``, absent in a record from before lineages)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from stream_persia.api.replica import ShardCursor, apply_messages, check_message
-from stream_persia.api.replica_kafka import admit
+from stream_persia.api.replica_kafka import admit, check_dense
 
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import BadInput
@@ -125,3 +126,20 @@ def test_bad_messages_are_refused_naming_the_field(change, field):
     with pytest.raises(BadInput) as e:
         check_message(m, ShardCursor(0), 1)
     assert e.value.field == field
+
+
+def dense(**change) -> dict:
+    return {"job": "j", "shard": 1, "shards": 1, "incarnation": "a", "seq": 0,
+            "kind": "dense", "version": 3, "event_time": None, "chunk": 0, "chunks": 1,
+            "sha256": "0" * 64, "data": b"x", "lineage": 5, **change}
+
+
+def test_a_dense_records_lineage_is_validated_and_absent_is_the_legacy_one():
+    assert check_dense(dense(), 1)["lineage"] == 5
+    legacy = dense()
+    del legacy["lineage"]
+    assert check_dense(legacy, 1)["lineage"] == 0
+    for bad in (-1, 1 << 63, "5", True):
+        with pytest.raises(BadInput) as e:
+            check_dense(dense(lineage=bad), 1)
+        assert e.value.field == "lineage"

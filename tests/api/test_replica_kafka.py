@@ -120,6 +120,14 @@ async def test_replica_follows_kafka_and_dead_letters_bad_records(kafka_broker, 
             assert follower.counts["dense_kafka"] == 1
             r = await replica.client.get("/v1/model")
             assert r.json()["model_version"] == 42
+            # a restarted trainer's model (a new lineage, a lower step) follows it
+            await publish_dense(job, TwoHeads(seed=10), step=3, event_time=time.time(),
+                                lineage=2**63 - 1)
+            async with asyncio.timeout(30):
+                while follower.dense_step != 3:
+                    await asyncio.sleep(0.05)
+            assert follower.counts["dense_kafka"] == 2
+            assert follower.dense_lineage == 2**63 - 1
 
             producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
             await producer.start()

@@ -2,7 +2,9 @@
 dense_publisher) against a real job in this process: what a replica pulls ``torch.load``s
 into the model's state dict at the version (step) and event time trained, training is
 bit-identical with publishing on and off, a server refusing every publication does not
-fail training, and one publication is in flight at most."""
+fail training, and one publication is in flight at most. A fresh publisher (a restarted
+trainer) or a restored checkpoint publishes in a new lineage that server 0 and the
+replicas take whatever step they hold, and the publisher it replaced is refused."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 import torch
 from nn_helpers import LEARNABLE_SCHEMA, SumModel, learnable_batches
 
+from stream_persia.checkpoint import read_manifest
 from stream_persia.config import GlobalConfig, ModelUpdatesConfig
 from stream_persia.core.aio import LoopThread
 from stream_persia.ctx import TrainCtx
@@ -26,6 +29,7 @@ from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import Adagrad
 from stream_persia.errors import Misuse
+from stream_persia.nn import dense_publisher
 from stream_persia.nn.cluster import Cluster
 from stream_persia.nn.dense_publisher import DensePublisher, model_updates_config, snapshot
 from stream_persia.rpc import RpcClient
@@ -39,17 +43,21 @@ def publishing(every_steps: int = 1, **kw) -> ModelUpdatesConfig:
                                  "dense_interval_ms": 600_000, **kw})
 
 
-def pull(address: str, since: int = -1) -> tuple[dict, bytes | None]:
+def pull(address: str, since: int = -1, lineage: int | None = None
+         ) -> tuple[dict, bytes | None]:
     """A replica's pull of server 0's dense model: (metadata, blob or None)."""
+    ask = {"since": since} | ({} if lineage is None else {"lineage": lineage})
+
     async def get() -> tuple[dict, bytes | None]:
         async with RpcClient(address) as c:
-            first = await c.call("get_dense", {"since": since})
+            first = await c.call("get_dense", ask)
             if first["data"] is None:
                 return first, None
             parts = [first["data"]]
             for i in range(1, first["chunks"]):
-                reply = await c.call("get_dense", {"since": since, "chunk": i})
-                assert reply["version"] == first["version"]
+                reply = await c.call("get_dense", {**ask, "chunk": i})
+                assert (reply["version"], reply["lineage"]) \
+                    == (first["version"], first["lineage"])
                 parts.append(reply["data"])
             return first, b"".join(parts)
 
@@ -168,23 +176,28 @@ def test_training_is_bit_identical_with_publishing_on_and_off(job_factory):
     assert np.abs(rows_on).max() > 0.02, "the embeddings trained (initialised in ±0.01)"
 
 
-def test_a_server_refusing_every_publication_does_not_fail_training(job_factory, caplog):
+def test_a_server_refusing_every_publication_does_not_fail_training(job_factory, caplog,
+                                                                     monkeypatch):
     job = job_factory(LEARNABLE_SCHEMA)
-    # Server 0 holds a newer version already (a job restored to an earlier step): it
-    # refuses every version this run publishes.
-    async def hold_newer() -> None:
-        async with RpcClient(job.servers[0].address) as c:
-            await c.call("put_dense", {"version": 10**9, "event_time": None, "chunk": 0,
-                                       "chunks": 1, "data": b"x",
-                                       "sha256": hashlib.sha256(b"x").hexdigest()})
+    # This run's lineage was replaced on server 0 already (as if a newer trainer had
+    # taken over from it): server 0 refuses everything it publishes.
+    monkeypatch.setattr(dense_publisher, "new_lineage", lambda: 77)
 
-    job.loop.run(hold_newer(), timeout=10)
+    async def replaced() -> None:
+        async with RpcClient(job.servers[0].address) as c:
+            for lineage, version in ((77, 1), (78, 10**9)):
+                await c.call("put_dense", {"version": version, "event_time": None,
+                                           "chunk": 0, "chunks": 1, "data": b"x",
+                                           "lineage": lineage,
+                                           "sha256": hashlib.sha256(b"x").hexdigest()})
+
+    job.loop.run(replaced(), timeout=10)
     with caplog.at_level(logging.WARNING, logger="stream_persia.nn.dense_publisher"):
         _, ctx = train(job, learnable_batches(6, 64), model_updates=publishing(1))
     stats = ctx.dense_publisher.stats()
     assert stats["published"] == 0 and stats["failed"] >= 2
     warnings = [r for r in caplog.records if r.name == "stream_persia.nn.dense_publisher"]
-    assert len(warnings) == 1 and "version" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "lineage" in warnings[0].getMessage()
     assert pull(job.servers[0].address)[0]["version"] == 10**9
 
 
@@ -368,3 +381,103 @@ def test_an_idle_publication_that_failed_is_tried_again_after_the_interval():
         cluster.close()
         server_loop.run(server.stop())
         server_loop.close()
+
+
+def test_a_fresh_publisher_replaces_a_crashed_ones_model_and_fences_it():
+    """A trainer restarted from scratch against the running server 0: the crashed run
+    published step 60; the new publisher's step 1 is held from its first publication, a
+    replica serving step 60 (get_dense with the version and lineage it serves) gets the
+    new model, and the old publisher, if it still runs, is refused."""
+    with server_0() as (_, server, cluster):
+        first_model, second_model = SumModel(13, hidden=8), SumModel(13, hidden=8)
+        with torch.no_grad():
+            for p in second_model.parameters():
+                p.add_(1.0)
+        first = DensePublisher(first_model, cluster, publishing(1), step=0)
+        first.step_boundary(60, 60.0)
+        _until(lambda: first.stats()["published"] == 1)
+        served, _ = pull(server.address)
+        assert (served["version"], served["lineage"]) == (60, first.lineage)
+
+        second = DensePublisher(second_model, cluster, publishing(1), step=0)
+        assert second.lineage != first.lineage
+        second.step_boundary(1, 61.0)
+        _until(lambda: second.stats()["published"] == 1)
+        meta, blob = pull(server.address, since=60, lineage=first.lineage)
+        assert (meta["version"], meta["event_time"], meta["lineage"]) \
+            == (1, 61.0, second.lineage)
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+        assert all(torch.equal(state[k], v) for k, v in second_model.state_dict().items())
+        assert pull(server.address, since=1, lineage=second.lineage)[1] is None
+
+        first.step_boundary(61, 62.0)                 # the zombie: refused
+        _until(lambda: first.stats()["failed"] == 1)
+        assert first.last_version == 60
+        assert pull(server.address)[0]["lineage"] == second.lineage
+        assert server.dense.stats()["lineage_refused"] == 1
+        first.close(None)
+        second.close((1, 61.0))
+
+
+def test_a_restore_to_an_earlier_step_publishes_in_a_new_lineage(job_factory, tmp_path):
+    """A checkpoint at step 3, training on to step 6 (server 0 holds step 6), then a
+    restore of it: step 4 of the restored model is published and held (without a new
+    lineage it would be refused until step 7). The checkpoint records the lineage it was
+    published in, for a replica restored from it."""
+    job = job_factory(LEARNABLE_SCHEMA)
+    address = job.servers[0].address
+    setup_seed(0)
+    model = SumModel(13, hidden=8)
+    ck = str(tmp_path / "ck")
+    with TrainCtx(Adagrad(lr=0.1), torch.optim.Adam(model.parameters(), lr=0.01),
+                  model=model, embedding_workers=job.worker_addresses, mixed_precision=False,
+                  embedding_config=EmbeddingConfig((-0.01, 0.01)), ready_timeout_s=10,
+                  model_updates=publishing(1)) as ctx:
+        feeder = job.feed(learnable_batches(7, 64))
+        for tb in DataLoader(StreamingDataset(10), embedding_staleness=1, reproducible=True,
+                             max_batches=7):
+            output, labels = ctx.forward(tb)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+            if ctx.steps == 3 and not tmp_path.joinpath("ck").exists():
+                ctx.dump_checkpoint(ck)
+                before = ctx.dense_publisher.lineage
+            elif ctx.steps == 6:
+                while pull(address)[0]["version"] != 6:   # step 6 held (not skipped)
+                    ctx.stream_idle()
+                    time.sleep(0.02)
+                ctx.load_checkpoint(ck)
+                assert ctx.steps == 3
+        feeder.join(10)
+        assert ctx.steps == 4
+    after = ctx.dense_publisher.lineage
+    assert read_manifest(ck).extra["dense_lineage"] == before != after
+    meta, blob = pull(address, since=6, lineage=before)     # a replica serving step 6
+    assert (meta["version"], meta["lineage"]) == (4, after)
+    state = torch.load(io.BytesIO(blob), weights_only=True)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert ctx.dense_publisher.stats()["failed"] == 0 and ctx.dense_publisher.last_version == 4
+
+
+def test_a_restored_model_is_published_in_its_new_lineage_when_the_stream_idles():
+    """Restored to step 2 after publishing step 6, with the stream paused: the restored
+    model is published (version 2, a new lineage) at the next idle call, once."""
+    with server_0() as (_, server, cluster):
+        model = SumModel(13, hidden=8)
+        publisher = DensePublisher(model, cluster, publishing(3), step=0)
+        for step in range(1, 7):
+            publisher.step_boundary(step, float(step))
+            _until(lambda: publisher._inflight is None or publisher._inflight.done())
+        assert publisher.last_version == 6
+        before = publisher.lineage
+        publisher.restored(2)
+        assert publisher.lineage != before and publisher.last_version is None
+        publisher.idle(2, 2.0)          # the restored model itself, not trained further
+        _until(lambda: publisher.stats()["published"] == 3)
+        meta, _ = pull(server.address)
+        assert (meta["version"], meta["lineage"]) == (2, publisher.lineage)
+        publisher.idle(2, 2.0)                           # sent: not again
+        publisher.step_boundary(3, 3.0)                  # not due: 1 step after it
+        time.sleep(0.1)
+        assert publisher.stats()["published"] == 3 and publisher.stats()["failed"] == 0
+        publisher.close((3, 3.0))                        # the final model
+        assert publisher.stats()["published"] == 4 and publisher.last_version == 3
