@@ -77,7 +77,7 @@ from stream_persia.core.lifecycle import drain
 from stream_persia.core.optim import Optimizer
 from stream_persia.errors import BadInput, Misuse, PeerUnavailable, RemoteTimeout
 from stream_persia.nn import checkpointing
-from stream_persia.nn.batch import PersiaTrainingBatch, input_signature
+from stream_persia.nn.batch import PersiaTrainingBatch, arrange, input_signature
 from stream_persia.nn.checkpoint_poller import NnCheckpointPoller
 from stream_persia.nn.dense_publisher import DensePublisher, model_updates_config
 from stream_persia.nn.distributed import DistributedBaseOption, get_default_distributed_option
@@ -209,6 +209,8 @@ class TrainCtx(EmbeddingCtx):
         self.checkpoint_poll_steps = checkpoint_poll_steps
         # The inputs of the first batch trained (nn.batch.input_signature), for checkpoints.
         self.input_signature: dict[str, Any] | None = None
+        # ... and its label names: later batches are arranged to match both (nn.batch.arrange).
+        self._label_names: list[str | None] | None = None
         self.checkpoint_poller: NnCheckpointPoller | None = None
         self.checkpointing_config = checkpointing if checkpointing is not None \
             else checkpointing_config()
@@ -395,10 +397,16 @@ class TrainCtx(EmbeddingCtx):
 
         return pv.read(gather)
 
+    def _arrange(self, batch: PersiaTrainingBatch) -> None:
+        if self.input_signature is not None:
+            arrange(batch, self.input_signature, self._label_names)
+
     def _prepared(self, batch: PersiaTrainingBatch, leaves: list | None) -> None:
         self.raise_async_errors()
         if leaves is not None and self.input_signature is None:
             self.input_signature = input_signature(batch)
+        if leaves is not None and self._label_names is None and batch.labels is not None:
+            self._label_names = list(batch.label_names)
         self._current = batch
         self._current_leaves = leaves
 
