@@ -231,6 +231,7 @@ class TrainCtx(EmbeddingCtx):
         self._leave_drain: Any = None
         self.steps = 0
         self.nonfinite_steps = 0
+        self.nonfinite_dense_steps = 0   # of which found by the every-step dense check
         self.overflow_steps = 0
         self.pushed = 0
         self.worker_skipped_slots = 0
@@ -422,7 +423,11 @@ class TrainCtx(EmbeddingCtx):
             loss: the loss of the batch given to the last :meth:`forward`.
             embedding_gradient_check_frequency: check the embedding gradients for NaN/Inf
                 at every k-th step (steps 0, k, 2k, ...); 0 never checks (the embedding
-                workers still drop non-finite slot gradients and count them).
+                workers still drop non-finite slot gradients and count them). The dense
+                gradients are checked at every step whatever k: a step with NaN or Inf
+                in them is skipped whole (no dense step, no embedding update) and
+                counted in ``nonfinite_steps``, since applying it would make the dense
+                model NaN for good.
 
         Raises:
             Misuse: no forward before, the batch was not served for training, or backward
@@ -464,6 +469,18 @@ class TrainCtx(EmbeddingCtx):
             finite = self.all_ranks_agree(finite)
         self.steps += 1
         opt = self.dense_optimizer
+        if finite and self.grad_scaler is None and not _dense_grads_finite(opt):
+            # Checked every step (the scaler checks its own): one NaN or Inf dense gradient
+            # (a NaN label, a loss that overflowed) would turn every dense parameter NaN
+            # for good, and the stream would be consumed untrained from then on. The
+            # gradients are all-reduced already, so every rank skips the same steps.
+            finite = False
+            self.nonfinite_dense_steps += 1
+            if self.nonfinite_dense_steps == 1 or self.nonfinite_dense_steps % 100 == 0:
+                log.warning("step %d: the dense gradients hold NaN or Inf (a NaN label or "
+                            "feature?): the step is skipped, neither the dense model nor "
+                            "the embeddings are updated (%d such steps so far; counted in "
+                            "nonfinite_steps)", self.steps - 1, self.nonfinite_dense_steps)
         if not finite:
             self.nonfinite_steps += 1
             if self.grad_scaler is not None:
@@ -649,6 +666,7 @@ class TrainCtx(EmbeddingCtx):
     def stats(self) -> dict[str, int]:
         """Counters: steps, skipped steps (non-finite, overflow), pushes, worker-side drops."""
         return {"steps": self.steps, "nonfinite_steps": self.nonfinite_steps,
+                "nonfinite_dense_steps": self.nonfinite_dense_steps,
                 "overflow_steps": self.overflow_steps, "pushed": self.pushed,
                 "worker_skipped_slots": self.worker_skipped_slots,
                 "dropped_updates": self.dropped_updates,
@@ -695,6 +713,18 @@ class TrainCtx(EmbeddingCtx):
 
 def _has_grads(opt: torch.optim.Optimizer) -> bool:
     return any(p.grad is not None for group in opt.param_groups for p in group["params"])
+
+
+def _dense_grads_finite(opt: torch.optim.Optimizer) -> bool:
+    """True when no gradient of the optimizer's parameters holds NaN or Inf, nor sums
+    past the float range (a gradient that large is not one to apply either).
+
+    One sum per tensor: NaN and Inf reach the total, at about a twentieth of the cost of
+    ``isfinite(g).all()`` (0.55 ms against 11 ms for a 1.5M-parameter MLP on one thread,
+    0.3% of its training step)."""
+    sums = [p.grad.sum(dtype=torch.float32) for group in opt.param_groups
+            for p in group["params"] if p.grad is not None]
+    return bool(torch.isfinite(torch.stack(sums).sum())) if sums else True
 
 
 def _grad_array(g: torch.Tensor | None, scale: float) -> np.ndarray | None:

@@ -1,18 +1,20 @@
 """Hostile but legitimate batches on the NN side: the model's positional inputs keep the
 order of the first batch trained (batches whose data loader sends slots, named non-ID
 features or labels in another order are arranged by name, and one with another set of
-them is refused, naming it: never fed misplaced)."""
+them is refused, naming it: never fed misplaced), and a NaN label skips its step rather
+than turn the dense model NaN for good."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from nn_helpers import LEARNABLE_SCHEMA, LEARNABLE_SLOTS, SumModel, learnable_batches
 
 from stream_persia.ctx import TrainCtx
 from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding import EmbeddingConfig
-from stream_persia.embedding.data import PersiaBatch
+from stream_persia.embedding.data import Label, PersiaBatch
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import BadInput
 from stream_persia.nn.batch import EmbeddingSlot, PersiaTrainingBatch, arrange
@@ -111,3 +113,30 @@ def test_anonymous_features_stay_positional_and_cannot_change_count():
     with pytest.raises(BadInput, match="a name twice|not distinct") as err:
         arrange(_batch(["a"], ["non_id_type_feature_anonymous"] * 3, []), anon)
     assert err.value.field == "non_id_type_features"
+
+
+def test_a_nan_label_skips_its_step_instead_of_poisoning_the_dense_model(job_factory):
+    job = job_factory(LEARNABLE_SCHEMA)
+    batches = learnable_batches(4, 32)
+    label = batches[1].labels[0].data.copy()
+    label[5, 0] = np.nan                      # one bad label, on a step the k-check skips
+    b = batches[1]
+    batches[1] = PersiaBatch(b.id_type_features, b.non_id_type_features,
+                             [Label(label, "click")])
+    job.feed(batches)
+    model = SumModel(sum(LEARNABLE_SCHEMA.slot(s).dim for s in LEARNABLE_SLOTS) + 1)
+    losses = []
+    with TrainCtx(SGD(lr=0.1), torch.optim.Adam(model.parameters(), lr=0.01), model=model,
+                  embedding_workers=job.worker_addresses, mixed_precision=False,
+                  embedding_config=EmbeddingConfig((-0.01, 0.01))) as ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=4):
+            output, labels = ctx.forward(tb)
+            logits = torch.logit(output.clamp(1e-6, 1 - 1e-6))
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels[0])
+            ctx.backward(loss, embedding_gradient_check_frequency=20)
+            losses.append(float(loss.detach()))
+        stats = ctx.stats()
+    assert np.isnan(losses[1]) and np.isfinite([losses[0], *losses[2:]]).all()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert stats["nonfinite_steps"] == stats["nonfinite_dense_steps"] == 1
+    assert stats["pushed"] == 4
