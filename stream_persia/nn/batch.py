@@ -28,8 +28,9 @@ import numpy as np
 import torch
 
 from stream_persia.core.served import ServedBatch
+from stream_persia.errors import BadInput
 
-__all__ = ["EmbeddingSlot", "PersiaTrainingBatch", "from_served", "input_signature"]
+__all__ = ["EmbeddingSlot", "PersiaTrainingBatch", "arrange", "from_served", "input_signature"]
 
 
 @dataclass(eq=False)
@@ -153,3 +154,64 @@ def input_signature(batch: PersiaTrainingBatch) -> dict[str, Any]:
                 for name, t in zip(batch.non_id_type_feature_names or
                                    [None] * len(batch.non_id_type_features),
                                    batch.non_id_type_features, strict=True)]}
+
+
+def arrange(batch: PersiaTrainingBatch, signature: dict[str, Any],
+            label_names: list[str | None] | None = None) -> None:
+    """Put ``batch``'s inputs in the order of the batches the model was trained on, in
+    place: the model takes positional lists, so a data loader that sends its slots (or
+    named non-ID features, or labels) in another order from one batch to the next would
+    feed one slot's embeddings where the model learned another's, silently. They are
+    matched by name, as the API matches inference requests (:mod:`stream_persia.api.inputs`).
+
+    Args:
+        signature: :func:`input_signature` of the first batch trained (or the one a
+            restored checkpoint recorded).
+        label_names: the label names of the first batch trained (None: not known).
+
+    Raises:
+        BadInput: the batch lacks a slot, feature or label the model was trained with, or
+            has one it was not (names the field: ``id_type_features.<slot>``, ...).
+    """
+    emb = batch.id_type_feature_embeddings
+    order = _positions("id_type_features", list(signature.get("id_type_features") or []),
+                       [slot.name for slot in emb])
+    if order is not None:
+        batch.id_type_feature_embeddings = [emb[i] for i in order]
+    non_id = [f.get("name") if isinstance(f, dict) else None
+              for f in signature.get("non_id_type_features") or []]
+    names = batch.non_id_type_feature_names or [None] * len(batch.non_id_type_features)
+    order = _positions("non_id_type_features", non_id, list(names))
+    if order is not None:
+        batch.non_id_type_features = [batch.non_id_type_features[i] for i in order]
+        batch.non_id_type_feature_names = [names[i] for i in order]
+    if label_names is not None and batch.labels is not None:
+        order = _positions("labels", label_names, list(batch.label_names))
+        if order is not None:
+            batch.labels = [batch.labels[i] for i in order]
+            batch.label_names = [batch.label_names[i] for i in order]
+
+
+def _positions(what: str, want: list[str | None], have: list[str | None]) -> list[int] | None:
+    """Where each of ``want`` is in ``have`` (None: already in order). Names that are not
+    distinct strings in ``want`` cannot be matched: then ``have`` must hold the same names
+    in the same order (anonymous features stay positional)."""
+    if have == want:
+        return None
+    distinct = all(isinstance(n, str) for n in want) and len(set(want)) == len(want)
+    missing = [n for n in want if n not in have]
+    unknown = [n for n in have if n not in want]
+    if missing or unknown or not distinct or len(have) != len(want):
+        name = (missing or unknown or [None])[0]
+        raise BadInput(
+            f"{what}: this batch has {have}, but the model was trained on batches with "
+            f"{want}" + (f": missing {missing}" if missing else "")
+            + (f", unknown {unknown}" if unknown else "")
+            + ("" if missing or unknown else " (a name twice)" if distinct else
+               " (names that are not distinct cannot be matched, so their order must not "
+               "change)"),
+            field=f"{what}.{name}" if name is not None else what,
+            hint="every batch of a job must carry the same features (the model takes them "
+                 "as positional lists); fix the data loader")
+    where = {n: i for i, n in enumerate(have)}
+    return [where[n] for n in want]

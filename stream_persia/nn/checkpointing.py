@@ -28,7 +28,8 @@
 4. Barrier; prefetching resumes.
 
 The manifest's ``config_digest`` is the digest of the job's embedding schema (the file
-``PERSIA_EMBEDDING_CONFIG`` names; :mod:`stream_persia.checkpoint.digest`).
+``PERSIA_EMBEDDING_CONFIG`` names, else the one the embedding workers plan batches with:
+:func:`checkpoint_schema`; :mod:`stream_persia.checkpoint.digest`).
 
 ``load_checkpoint(src)`` (every rank): refuse a checkpoint whose ``config_digest`` is not
 this job's embedding schema (``Misuse`` naming what differs), quiesce, barrier; for a
@@ -67,11 +68,11 @@ from stream_persia.checkpoint import (
 )
 from stream_persia.checkpoint.cut import check_servers_kept
 from stream_persia.config.embedding import EmbeddingSchema
-from stream_persia.errors import BadInput, Misuse
+from stream_persia.errors import BadInput, Misuse, RemoteError
 from stream_persia.nn.seams import ContextSeam, TrainerSeam
 
-__all__ = ["dump_checkpoint", "dump_embedding", "dump_torch_state_dict", "job_schema",
-           "load_checkpoint", "load_embedding", "load_torch_state_dict", "scripted"]
+__all__ = ["checkpoint_schema", "dump_checkpoint", "dump_embedding", "dump_torch_state_dict",
+           "job_schema", "load_checkpoint", "load_embedding", "load_torch_state_dict", "scripted"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,35 @@ def job_schema() -> EmbeddingSchema | None:
     from stream_persia.config import load_embedding_config
 
     return load_embedding_config()
+
+
+def checkpoint_schema(cluster: Any) -> EmbeddingSchema | None:
+    """The schema checkpoints are digested and checked with: :func:`job_schema`, else
+    the one the embedding workers plan batches with (their ``schema``). A training
+    script run without ``PERSIA_EMBEDDING_CONFIG`` wrote checkpoints without a digest
+    and restored any unchecked, so rows of a renamed or reordered slot were read as
+    another slot's. None only when no worker is known or none answers ``schema``
+    (older workers): then unchecked, as before (logged).
+
+    Raises:
+        Misuse: the workers plan batches with different schemas (names them).
+    """
+    schema = job_schema()
+    if schema is not None or not getattr(cluster, "workers", None):
+        return schema
+    try:
+        replies = cluster.run(cluster.call_workers("schema"))
+    except (Misuse, RemoteError) as e:
+        log.warning("PERSIA_EMBEDDING_CONFIG is not set and the embedding workers do not "
+                    "tell their schema (%s): checkpoints are written and restored without "
+                    "checking their embedding config", e)
+        return None
+    differ = [i for i, r in enumerate(replies) if r != replies[0]]
+    if differ:
+        raise Misuse(f"embedding workers {differ} plan batches with another embedding "
+                     f"schema than worker 0", field="embedding_config",
+                     hint="start every embedding worker with the same embedding_config.yml")
+    return EmbeddingSchema.from_dict(replies[0])
 
 
 def _rank(ctx: ContextSeam) -> int:
@@ -218,7 +248,7 @@ def _write(ctx: ContextSeam, cluster: Any, dst_dir: str, *, trainer: TrainerSeam
         note("committing")
         manifest = writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0),
                                  offsets=offsets, stream=stream,
-                                 schema=job_schema(),
+                                 schema=checkpoint_schema(cluster),
                                  extra={"world_size": getattr(ctx, "world_size", 1),
                                         # the newest sample event time in the dense model
                                         # (a serving replica starts its trained_through)
@@ -263,7 +293,7 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
     cluster = ctx.require_cluster()
     manifest = read_manifest(src_dir)
     # Every rank, before anything changes: rows of another embedding schema are refused.
-    check_config(manifest, job_schema(), f"checkpoint {src_dir}")
+    check_config(manifest, checkpoint_schema(cluster), f"checkpoint {src_dir}")
     resume = trainer.quiesce(strict=False) if trainer is not None else []
     try:
         _barrier(ctx)
@@ -320,7 +350,7 @@ def dump_embedding(ctx: ContextSeam, dst_dir: str, blocking: bool = True
         with CheckpointWriter(dst_dir) as writer:
             cluster.run(writer.dump_embeddings(cluster.servers))
             writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0), offsets={},
-                          stream="direct", schema=job_schema(),
+                          stream="direct", schema=checkpoint_schema(cluster),
                           extra={"embedding_only": True})
 
     return _guarded(ctx, dump, blocking)
@@ -331,7 +361,8 @@ def load_embedding(ctx: ContextSeam, src_dir: str, blocking: bool = True
     """Replace the servers' rows by the checkpoint's (resharded to the server count)."""
     cluster = ctx.require_cluster()
     # Fail here, not in the background, on a wrong path or another embedding schema.
-    check_config(read_manifest(src_dir), job_schema(), f"checkpoint {src_dir}")
+    check_config(read_manifest(src_dir), checkpoint_schema(cluster),
+                 f"checkpoint {src_dir}")
 
     def load() -> None:
         cluster.run(load_embeddings(src_dir, cluster.servers))

@@ -6,7 +6,11 @@ cluster.Cluster`); entering it connects and waits (bounded) until every role ans
 
 What the model receives (``forward(non_id_type_feature_tensors,
 id_type_feature_embedding_tensors)``, PERSIA's signature), slot by slot in the batch's
-ID-feature order:
+ID-feature order. In a ``TrainCtx`` that order (and the non-ID features' and labels')
+is the one of the first batch trained, or of the restored checkpoint: later batches are
+arranged by name to match it, and one with another set of slots, named features or
+labels is refused (``BadInput`` naming it), since the model takes positional lists and
+would read one slot's embeddings as another's:
 
 - a summation slot: float32 ``(batch, dim)``;
 - a raw slot (``embedding_summation: false``): float32 ``(batch, sample_fixed_size,
@@ -187,12 +191,15 @@ class EmbeddingCtx:
         leaves that require grad; their gradients are what ``backward`` sends back.
 
         Raises:
-            BadInput: an EVAL batch without labels (INFERENCE allows none).
+            BadInput: an EVAL batch without labels (INFERENCE allows none); in a
+                ``TrainCtx``, a batch that lacks a slot, named feature or label of the
+                batches trained before, or has one they had not (names the field).
         """
         batch = persia_training_batch
         if not isinstance(batch, PersiaTrainingBatch):
             raise BadInput(f"expected a PersiaTrainingBatch, got {type(batch).__name__}",
                            field="persia_training_batch")
+        self._arrange(batch)
         dev = self.device
         non_blocking = dev.type == "cuda"
         non_id = [t.to(dev, non_blocking=non_blocking) for t in batch.non_id_type_features]
@@ -225,6 +232,10 @@ class EmbeddingCtx:
             emb_tensors.append(gathered)
         self._prepared(batch, leaves if grad else None)
         return non_id, emb_tensors, labels
+
+    def _arrange(self, batch: PersiaTrainingBatch) -> None:
+        """Hook for TrainCtx: put the batch's inputs in the order the model was trained
+        on (:func:`stream_persia.nn.batch.arrange`)."""
 
     def _prepared(self, batch: PersiaTrainingBatch, leaves: list | None) -> None:
         """Hook for TrainCtx: remember the leaves of the batch being trained."""

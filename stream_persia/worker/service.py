@@ -64,7 +64,9 @@ RPC methods (params → result):
   loss was accepted (``lost_messages``; :meth:`KafkaIngest.status`);
   ``pause_ingest`` / ``resume_ingest``
   (a paused worker takes no batch from Kafka, and ``ingest`` waits); ``servers`` →
-  embedding server addresses; ``metrics`` → Prometheus text.
+  embedding server addresses; ``schema`` → the embedding schema batches are planned with
+  (``EmbeddingSchema.to_dict()``: an NN worker started without ``PERSIA_EMBEDDING_CONFIG``
+  digests and checks its checkpoints with it); ``metrics`` → Prometheus text.
 - Replica 0 only, the checkpoint mailbox (:mod:`stream_persia.worker.mailbox`: how a
   checkpoint started over HTTP reaches the NN ranks): ``nn_heartbeat {"rank",
   "world_size", "step"}`` → ``{"checkpoint": {"id", "dst", "report_every_s"} | None}``,
@@ -309,7 +311,7 @@ class EmbeddingWorker:
             "health": self._health, "ingest": self._ingest, "next_batch": self._next_batch,
             "push_gradients": self._push_gradients, "lookup_batch": self._lookup_batch,
             "status": self._status, "pause_ingest": self._pause, "resume_ingest": self._resume,
-            "servers": self._servers, "metrics": self._metrics,
+            "servers": self._servers, "schema": self._schema, "metrics": self._metrics,
             "return_batches": self._return_batches, "frontier": self._frontier,
             "reset_stream": self._reset_stream, "check_stream": self._check_stream,
             "commit_offsets": self._commit_offsets,
@@ -726,6 +728,9 @@ class EmbeddingWorker:
 
     async def _servers(self, params: Any) -> list[str]:
         return self.router.addresses
+
+    async def _schema(self, params: Any) -> dict[str, Any]:
+        return self.schema.to_dict()
 
     async def _metrics(self, params: Any) -> bytes:
         return self.metrics.render()

@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaProducer
 from nn_helpers import SumModel
 
 from stream_persia.checkpoint import config_digest, read_manifest, verify
-from stream_persia.config import GlobalConfig, KafkaConfig
+from stream_persia.config import GlobalConfig, KafkaConfig, load_embedding_config
 from stream_persia.ctx import DataCtx, TrainCtx, eval_ctx
 from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding.optim import Adagrad
@@ -268,6 +268,34 @@ def test_restore_refuses_a_checkpoint_of_another_embedding_schema(job_factory, t
         assert ctx.steps == 2 and job.rows() == manifest.rows
         assert any(not np.array_equal(a, b) for a, b in zip(
             _eval_embeddings(job, probe), trained, strict=True)), "the cut's rows are back"
+
+
+def test_without_the_config_variable_the_workers_schema_is_digested_and_checked(
+        job_factory, tmp_path, monkeypatch):
+    """A training script run without PERSIA_EMBEDDING_CONFIG digests its checkpoints with
+    the schema the embedding workers plan batches with, so a restore into a job whose
+    slots_config lists two same-dim slots in another order (their rows would be read as
+    each other's) is refused rather than done unchecked."""
+    monkeypatch.delenv("PERSIA_EMBEDDING_CONFIG", raising=False)
+    swapped = tmp_path / "swapped.yml"
+    swapped.write_text(EMBEDDING_YAML.replace("  user: {dim: 8}\n", "").replace(
+        "  tags:", "  user: {dim: 8}\n  tags:"))
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(2)], background=False)
+    model = SumModel(IN_DIM)
+    ck = str(tmp_path / "ck")
+    with _ctx(job, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        for tb in DataLoader(StreamingDataset(), max_batches=2):
+            _step(ctx, tb)
+        ctx.dump_checkpoint(ck)
+    assert read_manifest(ck).config_digest == config_digest(SCHEMA)
+    other = job_factory(load_embedding_config(str(swapped)))
+    assert list(other.workers[0].schema.slots) == ["item", "user", "tags"]
+    with _ctx(other, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        with pytest.raises(Misuse, match="another order") as err:
+            ctx.load_checkpoint(ck)
+        assert err.value.field == "config_digest"
+        assert other.rows() == 0   # nothing restored
 
 
 def test_kafka_and_direct_workers_refuse_the_checkpoint(job_factory, kafka_broker,
