@@ -182,6 +182,40 @@ async def test_bad_requests_are_422_naming_the_field(trained):
         assert r.status_code == 422 and r.json()["error"]["field"] == "id_type_features.color"
 
 
+async def test_a_key_given_twice_or_a_boolean_value_is_422_not_read_silently(trained):
+    """A JSON parser keeps the last of two equal keys and numpy reads true as 1.0: either
+    would score something other than what the request says, without a word."""
+    job, model, ckpt = trained
+    async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local")) as api:
+        ids = '"user": [[1]], "item": [2], "tags": [[3]]'
+        dense = '"non_id_type_features": {"dense": [[0.1, 0.2, 0.3]]}'
+
+        def doc(id_part: str, rest: str) -> str:
+            return '{"id_type_features": {' + id_part + '}, ' + rest + '}'
+
+        cases = [
+            (doc('"user": [[7]], ' + ids, dense), "id_type_features.user"),
+            (doc(ids, '"non_id_type_features": {"dense": [[0.1, 0.2, 0.3]], '
+                      '"dense": [[0.4, 0.5, 0.6]]}'), "non_id_type_features.dense"),
+            (doc('"user": [[9]], "item": [9], "tags": [[9]]',
+                 '"id_type_features": {' + ids + '}, ' + dense), "id_type_features"),
+            (doc(ids, '"non_id_type_features": {"dense": [[true, 0.2, 0.3]]}'),
+             "non_id_type_features.dense"),
+            (doc(ids, '"non_id_type_features": {"dense": [[false, true, false]]}'),
+             "non_id_type_features.dense"),
+        ]
+        for body, field in cases:
+            r = await api.client.post("/v1/predict", content=body.encode(),
+                                      headers={"content-type": "application/json"})
+            assert r.status_code == 422, (body, r.text)
+            assert r.json()["error"]["field"] == field, (body, r.json())
+        # "true" in a name is not a value (the checkpoint takes its one feature by any name)
+        body = doc(ids, '"non_id_type_features": {"is_true": [[1, 0.5, 0]]}').encode()
+        r = await api.client.post("/v1/predict", content=body,
+                                  headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+
+
 async def test_one_bad_request_does_not_fail_its_micro_batch(trained):
     job, model, ckpt = trained
     async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local",
