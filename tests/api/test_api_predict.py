@@ -216,6 +216,41 @@ async def test_a_key_given_twice_or_a_boolean_value_is_422_not_read_silently(tra
         assert r.status_code == 200, r.text
 
 
+class PickItem(torch.nn.Module):
+    """A score, an item id (int64, past 2**24 where float32 has gaps) and a bool flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, non_id: list[torch.Tensor], emb: list[torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+        x = non_id[0]
+        item = 16777217 + torch.arange(x.shape[0]) + (x[:, 0] > 0).long() * 1000   # 2**24 + 1
+        return {"score": torch.sigmoid(self.linear(x)).squeeze(1), "item": item,
+                "flag": x[:, 0] > 0}
+
+
+async def test_integer_and_bool_heads_are_answered_exactly(job, tmp_path):
+    """An integer head went through float32: item 16777217 was answered as 16777216.0."""
+    ckpt = await write_checkpoint(job, str(tmp_path / "pick"), PickItem())
+    async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local")) as api:
+        body = {"id_type_features": {"user": [[1], [2]], "item": [2, 3], "tags": [[3], []]},
+                "non_id_type_features": {"dense": [[0.5, 0.0, 0.0], [-1.0, 0.0, 0.0]]}}
+        r = await api.client.post("/v1/predict", json=body)
+        assert r.status_code == 200, r.text
+        got = [(p["item"], p["flag"]) for p in r.json()["predictions"]]
+        assert got == [(2**24 + 1 + 1000, True), (2**24 + 2, False)]
+        assert all(type(i) is int for i, _ in got)
+        assert all(isinstance(p["score"], float) for p in r.json()["predictions"])
+        r = await api.client.post("/v1/predict", json=body,
+                                  headers={"accept": "application/msgpack"})
+        outputs = wire.unpack(r.content)["outputs"]
+        assert outputs["item"].tolist() == [2**24 + 1 + 1000, 2**24 + 2]
+        assert outputs["flag"].tolist() == [True, False]
+        assert outputs["score"].dtype == np.float32
+
+
 async def test_one_bad_request_does_not_fail_its_micro_batch(trained):
     job, model, ckpt = trained
     async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local",
