@@ -241,6 +241,7 @@ class Replica:
         self._positions = positions
         self.dense_step = dense_step
         self.dense_event_time = dense_event_time
+        self.refused_step = -1   # the newest dense model that did not fit the served one
         self.trained_through: float | None = None
         self._known: float | None = None   # trained_through before it became unknown
         self.advances: collections.deque[tuple[float, float]] = collections.deque(
@@ -278,7 +279,8 @@ class Replica:
                             "resyncs": c.resyncs, "applied": dict(c.applied)}
                            for c in self.cursors],
                 "advances": [list(a) for a in list(self.advances)[-256:]],
-                "counts": dict(self.counts), "dense_event_time": self.dense_event_time}
+                "counts": dict(self.counts), "dense_event_time": self.dense_event_time,
+                "dense_refused_step": self.refused_step if self.refused_step >= 0 else None}
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, *, over_rpc: bool = True) -> None:
@@ -403,14 +405,14 @@ class Replica:
     async def pull_dense(self) -> bool:
         """Fetch and apply server 0's dense model if newer; True when one was applied."""
         role = self.roles.servers[0]
-        first = await self.roles.call(role, "get_dense", {"since": self.dense_step,
-                                                          "chunk": 0})
+        since = max(self.dense_step, self.refused_step)   # a refused one is not fetched again
+        first = await self.roles.call(role, "get_dense", {"since": since, "chunk": 0})
         if first.get("data") is None:
             return False
         step, chunks, digest = int(first["version"]), int(first["chunks"]), first["sha256"]
         parts = [first["data"]]
         for i in range(1, chunks):
-            r = await self.roles.call(role, "get_dense", {"since": self.dense_step, "chunk": i})
+            r = await self.roles.call(role, "get_dense", {"since": since, "chunk": i})
             if r.get("data") is None or int(r["version"]) != step:
                 return False   # replaced by a newer one meanwhile: start over next time
             parts.append(r["data"])
@@ -419,8 +421,14 @@ class Replica:
 
     async def apply_dense(self, blob: bytes, step: int, digest: Any,
                           event_time: Any) -> bool:
-        """Check a whole dense blob and serve it if it is newer (from RPC or Kafka)."""
-        if step <= self.dense_step:
+        """Check a whole dense blob and serve it if it is newer (from RPC or Kafka).
+
+        Raises:
+            BadInput: the blob is corrupt, not a state dict, or one that does not fit the
+                served model (another architecture): that step is refused, the served
+                model stays, and the next newer one is tried.
+        """
+        if step <= max(self.dense_step, self.refused_step):
             return False
         self.counts["bytes"] += len(blob)
         if not isinstance(digest, str) or hashlib.sha256(blob).hexdigest() != digest:
@@ -437,7 +445,15 @@ class Replica:
                            f"{type(e).__name__}", field="data") from None
         if not isinstance(state, dict):
             raise BadInput("the dense model blob is not a state dict", field="data")
-        await self.on_dense(state, step, event_time)
+        try:
+            await self.on_dense(state, step, event_time)
+        except Exception as e:   # load_state_dict: missing, unexpected or reshaped keys
+            self.refused_step = step
+            raise BadInput(f"the dense model of step {step} does not fit the served model "
+                           f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}); "
+                           f"still serving step {self.dense_step}", field="data",
+                           hint="a model of another architecture needs a new checkpoint "
+                                "(POST /v1/model/reload)") from None
         self.dense_step = step
         self.dense_event_time = event_time
         self.counts["dense_loads"] += 1

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 from api_helpers import (
+    Click,
     Gated,
     LiveApi,
     TwoHeads,
@@ -273,4 +274,33 @@ async def test_an_answer_names_the_trained_through_of_the_model_that_gave_it(tmp
             assert (r.json()["model_version"], r.json()["trained_through"]) == (11, t2)
     finally:
         Gated.GATE.set()
+        await stop_job(job)
+
+
+async def test_a_dense_model_that_does_not_fit_is_refused_and_following_goes_on(tmp_path):
+    """A dense model of another architecture published by training: refused once (counted,
+    the served model stays), and the next one that fits is served. Its load error used to
+    end the task that follows server 0's dense models, silently: no newer model ever again."""
+    job = await start_job(n_servers=2)
+    try:
+        await job.train(2)
+        _, settings = await replica_of(job, tmp_path)
+        async with LiveApi(settings) as replica:
+            await publish_dense(job, Click(seed=1), step=20, event_time=time.time())
+            async with asyncio.timeout(20):
+                while (info := (await replica.client.get("/v1/model")).json()
+                       )["replica"]["counts"]["dense_failures"] < 1:
+                    await asyncio.sleep(0.05)
+            assert info["model_version"] == 1 and info["replica"]["dense_refused_step"] == 20
+            r = await replica.client.post("/v1/predict", json=eval_bodies()[0])
+            assert r.status_code == 200 and r.json()["model_version"] == 1
+            await publish_dense(job, TwoHeads(seed=11), step=21, event_time=time.time())
+            async with asyncio.timeout(20):
+                while (info := (await replica.client.get("/v1/model")).json()
+                       )["model_version"] != 21:
+                    await asyncio.sleep(0.05)
+            assert info["replica"]["counts"]["dense_failures"] == 1   # not fetched again
+            r = await replica.client.post("/v1/predict", json=eval_bodies()[0])
+            assert r.status_code == 200 and r.json()["model_version"] == 21
+    finally:
         await stop_job(job)
