@@ -9,9 +9,11 @@ import pytest
 import torch
 from api_helpers import AUTH, LiveApi, TwoHeads, settings_for, write_checkpoint
 
+from stream_persia.checkpoint import JIT_FILENAME, CheckpointWriter, read_manifest
 from stream_persia.core import wire
 from stream_persia.embedding.data import IDTypeFeature, NonIDTypeFeature, PersiaBatch
 from stream_persia.nn.batch import from_served
+from stream_persia.nn.checkpointing import scripted
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
 from stream_persia.testing.samples import make_batch
 
@@ -249,6 +251,33 @@ async def test_integer_and_bool_heads_are_answered_exactly(job, tmp_path):
         assert outputs["item"].tolist() == [2**24 + 1 + 1000, 2**24 + 2]
         assert outputs["flag"].tolist() == [True, False]
         assert outputs["score"].dtype == np.float32
+
+
+async def test_a_patch_checkpoint_is_served_with_its_whole_chain(trained, tmp_path):
+    """An incremental checkpoint holds only the rows changed since its parent: served
+    alone (local embeddings) most ids answered as missing, zeros, unlike a full
+    checkpoint of the same moment."""
+    job, model, _ = trained
+    root = tmp_path / "chain"
+    await write_checkpoint(job, str(root / "base"), model)
+    await job.train(1, seed=3)          # a few rows change after the base
+    clients = [job.client(a) for a in job.server_addresses]
+    with CheckpointWriter(str(root / "patch")) as w:
+        w.write_bytes(JIT_FILENAME, scripted(model))
+        await w.dump_embeddings(clients, parent=read_manifest(str(root / "base")))
+        patch = w.commit(job="test", step=2, offsets={}, stream="direct")
+    assert patch.is_patch and 0 < patch.rows < patch.table_rows
+    full = await write_checkpoint(job, str(root / "full"), model)
+    answers = []
+    for ckpt in (full, str(root / "patch")):
+        async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local")) as api:
+            r = await api.client.post("/v1/predict", json=json_body(unseen_batch(9, 16)))
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+    assert answers[1]["missing_ids"] == answers[0]["missing_ids"]
+    for p_full, p_patch in zip(answers[0]["predictions"], answers[1]["predictions"],
+                               strict=True):
+        assert p_patch["click"] == pytest.approx(p_full["click"], abs=1e-6)
 
 
 async def test_one_bad_request_does_not_fail_its_micro_batch(trained):
