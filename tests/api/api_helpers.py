@@ -67,6 +67,9 @@ class Gated(TwoHeads):
         return super().forward(non_id, emb)
 
 
+Gated.GATE.set()
+
+
 class DenseAndContext(torch.nn.Module):
     """PERSIA-signature model over testing.samples.SCHEMA with two non-ID features of the
     same width (dense 3, ctx 3): swapping any two inputs still runs, but scores
