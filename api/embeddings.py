@@ -3,9 +3,9 @@
 - **workers**: each request is looked up by an embedding worker (``lookup_batch``, mode
   ``infer``: nothing inserted, recency untouched), which plans and pools it exactly as it
   does for training; the served slots become tensors here.
-- **local**: the rows of a checkpoint's shard files are loaded into a read-only
-  :class:`~stream_persia.server.store.EmbeddingStore` inside the API process
-  (single-node serving). A micro-batch of requests is planned, looked up and pooled in
+- **local**: the rows of a checkpoint's shard files (for a patch, its whole chain's) are
+  loaded into a read-only :class:`~stream_persia.server.store.EmbeddingStore` inside the
+  API process (single-node serving). A micro-batch of requests is planned, looked up and pooled in
   one pass with the worker's own functions (:mod:`stream_persia.worker.batchplan` with
   ``server_pooling=False``, :mod:`stream_persia.worker.pooling`), so the
   result equals what a worker would serve.
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from stream_persia.checkpoint import Manifest
+from stream_persia.checkpoint import Manifest, chain_of
 from stream_persia.checkpoint._common import Location
 from stream_persia.config import EmbeddingSchema
 from stream_persia.core.data import IDTypeFeature, PersiaBatch
@@ -119,18 +119,34 @@ class CheckpointTable:
     @classmethod
     def load(cls, manifest: Manifest, schema: EmbeddingSchema,
              capacity: int | None = None) -> CheckpointTable:
-        """Load every shard file the manifest lists (blocking; call off the event loop).
+        """Load the checkpoint's rows (blocking; call off the event loop): for a patch
+        (an incremental checkpoint), its whole chain as a restore loads it, the base, then
+        each patch's tombstones removed and its rows written over
+        (:mod:`stream_persia.server.patches`); a patch alone holds only the rows changed
+        since its parent. Every file is checked against the manifest (size, sha256, rows).
 
         Optimizer state is dropped: serving never updates a row. ``capacity``: the most
-        rows held (LRU beyond it; default: the checkpoint's rows).
+        rows held (LRU beyond it; default: the rows of the checkpoint's chain).
+
+        Raises:
+            BadInput: a checkpoint of the chain is missing or another one, or a file is
+                missing, truncated or corrupt (names it).
         """
-        loc = Location(manifest.path or "")
-        store = EmbeddingStore(capacity or max(manifest.rows, 1), SGD(lr=0.0))
-        for name in manifest.embedding_files:
-            for chunk in read_shard_file(loc.url, name):
-                store.load([{"dim": chunk["dim"], "ids": chunk["ids"],
-                             "weights": chunk["weights"]}])
-        log.info("loaded %d embedding rows from %s", len(store), loc.url)
+        chain = chain_of(manifest.path or "") if manifest.is_patch else [manifest]
+        store = EmbeddingStore(capacity or max(manifest.table_rows, 1), SGD(lr=0.0))
+        for m in chain:
+            url = Location(m.path or "").url
+            for name in (m.chain or {}).get("tombstone_files") or []:
+                for record in read_shard_file(url, name, expected=m.files[name]):
+                    ids = np.ascontiguousarray(record["ids"], np.uint64)
+                    if len(ids):
+                        store.remove(ids)
+            for name in m.embedding_files:
+                for chunk in read_shard_file(url, name, expected=m.files[name]):
+                    store.load([{"dim": chunk["dim"], "ids": chunk["ids"],
+                                 "weights": chunk["weights"]}])
+        log.info("loaded %d embedding rows from %s (%d checkpoint(s) of its chain)",
+                 len(store), Location(manifest.path or "").url, len(chain))
         return cls(store, schema)
 
     def __len__(self) -> int:

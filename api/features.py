@@ -7,9 +7,11 @@ JSON (``application/json``)::
 
 where ``ids_of_sample_i`` is a list of uint64 ids (possibly empty) or one id. A slot whose
 samples are all single ids becomes an ``IDTypeFeatureWithSingleID``. Non-ID rows are
-nested lists of numbers, read as float32, and every sample must have the same shape. The
-order of the keys does not matter: the predictor matches slots and non-ID features to
-the served model's inputs by name (:mod:`stream_persia.api.inputs`).
+nested lists of numbers (``true``/``false`` are refused, not read as 1/0), read as
+float32, and every sample must have the same shape. The order of the keys does not
+matter: the predictor matches slots and non-ID features to the served model's inputs by
+name (:mod:`stream_persia.api.inputs`). A key given twice in one object (which a JSON
+parser would silently resolve to its last value) is refused, naming it.
 
 msgpack (``application/msgpack``): the bytes of ``PersiaBatch.to_bytes()``, decoded
 without copying under the wire limits; dtypes are kept as sent.
@@ -86,7 +88,9 @@ def _ids(slot: str, samples: Any) -> IDTypeFeature:
     return IDTypeFeature.from_csr(slot, values, offsets)
 
 
-def _dense(name: str, rows: Any, batch_size: int) -> NonIDTypeFeature:
+def _dense(name: str, rows: Any, batch_size: int, maybe_bools: bool) -> NonIDTypeFeature:
+    """``maybe_bools``: the body holds a ``true`` or ``false`` somewhere (numpy would read
+    one among numbers as 1 or 0, so only then are the values looked at one by one)."""
     field = f"non_id_type_features.{name}"
     if not isinstance(rows, list):
         raise _fail(field, f"expected a list with one row per sample, got "
@@ -98,6 +102,10 @@ def _dense(name: str, rows: Any, batch_size: int) -> NonIDTypeFeature:
     if data is None or data.dtype.kind not in "biuf":
         raise _fail(field, "must be nested lists of numbers with the same shape for every "
                            "sample", "e.g. [[0.1, 0.2], [0.3, 0.4]]")
+    if data.dtype.kind == "b" or (maybe_bools and any(
+            type(x) is bool for x in np.array(rows, dtype=object).ravel())):
+        raise _fail(field, "holds true or false; non-ID values are numbers",
+                    "send 1.0 or 0.0")
     with np.errstate(over="ignore"):   # beyond float32 becomes inf, refused just below
         data = data.astype(np.float32)
     if data.ndim < 1 or data.shape[0] != batch_size:
@@ -112,7 +120,7 @@ def _dense(name: str, rows: Any, batch_size: int) -> NonIDTypeFeature:
 def parse_json(body: bytes, schema: EmbeddingSchema | None, max_rows: int) -> PersiaBatch:
     """Parse and validate a JSON inference request."""
     try:
-        doc = json.loads(body, parse_constant=_reject_constant)
+        doc = json.loads(body, parse_constant=_reject_constant, object_pairs_hook=_Object)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadInput(f"body is not valid JSON: {e}", field="body") from None
     except RecursionError:
@@ -125,6 +133,7 @@ def parse_json(body: bytes, schema: EmbeddingSchema | None, max_rows: int) -> Pe
         key = sorted(unknown)[0]
         raise BadInput(f"unknown field {key!r}", field=key,
                        hint="accepted: id_type_features, non_id_type_features")
+    _once(doc, "")
     id_part = doc.get("id_type_features")
     if not isinstance(id_part, dict) or not id_part:
         raise BadInput("id_type_features must be a non-empty object of slot -> samples",
@@ -135,6 +144,8 @@ def parse_json(body: bytes, schema: EmbeddingSchema | None, max_rows: int) -> Pe
     if not isinstance(dense_part, dict):
         raise BadInput("non_id_type_features must be an object of name -> rows",
                        field="non_id_type_features")
+    _once(id_part, "id_type_features.")
+    _once(dense_part, "non_id_type_features.")
     for slot, samples in id_part.items():   # rows limit before any big allocation
         if isinstance(samples, list) and len(samples) > max_rows:
             raise TooLarge(f"id_type_features.{slot} has {len(samples)} samples; the limit "
@@ -150,8 +161,34 @@ def parse_json(body: bytes, schema: EmbeddingSchema | None, max_rows: int) -> Pe
             raise BadInput(f"id_type_features.{f.name} has {f.batch_size} samples but "
                            f"{features[0].name} has {size}", field=f"id_type_features.{f.name}",
                            hint="every feature holds one entry per sample")
-    dense = [_dense(name, rows, size) for name, rows in dense_part.items()]
+    maybe_bools = bool(dense_part) and (b"true" in body or b"false" in body)
+    dense = [_dense(name, rows, size, maybe_bools) for name, rows in dense_part.items()]
     return PersiaBatch(features, non_id_type_features=dense, requires_grad=False)
+
+
+class _Object(dict):
+    """A JSON object that remembers the first key it was given twice (``json.loads``
+    keeps the last value of such a key without a word)."""
+
+    twice: str | None = None
+
+    def __init__(self, pairs: list[tuple[str, Any]]):
+        super().__init__(pairs)
+        if len(self) != len(pairs):
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    self.twice = key
+                    break
+                seen.add(key)
+
+
+def _once(obj: Any, prefix: str) -> None:
+    """BadInput naming a key of ``obj`` given twice."""
+    key = getattr(obj, "twice", None)
+    if key is not None:
+        raise BadInput(f"{prefix}{key}: given twice", field=f"{prefix}{key}",
+                       hint="name each feature once")
 
 
 def _reject_constant(name: str) -> Any:

@@ -11,7 +11,8 @@ Two ways to get it:
 The model is called as PERSIA's ``forward(non_id_type_feature_tensors,
 id_type_feature_embedding_tensors)`` in eval mode under ``torch.inference_mode``. Its
 output may be one tensor or a tuple/list/dict of tensors (multi-task heads); each head
-must have one row per sample. Head names: the dict keys, else ``manifest.extra["heads"]``,
+must have one row per sample; floating heads are answered as float32, integer and bool
+heads as they are. Head names: the dict keys, else ``manifest.extra["heads"]``,
 else ``output`` (one tensor) or ``head_<i>``.
 """
 
@@ -63,7 +64,9 @@ class DenseModel:
 
     def forward(self, non_id: list[torch.Tensor], embeddings: list[torch.Tensor],
                 batch_size: int) -> dict[str, np.ndarray]:
-        """Run the model; returns head name → float array with ``batch_size`` rows.
+        """Run the model; returns head name → array with ``batch_size`` rows: float32 for a
+        floating head, the head's own dtype for an integer or bool one (say, an item id: one
+        above 2**24 has no float32, which would silently name a neighbour).
 
         Raises:
             BadInput: the model rejected the inputs (shapes or dtypes it does not take).
@@ -106,7 +109,9 @@ class DenseModel:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise InternalError(f"model head {name!r} is {got}; expected a tensor with "
                                     f"{batch_size} rows (one per sample)")
-            heads[name] = t.detach().to("cpu", torch.float32).numpy()
+            t = t.detach().to("cpu")
+            heads[name] = (t.numpy() if not (t.dtype.is_floating_point or t.dtype.is_complex)
+                           else t.to(torch.float32).numpy())
         return heads
 
 

@@ -362,6 +362,9 @@ class Predictor:
     async def _run(self, jobs: list[Job]) -> None:
         served = self._served     # one model per micro-batch, even if a reload lands now
         assert served is not None
+        # ... and the trained_through of that model, taken with it on the loop: read after
+        # the forward it could name a dense model or a checkpoint that landed meanwhile.
+        through = self._trained_through(served)
         loop = asyncio.get_running_loop()
         self.metrics.batch_requests.observe(len(jobs))
         rows = sum(j.rows for j in jobs)
@@ -370,9 +373,10 @@ class Predictor:
             # Small enough (well under a millisecond) to run on the loop: handing it to the
             # thread costs more than that in wake-ups and GIL hand-offs. Not on a replica:
             # its table is written on the forward thread, so it is read there too.
-            results = self._compute_safe(served, jobs)
+            results = self._compute_safe(served, jobs, through)
         else:
-            results = await loop.run_in_executor(self._pool, self._compute_safe, served, jobs)
+            results = await loop.run_in_executor(self._pool, self._compute_safe, served, jobs,
+                                                 through)
         for job, result in zip(jobs, results, strict=True):
             if job.future.done():
                 continue
@@ -381,10 +385,20 @@ class Predictor:
             else:
                 job.future.set_result(result)
 
-    def _compute_safe(self, served: Served, jobs: list[Job]
+    def _trained_through(self, served: Served) -> float | None:
+        """The replica's ``trained_through`` if it follows ``served``'s table (None while a
+        reload is between models): dense swaps and table writes happen on the loop and on
+        the forward thread, so at the start of a micro-batch the answer reflects at least
+        that much."""
+        replica = self.replica
+        if replica is None or served.table is None or replica.store is not served.table.store:
+            return None
+        return replica.trained_through
+
+    def _compute_safe(self, served: Served, jobs: list[Job], through: float | None
                       ) -> Sequence[Prediction | Exception]:
         try:
-            return self._compute(served, jobs)
+            return self._compute(served, jobs, through)
         except BadInput as e:
             if len(jobs) == 1:
                 return [e]
@@ -394,12 +408,13 @@ class Predictor:
         out: list[Prediction | Exception] = []
         for job in jobs:   # isolate the request(s) the model rejects
             try:
-                out.extend(self._compute(served, [job]))
+                out.extend(self._compute(served, [job], through))
             except Exception as e:
                 out.append(e)
         return out
 
-    def _compute(self, served: Served, jobs: list[Job]) -> list[Prediction]:
+    def _compute(self, served: Served, jobs: list[Job], through: float | None
+                 ) -> list[Prediction]:
         # Arranged for the model served when they arrived: a reload since may have
         # brought another order (arranging is a no-op otherwise).
         batches = [served.inputs.arrange(j.payload[0]) for j in jobs]
@@ -414,7 +429,6 @@ class Predictor:
         total = sum(rows)
         heads = served.dense.forward(non_id_tensors(batches), embeddings, total)
         out, start = [], 0
-        through = self.replica.trained_through if self.replica is not None else None
         for n, miss in zip(rows, missing, strict=True):
             part = {name: a[start:start + n] for name, a in heads.items()}
             out.append(Prediction(served.version, part, int(miss), n, served.dense.step,

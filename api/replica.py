@@ -36,6 +36,16 @@ the dense model's. The histogram ``persia_api_freshness_seconds`` observes, each
 ``trained_through`` advances, the age of the oldest sample the advance covers (now minus
 the previous ``trained_through``), an upper bound of the freshness of every sample in it;
 ``GET /v1/model`` lists recent advances for exact measurements.
+
+A published dense model that does not fit the served one (another architecture) is
+refused: counted in ``dense_failures``, named in ``GET /v1/model`` as
+``dense_refused_step``, never fetched again; the served model stays until a newer one of
+the refused lineage, or one of another lineage, fits.
+
+Size: one module past 500 lines on purpose: one class, the replica's state and the two
+streams it follows (the shards' update logs and the dense model), which share its table,
+cursors and advance bookkeeping; the messages' schema and checks are the module functions
+below it.
 """
 
 from __future__ import annotations
@@ -251,6 +261,9 @@ class Replica:
         self.dense_step = dense_step
         self.dense_event_time = dense_event_time
         self.dense_lineage = check_lineage(dense_lineage, "dense_lineage")
+        # the newest dense model (lineage, step) that did not fit the served one: not
+        # fetched again; None once a model was served after it
+        self.refused: tuple[int, int] | None = None
         self.trained_through: float | None = None
         self._known: float | None = None   # trained_through before it became unknown
         self.advances: collections.deque[tuple[float, float]] = collections.deque(
@@ -290,7 +303,8 @@ class Replica:
                            for c in self.cursors],
                 "advances": [list(a) for a in list(self.advances)[-256:]],
                 "counts": dict(self.counts), "dense_event_time": self.dense_event_time,
-                "dense_lineage": self.dense_lineage}
+                "dense_lineage": self.dense_lineage,
+                "dense_refused_step": self.refused[1] if self.refused is not None else None}
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, *, over_rpc: bool = True) -> None:
@@ -415,7 +429,10 @@ class Replica:
     async def pull_dense(self) -> bool:
         """Fetch and apply server 0's dense model if newer or of another lineage (True)."""
         role = self.roles.servers[0]
-        ask = {"since": self.dense_step, "lineage": self.dense_lineage}
+        # A refused model is not fetched again: ask past it (server 0 holds it or a newer
+        # one; the lineages it replaced never come back), else past the one served.
+        lineage_, since = self.refused or (self.dense_lineage, self.dense_step)
+        ask = {"since": since, "lineage": lineage_}
         first = await self.roles.call(role, "get_dense", {**ask, "chunk": 0})
         if first.get("data") is None:
             return False
@@ -433,8 +450,17 @@ class Replica:
 
     async def apply_dense(self, blob: bytes, step: int, digest: Any,
                           event_time: Any, lineage: int = LEGACY_LINEAGE) -> bool:
-        """Check a whole dense blob; serve it if newer or of another lineage (RPC, Kafka)."""
+        """Check a whole dense blob; serve it if newer or of another lineage (RPC, Kafka).
+
+        Raises:
+            BadInput: the blob is corrupt, not a state dict, or one that does not fit the
+                served model (another architecture): that model is refused, the served
+                one stays, and the next newer one is tried.
+        """
         if lineage == self.dense_lineage and step <= self.dense_step:
+            return False
+        if self.refused is not None and lineage == self.refused[0] \
+                and step <= self.refused[1]:
             return False
         self.counts["bytes"] += len(blob)
         if not isinstance(digest, str) or hashlib.sha256(blob).hexdigest() != digest:
@@ -451,12 +477,21 @@ class Replica:
                            f"{type(e).__name__}", field="data") from None
         if not isinstance(state, dict):
             raise BadInput("the dense model blob is not a state dict", field="data")
-        await self.on_dense(state, step, event_time)
+        try:
+            await self.on_dense(state, step, event_time)
+        except Exception as e:   # load_state_dict: missing, unexpected or reshaped keys
+            self.refused = (lineage, step)
+            raise BadInput(f"the dense model of step {step} does not fit the served model "
+                           f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}); "
+                           f"still serving step {self.dense_step}", field="data",
+                           hint="a model of another architecture needs a new checkpoint "
+                                "(POST /v1/model/reload)") from None
         if lineage != self.dense_lineage:
             self.counts["dense_lineage_changes"] += 1
             log.warning("replica: serving the dense model of lineage %d step %d (was lineage "
                         "%d step %d): the trainer restarted", lineage, step,
                         self.dense_lineage, self.dense_step)
+        self.refused = None
         self.dense_step = step
         self.dense_event_time = event_time
         self.dense_lineage = lineage

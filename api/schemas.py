@@ -311,8 +311,9 @@ class PredictResponse(BaseModel):
     rows: int
     missing_ids: int = Field(description="ids absent from the embedding tables (zeros used)")
     heads: list[str]
-    predictions: list[dict[str, float | list[Any] | None]] = Field(
-        description="per sample: head -> a number, or nested lists for wider heads (null "
+    predictions: list[dict[str, float | int | bool | list[Any] | None]] = Field(
+        description="per sample: head -> a number (an integer or bool head keeps its type, "
+                    "never rounded through float32), or nested lists for wider heads (null "
                     "where the model's output is not finite)")
 
 

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import hashlib
 import io
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,24 @@ class TwoHeads(torch.nn.Module):
         parts = [non_id[0]] + [e.reshape(e.shape[0], -1) for e in emb]
         h = torch.relu(self.body(torch.cat(parts, dim=1)))
         return {"click": torch.sigmoid(self.click(h)).squeeze(1), "buy": self.buy(h)}
+
+
+class Gated(TwoHeads):
+    """TwoHeads whose forward sets ``ENTERED`` and then waits for ``GATE`` (set: no wait),
+    so a test can make something happen while a forward pass is under way."""
+
+    ENTERED = threading.Event()
+    GATE = threading.Event()
+
+    def forward(self, non_id: list[torch.Tensor], emb: list[torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+        Gated.ENTERED.set()
+        if not Gated.GATE.wait(30):
+            raise TimeoutError("the test never opened the gate")
+        return super().forward(non_id, emb)
+
+
+Gated.GATE.set()
 
 
 class DenseAndContext(torch.nn.Module):

@@ -9,9 +9,11 @@ import pytest
 import torch
 from api_helpers import AUTH, LiveApi, TwoHeads, settings_for, write_checkpoint
 
+from stream_persia.checkpoint import JIT_FILENAME, CheckpointWriter, read_manifest
 from stream_persia.core import wire
 from stream_persia.embedding.data import IDTypeFeature, NonIDTypeFeature, PersiaBatch
 from stream_persia.nn.batch import from_served
+from stream_persia.nn.checkpointing import scripted
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
 from stream_persia.testing.samples import make_batch
 
@@ -180,6 +182,102 @@ async def test_bad_requests_are_422_naming_the_field(trained):
         r = await api.client.post("/v1/predict", content=odd.to_bytes(),
                                   headers={"content-type": "application/msgpack"})
         assert r.status_code == 422 and r.json()["error"]["field"] == "id_type_features.color"
+
+
+async def test_a_key_given_twice_or_a_boolean_value_is_422_not_read_silently(trained):
+    """A JSON parser keeps the last of two equal keys and numpy reads true as 1.0: either
+    would score something other than what the request says, without a word."""
+    job, model, ckpt = trained
+    async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local")) as api:
+        ids = '"user": [[1]], "item": [2], "tags": [[3]]'
+        dense = '"non_id_type_features": {"dense": [[0.1, 0.2, 0.3]]}'
+
+        def doc(id_part: str, rest: str) -> str:
+            return '{"id_type_features": {' + id_part + '}, ' + rest + '}'
+
+        cases = [
+            (doc('"user": [[7]], ' + ids, dense), "id_type_features.user"),
+            (doc(ids, '"non_id_type_features": {"dense": [[0.1, 0.2, 0.3]], '
+                      '"dense": [[0.4, 0.5, 0.6]]}'), "non_id_type_features.dense"),
+            (doc('"user": [[9]], "item": [9], "tags": [[9]]',
+                 '"id_type_features": {' + ids + '}, ' + dense), "id_type_features"),
+            (doc(ids, '"non_id_type_features": {"dense": [[true, 0.2, 0.3]]}'),
+             "non_id_type_features.dense"),
+            (doc(ids, '"non_id_type_features": {"dense": [[false, true, false]]}'),
+             "non_id_type_features.dense"),
+        ]
+        for body, field in cases:
+            r = await api.client.post("/v1/predict", content=body.encode(),
+                                      headers={"content-type": "application/json"})
+            assert r.status_code == 422, (body, r.text)
+            assert r.json()["error"]["field"] == field, (body, r.json())
+        # "true" in a name is not a value (the checkpoint takes its one feature by any name)
+        body = doc(ids, '"non_id_type_features": {"is_true": [[1, 0.5, 0]]}').encode()
+        r = await api.client.post("/v1/predict", content=body,
+                                  headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+
+
+class PickItem(torch.nn.Module):
+    """A score, an item id (int64, past 2**24 where float32 has gaps) and a bool flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, non_id: list[torch.Tensor], emb: list[torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+        x = non_id[0]
+        item = 16777217 + torch.arange(x.shape[0]) + (x[:, 0] > 0).long() * 1000   # 2**24 + 1
+        return {"score": torch.sigmoid(self.linear(x)).squeeze(1), "item": item,
+                "flag": x[:, 0] > 0}
+
+
+async def test_integer_and_bool_heads_are_answered_exactly(job, tmp_path):
+    """An integer head went through float32: item 16777217 was answered as 16777216.0."""
+    ckpt = await write_checkpoint(job, str(tmp_path / "pick"), PickItem())
+    async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local")) as api:
+        body = {"id_type_features": {"user": [[1], [2]], "item": [2, 3], "tags": [[3], []]},
+                "non_id_type_features": {"dense": [[0.5, 0.0, 0.0], [-1.0, 0.0, 0.0]]}}
+        r = await api.client.post("/v1/predict", json=body)
+        assert r.status_code == 200, r.text
+        got = [(p["item"], p["flag"]) for p in r.json()["predictions"]]
+        assert got == [(2**24 + 1 + 1000, True), (2**24 + 2, False)]
+        assert all(type(i) is int for i, _ in got)
+        assert all(isinstance(p["score"], float) for p in r.json()["predictions"])
+        r = await api.client.post("/v1/predict", json=body,
+                                  headers={"accept": "application/msgpack"})
+        outputs = wire.unpack(r.content)["outputs"]
+        assert outputs["item"].tolist() == [2**24 + 1 + 1000, 2**24 + 2]
+        assert outputs["flag"].tolist() == [True, False]
+        assert outputs["score"].dtype == np.float32
+
+
+async def test_a_patch_checkpoint_is_served_with_its_whole_chain(trained, tmp_path):
+    """An incremental checkpoint holds only the rows changed since its parent: served
+    alone (local embeddings) most ids answered as missing, zeros, unlike a full
+    checkpoint of the same moment."""
+    job, model, _ = trained
+    root = tmp_path / "chain"
+    await write_checkpoint(job, str(root / "base"), model)
+    await job.train(1, seed=3)          # a few rows change after the base
+    clients = [job.client(a) for a in job.server_addresses]
+    with CheckpointWriter(str(root / "patch")) as w:
+        w.write_bytes(JIT_FILENAME, scripted(model))
+        await w.dump_embeddings(clients, parent=read_manifest(str(root / "base")))
+        patch = w.commit(job="test", step=2, offsets={}, stream="direct")
+    assert patch.is_patch and 0 < patch.rows < patch.table_rows
+    full = await write_checkpoint(job, str(root / "full"), model)
+    answers = []
+    for ckpt in (full, str(root / "patch")):
+        async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings="local")) as api:
+            r = await api.client.post("/v1/predict", json=json_body(unseen_batch(9, 16)))
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+    assert answers[1]["missing_ids"] == answers[0]["missing_ids"]
+    for p_full, p_patch in zip(answers[0]["predictions"], answers[1]["predictions"],
+                               strict=True):
+        assert p_patch["click"] == pytest.approx(p_full["click"], abs=1e-6)
 
 
 async def test_one_bad_request_does_not_fail_its_micro_batch(trained):

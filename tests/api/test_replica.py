@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 from api_helpers import (
+    Click,
+    Gated,
     LiveApi,
     TwoHeads,
     publish_dense,
@@ -30,6 +32,19 @@ from api_helpers import (
 from stream_persia.embedding.data import PersiaBatch
 from stream_persia.errors import BadInput
 from stream_persia.testing.samples import make_batch
+
+
+async def train_stamped(job, n_batches: int, event_time: float, seed: int = 0) -> None:
+    """``job.train`` with every batch stamped ``event_time`` (the servers' marks carry it)."""
+    worker = job.client(job.workers[0].address)
+    rng = np.random.default_rng(seed)
+    for i in range(n_batches):
+        batch = make_batch(i, seed=seed).stamped(event_time)
+        await worker.call("ingest", {"batch": batch.to_wire()})
+        served = await worker.call("next_batch", {"timeout_ms": 2000})
+        grads = {e["name"]: rng.normal(size=e["emb"].shape).astype(np.float32)
+                 for e in served["embeddings"]}
+        await worker.call("push_gradients", {"batch_id": served["batch_id"], "grads": grads})
 
 
 def eval_bodies() -> list[dict]:
@@ -287,5 +302,81 @@ async def test_a_replica_reloads_another_checkpoint_and_its_metrics_go_on(tmp_pa
                         if ln.startswith("persia_api_replica_pulls_total"))
             assert float(line.split()[-1]) >= pulls
             assert "persia_api_freshness_seconds_bucket" in text
+    finally:
+        await stop_job(job)
+
+
+async def test_an_answer_names_the_trained_through_of_the_model_that_gave_it(tmp_path):
+    """A newer dense model (later event time) that lands while a forward pass of the older
+    one is under way: that answer names the older step and the older trained_through, not
+    the newer one (which it does not reflect)."""
+    job = await start_job(n_servers=2)
+    Gated.GATE.set()
+    try:
+        t1 = time.time() - 100.0
+        t2 = t1 + 50.0
+        await train_stamped(job, 3, t1)
+        ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), Gated(seed=3),
+                                      jit=False)
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                checkpoint_dir=str(tmp_path / "ckpts"),
+                                model_class="api_helpers:Gated")
+        async with LiveApi(settings) as replica:
+            await publish_dense(job, Gated(seed=4), step=10, event_time=t1)
+            await train_stamped(job, 2, t2, seed=1)    # the shards reach t2, the dense t1
+            async with asyncio.timeout(20):
+                while (info := await drained(replica, job))["model_version"] != 10:
+                    await asyncio.sleep(0.05)
+            assert info["trained_through"] == t1
+            body = eval_bodies()[0]
+            Gated.GATE.clear()
+            Gated.ENTERED.clear()
+            pending = asyncio.create_task(replica.client.post("/v1/predict", json=body))
+            async with asyncio.timeout(20):
+                while not Gated.ENTERED.is_set():
+                    await asyncio.sleep(0.01)
+            # mid-forward: a dense model trained through t2 is published and swapped in
+            await publish_dense(job, Gated(seed=5), step=11, event_time=t2)
+            async with asyncio.timeout(20):
+                while (info := (await replica.client.get("/v1/model")).json()
+                       )["model_version"] != 11:
+                    await asyncio.sleep(0.05)
+            assert info["trained_through"] == t2
+            Gated.GATE.set()
+            r = await pending
+            assert r.status_code == 200, r.text
+            assert (r.json()["model_version"], r.json()["trained_through"]) == (10, t1)
+            r = await replica.client.post("/v1/predict", json=body)
+            assert (r.json()["model_version"], r.json()["trained_through"]) == (11, t2)
+    finally:
+        Gated.GATE.set()
+        await stop_job(job)
+
+
+async def test_a_dense_model_that_does_not_fit_is_refused_and_following_goes_on(tmp_path):
+    """A dense model of another architecture published by training: refused once (counted,
+    the served model stays), and the next one that fits is served. Its load error used to
+    end the task that follows server 0's dense models, silently: no newer model ever again."""
+    job = await start_job(n_servers=2)
+    try:
+        await job.train(2)
+        _, settings = await replica_of(job, tmp_path)
+        async with LiveApi(settings) as replica:
+            await publish_dense(job, Click(seed=1), step=20, event_time=time.time())
+            async with asyncio.timeout(20):
+                while (info := (await replica.client.get("/v1/model")).json()
+                       )["replica"]["counts"]["dense_failures"] < 1:
+                    await asyncio.sleep(0.05)
+            assert info["model_version"] == 1 and info["replica"]["dense_refused_step"] == 20
+            r = await replica.client.post("/v1/predict", json=eval_bodies()[0])
+            assert r.status_code == 200 and r.json()["model_version"] == 1
+            await publish_dense(job, TwoHeads(seed=11), step=21, event_time=time.time())
+            async with asyncio.timeout(20):
+                while (info := (await replica.client.get("/v1/model")).json()
+                       )["model_version"] != 21:
+                    await asyncio.sleep(0.05)
+            assert info["replica"]["counts"]["dense_failures"] == 1   # not fetched again
+            r = await replica.client.post("/v1/predict", json=eval_bodies()[0])
+            assert r.status_code == 200 and r.json()["model_version"] == 21
     finally:
         await stop_job(job)
