@@ -133,7 +133,10 @@ class CheckpointTable:
                 missing, truncated or corrupt (names it).
         """
         chain = chain_of(manifest.path or "") if manifest.is_patch else [manifest]
-        store = EmbeddingStore(capacity or max(manifest.table_rows, 1), SGD(lr=0.0))
+        # the most rows held at any point of the chain (a patch may admit rows a later one
+        # expires): a capacity of the last member's alone would evict live rows midway
+        store = EmbeddingStore(capacity or max(max(m.table_rows for m in chain), 1),
+                               SGD(lr=0.0))
         for m in chain:
             url = Location(m.path or "").url
             for name in (m.chain or {}).get("tombstone_files") or []:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -161,10 +162,15 @@ def parse_json(body: bytes, schema: EmbeddingSchema | None, max_rows: int) -> Pe
             raise BadInput(f"id_type_features.{f.name} has {f.batch_size} samples but "
                            f"{features[0].name} has {size}", field=f"id_type_features.{f.name}",
                            hint="every feature holds one entry per sample")
-    maybe_bools = bool(dense_part) and (b"true" in body or b"false" in body)
+    maybe_bools = bool(dense_part) and _JSON_BOOL.search(body) is not None
     dense = [_dense(name, rows, size, maybe_bools) for name, rows in dense_part.items()]
     return PersiaBatch(features, non_id_type_features=dense, requires_grad=False)
 
+
+
+#: A JSON true or false in value position (after '[', ',' or ':'), not inside a name such
+#: as "false_click_rate": only then are the non-ID values scanned for booleans.
+_JSON_BOOL = re.compile(rb"[\[,:]\s*(?:true|false)\b")
 
 class _Object(dict):
     """A JSON object that remembers the first key it was given twice (``json.loads``

@@ -68,9 +68,14 @@ from stream_persia.api.roles import Roles
 from stream_persia.core.aio import cancel_and_wait
 from stream_persia.core.metrics import RoleMetrics
 from stream_persia.core.stages import StageCollector
-from stream_persia.errors import BadInput, PersiaError
+from stream_persia.errors import BadInput, InternalError, PersiaError
 from stream_persia.kernels.sharding import shard_of
-from stream_persia.server.dense_hub import LEGACY_LINEAGE, check_lineage, lineage_or_legacy
+from stream_persia.server.dense_hub import (
+    LEGACY_LINEAGE,
+    check_lineage,
+    lineage_or_legacy,
+    refused_as_unknown,
+)
 from stream_persia.server.store import Store
 
 __all__ = ["Replica", "ReplicaMetrics", "ShardCursor", "apply_messages", "drop_shard", "message_bytes",
@@ -264,6 +269,7 @@ class Replica:
         # the newest dense model (lineage, step) that did not fit the served one: not
         # fetched again; None once a model was served after it
         self.refused: tuple[int, int] | None = None
+        self._legacy_hub = False   # server 0 refused get_dense's lineage: from before it
         self.trained_through: float | None = None
         self._known: float | None = None   # trained_through before it became unknown
         self.advances: collections.deque[tuple[float, float]] = collections.deque(
@@ -432,8 +438,19 @@ class Replica:
         # A refused model is not fetched again: ask past it (server 0 holds it or a newer
         # one; the lineages it replaced never come back), else past the one served.
         lineage_, since = self.refused or (self.dense_lineage, self.dense_step)
-        ask = {"since": since, "lineage": lineage_}
-        first = await self.roles.call(role, "get_dense", {**ask, "chunk": 0})
+        ask: dict[str, Any] = {"since": since}
+        if not self._legacy_hub:
+            ask["lineage"] = lineage_
+        try:
+            first = await self.roles.call(role, "get_dense", {**ask, "chunk": 0})
+        except BadInput as e:   # server 0 from before lineages (a rolling upgrade)
+            if self._legacy_hub or not refused_as_unknown(e, "lineage"):
+                raise
+            self._legacy_hub = True
+            log.warning("replica: embedding server 0 does not know dense lineages (an older "
+                        "version): following its dense model by step only")
+            ask.pop("lineage")
+            first = await self.roles.call(role, "get_dense", {**ask, "chunk": 0})
         if first.get("data") is None:
             return False
         step, chunks, digest = int(first["version"]), int(first["chunks"]), first["sha256"]
@@ -479,13 +496,17 @@ class Replica:
             raise BadInput("the dense model blob is not a state dict", field="data")
         try:
             await self.on_dense(state, step, event_time)
-        except Exception as e:   # load_state_dict: missing, unexpected or reshaped keys
+        except (RuntimeError, KeyError, ValueError, TypeError) as e:
+            # load_state_dict: missing, unexpected or reshaped keys: this model never fits
             self.refused = (lineage, step)
             raise BadInput(f"the dense model of step {step} does not fit the served model "
                            f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}); "
                            f"still serving step {self.dense_step}", field="data",
                            hint="a model of another architecture needs a new checkpoint "
                                 "(POST /v1/model/reload)") from None
+        except Exception as e:   # transient (memory): not refused, tried at the next pull
+            raise InternalError(f"the dense model of step {step} could not be loaded "
+                                f"({type(e).__name__}: {str(e)[:200]}); tried again") from None
         if lineage != self.dense_lineage:
             self.counts["dense_lineage_changes"] += 1
             log.warning("replica: serving the dense model of lineage %d step %d (was lineage "

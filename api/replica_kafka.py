@@ -213,7 +213,7 @@ class KafkaFollow:
                 if await self.replica.apply_dense(blob, msg["version"], msg["sha256"],
                                                   msg["event_time"], msg["lineage"]):
                     self.replica.counts["dense_kafka"] += 1
-            except BadInput as e:
+            except PersiaError as e:   # refused, or not loadable now: the next one comes
                 await self._dead_letter(rec, e)
 
     async def _dead_letter(self, rec: Any, e: Exception) -> None:

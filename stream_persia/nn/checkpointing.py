@@ -130,12 +130,14 @@ def checkpoint_schema(cluster: Any) -> EmbeddingSchema | None:
                     "tell their schema (%s): checkpoints are written and restored without "
                     "checking their embedding config", e)
         return None
-    differ = [i for i, r in enumerate(replies) if r != replies[0]]
+    # by digest: slot order matters to it, and dict equality ignores order
+    schemas = [EmbeddingSchema.from_dict(r) for r in replies]
+    differ = [i for i, s in enumerate(schemas) if s.digest() != schemas[0].digest()]
     if differ:
         raise Misuse(f"embedding workers {differ} plan batches with another embedding "
                      f"schema than worker 0", field="embedding_config",
                      hint="start every embedding worker with the same embedding_config.yml")
-    return EmbeddingSchema.from_dict(replies[0])
+    return schemas[0]
 
 
 def _rank(ctx: ContextSeam) -> int:

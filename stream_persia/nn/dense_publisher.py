@@ -72,8 +72,14 @@ from typing import Any
 import torch
 
 from stream_persia.config import ModelUpdatesConfig
+from stream_persia.errors import BadInput
 from stream_persia.nn.cluster import Cluster
-from stream_persia.server.dense_hub import DENSE_CHUNK_BYTES, MAX_LINEAGE, chunk_count
+from stream_persia.server.dense_hub import (
+    DENSE_CHUNK_BYTES,
+    MAX_LINEAGE,
+    chunk_count,
+    refused_as_unknown,
+)
 
 __all__ = ["DensePublisher", "model_updates_config", "new_lineage", "serialize", "snapshot"]
 
@@ -142,6 +148,13 @@ class DensePublisher:
         self._started: int | None = step
         self._inflight: concurrent.futures.Future[bool] | None = None
         self._failing = False
+        # Whether this lineage has a model of its own to publish: a step trained, or a
+        # checkpoint restored (into the servers too). A context that trains nothing (a
+        # run that found no data, a smoke test) must not replace the live trainer's model
+        # with its untrained one when it exits or idles.
+        self._publishable = False
+        # server 0 predates lineages (refused the field): publish without it
+        self._legacy_hub = False
         #: the id of this publisher's publications (module docstring)
         self.lineage = new_lineage()
         log.info("dense model publications: lineage %d from step %d", self.lineage, step)
@@ -167,6 +180,7 @@ class DensePublisher:
         old, self.lineage = self.lineage, new_lineage()
         self._last_step, self._last_time = step, self._clock()
         self._started = None        # the restored model is not published: idle() sends it
+        self._publishable = True
         self.last_version = None
         log.info("dense model publications: lineage %d from step %d (restored; was %d)",
                  self.lineage, step, old)
@@ -175,6 +189,7 @@ class DensePublisher:
     def step_boundary(self, step: int, event_time: float | None) -> None:
         """After a training step: publish the model at ``step`` when due (cheap when not:
         a clock read)."""
+        self._publishable = True
         now = self._clock()
         if step - self._last_step < self.every_steps \
                 and now - self._last_time < self.interval_s:
@@ -191,7 +206,7 @@ class DensePublisher:
         is still in flight; the next due one counts from here. The last one started is
         sent again when it failed, ``dense_interval_ms`` after the try."""
         fut = self._inflight
-        if fut is not None and not fut.done():
+        if not self._publishable or (fut is not None and not fut.done()):
             return
         now = self._clock()
         if step == self._started:   # sent already (or restored): again only if it failed
@@ -221,7 +236,7 @@ class DensePublisher:
             if fut is not None:
                 fut.result(self.timeout_s)
             step, event_time = final
-            if step != self.last_version:
+            if self._publishable and step != self.last_version:
                 self._start(step, event_time)
                 fut, self._inflight = self._inflight, None
                 if fut is not None:
@@ -244,10 +259,24 @@ class DensePublisher:
             n = chunk_count(len(blob))
             view = memoryview(blob)
             for i in range(n):
-                await server.call("put_dense", {
+                params = {
                     "version": version, "event_time": event_time, "chunk": i, "chunks": n,
                     "data": view[i * DENSE_CHUNK_BYTES:(i + 1) * DENSE_CHUNK_BYTES],
-                    "sha256": sha, "lineage": lineage}, timeout_ms=self.timeout_s * 1000)
+                    "sha256": sha}
+                if not self._legacy_hub:
+                    params["lineage"] = lineage
+                try:
+                    await server.call("put_dense", params, timeout_ms=self.timeout_s * 1000)
+                except BadInput as e:
+                    if self._legacy_hub or not refused_as_unknown(e, "lineage"):
+                        raise
+                    # A server from before lineages (a rolling upgrade that reached the
+                    # NN workers first): publish as the legacy lineage it knows.
+                    self._legacy_hub = True
+                    log.warning("embedding server 0 does not know dense lineages (an older "
+                                "version): publishing without one until it is upgraded")
+                    params.pop("lineage")
+                    await server.call("put_dense", params, timeout_ms=self.timeout_s * 1000)
         except Exception as e:
             self.failed += 1
             if not self._failing:

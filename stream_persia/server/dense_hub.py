@@ -83,7 +83,7 @@ from stream_persia.errors import BadInput
 
 __all__ = ["DEFAULT_MAX_DENSE_BYTES", "DENSE_CHUNK_BYTES", "LEGACY_LINEAGE", "MAX_LINEAGE",
            "REPLACED_LINEAGES_KEPT", "DenseChunk", "DenseHub", "check_lineage", "chunk_count",
-           "lineage_or_legacy"]
+           "lineage_or_legacy", "refused_as_unknown"]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,15 @@ def lineage_or_legacy(value: Any, key: str = "lineage") -> int:
     """A ``lineage`` field as received: None (absent: from before lineages) is the
     :data:`LEGACY_LINEAGE`, else :func:`check_lineage`."""
     return LEGACY_LINEAGE if value is None else check_lineage(value, key)
+
+
+def refused_as_unknown(error: BadInput, key: str) -> bool:
+    """Whether a peer refused a request because it does not know the field ``key`` (a
+    peer from before that field: this module's "unknown <method> field(s)"), rather than
+    for its value."""
+    message = str(getattr(error, "message", "") or error)
+    return getattr(error, "field", None) == key and "unknown" in message \
+        and "field" in message
 
 
 def _check_keys(params: Any, allowed: frozenset[str], method: str) -> dict:

@@ -191,6 +191,34 @@ async def test_a_restarted_trainers_dense_model_is_served_at_a_lower_step(tmp_pa
         await stop_job(job)
 
 
+async def test_a_replica_follows_an_older_server_0_that_knows_no_lineages(tmp_path,
+                                                                         monkeypatch):
+    """A rolling upgrade that reaches the API before the embedding servers: server 0
+    refuses get_dense's unknown 'lineage' field (here: the hub's fields as they were
+    before lineages). The replica asks by step alone from then on and follows the dense
+    model, instead of failing every pull until the servers are upgraded."""
+    from stream_persia.server import dense_hub
+
+    monkeypatch.setattr(dense_hub, "_GET_KEYS", frozenset({"since", "chunk"}))
+    job = await start_job(n_servers=1)
+    try:
+        await job.train(3)
+        _, settings = await replica_of(job, tmp_path)
+        async with LiveApi(settings) as replica:
+            await publish_dense(job, TwoHeads(seed=5), step=60, event_time=time.time())
+            async with asyncio.timeout(20):
+                while (await replica.client.get("/v1/model")).json()["model_version"] != 60:
+                    await asyncio.sleep(0.05)
+            follower = replica.state.predictor.replica
+            assert follower._legacy_hub
+            await publish_dense(job, TwoHeads(seed=6), step=61, event_time=time.time())
+            async with asyncio.timeout(20):
+                while (await replica.client.get("/v1/model")).json()["model_version"] != 61:
+                    await asyncio.sleep(0.05)
+    finally:
+        await stop_job(job)
+
+
 async def test_a_replica_takes_the_lineage_and_step_of_its_checkpoint(tmp_path):
     """A checkpoint at step 5 records the lineage its model was published in: a replica
     restored from it does not go back to that lineage's step 4 (a publication that lagged

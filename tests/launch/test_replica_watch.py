@@ -31,3 +31,19 @@ def test_advances_through_one_event_time_measure_nothing():
     # a dense-only advance: applied later, trained through the same sample as the one
     # before it; the report then has a zero span and no freshness (not a crash)
     assert freshness_of([(10.0, 5.0), (11.0, 5.0)]).size == 0
+
+
+def test_the_report_names_the_span_it_timed_and_no_freshness_over_none():
+    from stream_persia.launch.replica_watch import ReplicaWatch
+
+    watch = ReplicaWatch("127.0.0.1:9", "token", [], ["click"])
+    try:
+        watch.advances = {10.0: 5.0, 11.0: 5.0}        # a dense-only advance: same sample
+        out = watch.summary(None, None)
+        assert (out["advances"], out["freshness_span_s"], out["freshness_p50_s"]) \
+            == (2, 0.0, None)
+        watch.advances = {10.0: 5.0, 12.0: 9.0}
+        out = watch.summary(None, None)
+        assert out["freshness_span_s"] == 4.0 and 0 < out["freshness_p50_s"] <= 7.0
+    finally:
+        watch.close()

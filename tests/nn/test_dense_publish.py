@@ -481,3 +481,44 @@ def test_a_restored_model_is_published_in_its_new_lineage_when_the_stream_idles(
         assert publisher.stats()["published"] == 3 and publisher.stats()["failed"] == 0
         publisher.close((3, 3.0))                        # the final model
         assert publisher.stats()["published"] == 4 and publisher.last_version == 3
+
+
+def test_a_context_that_trains_nothing_never_takes_the_model_over():
+    """A TrainCtx against the live servers that trains no step (a run that found no new
+    data, a smoke test) exits cleanly and idles: its untrained model, in a lineage of its
+    own, must not replace the running trainer's (which server 0 would then refuse)."""
+    with server_0() as (_, server, cluster):
+        live = DensePublisher(SumModel(13, hidden=8), cluster, publishing(1), step=0)
+        live.step_boundary(60, 60.0)
+        _until(lambda: live.stats()["published"] == 1)
+        idle = DensePublisher(SumModel(13, hidden=8), cluster, publishing(1), step=0)
+        idle.idle(0, None)
+        idle.close((0, None))
+        assert idle.stats()["published"] == idle.stats()["failed"] == 0
+        assert pull(server.address)[0]["lineage"] == live.lineage
+        live.step_boundary(61, 61.0)                 # the live trainer is not refused
+        _until(lambda: live.stats()["published"] == 2)
+        assert live.stats()["failed"] == 0 and live.last_version == 61
+        live.close((61, 61.0))
+
+
+def test_an_older_server_0_without_lineages_gets_legacy_publications(monkeypatch, caplog):
+    """A rolling upgrade that reaches the NN workers before the embedding servers: server
+    0 refuses put_dense's unknown 'lineage' field (here: the hub's fields as they were
+    before lineages). The publisher publishes without it from then on, logging once,
+    instead of failing every publication until the servers are upgraded."""
+    from stream_persia.server import dense_hub
+
+    monkeypatch.setattr(dense_hub, "_PUT_KEYS", frozenset(
+        {"version", "event_time", "chunk", "chunks", "data", "sha256"}))
+    with server_0() as (_, server, cluster), caplog.at_level("WARNING"):
+        publisher = DensePublisher(SumModel(13, hidden=8), cluster, publishing(1), step=0)
+        for step in (1, 2):
+            publisher.step_boundary(step, float(step))
+            _until(lambda s=step: publisher.stats()["published"] == s)
+        assert publisher.stats()["failed"] == 0 and publisher.last_version == 2
+        meta, _ = pull(server.address)
+        assert (meta["version"], meta["lineage"]) == (2, dense_hub.LEGACY_LINEAGE)
+        assert sum("does not know dense lineages" in r.getMessage()
+                   for r in caplog.records) == 1
+        publisher.close((2, 2.0))
