@@ -15,8 +15,10 @@ vocabulary), 13 dense features, MLP 512-256-1, batch 1,024, BCE loss, Adam for t
 part, Adagrad for the embeddings. Timing starts after ``--warmup`` batches and ends when the
 last measured batch's embedding update has been applied.
 
-Run: ``python load_tests/bench_train.py [--batches 60] [--warmup 10] [--vocab 100000]
-[--json out.json]``.
+Run: ``python load_tests/bench_train.py [--batches 300] [--warmup 10] [--vocab 100000]
+[--json out.json]``. The default of 300 batches gives runs of ~15 s on 2 cores: with 60
+(~3 s each), start-up dominated, and ``hybrid_vs_sync`` read 1.09 in the same quiet
+invocation where 300 batches read 1.27.
 Prints one JSON object: ``samples_per_s`` and ``vs_torch_baseline`` (of the hybrid run,
 staleness 8; best of ``--repeat`` interleaved runs), ``hybrid_vs_sync`` (staleness 8 over
 staleness 1 samples/s; null unless both ran), the baseline's samples/s, and every run's
@@ -222,7 +224,8 @@ def run_pipeline(worker: Any, server: Any, n: int, vocab: int, warmup: int, stal
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=60, help="batches per run")
+    parser.add_argument("--batches", type=int, default=300,
+                        help="batches per run (fewer: start-up dominates the rates)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed batches per run")
     parser.add_argument("--vocab", type=int, default=100_000, help="ids per slot")
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 8])
