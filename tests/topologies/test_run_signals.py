@@ -8,6 +8,7 @@ the signal once every role is up, and check by process group that nothing is lef
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -95,11 +96,18 @@ def test_a_stop_signal_stops_every_role_of_the_run(tmp_path, sig, times, checkpo
         if checkpoint == "skipped":
             # Freeze the NN worker (torchrun and its ranks): the checkpoint, taken at an NN
             # step boundary, cannot finish before the second signal, however fast it is.
-            nn_groups = {st[1] for pid in roles if (st := _stat(pid)) is not None
-                         and b"nn-worker" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+            # Every process of the NN worker by pid as well as by group: torchrun may put
+            # its rank in a group of its own, and a rank left running took the cut (CI).
+            tags = (b"nn-worker", b"stream_persia.launch.rank", b"torch.distributed.run")
+            nn_pids = {pid for pid in roles if _stat(pid) is not None
+                       and any(t in Path(f"/proc/{pid}/cmdline").read_bytes() for t in tags)}
+            nn_groups = {st[1] for pid in nn_pids if (st := _stat(pid)) is not None}
             assert nn_groups, log.read_text()
             for group in nn_groups:
                 os.killpg(group, signal.SIGSTOP)
+            for pid in nn_pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
         for i in range(times):
             if i:
                 wait_for(log, "checkpointing before stopping", proc, 30)
