@@ -72,9 +72,9 @@ from stream_persia.errors import BadInput, InternalError, PersiaError
 from stream_persia.kernels.sharding import shard_of
 from stream_persia.server.dense_hub import (
     LEGACY_LINEAGE,
+    LineageCalls,
     check_lineage,
     lineage_or_legacy,
-    refused_as_unknown,
 )
 from stream_persia.server.store import Store
 
@@ -269,7 +269,7 @@ class Replica:
         # the newest dense model (lineage, step) that did not fit the served one: not
         # fetched again; None once a model was served after it
         self.refused: tuple[int, int] | None = None
-        self._legacy_hub = False   # server 0 refused get_dense's lineage: from before it
+        self._dense_calls = LineageCalls("replica")
         self.trained_through: float | None = None
         self._known: float | None = None   # trained_through before it became unknown
         self.advances: collections.deque[tuple[float, float]] = collections.deque(
@@ -311,6 +311,11 @@ class Replica:
                 "counts": dict(self.counts), "dense_event_time": self.dense_event_time,
                 "dense_lineage": self.dense_lineage,
                 "dense_refused_step": self.refused[1] if self.refused is not None else None}
+
+    @property
+    def _legacy_hub(self) -> bool:
+        """Server 0 refused get_dense's lineage field: it is from before lineages."""
+        return self._dense_calls.legacy
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, *, over_rpc: bool = True) -> None:
@@ -439,25 +444,18 @@ class Replica:
         # one; the lineages it replaced never come back), else past the one served.
         lineage_, since = self.refused or (self.dense_lineage, self.dense_step)
         ask: dict[str, Any] = {"since": since}
-        if not self._legacy_hub:
-            ask["lineage"] = lineage_
-        try:
-            first = await self.roles.call(role, "get_dense", {**ask, "chunk": 0})
-        except BadInput as e:   # server 0 from before lineages (a rolling upgrade)
-            if self._legacy_hub or not refused_as_unknown(e, "lineage"):
-                raise
-            self._legacy_hub = True
-            log.warning("replica: embedding server 0 does not know dense lineages (an older "
-                        "version): following its dense model by step only")
-            ask.pop("lineage")
-            first = await self.roles.call(role, "get_dense", {**ask, "chunk": 0})
+
+        def get(params: dict) -> Any:
+            return self.roles.call(role, "get_dense", params)
+
+        first = await self._dense_calls.call(get, {**ask, "chunk": 0}, lineage_)
         if first.get("data") is None:
             return False
         step, chunks, digest = int(first["version"]), int(first["chunks"]), first["sha256"]
         lineage = lineage_or_legacy(first.get("lineage"))
         parts = [first["data"]]
         for i in range(1, chunks):
-            r = await self.roles.call(role, "get_dense", {**ask, "chunk": i})
+            r = await self._dense_calls.call(get, {**ask, "chunk": i}, lineage_)
             if r.get("data") is None or int(r["version"]) != step \
                     or r.get("lineage", LEGACY_LINEAGE) != lineage:
                 return False   # replaced by a newer one meanwhile: start over next time

@@ -72,13 +72,12 @@ from typing import Any
 import torch
 
 from stream_persia.config import ModelUpdatesConfig
-from stream_persia.errors import BadInput
 from stream_persia.nn.cluster import Cluster
 from stream_persia.server.dense_hub import (
     DENSE_CHUNK_BYTES,
     MAX_LINEAGE,
+    LineageCalls,
     chunk_count,
-    refused_as_unknown,
 )
 
 __all__ = ["DensePublisher", "model_updates_config", "new_lineage", "serialize", "snapshot"]
@@ -153,8 +152,8 @@ class DensePublisher:
         # run that found no data, a smoke test) must not replace the live trainer's model
         # with its untrained one when it exits or idles.
         self._publishable = False
-        # server 0 predates lineages (refused the field): publish without it
-        self._legacy_hub = False
+        # without the lineage field once a server 0 from before it refused it
+        self._calls = LineageCalls("dense model publications")
         #: the id of this publisher's publications (module docstring)
         self.lineage = new_lineage()
         log.info("dense model publications: lineage %d from step %d", self.lineage, step)
@@ -259,24 +258,11 @@ class DensePublisher:
             n = chunk_count(len(blob))
             view = memoryview(blob)
             for i in range(n):
-                params = {
-                    "version": version, "event_time": event_time, "chunk": i, "chunks": n,
-                    "data": view[i * DENSE_CHUNK_BYTES:(i + 1) * DENSE_CHUNK_BYTES],
-                    "sha256": sha}
-                if not self._legacy_hub:
-                    params["lineage"] = lineage
-                try:
-                    await server.call("put_dense", params, timeout_ms=self.timeout_s * 1000)
-                except BadInput as e:
-                    if self._legacy_hub or not refused_as_unknown(e, "lineage"):
-                        raise
-                    # A server from before lineages (a rolling upgrade that reached the
-                    # NN workers first): publish as the legacy lineage it knows.
-                    self._legacy_hub = True
-                    log.warning("embedding server 0 does not know dense lineages (an older "
-                                "version): publishing without one until it is upgraded")
-                    params.pop("lineage")
-                    await server.call("put_dense", params, timeout_ms=self.timeout_s * 1000)
+                await self._calls.call(
+                    lambda p: server.call("put_dense", p, timeout_ms=self.timeout_s * 1000),
+                    {"version": version, "event_time": event_time, "chunk": i, "chunks": n,
+                     "data": view[i * DENSE_CHUNK_BYTES:(i + 1) * DENSE_CHUNK_BYTES],
+                     "sha256": sha}, lineage)
         except Exception as e:
             self.failed += 1
             if not self._failing:

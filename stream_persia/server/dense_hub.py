@@ -75,14 +75,14 @@ import logging
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from stream_persia.errors import BadInput
 
 __all__ = ["DEFAULT_MAX_DENSE_BYTES", "DENSE_CHUNK_BYTES", "LEGACY_LINEAGE", "MAX_LINEAGE",
-           "REPLACED_LINEAGES_KEPT", "DenseChunk", "DenseHub", "check_lineage", "chunk_count",
+           "REPLACED_LINEAGES_KEPT", "DenseChunk", "DenseHub", "LineageCalls", "check_lineage", "chunk_count",
            "lineage_or_legacy", "refused_as_unknown"]
 
 log = logging.getLogger(__name__)
@@ -172,6 +172,30 @@ def refused_as_unknown(error: BadInput, key: str) -> bool:
     message = str(getattr(error, "message", "") or error)
     return getattr(error, "field", None) == key and "unknown" in message \
         and "field" in message
+
+
+class LineageCalls:
+    """A peer's calls of server 0's dense methods with ``lineage``: once a server 0 from
+    before lineages refused the field (a rolling upgrade that reached the caller first),
+    the calls go on without it, as the legacy lineage, logged once (``who`` names the
+    caller)."""
+
+    def __init__(self, who: str):
+        self.who = who
+        self.legacy = False
+
+    async def call(self, call: Callable[[dict], Awaitable[Any]], params: dict,
+                   lineage: int) -> Any:
+        if not self.legacy:
+            try:
+                return await call({**params, "lineage": lineage})
+            except BadInput as e:
+                if not refused_as_unknown(e, "lineage"):
+                    raise
+                self.legacy = True
+                log.warning("%s: embedding server 0 does not know dense lineages (an older "
+                            "version): going on without them until it is upgraded", self.who)
+        return await call(params)
 
 
 def _check_keys(params: Any, allowed: frozenset[str], method: str) -> dict:
