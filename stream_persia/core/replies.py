@@ -58,6 +58,7 @@ class _ServedByServer(TypedDict):
     config: str | None     # the configuration digest (None: never configured)
     incarnation: str
     held: int              # rows held after the request
+    loads: NotRequired[int]   # the loads that replaced its table so far (its table's age)
 
 
 class LookupReply(_ServedByServer):

@@ -18,9 +18,12 @@ RPC methods (params → result):
   group with ``"index"`` (int32) and ``"offsets"`` (int64) is a pooled lookup
   (:mod:`stream_persia.kernels.segments`): its entry is the ``(len(offsets) - 1, dim)`` segment
   sums of the rows instead of the rows.
-- ``update {"groups": [{"dim", "ids", "grads"}], "token"?, "incarnation"?, "source"?,
-  "event_time"?}`` →
-  ``{"applied": int, "dropped": int}``. ``token`` (a string of 1-64 characters, unique to one batch's update on this
+- ``update {"groups": [{"dim", "ids", "grads"}], "token"?, "incarnation"?, "loads"?,
+  "source"?, "event_time"?}`` →
+  ``{"applied": int, "dropped": int}``. ``loads``: the table the update was computed
+  from (a lookup reply's ``loads``); a load (a restore) replaced it since: refused
+  (``ServerRestarted``, field ``loads``), since the gradients belong to rows no longer
+  served. ``token`` (a string of 1-64 characters, unique to one batch's update on this
   server: the embedding workers send ``<worker incarnation>-<batch id>``) makes the update
   idempotent: the server remembers the tokens of the last ``update_tokens`` updates
   (default :data:`UPDATE_TOKENS`; a bounded FIFO checked and filled on the store thread,
@@ -41,7 +44,9 @@ RPC methods (params → result):
   (:mod:`stream_persia.core.watermarks`; counted in
   ``persia_embedding_server_stream_replays_refused_total``; the gauge
   ``persia_embedding_server_stream_partitions`` counts the partitions tracked). The
-  token is checked first: a retried push is a duplicate, not a replay.
+  token is checked first: a retried push is a duplicate, not a replay. An update naming
+  the ``loads`` of a table replaced since is counted in
+  ``persia_embedding_server_stream_stale_updates_refused_total``.
   ``event_time`` (seconds since the Unix epoch, finite, >= 0; BadInput on field
   ``event_time`` otherwise, nothing applied) is the event time of the batch the update is
   for (``PersiaBatch.event_time``). ``trained_through``, the newest event time of any
@@ -59,7 +64,7 @@ RPC methods (params → result):
   it starts; a process restarted at the same address (kill -9, OOM, a lost node, a
   StatefulSet bringing the pod back) has another one and none of the rows the previous
   one held. Lookup and update replies carry ``"incarnation"`` and ``"held"`` (the rows
-  held after the request), ``health`` the incarnation, ``rows`` and ``loads``. A lookup or update whose params
+  held after the request) and ``"loads"``, ``health`` the incarnation, ``rows`` and ``loads``. A lookup or update whose params
   name the ``incarnation`` the caller last saw is refused, before anything is looked up,
   admitted or applied, with :class:`~stream_persia.errors.ServerRestarted` (field
   ``incarnation``) when this process is another one: a retried update meets an empty
@@ -384,6 +389,7 @@ class EmbeddingServer:
         # store thread only, swapped with the table by a load.
         self._marks = Watermarks(f"embedding server {replica_index}")
         self._replays_refused = 0
+        self._stale_updates = 0   # updates refused: their rows' table was replaced by a load
         # The newest event time of any update applied (update in the module docstring);
         # written on the store thread, read anywhere (one float).
         self.trained_through: float | None = None
@@ -415,7 +421,9 @@ class EmbeddingServer:
             "held": float(len(self._tokens))}, counters={"duplicates", "evicted_young"})
         self.metrics.add_callback("stream", lambda: {
             "replays_refused": float(self._replays_refused),
-            "partitions": float(len(self._marks))}, counters={"replays_refused"})
+            "stale_updates_refused": float(self._stale_updates),
+            "partitions": float(len(self._marks))},
+            counters={"replays_refused", "stale_updates_refused"})
         self.metrics.registry.register(self._slot_stats)
         self.metrics.add_callback("expire", lambda: {"errors": float(self._expire_errors)},
                                   counters={"errors"})
@@ -595,7 +603,8 @@ class EmbeddingServer:
                     for dim, ids, pooled in checked]
             missing = 0 if train else store.stats()["misses"] - misses
             return {"rows": rows, "missing": missing, "config": self._config_digest,
-                    "incarnation": self.incarnation, "held": len(store)}
+                    "incarnation": self.incarnation, "held": len(store),
+                    "loads": self._serving.loads}
 
         return await self._run(run)
 
@@ -615,6 +624,11 @@ class EmbeddingServer:
             checked.append((ids, grads))
         want = config_digest_param(params)
         self._check_incarnation(params)
+        table = params.get("loads")
+        if table is not None and (isinstance(table, bool) or not isinstance(table, int)
+                                  or table < 0):
+            raise BadInput(f"loads must be an int >= 0 (a lookup reply's), got "
+                           f"{str(table)[:40]!r}", field="loads")
         source = parse_source(params.get("source"))
         event_time = check_event_time(params.get("event_time"))
         token = params.get("token")
@@ -625,6 +639,15 @@ class EmbeddingServer:
 
         def run() -> UpdateReply:
             self._check_configured(want)
+            if table is not None and table != self._serving.loads:
+                self._stale_updates += 1
+                raise ServerRestarted(
+                    f"embedding server {self.replica_index}'s table was replaced by a load "
+                    f"(a restore; load {self._serving.loads}, the update's rows are of "
+                    f"load {table}) since this update's rows were looked up: it is not "
+                    f"applied to the restored rows; nothing was done", field="loads",
+                    hint="the batch fails; a job restored from a checkpoint trains from "
+                         "its offsets")
             if token is not None and (first := self._tokens.get(token)) is not None:
                 self._token_counts["duplicates"] += 1
                 return {"applied": first[0], "dropped": first[1], "duplicate": True,

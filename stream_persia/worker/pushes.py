@@ -43,7 +43,7 @@ from stream_persia.core.replies import FailedPush, PushReply
 from stream_persia.core.watermarks import Source
 from stream_persia.errors import BadInput, PersiaError, PushFailed, ServerRestarted, StreamReplay
 from stream_persia.worker.batchplan import BatchPlan, reduce_gradients
-from stream_persia.worker.router import PendingUpdate, ShardRouter
+from stream_persia.worker.router import PendingUpdate, ShardRouter, Table
 from stream_persia.worker.shards import UpdateGroup
 
 __all__ = ["GradientPushes", "FailedPush", "PUSHED_MEMORY"]
@@ -121,7 +121,8 @@ class GradientPushes:
     async def push(self, batch_id: int, plan: BatchPlan, source: tuple[int, int] | None,
                    grads: Any, retry_s: float,
                    stream: tuple[str, str] | None = None,
-                   event_time: float | None = None) -> PushReply:
+                   event_time: float | None = None,
+                   tables: dict[int, Table] | None = None) -> PushReply:
         """Apply a served batch's gradients on every server, retrying those that fail for
         up to ``retry_s``; the reply once all did.
 
@@ -132,12 +133,14 @@ class GradientPushes:
 
         ``stream`` is the batch's Kafka ``(topic, writer)``: with ``source`` it goes with
         the update, for the servers' watermarks. ``event_time``, the batch's, goes with
-        it too (the servers' ``trained_through``).
+        it too (the servers' ``trained_through``). ``tables``: the server tables the batch's
+        rows were looked up in; the update reaches those or none
+        (:meth:`~stream_persia.worker.router.ShardRouter.split_update`).
         """
         p = self._pushes.get(batch_id)
         if p is None:
             p = self._pushes[batch_id] = self._reduce(batch_id, plan, source, grads, stream,
-                                                      event_time)
+                                                      event_time, tables)
         # else: pushing (this push shares its outcome), or failed (the update first
         # reduced is sent again; grads are ignored)
         if p.task is not None:
@@ -156,7 +159,8 @@ class GradientPushes:
 
     def _reduce(self, batch_id: int, plan: BatchPlan, source: tuple[int, int] | None,
                 grads: Any, stream: tuple[str, str] | None,
-                event_time: float | None = None) -> _Push:
+                event_time: float | None = None,
+                tables: dict[int, Table] | None = None) -> _Push:
         """Reduce a batch's gradients per unique id and split them per server, once."""
         if not isinstance(grads, dict):
             raise BadInput("grads must be a map of slot name -> gradient (None: no gradient)",
@@ -175,7 +179,7 @@ class GradientPushes:
         if stream is not None and source is not None:   # the servers' watermarks
             mark = Source(stream[0], source[0], source[1], stream[1]).to_wire()
         update = self.router.split_update(groups, f"{self.incarnation}-{batch_id}", mark,
-                                          event_time)
+                                          event_time, tables)
         return _Push(update, source, skipped=list(reduced.skipped))
 
     async def _apply(self, batch_id: int, p: _Push, retry_s: float) -> PushReply:

@@ -63,11 +63,20 @@ only, with exponential backoff until the push's deadline; the servers that repli
 never asked again. A reply thus means the server applied the update exactly once, and a
 timed-out request that the server did apply is recognised when it is retried; a retry that
 reaches a process restarted meanwhile is refused by its incarnation (above), and fails the
-batch with ``on_server_restart: fail``. An update of a Kafka batch also carries the batch's
+batch with ``on_server_restart: fail``, even when that process was restored from a
+checkpoint and adopted since: with ``fail`` an update is pinned to the processes its
+batch's rows were looked up on, and to their loads (:meth:`ShardRouter.lookup`'s
+``seen``): its gradients, applied to a restored table (a restarted process's, or one a
+load replaced while the batch was in flight), would count a batch the stream replays from
+the checkpoint's offsets twice. An update of a Kafka batch also carries the batch's
 ``source`` (topic, partition, offset and the worker stream sending it): the servers keep
 per partition the highest offset applied and refuse another stream's replay
 (:class:`~stream_persia.errors.StreamReplay`, final, not retried); :meth:`ShardRouter.
 watermarks` reads them (:mod:`stream_persia.core.watermarks`).
+
+Size: one module, since lookups, pushes and their retries all read and change the
+per-server state one :class:`ShardRouter` keeps (incarnations, lost servers, the learned
+configuration); the pure splitting and gathering live in :mod:`stream_persia.worker.shards`.
 """
 
 from __future__ import annotations
@@ -98,7 +107,7 @@ from stream_persia.rpc import RpcClient, auth
 from stream_persia.worker import shards
 from stream_persia.worker.shards import LookupGroup, PendingUpdate, UpdateGroup
 
-__all__ = ["ON_SERVER_RESTART", "LostServer", "PendingUpdate", "ShardRouter"]
+__all__ = ["ON_SERVER_RESTART", "LostServer", "PendingUpdate", "ShardRouter", "Table"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +121,21 @@ _ATTEMPTS = 4
 _RESTORE_HINT = ("restore the newest checkpoint (TrainCtx.load_checkpoint, or POST "
                  "/v1/checkpoints/{id}/restore); embedding_worker_config.on_server_restart: "
                  "continue would train on without those rows")
+
+
+class Table(NamedTuple):
+    """The table a server's reply came from: its process (``incarnation``) and the
+    number of loads that replaced its table in that process (None: a server that names
+    none). An update is pinned to the tables its batch's rows were looked up in."""
+
+    incarnation: str | None
+    loads: int | None
+
+    @classmethod
+    def of(cls, reply: Any) -> Table:
+        loads = reply.get("loads")
+        return cls(reply.get("incarnation"),
+                   loads if isinstance(loads, int) and not isinstance(loads, bool) else None)
 
 
 class LostServer(NamedTuple):
@@ -234,11 +258,14 @@ class ShardRouter:
         await self.clients[s].call("configure", self.config)   # a get_config reply
 
     async def _call(self, s: int, method: str, params: dict[str, Any],
-                    timeout_ms: float | None = None) -> Any:
+                    timeout_ms: float | None = None, *, pinned: Table | None = None) -> Any:
         """``method`` (lookup or update) on server ``s``, expecting the incarnation and the
         configuration learned so far; its LookupReply or UpdateReply. A server that
         restarted is handled as ``on_server_restart`` says, one that lost its
-        configuration is configured again."""
+        configuration is configured again. ``pinned``: the only table the request may
+        reach (an update, to the process and load its rows came from); another process,
+        even a restored one this router adopted, or another load fails it
+        (:meth:`_stale`)."""
         if not self._asked:
             await self.learn(once=True)
         for _ in range(_ATTEMPTS):
@@ -247,12 +274,20 @@ class ShardRouter:
             if self.config is not None:
                 params["config"] = self.config["digest"]
             expect = self.incarnations[s]
+            if pinned is not None:
+                if expect is not None and expect != pinned.incarnation:
+                    raise self._stale(s, pinned)
+                expect = pinned.incarnation
+                if pinned.loads is not None:
+                    params["loads"] = pinned.loads
             if expect is not None:
                 params["incarnation"] = expect
             try:
                 reply = await self.clients[s].call(method, params, timeout_ms)
-            except ServerRestarted:
+            except ServerRestarted as e:
                 await self.check(s)   # fail: raises; restored or continue: adopted
+                if pinned is not None:
+                    raise self._stale(s, pinned, e) from None
                 continue
             except Misuse as e:
                 if e.field != "config" or self.config is None:
@@ -276,6 +311,23 @@ class ShardRouter:
             return reply
         raise InternalError(f"embedding server {s} ({self.addresses[s]}) refused {method} "
                             f"{_ATTEMPTS} times over (restarted and unconfigured again?)")
+
+    def _stale(self, s: int, pinned: Table,
+               refused: ServerRestarted | None = None) -> ServerRestarted:
+        """The error of an update pinned to ``pinned`` of server ``s``, whose table was
+        replaced since: another process (restored from a checkpoint, adopted) serves it,
+        or a load replaced it (``refused``: the server's refusal, field ``loads``)."""
+        if self.incarnations[s] == pinned.incarnation and refused is not None:
+            what, field = f"had its table replaced by a load ({refused.message})", "loads"
+        else:
+            what, field = (f"is incarnation {self.incarnations[s]}, restored from a "
+                           f"checkpoint since this batch's rows were looked up on "
+                           f"incarnation {pinned.incarnation}"), "incarnation"
+        return ServerRestarted(
+            f"embedding server {s} ({self.addresses[s]}) {what}: the batch's update is not "
+            f"applied to the restored table (the stream replays the batch from the "
+            f"checkpoint's offsets)", field=field,
+            hint="the batch fails; a job restored from a checkpoint trains from its offsets")
 
     # ----------------------------------------------------------------- restarts
     async def check(self, s: int, timeout_ms: float | None = None) -> None:
@@ -398,38 +450,52 @@ class ShardRouter:
         """Call ``method`` on every server; results in replica-index order."""
         return list(await asyncio.gather(*(c.call(method, params) for c in self.clients)))
 
-    async def lookup(self, groups: Sequence[LookupGroup], mode: str
+    async def lookup(self, groups: Sequence[LookupGroup], mode: str, *,
+                     seen: dict[int, Table] | None = None
                      ) -> tuple[list[np.ndarray], int]:
         """Look up ``groups`` on the servers owning their ids; returns one float32 array per
         group and the missing count: a :class:`~stream_persia.worker.shards.RowLookup`'s
         rows, or a :class:`~stream_persia.worker.shards.PooledLookup`'s segment sums (every
         server pools the rows it owns; this adds them up in server order). With one
         server the arrays are read-only views of its reply.
+
+        ``seen``, if given, gets the :class:`Table` of each server that answered: the
+        process and the load the rows came from, to which the batch's update is pinned
+        (:meth:`split_update`).
         """
         if self.num_shards == 1:  # nothing to split or scatter back
             reply: LookupReply = await self._call(
                 0, "lookup", {"mode": mode, "groups": [g.to_wire() for g in groups]})
+            if seen is not None:
+                seen[0] = Table.of(reply)
             return list(reply["rows"]), int(reply["missing"])
         plan = shards.plan_lookup(groups, self.num_shards)
         servers = list(plan.requests)
         replies: list[LookupReply] = await asyncio.gather(*(
             self._call(s, "lookup", {"mode": mode, "groups": plan.requests[s]})
             for s in servers))
+        if seen is not None:
+            seen.update((s, Table.of(r)) for s, r in zip(servers, replies, strict=True))
         out = shards.gather_lookup(groups, plan, {s: r["rows"]
                                                   for s, r in zip(servers, replies, strict=True)})
         return out, sum(int(r["missing"]) for r in replies)
 
     def split_update(self, groups: Sequence[UpdateGroup], token: str | None = None,
                      source: dict[str, Any] | None = None,
-                     event_time: float | None = None) -> PendingUpdate:
+                     event_time: float | None = None,
+                     tables: dict[int, Table] | None = None) -> PendingUpdate:
         """``groups`` split into one request per owning server (one stable argsort per
         group; no per-id Python work; no request at all without groups). ``source``: the
         Kafka batch the update is for (``update``'s ``source``: the servers advance, and
         check, that partition's stream watermark; :mod:`stream_persia.core.watermarks`).
         ``event_time``: the batch's event time, sent with every request (``update``'s
-        ``event_time``: the servers' ``trained_through``)."""
+        ``event_time``: the servers' ``trained_through``). ``tables``: the tables the
+        batch's rows were looked up in (:meth:`lookup`'s ``seen``): with
+        ``on_server_restart: fail`` the update is applied to those or to none (a process
+        restored from a checkpoint since, or a table a load replaced, refuses it;
+        :meth:`push`)."""
         return PendingUpdate(token, shards.split_update(groups, self.num_shards), source,
-                             event_time=event_time)
+                             event_time=event_time, tables=dict(tables or {}))
 
     async def push(self, update: PendingUpdate, retry_s: float = 0.0) -> tuple[int, int]:
         """Send ``update`` to every server that has not applied it yet; returns (applied,
@@ -457,7 +523,9 @@ class ShardRouter:
             replies = await asyncio.gather(*(
                 self._call(s, "update", self._update_params(update, s),
                            None if limit_ms is None
-                           else min(limit_ms, self.clients[s].timeout_ms))
+                           else min(limit_ms, self.clients[s].timeout_ms),
+                           pinned=update.tables.get(s)
+                           if self.on_server_restart == "fail" else None)
                 for s in todo), return_exceptions=True)
             final = None
             for s, reply in zip(todo, replies, strict=True):

@@ -177,7 +177,7 @@ from stream_persia.worker.kafka_lag import KafkaLagCollector, LagRow
 from stream_persia.worker.mailbox import CheckpointMailbox
 from stream_persia.worker.nn_relay import NnRelayCollector
 from stream_persia.worker.pushes import PUSHED_MEMORY, GradientPushes
-from stream_persia.worker.router import ShardRouter
+from stream_persia.worker.router import ShardRouter, Table
 
 if TYPE_CHECKING:  # imported by start_kafka_ingest: a broker-less worker never loads aiokafka
     from stream_persia.worker.ingest import KafkaIngest
@@ -203,6 +203,8 @@ class PendingBatch:
     stream: tuple[str, str] | None = None       # (topic, writer) of its Kafka stream
     received_s: float = field(default_factory=time.monotonic)
     missing: int = 0                             # ids absent from the servers (eval/infer)
+    #: per server, the table its rows were looked up in: its update goes there or nowhere
+    tables: dict[int, Table] = field(default_factory=dict)
     nbytes: int = 0                              # its arrays' bytes (the ready buffer's bound)
 
 
@@ -480,7 +482,7 @@ class EmbeddingWorker:
         # one classic lookup of the raw and hash-stacked slots (batchplan).
         merged, groups = pb.plan.lookup_groups()
         async with self._lookups:   # embedding_worker_config.max_inflight_lookups
-            results, missing = await self.router.lookup(groups, mode)
+            results, missing = await self.router.lookup(groups, mode, seen=pb.tables)
         pooled = pb.plan.outputs(merged, results)
         self.m_lookup_s.observe(time.perf_counter() - t0)
         out: list[ServedSlotWire] = []
@@ -610,7 +612,8 @@ class EmbeddingWorker:
         retry_s = min(self._timeout_ms(params, self.push_retry_ms), self.push_retry_ms) / 1000
         return await self.pushes.push(pb.batch_id, pb.plan, pb.source, params.get("grads"),
                                       retry_s, stream=pb.stream,
-                                      event_time=pb.batch.event_time)
+                                      event_time=pb.batch.event_time,
+                                      tables=pb.tables)
 
     def _applied(self, batch_id: int) -> None:
         """Every server applied ``batch_id``'s gradients: release it."""

@@ -168,6 +168,9 @@ class PendingUpdate:
     parts: dict[int, list[WireGroup]]
     source: dict[str, Any] | None = None   # its Kafka batch (stream_persia.core.watermarks)
     event_time: float | None = None         # its batch's event time (servers' trained_through)
+    #: per server, the table its rows were looked up in, a router's ``Table`` (process,
+    #: loads): the only one it may reach
+    tables: dict[int, Any] = field(default_factory=dict)
     replies: dict[int, UpdateReply] = field(default_factory=dict)
     errors: dict[int, PersiaError] = field(default_factory=dict)
 

@@ -33,7 +33,7 @@ from stream_persia.testing.pytest_plugin import TANSU_LIST_OFFSETS, deviates_on
 from stream_persia.testing.samples import SCHEMA, make_batch
 from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT, restarted, running_servers
 from stream_persia.worker.ingest import KafkaIngest
-from stream_persia.worker.router import ShardRouter
+from stream_persia.worker.router import ShardRouter, Table
 from stream_persia.worker.service import EmbeddingWorker
 from stream_persia.worker.shards import RowLookup, UpdateGroup
 
@@ -138,6 +138,60 @@ async def test_an_update_retried_across_a_restart_fails_its_batch_instead_of_lan
                 await asyncio.wait_for(push, 10)
             assert pending.missing() == [1] and 0 in pending.replies
             assert fresh.store_stats()["updates"] == 0 and len(fresh.store) == 0
+        finally:
+            await fresh.stop()
+
+
+async def test_an_update_retried_across_a_restore_is_not_applied_to_the_restored_table(
+        tmp_path):
+    """As above, but the new process is restored from a checkpoint before the update is
+    sent again (the worker keeps a failed push and sends it again when the NN side repeats
+    it), so the router adopts it: a restore, on purpose. The update was computed from rows
+    of the old process, after the checkpoint: applied to the restored table it would count
+    a batch the stream replays from the checkpoint's offsets twice (and advance the
+    restored shard's watermark and trained_through past the checkpoint). It is pinned to
+    the processes its rows were looked up on and fails instead, whether the server refuses
+    it (the router learns of the restore then) or the router knew of the restore before."""
+    async with running_servers(2) as (servers, router):
+        await router.broadcast("configure", JOB)
+        ids = np.concatenate([ids_on(0), ids_on(1)])
+        await router.lookup([RowLookup(DIM, ids)], "train")
+        dst = str(tmp_path / "ck")
+        with CheckpointWriter(dst) as w:
+            await w.dump_embeddings(router.clients)
+            w.commit(job="t", step=1, offsets={}, stream="direct")
+        seen: dict[int, Table] = {}
+        await router.lookup([RowLookup(DIM, ids)], "train", seen=seen)
+        assert seen == {0: Table(servers[0].incarnation, 0), 1: Table(servers[1].incarnation, 0)}
+        await servers[1].stop()
+        fresh = restarted(servers[1])
+        grads = np.ones((ids.size, DIM), np.float32)
+        first, second = (router.split_update([UpdateGroup(DIM, ids, grads)], token=t,
+                                             event_time=1e9, tables=seen)
+                         for t in ("w-8", "w-9"))
+        for pending in (first, second):
+            with pytest.raises(PersiaError):          # server 1 down: the pushes fail
+                await router.push(pending, retry_s=0.2)
+            assert pending.missing() == [1]
+        await fresh.start()
+        try:
+            assert await load_embeddings(dst, router.clients) == 16
+            # refused by the restored process; the router adopts it, the update fails
+            with pytest.raises(ServerRestarted, match="restored from a checkpoint since"):
+                await router.push(first, retry_s=5)
+            assert router.incarnations[1] == fresh.incarnation and not router.lost
+            # the router already knows of the restore: not even sent
+            with pytest.raises(ServerRestarted, match="looked up on incarnation"):
+                await router.push(second, retry_s=5)
+            assert first.missing() == second.missing() == [1]
+            assert fresh.store_stats()["updates"] == 0 and fresh.trained_through is None
+            # a batch looked up on the restored process trains as before
+            seen = {}
+            await router.lookup([RowLookup(DIM, ids)], "train", seen=seen)
+            again = router.split_update([UpdateGroup(DIM, ids, grads)], token="w-10",
+                                        tables=seen)
+            assert await router.push(again) == (16, 0)
+            assert fresh.store_stats()["updates"] == 8
         finally:
             await fresh.stop()
 
@@ -307,6 +361,7 @@ async def test_a_worker_fails_loudly_then_a_restore_trains_every_batch_exactly_o
             w.commit(job="t", step=CUT, offsets=offsets, stream="kafka")
         await train(client, 2, metas)                       # trained past the cut
         in_flight = await client.call("next_batch", {"timeout_ms": 10_000})
+        late = await client.call("next_batch", {"timeout_ms": 10_000})   # pushed after
         held = len(servers[1].store)
 
         fresh = await restart(servers, 1)
@@ -338,6 +393,17 @@ async def test_a_worker_fails_loudly_then_a_restore_trains_every_batch_exactly_o
 
         # The way back: restore the checkpoint into the servers, reset the stream.
         await load_embeddings(dst, direct)
+        # A batch whose rows came from the old tables, pushed once the restore is in:
+        # its gradients reach neither restored table (the stream replays it): server 1 is
+        # another process, server 0 the same one with its table replaced by the load.
+        updates0 = servers[0].store_stats()["updates"]
+        with pytest.raises(ServerRestarted, match="not applied to the restored table"):
+            await client.call("push_gradients", {"batch_id": late["batch_id"],
+                                                 "grads": grads_for(late)})
+        assert fresh.store_stats()["updates"] == 0
+        assert servers[0].store_stats()["updates"] == updates0
+        assert b"persia_embedding_server_stream_stale_updates_refused_total 1.0" in \
+            await direct[0].call("metrics")
         await client.call("reset_stream", {"offsets": offsets[topic]})
         assert (await client.call("health"))["ok"] is True and worker.supervisor.ok
         rest: list[bytes] = []
