@@ -156,6 +156,15 @@ def error_from_dict(d: dict[str, Any]) -> PersiaError:
     return cls(str(d.get("message", "remote error")), field=d.get("field"), hint=d.get("hint"))
 
 
+def refused_as_unknown(error: BadInput, key: str) -> bool:
+    """Whether a peer refused a request because it does not know the field ``key`` (a
+    peer from before that field, whose "unknown <method> field(s)" check named it),
+    rather than for its value: a caller newer than its peer then goes on without it."""
+    message = str(getattr(error, "message", "") or error)
+    return getattr(error, "field", None) == key and "unknown" in message \
+        and "field" in message
+
+
 def require(params: Any, key: str, kind: type | tuple[type, ...]) -> Any:
     """``params[key]`` of a request map, which must be present and of type ``kind``;
     BadInput naming ``key`` otherwise."""

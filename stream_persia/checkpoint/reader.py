@@ -19,6 +19,7 @@ from stream_persia.checkpoint._common import (
     sha256_file,
 )
 from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest, check_file_name
+from stream_persia.core.data import check_event_time
 from stream_persia.errors import (
     BadInput,
     InternalError,
@@ -26,6 +27,7 @@ from stream_persia.errors import (
     PersiaError,
     RemoteError,
     RemoteTimeout,
+    refused_as_unknown,
 )
 
 __all__ = ["read_manifest", "verify", "chain_of", "load_embeddings", "load_torch", "list_checkpoints",
@@ -232,9 +234,19 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
              "tombstones": (m.chain or {})["tombstone_files"],
              "expected": expect(m, [*m.embedding_files, *(m.chain or {})["tombstone_files"]])}
             for m in chain[1:]]
-    staged = await asyncio.gather(*(
-        c.call("load", {**request, "stage": True}, timeout_ms=timeout_ms)
-        for c in server_clients), return_exceptions=True)
+    through = _trained_through(manifest)
+    if through is not None:   # the restored rows' trained_through (not the replaced ones')
+        request["trained_through"] = through
+    staged = await _stage(server_clients, request, timeout_ms)
+    if through is not None and any(isinstance(r, BadInput)
+                                   and refused_as_unknown(r, "trained_through")
+                                   for r in staged):
+        # a server from before the field (a rolling upgrade): it keeps its own
+        log.warning("restore of %s: an embedding server does not take the checkpoint's "
+                    "trained_through (an older version): loading without it", loc.url)
+        await _abort(server_clients, staged, timeout_ms)
+        del request["trained_through"]
+        staged = await _stage(server_clients, request, timeout_ms)
     failed = [(i, r) for i, r in enumerate(staged) if isinstance(r, BaseException)]
     loaded = sum(int(r["rows"]) for r in staged if not isinstance(r, BaseException))
     if failed or loaded != manifest.table_rows:
@@ -274,6 +286,25 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
                     "capacity is too small and the least recent rows were evicted",
                     held, loaded, loc.url)
     return loaded
+
+
+async def _stage(clients: Sequence[Any], request: dict[str, Any],
+                 timeout_ms: float) -> list[Any]:
+    """Every server's staged ``load`` of ``request``: its reply, or its error."""
+    return list(await asyncio.gather(*(
+        c.call("load", {**request, "stage": True}, timeout_ms=timeout_ms)
+        for c in clients), return_exceptions=True))
+
+
+def _trained_through(manifest: Manifest) -> float | None:
+    """The event time the checkpoint is trained through (its ``extra``), if valid."""
+    value = (manifest.extra or {}).get("trained_through")
+    try:
+        return check_event_time(value, "extra.trained_through")
+    except BadInput as e:
+        log.warning("checkpoint %s: %s; its trained_through is unknown", manifest.path,
+                    e.message)
+        return None
 
 
 async def _configure_fresh(manifest: Manifest, clients: Sequence[Any],

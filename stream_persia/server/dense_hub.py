@@ -79,11 +79,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from stream_persia.errors import BadInput
+from stream_persia.errors import BadInput, refused_as_unknown
 
 __all__ = ["DEFAULT_MAX_DENSE_BYTES", "DENSE_CHUNK_BYTES", "LEGACY_LINEAGE", "MAX_LINEAGE",
            "REPLACED_LINEAGES_KEPT", "DenseChunk", "DenseHub", "LineageCalls", "check_lineage", "chunk_count",
-           "lineage_or_legacy", "refused_as_unknown"]
+           "lineage_or_legacy"]
 
 log = logging.getLogger(__name__)
 
@@ -163,15 +163,6 @@ def lineage_or_legacy(value: Any, key: str = "lineage") -> int:
     """A ``lineage`` field as received: None (absent: from before lineages) is the
     :data:`LEGACY_LINEAGE`, else :func:`check_lineage`."""
     return LEGACY_LINEAGE if value is None else check_lineage(value, key)
-
-
-def refused_as_unknown(error: BadInput, key: str) -> bool:
-    """Whether a peer refused a request because it does not know the field ``key`` (a
-    peer from before that field: this module's "unknown <method> field(s)"), rather than
-    for its value."""
-    message = str(getattr(error, "message", "") or error)
-    return getattr(error, "field", None) == key and "unknown" in message \
-        and "field" in message
 
 
 class LineageCalls:

@@ -55,7 +55,9 @@ RPC methods (params → result):
   ``persia_embedding_server_trained_through_seconds`` (absent while None), and is the
   ``applied`` stage watermark (``persia_stage_event_time_seconds{stage="applied"}`` and
   its ``persia_stage_lag_seconds``: :mod:`stream_persia.core.stages`). ``clear``
-  resets it; a load keeps it (it describes the updates this process applied).
+  resets it; a load sets it to the load's ``trained_through`` (the checkpoint's; None when
+  not given): the restored rows are trained through that, not through what the replaced
+  ones were (the stream is rewound with them).
 - ``watermarks {"topic"?}`` → ``{"topics": {topic: {partition: {"offset", "writer"}}}}``:
   every partition's watermark (of ``topic`` only, when given; ``writer`` None: set by a
   load), read on the store thread after the updates received before it. Workers ask it
@@ -129,7 +131,7 @@ RPC methods (params → result):
   the server has no root), and their errors never quote a file's contents.
 - ``load {"dir": url, "files": [...], "expected"?: {file: {"sha256"?, "bytes"?, "rows"?}},
   "cut"?: {topic: {partition: offset}}, "patches"?: [{"dir", "files", "tombstones",
-  "expected"}]}`` (``patches``: applied in order over the files, an incremental
+  "expected"}], "trained_through"?: seconds}`` (``patches``: applied in order over the files, an incremental
   checkpoint's chain; the reply's ``rows`` is then the rows held after the last)
   → ``{"rows": int}`` — replaces the shard's rows with the rows it owns in every listed
   shard file, so a checkpoint written by S servers loads into S' servers; all or nothing.
@@ -137,7 +139,9 @@ RPC methods (params → result):
   entry: hex sha256, size in bytes, rows in the file) and nothing else. ``cut``, a
   manifest's ``offsets`` (topic → partition → next offset), becomes the stream watermarks
   with the rows (each offset - 1, as restored); without it the server holds none after
-  the load (the checkpoint records no stream position). With
+  the load (the checkpoint records no stream position). ``trained_through``: the event
+  time the checkpoint is trained through (its manifest's ``extra``), the server's
+  ``trained_through`` once the rows are in (above). With
   ``"stage": true`` the checked table is kept aside instead of swapped in, and the reply
   carries a ``"token"`` for the second phase:
 - ``commit_load {"token"}`` → ``{"rows": int}`` swaps the staged table in (it cannot fail
@@ -270,6 +274,7 @@ class _Staged(NamedTuple):
     store: Any
     rows: int
     marks: Watermarks   # the stream watermarks it comes with (the load's ``cut``)
+    trained_through: float | None   # what its rows are trained through (None: unknown)
 
 
 def described(optimizer: optim_mod.Optimizer, embedding_config: EmbeddingConfig,
@@ -844,6 +849,7 @@ class EmbeddingServer:
             p["dir"] = self._confine(p["dir"])
         marks = Watermarks(f"embedding server {self.replica_index}",
                            parse_cut(params.get("cut")))
+        through = check_event_time(params.get("trained_through"), "trained_through")
 
         def run() -> LoadReply:
             old = self._serving.store
@@ -867,10 +873,10 @@ class EmbeddingServer:
                 staging.close()
                 raise
             if not stage:
-                self._swap_in(staging, marks)
+                self._swap_in(staging, marks, through)
                 return {"rows": kept}
             token = secrets.token_hex(8)
-            self._staged = _Staged(token, staging, kept, marks)
+            self._staged = _Staged(token, staging, kept, marks, through)
             return {"rows": kept, "token": token}
 
         reply = await self._run(run)
@@ -901,12 +907,15 @@ class EmbeddingServer:
                     self.replica_index, staged.token, staged.rows, why)
         return True
 
-    def _swap_in(self, staging: Any, marks: Watermarks) -> None:
+    def _swap_in(self, staging: Any, marks: Watermarks, through: float | None) -> None:
         """Serve ``staging``, with its stream watermarks ``marks``, from now on (store
-        thread). The reported counters go on from the old store's; the staging store's own
-        counts are the load's, not traffic, and are subtracted. The old store is closed:
-        its memory is freed now."""
+        thread), trained through ``through`` (the checkpoint's event time, None: unknown;
+        never what the replaced rows were trained through: a restore rewinds it). The
+        reported counters go on from the old store's; the staging store's own counts are
+        the load's, not traffic, and are subtracted. The old store is closed: its memory
+        is freed now."""
         self._marks = marks
+        self.trained_through = through
         serving = self._serving
         was, own = serving.store.stats(), staging.stats()
         carried = {k: serving.carried[k] + was[k] - own[k] for k in COUNTERS}
@@ -927,7 +936,7 @@ class EmbeddingServer:
                                f"{self.stage_ttl_s:g} s, or the server restarted",
                                field="token", hint="load again")
             self._staged = None
-            self._swap_in(staged.store, staged.marks)
+            self._swap_in(staged.store, staged.marks, staged.trained_through)
             return {"rows": staged.rows}
 
         return await self._run(run)

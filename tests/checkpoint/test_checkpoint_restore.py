@@ -417,3 +417,46 @@ async def test_a_restore_keeps_the_counts_of_frequency_admission(tmp_path, into,
             await configure(router)
         await router.lookup([RowLookup(4, ids)], "train")
         assert sum(len(s.store) for s in fresh) == len(ids), "the third sight admits them"
+
+
+async def test_a_restore_rewinds_trained_through_to_the_checkpoints(tmp_path, monkeypatch):
+    """Servers trained past a checkpoint and restored from it are trained through the
+    checkpoint's event time (its manifest's ``extra``), not through what the replaced rows
+    were: a status, replica or alert reading them would claim a freshness the restored
+    model does not have. A server from before the field (a rolling upgrade) refuses it;
+    the restore then goes on without it."""
+    ids = np.arange(1, 33, dtype=np.uint64)
+
+    async def train(router, event_time, token):
+        await router.lookup([RowLookup(4, ids)], "train")
+        update = router.split_update([UpdateGroup(4, ids, np.ones((ids.size, 4), np.float32))],
+                                     token=token, event_time=event_time)
+        await router.push(update)
+
+    async def through(router):
+        return [(await c.call("health"))["trained_through"] for c in router.clients]
+
+    async with running_servers(2) as (_, router):
+        await train(router, 100.0, "a")
+        dst = str(tmp_path / "ck")
+        with CheckpointWriter(dst) as w:
+            await w.dump_embeddings(router.clients)
+            w.commit(job="t", step=1, offsets={}, stream="direct",
+                     extra={"trained_through": 100.0})
+        await train(router, 200.0, "b")
+        assert await through(router) == [200.0, 200.0]
+        assert await load_embeddings(dst, router.clients) == 32
+        assert await through(router) == [100.0, 100.0]
+
+        await train(router, 200.0, "c")
+        real = embedding_server.check_load_request
+
+        def before_the_field(params):   # what a server of the previous version answers
+            if "trained_through" in params:
+                raise BadInput("unknown load field(s) ['trained_through']",
+                               field="trained_through")
+            return real(params)
+
+        monkeypatch.setattr(embedding_server, "check_load_request", before_the_field)
+        assert await load_embeddings(dst, router.clients) == 32
+        assert await through(router) == [None, None]

@@ -1,8 +1,8 @@
 """An embedding server's ``trained_through`` over real sockets (issue 18): the newest event
 time of any update it applied, from the ``update`` RPC's ``event_time``. A bad one is
 refused naming the field with nothing applied; a duplicate or a refused update changes
-nothing; ``clear`` resets it and a load keeps it; ``health`` and the metrics show it.
-The worker that sends it: tests/nn/test_nn_train.py (through a real worker and TrainCtx).
+nothing; ``clear`` resets it and a load sets the checkpoint's; ``health`` and the metrics
+show it. The worker that sends it: tests/nn/test_nn_train.py (through a real worker and TrainCtx).
 """
 
 from __future__ import annotations
@@ -84,12 +84,29 @@ async def test_a_duplicate_or_refused_update_does_not_move_it():
         assert await trained_through(c) == 10.0
 
 
-async def test_clear_resets_it_and_a_load_keeps_it(tmp_path):
+async def test_clear_resets_it_and_a_load_sets_the_checkpoints(tmp_path):
+    """A load replaces the rows: they are trained through what the load says (the
+    checkpoint's), never through what the replaced rows were (a restore to an older
+    checkpoint would claim a freshness it does not have); unknown when not given."""
     async with running_servers(1) as ([server], _), RpcClient(server.address) as c:
         await c.call("update", update(7.25))
         dst = str(tmp_path / "ck")
         await c.call("dump", {"dir": dst})
-        await c.call("load", {"dir": dst, "files": []})
+        await c.call("update", update(9.5, token="later"))
+        await c.call("load", {"dir": dst, "files": [], "trained_through": 7.25})
         assert (await c.call("health"))["loads"] == 1 and await trained_through(c) == 7.25
+        await c.call("update", update(8.0, token="replayed"))
+        assert await trained_through(c) == 8.0     # the replay moves it on from there
+        staged = await c.call("load", {"dir": dst, "files": [], "stage": True,
+                                       "trained_through": 7.0})
+        assert await trained_through(c) == 8.0     # only the commit swaps the rows in
+        await c.call("commit_load", {"token": staged["token"]})
+        assert await trained_through(c) == 7.0
+        await c.call("load", {"dir": dst, "files": []})
+        assert await trained_through(c) is None and await gauge(c) is None
+        with pytest.raises(BadInput) as err:
+            await c.call("load", {"dir": dst, "files": [], "trained_through": -1})
+        assert err.value.field == "trained_through"
+        await c.call("update", update(7.25, token="again"))
         await c.call("clear")
         assert await trained_through(c) is None and await gauge(c) is None
