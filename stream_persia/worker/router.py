@@ -274,7 +274,7 @@ class ShardRouter:
             if self.config is not None:
                 params["config"] = self.config["digest"]
             expect = self.incarnations[s]
-            if pinned is not None:
+            if pinned is not None and pinned.incarnation is not None:
                 if expect is not None and expect != pinned.incarnation:
                     raise self._stale(s, pinned)
                 expect = pinned.incarnation
@@ -286,7 +286,7 @@ class ShardRouter:
                 reply = await self.clients[s].call(method, params, timeout_ms)
             except ServerRestarted as e:
                 await self.check(s)   # fail: raises; restored or continue: adopted
-                if pinned is not None:
+                if pinned is not None and pinned.incarnation is not None:
                     raise self._stale(s, pinned, e) from None
                 continue
             except Misuse as e:
