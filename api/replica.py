@@ -106,6 +106,8 @@ class ShardCursor:
     resyncs: int = 0
     restarts: int = 0
     start: tuple[str, int] | None = None   # Kafka: skip to this (incarnation, seq) first
+    rebuilding: bool = False            # a reset applied, not yet the mark ending its pass
+    rebuilt: bool = False               # ... and that mark, since the last advance
     applied: dict[str, int] = field(default_factory=lambda: {"rows": 0, "tombstones": 0,
                                                              "resets": 0, "marks": 0})
 
@@ -180,6 +182,7 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
             continue
         if kind == "reset":
             cursor.skipping = False
+            cursor.rebuilding = True
             drop_shard(store, cursor.shard, shards)
             cursor.applied["resets"] += 1
         elif kind == "tombstones":
@@ -191,6 +194,8 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
         else:
             cursor.version, cursor.event_time = msg["version"], msg["event_time"]
             cursor.applied["marks"] += 1
+            if cursor.rebuilding:
+                cursor.rebuilding, cursor.rebuilt = False, True
 
 
 _COUNTERS = frozenset({"pulls", "pull_failures", "bad_messages", "dense_loads",
@@ -505,7 +510,8 @@ class Replica:
         except Exception as e:   # transient (memory): not refused, tried at the next pull
             raise InternalError(f"the dense model of step {step} could not be loaded "
                                 f"({type(e).__name__}: {str(e)[:200]}); tried again") from None
-        if lineage != self.dense_lineage:
+        replaced = lineage != self.dense_lineage
+        if replaced:
             self.counts["dense_lineage_changes"] += 1
             log.warning("replica: serving the dense model of lineage %d step %d (was lineage "
                         "%d step %d): the trainer restarted", lineage, step,
@@ -515,17 +521,25 @@ class Replica:
         self.dense_event_time = event_time
         self.dense_lineage = lineage
         self.counts["dense_loads"] += 1
-        self.advance()
+        self.advance(rewound=replaced)
         return True
 
     # ----------------------------------------------------------------- freshness
-    def advance(self) -> None:
+    def advance(self, *, rewound: bool = False) -> None:
         """Recompute ``trained_through`` after something was applied.
 
         A shard whose last mark has no event time (a server restarted: its new process has
         applied nothing with one yet, whatever it restored) makes it None, unknown, rather
         than the value from before the restart, which the restored rows may not reach. The
-        next advance is observed from the last value known, so the gap still shows."""
+        next advance is observed from the last value known, so the gap still shows.
+
+        It only grows, except where what is served was replaced by something older: a
+        shard rebuilt from a reset (its server restored from an older checkpoint) or the
+        dense model of another lineage (``rewound``: a trainer restarted from one) may
+        lower it to what the new marks say (no advance is observed then)."""
+        rewound = rewound or any(c.rebuilt for c in self.cursors)
+        for c in self.cursors:
+            c.rebuilt = False
         times = [c.event_time for c in self.cursors]
         if any(t is None for t in times) or self.dense_event_time is None:
             if self.trained_through is not None:
@@ -534,6 +548,10 @@ class Replica:
         tt = min(min(t for t in times if t is not None), self.dense_event_time)
         prev = self.trained_through
         if prev is not None and tt <= prev:
+            if rewound and tt < prev:
+                log.warning("replica: trained_through goes back from %.3f to %.3f: what it "
+                            "serves was restored from an older checkpoint", prev, tt)
+                self.trained_through = tt
             return
         since = prev if prev is not None else self._known
         now = time.time()

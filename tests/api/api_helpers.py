@@ -157,11 +157,11 @@ async def stop_job(job: Job) -> None:
 
 async def write_checkpoint(job: Job, dst: str, model: torch.nn.Module, *, step: int = 1,
                            jit: bool = True, heads: list[str] | None = None,
-                           inputs: dict | None = None, dense_lineage: int | None = None
-                           ) -> str:
+                           inputs: dict | None = None, dense_lineage: int | None = None,
+                           trained_through: float | None = None) -> str:
     """A checkpoint of ``job``'s servers and ``model`` at ``dst`` (direct stream); with
-    ``inputs`` (``nn.batch.input_signature``) and ``dense_lineage`` (rank 0's dense
-    publisher's) recorded as ``dump_checkpoint`` does."""
+    ``inputs`` (``nn.batch.input_signature``), ``dense_lineage`` (rank 0's dense
+    publisher's) and ``trained_through`` recorded as ``dump_checkpoint`` does."""
     clients = [job.client(a) for a in job.server_addresses]
     with CheckpointWriter(dst) as w:
         w.write_torch("dense.pt", model.state_dict())
@@ -169,7 +169,8 @@ async def write_checkpoint(job: Job, dst: str, model: torch.nn.Module, *, step: 
             w.write_bytes(JIT_FILENAME, scripted(model))
         await w.dump_embeddings(clients)
         extra = ({"heads": heads} if heads else {}) | ({"inputs": inputs} if inputs else {}) \
-            | ({} if dense_lineage is None else {"dense_lineage": dense_lineage})
+            | ({} if dense_lineage is None else {"dense_lineage": dense_lineage}) \
+            | ({} if trained_through is None else {"trained_through": trained_through})
         w.commit(job="test", step=step, offsets={}, stream="direct", extra=extra or None)
     return dst
 

@@ -29,6 +29,8 @@ from api_helpers import (
     write_checkpoint,
 )
 
+from stream_persia.api import replica as replica_mod
+from stream_persia.checkpoint import load_embeddings
 from stream_persia.embedding.data import PersiaBatch
 from stream_persia.errors import BadInput
 from stream_persia.testing.samples import make_batch
@@ -378,6 +380,59 @@ async def test_an_answer_names_the_trained_through_of_the_model_that_gave_it(tmp
             assert (r.json()["model_version"], r.json()["trained_through"]) == (11, t2)
     finally:
         Gated.GATE.set()
+        await stop_job(job)
+
+
+@pytest.mark.parametrize("pull_bytes", [8 << 20, 1], ids=["one-pull", "message-by-message"])
+async def test_a_restore_to_an_older_checkpoint_lowers_trained_through(tmp_path, monkeypatch,
+                                                                     pull_bytes):
+    """The servers are restored from a checkpoint trained through t1 after training
+    reached t2, and the trainer restarts from it (a new lineage, its dense model of t1).
+    The replica follows the restored rows (a reset of every shard) and the new model, and
+    says it is trained through t1 again: its rows and its dense model no longer reflect
+    what came after (it kept claiming t2). Also when the replica reads a pass (reset,
+    rows, mark) over several pulls."""
+    monkeypatch.setattr(replica_mod, "PULL_BYTES", pull_bytes)
+    job = await start_job(n_servers=2)
+    try:
+        t1 = time.time() - 100.0
+        t2 = t1 + 50.0
+        await train_stamped(job, 3, t1)
+        ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3),
+                                      trained_through=t1)
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                checkpoint_dir=str(tmp_path / "ckpts"))
+        async with LiveApi(settings) as replica:
+            await publish_dense(job, TwoHeads(seed=4), step=10, event_time=t1, lineage=7)
+            await train_stamped(job, 2, t2, seed=1)
+            await publish_dense(job, TwoHeads(seed=5), step=20, event_time=t2, lineage=7)
+            async with asyncio.timeout(20):
+                while (info := await drained(replica, job))["model_version"] != 20:
+                    await asyncio.sleep(0.05)
+            assert info["trained_through"] == t2
+            await load_embeddings(ckpt, [job.client(a) for a in job.server_addresses])
+            # the rows are rebuilt (the dense model of t2 is still served): t1 already
+            async with asyncio.timeout(20):
+                while True:
+                    info = await drained(replica, job)
+                    if all(sh["event_time"] == t1 for sh in info["replica"]["shards"]):
+                        break
+                    await asyncio.sleep(0.05)
+            assert (info["model_version"], info["trained_through"]) == (20, t1)
+            await publish_dense(job, TwoHeads(seed=3), step=1, event_time=t1, lineage=8)
+            async with asyncio.timeout(20):
+                while (info := await drained(replica, job))["model_version"] != 1:
+                    await asyncio.sleep(0.05)
+            assert info["trained_through"] == t1
+            assert all(sh["event_time"] == t1 for sh in info["replica"]["shards"])
+            await train_stamped(job, 1, t1 + 10.0, seed=2)     # training goes on from there
+            await publish_dense(job, TwoHeads(seed=6), step=2, event_time=t1 + 10.0,
+                                lineage=8)
+            async with asyncio.timeout(20):
+                while (info := await drained(replica, job))["model_version"] != 2:
+                    await asyncio.sleep(0.05)
+            assert info["trained_through"] == t1 + 10.0
+    finally:
         await stop_job(job)
 
 
