@@ -28,8 +28,8 @@ from api_helpers import (
     stop_job,
     write_checkpoint,
 )
-
 from stream_persia.api import replica as replica_mod
+
 from stream_persia.checkpoint import load_embeddings
 from stream_persia.embedding.data import PersiaBatch
 from stream_persia.errors import BadInput
