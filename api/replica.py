@@ -5,7 +5,9 @@ does (its rows into a table in this process, its dense model), then follows:
 
 - every embedding server's **update log** (:mod:`stream_persia.server.updates`), from the
   position the checkpoint's manifest records for it (``model_updates``): tombstones leave
-  the table, changed rows are written into it, a ``reset`` drops the shard's rows, and each
+  the table, changed rows are written into it, a ``reset`` starts a full pass that
+  replaces the shard's rows (those it does not send leave at its end: until then the
+  previous rows answer, never a half-empty shard; :func:`apply_messages`), and each
   ``mark`` says the shard is applied through that version and event time. Messages of one
   pull are applied in one go on the predictor's thread, between two forward passes (the
   table is never read and written at once);
@@ -107,6 +109,7 @@ class ShardCursor:
     restarts: int = 0
     start: tuple[str, int] | None = None   # Kafka: skip to this (incarnation, seq) first
     rebuilding: bool = False            # a reset applied, not yet the mark ending its pass
+    received: list[np.ndarray] = field(default_factory=list)   # ... the ids it sent so far
     rebuilt: bool = False               # ... and that mark, since the last advance
     applied: dict[str, int] = field(default_factory=lambda: {"rows": 0, "tombstones": 0,
                                                              "resets": 0, "marks": 0})
@@ -162,19 +165,28 @@ def message_bytes(msg: dict[str, Any]) -> int:
                     if isinstance(a := msg.get(k), np.ndarray))
 
 
-def drop_shard(store: Store, shard: int, shards: int) -> int:
-    """Remove every row of ``store`` that server ``shard`` of ``shards`` owns."""
+def drop_shard(store: Store, shard: int, shards: int,
+               keep: np.ndarray | None = None) -> int:
+    """Remove every row of ``store`` that server ``shard`` of ``shards`` owns, except the
+    ids in ``keep`` (one sorted set difference: no per-id Python work)."""
     ids = [c["ids"] for c in store.dump()]
     if not ids:
         return 0
     every = np.concatenate(ids)
     mine = every[shard_of(every, shards) == shard] if shards > 1 else every
+    if keep is not None and len(keep) and len(mine):
+        mine = mine[~np.isin(mine, keep)]
     return int(store.remove(mine)) if len(mine) else 0
 
 
 def apply_messages(store: Store, cursor: ShardCursor, shards: int,
                    messages: list[dict[str, Any]]) -> None:
-    """Apply one pull's messages in order (on the thread that owns ``store``)."""
+    """Apply one pull's messages in order (on the thread that owns ``store``).
+
+    A ``reset`` starts a full pass of the shard: its rows overwrite the held ones as they
+    come, and at the pass's ``mark`` the rows of the shard that it did not send leave.
+    Until then the shard's previous rows are served: a pass read over many pulls (a
+    resync of a large shard) never leaves a half-empty shard answering in between."""
     for msg in messages:
         kind = msg["kind"]
         cursor.next_seq = msg["seq"] + 1
@@ -183,19 +195,23 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
         if kind == "reset":
             cursor.skipping = False
             cursor.rebuilding = True
-            drop_shard(store, cursor.shard, shards)
+            cursor.received = []
             cursor.applied["resets"] += 1
         elif kind == "tombstones":
             store.remove(msg["ids"])
             cursor.applied["tombstones"] += len(msg["ids"])
         elif kind == "rows":
             store.load([{"dim": msg["dim"], "ids": msg["ids"], "weights": msg["weights"]}])
+            if cursor.rebuilding:   # a copy: the message's buffer (its weights) is let go
+                cursor.received.append(np.array(msg["ids"], dtype=np.uint64, copy=True))
             cursor.applied["rows"] += len(msg["ids"])
         else:
+            if cursor.rebuilding:
+                sent = np.concatenate(cursor.received) if cursor.received else None
+                drop_shard(store, cursor.shard, shards, keep=sent)
+                cursor.rebuilding, cursor.rebuilt, cursor.received = False, True, []
             cursor.version, cursor.event_time = msg["version"], msg["event_time"]
             cursor.applied["marks"] += 1
-            if cursor.rebuilding:
-                cursor.rebuilding, cursor.rebuilt = False, True
 
 
 _COUNTERS = frozenset({"pulls", "pull_failures", "bad_messages", "dense_loads",
