@@ -352,6 +352,35 @@ def test_manifest_round_trip_and_normalised_offsets():
     assert Manifest.from_dict(json.loads(json.dumps(d))).to_dict() == d
 
 
+FP = {"offset": 3, "timestamp": 1700000000000, "digest": "0123456789abcdef"}
+
+
+def test_manifest_fingerprints_are_optional_and_kept():
+    d = _manifest_dict()
+    assert "fingerprints" not in d                 # none: read as before by older readers
+    assert Manifest.from_dict(d).fingerprints is None
+    d["fingerprints"] = {"t": {1: FP}}
+    m = Manifest.from_dict(d)
+    assert m.fingerprints == {"t": {"1": FP}}
+    assert Manifest.from_dict(m.to_dict()).to_dict() == m.to_dict()
+
+
+@pytest.mark.parametrize("prints, field", [
+    ({"t": {"1": {**FP, "offset": 4}}}, "fingerprints.t.1"),     # not the offset below
+    ({"t": {"5": FP}}, "fingerprints.t.5"),                      # not a partition of offsets
+    ({"t": {"1": {**FP, "digest": "XYZ"}}}, "fingerprints.t.1"),
+    ({"t": {"1": {**FP, "extra": 1}}}, "fingerprints.t.1"),
+    ({"other": {"1": FP}}, "fingerprints"),
+    ([FP], "fingerprints"),
+])
+def test_manifest_fingerprints_are_validated_naming_the_key(prints, field):
+    d = _manifest_dict()
+    d["fingerprints"] = prints
+    with pytest.raises(BadInput) as err:
+        Manifest.from_dict(d)
+    assert err.value.field == field
+
+
 @pytest.mark.parametrize("change, field", [
     (lambda d: d.update(format_version=2), "format_version"),
     (lambda d: d.pop("step"), "step"),
