@@ -44,8 +44,9 @@ had it when the checkpoint was cut: its ``offset`` (``N - 1``), Kafka ``timestam
 and ``digest`` (the first 16 hex chars of a sha256 of its key and value). A restore reads
 that record again and refuses a topic whose record differs, one deleted and created again
 that has grown past ``N`` since (:mod:`stream_persia.kafka.fingerprint`). A partition
-without one (its record could not be read at the cut) is restored unchecked, and so is
-every partition of a manifest without ``fingerprints`` (logged).
+without one (its record could not be read at the cut), or whose fingerprint is not of
+``N - 1`` (its offset edited by hand), is restored unchecked, and so is every partition of
+a manifest without ``fingerprints`` (logged).
 
 ``config_digest`` is ``schema-v1:<sha256>`` of the job's embedding schema, which a restore
 checks (:mod:`stream_persia.checkpoint.digest`; null: not known, restored unchecked).
@@ -147,9 +148,10 @@ def _offsets(value: Any) -> dict[str, dict[str, int]]:
 _DIGEST = re.compile(r"[0-9a-f]{16}")
 
 
-def _fingerprints(value: Any, offsets: dict[str, dict[str, int]]
-                  ) -> dict[str, dict[str, dict[str, Any]]] | None:
-    """``fingerprints`` (module docstring), validated against ``offsets``."""
+def _fingerprints(value: Any) -> dict[str, dict[str, dict[str, Any]]] | None:
+    """``fingerprints`` (module docstring), validated. Not checked against ``offsets``: a
+    fingerprint of another offset than the one below a partition's (offsets edited by
+    hand) is not compared by a restore (logged)."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -157,26 +159,25 @@ def _fingerprints(value: Any, offsets: dict[str, dict[str, int]]
                        f"fingerprint}}, got {type(value).__name__}", field="fingerprints")
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for topic, parts in value.items():
-        if topic not in offsets or not isinstance(parts, dict):
-            raise BadInput(f"manifest 'fingerprints' names topic {topic!r} (with "
-                           f"{str(parts)[:60]}), which is not a topic of 'offsets' with a "
-                           f"map of partitions", field="fingerprints")
+        if not isinstance(topic, str) or not topic or not isinstance(parts, dict):
+            raise BadInput(f"manifest 'fingerprints' must map topic -> {{partition: "
+                           f"fingerprint}}, got {str(topic)[:60]!r}: {str(parts)[:60]}",
+                           field="fingerprints")
         norm: dict[str, dict[str, Any]] = {}
         for p, fp in parts.items():
             key = str(p)
             where = f"fingerprints.{topic}.{key}"
-            offset = offsets[topic].get(key)
-            ok = (offset is not None and isinstance(fp, dict)
+            ok = (key.isdigit() and isinstance(fp, dict)
                   and set(fp) == {"offset", "timestamp", "digest"}
                   and all(isinstance(fp[k], int) and not isinstance(fp[k], bool)
                           for k in ("offset", "timestamp"))
-                  and fp["offset"] == offset - 1
+                  and fp["offset"] >= 0
                   and isinstance(fp["digest"], str) and _DIGEST.fullmatch(fp["digest"]))
             if not ok:
-                raise BadInput(f"manifest {where!r} must be {{'offset': the partition's "
-                               f"offset - 1, 'timestamp': int, 'digest': 16 hex chars}} of "
-                               f"a partition of 'offsets', got {str(fp)[:120]}", field=where)
-            norm[key] = dict(fp)
+                raise BadInput(f"manifest {where!r} must be {{'offset': int >= 0, "
+                               f"'timestamp': int, 'digest': 16 hex chars}} under a "
+                               f"partition number, got {str(fp)[:120]}", field=where)
+            norm[str(int(key))] = dict(fp)
         out[topic] = dict(sorted(norm.items(), key=lambda kv: int(kv[0])))
     return out
 
@@ -336,7 +337,7 @@ class Manifest:
             raise BadInput(f"manifest 'stream' must be one of {STREAMS}, got {self.stream!r}",
                            field="stream")
         self.offsets = _offsets(self.offsets)
-        self.fingerprints = _fingerprints(self.fingerprints, self.offsets)
+        self.fingerprints = _fingerprints(self.fingerprints)
         _opt_str(self.config_digest, "config_digest")
         _int(self.shard_count, "shard_count")
         self.files = _files(self.files)

@@ -24,8 +24,8 @@ reads that record again and compares (:meth:`SampleConsumer.start`, ``seek``,
   That alone is no sign of a recreated topic; it is logged and the start goes on (the
   checks of :mod:`~stream_persia.kafka.loss` still apply).
 - No fingerprint for a partition (a checkpoint from before fingerprints, or one whose
-  record at ``N - 1`` could not be read when it was cut): not checked (logged by the
-  restore that reads the manifest).
+  record at ``N - 1`` could not be read when it was cut), or one of another offset (the
+  checkpoint's offsets edited by hand, on purpose): not checked (logged).
 
 Where: each embedding worker fingerprints its own partitions (its ``fingerprints`` RPC,
 which :func:`stream_persia.checkpoint.read_cut`, the one cut NN rank 0 and the API both
@@ -71,9 +71,9 @@ __all__ = ["Fingerprint", "RECREATED_HINT", "read_records", "parse_fingerprints"
 DIGEST_HEX = 16          # 64 bits of sha256: a collision by chance is not a concern
 FINGERPRINT_TIMEOUT_S = 5.0
 RECREATED_HINT = ("restore a checkpoint taken of this topic (on this cluster), or train the "
-                  "new topic from its start on purpose (a fresh job, or a restore of a "
-                  "checkpoint whose offsets are reset by hand); kafka.on_data_loss: skip "
-                  "restores it anyway, counting the mismatch")
+                  "new topic from its start on purpose (a fresh job, or the checkpoint's "
+                  "manifest offsets set by hand); kafka.on_data_loss: skip restores it "
+                  "anyway, counting the mismatch")
 
 
 def record_digest(key: bytes | None, value: bytes | None) -> str:
@@ -241,7 +241,6 @@ async def recreated(client_kwargs: Mapping[str, Any], topic: str, offsets: Mappi
         begin: each partition's log start offset now.
 
     Raises:
-        BadInput: a fingerprint of another offset than the one below its stored offset.
         KafkaUnavailable: the brokers did not answer.
     """
     want: dict[int, int] = {}
@@ -252,10 +251,10 @@ async def recreated(client_kwargs: Mapping[str, Any], topic: str, offsets: Mappi
         fp = fingerprints.get(p)
         if fp is None:
             unchecked.append(p)
-        elif fp.offset != offset - 1:
-            raise BadInput(f"the fingerprint of {topic}/{p} is of offset {fp.offset}, not of "
-                           f"{offset - 1} (below its stored offset {offset})",
-                           field=f"fingerprints.{p}")
+        elif fp.offset != offset - 1:   # the offsets were edited by hand, on purpose
+            log.warning("%s/%d: the checkpoint's fingerprint is of offset %d, not of %d "
+                        "(below its stored offset %d): the topic's identity is not checked "
+                        "there", topic, p, fp.offset, offset - 1, offset)
         elif offset - 1 < begin[p]:
             log.info("%s/%d: the record at offset %d is deleted (the log starts at %d): the "
                      "topic's identity cannot be checked there", topic, p, offset - 1,
