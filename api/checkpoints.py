@@ -428,15 +428,17 @@ class Checkpoints:
             job.error = (f"the NN ranks did not take it ({why}), and the API could not "
                          f"either: {e.message}")
 
-    async def _call_workers(self, method: str) -> Sequence[dict[str, Any]]:
+    async def _call_workers(self, method: str, params: Any = None) -> Sequence[dict[str, Any]]:
         workers = self.roles.workers
-        return await self.roles.fanout(workers, method) if workers else []
+        return await self.roles.fanout(workers, method, params) if workers else []
 
-    async def _cut(self) -> Cut:
+    async def _cut(self, *, fingerprints: bool = True) -> Cut:
         """The workers' stream cut (:func:`stream_persia.checkpoint.read_cut`: refused
         while something is in flight, a batch is only partly applied, a server restarted
-        with an empty table, or the workers mix Kafka and direct ingest)."""
-        return await read_cut(self._call_workers, [w.peer for w in self.roles.workers])
+        with an empty table, or the workers mix Kafka and direct ingest), with the
+        fingerprints of the records below its offsets unless ``fingerprints`` is False."""
+        return await read_cut(self._call_workers, [w.peer for w in self.roles.workers],
+                              fingerprints=fingerprints)
 
     async def _check_restorable(self) -> None:
         """Refuse a restore while NN ranks may still be training: batches in flight that
@@ -456,7 +458,7 @@ class Checkpoints:
         servers = self.roles.require(SERVER)
         job.state = "running"
         job.progress = {"phase": "checking that nothing is in flight"}
-        await self._cut()
+        await self._cut(fingerprints=False)
         updates = await self._updates()
         complete = await self._complete()
         base = complete[-1] if complete else None
@@ -509,7 +511,7 @@ class Checkpoints:
             manifest = await asyncio.to_thread(
                 lambda: writer.commit(job=self.job_name, step=step, offsets=offsets,
                                       stream=stream, schema=self.settings.schema,
-                                      extra=extra))
+                                      extra=extra, fingerprints=cut.fingerprints))
         except BaseException:
             await asyncio.to_thread(writer.abort)
             raise
@@ -554,18 +556,26 @@ class Checkpoints:
         check_config(manifest, self.settings.schema, f"checkpoint {ident!r}")
         await self._check_restorable()
         parts: dict[str, int] = {}
+        prints: dict[str, Any] = {}
         replay = manifest.stream == "kafka" and bool(self.roles.workers)
         if replay:
             for topic_parts in manifest.offsets.values():
                 parts.update(topic_parts)
+            for topic_prints in (manifest.fingerprints or {}).values():
+                prints.update(topic_prints)
+            if manifest.fingerprints is None:
+                log.warning("checkpoint %s records no fingerprints of its Kafka offsets "
+                            "(written before them): the topic's identity cannot be checked "
+                            "(a topic deleted and created again would not be noticed)", ident)
             # Before anything is loaded: a stream the brokers cannot replay from there
-            # (retention deleted it) refuses the restore and leaves the job as it was.
-            await self._stream_call(ident, "check_stream", parts)
+            # (retention deleted it, or the topic is not the one the checkpoint was cut
+            # from) refuses the restore and leaves the job as it was.
+            await self._stream_call(ident, "check_stream", parts, prints)
         rows = await load_embeddings(src, [s.client for s in servers],
                                      timeout_ms=SHARD_TIMEOUT_MS)
         reset = 0
         if replay:
-            await self._stream_call(ident, "reset_stream", parts)
+            await self._stream_call(ident, "reset_stream", parts, prints)
             reset = len(self.roles.workers)
         reloaded = False
         if reload_model and self.predictor is not None and (
@@ -581,11 +591,13 @@ class Checkpoints:
                 "workers_reset": reset, "model_reloaded": reloaded}
 
 
-    async def _stream_call(self, ident: str, method: str, offsets: dict[str, int]) -> None:
+    async def _stream_call(self, ident: str, method: str, offsets: dict[str, int],
+                           fingerprints: dict[str, Any]) -> None:
         """``method`` (``check_stream``, ``reset_stream``) on every worker, its refusal
         (DataLost: 409, BadInput: 422) said of the checkpoint."""
         try:
-            await self.roles.fanout(self.roles.require(WORKER), method, {"offsets": offsets})
+            await self.roles.fanout(self.roles.require(WORKER), method,
+                                    {"offsets": offsets, "fingerprints": fingerprints})
         except (DataLost, BadInput) as e:
             cls = DataLost if isinstance(e, DataLost) else BadInput
             err: PersiaError = cls(f"checkpoint {ident!r} cannot be restored: {e.message}",

@@ -46,10 +46,13 @@ __all__ = ["Cut", "stream_cut", "read_cut", "check_nothing_in_flight", "check_no
 
 @dataclass(frozen=True)
 class Cut:
-    """The manifest's ``stream`` and ``offsets`` (topic → partition → next offset)."""
+    """The manifest's ``stream``, ``offsets`` (topic → partition → next offset) and
+    ``fingerprints`` (topic → partition → the record below its offset; see
+    :mod:`stream_persia.checkpoint.manifest`; empty when none was read)."""
 
     stream: str
     offsets: dict[str, dict[str, int]] = field(default_factory=dict)
+    fingerprints: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def partitions(self) -> dict[str, int]:
@@ -201,14 +204,18 @@ def stream_cut(frontiers: Sequence[Mapping[str, Any]],
     return Cut("kafka", {topic: dict(sorted(offsets.items(), key=lambda kv: int(kv[0])))})
 
 
-async def read_cut(call_workers: Callable[[str], Awaitable[Sequence[Mapping[str, Any]]]],
-                   names: Sequence[str] | None = None) -> Cut:
-    """Ask every worker for its ``frontier`` (and ``status``, for the topic, when they
-    read Kafka) and return :func:`stream_cut` of the replies.
+async def read_cut(call_workers: Callable[..., Awaitable[Sequence[Any]]],
+                   names: Sequence[str] | None = None, *, fingerprints: bool = True) -> Cut:
+    """Ask every worker for its ``frontier`` (and, when they read Kafka, ``status`` for
+    the topic, then ``fingerprints`` of the records below the cut's offsets, which each
+    worker reads from the brokers for its partitions: one fetch per worker) and return
+    :func:`stream_cut` of the replies, with the fingerprints.
 
     Args:
-        call_workers: ``call_workers(method)`` → every worker's reply, in replica order.
+        call_workers: ``call_workers(method, params=None)`` → every worker's reply, in
+            replica order.
         names: the workers' names in messages (default ``embedding worker <i>``).
+        fingerprints: False: leave them out (a check of the cut, not the one recorded).
     """
     frontiers = await call_workers("frontier")
     topics = None
@@ -216,4 +223,12 @@ async def read_cut(call_workers: Callable[[str], Awaitable[Sequence[Mapping[str,
         statuses = await call_workers("status")
         topics = [(s.get("kafka") or {}).get("topic") if isinstance(s, Mapping) else None
                   for s in statuses]
-    return stream_cut(frontiers, topics, names)
+    cut = stream_cut(frontiers, topics, names)
+    if not fingerprints or cut.stream != "kafka" or not any(o > 0 for o in cut.partitions.values()):
+        return cut
+    prints: dict[str, dict[str, Any]] = {}
+    for reply in await call_workers("fingerprints", {"offsets": cut.partitions}):
+        prints.update({str(p): fp for p, fp in (reply or {}).items()})
+    topic = next(iter(cut.offsets))
+    return Cut("kafka", cut.offsets,
+               {topic: dict(sorted(prints.items(), key=lambda kv: int(kv[0])))})

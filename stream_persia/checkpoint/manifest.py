@@ -6,6 +6,8 @@ Schema (format version 1; JSON object, every key present, ``null`` where optiona
      "created_at": ISO-8601 UTC ("2024-05-01T12:00:00Z"),
      "stream": "kafka" | "direct",
      "offsets": {topic: {partition (decimal str): next offset to consume (int >= 0)}},
+     "fingerprints"?: {topic: {partition: {"offset": int, "timestamp": int,
+                                           "digest": 16 hex chars}}}  (optional, below),
      "config_digest": str | null, "shard_count": int >= 0,
      "files": {name: {"sha256": 64 hex chars, "bytes": int, "rows"?: int}},
      "embedding_files": [name, ...]  (one per embedding server, in replica order),
@@ -35,6 +37,16 @@ A patch's ``embedding_files`` hold the rows changed since its parent (values wit
 optimizer state); its dense files and offsets are whole, as a base's. Every file, of a
 base or a patch, has its sha256 and size in ``files``. A restore of a patch loads the
 base, then every patch in order (:func:`stream_persia.checkpoint.reader.chain_of`).
+
+``fingerprints`` (absent or null: written before them, or a direct stream): for each
+partition of ``offsets`` whose offset ``N`` is > 0, the record at ``N - 1`` as the broker
+had it when the checkpoint was cut: its ``offset`` (``N - 1``), Kafka ``timestamp`` (ms)
+and ``digest`` (the first 16 hex chars of a sha256 of its key and value). A restore reads
+that record again and refuses a topic whose record differs, one deleted and created again
+that has grown past ``N`` since (:mod:`stream_persia.kafka.fingerprint`). A partition
+without one (its record could not be read at the cut), or whose fingerprint is not of
+``N - 1`` (its offset edited by hand), is restored unchecked, and so is every partition of
+a manifest without ``fingerprints`` (logged).
 
 ``config_digest`` is ``schema-v1:<sha256>`` of the job's embedding schema, which a restore
 checks (:mod:`stream_persia.checkpoint.digest`; null: not known, restored unchecked).
@@ -129,6 +141,43 @@ def _offsets(value: Any) -> dict[str, dict[str, int]]:
                 raise BadInput(f"offsets[{topic!r}] partition must be a number >= 0, got {p!r}",
                                field=f"offsets.{topic}")
             norm[str(int(key))] = _int(o, f"offsets.{topic}.{key}")
+        out[topic] = dict(sorted(norm.items(), key=lambda kv: int(kv[0])))
+    return out
+
+
+_DIGEST = re.compile(r"[0-9a-f]{16}")
+
+
+def _fingerprints(value: Any) -> dict[str, dict[str, dict[str, Any]]] | None:
+    """``fingerprints`` (module docstring), validated. Not checked against ``offsets``: a
+    fingerprint of another offset than the one below a partition's (offsets edited by
+    hand) is not compared by a restore (logged)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise BadInput(f"manifest 'fingerprints' must be null or map topic -> {{partition: "
+                       f"fingerprint}}, got {type(value).__name__}", field="fingerprints")
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for topic, parts in value.items():
+        if not isinstance(topic, str) or not topic or not isinstance(parts, dict):
+            raise BadInput(f"manifest 'fingerprints' must map topic -> {{partition: "
+                           f"fingerprint}}, got {str(topic)[:60]!r}: {str(parts)[:60]}",
+                           field="fingerprints")
+        norm: dict[str, dict[str, Any]] = {}
+        for p, fp in parts.items():
+            key = str(p)
+            where = f"fingerprints.{topic}.{key}"
+            ok = (key.isdigit() and isinstance(fp, dict)
+                  and set(fp) == {"offset", "timestamp", "digest"}
+                  and all(isinstance(fp[k], int) and not isinstance(fp[k], bool)
+                          for k in ("offset", "timestamp"))
+                  and fp["offset"] >= 0
+                  and isinstance(fp["digest"], str) and _DIGEST.fullmatch(fp["digest"]))
+            if not ok:
+                raise BadInput(f"manifest {where!r} must be {{'offset': int >= 0, "
+                               f"'timestamp': int, 'digest': 16 hex chars}} under a "
+                               f"partition number, got {str(fp)[:120]}", field=where)
+            norm[str(int(key))] = dict(fp)
         out[topic] = dict(sorted(norm.items(), key=lambda kv: int(kv[0])))
     return out
 
@@ -266,6 +315,7 @@ class Manifest:
     model_updates: list[dict[str, Any]] | None = None
     chain: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    fingerprints: dict[str, dict[str, dict[str, Any]]] | None = None
     format_version: int = FORMAT_VERSION
     path: str | None = field(default=None, compare=False, repr=False)
 
@@ -287,6 +337,7 @@ class Manifest:
             raise BadInput(f"manifest 'stream' must be one of {STREAMS}, got {self.stream!r}",
                            field="stream")
         self.offsets = _offsets(self.offsets)
+        self.fingerprints = _fingerprints(self.fingerprints)
         _opt_str(self.config_digest, "config_digest")
         _int(self.shard_count, "shard_count")
         self.files = _files(self.files)
@@ -337,8 +388,9 @@ class Manifest:
         """The JSON form written to ``manifest.json`` (``path`` is not stored)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "path"}
         out = {"format_version": out.pop("format_version"), **out}
-        if out["chain"] is None:   # a reader from before chains reads it as it did
-            del out["chain"]
+        for key in ("chain", "fingerprints"):   # a reader from before them reads it as it did
+            if out[key] is None:
+                del out[key]
         return json.loads(json.dumps(out))   # deep copy, JSON types only
 
     @classmethod

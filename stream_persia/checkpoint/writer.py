@@ -260,7 +260,8 @@ class CheckpointWriter:
 
     # ----------------------------------------------------------------- publishing
     def commit(self, *, job: str, step: int, offsets: dict[str, dict[str, int]], stream: str,
-               schema: EmbeddingSchema | None = None, extra: dict[str, Any] | None = None
+               schema: EmbeddingSchema | None = None, extra: dict[str, Any] | None = None,
+               fingerprints: dict[str, dict[str, dict[str, Any]]] | None = None
                ) -> Manifest:
         """Write ``manifest.json`` (last), then make the checkpoint visible at ``dst``.
 
@@ -274,6 +275,8 @@ class CheckpointWriter:
                 so that a restore into a job with another schema is refused naming what
                 differs (:mod:`stream_persia.checkpoint.digest`). None: not known (no digest).
             extra: any JSON-serialisable metadata.
+            fingerprints: topic → partition → the record below its offset (the cut's,
+                :class:`~stream_persia.checkpoint.Cut`); None or empty: none recorded.
 
         Returns:
             The manifest, with ``path`` set to ``dst``.
@@ -299,7 +302,7 @@ class CheckpointWriter:
             opt_filename=OPT_FILENAME if OPT_FILENAME in files else None,
             jit_filename=JIT_FILENAME if JIT_FILENAME in files else None,
             server_config=self._server_config, model_updates=self._update_positions,
-            chain=self._chain, extra=extra)
+            chain=self._chain, extra=extra, fingerprints=fingerprints or None)
         return self.publish(manifest)
 
     def publish(self, manifest: Manifest) -> Manifest:

@@ -31,7 +31,8 @@ Quirks of the test broker are listed in :mod:`stream_persia.testing.kafka_mock`.
 
 No silent loss: offsets the broker no longer has (retention, gaps, truncation) stop the
 partition by default, or are counted when ``kafka.on_data_loss: skip`` accepts them
-(:mod:`~stream_persia.kafka.loss`). Clients wait for the brokers at start-up
+(:mod:`~stream_persia.kafka.loss`); so does a restore onto the topic deleted and created
+again (:mod:`~stream_persia.kafka.fingerprint`). Clients wait for the brokers at start-up
 (``kafka.startup_timeout_ms``) and fail with :class:`KafkaUnavailable` naming the
 bootstrap servers once none answers for ``kafka.broker_timeout_ms``
 (:mod:`~stream_persia.kafka.liveness`).
@@ -39,7 +40,8 @@ bootstrap servers once none answers for ``kafka.broker_timeout_ms``
 Modules: :mod:`~stream_persia.kafka.consumer` (the samples consumer),
 :mod:`~stream_persia.kafka.producer` (the samples producer),
 :mod:`~stream_persia.kafka.dlq` (the dead-letter topic),
-:mod:`~stream_persia.kafka.loss` (data loss), :mod:`~stream_persia.kafka.liveness`
+:mod:`~stream_persia.kafka.loss` (data loss), :mod:`~stream_persia.kafka.fingerprint`
+(which topic a checkpoint's offsets are of), :mod:`~stream_persia.kafka.liveness`
 (reaching the brokers) and ``_client`` (addresses, topic names and partitions, the
 producer factory); import from this package.
 """

@@ -31,6 +31,13 @@ from stream_persia.kafka._client import (
     partitions_of,
     validate_topic,
 )
+from stream_persia.kafka.fingerprint import (
+    FINGERPRINT_TIMEOUT_S,
+    RECREATED_HINT,
+    Fingerprint,
+    recreated,
+    take,
+)
 from stream_persia.kafka.liveness import (
     DEFAULT_BROKER_TIMEOUT_S,
     DEFAULT_STARTUP_TIMEOUT_S,
@@ -130,7 +137,8 @@ class SampleConsumer:
         self._accepted: list[DataLoss] = []      # the latest accepted losses (bounded)
         self.num_partitions = 0
         self._counts = dict(records=0, bytes=0, commits=0, commit_failures=0,
-                            commits_skipped=0, offsets_lost=0, data_loss_events=0)
+                            commits_skipped=0, offsets_lost=0, data_loss_events=0,
+                            fingerprint_mismatches=0)
 
     @classmethod
     def from_config(cls, kafka: Any, *, replica_index: int, replica_size: int,
@@ -178,20 +186,27 @@ class SampleConsumer:
             out.append(self._tps[p])
         return out
 
-    async def start(self, start_offsets: Mapping[int, int] | None = None) -> None:
+    async def start(self, start_offsets: Mapping[int, int] | None = None,
+                    fingerprints: Mapping[int, Fingerprint] | None = None) -> None:
         """Assign this replica's partitions and seek.
 
         Args:
             start_offsets: partition -> next offset to read, from a checkpoint (other
                 replicas' partitions are ignored). Partitions without one start at
                 ``auto_offset_reset``; group-committed offsets are never used.
+            fingerprints: partition -> the checkpoint's fingerprint of the record below
+                its offset (:mod:`stream_persia.kafka.fingerprint`), compared with the
+                record the broker has there now. None: the offsets are not a
+                checkpoint's (nothing compared); partitions missing from it are not
+                compared (logged).
 
         Raises:
             ConfigError: the topic does not exist within ``metadata_timeout_s``, or has
                 fewer partitions than replicas.
             BadInput: a stored offset is beyond the partition's end (wrong topic/cluster).
             KafkaDataLoss: with ``on_data_loss="fail"``, a stored offset is below the
-                partition's log start: the messages in between were never read.
+                partition's log start: the messages in between were never read; or the
+                record below it is not the one fingerprinted (a recreated topic).
             KafkaUnavailable: no broker answered within ``startup_timeout_s``.
         """
         if self._consumer is not None:
@@ -199,14 +214,14 @@ class SampleConsumer:
         consumer = await start_client(lambda: AIOKafkaConsumer(**self._kwargs),
                                       self.bootstrap_servers, timeout_s=self.startup_timeout_s)
         try:
-            await self._assign_and_seek(consumer, dict(start_offsets or {}))
+            await self._assign_and_seek(consumer, dict(start_offsets or {}), fingerprints)
         except BaseException:
             await stop_client(consumer)
             raise
         self._consumer = consumer
 
-    async def _assign_and_seek(self, consumer: AIOKafkaConsumer,
-                               start_offsets: dict[int, int]) -> None:
+    async def _assign_and_seek(self, consumer: AIOKafkaConsumer, start_offsets: dict[int, int],
+                               fingerprints: Mapping[int, Fingerprint] | None) -> None:
         deadline = time.monotonic() + self.metadata_timeout_s
         while not (found := await partitions_of(consumer, self.topic)):
             if time.monotonic() > deadline:
@@ -231,12 +246,12 @@ class SampleConsumer:
         tps = list(self._tps.values())
         consumer.assign(tps)
         begin, end = await self._log_bounds(consumer, tps)
-        starts, losses = self._plan_starts(start_offsets, begin, end)
+        starts, losses = await self._plan(start_offsets, fingerprints, begin, end)
         refused = [loss for loss in losses if not loss.accepted]
         if refused:
             for loss in refused:
                 log.error("refusing to start at a stored offset: %s", loss.describe())
-            raise KafkaDataLoss(refused, field="start_offsets")
+            raise self._refusal(refused)
         for loss in losses:
             self._accept(loss)
         for p, tp in self._tps.items():
@@ -272,7 +287,48 @@ class SampleConsumer:
             starts[p] = offset
         return starts, losses
 
-    async def seek(self, offsets: Mapping[int, int]) -> None:
+    async def _plan(self, offsets: Mapping[int, int],
+                    fingerprints: Mapping[int, Fingerprint] | None,
+                    begin: Mapping[TopicPartition, int], end: Mapping[TopicPartition, int]
+                    ) -> tuple[dict[int, int], list[DataLoss]]:
+        """:meth:`_plan_starts`, and the owned partitions whose record below the stored
+        offset is not the one fingerprinted (cause ``"recreated"``). The one check every
+        start at stored offsets makes (:meth:`start`, :meth:`seek`,
+        :meth:`check_offsets`)."""
+        starts, losses = self._plan_starts(offsets, begin, end)
+        if fingerprints is not None:
+            losses += await recreated(
+                self._kwargs, self.topic, {p: o for p, o in offsets.items() if p in self._tps},
+                fingerprints, {tp.partition: b for tp, b in begin.items()},
+                skip=self.on_data_loss == "skip", timeout_s=self._fingerprint_timeout_s)
+        return starts, losses
+
+    @staticmethod
+    def _refusal(refused: list[DataLoss]) -> KafkaDataLoss:
+        if all(loss.cause == "recreated" for loss in refused):
+            return KafkaDataLoss(refused, field="start_offsets", hint=RECREATED_HINT)
+        return KafkaDataLoss(refused, field="start_offsets")
+
+    async def fingerprints(self, offsets: Mapping[int, int]) -> dict[int, Fingerprint]:
+        """The fingerprint of the record below each offset of ``offsets`` (partition →
+        next offset, > 0) of the partitions this replica owns, read from the brokers (a
+        checkpoint records them: :mod:`stream_persia.kafka.fingerprint`). A partition
+        whose record is not read (deleted, not a record, or not in time) is left out and
+        logged: a restore cannot check it.
+
+        Raises:
+            KafkaUnavailable: the brokers did not answer.
+        """
+        return await take(self._kwargs, self.topic,
+                          {p: o for p, o in offsets.items() if p in self._tps},
+                          timeout_s=self._fingerprint_timeout_s)
+
+    @property
+    def _fingerprint_timeout_s(self) -> float:
+        return min(FINGERPRINT_TIMEOUT_S, self.broker_timeout_s)
+
+    async def seek(self, offsets: Mapping[int, int],
+                   fingerprints: Mapping[int, Fingerprint] | None = None) -> None:
         """Move owned partitions to ``offsets`` before anything was read from them (an
         embedding worker resuming at the cut restored into its servers), checked as
         :meth:`start` checks stored offsets.
@@ -283,29 +339,31 @@ class SampleConsumer:
         consumer = self._live()
         tps = self._owned(offsets)
         begin, end = await self._log_bounds(consumer, tps)
-        starts, losses = self._plan_starts(offsets, begin, end)
+        starts, losses = await self._plan(offsets, fingerprints, begin, end)
         refused = [loss for loss in losses if not loss.accepted]
         if refused:
-            raise KafkaDataLoss(refused, field="start_offsets")
+            raise self._refusal(refused)
         for loss in losses:
             self._accept(loss)
         for p, offset in starts.items():
             consumer.seek(self._tps[p], offset)
             self._next[p] = offset
 
-    async def check_offsets(self, offsets: Mapping[int, int]) -> None:
-        """Check stored offsets against the brokers as :meth:`start` would, changing
-        nothing (a restore checks before it drops what the worker holds).
+    async def check_offsets(self, offsets: Mapping[int, int],
+                            fingerprints: Mapping[int, Fingerprint] | None = None) -> None:
+        """Check stored offsets (and their fingerprints) against the brokers as
+        :meth:`start` would, changing nothing (a restore checks before it drops what the
+        worker holds).
 
         Raises:
             BadInput, KafkaDataLoss: as :meth:`start`.
         """
         tps = list(self._tps.values())
         begin, end = await self._log_bounds(self._live(), tps)
-        _, losses = self._plan_starts(offsets, begin, end)
+        _, losses = await self._plan(offsets, fingerprints, begin, end)
         refused = [loss for loss in losses if not loss.accepted]
         if refused:
-            raise KafkaDataLoss(refused, field="start_offsets")
+            raise self._refusal(refused)
 
     async def _log_bounds(self, consumer: AIOKafkaConsumer, tps: list[TopicPartition]
                           ) -> tuple[dict[TopicPartition, int], dict[TopicPartition, int]]:
@@ -331,6 +389,8 @@ class SampleConsumer:
     def _accept(self, loss: DataLoss) -> None:
         """on_data_loss=skip: count and log a loss, and read on."""
         self._counts["data_loss_events"] += 1
+        if loss.cause == "recreated":
+            self._counts["fingerprint_mismatches"] += 1
         self._counts["offsets_lost"] += loss.lost
         self._lost[loss.partition] = self._lost.get(loss.partition, 0) + loss.lost
         self._accepted = [*self._accepted[-(MAX_LOSSES_KEPT - 1):], loss]
@@ -524,9 +584,10 @@ class SampleConsumer:
     #: The keys of :meth:`stats` that only grow; ``partitions``, ``partitions_stopped``
     #: and ``broker_down_seconds`` are levels. ``offsets_lost``: messages lost and
     #: accepted (``on_data_loss="skip"``); ``data_loss_events``: losses detected,
-    #: accepted or not.
+    #: accepted or not; ``fingerprint_mismatches``: starts at stored offsets whose record
+    #: below did not match the checkpoint's fingerprint, accepted (a recreated topic).
     COUNTERS = frozenset({"records", "bytes", "commits", "commit_failures", "commits_skipped",
-                          "offsets_lost", "data_loss_events"})
+                          "offsets_lost", "data_loss_events", "fingerprint_mismatches"})
 
     def stats(self) -> dict[str, float]:
         """Counts and levels for metrics (``RoleMetrics.add_callback``; see :attr:`COUNTERS`)."""

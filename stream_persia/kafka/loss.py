@@ -14,6 +14,10 @@ offsets away from a consumer, and none may pass silently:
   ``on_data_loss: skip`` (each hole is then counted as lost).
 - **truncated**: the position is beyond the partition's end (the log was truncated by an
   unclean leader election, or the topic deleted and created again).
+- **recreated**: a checkpoint's stored offset is within the log, but the record below it
+  is not the one the checkpoint recorded (the topic was deleted and created again, and
+  has grown past the offset since; :mod:`stream_persia.kafka.fingerprint`). Starting
+  there would never train the new topic's records below it.
 
 What happens then is the ``kafka.on_data_loss`` setting:
 
@@ -65,9 +69,10 @@ class DataLoss:
     partition: int
     first: int
     resume: int | None
-    cause: str                  # "deleted" | "gap" | "truncated"
+    cause: str                  # "deleted" | "gap" | "truncated" | "recreated"
     accepted: bool              # on_data_loss=skip: counted and read on; else stopped
     at: float = field(default_factory=time.time, compare=False)
+    detail: str | None = None   # "recreated": what was recorded and what the broker has
 
     @property
     def lost(self) -> int:
@@ -76,6 +81,11 @@ class DataLoss:
 
     def describe(self) -> str:
         where = f"{self.topic}/{self.partition}"
+        if self.cause == "recreated":
+            return (f"{where}: the record at offset {self.first - 1} is not the one the "
+                    f"checkpoint recorded ({self.detail}): the topic was deleted and created "
+                    f"again (or this is another cluster's): starting at offset {self.first} would "
+                    f"never train the records below it")
         if self.cause == "truncated" or self.resume is None:
             return (f"{where}: offset {self.first} is beyond the partition's end "
                     f"{self.resume} (the log was truncated, or the topic recreated)")

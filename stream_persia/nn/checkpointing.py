@@ -250,6 +250,7 @@ def _write(ctx: ContextSeam, cluster: Any, dst_dir: str, *, trainer: TrainerSeam
         note("committing")
         manifest = writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0),
                                  offsets=offsets, stream=stream,
+                                 fingerprints=cut.fingerprints,
                                  schema=checkpoint_schema(cluster),
                                  extra={"world_size": getattr(ctx, "world_size", 1),
                                         # the newest sample event time in the dense model
@@ -301,13 +302,15 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
         _barrier(ctx)
         if _rank(ctx) == 0:
             replay = train and manifest.stream == "kafka"
-            # Before anything is loaded: offsets the brokers no longer have (retention)
+            streams = _stream_params(manifest, src_dir) if replay else []
+            # Before anything is loaded: offsets the brokers no longer have (retention),
+            # or of a topic that is not the one the checkpoint was cut from (recreated),
             # refuse the restore (DataLost naming them) and leave the job as it was.
-            for topic_offsets in manifest.offsets.values() if replay else ():
-                cluster.run(cluster.call_workers("check_stream", {"offsets": topic_offsets}))
+            for params in streams:
+                cluster.run(cluster.call_workers("check_stream", params))
             cluster.run(load_embeddings(src_dir, cluster.servers))
-            for topic_offsets in manifest.offsets.values() if replay else ():
-                cluster.run(cluster.call_workers("reset_stream", {"offsets": topic_offsets}))
+            for params in streams:
+                cluster.run(cluster.call_workers("reset_stream", params))
         model = _dense_model(ctx)
         model.load_state_dict(load_torch(src_dir, dense_filename, map_location))
         if trainer is not None and opt_filename and opt_filename in manifest.files:
@@ -324,6 +327,19 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
     finally:
         if trainer is not None:
             trainer.resume_prefetchers(resume)
+
+
+def _stream_params(manifest: Manifest, where: str) -> list[dict[str, Any]]:
+    """The ``check_stream`` / ``reset_stream`` parameters of a Kafka checkpoint, one per
+    topic: its offsets and the fingerprints of the records below them (a manifest from
+    before fingerprints: none, logged)."""
+    if manifest.fingerprints is None:
+        log.warning("checkpoint %s records no fingerprints of its Kafka offsets (written "
+                    "before them): the topic's identity cannot be checked (a topic deleted "
+                    "and created again would not be noticed)", where)
+    prints = manifest.fingerprints or {}
+    return [{"offsets": parts, "fingerprints": prints.get(topic, {})}
+            for topic, parts in manifest.offsets.items()]
 
 
 def _in_thread(fn: Any) -> concurrent.futures.Future:

@@ -278,7 +278,8 @@ def compact(src: str, dst: str | None = None, *,
             created_at=top.created_at, config_digest=top.config_digest,
             dense_filename=top.dense_filename, opt_filename=top.opt_filename,
             jit_filename=top.jit_filename, server_config=top.server_config,
-            model_updates=top.model_updates, chain=chain_info, extra=extra)
+            model_updates=top.model_updates, chain=chain_info, extra=extra,
+            fingerprints=top.fingerprints)
         published = writer.publish(manifest)
     say(f"compacted {src_loc.url} into {out.url}: {rows:,} rows in {shards} shard(s), "
         f"{time.monotonic() - began:.1f} s")

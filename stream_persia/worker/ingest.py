@@ -51,6 +51,7 @@ from stream_persia.core.backoff import retry_startup, wait_bounded
 from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import BadInput, Misuse, PeerUnavailable, RemoteTimeout
 from stream_persia.kafka import DeadLetterWriter, KafkaUnavailable, SampleConsumer
+from stream_persia.kafka.fingerprint import Fingerprint
 from stream_persia.worker.frontier import Frontier
 from stream_persia.worker.kafka_lag import PROBE_INTERVAL_S, KafkaLag
 
@@ -81,6 +82,9 @@ class KafkaIngest:
         self.consumer = consumer
         self.dead_letters = dead_letters
         self.start_offsets = dict(start_offsets or {})
+        # The checkpoint's fingerprints of the records below start_offsets (set by the
+        # worker's reset_stream; None: not a checkpoint's, nothing compared).
+        self.start_fingerprints: dict[int, Fingerprint] | None = None
         self.max_records = max_records
         self.backpressure_pauses = 0
         self._task: asyncio.Task | None = None
@@ -115,7 +119,7 @@ class KafkaIngest:
         worker, consumer = self.worker, self.consumer
         topic = consumer.topic
         await self.dead_letters.start()
-        await consumer.start(self.start_offsets)
+        await consumer.start(self.start_offsets, self.start_fingerprints)
         marks = await self._watermarks()
         resumed = {p: o for p, o in watermarks.resume_points(marks).items()
                    if p in consumer.partitions and p not in self.start_offsets}
@@ -165,12 +169,13 @@ class KafkaIngest:
         answered for ``kafka.broker_timeout_ms``."""
         return self._task
 
-    async def check_offsets(self, offsets: Mapping[int, int]) -> None:
+    async def check_offsets(self, offsets: Mapping[int, int],
+                            fingerprints: Mapping[int, Fingerprint] | None = None) -> None:
         """Raise as a restart at ``offsets`` would (``KafkaDataLoss``, ``BadInput``), with
         this ingest left as it is (see ``SampleConsumer.check_offsets``); a no-op when
         this ingest is not running (the restart checks them then)."""
         if self._task is not None and not self._task.done():
-            await self.consumer.check_offsets(offsets)
+            await self.consumer.check_offsets(offsets, fingerprints)
 
     async def stop(self) -> None:
         task, self._task = self._task, None

@@ -46,15 +46,21 @@ RPC methods (params → result):
   batches whose push could not complete (below); they count as in flight too. Every
   server's incarnation is checked first, and ``lost`` lists ``{"server", "address",
   "error"}`` of those found restarted (below): checkpoints refuse while it is not empty.
-- ``reset_stream {"offsets": {partition: offset}}``: drop buffered and in-flight batches
-  and consume again from ``offsets`` (restore); offsets the brokers deleted are refused
-  first (``KafkaDataLoss``, unless ``kafka.on_data_loss: skip``), nothing dropped, and so
+- ``reset_stream {"offsets": {partition: offset}, "fingerprints"?: {partition:
+  {"offset", "timestamp", "digest"}}}``: drop buffered and in-flight batches and consume
+  again from ``offsets`` (restore); offsets the brokers deleted, and offsets whose record
+  below is not the one the checkpoint fingerprinted (a recreated topic:
+  :mod:`stream_persia.kafka.fingerprint`), are refused first (``KafkaDataLoss``, unless
+  ``kafka.on_data_loss: skip``), nothing dropped, and so
   is a reset while an embedding server found restarted was not restored since
   (``ServerRestarted``); offsets at or below what the servers applied start a stream that
   is refused (``StreamReplay``, *Stream replays*). ``check_stream {"offsets"}`` → None:
   refuses as ``reset_stream`` would for the offsets, changing nothing (a restore asks
   before it loads anything). ``commit_offsets {"offsets"}``: record
-  checkpoint offsets in the consumer group, for lag monitors.
+  checkpoint offsets in the consumer group, for lag monitors. ``fingerprints
+  {"offsets"}`` → ``{partition: {"offset", "timestamp", "digest"}}``: the record below
+  each offset of this worker's partitions, read from the brokers (a Kafka cut records
+  them; ``{}`` without Kafka).
 - ``status`` → buffers, counters, frontier offsets, ``watermarks`` (stage → event time
   or None: ``ingested``, with Kafka ``produced``, on replica 0 ``trained``:
   :mod:`stream_persia.core.stages`), and with Kafka ``kafka_lag`` (``[{"topic",
@@ -180,6 +186,7 @@ from stream_persia.worker.pushes import PUSHED_MEMORY, GradientPushes
 from stream_persia.worker.router import ShardRouter, Table
 
 if TYPE_CHECKING:  # imported by start_kafka_ingest: a broker-less worker never loads aiokafka
+    from stream_persia.kafka.fingerprint import Fingerprint
     from stream_persia.worker.ingest import KafkaIngest
 
 log = logging.getLogger(__name__)
@@ -316,7 +323,7 @@ class EmbeddingWorker:
             "servers": self._servers, "schema": self._schema, "metrics": self._metrics,
             "return_batches": self._return_batches, "frontier": self._frontier,
             "reset_stream": self._reset_stream, "check_stream": self._check_stream,
-            "commit_offsets": self._commit_offsets,
+            "commit_offsets": self._commit_offsets, "fingerprints": self._fingerprints,
             # Replica 0 holds the checkpoint mailbox (checkpoints started over HTTP).
             **(self.mailbox.handlers() if self.mailbox is not None else {}),
         }, host=host, port=port, name=f"embedding-worker-{replica_index}", secret=secret,
@@ -783,29 +790,50 @@ class EmbeddingWorker:
             raise BadInput("partitions and offsets must be >= 0", field="offsets")
         return offsets
 
-    async def _check_replayable(self, offsets: dict[int, int]
+    def _fingerprints_param(self, params: Any) -> dict[int, Fingerprint] | None:
+        """The restore's fingerprints (None: the caller sent none, from before them, or
+        this worker has no Kafka stream, which the restore refuses)."""
+        if not isinstance(params, dict) or "fingerprints" not in params \
+                or self.kafka_factory is None:
+            return None
+        from stream_persia.kafka.fingerprint import parse_fingerprints
+
+        return parse_fingerprints(params["fingerprints"])
+
+    async def _check_replayable(self, offsets: dict[int, int],
+                                fingerprints: dict[int, Fingerprint] | None
                                 ) -> Callable[[dict[int, int] | None], KafkaIngest]:
-        """BadInput (no stream, an offset beyond the end) or KafkaDataLoss (deleted) unless
-        the brokers still have ``offsets``; returns the Kafka ingest factory."""
+        """BadInput (no stream, an offset beyond the end) or KafkaDataLoss (deleted, or a
+        recreated topic) unless the brokers still have ``offsets``; returns the Kafka
+        ingest factory."""
         factory = self.kafka_factory
         if factory is None:
             raise BadInput("this worker has no Kafka stream to reset (broker-less mode "
                            "cannot replay)", field="offsets",
                            hint="run with --kafka for exactly-once restore")
         if self.kafka is not None:
-            await self.kafka.check_offsets(offsets)
+            await self.kafka.check_offsets(offsets, fingerprints)
         return factory
 
     async def _check_stream(self, params: Any) -> None:
         # Asked before a restore loads anything: servers found restarted are not checked
         # here (the load that follows is what brings them back; reset_stream checks them).
-        await self._check_replayable(self._offsets_param(params))
+        await self._check_replayable(self._offsets_param(params),
+                                     self._fingerprints_param(params))
+
+    async def _fingerprints(self, params: Any) -> dict[str, dict[str, int | str]]:
+        offsets = self._offsets_param(params)
+        if self.kafka is None:
+            return {}
+        taken = await self.kafka.consumer.fingerprints(offsets)
+        return {str(p): fp.to_dict() for p, fp in sorted(taken.items())}
 
     async def _reset_stream(self, params: Any) -> dict:
         offsets = self._offsets_param(params)
-        # Offsets the brokers no longer have (or never had) are refused before anything
-        # held here is dropped.
-        factory = await self._check_replayable(offsets)
+        fingerprints = self._fingerprints_param(params)
+        # Offsets the brokers no longer have (or never had), or of another topic than the
+        # checkpoint's (recreated), are refused before anything held here is dropped.
+        factory = await self._check_replayable(offsets, fingerprints)
         # A restore loaded the servers first: those found restarted are served again now.
         # One still lost was not restored: replaying onto its empty table would not be
         # exactly-once, so nothing is reset.
@@ -831,6 +859,7 @@ class EmbeddingWorker:
         self.inflight.clear()
         self.ready.clear()
         self.kafka = factory(offsets)
+        self.kafka.start_fingerprints = fingerprints
         await self._start_ingest(self.kafka)
         if self._replay is not None:   # the offsets start below what the servers applied
             raise StreamReplay(self._replay.message, field="offsets", hint=self._replay.hint)

@@ -6,6 +6,10 @@ A real job (embedding server and worker on loopback, fed from its own mock broke
 keeps ~5 MiB per partition and silently drops older data) and the API on uvicorn. The
 test plays the NN worker; while its partition 0 is paused (as backpressure pauses it),
 8 MiB more arrive there and the broker deletes unread data.
+
+A checkpoint restored onto the samples topic deleted and created again (and grown past its
+offsets) is refused: modelled as the same topic name on a new cluster (the mock cannot
+delete a topic), other records at the same offsets (stream_persia.kafka.fingerprint).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import shutil
 from collections.abc import AsyncIterator
 from typing import Any
@@ -74,15 +79,17 @@ async def train(worker, n: int) -> int:
 
 
 @contextlib.asynccontextmanager
-async def kafka_job(on_data_loss: str = "fail") -> AsyncIterator[tuple[Any, Job, Any]]:
-    """(broker, job, its worker): topic ``job`` of 2 partitions holding 3 batches each,
-    one embedding server, one worker fed from the topic that trained all 6."""
+async def kafka_job(on_data_loss: str = "fail", first: int = 0
+                    ) -> AsyncIterator[tuple[Any, Job, Any]]:
+    """(broker, job, its worker): topic ``job`` of 2 partitions holding 3 batches each
+    (``make_batch(first + 10 * p + i)``), one embedding server, one worker fed from the
+    topic that trained all 6."""
     with MockKafkaCluster() as cluster:
         cluster.create_topic("job", 2)
         cluster.create_topic("job.dlq", 1)
         for p in (0, 1):
             await produce(cluster.bootstrap_servers, p,
-                          [make_batch(10 * p + i).to_bytes() for i in range(3)])
+                          [make_batch(first + 10 * p + i).to_bytes() for i in range(3)])
         cfg = KafkaConfig(bootstrap_servers=cluster.bootstrap_servers, samples_topic="job",
                           on_data_loss=on_data_loss)
         job = await start_job(n_servers=1)
@@ -192,3 +199,55 @@ async def test_a_restore_that_kafka_cannot_replay_is_refused_and_changes_nothing
         assert err["field"] == "checkpoint", err
         assert "offset 1000000 of job/0 is beyond its end" in err["message"], err
         assert len(job.servers[0].store) == rows
+
+
+async def test_a_restore_onto_the_topic_created_again_is_refused_unless_skip(tmp_path, caplog):
+    """The cut fingerprints the record below each offset; a restore onto the same topic
+    goes on, onto the topic created anew (and grown past the offsets) it is refused before
+    anything loads (409 naming topic, partition, offset, both records); a checkpoint from
+    before fingerprints restores unchecked (logged); with on_data_loss skip the restore
+    goes on and the mismatch is counted."""
+    async with kafka_job() as (cluster, job, worker), \
+            LiveApi(settings_for(job, checkpoint_dir=str(tmp_path))) as api:
+        info = await take_checkpoint(api, "cut")
+        manifest = info["manifest"]
+        assert manifest["offsets"]["job"] == {"0": 3, "1": 3}
+        prints = manifest["fingerprints"]["job"]
+        assert sorted(prints) == ["0", "1"]
+        assert {fp["offset"] for fp in prints.values()} == {2}
+        r = await api.client.post("/v1/checkpoints/cut/restore", headers=AUTH)
+        assert r.status_code == 200, r.text                   # the same topic: it matches
+    # No fingerprints: as a checkpoint written before them.
+    shutil.copytree(tmp_path / "cut", tmp_path / "old")
+    old = json.loads((tmp_path / "old/manifest.json").read_text())
+    del old["fingerprints"]
+    (tmp_path / "old/manifest.json").write_text(json.dumps(old))
+
+    async with kafka_job(first=500) as (cluster, job, worker), \
+            LiveApi(settings_for(job, checkpoint_dir=str(tmp_path))) as api:
+        rows = len(job.servers[0].store)
+        r = await api.client.post("/v1/checkpoints/cut/restore", headers=AUTH)
+        assert r.status_code == 409, r.text
+        err = r.json()["error"]
+        assert (err["kind"], err["field"]) == ("data_lost", "checkpoint"), err
+        assert "job/0: the record at offset 2 is not the one the checkpoint recorded" in \
+            err["message"], err
+        assert f"digest {prints['0']['digest']}; the broker has timestamp" in err["message"]
+        assert "job/1: the record at offset 2" in err["message"]
+        assert "restore a checkpoint taken of this topic" in err["hint"]
+        assert len(job.servers[0].store) == rows, "the servers loaded the checkpoint"
+        assert worker.frontier.offsets() == {0: 3, 1: 3}
+        assert not worker.kafka.task.done()
+
+        with caplog.at_level(logging.WARNING):
+            r = await api.client.post("/v1/checkpoints/old/restore", headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert "records no fingerprints" in caplog.text
+
+    async with kafka_job("skip", first=500) as (cluster, job, worker), \
+            LiveApi(settings_for(job, checkpoint_dir=str(tmp_path))) as api:
+        r = await api.client.post("/v1/checkpoints/cut/restore", headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert worker.frontier.offsets() == {0: 3, 1: 3}
+        metrics = (await api.client.get("/metrics", headers=AUTH)).text
+        assert sample(metrics, "kafka_consumer_fingerprint_mismatches_total") == 2

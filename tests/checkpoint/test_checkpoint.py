@@ -352,6 +352,40 @@ def test_manifest_round_trip_and_normalised_offsets():
     assert Manifest.from_dict(json.loads(json.dumps(d))).to_dict() == d
 
 
+FP = {"offset": 3, "timestamp": 1700000000000, "digest": "0123456789abcdef"}
+
+
+def test_manifest_fingerprints_are_optional_and_kept():
+    d = _manifest_dict()
+    assert "fingerprints" not in d                 # none: read as before by older readers
+    assert Manifest.from_dict(d).fingerprints is None
+    d["fingerprints"] = {"t": {1: FP}}
+    m = Manifest.from_dict(d)
+    assert m.fingerprints == {"t": {"1": FP}}
+    assert Manifest.from_dict(m.to_dict()).to_dict() == m.to_dict()
+    # Offsets edited by hand leave a fingerprint of another offset: still a manifest (a
+    # restore does not compare that one).
+    d["offsets"]["t"]["1"] = 100
+    assert Manifest.from_dict(d).fingerprints == {"t": {"1": FP}}
+
+
+@pytest.mark.parametrize("prints, field", [
+    ({"t": {"1": {**FP, "offset": -1}}}, "fingerprints.t.1"),
+    ({"t": {"x": FP}}, "fingerprints.t.x"),
+    ({"t": {"1": {**FP, "digest": "XYZ"}}}, "fingerprints.t.1"),
+    ({"t": {"1": {**FP, "timestamp": "now"}}}, "fingerprints.t.1"),
+    ({"t": {"1": {**FP, "extra": 1}}}, "fingerprints.t.1"),
+    ({"t": [FP]}, "fingerprints"),
+    ([FP], "fingerprints"),
+])
+def test_manifest_fingerprints_are_validated_naming_the_key(prints, field):
+    d = _manifest_dict()
+    d["fingerprints"] = prints
+    with pytest.raises(BadInput) as err:
+        Manifest.from_dict(d)
+    assert err.value.field == field
+
+
 @pytest.mark.parametrize("change, field", [
     (lambda d: d.update(format_version=2), "format_version"),
     (lambda d: d.pop("step"), "step"),

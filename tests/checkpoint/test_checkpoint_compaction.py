@@ -243,3 +243,18 @@ async def test_the_compacted_base_keeps_the_counts_of_frequency_admission(tmp_pa
         await load_embeddings(str(tmp_path / "c"), router.clients)
         await router.lookup([RowLookup(4, ids)], "train")
         assert sum(len(s.store) for s in fresh) == len(ids), "the third sight admits them"
+
+
+async def test_compaction_keeps_the_kafka_offsets_and_their_fingerprints(tmp_path):
+    """A compacted base restores onto the same topic only: the fingerprints of the
+    records below its offsets go with them (stream_persia.kafka.fingerprint)."""
+    prints = {"t": {"0": {"offset": 6, "timestamp": 1700000000000, "digest": "ab" * 8}}}
+    async with running_servers(1, Adam(lr=0.01), capacity=CAPACITY) as (_, router):
+        await train(router, np.random.default_rng(3), 50)
+        with CheckpointWriter(str(tmp_path / "ck")) as w:
+            await w.dump_embeddings(router.clients)
+            w.commit(job="j", step=1, offsets={"t": {"0": 7}}, stream="kafka",
+                     fingerprints=prints)
+    base = compact(str(tmp_path / "ck"))
+    assert (base.offsets, base.fingerprints) == ({"t": {"0": 7}}, prints)
+    assert read_manifest(base.path).fingerprints == prints

@@ -92,18 +92,30 @@ def test_topics_and_partitions_must_agree():
 async def test_read_cut_asks_for_the_topic_only_with_kafka():
     asked: list[str] = []
 
+    def fp(offset: int) -> dict:
+        return {"offset": offset, "timestamp": 1, "digest": "0" * 16}
+
     def workers(fronts: list[dict], topics: list[str | None]):
-        async def call(method: str) -> list[dict]:
+        async def call(method: str, params: dict | None = None) -> list[dict]:
             asked.append(method)
             if method == "frontier":
                 return fronts
+            if method == "fingerprints":   # each worker: its partitions of the offsets
+                mine = [{p: fp(o - 1) for p, o in params["offsets"].items()
+                         if p in f["offsets"] and o > 0} for f in fronts]
+                return mine
             return [{"kafka": {"topic": t}} if t else {} for t in topics]
         return call
 
     assert await read_cut(workers([direct()], [None])) == Cut("direct", {})
     assert asked == ["frontier"]
     asked.clear()
-    got = await read_cut(workers([kafka({"0": 5}), kafka({"1": 6})], ["s", "s"]))
-    assert got == Cut("kafka", {"s": {"0": 5, "1": 6}}) and asked == ["frontier", "status"]
+    got = await read_cut(workers([kafka({"0": 5}), kafka({"1": 6, "2": 0})], ["s", "s"]))
+    assert got == Cut("kafka", {"s": {"0": 5, "1": 6, "2": 0}},
+                      {"s": {"0": fp(4), "1": fp(5)}})
+    assert asked == ["frontier", "status", "fingerprints"]
+    asked.clear()
+    got = await read_cut(workers([kafka({"0": 5})], ["s"]), fingerprints=False)
+    assert got == Cut("kafka", {"s": {"0": 5}}) and asked == ["frontier", "status"]
     with pytest.raises(Misuse, match="mix Kafka"):
         await read_cut(workers([kafka({"0": 5}), direct()], ["s", None]))

@@ -7,6 +7,8 @@ direct ingest refuse the cut; a restore into another embedding schema is refused
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import time
 from types import SimpleNamespace
 
@@ -165,6 +167,17 @@ def test_kafka_checkpoint_replays_the_stream_from_the_cut(job_factory, kafka_bro
             manifest = read_manifest(ck)
             assert manifest.stream == "kafka"
             assert manifest.offsets == {topic: {"0": 8}}, "the cut is after the 8th batch"
+            # The record below the cut is fingerprinted; a restore whose record differs
+            # there (the topic created again) is refused before anything changes.
+            recorded = (manifest.fingerprints or {})[topic]["0"]
+            assert recorded["offset"] == 7 and len(recorded["digest"]) == 16
+            other = tmp_path / "other"
+            shutil.copytree(ck, other)
+            d = json.loads((other / "manifest.json").read_text())
+            d["fingerprints"][topic]["0"]["digest"] = "0" * 16
+            (other / "manifest.json").write_text(json.dumps(d))
+            with pytest.raises(DataLost, match=rf"{topic}/0: the record at offset 7 is not"):
+                ctx.load_checkpoint(str(other))
             ctx.load_checkpoint(ck)
             replayed = []
             for tb in DataLoader(StreamingDataset(), embedding_staleness=4, reproducible=True,
