@@ -33,12 +33,15 @@ them. Neither is a cut a demanding user can restore; run every worker with Kafka
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from stream_persia.checkpoint.manifest import STREAMS
-from stream_persia.errors import Misuse, ServerRestarted
+from stream_persia.errors import Misuse, PersiaError, ServerRestarted
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Cut", "stream_cut", "read_cut", "check_nothing_in_flight", "check_no_failed_push",
            "check_servers_kept", "worker_names"]
@@ -227,7 +230,16 @@ async def read_cut(call_workers: Callable[..., Awaitable[Sequence[Any]]],
     if not fingerprints or cut.stream != "kafka" or not any(o > 0 for o in cut.partitions.values()):
         return cut
     prints: dict[str, dict[str, Any]] = {}
-    for reply in await call_workers("fingerprints", {"offsets": cut.partitions}):
+    try:
+        replies = await call_workers("fingerprints", {"offsets": cut.partitions})
+    except PersiaError as e:
+        # The cut stands without them (a broker down while a SIGTERM's last checkpoint is
+        # cut, a worker from before the method): a restore then says it cannot check the
+        # topic's identity. Failing the checkpoint would lose the trained state instead.
+        log.warning("the checkpoint records no fingerprints of its Kafka offsets (%s): a "
+                    "restore of it cannot tell a re-created topic from this one", e)
+        return cut
+    for reply in replies:
         prints.update({str(p): fp for p, fp in (reply or {}).items()})
     topic = next(iter(cut.offsets))
     return Cut("kafka", cut.offsets,

@@ -9,6 +9,7 @@ import pytest
 from stream_persia.checkpoint import Cut, read_cut, stream_cut
 from stream_persia.checkpoint.cut import check_nothing_in_flight
 from stream_persia.errors import Misuse, ServerRestarted
+from stream_persia.kafka import KafkaUnavailable
 
 
 def kafka(offsets: dict, **kw) -> dict:
@@ -119,3 +120,18 @@ async def test_read_cut_asks_for_the_topic_only_with_kafka():
     assert got == Cut("kafka", {"s": {"0": 5}}) and asked == ["frontier", "status"]
     with pytest.raises(Misuse, match="mix Kafka"):
         await read_cut(workers([kafka({"0": 5}), direct()], ["s", None]))
+
+
+async def test_a_cut_whose_fingerprints_cannot_be_read_is_kept_without_them(caplog):
+    """The brokers are down (or a worker predates the method) while a checkpoint is cut,
+    say a SIGTERM's last one: the checkpoint is written without fingerprints, and says so,
+    rather than failing and losing what was trained."""
+    async def call(method: str, params: dict | None = None) -> list[dict]:
+        if method == "frontier":
+            return [kafka({"0": 5})]
+        if method == "status":
+            return [{"kafka": {"topic": "s"}}]
+        raise KafkaUnavailable("no broker answered within 5 s", field="kafka")
+
+    assert await read_cut(call) == Cut("kafka", {"s": {"0": 5}})
+    assert "records no fingerprints" in caplog.text and "no broker answered" in caplog.text
