@@ -30,7 +30,8 @@ bounded log asks it for a full pass (``resync``) and skips to that pass's ``rese
 restarted replica restores the newest checkpoint again and catches up from there. While a
 shard is being resynced, ``trained_through`` stays where it was, so the gap shows in the
 freshness metric; a restarted server's shard makes it None (unknown) until that server
-applies an update with an event time.
+is restored (its load says what the checkpoint is trained through) or applies an update
+with an event time; a shard or dense model restored from an older checkpoint lowers it.
 
 ``model_version`` is the step of the dense model served; ``trained_through`` the event time
 of the newest sample whose updates are applied: the oldest of every shard's last mark and
@@ -110,7 +111,6 @@ class ShardCursor:
     start: tuple[str, int] | None = None   # Kafka: skip to this (incarnation, seq) first
     rebuilding: bool = False            # a reset applied, not yet the mark ending its pass
     received: list[np.ndarray] = field(default_factory=list)   # ... the ids it sent so far
-    rebuilt: bool = False               # ... and that mark, since the last advance
     applied: dict[str, int] = field(default_factory=lambda: {"rows": 0, "tombstones": 0,
                                                              "resets": 0, "marks": 0})
 
@@ -180,17 +180,20 @@ def drop_shard(store: Store, shard: int, shards: int,
 
 
 def apply_messages(store: Store, cursor: ShardCursor, shards: int,
-                   messages: list[dict[str, Any]]) -> None:
-    """Apply one pull's messages in order (on the thread that owns ``store``).
+                   messages: list[dict[str, Any]]) -> bool:
+    """Apply one pull's messages in order (on the thread that owns ``store``); whether a
+    full pass ended among them (its mark may say an older event time: a restore).
 
     A ``reset`` starts a full pass of the shard: its rows overwrite the held ones as they
     come, and at the pass's ``mark`` the rows of the shard that it did not send leave.
     Until then the shard's previous rows are served: a pass read over many pulls (a
     resync of a large shard) never leaves a half-empty shard answering in between."""
+    ended = False
     for msg in messages:
         kind = msg["kind"]
         cursor.next_seq = msg["seq"] + 1
         if cursor.skipping and kind != "reset":
+            cursor.rebuilding, cursor.received = False, []   # that pass is abandoned
             continue
         if kind == "reset":
             cursor.skipping = False
@@ -209,9 +212,10 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
             if cursor.rebuilding:
                 sent = np.concatenate(cursor.received) if cursor.received else None
                 drop_shard(store, cursor.shard, shards, keep=sent)
-                cursor.rebuilding, cursor.rebuilt, cursor.received = False, True, []
+                cursor.rebuilding, cursor.received, ended = False, [], True
             cursor.version, cursor.event_time = msg["version"], msg["event_time"]
             cursor.applied["marks"] += 1
+    return ended
 
 
 _COUNTERS = frozenset({"pulls", "pull_failures", "bad_messages", "dense_loads",
@@ -411,9 +415,10 @@ class Replica:
             log.error("replica: refused a pull from %s: %s; resyncing", role.peer, e.message)
             await self._resync(cursor)
             return True
-        await self.execute(lambda: apply_messages(self.store, cursor, self.shards, checked))
+        ended = await self.execute(
+            lambda: apply_messages(self.store, cursor, self.shards, checked))
         self.counts["bytes"] += sum(message_bytes(m) for m in checked)
-        self.advance()
+        self.advance(rewound=bool(ended))
         return cursor.next_seq < nxt
 
     async def _new_incarnation(self, cursor: ShardCursor, inc: str, first: int) -> bool:
@@ -545,17 +550,15 @@ class Replica:
         """Recompute ``trained_through`` after something was applied.
 
         A shard whose last mark has no event time (a server restarted: its new process has
-        applied nothing with one yet, whatever it restored) makes it None, unknown, rather
-        than the value from before the restart, which the restored rows may not reach. The
-        next advance is observed from the last value known, so the gap still shows.
+        applied nothing with one yet, and was not restored from a checkpoint that records
+        one) makes it None, unknown, rather than the value from before the restart, which
+        the restored rows may not reach. The next advance is observed from the last value
+        known, so the gap still shows.
 
-        It only grows, except where what is served was replaced by something older: a
-        shard rebuilt from a reset (its server restored from an older checkpoint) or the
-        dense model of another lineage (``rewound``: a trainer restarted from one) may
-        lower it to what the new marks say (no advance is observed then)."""
-        rewound = rewound or any(c.rebuilt for c in self.cursors)
-        for c in self.cursors:
-            c.rebuilt = False
+        It only grows, except where what is served was replaced by something older
+        (``rewound``): a shard rebuilt by a full pass (its server restored from an older
+        checkpoint) or the dense model of another lineage (a trainer restarted from one)
+        may lower it to what the new marks say (no advance is observed then)."""
         times = [c.event_time for c in self.cursors]
         if any(t is None for t in times) or self.dense_event_time is None:
             if self.trained_through is not None:

@@ -251,9 +251,9 @@ class KafkaFollow:
 
     async def _apply(self, cursor: ShardCursor, msgs: list[dict[str, Any]]) -> None:
         r = self.replica
-        await r.execute(lambda: apply_messages(r.store, cursor, r.shards, msgs))
+        ended = await r.execute(lambda: apply_messages(r.store, cursor, r.shards, msgs))
         r.counts["bytes"] += sum(message_bytes(m) for m in msgs)
-        r.advance()
+        r.advance(rewound=bool(ended))
 
     async def _ask_resync(self, cursor: ShardCursor) -> None:
         cursor.resyncs += 1

@@ -372,6 +372,11 @@ async def _roll_forward(client: Any, replica: int, replicas: int, request: dict,
         except (PeerUnavailable, RemoteTimeout) as exc:
             error = exc
         except PersiaError as exc:   # another replica there, out of memory, a file changed
+            if isinstance(exc, BadInput) and "trained_through" in request \
+                    and refused_as_unknown(exc, "trained_through"):
+                # it came back as an older version (a rolling upgrade): load it without
+                request = {k: v for k, v in request.items() if k != "trained_through"}
+                continue
             return exc
         else:
             if int(reply["rows"]) != rows:

@@ -66,7 +66,8 @@ RPC methods (params → result):
   it starts; a process restarted at the same address (kill -9, OOM, a lost node, a
   StatefulSet bringing the pod back) has another one and none of the rows the previous
   one held. Lookup and update replies carry ``"incarnation"`` and ``"held"`` (the rows
-  held after the request) and ``"loads"``, ``health`` the incarnation, ``rows`` and ``loads``. A lookup or update whose params
+  held after the request), lookup replies ``"loads"`` too, ``health`` the incarnation,
+  ``rows`` and ``loads``. A lookup or update whose params
   name the ``incarnation`` the caller last saw is refused, before anything is looked up,
   admitted or applied, with :class:`~stream_persia.errors.ServerRestarted` (field
   ``incarnation``) when this process is another one: a retried update meets an empty

@@ -12,7 +12,9 @@ Messages (maps in the project's wire format, :mod:`stream_persia.core.wire`) all
 ``job``, ``shard``, ``shards``, ``incarnation`` (the server process), ``seq`` (their place
 in this process's log, from 0), ``kind``, ``version`` and ``event_time``:
 
-- ``reset``: drop every row of this shard (a replica's table of this shard is stale). The
+- ``reset``: a full pass of this shard starts: the rows up to its ``mark`` are all of them
+  (a replica's table of this shard is stale; it drops the rows the pass did not send
+  when the pass's mark comes, :func:`stream_persia.api.replica.apply_messages`). The
   log of every process starts with one, and a pass that cannot be incremental (the store
   was replaced by a restore or cleared, or its eviction log no longer reaches back to the
   last pass, or a replica asked for a resync) starts with one and lists every row;

@@ -64,11 +64,13 @@ never asked again. A reply thus means the server applied the update exactly once
 timed-out request that the server did apply is recognised when it is retried; a retry that
 reaches a process restarted meanwhile is refused by its incarnation (above), and fails the
 batch with ``on_server_restart: fail``, even when that process was restored from a
-checkpoint and adopted since: with ``fail`` an update is pinned to the processes its
-batch's rows were looked up on, and to their loads (:meth:`ShardRouter.lookup`'s
-``seen``): its gradients, applied to a restored table (a restarted process's, or one a
-load replaced while the batch was in flight), would count a batch the stream replays from
-the checkpoint's offsets twice. An update of a Kafka batch also carries the batch's
+checkpoint and adopted since. The worker pins the update of a Kafka batch (one a restore
+replays) to the processes its rows were looked up on and to their loads
+(:meth:`ShardRouter.lookup`'s ``seen``, servers of this version): its gradients, applied
+to a restored table (a restarted process's, or one a load replaced while the batch was in
+flight), would count a batch the stream replays from the checkpoint's offsets twice.
+With ``continue`` only the loads pin holds (another process takes every update there).
+A batch of a direct stream, which nothing replays, is not pinned: it is applied as before. An update of a Kafka batch also carries the batch's
 ``source`` (topic, partition, offset and the worker stream sending it): the servers keep
 per partition the highest offset applied and refuse another stream's replay
 (:class:`~stream_persia.errors.StreamReplay`, final, not retried); :meth:`ShardRouter.
@@ -274,9 +276,13 @@ class ShardRouter:
             if self.config is not None:
                 params["config"] = self.config["digest"]
             expect = self.incarnations[s]
-            if pinned is not None and pinned.incarnation is not None:
-                if expect is not None and expect != pinned.incarnation:
+            if pinned is not None and pinned.incarnation is not None \
+                    and expect is not None and expect != pinned.incarnation:
+                if self.on_server_restart != "continue":
                     raise self._stale(s, pinned)
+                pinned = None   # continue: on with the process adopted, as before
+                params.pop("loads", None)
+            if pinned is not None and pinned.incarnation is not None:
                 expect = pinned.incarnation
                 if pinned.loads is not None:
                     params["loads"] = pinned.loads
@@ -286,7 +292,9 @@ class ShardRouter:
                 reply = await self.clients[s].call(method, params, timeout_ms)
             except ServerRestarted as e:
                 await self.check(s)   # fail: raises; restored or continue: adopted
-                if pinned is not None and pinned.incarnation is not None:
+                if pinned is not None and pinned.incarnation is not None \
+                        and (self.on_server_restart != "continue"
+                             or self.incarnations[s] == pinned.incarnation):
                     raise self._stale(s, pinned, e) from None
                 continue
             except Misuse as e:
@@ -317,17 +325,16 @@ class ShardRouter:
         """The error of an update pinned to ``pinned`` of server ``s``, whose table was
         replaced since: another process (restored from a checkpoint, adopted) serves it,
         or a load replaced it (``refused``: the server's refusal, field ``loads``)."""
+        hint = "the batch fails; a job restored from a checkpoint trains from its offsets"
         if self.incarnations[s] == pinned.incarnation and refused is not None:
-            what, field = f"had its table replaced by a load ({refused.message})", "loads"
-        else:
-            what, field = (f"is incarnation {self.incarnations[s]}, restored from a "
-                           f"checkpoint since this batch's rows were looked up on "
-                           f"incarnation {pinned.incarnation}"), "incarnation"
+            return ServerRestarted(f"{self.addresses[s]}: {refused.message}", field="loads",
+                                   hint=hint)
         return ServerRestarted(
-            f"embedding server {s} ({self.addresses[s]}) {what}: the batch's update is not "
+            f"embedding server {s} ({self.addresses[s]}) is incarnation "
+            f"{self.incarnations[s]}, restored from a checkpoint since this batch's rows were "
+            f"looked up on incarnation {pinned.incarnation}: the batch's update is not "
             f"applied to the restored table (the stream replays the batch from the "
-            f"checkpoint's offsets)", field=field,
-            hint="the batch fails; a job restored from a checkpoint trains from its offsets")
+            f"checkpoint's offsets)", field="incarnation", hint=hint)
 
     # ----------------------------------------------------------------- restarts
     async def check(self, s: int, timeout_ms: float | None = None) -> None:
@@ -490,10 +497,10 @@ class ShardRouter:
         check, that partition's stream watermark; :mod:`stream_persia.core.watermarks`).
         ``event_time``: the batch's event time, sent with every request (``update``'s
         ``event_time``: the servers' ``trained_through``). ``tables``: the tables the
-        batch's rows were looked up in (:meth:`lookup`'s ``seen``): with
-        ``on_server_restart: fail`` the update is applied to those or to none (a process
-        restored from a checkpoint since, or a table a load replaced, refuses it;
-        :meth:`push`)."""
+        batch's rows were looked up in (:meth:`lookup`'s ``seen``): the update is applied
+        to those or to none: a table a load replaced since refuses it, and so does another
+        process, restored from a checkpoint and adopted since (with ``on_server_restart:
+        continue`` another process takes it, as it takes every update: :meth:`push`)."""
         return PendingUpdate(token, shards.split_update(groups, self.num_shards), source,
                              event_time=event_time, tables=dict(tables or {}))
 
@@ -524,8 +531,7 @@ class ShardRouter:
                 self._call(s, "update", self._update_params(update, s),
                            None if limit_ms is None
                            else min(limit_ms, self.clients[s].timeout_ms),
-                           pinned=update.tables.get(s)
-                           if self.on_server_restart == "fail" else None)
+                           pinned=update.tables.get(s))
                 for s in todo), return_exceptions=True)
             final = None
             for s, reply in zip(todo, replies, strict=True):

@@ -620,7 +620,8 @@ class EmbeddingWorker:
         return await self.pushes.push(pb.batch_id, pb.plan, pb.source, params.get("grads"),
                                       retry_s, stream=pb.stream,
                                       event_time=pb.batch.event_time,
-                                      tables=pb.tables)
+                                      # pinned where a restore replays the batch
+                                      tables=pb.tables if pb.source is not None else None)
 
     def _applied(self, batch_id: int) -> None:
         """Every server applied ``batch_id``'s gradients: release it."""

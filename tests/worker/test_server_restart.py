@@ -181,8 +181,10 @@ async def test_an_update_retried_across_a_restore_is_not_applied_to_the_restored
                 await router.push(first, retry_s=5)
             assert router.incarnations[1] == fresh.incarnation and not router.lost
             # the router already knows of the restore: not even sent
+            sent = await update_requests(fresh)
             with pytest.raises(ServerRestarted, match="looked up on incarnation"):
                 await router.push(second, retry_s=5)
+            assert await update_requests(fresh) == sent
             assert first.missing() == second.missing() == [1]
             assert fresh.store_stats()["updates"] == 0 and fresh.trained_through is None
             # a batch looked up on the restored process trains as before
@@ -194,6 +196,47 @@ async def test_an_update_retried_across_a_restore_is_not_applied_to_the_restored
             assert fresh.store_stats()["updates"] == 8
         finally:
             await fresh.stop()
+
+
+async def update_requests(server: EmbeddingServer) -> float:
+    async with RpcClient(server.address) as c:
+        text = (await c.call("metrics")).decode()
+    line = 'persia_embedding_server_requests_total{method="update"} '
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+
+async def test_with_continue_a_load_still_refuses_the_updates_of_the_table_it_replaced(
+        tmp_path):
+    """``continue`` accepts training on a restarted server's new table, not applying an
+    update to rows a load replaced in the same process (a restore: the stream replays the
+    batch); an update pinned to a process that restarted goes on there, as every update
+    does with ``continue``."""
+    async with running_servers(2, on_server_restart="continue") as (servers, router):
+        await router.broadcast("configure", JOB)
+        ids = np.concatenate([ids_on(0), ids_on(1)])
+        await router.lookup([RowLookup(DIM, ids)], "train")
+        dst = str(tmp_path / "ck")
+        with CheckpointWriter(dst) as w:
+            await w.dump_embeddings(router.clients)
+            w.commit(job="t", step=1, offsets={}, stream="direct")
+        seen: dict[int, Table] = {}
+        await router.lookup([RowLookup(DIM, ids)], "train", seen=seen)
+        grads = np.ones((ids.size, DIM), np.float32)
+        assert await load_embeddings(dst, router.clients) == 16
+        stale = router.split_update([UpdateGroup(DIM, ids, grads)], token="c-1",
+                                    event_time=1e9, tables=seen)
+        with pytest.raises(ServerRestarted, match="replaced by a load") as err:
+            await router.push(stale)
+        assert err.value.field == "loads"
+        assert [s.store_stats()["updates"] for s in servers] == [0, 0]
+        assert [s.trained_through for s in servers] == [None, None]
+        seen = {}
+        await router.lookup([RowLookup(DIM, ids)], "train", seen=seen)
+        fresh = await restart(servers, 1)
+        moved = router.split_update([UpdateGroup(DIM, ids, grads)], token="c-2", tables=seen)
+        # taken by the new process (whose empty table drops what it holds no row of)
+        assert await router.push(moved) == (8, 8) and router.restarts == [0, 1]
+        assert fresh.store_stats()["dropped_updates"] == 8
 
 
 async def test_with_continue_a_restart_is_counted_and_training_goes_on(caplog):
@@ -397,7 +440,7 @@ async def test_a_worker_fails_loudly_then_a_restore_trains_every_batch_exactly_o
         # its gradients reach neither restored table (the stream replays it): server 1 is
         # another process, server 0 the same one with its table replaced by the load.
         updates0 = servers[0].store_stats()["updates"]
-        with pytest.raises(ServerRestarted, match="not applied to the restored table"):
+        with pytest.raises(ServerRestarted, match="not applied to the restored"):
             await client.call("push_gradients", {"batch_id": late["batch_id"],
                                                  "grads": grads_for(late)})
         assert fresh.store_stats()["updates"] == 0
@@ -419,6 +462,41 @@ async def test_a_worker_fails_loudly_then_a_restore_trains_every_batch_exactly_o
         assert (front["lost"], front["failed"], front["inflight"]) == ([], [], 0)
     finally:
         await client.close()
+        for c in direct:
+            await c.close()
+        await worker.stop()
+        for s in servers:
+            await s.stop()
+
+
+async def test_a_direct_batch_in_flight_across_a_load_is_applied_not_stuck(tmp_path):
+    """A broker-less stream replays nothing: a batch looked up before a load (a
+    ``load_embedding`` mid-training) and pushed after it is applied to the loaded rows, as
+    before; refused, it would stay failed for good (such a stream cannot be reset)."""
+    servers = two_servers()
+    for s in servers:
+        await s.start()
+    worker = EmbeddingWorker(SCHEMA, [s.address for s in servers])
+    await worker.start()
+    direct = [RpcClient(s.address) for s in servers]
+    try:
+        async with RpcClient(worker.address) as client:
+            await client.call("ingest", {"batch": make_batch(0).to_wire()})
+            await train(client, 1, [])
+            dst = str(tmp_path / "ck")
+            with CheckpointWriter(dst) as w:
+                await w.dump_embeddings(direct)
+                w.commit(job="t", step=1, offsets={}, stream="direct")
+            await client.call("ingest", {"batch": make_batch(1).to_wire()})
+            served = await client.call("next_batch", {"timeout_ms": 10_000})
+            await load_embeddings(dst, direct)
+            before = sum(s.store_stats()["updates"] for s in servers)
+            reply = await client.call("push_gradients", {"batch_id": served["batch_id"],
+                                                         "grads": grads_for(served)})
+            assert reply["applied"] > 0
+            assert sum(s.store_stats()["updates"] for s in servers) > before
+            assert (await client.call("frontier"))["failed"] == []
+    finally:
         for c in direct:
             await c.close()
         await worker.stop()
