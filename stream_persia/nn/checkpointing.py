@@ -376,7 +376,13 @@ def dump_embedding(ctx: ContextSeam, dst_dir: str, blocking: bool = True
 
 def load_embedding(ctx: ContextSeam, src_dir: str, blocking: bool = True
                    ) -> concurrent.futures.Future:
-    """Replace the servers' rows by the checkpoint's (resharded to the server count)."""
+    """Replace the servers' rows by the checkpoint's (resharded to the server count).
+
+    Blocking, in a TrainCtx, the rank quiesces first. Non-blocking while a Kafka stream
+    trains (or on another rank), the batches in flight then fail their gradient push
+    (``ServerRestarted`` on field ``loads``: their rows were replaced, and a restore would
+    replay them) and the worker refuses checkpoints until a restore resets the stream:
+    use :func:`load_checkpoint` to restore, or load before training starts."""
     cluster = ctx.require_cluster()
     # Fail here, not in the background, on a wrong path or another embedding schema.
     check_config(read_manifest(src_dir), checkpoint_schema(cluster),
