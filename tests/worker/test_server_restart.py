@@ -142,6 +142,22 @@ async def test_an_update_retried_across_a_restart_fails_its_batch_instead_of_lan
             await fresh.stop()
 
 
+async def looked_up_after_a_checkpoint(router: ShardRouter, tmp_path
+                                       ) -> tuple[np.ndarray, str, dict[int, Table]]:
+    """Ids of both servers trained, a checkpoint of them at ``dst``, then the same ids
+    looked up again: (ids, dst, the tables that lookup saw)."""
+    await router.broadcast("configure", JOB)
+    ids = np.concatenate([ids_on(0), ids_on(1)])
+    await router.lookup([RowLookup(DIM, ids)], "train")
+    dst = str(tmp_path / "ck")
+    with CheckpointWriter(dst) as w:
+        await w.dump_embeddings(router.clients)
+        w.commit(job="t", step=1, offsets={}, stream="direct")
+    seen: dict[int, Table] = {}
+    await router.lookup([RowLookup(DIM, ids)], "train", seen=seen)
+    return ids, dst, seen
+
+
 async def test_an_update_retried_across_a_restore_is_not_applied_to_the_restored_table(
         tmp_path):
     """As above, but the new process is restored from a checkpoint before the update is
@@ -153,15 +169,7 @@ async def test_an_update_retried_across_a_restore_is_not_applied_to_the_restored
     the processes its rows were looked up on and fails instead, whether the server refuses
     it (the router learns of the restore then) or the router knew of the restore before."""
     async with running_servers(2) as (servers, router):
-        await router.broadcast("configure", JOB)
-        ids = np.concatenate([ids_on(0), ids_on(1)])
-        await router.lookup([RowLookup(DIM, ids)], "train")
-        dst = str(tmp_path / "ck")
-        with CheckpointWriter(dst) as w:
-            await w.dump_embeddings(router.clients)
-            w.commit(job="t", step=1, offsets={}, stream="direct")
-        seen: dict[int, Table] = {}
-        await router.lookup([RowLookup(DIM, ids)], "train", seen=seen)
+        ids, dst, seen = await looked_up_after_a_checkpoint(router, tmp_path)
         assert seen == {0: Table(servers[0].incarnation, 0), 1: Table(servers[1].incarnation, 0)}
         await servers[1].stop()
         fresh = restarted(servers[1])
@@ -212,15 +220,7 @@ async def test_with_continue_a_load_still_refuses_the_updates_of_the_table_it_re
     batch); an update pinned to a process that restarted goes on there, as every update
     does with ``continue``."""
     async with running_servers(2, on_server_restart="continue") as (servers, router):
-        await router.broadcast("configure", JOB)
-        ids = np.concatenate([ids_on(0), ids_on(1)])
-        await router.lookup([RowLookup(DIM, ids)], "train")
-        dst = str(tmp_path / "ck")
-        with CheckpointWriter(dst) as w:
-            await w.dump_embeddings(router.clients)
-            w.commit(job="t", step=1, offsets={}, stream="direct")
-        seen: dict[int, Table] = {}
-        await router.lookup([RowLookup(DIM, ids)], "train", seen=seen)
+        ids, dst, seen = await looked_up_after_a_checkpoint(router, tmp_path)
         grads = np.ones((ids.size, DIM), np.float32)
         assert await load_embeddings(dst, router.clients) == 16
         stale = router.split_update([UpdateGroup(DIM, ids, grads)], token="c-1",
