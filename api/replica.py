@@ -436,7 +436,13 @@ class Replica:
         if start is None:
             start = 0   # a log starts with a reset: it rebuilds the shard from nothing
         if start < first:
-            await self._resync(cursor)
+            try:
+                await self._resync(cursor)
+            except BaseException:
+                # Not followed yet: the next pull meets this process again and asks again,
+                # never reading its log from where the old process's left off.
+                cursor.incarnation = None
+                raise
         else:
             cursor.next_seq = start
         return True

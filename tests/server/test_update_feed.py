@@ -12,11 +12,12 @@ import asyncio
 
 import numpy as np
 import pytest
-from stream_persia.api.replica import ShardCursor, apply_messages
+from stream_persia.api.replica import Replica, ShardCursor, apply_messages
+from stream_persia.api.roles import Roles
 
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad
-from stream_persia.errors import BadInput
+from stream_persia.errors import BadInput, PeerUnavailable
 from stream_persia.rpc import RpcClient
 from stream_persia.server.service import EmbeddingServer
 from stream_persia.server.store import EmbeddingStore
@@ -265,3 +266,57 @@ def test_bad_feed_settings_name_the_field(kw, field):
     with pytest.raises(BadInput) as e:
         EmbeddingServer(10, **kw)
     assert e.value.field == field
+
+
+async def test_a_replica_whose_resync_failed_after_a_restart_never_reads_the_new_log_midway(
+        server, monkeypatch):
+    """A replica meets a server's new process (a restart) whose log no longer starts at 0:
+    it must ask for a full pass. That request fails (the server flapping); the next pull
+    must not read the new log from the old log's position (rows applied without their
+    reset: a table that never matches the server's again), but ask again."""
+    s, c = server
+    assert s.feed is not None
+    s.feed.log.max_bytes = 70_000
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        await train(c, rng, 2)
+        await settle(s)
+        if s.feed.log.first_seq > 2:
+            break
+    first, nxt = s.feed.log.first_seq, s.feed.log.next_seq
+    assert 0 < first < nxt - 1
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    roles = Roles([], [s.address])
+    replica = Replica(roles, EmbeddingStore(1_000_000, SGD(lr=0.0)), None, execute, on_dense)
+    cursor = replica.cursors[0]
+    # what it followed of the process before the restart: a place inside the new log
+    cursor.incarnation, cursor.next_seq = "0123456789abcdef", first + 1
+    real, failures = replica._resync, []
+
+    async def flapping(cur):
+        if not failures:
+            failures.append(1)
+            raise PeerUnavailable("embedding-server-0 refused the connection")
+        await real(cur)
+
+    monkeypatch.setattr(replica, "_resync", flapping)
+    try:
+        with pytest.raises(PeerUnavailable):
+            await replica.pull(cursor)
+        for _ in range(50):
+            if not await replica.pull(cursor):
+                break
+        await settle(s)                  # the full pass asked for
+        for _ in range(50):
+            if not await replica.pull(cursor):
+                break
+        same_rows(rows_of(replica.store), rows_of(s.store))
+        assert cursor.restarts == 1
+    finally:
+        await roles.close()
