@@ -220,7 +220,7 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
 
 _COUNTERS = frozenset({"pulls", "pull_failures", "bad_messages", "dense_loads",
                        "dense_failures", "resyncs", "server_restarts", "bytes",
-                       "dense_kafka", "dense_lineage_changes"})
+                       "dense_kafka", "dense_lineage_changes", "trained_through_rewinds"})
 
 
 class ReplicaMetrics:
@@ -303,7 +303,7 @@ class Replica:
         self._warned: dict[str, bool] = {}
         self.counts = {"pulls": 0, "pull_failures": 0, "bad_messages": 0, "dense_loads": 0,
                        "dense_failures": 0, "bytes": 0, "dense_kafka": 0,
-                       "dense_lineage_changes": 0}
+                       "dense_lineage_changes": 0, "trained_through_rewinds": 0}
         self.metrics = metrics
         self.freshness = metrics.freshness if metrics is not None else None
         if metrics is not None:
@@ -577,6 +577,7 @@ class Replica:
                 log.warning("replica: trained_through goes back from %.3f to %.3f: what it "
                             "serves was restored from an older checkpoint", prev, tt)
                 self.trained_through = tt
+                self.counts["trained_through_rewinds"] += 1
             return
         since = prev if prev is not None else self._known
         now = time.time()

@@ -419,6 +419,8 @@ async def test_a_restore_to_an_older_checkpoint_lowers_trained_through(tmp_path,
                         break
                     await asyncio.sleep(0.05)
             assert (info["model_version"], info["trained_through"]) == (20, t1)
+            assert "persia_api_replica_trained_through_rewinds_total 1.0" in \
+                (await replica.client.get("/metrics")).text
             await publish_dense(job, TwoHeads(seed=3), step=1, event_time=t1, lineage=8)
             async with asyncio.timeout(20):
                 while (info := await drained(replica, job))["model_version"] != 1:
