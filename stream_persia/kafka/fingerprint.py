@@ -30,8 +30,9 @@ reads that record again and compares (:meth:`SampleConsumer.start`, ``seek``,
 Where: each embedding worker fingerprints its own partitions (its ``fingerprints`` RPC,
 which :func:`stream_persia.checkpoint.read_cut`, the one cut NN rank 0 and the API both
 take, calls once the cut is known): the worker holds the brokers' addresses and client
-settings. A broker that does not answer then fails the checkpoint
-(:class:`~stream_persia.kafka.liveness.KafkaUnavailable`), as it fails ingest. Every
+settings. A broker that does not answer then leaves the checkpoint without fingerprints
+(:func:`~stream_persia.checkpoint.read_cut` logs it; its restore is not checked), rather
+than fail it: a SIGTERM's last checkpoint during a broker outage keeps what was trained. Every
 restore path (the API's, ``load_checkpoint``, ``reset_stream``) sends the manifest's
 fingerprints with its offsets, and the consumer compares them where it checks any stored
 offset (``SampleConsumer._plan``).
