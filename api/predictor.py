@@ -44,7 +44,13 @@ from stream_persia.api.settings import ApiSettings
 from stream_persia.checkpoint import latest_checkpoint
 from stream_persia.core.data import PersiaBatch
 from stream_persia.core.served import ServedBatch
-from stream_persia.errors import BadInput, ConfigError, PeerUnavailable, PersiaError
+from stream_persia.errors import (
+    BadInput,
+    ConfigError,
+    PeerUnavailable,
+    PersiaError,
+    RemoteError,
+)
 from stream_persia.server.dense_hub import LEGACY_LINEAGE, lineage_or_legacy
 
 __all__ = ["Predictor", "Served", "Prediction", "predictions_json", "LATEST"]
@@ -355,7 +361,15 @@ class Predictor:
             except PeerUnavailable as e:
                 last = e
                 continue
-            return ServedBatch.from_wire(reply)   # BadInput naming a malformed field
+            served = ServedBatch.from_wire(reply)   # BadInput naming a malformed field
+            if served.batch_size != batch.batch_size:
+                # another batch's rows: concatenated with the other requests of a
+                # micro-batch, every answer after it would be shifted
+                raise RemoteError(f"{role.peer} answered lookup_batch with "
+                                  f"{served.batch_size} rows for a request of "
+                                  f"{batch.batch_size}", field="batch_size",
+                                  hint="the embedding worker is not of this job or version")
+            return served
         assert last is not None
         raise last
 

@@ -15,6 +15,7 @@ from stream_persia.embedding.data import IDTypeFeature, NonIDTypeFeature, Persia
 from stream_persia.nn.batch import from_served
 from stream_persia.nn.checkpointing import scripted
 from stream_persia.nn.embedding_ctx import EmbeddingCtx, PreprocessMode
+from stream_persia.rpc import RpcServer
 from stream_persia.testing.samples import make_batch
 
 
@@ -95,6 +96,38 @@ async def test_missing_ids_are_counted_per_request_even_when_batched(trained):
         assert [r.json()["missing_ids"] for r in rs] == [0, 4] * 8
         stats = api.state.predictor.batcher.stats
         assert stats["requests"] >= 16 and stats["batches"] < stats["requests"]
+
+
+async def test_a_worker_answering_another_batchs_rows_is_an_error_not_an_answer(trained):
+    """A worker (of another job or version) answers ``lookup_batch`` with the rows of a
+    batch of another size: concatenated with the micro-batch's other requests they would
+    shift every answer after them. The request fails naming the worker (502)."""
+    job, model, ckpt = trained
+    real = job.client(job.workers[0].address)
+    other = await real.call("lookup_batch", {"batch": unseen_batch(0, 3).to_wire(),
+                                             "mode": "infer"})
+
+    async def lookup_batch(params):
+        return other
+
+    async def health(params):
+        return {"ok": True}
+
+    fake = RpcServer({"lookup_batch": lookup_batch, "health": health}, name="worker")
+    await fake.start()
+    try:
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="workers",
+                                embedding_workers=[fake.address])
+        async with LiveApi(settings) as api:
+            body = {"id_type_features": {"user": [[1, 2], [3]], "item": [3, 4],
+                                         "tags": [[4], [5]]},
+                    "non_id_type_features": {"dense": [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]}}
+            r = await api.client.post("/v1/predict", json=body)
+            assert r.status_code == 502, r.text
+            assert r.json()["error"]["field"] == "batch_size"
+            assert "3 rows for a request of 2" in r.json()["error"]["message"]
+    finally:
+        await fake.stop()
 
 
 async def test_concurrent_requests_share_forward_passes_and_keep_their_answers(trained):
