@@ -185,3 +185,44 @@ async def test_a_broker_outage_is_a_gap_in_freshness_then_the_replica_converges(
                 assert all(c.resyncs == 0 for c in follower.cursors)   # no message lost
         finally:
             await stop_job(job)
+
+
+async def test_a_restore_to_an_older_checkpoint_lowers_trained_through_over_kafka(
+        kafka_broker, tmp_path):
+    """As over RPC (test_replica.py): the servers restored from a checkpoint trained
+    through t1 after training reached t2; the replica reads their full passes from the
+    topic and says t1 again (the dense model of t2 still served), counting the rewind."""
+    from test_replica import train_stamped
+
+    from stream_persia.checkpoint import load_embeddings
+
+    bootstrap = kafka_broker.bootstrap_servers
+    job_name = f"rw{os.getpid()}{id(tmp_path) % 100000}"
+    topic = updates_topic(job_name)
+    assert kafka_broker.create_topic(topic, 3)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+    job = await kafka_job(bootstrap, job_name)
+    try:
+        t1 = time.time() - 100.0
+        t2 = t1 + 50.0
+        await train_stamped(job, 3, t1)
+        await asyncio.sleep(0.3)    # a pass or two reach Kafka before the dump
+        ckpt = await write_checkpoint(job, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3),
+                                      trained_through=t1)
+        settings = kafka_replica(job, ckpt, bootstrap, job_name, tmp_path)
+        async with LiveApi(settings) as replica:
+            follower = replica.state.predictor.replica
+            await train_stamped(job, 2, t2, seed=1)
+            await publish_dense(job, TwoHeads(seed=5), step=20, event_time=t2, lineage=7)
+            async with asyncio.timeout(30):
+                while follower.trained_through != t2:
+                    await asyncio.sleep(0.05)
+            await load_embeddings(ckpt, [job.client(a) for a in job.server_addresses])
+            async with asyncio.timeout(30):
+                while follower.trained_through != t1:
+                    await asyncio.sleep(0.05)
+            await converged(replica, job)
+            assert follower.dense_step == 20
+            assert follower.counts["trained_through_rewinds"] == 1
+    finally:
+        await stop_job(job)
