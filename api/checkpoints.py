@@ -32,12 +32,14 @@ worker's stream to the checkpoint's offsets; it refuses while batches are in fli
 since NN ranks that are training would keep their own dense state. Batches whose push
 failed and embedding servers that restarted (their tables lost) do not stop it: a restore
 is the way back from both. NN ranks load the
-dense model themselves (``load_checkpoint``) when they start again.
+dense model themselves (``load_checkpoint``) when they start again. One thing at a time:
+a restore is refused (409) while a checkpoint is being taken or another one restored,
+and a checkpoint while one is being taken or restored.
 
 Size: one module because :class:`Checkpoints` is one state machine: listing, deleting,
-taking (through the NN ranks or directly) and restoring share its lock, its in-use set and
-its job history (a checkpoint being taken or restored cannot be deleted, two restores never
-interleave). Split across modules, that state would have to be passed around unguarded.
+taking (through the NN ranks or directly) and restoring share its in-use set, its
+restore in progress and its job history (a checkpoint being taken or restored cannot be
+deleted, two restores never interleave). Split across modules, that state would have to be passed around unguarded.
 """
 
 from __future__ import annotations
@@ -177,6 +179,9 @@ class Checkpoints:
         # Checkpoints being read here (restored, or the base a cut copies), or deleted.
         self._using: collections.Counter[str] = collections.Counter()
         self._deleting: set[str] = set()
+        # The checkpoint being restored: one restore at a time, and no checkpoint taken
+        # meanwhile (set and tested with no await in between).
+        self._restoring: str | None = None
         gc = settings.global_config
         self.job_name = gc.kafka.job_name if gc is not None else "persia"
 
@@ -349,13 +354,14 @@ class Checkpoints:
         if self.settings.checkpoint_dir is None:
             raise Misuse("no checkpoint directory is configured", field="checkpoint_dir",
                          hint="set PERSIA_CHECKPOINT_DIR (or --checkpoint-dir)")
-        active = next((j for j in self.jobs.values() if j.state not in TERMINAL), None)
-        if active is not None:
-            raise Misuse(f"checkpoint {active.id} is {active.state}; one at a time",
-                         hint=f"follow it at /v1/checkpoints/{active.id}")
+        self._check_startable()
         ident = ident or new_checkpoint_id()
         dst = f"{self.settings.checkpoint_dir.rstrip('/')}/{ident}"
         if ident in self.jobs or await asyncio.to_thread(_exists, dst):
+            raise Misuse(f"checkpoint {ident!r} already exists", field="id",
+                         hint="choose another id, or leave it out for a fresh one")
+        self._check_startable()   # again: another request may have started one meanwhile
+        if ident in self.jobs:
             raise Misuse(f"checkpoint {ident!r} already exists", field="id",
                          hint="choose another id, or leave it out for a fresh one")
         job = self.jobs[ident] = CheckpointJob(ident, dst)
@@ -366,6 +372,18 @@ class Checkpoints:
             del self.jobs[oldest]
         job.task = asyncio.create_task(self._drive(job), name=f"checkpoint-{ident}")
         return job
+
+    def _check_startable(self) -> None:
+        """Misuse while a checkpoint is being taken or restored (no await: the caller
+        starts its own before yielding)."""
+        active = next((j for j in self.jobs.values() if j.state not in TERMINAL), None)
+        if active is not None:
+            raise Misuse(f"checkpoint {active.id} is {active.state}; one at a time",
+                         hint=f"follow it at /v1/checkpoints/{active.id}")
+        if self._restoring is not None:
+            raise Misuse(f"checkpoint {self._restoring!r} is being restored: a checkpoint "
+                         "taken now could hold its rows with the stream position from "
+                         "before it", hint="start the checkpoint once the restore returned")
 
     async def _drive(self, job: CheckpointJob) -> None:
         try:
@@ -526,7 +544,8 @@ class Checkpoints:
         """Load a checkpoint back into the job (servers and stream position).
 
         Raises:
-            Misuse: batches are in flight, a checkpoint is being taken, or the checkpoint
+            Misuse: batches are in flight, a checkpoint is being taken or another one
+                restored, or the checkpoint
                 was trained with another embedding schema than this job's (its
                 ``config_digest``; the message names what differs).
             BadInput: not a checkpoint, or its stream offsets are not in the topic.
@@ -541,11 +560,20 @@ class Checkpoints:
             raise Misuse(f"checkpoint {active.id} is being taken; restore after it finishes")
         if ident in self._deleting:
             raise Misuse(f"checkpoint {ident!r} is being deleted", field="checkpoint")
+        if self._restoring is not None:
+            # Two restores would interleave on the servers (a newer stage replaces an older
+            # one) and the workers: both would answer 200 over the rows of one and, for a
+            # Kafka stream, perhaps the offsets of the other.
+            raise Misuse(f"checkpoint {self._restoring!r} is being restored; one restore at "
+                         "a time", field="checkpoint",
+                         hint="restore again once it returned")
+        self._restoring = ident
         self._using[ident] += 1   # not deleted (by retention or a request) meanwhile
         try:
             return await self._restore(ident, src, reload_model)
         finally:
             self._release(ident)
+            self._restoring = None
 
     async def _restore(self, ident: str, src: str, reload_model: bool) -> dict[str, Any]:
         manifest = await asyncio.to_thread(read_manifest, src)

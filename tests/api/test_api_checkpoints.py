@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from api_helpers import (
     take_checkpoint,
     write_checkpoint,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia.checkpoint import config_digest, read_manifest, verify
 from stream_persia.config import EmbeddingSchema, KafkaConfig
@@ -52,6 +54,13 @@ def rows_of(job) -> dict[int, np.ndarray]:
             for i, w in zip(chunk["ids"].tolist(), chunk["weights"], strict=True):
                 out[i] = w
     return out
+
+
+def requests_to(server) -> float:
+    """RPC requests an embedding server has taken (its requests_total, every method)."""
+    return sum(s.value for fam in text_string_to_metric_families(
+        server.metrics.render().decode()) for s in fam.samples
+        if s.name == "persia_embedding_server_requests_total")
 
 
 async def test_api_cut_list_inspect_restore(job, tmp_path):
@@ -199,6 +208,59 @@ async def test_restore_refuses_a_checkpoint_of_another_embedding_schema(job, tmp
         assert r.status_code == 200, r.text
     assert len(rows_of(job)) == sum(info["manifest"]["files"][f]["rows"]
                                     for f in info["manifest"]["embedding_files"])
+
+
+async def test_one_restore_at_a_time_and_no_checkpoint_during_one(job, tmp_path):
+    """While a restore runs, a second restore and a new checkpoint are refused (409) instead
+    of interleaving with it: two restores both answered 200 while the servers ended with
+    the rows of one of them (a newer staged load replaces an older one, which is then
+    loaded again directly) and, for a Kafka stream, the workers perhaps with the offsets
+    of the other; a checkpoint taken meanwhile could pair the restored rows with the stream
+    position from before the restore. Two checkpoints started at once: one is refused."""
+    root = str(tmp_path / "ckpts")
+    await job.train(4)
+    await write_checkpoint(job, f"{root}/a", TwoHeads(seed=1), step=1)
+    want = rows_of(job)
+    await job.train(4, seed=5)
+    await write_checkpoint(job, f"{root}/b", TwoHeads(seed=2), step=2)
+    gate = threading.Event()
+    async with LiveApi(settings_for(job, checkpoint_dir=root, embeddings="local")) as api:
+        # Server 0's store thread waits for the gate: restore a cannot finish before it.
+        blocked = job.servers[0]._pool.submit(gate.wait, 30)
+        calls = requests_to(job.servers[0])
+        first = asyncio.create_task(
+            api.client.post("/v1/checkpoints/a/restore", headers=AUTH))
+        try:
+            async with asyncio.timeout(20):   # restore a reached server 0: it is under way
+                while requests_to(job.servers[0]) == calls:
+                    await asyncio.sleep(0.01)
+            r = await api.client.post("/v1/checkpoints/b/restore", headers=AUTH, timeout=10)
+            assert r.status_code == 409, r.text
+            assert "'a' is being restored" in r.json()["error"]["message"]
+            r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": "during"},
+                                      timeout=10)
+            assert r.status_code == 409, r.text
+            assert "'a' is being restored" in r.json()["error"]["message"]
+        finally:
+            gate.set()
+            blocked.result(30)
+        r = await first
+        assert r.status_code == 200, r.text
+        got = rows_of(job)
+        assert got.keys() == want.keys()
+        for k, w in want.items():
+            np.testing.assert_array_equal(got[k], w)
+        assert (await api.client.get("/v1/model")).json()["version"] == "a"
+        # Two checkpoints started at once: one runs, the other is refused.
+        replies = await asyncio.gather(*(
+            api.client.post("/v1/checkpoints", headers=AUTH, json={"id": ident})
+            for ident in ("x", "y")))
+        assert sorted(r.status_code for r in replies) == [202, 409], [r.text for r in replies]
+        started = next(r.json()["id"] for r in replies if r.status_code == 202)
+        assert (await wait_done(api, started))["state"] == "done"
+        # Restores again once nothing else runs.
+        r = await api.client.post("/v1/checkpoints/b/restore", headers=AUTH)
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.kafka
