@@ -583,17 +583,18 @@ class Checkpoints:
         await self._check_restorable()
         parts: dict[str, int] = {}
         replay = manifest.stream == "kafka" and bool(self.roles.workers)
-        if replay:
-            for topic_parts in manifest.offsets.values():
-                parts.update(topic_parts)
+        streams = manifest.offsets if replay else {}
+        for topic, topic_parts in streams.items():
+            parts.update(topic_parts)
             # Before anything is loaded: a stream the brokers cannot replay from there
-            # (retention deleted it) refuses the restore and leaves the job as it was.
-            await self._stream_call(ident, "check_stream", parts)
+            # (retention deleted it), or another topic than the workers read (a checkpoint
+            # of another job), refuses the restore and leaves the job as it was.
+            await self._stream_call(ident, "check_stream", topic, topic_parts)
         rows = await load_embeddings(src, [s.client for s in servers],
                                      timeout_ms=SHARD_TIMEOUT_MS)
         reset = 0
-        if replay:
-            await self._stream_call(ident, "reset_stream", parts)
+        for topic, topic_parts in streams.items():
+            await self._stream_call(ident, "reset_stream", topic, topic_parts)
             reset = len(self.roles.workers)
         reloaded = False
         if reload_model and self.predictor is not None and (
@@ -609,11 +610,13 @@ class Checkpoints:
                 "workers_reset": reset, "model_reloaded": reloaded}
 
 
-    async def _stream_call(self, ident: str, method: str, offsets: dict[str, int]) -> None:
-        """``method`` (``check_stream``, ``reset_stream``) on every worker, its refusal
-        (DataLost: 409, BadInput: 422) said of the checkpoint."""
+    async def _stream_call(self, ident: str, method: str, topic: str,
+                           offsets: dict[str, int]) -> None:
+        """``method`` (``check_stream``, ``reset_stream``) of ``topic``'s ``offsets`` on
+        every worker, its refusal (DataLost: 409, BadInput: 422) said of the checkpoint."""
         try:
-            await self.roles.fanout(self.roles.require(WORKER), method, {"offsets": offsets})
+            await self.roles.fanout(self.roles.require(WORKER), method,
+                                    {"offsets": offsets, "topic": topic})
         except (DataLost, BadInput) as e:
             cls = DataLost if isinstance(e, DataLost) else BadInput
             err: PersiaError = cls(f"checkpoint {ident!r} cannot be restored: {e.message}",

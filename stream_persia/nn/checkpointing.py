@@ -303,11 +303,15 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
             replay = train and manifest.stream == "kafka"
             # Before anything is loaded: offsets the brokers no longer have (retention)
             # refuse the restore (DataLost naming them) and leave the job as it was.
-            for topic_offsets in manifest.offsets.values() if replay else ():
-                cluster.run(cluster.call_workers("check_stream", {"offsets": topic_offsets}))
+            # The workers refuse another topic than theirs (a checkpoint of another job).
+            streams = manifest.offsets if replay else {}
+            for topic, topic_offsets in streams.items():
+                cluster.run(cluster.call_workers("check_stream", {"offsets": topic_offsets,
+                                                                  "topic": topic}))
             cluster.run(load_embeddings(src_dir, cluster.servers))
-            for topic_offsets in manifest.offsets.values() if replay else ():
-                cluster.run(cluster.call_workers("reset_stream", {"offsets": topic_offsets}))
+            for topic, topic_offsets in streams.items():
+                cluster.run(cluster.call_workers("reset_stream", {"offsets": topic_offsets,
+                                                                  "topic": topic}))
         model = _dense_model(ctx)
         model.load_state_dict(load_torch(src_dir, dense_filename, map_location))
         if trainer is not None and opt_filename and opt_filename in manifest.files:

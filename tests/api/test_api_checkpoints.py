@@ -16,6 +16,7 @@ import threading
 
 import numpy as np
 import pytest
+from aiokafka import AIOKafkaProducer
 from api_helpers import (
     AUTH,
     LiveApi,
@@ -287,5 +288,69 @@ async def test_api_cut_refuses_workers_that_mix_kafka_and_direct_ingest(kafka_br
         assert (f"mix Kafka (embedding-worker-0 {w0}) and direct ingest "
                 f"(embedding-worker-1 {w1})") in info["error"]
         assert not os.path.exists(info["dst"])
+    finally:
+        await stop_job(job)
+
+
+async def _kafka_job(bootstrap: str, topic: str, batches: int):
+    """A job (one server, one worker) fed from ``topic`` (1 partition, ``batches`` batches
+    produced to it) that trained all of them."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        for i in range(batches):
+            await producer.send(topic, make_batch(i, seed=len(topic)).to_bytes(), partition=0)
+        await producer.flush()
+    finally:
+        await producer.stop()
+    job = await start_job(n_servers=1)
+    worker = job.workers[0]
+    cfg = KafkaConfig(bootstrap_servers=bootstrap, samples_topic=topic,
+                      dlq_topic=f"{topic}.dlq", job_name=topic)
+    await worker.start_kafka_ingest(lambda start: KafkaIngest(
+        worker, SampleConsumer.from_config(cfg, replica_index=0, replica_size=1),
+        DeadLetterWriter.from_config(cfg), start_offsets=start))
+    client = job.client(worker.address)
+    for _ in range(batches):
+        served = await client.call("next_batch", {"timeout_ms": 10_000})
+        await client.call("push_gradients", {"batch_id": served["batch_id"],
+                                             "grads": dict.fromkeys(SCHEMA.slots)})
+    return job
+
+
+@pytest.mark.kafka
+async def test_restore_refuses_a_checkpoint_of_another_topic(kafka_broker, kafka_topic,
+                                                             tmp_path):
+    """A checkpoint of another job (same embedding schema, another samples topic) is
+    refused (422 naming both topics) before anything changes: its offsets were applied
+    to this job's partitions, so the workers replayed (or skipped) this topic from
+    positions of another stream and the restore answered 200."""
+    root = str(tmp_path / "ck")
+    ours, theirs = kafka_topic(partitions=1), kafka_topic(partitions=1)
+    other = await _kafka_job(kafka_broker.bootstrap_servers, theirs, 2)
+    try:
+        async with LiveApi(settings_for(other, checkpoint_dir=root)) as api:
+            info = await take_checkpoint(api, "theirs")
+        assert info["manifest"]["offsets"] == {theirs: {"0": 2}}
+    finally:
+        await stop_job(other)
+    job = await _kafka_job(kafka_broker.bootstrap_servers, ours, 3)
+    try:
+        before = rows_of(job)
+        worker = job.client(job.worker_addresses[0])
+        frontier = (await worker.call("frontier", None))["offsets"]
+        assert frontier == {"0": 3}
+        async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+            r = await api.client.post("/v1/checkpoints/theirs/restore", headers=AUTH)
+            assert r.status_code == 422, r.text
+            error = r.json()["error"]
+            assert error["field"] == "checkpoint"
+            assert f"offsets are of topic {theirs!r}" in error["message"]
+            assert f"reads {ours!r}" in error["message"]
+        assert (await worker.call("frontier", None))["offsets"] == frontier
+        got = rows_of(job)
+        assert got.keys() == before.keys()
+        for k, w in before.items():
+            np.testing.assert_array_equal(got[k], w)
     finally:
         await stop_job(job)
