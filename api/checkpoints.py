@@ -28,8 +28,8 @@ schema, :mod:`stream_persia.checkpoint.digest`).
 Restore refuses a checkpoint whose ``config_digest`` is not this job's embedding schema
 (409 naming what differs; one without a digest is restored unchecked). It loads the
 embedding rows into every server (any server count) and resets every
-worker's stream to the checkpoint's offsets; it refuses while batches are in flight,
-since NN ranks that are training would keep their own dense state. Batches whose push
+worker's stream to the checkpoint's offsets; it refuses while NN rank 0 heartbeats or
+batches are in flight, since NN ranks that are training would keep their own dense state. Batches whose push
 failed and embedding servers that restarted (their tables lost) do not stop it: a restore
 is the way back from both. NN ranks load the
 dense model themselves (``load_checkpoint``) when they start again. One thing at a time:
@@ -463,6 +463,21 @@ class Checkpoints:
         check_nothing_in_flight(await self._call_workers("frontier"),
                                 [w.peer for w in self.roles.workers], failed_in_flight=False)
 
+    async def _check_no_nn_rank(self, ident: str) -> None:
+        """Refuse a restore while NN rank 0 heartbeats (attached): between two steps it
+        has nothing in flight, and it would go on training its own dense model over the
+        restored rows and rewound stream. A rank that stopped (detached) or went silent
+        (killed, or waiting for batches longer than the mailbox's attached window) does
+        not stop it."""
+        hb = await self.training()
+        if hb is not None and hb.get("attached"):
+            raise Misuse(f"checkpoint {ident!r} cannot be restored while NN ranks train "
+                         f"(rank 0 at step {hb.get('step')}, last heard "
+                         f"{float(hb.get('age_s') or 0.0):.1f} s ago): they would go on with "
+                         f"their own dense model over the restored rows", field="checkpoint",
+                         hint="stop the NN workers, restore, then start them with "
+                              "load_checkpoint of this checkpoint")
+
     async def _updates(self) -> builtins.list[Any]:
         stats = await self.roles.fanout(self.roles.servers, "stats")
         # Training changes these, and a load (its own counts are not in them: "loads" tells
@@ -544,8 +559,8 @@ class Checkpoints:
         """Load a checkpoint back into the job (servers and stream position).
 
         Raises:
-            Misuse: batches are in flight, a checkpoint is being taken or another one
-                restored, or the checkpoint
+            Misuse: NN ranks are attached, batches are in flight, a checkpoint is being
+                taken or another one restored, or the checkpoint
                 was trained with another embedding schema than this job's (its
                 ``config_digest``; the message names what differs).
             BadInput: not a checkpoint, or its stream offsets are not in the topic.
@@ -580,6 +595,7 @@ class Checkpoints:
         servers = self.roles.require(SERVER)
         # Rows of another embedding schema would be read as other slots or dims (409).
         check_config(manifest, self.settings.schema, f"checkpoint {ident!r}")
+        await self._check_no_nn_rank(ident)
         await self._check_restorable()
         parts: dict[str, int] = {}
         replay = manifest.stream == "kafka" and bool(self.roles.workers)

@@ -72,8 +72,8 @@ async def restore(request: Request, checkpoint_id: str = _ID,
     """Every embedding server loads the checkpoint's rows (any server count; any member of
     a chain: its base, then its patches up to it), every worker
     consumes again from its offsets, and (by default) the API serves its dense model. 409
-    while a checkpoint is being taken or another one restored, and while batches are in
-    flight: stop the NN workers, restore, then start them with
+    while a checkpoint is being taken or another one restored, and while NN ranks train
+    (rank 0 heartbeats) or batches are in flight: stop the NN workers, restore, then start them with
     ``load_checkpoint``. Batches whose push failed and embedding servers that restarted
     (their tables lost) do not stop it: a restore is the way back from both. 409
     (``data_lost``) when Kafka no longer holds the samples from the checkpoint's offsets on

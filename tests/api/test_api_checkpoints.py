@@ -211,6 +211,33 @@ async def test_restore_refuses_a_checkpoint_of_another_embedding_schema(job, tmp
                                     for f in info["manifest"]["embedding_files"])
 
 
+async def test_restore_refuses_while_an_nn_rank_trains(job, tmp_path):
+    """An NN rank 0 that heartbeats (between two steps: nothing in flight) stops a restore
+    (409) instead of training on with its own dense model over the restored rows; once
+    the ranks stopped, the restore goes through."""
+    root = str(tmp_path / "ckpts")
+    await job.train(3)
+    await write_checkpoint(job, f"{root}/c1", TwoHeads(), step=3)
+    await job.train(2, seed=7)
+    before = rows_of(job)
+    box = job.workers[0].mailbox
+    await box.nn_heartbeat({"rank": 0, "world_size": 1, "step": 5})
+    async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+        r = await api.client.post("/v1/checkpoints/c1/restore", headers=AUTH)
+        assert r.status_code == 409, r.text
+        error = r.json()["error"]
+        assert error["field"] == "checkpoint"
+        assert "while NN ranks train (rank 0 at step 5" in error["message"]
+        assert "stop the NN workers" in error["hint"]
+        got = rows_of(job)
+        assert got.keys() == before.keys()
+        for k, w in before.items():
+            np.testing.assert_array_equal(got[k], w)
+        await box.nn_detach({"rank": 0, "step": 5})
+        r = await api.client.post("/v1/checkpoints/c1/restore", headers=AUTH)
+        assert r.status_code == 200, r.text
+
+
 async def test_one_restore_at_a_time_and_no_checkpoint_during_one(job, tmp_path):
     """While a restore runs, a second restore and a new checkpoint are refused (409) instead
     of interleaving with it: two restores both answered 200 while the servers ended with
