@@ -28,16 +28,18 @@ schema, :mod:`stream_persia.checkpoint.digest`).
 Restore refuses a checkpoint whose ``config_digest`` is not this job's embedding schema
 (409 naming what differs; one without a digest is restored unchecked). It loads the
 embedding rows into every server (any server count) and resets every
-worker's stream to the checkpoint's offsets; it refuses while batches are in flight,
-since NN ranks that are training would keep their own dense state. Batches whose push
+worker's stream to the checkpoint's offsets; it refuses while NN rank 0 heartbeats or
+batches are in flight, since NN ranks that are training would keep their own dense state. Batches whose push
 failed and embedding servers that restarted (their tables lost) do not stop it: a restore
 is the way back from both. NN ranks load the
-dense model themselves (``load_checkpoint``) when they start again.
+dense model themselves (``load_checkpoint``) when they start again. One thing at a time:
+a restore is refused (409) while a checkpoint is being taken or another one restored,
+and a checkpoint while one is being taken or restored.
 
 Size: one module because :class:`Checkpoints` is one state machine: listing, deleting,
-taking (through the NN ranks or directly) and restoring share its lock, its in-use set and
-its job history (a checkpoint being taken or restored cannot be deleted, two restores never
-interleave). Split across modules, that state would have to be passed around unguarded.
+taking (through the NN ranks or directly) and restoring share its in-use set, its
+restore in progress and its job history (a checkpoint being taken or restored cannot be
+deleted, two restores never interleave). Split across modules, that state would have to be passed around unguarded.
 """
 
 from __future__ import annotations
@@ -177,6 +179,9 @@ class Checkpoints:
         # Checkpoints being read here (restored, or the base a cut copies), or deleted.
         self._using: collections.Counter[str] = collections.Counter()
         self._deleting: set[str] = set()
+        # The checkpoint being restored: one restore at a time, and no checkpoint taken
+        # meanwhile (set and tested with no await in between).
+        self._restoring: str | None = None
         gc = settings.global_config
         self.job_name = gc.kafka.job_name if gc is not None else "persia"
 
@@ -349,13 +354,14 @@ class Checkpoints:
         if self.settings.checkpoint_dir is None:
             raise Misuse("no checkpoint directory is configured", field="checkpoint_dir",
                          hint="set PERSIA_CHECKPOINT_DIR (or --checkpoint-dir)")
-        active = next((j for j in self.jobs.values() if j.state not in TERMINAL), None)
-        if active is not None:
-            raise Misuse(f"checkpoint {active.id} is {active.state}; one at a time",
-                         hint=f"follow it at /v1/checkpoints/{active.id}")
+        self._check_startable()
         ident = ident or new_checkpoint_id()
         dst = f"{self.settings.checkpoint_dir.rstrip('/')}/{ident}"
         if ident in self.jobs or await asyncio.to_thread(_exists, dst):
+            raise Misuse(f"checkpoint {ident!r} already exists", field="id",
+                         hint="choose another id, or leave it out for a fresh one")
+        self._check_startable()   # again: another request may have started one meanwhile
+        if ident in self.jobs:
             raise Misuse(f"checkpoint {ident!r} already exists", field="id",
                          hint="choose another id, or leave it out for a fresh one")
         job = self.jobs[ident] = CheckpointJob(ident, dst)
@@ -366,6 +372,18 @@ class Checkpoints:
             del self.jobs[oldest]
         job.task = asyncio.create_task(self._drive(job), name=f"checkpoint-{ident}")
         return job
+
+    def _check_startable(self) -> None:
+        """Misuse while a checkpoint is being taken or restored (no await: the caller
+        starts its own before yielding)."""
+        active = next((j for j in self.jobs.values() if j.state not in TERMINAL), None)
+        if active is not None:
+            raise Misuse(f"checkpoint {active.id} is {active.state}; one at a time",
+                         hint=f"follow it at /v1/checkpoints/{active.id}")
+        if self._restoring is not None:
+            raise Misuse(f"checkpoint {self._restoring!r} is being restored: a checkpoint "
+                         "taken now could hold its rows with the stream position from "
+                         "before it", hint="start the checkpoint once the restore returned")
 
     async def _drive(self, job: CheckpointJob) -> None:
         try:
@@ -446,6 +464,21 @@ class Checkpoints:
         for: the load replaces every table and reset_stream drops those batches."""
         check_nothing_in_flight(await self._call_workers("frontier"),
                                 [w.peer for w in self.roles.workers], failed_in_flight=False)
+
+    async def _check_no_nn_rank(self, ident: str) -> None:
+        """Refuse a restore while NN rank 0 heartbeats (attached): between two steps it
+        has nothing in flight, and it would go on training its own dense model over the
+        restored rows and rewound stream. A rank that stopped (detached) or went silent
+        (killed, or waiting for batches longer than the mailbox's attached window) does
+        not stop it."""
+        hb = await self.training()
+        if hb is not None and hb.get("attached"):
+            raise Misuse(f"checkpoint {ident!r} cannot be restored while NN ranks train "
+                         f"(rank 0 at step {hb.get('step')}, last heard "
+                         f"{float(hb.get('age_s') or 0.0):.1f} s ago): they would go on with "
+                         f"their own dense model over the restored rows", field="checkpoint",
+                         hint="stop the NN workers, restore, then start them with "
+                              "load_checkpoint of this checkpoint")
 
     async def _updates(self) -> builtins.list[Any]:
         stats = await self.roles.fanout(self.roles.servers, "stats")
@@ -528,7 +561,8 @@ class Checkpoints:
         """Load a checkpoint back into the job (servers and stream position).
 
         Raises:
-            Misuse: batches are in flight, a checkpoint is being taken, or the checkpoint
+            Misuse: NN ranks are attached, batches are in flight, a checkpoint is being
+                taken or another one restored, or the checkpoint
                 was trained with another embedding schema than this job's (its
                 ``config_digest``; the message names what differs).
             BadInput: not a checkpoint, or its stream offsets are not in the topic.
@@ -543,39 +577,49 @@ class Checkpoints:
             raise Misuse(f"checkpoint {active.id} is being taken; restore after it finishes")
         if ident in self._deleting:
             raise Misuse(f"checkpoint {ident!r} is being deleted", field="checkpoint")
+        if self._restoring is not None:
+            # Two restores would interleave on the servers (a newer stage replaces an older
+            # one) and the workers: both would answer 200 over the rows of one and, for a
+            # Kafka stream, perhaps the offsets of the other.
+            raise Misuse(f"checkpoint {self._restoring!r} is being restored; one restore at "
+                         "a time", field="checkpoint",
+                         hint="restore again once it returned")
+        self._restoring = ident
         self._using[ident] += 1   # not deleted (by retention or a request) meanwhile
         try:
             return await self._restore(ident, src, reload_model)
         finally:
             self._release(ident)
+            self._restoring = None
 
     async def _restore(self, ident: str, src: str, reload_model: bool) -> dict[str, Any]:
         manifest = await asyncio.to_thread(read_manifest, src)
         servers = self.roles.require(SERVER)
         # Rows of another embedding schema would be read as other slots or dims (409).
         check_config(manifest, self.settings.schema, f"checkpoint {ident!r}")
+        await self._check_no_nn_rank(ident)
         await self._check_restorable()
         parts: dict[str, int] = {}
         prints: dict[str, Any] = {}
         replay = manifest.stream == "kafka" and bool(self.roles.workers)
-        if replay:
-            for topic_parts in manifest.offsets.values():
-                parts.update(topic_parts)
-            for topic_prints in (manifest.fingerprints or {}).values():
-                prints.update(topic_prints)
-            if manifest.fingerprints is None:
-                log.warning("checkpoint %s records no fingerprints of its Kafka offsets "
-                            "(written before them): the topic's identity cannot be checked "
-                            "(a topic deleted and created again would not be noticed)", ident)
+        streams = manifest.offsets if replay else {}
+        if replay and manifest.fingerprints is None:
+            log.warning("checkpoint %s records no fingerprints of its Kafka offsets "
+                        "(written before them): the topic's identity cannot be checked "
+                        "(a topic deleted and created again would not be noticed)", ident)
+        for topic, topic_parts in streams.items():
+            parts.update(topic_parts)
+            prints[topic] = (manifest.fingerprints or {}).get(topic, {})
             # Before anything is loaded: a stream the brokers cannot replay from there
             # (retention deleted it, or the topic is not the one the checkpoint was cut
-            # from) refuses the restore and leaves the job as it was.
-            await self._stream_call(ident, "check_stream", parts, prints)
+            # from: recreated), or another topic than the workers read (a checkpoint of
+            # another job), refuses the restore and leaves the job as it was.
+            await self._stream_call(ident, "check_stream", topic, topic_parts, prints[topic])
         rows = await load_embeddings(src, [s.client for s in servers],
                                      timeout_ms=SHARD_TIMEOUT_MS)
         reset = 0
-        if replay:
-            await self._stream_call(ident, "reset_stream", parts, prints)
+        for topic, topic_parts in streams.items():
+            await self._stream_call(ident, "reset_stream", topic, topic_parts, prints[topic])
             reset = len(self.roles.workers)
         reloaded = False
         if reload_model and self.predictor is not None and (
@@ -591,13 +635,15 @@ class Checkpoints:
                 "workers_reset": reset, "model_reloaded": reloaded}
 
 
-    async def _stream_call(self, ident: str, method: str, offsets: dict[str, int],
-                           fingerprints: dict[str, Any]) -> None:
-        """``method`` (``check_stream``, ``reset_stream``) on every worker, its refusal
+    async def _stream_call(self, ident: str, method: str, topic: str,
+                           offsets: dict[str, int], fingerprints: dict[str, Any]) -> None:
+        """``method`` (``check_stream``, ``reset_stream``) of ``topic``'s ``offsets`` (with
+        the fingerprints of the records below them) on every worker, its refusal
         (DataLost: 409, BadInput: 422) said of the checkpoint."""
         try:
             await self.roles.fanout(self.roles.require(WORKER), method,
-                                    {"offsets": offsets, "fingerprints": fingerprints})
+                                    {"offsets": offsets, "fingerprints": fingerprints,
+                                     "topic": topic})
         except (DataLost, BadInput) as e:
             cls = DataLost if isinstance(e, DataLost) else BadInput
             err: PersiaError = cls(f"checkpoint {ident!r} cannot be restored: {e.message}",

@@ -26,6 +26,7 @@ from stream_persia.api.settings import ApiSettings
 
 from stream_persia.core import aio
 from stream_persia.core.supervisor import EXIT_GRACE_S, Supervisor
+from stream_persia.errors import ConfigError
 
 __all__ = ["serve", "bind_socket"]
 
@@ -65,7 +66,13 @@ def serve(settings: ApiSettings, *, ready_file: str | None = None, log_level: st
     import uvicorn
 
     app = create_app(settings)   # refuses to start without a token on a public address
-    sock = bind_socket(settings.host, settings.port)
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as e:   # a taken port: a traceback would bury the reason
+        raise ConfigError(f"--port {settings.port}: the API cannot listen on "
+                          f"{settings.host}:{settings.port} ({e.strerror or e})",
+                          field="--port", hint="pick a free port (--port or api.port), or 0 "
+                                               "for any") from None
     loop = "uvloop" if aio.uvloop_available() else "asyncio"
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     config = uvicorn.Config(app, loop=loop, http=http, lifespan="on", log_level=log_level,

@@ -35,7 +35,8 @@ async def start(request: Request, body: CheckpointStart | None = None) -> JSONRe
     """Returns 202 with the id at once. With NN ranks attached, every rank takes the cut at
     its next step boundary (the same guarantees as ``dump_checkpoint`` from train.py);
     with none, the API takes it. Follow it at ``status_url``. It is written under the
-    checkpoint directory. 409 while another one runs, or when the id is taken. Once it is
+    checkpoint directory. 409 while another one runs or one is being restored, or when
+    the id is taken. Once it is
     done, the oldest checkpoints beyond ``checkpointing_config.keep_checkpoints`` (3 by
     default) are deleted, never one in use or served."""
     job = await _ckpts(request).start(body.id if body is not None else None)
@@ -71,7 +72,8 @@ async def restore(request: Request, checkpoint_id: str = _ID,
     """Every embedding server loads the checkpoint's rows (any server count; any member of
     a chain: its base, then its patches up to it), every worker
     consumes again from its offsets, and (by default) the API serves its dense model. 409
-    while batches are in flight: stop the NN workers, restore, then start them with
+    while a checkpoint is being taken or another one restored, and while NN ranks train
+    (rank 0 heartbeats) or batches are in flight: stop the NN workers, restore, then start them with
     ``load_checkpoint``. Batches whose push failed and embedding servers that restarted
     (their tables lost) do not stop it: a restore is the way back from both. 409
     (``data_lost``) when Kafka no longer holds the samples from the checkpoint's offsets on

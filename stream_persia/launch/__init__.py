@@ -11,5 +11,6 @@
   :mod:`~stream_persia.launch.topology`: ``topology.yml``.
 - :mod:`~stream_persia.launch.stop_signals`: how ``run`` and each role stop on a signal.
 - :mod:`~stream_persia.launch.processes`: role child processes;
-  :mod:`~stream_persia.launch.rank`: one NN rank under torchrun.
+  :mod:`~stream_persia.launch.rank`: one NN rank under torchrun;
+  :mod:`~stream_persia.launch.torchrun`: torchrun, its store on loopback on one host.
 """

@@ -362,7 +362,8 @@ def nn_worker_command(args: argparse.Namespace) -> list[str]:
         from stream_persia.nn.utils import find_free_port
 
         port = find_free_port()
-    return [sys.executable, "-m", "torch.distributed.run",
+    # torchrun, with its rendezvous store on loopback only on one host (see the module)
+    return [sys.executable, "-m", "stream_persia.launch.torchrun",
             f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
             f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
             f"--master-port={port}", "--module", "stream_persia.launch.rank", str(entry),

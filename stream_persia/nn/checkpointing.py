@@ -306,6 +306,7 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
             # Before anything is loaded: offsets the brokers no longer have (retention),
             # or of a topic that is not the one the checkpoint was cut from (recreated),
             # refuse the restore (DataLost naming them) and leave the job as it was.
+            # The workers refuse another topic than theirs (a checkpoint of another job).
             for params in streams:
                 cluster.run(cluster.call_workers("check_stream", params))
             cluster.run(load_embeddings(src_dir, cluster.servers))
@@ -331,14 +332,14 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
 
 def _stream_params(manifest: Manifest, where: str) -> list[dict[str, Any]]:
     """The ``check_stream`` / ``reset_stream`` parameters of a Kafka checkpoint, one per
-    topic: its offsets and the fingerprints of the records below them (a manifest from
-    before fingerprints: none, logged)."""
+    topic: its offsets, the fingerprints of the records below them (a manifest from
+    before fingerprints: none, logged) and the topic (the workers refuse another)."""
     if manifest.fingerprints is None:
         log.warning("checkpoint %s records no fingerprints of its Kafka offsets (written "
                     "before them): the topic's identity cannot be checked (a topic deleted "
                     "and created again would not be noticed)", where)
     prints = manifest.fingerprints or {}
-    return [{"offsets": parts, "fingerprints": prints.get(topic, {})}
+    return [{"offsets": parts, "fingerprints": prints.get(topic, {}), "topic": topic}
             for topic, parts in manifest.offsets.items()]
 
 

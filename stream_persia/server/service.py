@@ -104,7 +104,8 @@ RPC methods (params → result):
   The server's constructor takes the same ``policies`` (the launcher passes the
   ``embedding_config.yml`` ones), so a restarted server holds them before anyone
   configures it; workers and NN ranks that configure a restarted server from what they
-  learned send them back too. While some policy has a TTL, an expiry pass runs on the
+  learned send them back too. A configure applies to a staged load too (below), so a
+  restore committed after it serves what it set. While some policy has a TTL, an expiry pass runs on the
   store thread every :data:`~stream_persia.server.slot_policies.EXPIRE_INTERVAL_S` (at most
   :data:`~stream_persia.server.slot_policies.EXPIRE_ROWS` rows a pass, and a pass that
   reached it is followed by the next at once; the metrics
@@ -781,6 +782,13 @@ class EmbeddingServer:
                 self._policies = None if policies.is_default else policies
             self.store.configure(optimizer=optimizer, embedding_config=emb_cfg)
             self._config_digest = self._config()["digest"]
+            staged = self._staged
+            if staged is not None:   # built with the old config: it must not bring it back
+                try:
+                    apply_policies(staged.store, policies)
+                    staged.store.configure(optimizer=optimizer, embedding_config=emb_cfg)
+                except Exception as e:   # its commit fails; the restore loads again
+                    self._drop_staged(f"the configure it was built before failed on it ({e})")
 
         await self._run(run)
 

@@ -47,11 +47,12 @@ RPC methods (params → result):
   server's incarnation is checked first, and ``lost`` lists ``{"server", "address",
   "error"}`` of those found restarted (below): checkpoints refuse while it is not empty.
 - ``reset_stream {"offsets": {partition: offset}, "fingerprints"?: {partition:
-  {"offset", "timestamp", "digest"}}}``: drop buffered and in-flight batches and consume
-  again from ``offsets`` (restore); offsets the brokers deleted, and offsets whose record
-  below is not the one the checkpoint fingerprinted (a recreated topic:
-  :mod:`stream_persia.kafka.fingerprint`), are refused first (``KafkaDataLoss``, unless
-  ``kafka.on_data_loss: skip``), nothing dropped, and so
+  {"offset", "timestamp", "digest"}}, "topic"?}``: drop buffered and in-flight batches and
+  consume again from ``offsets`` (restore); a ``topic`` (the checkpoint's) other than the
+  one the worker reads is refused (BadInput on ``topic``), nothing dropped; offsets the
+  brokers deleted, and offsets whose record below is not the one the checkpoint
+  fingerprinted (a recreated topic: :mod:`stream_persia.kafka.fingerprint`), are refused
+  first (``KafkaDataLoss``, unless ``kafka.on_data_loss: skip``), nothing dropped, and so
   is a reset while an embedding server found restarted was not restored since
   (``ServerRestarted``); offsets at or below what the servers applied start a stream that
   is refused (``StreamReplay``, *Stream replays*). ``check_stream {"offsets"}`` → None:
@@ -165,7 +166,7 @@ from stream_persia.core.replies import (
 from stream_persia.core.served import ServedBatchWire, ServedSlotWire
 from stream_persia.core.stages import StageCollector, newer
 from stream_persia.core.supervisor import Supervisor
-from stream_persia.core.watermarks import RESTORE_HINT, Refusal
+from stream_persia.core.watermarks import RESTORE_HINT, Refusal, check_topic
 from stream_persia.errors import (
     Backpressure,
     BadInput,
@@ -290,6 +291,7 @@ class EmbeddingWorker:
         self.kafka: KafkaIngest | None = None   # the current ingest when consuming a topic
         # Builds a fresh KafkaIngest from start offsets (reset_stream after a restore).
         self.kafka_factory: Callable[[dict[int, int] | None], KafkaIngest] | None = None
+        self.kafka_topic: str | None = None   # the samples topic it reads (with Kafka)
         self._kafka_retired: dict[str, float] = {}
         m = self.metrics = RoleMetrics("embedding_worker", replica_index)
         self.m_ingested = m.counter("batches_ingested_total", "batches accepted")
@@ -362,6 +364,7 @@ class EmbeddingWorker:
                          hint="call start_kafka_ingest once; reset_stream replays the topic")
         ingest = factory(None)
         self.kafka_factory = factory
+        self.kafka_topic = ingest.consumer.topic
         # One collector for the Kafka counters, whichever KafkaIngest is current:
         # reset_stream replaces it, and the counts of the ones it retired are carried so
         # the exported counters never drop.
@@ -816,9 +819,24 @@ class EmbeddingWorker:
             await self.kafka.check_offsets(offsets, fingerprints)
         return factory
 
+    def _check_topic(self, params: Any) -> None:
+        """BadInput when ``params`` names another topic than the one this worker reads (a
+        checkpoint of another job: its offsets would be applied to this topic's
+        partitions). Without ``topic`` (a caller from before the field) nothing is checked."""
+        topic = params.get("topic") if isinstance(params, dict) else None
+        if topic is None:
+            return
+        topic = check_topic(topic, "topic")
+        if self.kafka_topic is not None and topic != self.kafka_topic:
+            raise BadInput(f"its offsets are of topic {topic!r}, but embedding worker "
+                           f"{self.replica_index} reads {self.kafka_topic!r}: they are "
+                           f"positions in another stream", field="topic",
+                           hint="restore a checkpoint of this job (its kafka.samples_topic)")
+
     async def _check_stream(self, params: Any) -> None:
         # Asked before a restore loads anything: servers found restarted are not checked
         # here (the load that follows is what brings them back; reset_stream checks them).
+        self._check_topic(params)
         await self._check_replayable(self._offsets_param(params),
                                      self._fingerprints_param(params))
 
@@ -830,6 +848,7 @@ class EmbeddingWorker:
         return {str(p): fp.to_dict() for p, fp in sorted(taken.items())}
 
     async def _reset_stream(self, params: Any) -> dict:
+        self._check_topic(params)
         offsets = self._offsets_param(params)
         fingerprints = self._fingerprints_param(params)
         # Offsets the brokers no longer have (or never had), or of another topic than the

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import threading
 
 import numpy as np
 import pytest
+from aiokafka import AIOKafkaProducer
 from api_helpers import (
     AUTH,
     LiveApi,
@@ -25,6 +27,7 @@ from api_helpers import (
     take_checkpoint,
     write_checkpoint,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 from stream_persia.checkpoint import config_digest, read_manifest, verify
 from stream_persia.config import EmbeddingSchema, KafkaConfig
@@ -52,6 +55,13 @@ def rows_of(job) -> dict[int, np.ndarray]:
             for i, w in zip(chunk["ids"].tolist(), chunk["weights"], strict=True):
                 out[i] = w
     return out
+
+
+def requests_to(server) -> float:
+    """RPC requests an embedding server has taken (its requests_total, every method)."""
+    return sum(s.value for fam in text_string_to_metric_families(
+        server.metrics.render().decode()) for s in fam.samples
+        if s.name == "persia_embedding_server_requests_total")
 
 
 async def test_api_cut_list_inspect_restore(job, tmp_path):
@@ -201,6 +211,86 @@ async def test_restore_refuses_a_checkpoint_of_another_embedding_schema(job, tmp
                                     for f in info["manifest"]["embedding_files"])
 
 
+async def test_restore_refuses_while_an_nn_rank_trains(job, tmp_path):
+    """An NN rank 0 that heartbeats (between two steps: nothing in flight) stops a restore
+    (409) instead of training on with its own dense model over the restored rows; once
+    the ranks stopped, the restore goes through."""
+    root = str(tmp_path / "ckpts")
+    await job.train(3)
+    await write_checkpoint(job, f"{root}/c1", TwoHeads(), step=3)
+    await job.train(2, seed=7)
+    before = rows_of(job)
+    box = job.workers[0].mailbox
+    await box.nn_heartbeat({"rank": 0, "world_size": 1, "step": 5})
+    async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+        r = await api.client.post("/v1/checkpoints/c1/restore", headers=AUTH)
+        assert r.status_code == 409, r.text
+        error = r.json()["error"]
+        assert error["field"] == "checkpoint"
+        assert "while NN ranks train (rank 0 at step 5" in error["message"]
+        assert "stop the NN workers" in error["hint"]
+        got = rows_of(job)
+        assert got.keys() == before.keys()
+        for k, w in before.items():
+            np.testing.assert_array_equal(got[k], w)
+        await box.nn_detach({"rank": 0, "step": 5})
+        r = await api.client.post("/v1/checkpoints/c1/restore", headers=AUTH)
+        assert r.status_code == 200, r.text
+
+
+async def test_one_restore_at_a_time_and_no_checkpoint_during_one(job, tmp_path):
+    """While a restore runs, a second restore and a new checkpoint are refused (409) instead
+    of interleaving with it: two restores both answered 200 while the servers ended with
+    the rows of one of them (a newer staged load replaces an older one, which is then
+    loaded again directly) and, for a Kafka stream, the workers perhaps with the offsets
+    of the other; a checkpoint taken meanwhile could pair the restored rows with the stream
+    position from before the restore. Two checkpoints started at once: one is refused."""
+    root = str(tmp_path / "ckpts")
+    await job.train(4)
+    await write_checkpoint(job, f"{root}/a", TwoHeads(seed=1), step=1)
+    want = rows_of(job)
+    await job.train(4, seed=5)
+    await write_checkpoint(job, f"{root}/b", TwoHeads(seed=2), step=2)
+    gate = threading.Event()
+    async with LiveApi(settings_for(job, checkpoint_dir=root, embeddings="local")) as api:
+        # Server 0's store thread waits for the gate: restore a cannot finish before it.
+        blocked = job.servers[0]._pool.submit(gate.wait, 30)
+        calls = requests_to(job.servers[0])
+        first = asyncio.create_task(
+            api.client.post("/v1/checkpoints/a/restore", headers=AUTH))
+        try:
+            async with asyncio.timeout(20):   # restore a reached server 0: it is under way
+                while requests_to(job.servers[0]) == calls:
+                    await asyncio.sleep(0.01)
+            r = await api.client.post("/v1/checkpoints/b/restore", headers=AUTH, timeout=10)
+            assert r.status_code == 409, r.text
+            assert "'a' is being restored" in r.json()["error"]["message"]
+            r = await api.client.post("/v1/checkpoints", headers=AUTH, json={"id": "during"},
+                                      timeout=10)
+            assert r.status_code == 409, r.text
+            assert "'a' is being restored" in r.json()["error"]["message"]
+        finally:
+            gate.set()
+            blocked.result(30)
+        r = await first
+        assert r.status_code == 200, r.text
+        got = rows_of(job)
+        assert got.keys() == want.keys()
+        for k, w in want.items():
+            np.testing.assert_array_equal(got[k], w)
+        assert (await api.client.get("/v1/model")).json()["version"] == "a"
+        # Two checkpoints started at once: one runs, the other is refused.
+        replies = await asyncio.gather(*(
+            api.client.post("/v1/checkpoints", headers=AUTH, json={"id": ident})
+            for ident in ("x", "y")))
+        assert sorted(r.status_code for r in replies) == [202, 409], [r.text for r in replies]
+        started = next(r.json()["id"] for r in replies if r.status_code == 202)
+        assert (await wait_done(api, started))["state"] == "done"
+        # Restores again once nothing else runs.
+        r = await api.client.post("/v1/checkpoints/b/restore", headers=AUTH)
+        assert r.status_code == 200, r.text
+
+
 @pytest.mark.kafka
 async def test_api_cut_refuses_workers_that_mix_kafka_and_direct_ingest(kafka_broker,
                                                                         kafka_topic, tmp_path):
@@ -225,5 +315,69 @@ async def test_api_cut_refuses_workers_that_mix_kafka_and_direct_ingest(kafka_br
         assert (f"mix Kafka (embedding-worker-0 {w0}) and direct ingest "
                 f"(embedding-worker-1 {w1})") in info["error"]
         assert not os.path.exists(info["dst"])
+    finally:
+        await stop_job(job)
+
+
+async def _kafka_job(bootstrap: str, topic: str, batches: int):
+    """A job (one server, one worker) fed from ``topic`` (1 partition, ``batches`` batches
+    produced to it) that trained all of them."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        for i in range(batches):
+            await producer.send(topic, make_batch(i, seed=len(topic)).to_bytes(), partition=0)
+        await producer.flush()
+    finally:
+        await producer.stop()
+    job = await start_job(n_servers=1)
+    worker = job.workers[0]
+    cfg = KafkaConfig(bootstrap_servers=bootstrap, samples_topic=topic,
+                      dlq_topic=f"{topic}.dlq", job_name=topic)
+    await worker.start_kafka_ingest(lambda start: KafkaIngest(
+        worker, SampleConsumer.from_config(cfg, replica_index=0, replica_size=1),
+        DeadLetterWriter.from_config(cfg), start_offsets=start))
+    client = job.client(worker.address)
+    for _ in range(batches):
+        served = await client.call("next_batch", {"timeout_ms": 10_000})
+        await client.call("push_gradients", {"batch_id": served["batch_id"],
+                                             "grads": dict.fromkeys(SCHEMA.slots)})
+    return job
+
+
+@pytest.mark.kafka
+async def test_restore_refuses_a_checkpoint_of_another_topic(kafka_broker, kafka_topic,
+                                                             tmp_path):
+    """A checkpoint of another job (same embedding schema, another samples topic) is
+    refused (422 naming both topics) before anything changes: its offsets were applied
+    to this job's partitions, so the workers replayed (or skipped) this topic from
+    positions of another stream and the restore answered 200."""
+    root = str(tmp_path / "ck")
+    ours, theirs = kafka_topic(partitions=1), kafka_topic(partitions=1)
+    other = await _kafka_job(kafka_broker.bootstrap_servers, theirs, 2)
+    try:
+        async with LiveApi(settings_for(other, checkpoint_dir=root)) as api:
+            info = await take_checkpoint(api, "theirs")
+        assert info["manifest"]["offsets"] == {theirs: {"0": 2}}
+    finally:
+        await stop_job(other)
+    job = await _kafka_job(kafka_broker.bootstrap_servers, ours, 3)
+    try:
+        before = rows_of(job)
+        worker = job.client(job.worker_addresses[0])
+        frontier = (await worker.call("frontier", None))["offsets"]
+        assert frontier == {"0": 3}
+        async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+            r = await api.client.post("/v1/checkpoints/theirs/restore", headers=AUTH)
+            assert r.status_code == 422, r.text
+            error = r.json()["error"]
+            assert error["field"] == "checkpoint"
+            assert f"offsets are of topic {theirs!r}" in error["message"]
+            assert f"reads {ours!r}" in error["message"]
+        assert (await worker.call("frontier", None))["offsets"] == frontier
+        got = rows_of(job)
+        assert got.keys() == before.keys()
+        for k, w in before.items():
+            np.testing.assert_array_equal(got[k], w)
     finally:
         await stop_job(job)

@@ -72,6 +72,21 @@ def test_launch_api_refuses_a_public_address_without_a_token():
     assert "PERSIA_API_TOKEN" in out.stderr
 
 
+def test_launch_api_names_a_port_already_taken():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "stream_persia.launch.cli", "launch", "api", "--port",
+               str(port)]
+        out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert f"--port {port}: the API cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 async def test_launch_api_reads_role_addresses_from_the_environment(tmp_path):
     async def health(params):
         return {"ok": True}

@@ -227,6 +227,25 @@ async def test_a_staged_load_serves_nothing_until_committed(cluster):
         await client.call("commit_load", {"token": second["token"]})
 
 
+async def test_a_configure_between_stage_and_commit_holds_after_the_commit(cluster):
+    """A configure acknowledged while a restore is staged (the control plane's configure
+    and restore run concurrently) is what the server serves once the restore commits:
+    the staged table was built with the old configuration and used to bring it back,
+    while the server kept reporting (and checking lookups against) the new digest."""
+    servers, router, d, manifest = cluster
+    client, server = router.clients[0], servers[0]
+    staged = await client.call("load", {"dir": d, "files": manifest.embedding_files,
+                                        "stage": True})
+    await client.call("configure", {"optimizer": Adagrad(lr=0.25).to_dict()})
+    configured = await client.call("get_config", None)
+    assert configured["optimizer"]["lr"] == 0.25
+    assert await client.call("commit_load", {"token": staged["token"]}) == \
+        {"rows": staged["rows"]}
+    assert await client.call("get_config", None) == configured
+    assert server.store.optimizer.lr == 0.25
+    assert server._config_digest == configured["digest"]
+
+
 async def test_an_aborted_load_changes_nothing(cluster):
     servers, router, d, manifest = cluster
     client, server = router.clients[1], servers[1]

@@ -77,7 +77,7 @@ def _args(**kw) -> argparse.Namespace:
 
 def test_launcher_builds_a_torchrun_command():
     cmd = nn_worker_command(_args(script_args=["out"]))
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[1:3] == ["-m", "stream_persia.launch.torchrun"]
     assert "--nproc-per-node=2" in cmd and "--nnodes=1" in cmd and "--node-rank=0" in cmd
     assert any(a.startswith("--master-port=") and int(a.split("=")[1]) > 0 for a in cmd)
     assert cmd[-2:] == [str(HERE / "ddp_train.py"), "out"]

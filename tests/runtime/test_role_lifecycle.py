@@ -87,7 +87,7 @@ def test_roles_torchrun_and_ranks_go_when_their_starter_is_killed(tmp_path):
         names = " | ".join(_cmdline(p) for p in tree)
         # the server, launch nn-worker, torchrun and its two ranks
         assert len(tree) >= 5, names
-        assert "torch.distributed.run" in names, names
+        assert "stream_persia.launch.torchrun" in names, names
         os.kill(starter.pid, signal.SIGKILL)
         starter.wait()
         deadline = time.monotonic() + GONE_WITHIN_S

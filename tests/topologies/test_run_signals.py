@@ -98,7 +98,7 @@ def test_a_stop_signal_stops_every_role_of_the_run(tmp_path, sig, times, checkpo
             # step boundary, cannot finish before the second signal, however fast it is.
             # Every process of the NN worker by pid as well as by group: torchrun may put
             # its rank in a group of its own, and a rank left running took the cut (CI).
-            tags = (b"nn-worker", b"stream_persia.launch.rank", b"torch.distributed.run")
+            tags = (b"nn-worker", b"stream_persia.launch.rank", b"stream_persia.launch.torchrun")
             nn_pids = {pid for pid in roles if _stat(pid) is not None
                        and any(t in Path(f"/proc/{pid}/cmdline").read_bytes() for t in tags)}
             nn_groups = {st[1] for pid in nn_pids if (st := _stat(pid)) is not None}
@@ -161,7 +161,7 @@ def test_roles_do_not_outlive_a_run_killed_with_sigkill(tmp_path):
         names = [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in roles
                  if _stat(p) is not None]
         for role in ("embedding-server", "embedding-worker", "launch api", "nn-worker",
-                     "data-loader", "torch.distributed.run"):
+                     "data-loader", "stream_persia.launch.torchrun"):
             assert any(role in n for n in names), (role, names)
         proc.kill()
         proc.wait()
