@@ -283,11 +283,7 @@ class Checkpoints:
         src = self.resolve(ident)
         if src is None:
             return None
-        busy = self.in_use().get(ident)
-        if busy is not None:
-            raise Misuse(f"checkpoint {ident!r} is {busy}: it cannot be deleted now",
-                         field="checkpoint",
-                         hint="reload another model or wait until it is no longer in use")
+        self._refuse_if_in_use(ident)
         if self.root.local and os.path.islink(os.path.join(self.root.base, ident)):
             raise BadInput(f"checkpoint {ident!r} is a symbolic link; delete it by hand",
                            field="checkpoint")
@@ -301,6 +297,7 @@ class Checkpoints:
                          f"checkpoint(s) {needed[:5]} need to restore: it cannot be deleted "
                          "while they exist", field="checkpoint",
                          hint="delete the patches that depend on it first (newest first)")
+        self._refuse_if_in_use(ident)   # again: a restore or a reload may have begun meanwhile
         self._deleting.add(ident)   # a restore of it is refused from now on
         try:
             await asyncio.to_thread(delete_checkpoint, src)
@@ -313,6 +310,13 @@ class Checkpoints:
         self._count_deleted("request", 1)
         log.info("deleted checkpoint %s (step %d) on request", src, manifest.step)
         return {"id": ident, "deleted": True, "dst": src}
+
+    def _refuse_if_in_use(self, ident: str) -> None:
+        busy = self.in_use().get(ident)
+        if busy is not None:
+            raise Misuse(f"checkpoint {ident!r} is {busy}: it cannot be deleted now",
+                         field="checkpoint",
+                         hint="reload another model or wait until it is no longer in use")
 
     async def _retain(self, job: CheckpointJob) -> None:
         """Apply ``keep_checkpoints`` after ``job`` committed (never deleting it, nor any

@@ -221,3 +221,32 @@ async def test_the_list_shows_each_chain_member_and_any_member_restores(job, tmp
         for key, (w8, st) in tables[1].items():
             np.testing.assert_allclose(got_rows[key][0], w8, atol=1e-6, rtol=0)
             np.testing.assert_allclose(got_rows[key][1], st, atol=1e-6, rtol=0)
+
+
+async def test_a_checkpoint_that_comes_into_use_while_it_is_deleted_is_kept(job, tmp_path,
+                                                                           monkeypatch):
+    """A reload of the checkpoint lands while the delete reads its manifest and looks for
+    patches that need it (two awaits after the first in-use check): the delete is refused,
+    the served model's files stay."""
+    from stream_persia.api import checkpoints as checkpoints_mod
+
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    for name in ("served", "old"):
+        await write_checkpoint(job, f"{root}/{name}", TwoHeads())
+    async with LiveApi(settings_for(job, checkpoint_dir=root, embeddings="local",
+                                    model_checkpoint=f"{root}/served")) as api:
+        loop = asyncio.get_running_loop()
+        real = checkpoints_mod.dependents
+
+        def reload_meanwhile(*args):
+            r = asyncio.run_coroutine_threadsafe(api.client.post(
+                "/v1/model/reload", headers=AUTH, json={"checkpoint": "old"}), loop).result()
+            assert r.status_code == 200, r.text
+            return real(*args)
+
+        monkeypatch.setattr(checkpoints_mod, "dependents", reload_meanwhile)
+        r = await api.client.delete("/v1/checkpoints/old", headers=AUTH)
+        assert r.status_code == 409, r.text
+        assert "old" in os.listdir(root)
+        assert (await api.client.get("/v1/model")).json()["checkpoint"].endswith("old")
