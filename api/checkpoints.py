@@ -487,9 +487,10 @@ class Checkpoints:
     async def _updates(self) -> builtins.list[Any]:
         stats = await self.roles.fanout(self.roles.servers, "stats")
         # Training changes these, and a load (its own counts are not in them: "loads" tells
-        # it); inference lookups (eval/infer) never do.
-        return [(s.get("updates"), s.get("admissions"), s.get("evictions"), s.get("loads"))
-                for s in stats]
+        # it) or a clear (which counts in none of the others); inference lookups
+        # (eval/infer) never do.
+        return [(s.get("updates"), s.get("admissions"), s.get("evictions"), s.get("loads"),
+                 s.get("clears")) for s in stats]
 
     async def _by_api(self, job: CheckpointJob, hb: dict[str, Any] | None) -> None:
         servers = self.roles.require(SERVER)
@@ -520,7 +521,8 @@ class Checkpoints:
                             "total": len(servers)}
             cut = await self._cut()   # raises if a batch went in flight meanwhile
             if await self._updates() != updates:
-                raise Misuse("training moved while the embeddings were dumped, so the cut is "
+                raise Misuse("training moved (or a load or clear changed the servers' "
+                             "tables) while the embeddings were dumped, so the cut is "
                              "not consistent; nothing was published",
                              hint="retry; an NN rank that trains must report to the "
                                   "checkpoint mailbox")

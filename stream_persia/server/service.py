@@ -396,6 +396,7 @@ class EmbeddingServer:
         # store thread only, swapped with the table by a load.
         self._marks = Watermarks(f"embedding server {replica_index}")
         self._replays_refused = 0
+        self._clears = 0          # clear requests applied (a checkpoint's cut must see them)
         self._stale_updates = 0   # updates refused: their rows' table was replaced by a load
         # The newest event time of any update applied (update in the module docstring);
         # written on the store thread, read anywhere (one float).
@@ -419,7 +420,8 @@ class EmbeddingServer:
         self.store_threads = store_threads
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"store-{replica_index}")
         self.metrics = RoleMetrics("embedding_server", replica_index)
-        self.metrics.add_callback("store", self._store_stats, counters={*COUNTERS, "loads"})
+        self.metrics.add_callback("store", self._store_stats,
+                                  counters={*COUNTERS, "loads", "clears"})
         # A staged restore holds a second table (as much memory again) until its commit.
         self.metrics.add_callback("restore", lambda: {
             "staged_rows": float(self._staged.rows if self._staged is not None else 0)})
@@ -555,12 +557,13 @@ class EmbeddingServer:
     def store_stats(self) -> dict[str, int]:
         """The store's statistics with this server's counters (see the module docstring):
         ``rows`` and ``capacity`` of the store in force, every counter continuous across
-        loads, and ``loads``."""
+        loads, ``loads`` and ``clears``."""
         serving = self._serving   # one read: a load swaps store and carried counts together
         stats = serving.store.stats()
         for key in COUNTERS:
             stats[key] += serving.carried[key]
         stats["loads"] = serving.loads
+        stats["clears"] = self._clears
         return stats
 
     def _store_stats(self) -> dict[str, float]:
@@ -719,6 +722,7 @@ class EmbeddingServer:
             self.store.clear()   # the store in force on its turn
             self._marks.clear()  # the stream is trained again from scratch, on purpose
             self.trained_through = None
+            self._clears += 1
 
         await self._run(run)
 

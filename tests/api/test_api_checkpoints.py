@@ -152,6 +152,32 @@ async def test_api_cut_refuses_batches_in_flight(job, tmp_path):
                                          "grads": dict.fromkeys(SCHEMA.slots)})
 
 
+async def test_api_cut_refuses_a_clear_of_the_servers_while_it_dumps(job, tmp_path,
+                                                                      monkeypatch):
+    """``POST /v1/embeddings/clear`` lands while the API's checkpoint dumps the servers
+    (some before it, some after, in the worst case): a clear counts in none of the training
+    counters the cut compares, so the checkpoint was published as consistent. It fails."""
+    from stream_persia.api import checkpoints as checkpoints_mod
+
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    real = checkpoints_mod.CheckpointWriter.dump_embeddings
+
+    async def dump_then_clear(self, clients, **kw):
+        out = await real(self, clients, **kw)
+        for address in job.server_addresses:
+            await job.client(address).call("clear")
+        return out
+
+    monkeypatch.setattr(checkpoints_mod.CheckpointWriter, "dump_embeddings", dump_then_clear)
+    async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+        r = await api.client.post("/v1/checkpoints", headers=AUTH)
+        assert r.status_code == 202
+        info = await wait_done(api, r.json()["id"])
+        assert info["state"] == "failed" and "moved" in info["error"], info
+        assert info["manifest"] is None and not os.path.exists(info["dst"])
+
+
 async def test_named_checkpoints_stay_inside_the_directory(job, tmp_path):
     root = str(tmp_path / "ckpts")
     await job.train(2)
