@@ -19,8 +19,9 @@
    checkpoint becomes visible atomically), the servers' configuration (embedding
    optimizer and EmbeddingConfig) and, in ``extra["inputs"]``, the ID slots and non-ID
    features of the batches the model was trained on, in order (serving matches requests
-   to them by name), and in ``extra["dense_lineage"]`` the lineage rank 0's dense
-   publisher publishes this model in (None: it publishes none;
+   to them by name), in ``extra["label_names"]`` their labels' names in order, and in
+   ``extra["dense_lineage"]`` the lineage rank 0's dense publisher publishes this model
+   in (None: it publishes none;
    :mod:`stream_persia.nn.dense_publisher`), so that a serving replica restored from the
    checkpoint compares published versions with its step only within that lineage. Then
    the workers ``commit_offsets`` to the consumer group (for lag monitors only:
@@ -40,7 +41,9 @@ deleted, before anything changed), then loads the embeddings into the servers (a
 of them: rows are resharded by hash; servers that restarted are configured and loaded like
 the others, and the workers serve them again once they see the load) and has every worker
 ``reset_stream`` to those
-offsets; every rank loads the dense model and optimizer state; barrier.
+offsets; every rank loads the dense model and optimizer state, and takes the checkpoint's
+step, ``trained_through`` and inputs (slots, features and labels in the restored model's
+order); barrier.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from stream_persia.checkpoint import (
 )
 from stream_persia.checkpoint.cut import check_servers_kept
 from stream_persia.config.embedding import EmbeddingSchema
+from stream_persia.core.data import check_event_time
 from stream_persia.errors import BadInput, Misuse, RemoteError
 from stream_persia.nn.seams import ContextSeam, TrainerSeam
 
@@ -319,14 +323,32 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
             if trainer.grad_scaler is not None and GRAD_SCALER_FILENAME in manifest.files:
                 trainer.grad_scaler.load_state_dict(load_torch(src_dir, GRAD_SCALER_FILENAME))
         if trainer is not None:
-            trainer.steps = manifest.step
-            if trainer.input_signature is None and isinstance(manifest.extra.get("inputs"),
-                                                              dict):
-                trainer.input_signature = manifest.extra["inputs"]   # kept in the next one
+            _restore_trainer(trainer, manifest)
         _barrier(ctx)
     finally:
         if trainer is not None:
             trainer.resume_prefetchers(resume)
+
+
+def _restore_trainer(trainer: TrainerSeam, manifest: Manifest) -> None:
+    """What the restored model was trained as: its step, its ``trained_through`` (the
+    newest event time in it: the next checkpoint, the heartbeat and the dense publisher
+    carry it on; the one of the batches trained before the restore claimed a freshness
+    the restored model lacks) and its inputs in order (slots, named features, labels:
+    the batches trained from here are arranged to them, not to those trained before the
+    restore, whose order the restored model may not have been trained with)."""
+    trainer.steps = manifest.step
+    extra = manifest.extra if isinstance(manifest.extra, dict) else {}
+    try:
+        trainer.trained_through = check_event_time(extra.get("trained_through"),
+                                                   "extra.trained_through")
+    except BadInput as e:
+        log.warning("checkpoint %s: %s; its trained_through is unknown", manifest.path, e)
+        trainer.trained_through = None
+    if isinstance(extra.get("inputs"), dict):
+        trainer.input_signature = extra["inputs"]   # kept in the next checkpoint
+    if isinstance(extra.get("label_names"), list):
+        trainer.label_names = list(extra["label_names"])
 
 
 def _stream_params(manifest: Manifest, where: str) -> list[dict[str, Any]]:
@@ -457,4 +479,8 @@ def _inputs(ctx: ContextSeam) -> dict[str, Any]:
     that serving matches requests to them by name; nothing if no batch was trained."""
     trainer = ctx.as_trainer()
     sig = trainer.input_signature if trainer is not None else None
-    return {"inputs": sig} if sig is not None else {}
+    if sig is None:
+        return {}
+    labels = trainer.label_names if trainer is not None else None
+    # the label names in order too: a restore arranges the batches' labels to them
+    return {"inputs": sig} | ({} if labels is None else {"label_names": list(labels)})

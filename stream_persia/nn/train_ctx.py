@@ -207,10 +207,11 @@ class TrainCtx(EmbeddingCtx):
         self._prefetchers: list[StreamPrefetcher] = []
         self._warned_unreleased = False
         self.checkpoint_poll_steps = checkpoint_poll_steps
-        # The inputs of the first batch trained (nn.batch.input_signature), for checkpoints.
+        # The inputs of the first batch trained (nn.batch.input_signature), for checkpoints,
+        # and its label names: later batches are arranged to match both (nn.batch.arrange).
+        # A restore replaces both with the checkpoint's.
         self.input_signature: dict[str, Any] | None = None
-        # ... and its label names: later batches are arranged to match both (nn.batch.arrange).
-        self._label_names: list[str | None] | None = None
+        self.label_names: list[str | None] | None = None
         self.checkpoint_poller: NnCheckpointPoller | None = None
         self.checkpointing_config = checkpointing if checkpointing is not None \
             else checkpointing_config()
@@ -400,14 +401,14 @@ class TrainCtx(EmbeddingCtx):
 
     def _arrange(self, batch: PersiaTrainingBatch) -> None:
         if self.input_signature is not None:
-            arrange(batch, self.input_signature, self._label_names)
+            arrange(batch, self.input_signature, self.label_names)
 
     def _prepared(self, batch: PersiaTrainingBatch, leaves: list | None) -> None:
         self.raise_async_errors()
         if leaves is not None and self.input_signature is None:
             self.input_signature = input_signature(batch)
-        if leaves is not None and self._label_names is None and batch.labels is not None:
-            self._label_names = list(batch.label_names)
+        if leaves is not None and self.label_names is None and batch.labels is not None:
+            self.label_names = list(batch.label_names)
         self._current = batch
         self._current_leaves = leaves
 
