@@ -452,6 +452,7 @@ class TrainCtx(EmbeddingCtx):
         if ticket.state != HELD:
             raise Misuse(f"backward() was already called for batch {ticket.batch_id}")
         self._current = self._current_leaves = None
+        batch.leaves = None   # (their gradients are sent below: not kept with the batch)
         self._score()
 
         scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0

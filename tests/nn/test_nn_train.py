@@ -92,6 +92,37 @@ def test_forward_shapes_and_gradients_reach_the_owning_rows(job_factory):
     np.testing.assert_array_equal(server_rows(job, "item", ids), rows)
 
 
+@pytest.mark.parametrize("second", ["forward", "prepare_features"])
+def test_a_batch_prepared_twice_sends_the_gradient_of_every_use(job_factory, second):
+    """A batch given to ``forward`` twice (two passes summed in one loss, as R-Drop
+    does), or to ``prepare_features`` after its forward (to look at its features), gets
+    the same embedding leaves each time: ``backward`` sends the gradient of every use.
+    Each call made fresh leaves and kept only the last: the loss's gradient reached leaves
+    that were not sent, and the batch was pushed with no (or half its) embedding update,
+    counted as trained."""
+    job = job_factory(SCHEMA)
+    batch = make_batch(0, batch_size=16)
+    job.feed([batch], background=False)
+    model = TwoSlotLoss()
+    feats = {f.name: f for f in batch.id_type_features}
+    ids = np.unique(feats["user"].values)
+    with TrainCtx(SGD(lr=LR), torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                  embedding_workers=job.worker_addresses, mixed_precision=False) as ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=1):
+            before = server_rows(job, "user", ids)   # inserted by the lookup
+            output, _ = ctx.forward(tb)
+            uses = 1
+            if second == "forward":
+                output = output + ctx.forward(tb)[0]
+                uses = 2
+            else:
+                ctx.prepare_features(tb)
+            ctx.backward(output)
+    n = (np.concatenate(feats["user"].data)[None, :] == ids[:, None]).sum(1)
+    np.testing.assert_allclose(server_rows(job, "user", ids),
+                               before - uses * LR * n[:, None], atol=1e-5)
+
+
 def test_with_continue_servers_and_workers_restarted_together_are_configured_again(
         job_factory):
     """With ``on_server_restart: continue``, every server and worker restarts between the
