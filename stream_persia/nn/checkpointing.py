@@ -33,7 +33,8 @@ The manifest's ``config_digest`` is the digest of the job's embedding schema (th
 :func:`checkpoint_schema`; :mod:`stream_persia.checkpoint.digest`).
 
 ``load_checkpoint(src)`` (every rank): refuse a checkpoint whose ``config_digest`` is not
-this job's embedding schema (``Misuse`` naming what differs), quiesce, barrier; for a
+this job's embedding schema, or whose dense model or optimizer state is not this one's
+(``Misuse`` naming what differs), quiesce, barrier; for a
 Kafka stream rank 0 first
 asks every worker whether the brokers still hold the manifest's offsets (``check_stream``:
 a :class:`~stream_persia.errors.DataLost` naming the partitions and offsets retention
@@ -44,6 +45,10 @@ the others, and the workers serve them again once they see the load) and has eve
 offsets; every rank loads the dense model and optimizer state, and takes the checkpoint's
 step, ``trained_through`` and inputs (slots, features and labels in the restored model's
 order); barrier.
+
+Size: the NN side's dump and restore of one checkpoint, with the checks a restore makes
+before anything changes (embedding schema, dense model and optimizer state); the file
+formats and the servers' part live in :mod:`stream_persia.checkpoint`.
 """
 
 from __future__ import annotations
@@ -301,6 +306,18 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
     manifest = read_manifest(src_dir)
     # Every rank, before anything changes: rows of another embedding schema are refused.
     check_config(manifest, checkpoint_schema(cluster), f"checkpoint {src_dir}")
+    # ... and a dense model or optimizer state of another model, before the servers'
+    # rows and the stream are replaced (a script that goes on after a failed restore
+    # would train the checkpoint's embeddings with a dense model they were not trained
+    # with).
+    model = _dense_model(ctx)
+    dense_state = load_torch(src_dir, dense_filename, map_location)
+    _check_dense_state(model, dense_state, f"checkpoint {src_dir}: {dense_filename}")
+    opt_state = None
+    if trainer is not None and opt_filename and opt_filename in manifest.files:
+        opt_state = load_torch(src_dir, opt_filename, map_location)
+        _check_optimizer_state(trainer.dense_optimizer, opt_state,
+                               f"checkpoint {src_dir}: {opt_filename}")
     resume = trainer.quiesce(strict=False) if trainer is not None else []
     try:
         _barrier(ctx)
@@ -315,11 +332,9 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
             cluster.run(load_embeddings(src_dir, cluster.servers))
             for params in streams:
                 cluster.run(cluster.call_workers("reset_stream", params))
-        model = _dense_model(ctx)
-        model.load_state_dict(load_torch(src_dir, dense_filename, map_location))
-        if trainer is not None and opt_filename and opt_filename in manifest.files:
-            trainer.dense_optimizer.load_state_dict(
-                load_torch(src_dir, opt_filename, map_location))
+        model.load_state_dict(dense_state)
+        if trainer is not None and opt_state is not None:
+            trainer.dense_optimizer.load_state_dict(opt_state)
             if trainer.grad_scaler is not None and GRAD_SCALER_FILENAME in manifest.files:
                 trainer.grad_scaler.load_state_dict(load_torch(src_dir, GRAD_SCALER_FILENAME))
         if trainer is not None:
@@ -328,6 +343,51 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
     finally:
         if trainer is not None:
             trainer.resume_prefetchers(resume)
+
+
+def _check_dense_state(model: torch.nn.Module, state: Any, where: str) -> None:
+    """Refuse a dense state dict ``model.load_state_dict`` would refuse (another model:
+    keys missing or unknown, shapes that differ), naming them, before anything changed.
+
+    Raises:
+        Misuse: on field ``model``.
+    """
+    if not isinstance(state, dict):
+        raise Misuse(f"{where} holds a {type(state).__name__}, not a state dict",
+                     field="model")
+    want = model.state_dict()
+    missing = [k for k in want if k not in state]
+    unknown = [k for k in state if k not in want]
+    shapes = [f"{k} {tuple(state[k].shape)} (the model's: {tuple(v.shape)})"
+              for k, v in want.items() if k in state and isinstance(v, torch.Tensor)
+              and isinstance(state[k], torch.Tensor) and state[k].shape != v.shape]
+    if missing or unknown or shapes:
+        raise Misuse(f"{where} is the state of another dense model: "
+                     + "; ".join(f"{what} {names[:5]}" + (" ..." if len(names) > 5 else "")
+                                 for what, names in (("missing", missing),
+                                                     ("unknown", unknown),
+                                                     ("other shapes", shapes)) if names)
+                     + "; nothing was restored", field="model",
+                     hint="restore a checkpoint of this model (its class and sizes)")
+
+
+def _check_optimizer_state(opt: torch.optim.Optimizer, state: Any, where: str) -> None:
+    """Refuse an optimizer state ``opt.load_state_dict`` would refuse (other parameter
+    groups or sizes), before anything changed.
+
+    Raises:
+        Misuse: on field ``dense_optimizer``.
+    """
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    sizes = [len(g.get("params", ())) for g in groups if isinstance(g, dict)] \
+        if isinstance(groups, list) else None
+    want = [len(g["params"]) for g in opt.param_groups]
+    if sizes != want:
+        raise Misuse(f"{where} is the state of another optimizer: parameter groups of "
+                     f"{sizes} parameters, this one's {want}; nothing was restored",
+                     field="dense_optimizer",
+                     hint="build the dense optimizer over the same parameters as the "
+                          "checkpointed run")
 
 
 def _restore_trainer(trainer: TrainerSeam, manifest: Manifest) -> None:

@@ -417,3 +417,34 @@ def test_a_restored_model_gets_the_labels_in_its_order(job_factory, tmp_path):
             assert [float(y.mean()) for y in labels] == [0.0, 1.0]   # click, then buy
             ctx.backward(torch.nn.functional.binary_cross_entropy(
                 out, torch.cat(labels, dim=1)))
+
+
+@pytest.mark.parametrize("other", ["model", "dense_optimizer"])
+def test_a_checkpoint_of_another_dense_model_restores_nothing(job_factory, tmp_path, other):
+    """A checkpoint whose dense model (or optimizer) is not this one's is refused naming
+    it before anything changed. The servers' rows and the stream were restored first and
+    the dense model failed after: a script that went on after the error (starting fresh,
+    say) trained the checkpoint's embeddings with a dense model they had not met."""
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(3)], background=False)
+    model = SumModel(IN_DIM)
+    ck = str(tmp_path / "ck")
+    with _ctx(job, model, torch.optim.Adam(model.parameters(), lr=0.01)) as ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=3,
+                             timeout_ms=3000):
+            _step(ctx, tb)
+            if ctx.steps == 1:
+                ctx.dump_checkpoint(ck)
+    probe = make_batch(0, requires_grad=False)
+    rows = _eval_embeddings(job, probe)
+    if other == "model":
+        model = SumModel(IN_DIM, hidden=4)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        opt = torch.optim.Adam([model.mlp[0].weight], lr=0.01)
+    with _ctx(job, model, opt) as ctx:
+        with pytest.raises(Misuse, match="nothing was restored") as err:
+            ctx.load_checkpoint(ck)
+        assert err.value.field == other and ctx.steps == 0
+    for a, b in zip(rows, _eval_embeddings(job, probe), strict=True):
+        np.testing.assert_array_equal(a, b)
