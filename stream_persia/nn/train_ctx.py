@@ -597,10 +597,31 @@ class TrainCtx(EmbeddingCtx):
             raise err
 
     def release_untrained(self, batch: PersiaTrainingBatch) -> None:
-        """Release a served batch without gradients (its backward was never called)."""
+        """Release a served batch without gradients (its backward was never called).
+
+        Raises:
+            Misuse: the batch's embeddings got gradients (``loss.backward()`` ran instead
+                of ``ctx.backward(loss)``): they are not sent, and the batch is released
+                first.
+        """
         ticket = batch.ticket
         if ticket is None or ticket.state != HELD:
             return
+        leaves = batch.leaves or {}
+        backpropagated = any(leaf.grad is not None for leaf in leaves.values())
+        batch.leaves = None
+        if backpropagated:
+            # Not a batch the script chose to skip: it trains the dense model by itself
+            # and the embeddings never (every batch consumed, no error otherwise).
+            if self._current is batch:
+                self._current = self._current_leaves = None
+            self._push(ticket, {s.name: None for s in batch.id_type_feature_embeddings})
+            raise Misuse(f"batch {ticket.batch_id}: its embeddings got gradients but "
+                         f"ctx.backward(loss) was not called for it, so they were not sent "
+                         f"(loss.backward() and the dense optimizer's step train the dense "
+                         f"model only, never the embeddings)", field="backward",
+                         hint="call ctx.backward(loss): it runs autograd, steps the dense "
+                              "optimizer and sends the embedding gradients")
         if not self._warned_unreleased:
             self._warned_unreleased = True
             log.warning("batch %d was taken from the DataLoader but backward() was not "

@@ -348,6 +348,30 @@ def test_a_batch_without_backward_is_released(job_factory):
     assert len(seen) == 4 and len(job.workers[0].inflight) == 0
 
 
+def test_loss_backward_instead_of_ctx_backward_is_refused(job_factory):
+    """A script that runs ``loss.backward()`` and its dense optimizer's step, the plain
+    PyTorch way, instead of ``ctx.backward(loss)``: the embedding gradients it computed
+    are never sent. Each batch was released without update at the next one, logged
+    once, so the dense model trained while the embeddings never did and every batch was
+    consumed. Taking the next batch now raises Misuse (a batch skipped without any
+    gradient is still released, as above)."""
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(3)], background=False)
+    model = SumModel(3 + 8 + 8 + 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(Misuse, match="ctx.backward") as err:
+        with TrainCtx(Adagrad(lr=0.1), opt, model=model, mixed_precision=False,
+                      embedding_workers=job.worker_addresses, ready_timeout_s=10) as ctx:
+            for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=3,
+                                 timeout_ms=5000):
+                output, labels = ctx.forward(tb)
+                bce(output, labels).backward()
+                opt.step()
+                opt.zero_grad()
+    assert err.value.field == "backward" and ctx.stats()["steps"] == 0
+    assert len(job.workers[0].inflight) == 0     # released, and the rest handed back
+
+
 def _with_event_time(b, event_time):
     return PersiaBatch(b.id_type_features, b.non_id_type_features, b.labels,
                        requires_grad=b.requires_grad, meta=b.meta, event_time=event_time)
