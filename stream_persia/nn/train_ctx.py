@@ -206,6 +206,7 @@ class TrainCtx(EmbeddingCtx):
         self._errors: list[BaseException] = []
         self._prefetchers: list[StreamPrefetcher] = []
         self._warned_unreleased = False
+        self._released_leaves: list[torch.Tensor] = []   # of the last batch released untrained
         self.checkpoint_poll_steps = checkpoint_poll_steps
         # The inputs of the first batch trained (nn.batch.input_signature), for checkpoints,
         # and its label names: later batches are arranged to match both (nn.batch.arrange).
@@ -431,8 +432,10 @@ class TrainCtx(EmbeddingCtx):
                 model NaN for good.
 
         Raises:
-            Misuse: no forward before, the batch was not served for training, or backward
-                was already called for it.
+            Misuse: no forward before, the batch was not served for training, backward
+                was already called for it, or the loss also depends on the embeddings of
+                a batch released untrained before (gradients accumulated over batches:
+                nothing is applied).
             PersiaError: an earlier asynchronous gradient push failed.
         """
         self.raise_async_errors()
@@ -458,6 +461,16 @@ class TrainCtx(EmbeddingCtx):
         scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
         scaled.backward()
+        released, self._released_leaves = self._released_leaves, []
+        if any(leaf.grad is not None for leaf in released):
+            self.dense_optimizer.zero_grad()
+            raise Misuse(f"the loss given to backward() for batch {ticket.batch_id} also "
+                         f"depends on the embeddings of a batch released before it (its "
+                         f"backward was not called before the next batch was taken): their "
+                         f"gradients cannot be sent; nothing was applied",
+                         field="loss", hint="call ctx.backward(loss) once per batch, "
+                                            "before taking the next (no gradient "
+                                            "accumulation over batches)")
         # Trained through the batch once its backward ran (a step skipped as non-finite
         # still consumed it): the `trained` stage watermark, the dense model's event time.
         if batch.event_time is not None and (self.trained_through is None
@@ -628,6 +641,9 @@ class TrainCtx(EmbeddingCtx):
                         "called for it: released without embedding update", ticket.batch_id)
         if self._current is batch:
             self._current = self._current_leaves = None
+        # The next backward looks at them: a loss over this batch too (gradients
+        # accumulated over batches) would send only the last batch's embedding gradients.
+        self._released_leaves = list(leaves.values())
         self._push(ticket, {s.name: None for s in batch.id_type_feature_embeddings})
 
     # ------------------------------------------------------------------ coordination

@@ -372,6 +372,33 @@ def test_loss_backward_instead_of_ctx_backward_is_refused(job_factory):
     assert len(job.workers[0].inflight) == 0     # released, and the rest handed back
 
 
+def test_a_loss_over_a_released_batch_is_refused(job_factory):
+    """Gradients accumulated over two batches (the loss of one summed with the next's,
+    one ``backward``): the first was released untrained when the second was taken, so
+    its embedding gradients could not be sent, and only the second batch's embeddings
+    were trained while the dense model took both. Now that backward raises Misuse and
+    applies nothing."""
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(2)], background=False)
+    model = SumModel(3 + 8 + 8 + 4)
+    with train_ctx(job, model) as ctx:
+        before = [p.detach().clone() for p in model.parameters()]
+        held = None
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=2, max_batches=2,
+                             timeout_ms=5000):
+            output, labels = ctx.forward(tb)
+            loss = bce(output, labels)
+            if held is None:
+                held = loss
+                continue
+            with pytest.raises(Misuse, match="released before") as err:
+                ctx.backward(held + loss)
+            assert err.value.field == "loss"
+        assert ctx.stats()["steps"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert len(job.workers[0].inflight) == 0
+
+
 def _with_event_time(b, event_time):
     return PersiaBatch(b.id_type_features, b.non_id_type_features, b.labels,
                        requires_grad=b.requires_grad, meta=b.meta, event_time=event_time)
