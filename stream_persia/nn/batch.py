@@ -95,6 +95,9 @@ class PersiaTrainingBatch:
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
     # Set by the data loader for served training batches: the staleness permit.
     ticket: Any = field(default=None, repr=False)
+    # Set by prepare_features in training: slot name -> the embedding leaf on the device,
+    # the same tensor for every prepare_features of this batch (backward sends its grad).
+    leaves: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
 
 def _numpy_to_torch_dtype(dtype: np.dtype) -> torch.dtype:

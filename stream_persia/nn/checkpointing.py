@@ -19,8 +19,9 @@
    checkpoint becomes visible atomically), the servers' configuration (embedding
    optimizer and EmbeddingConfig) and, in ``extra["inputs"]``, the ID slots and non-ID
    features of the batches the model was trained on, in order (serving matches requests
-   to them by name), and in ``extra["dense_lineage"]`` the lineage rank 0's dense
-   publisher publishes this model in (None: it publishes none;
+   to them by name), in ``extra["label_names"]`` their labels' names in order, and in
+   ``extra["dense_lineage"]`` the lineage rank 0's dense publisher publishes this model
+   in (None: it publishes none;
    :mod:`stream_persia.nn.dense_publisher`), so that a serving replica restored from the
    checkpoint compares published versions with its step only within that lineage. Then
    the workers ``commit_offsets`` to the consumer group (for lag monitors only:
@@ -32,7 +33,8 @@ The manifest's ``config_digest`` is the digest of the job's embedding schema (th
 :func:`checkpoint_schema`; :mod:`stream_persia.checkpoint.digest`).
 
 ``load_checkpoint(src)`` (every rank): refuse a checkpoint whose ``config_digest`` is not
-this job's embedding schema (``Misuse`` naming what differs), quiesce, barrier; for a
+this job's embedding schema, or whose dense model or optimizer state is not this one's
+(``Misuse`` naming what differs), quiesce, barrier; for a
 Kafka stream rank 0 first
 asks every worker whether the brokers still hold the manifest's offsets (``check_stream``:
 a :class:`~stream_persia.errors.DataLost` naming the partitions and offsets retention
@@ -40,7 +42,13 @@ deleted, before anything changed), then loads the embeddings into the servers (a
 of them: rows are resharded by hash; servers that restarted are configured and loaded like
 the others, and the workers serve them again once they see the load) and has every worker
 ``reset_stream`` to those
-offsets; every rank loads the dense model and optimizer state; barrier.
+offsets; every rank loads the dense model and optimizer state, and takes the checkpoint's
+step, ``trained_through`` and inputs (slots, features and labels in the restored model's
+order); barrier.
+
+Size: the NN side's dump and restore of one checkpoint, with the checks a restore makes
+before anything changes (embedding schema, dense model and optimizer state); the file
+formats and the servers' part live in :mod:`stream_persia.checkpoint`.
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ from stream_persia.checkpoint import (
 )
 from stream_persia.checkpoint.cut import check_servers_kept
 from stream_persia.config.embedding import EmbeddingSchema
+from stream_persia.core.data import check_event_time
 from stream_persia.errors import BadInput, Misuse, RemoteError
 from stream_persia.nn.seams import ContextSeam, TrainerSeam
 
@@ -297,6 +306,18 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
     manifest = read_manifest(src_dir)
     # Every rank, before anything changes: rows of another embedding schema are refused.
     check_config(manifest, checkpoint_schema(cluster), f"checkpoint {src_dir}")
+    # ... and a dense model or optimizer state of another model, before the servers'
+    # rows and the stream are replaced (a script that goes on after a failed restore
+    # would train the checkpoint's embeddings with a dense model they were not trained
+    # with).
+    model = _dense_model(ctx)
+    dense_state = load_torch(src_dir, dense_filename, map_location)
+    _check_dense_state(model, dense_state, f"checkpoint {src_dir}: {dense_filename}")
+    opt_state = None
+    if trainer is not None and opt_filename and opt_filename in manifest.files:
+        opt_state = load_torch(src_dir, opt_filename, map_location)
+        _check_optimizer_state(trainer.dense_optimizer, opt_state,
+                               f"checkpoint {src_dir}: {opt_filename}")
     resume = trainer.quiesce(strict=False) if trainer is not None else []
     try:
         _barrier(ctx)
@@ -312,22 +333,83 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
             cluster.run(load_embeddings(src_dir, cluster.servers))
             for params in streams:
                 cluster.run(cluster.call_workers("reset_stream", params))
-        model = _dense_model(ctx)
-        model.load_state_dict(load_torch(src_dir, dense_filename, map_location))
-        if trainer is not None and opt_filename and opt_filename in manifest.files:
-            trainer.dense_optimizer.load_state_dict(
-                load_torch(src_dir, opt_filename, map_location))
+        model.load_state_dict(dense_state)
+        if trainer is not None and opt_state is not None:
+            trainer.dense_optimizer.load_state_dict(opt_state)
             if trainer.grad_scaler is not None and GRAD_SCALER_FILENAME in manifest.files:
                 trainer.grad_scaler.load_state_dict(load_torch(src_dir, GRAD_SCALER_FILENAME))
         if trainer is not None:
-            trainer.steps = manifest.step
-            if trainer.input_signature is None and isinstance(manifest.extra.get("inputs"),
-                                                              dict):
-                trainer.input_signature = manifest.extra["inputs"]   # kept in the next one
+            _restore_trainer(trainer, manifest)
         _barrier(ctx)
     finally:
         if trainer is not None:
             trainer.resume_prefetchers(resume)
+
+
+def _check_dense_state(model: torch.nn.Module, state: Any, where: str) -> None:
+    """Refuse a dense state dict ``model.load_state_dict`` would refuse (another model:
+    keys missing or unknown, shapes that differ), naming them, before anything changed.
+
+    Raises:
+        Misuse: on field ``model``.
+    """
+    if not isinstance(state, dict):
+        raise Misuse(f"{where} holds a {type(state).__name__}, not a state dict",
+                     field="model")
+    want = model.state_dict()
+    missing = [k for k in want if k not in state]
+    unknown = [k for k in state if k not in want]
+    shapes = [f"{k} {tuple(state[k].shape)} (the model's: {tuple(v.shape)})"
+              for k, v in want.items() if k in state and isinstance(v, torch.Tensor)
+              and isinstance(state[k], torch.Tensor) and state[k].shape != v.shape]
+    if missing or unknown or shapes:
+        raise Misuse(f"{where} is the state of another dense model: "
+                     + "; ".join(f"{what} {names[:5]}" + (" ..." if len(names) > 5 else "")
+                                 for what, names in (("missing", missing),
+                                                     ("unknown", unknown),
+                                                     ("other shapes", shapes)) if names)
+                     + "; nothing was restored", field="model",
+                     hint="restore a checkpoint of this model (its class and sizes)")
+
+
+def _check_optimizer_state(opt: torch.optim.Optimizer, state: Any, where: str) -> None:
+    """Refuse an optimizer state ``opt.load_state_dict`` would refuse (other parameter
+    groups or sizes), before anything changed.
+
+    Raises:
+        Misuse: on field ``dense_optimizer``.
+    """
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    sizes = [len(g.get("params", ())) for g in groups if isinstance(g, dict)] \
+        if isinstance(groups, list) else None
+    want = [len(g["params"]) for g in opt.param_groups]
+    if sizes != want:
+        raise Misuse(f"{where} is the state of another optimizer: parameter groups of "
+                     f"{sizes} parameters, this one's {want}; nothing was restored",
+                     field="dense_optimizer",
+                     hint="build the dense optimizer over the same parameters as the "
+                          "checkpointed run")
+
+
+def _restore_trainer(trainer: TrainerSeam, manifest: Manifest) -> None:
+    """What the restored model was trained as: its step, its ``trained_through`` (the
+    newest event time in it: the next checkpoint, the heartbeat and the dense publisher
+    carry it on; the one of the batches trained before the restore claimed a freshness
+    the restored model lacks) and its inputs in order (slots, named features, labels:
+    the batches trained from here are arranged to them, not to those trained before the
+    restore, whose order the restored model may not have been trained with)."""
+    trainer.steps = manifest.step
+    extra = manifest.extra if isinstance(manifest.extra, dict) else {}
+    try:
+        trainer.trained_through = check_event_time(extra.get("trained_through"),
+                                                   "extra.trained_through")
+    except BadInput as e:
+        log.warning("checkpoint %s: %s; its trained_through is unknown", manifest.path, e)
+        trainer.trained_through = None
+    if isinstance(extra.get("inputs"), dict):
+        trainer.input_signature = extra["inputs"]   # kept in the next checkpoint
+    if isinstance(extra.get("label_names"), list):
+        trainer.label_names = list(extra["label_names"])
 
 
 def _stream_params(manifest: Manifest, where: str) -> list[dict[str, Any]]:
@@ -458,4 +540,8 @@ def _inputs(ctx: ContextSeam) -> dict[str, Any]:
     that serving matches requests to them by name; nothing if no batch was trained."""
     trainer = ctx.as_trainer()
     sig = trainer.input_signature if trainer is not None else None
-    return {"inputs": sig} if sig is not None else {}
+    if sig is None:
+        return {}
+    labels = trainer.label_names if trainer is not None else None
+    # the label names in order too: a restore arranges the batches' labels to them
+    return {"inputs": sig} | ({} if labels is None else {"label_names": list(labels)})

@@ -24,7 +24,9 @@ last step to serving replicas if it has not yet (a paused stream would keep it b
 
 A batch whose ``backward`` was not called by the time the next batch is taken is
 released without an embedding update (logged once): otherwise it would keep its
-staleness permit forever.
+staleness permit forever. If its embeddings got gradients all the same (the script ran
+``loss.backward()`` instead of ``ctx.backward(loss)``), taking the next batch raises
+``Misuse`` instead: the embeddings would never be trained.
 """
 
 from __future__ import annotations

@@ -187,8 +187,10 @@ class EmbeddingCtx:
         """Tensors on the context's device: ``(non_id_type_feature_tensors,
         id_type_feature_embedding_tensors, label_tensors)``.
 
-        In TRAIN mode (and for batches that require grad) the embedding tensors are fresh
-        leaves that require grad; their gradients are what ``backward`` sends back.
+        In TRAIN mode (and for batches that require grad) the embedding tensors are
+        leaves that require grad, the same ones each time the batch is prepared (a
+        forward twice, a ``prepare_features`` after ``forward``); their gradients, summed
+        over every use, are what ``backward`` sends back.
 
         Raises:
             BadInput: an EVAL batch without labels (INFERENCE allows none); in a
@@ -211,12 +213,17 @@ class EmbeddingCtx:
         else:
             labels = [t.to(dev, non_blocking=non_blocking) for t in batch.labels]
         grad = self.is_training and batch.requires_grad
+        # A batch prepared again (forward twice, prepare_features after forward) gets the
+        # leaves it got first: gradients of every use meet in them, and backward sends them.
+        held = batch.leaves if grad and batch.leaves is not None else {}
         emb_tensors, leaves = [], []
         batch.masks = {}
         for slot in batch.id_type_feature_embeddings:
-            leaf = slot.emb.to(dev, non_blocking=non_blocking)
-            if grad:
-                leaf = leaf.detach().requires_grad_()
+            leaf = held.get(slot.name)
+            if leaf is None:
+                leaf = slot.emb.to(dev, non_blocking=non_blocking)
+                if grad:
+                    leaf = leaf.detach().requires_grad_()
             leaves.append((slot.name, leaf))
             if slot.kind == "sum":
                 emb_tensors.append(leaf)
@@ -230,6 +237,8 @@ class EmbeddingCtx:
             gathered.mask = mask  # type: ignore[attr-defined]  # the documented tensor.mask
             batch.masks[slot.name] = mask
             emb_tensors.append(gathered)
+        if grad:
+            batch.leaves = dict(leaves)
         self._prepared(batch, leaves if grad else None)
         return non_id, emb_tensors, labels
 

@@ -18,7 +18,11 @@ batch's labels:
 Predictions are probabilities (the models' outputs after their sigmoid). A sample whose
 prediction is not finite or outside [0, 1], or whose label is not 0 or 1, is counted in
 ``skipped`` and left out (a warning is logged the first time for a task): progressive
-validation never stops training. A batch whose predictions and labels do not pair up
+validation never stops training. A finite prediction outside [0, 1] says more: the model
+does not output probabilities (logits, for ``BCEWithLogitsLoss``), and the samples whose
+logits happen to fall in [0, 1] are no sample of its predictions. From the first one on,
+the task's figures are None (``not_probabilities`` counts them, a warning says so) rather
+than metrics of that biased subset. A batch whose predictions and labels do not pair up
 (different sample counts, tasks without labels) is a misuse of the model or its labels:
 :class:`~stream_persia.errors.BadInput` naming the field.
 
@@ -105,6 +109,7 @@ class TaskState:
         self._filled = 0       # slots holding a sample
         self.samples = 0
         self.skipped = 0
+        self.not_probabilities = 0   # finite predictions outside [0, 1] (logits?)
         self.sum_pred = 0.0
         self.sum_label = 0.0
         self.sum_log_loss = 0.0
@@ -113,6 +118,13 @@ class TaskState:
         """Add one batch: ``preds`` and ``labels`` 1-D, of the same length."""
         ok = np.isfinite(preds) & (preds >= 0) & (preds <= 1) & ((labels == 0) | (labels == 1))
         if not ok.all():
+            outside = int(np.count_nonzero(np.isfinite(preds) & ((preds < 0) | (preds > 1))))
+            if outside and not self.not_probabilities:
+                log.warning("progressive validation of task %s: the model's predictions are "
+                            "not probabilities (%d outside [0, 1] in a batch: logits?); the "
+                            "task's figures are None from now on (apply a sigmoid in the "
+                            "model's output to have them)", self.name, outside)
+            self.not_probabilities += outside
             bad = int(ok.size - ok.sum())
             if not self.skipped:
                 log.warning("progressive validation of task %s: %d sample(s) of a batch "
@@ -149,7 +161,8 @@ class TaskState:
         """The mergeable state: the window's samples (order does not matter) and the sums."""
         return {"preds": self._preds[:self._filled].copy(),
                 "labels": self._labels[:self._filled].copy(),
-                "samples": self.samples, "skipped": self.skipped, "sum_pred": self.sum_pred,
+                "samples": self.samples, "skipped": self.skipped,
+                "not_probabilities": self.not_probabilities, "sum_pred": self.sum_pred,
                 "sum_label": self.sum_label, "sum_log_loss": self.sum_log_loss}
 
 
@@ -161,8 +174,12 @@ def summarize(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     sum_pred = sum(float(s["sum_pred"]) for s in states)
     sum_label = sum(float(s["sum_label"]) for s in states)
     sum_ll = sum(float(s["sum_log_loss"]) for s in states)
+    outside = sum(int(s.get("not_probabilities", 0)) for s in states)
     out: dict[str, Any] = {"samples": n, "skipped": sum(int(s["skipped"]) for s in states),
-                           "window_samples": int(preds.size)}
+                           "not_probabilities": outside, "window_samples": int(preds.size)}
+    if outside:   # not a probability model: no figure of the subset that looked like one
+        return out | dict.fromkeys(("auc", "log_loss", "ne", "calibration", "lifetime_log_loss",
+                                    "lifetime_ne", "lifetime_calibration"))
     if preds.size:
         y = labels.astype(np.float64)
         ll = _log_loss_sum(preds, y) / preds.size

@@ -61,6 +61,8 @@ class TrainerSeam(ContextSeam, Protocol):
     #: the inputs of the first batch trained (:func:`~stream_persia.nn.batch.
     #: input_signature`), kept in every checkpoint
     input_signature: dict[str, Any] | None
+    #: the label names of the first batch trained, in order (None: not known yet)
+    label_names: list[str | None] | None
     #: the newest event time of a batch this rank ran a backward on (None: none yet)
     trained_through: float | None
     #: this rank's progressive validation (None: off)

@@ -206,11 +206,13 @@ class TrainCtx(EmbeddingCtx):
         self._errors: list[BaseException] = []
         self._prefetchers: list[StreamPrefetcher] = []
         self._warned_unreleased = False
+        self._released_leaves: list[torch.Tensor] = []   # of the last batch released untrained
         self.checkpoint_poll_steps = checkpoint_poll_steps
-        # The inputs of the first batch trained (nn.batch.input_signature), for checkpoints.
+        # The inputs of the first batch trained (nn.batch.input_signature), for checkpoints,
+        # and its label names: later batches are arranged to match both (nn.batch.arrange).
+        # A restore replaces both with the checkpoint's.
         self.input_signature: dict[str, Any] | None = None
-        # ... and its label names: later batches are arranged to match both (nn.batch.arrange).
-        self._label_names: list[str | None] | None = None
+        self.label_names: list[str | None] | None = None
         self.checkpoint_poller: NnCheckpointPoller | None = None
         self.checkpointing_config = checkpointing if checkpointing is not None \
             else checkpointing_config()
@@ -400,14 +402,14 @@ class TrainCtx(EmbeddingCtx):
 
     def _arrange(self, batch: PersiaTrainingBatch) -> None:
         if self.input_signature is not None:
-            arrange(batch, self.input_signature, self._label_names)
+            arrange(batch, self.input_signature, self.label_names)
 
     def _prepared(self, batch: PersiaTrainingBatch, leaves: list | None) -> None:
         self.raise_async_errors()
         if leaves is not None and self.input_signature is None:
             self.input_signature = input_signature(batch)
-        if leaves is not None and self._label_names is None and batch.labels is not None:
-            self._label_names = list(batch.label_names)
+        if leaves is not None and self.label_names is None and batch.labels is not None:
+            self.label_names = list(batch.label_names)
         self._current = batch
         self._current_leaves = leaves
 
@@ -430,8 +432,10 @@ class TrainCtx(EmbeddingCtx):
                 model NaN for good.
 
         Raises:
-            Misuse: no forward before, the batch was not served for training, or backward
-                was already called for it.
+            Misuse: no forward before, the batch was not served for training, backward
+                was already called for it, or the loss also depends on the embeddings of
+                a batch released untrained before (gradients accumulated over batches:
+                nothing is applied).
             PersiaError: an earlier asynchronous gradient push failed.
         """
         self.raise_async_errors()
@@ -451,11 +455,22 @@ class TrainCtx(EmbeddingCtx):
         if ticket.state != HELD:
             raise Misuse(f"backward() was already called for batch {ticket.batch_id}")
         self._current = self._current_leaves = None
+        batch.leaves = None   # (their gradients are sent below: not kept with the batch)
         self._score()
 
         scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
         scaled.backward()
+        released, self._released_leaves = self._released_leaves, []
+        if any(leaf.grad is not None for leaf in released):
+            self.dense_optimizer.zero_grad()
+            raise Misuse(f"the loss given to backward() for batch {ticket.batch_id} also "
+                         f"depends on the embeddings of a batch released before it (its "
+                         f"backward was not called before the next batch was taken): their "
+                         f"gradients cannot be sent; nothing was applied",
+                         field="loss", hint="call ctx.backward(loss) once per batch, "
+                                            "before taking the next (no gradient "
+                                            "accumulation over batches)")
         # Trained through the batch once its backward ran (a step skipped as non-finite
         # still consumed it): the `trained` stage watermark, the dense model's event time.
         if batch.event_time is not None and (self.trained_through is None
@@ -595,16 +610,40 @@ class TrainCtx(EmbeddingCtx):
             raise err
 
     def release_untrained(self, batch: PersiaTrainingBatch) -> None:
-        """Release a served batch without gradients (its backward was never called)."""
+        """Release a served batch without gradients (its backward was never called).
+
+        Raises:
+            Misuse: the batch's embeddings got gradients (``loss.backward()`` ran instead
+                of ``ctx.backward(loss)``): they are not sent, and the batch is released
+                first.
+        """
         ticket = batch.ticket
         if ticket is None or ticket.state != HELD:
             return
+        leaves = batch.leaves or {}
+        backpropagated = any(leaf.grad is not None for leaf in leaves.values())
+        batch.leaves = None
+        if backpropagated:
+            # Not a batch the script chose to skip: it trains the dense model by itself
+            # and the embeddings never (every batch consumed, no error otherwise).
+            if self._current is batch:
+                self._current = self._current_leaves = None
+            self._push(ticket, {s.name: None for s in batch.id_type_feature_embeddings})
+            raise Misuse(f"batch {ticket.batch_id}: its embeddings got gradients but "
+                         f"ctx.backward(loss) was not called for it, so they were not sent "
+                         f"(loss.backward() and the dense optimizer's step train the dense "
+                         f"model only, never the embeddings)", field="backward",
+                         hint="call ctx.backward(loss): it runs autograd, steps the dense "
+                              "optimizer and sends the embedding gradients")
         if not self._warned_unreleased:
             self._warned_unreleased = True
             log.warning("batch %d was taken from the DataLoader but backward() was not "
                         "called for it: released without embedding update", ticket.batch_id)
         if self._current is batch:
             self._current = self._current_leaves = None
+        # The next backward looks at them: a loss over this batch too (gradients
+        # accumulated over batches) would send only the last batch's embedding gradients.
+        self._released_leaves = list(leaves.values())
         self._push(ticket, {s.name: None for s in batch.id_type_feature_embeddings})
 
     # ------------------------------------------------------------------ coordination

@@ -22,6 +22,7 @@ from stream_persia.checkpoint import config_digest, read_manifest, verify
 from stream_persia.config import GlobalConfig, KafkaConfig, load_embedding_config
 from stream_persia.ctx import DataCtx, TrainCtx, eval_ctx
 from stream_persia.data import DataLoader, StreamingDataset
+from stream_persia.embedding.data import Label, PersiaBatch
 from stream_persia.embedding.optim import Adagrad
 from stream_persia.errors import DataLost, Misuse
 from stream_persia.kafka import DeadLetterWriter, SampleConsumer
@@ -332,3 +333,118 @@ def test_kafka_and_direct_workers_refuse_the_checkpoint(job_factory, kafka_broke
             ctx.dump_checkpoint(str(ck))
         assert err.value.field == "stream"
     assert not ck.exists()
+
+
+def _at(batch, event_time, labels=None):
+    return PersiaBatch(batch.id_type_features, batch.non_id_type_features,
+                       batch.labels if labels is None else labels,
+                       requires_grad=batch.requires_grad, meta=batch.meta,
+                       event_time=event_time)
+
+
+def test_a_restore_takes_the_checkpoints_trained_through(job_factory, tmp_path):
+    """``trained_through`` (the newest event time in the dense model: the next checkpoint,
+    the heartbeat and the dense publisher carry it) is the restored checkpoint's after
+    ``load_checkpoint``. It was left as it was: restoring an older checkpoint in the same
+    context kept claiming the newer time, and a fresh context restored None, so the
+    checkpoints they wrote next recorded a freshness the model did not have (or none)."""
+    job = job_factory(SCHEMA)
+    job.feed([_at(make_batch(i), 1000.0 + i) for i in range(6)], background=False)
+    model = SumModel(IN_DIM)
+    old, again = str(tmp_path / "old"), str(tmp_path / "again")
+    with _ctx(job, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=6,
+                             timeout_ms=3000):
+            _step(ctx, tb)
+            if ctx.steps == 2:
+                ctx.dump_checkpoint(old)
+        assert read_manifest(old).extra["trained_through"] == 1001.0
+        assert ctx.trained_through == 1005.0
+        ctx.load_checkpoint(old)
+        assert ctx.trained_through == 1001.0
+        ctx.dump_checkpoint(again)
+        assert read_manifest(again).extra["trained_through"] == 1001.0
+    fresh = SumModel(IN_DIM)
+    with _ctx(job, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1)) as ctx:
+        ctx.load_checkpoint(old)
+        assert ctx.trained_through == 1001.0
+
+
+class TwoHeads(torch.nn.Module):
+    """Two sigmoid heads over every input, and the labels of each batch it was given."""
+
+    tasks = ["click", "buy"]
+
+    def __init__(self):
+        super().__init__()
+        self.sum = SumModel(IN_DIM)
+        self.w = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, non_id_type_feature_tensors, id_type_feature_embedding_tensors):
+        return self.sum(non_id_type_feature_tensors, id_type_feature_embedding_tensors) * self.w
+
+
+def test_a_restored_model_gets_the_labels_in_its_order(job_factory, tmp_path):
+    """A checkpoint records its labels' names in order (``extra["label_names"]``), and a
+    restore arranges the labels of the batches trained next to it. Without it a context
+    that restored a model trained on labels (click, buy) took the order of the first
+    batch it trained: a data loader that now sends (buy, click) trained each head on the
+    other's label, silently."""
+    job = job_factory(SCHEMA)
+
+    def labelled(i, order):
+        b = make_batch(i)
+        y = {"click": np.zeros((16, 1), np.float32), "buy": np.ones((16, 1), np.float32)}
+        return PersiaBatch(b.id_type_features, b.non_id_type_features,
+                           [Label(y[n], n) for n in order], meta=b.meta)
+
+    job.feed([labelled(0, ["click", "buy"])], background=False)
+    model = TwoHeads()
+    ck = str(tmp_path / "ck")
+    with _ctx(job, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        for tb in DataLoader(StreamingDataset(), max_batches=1, timeout_ms=3000):
+            out, labels = ctx.forward(tb)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(
+                out, torch.cat(labels, dim=1)))
+        ctx.dump_checkpoint(ck)
+    assert read_manifest(ck).extra["label_names"] == ["click", "buy"]
+    job.feed([labelled(1, ["buy", "click"])], background=False)
+    model = TwoHeads()
+    with _ctx(job, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        ctx.load_checkpoint(ck)
+        for tb in DataLoader(StreamingDataset(), max_batches=1, timeout_ms=3000):
+            out, labels = ctx.forward(tb)
+            assert [float(y.mean()) for y in labels] == [0.0, 1.0]   # click, then buy
+            ctx.backward(torch.nn.functional.binary_cross_entropy(
+                out, torch.cat(labels, dim=1)))
+
+
+@pytest.mark.parametrize("other", ["model", "dense_optimizer"])
+def test_a_checkpoint_of_another_dense_model_restores_nothing(job_factory, tmp_path, other):
+    """A checkpoint whose dense model (or optimizer) is not this one's is refused naming
+    it before anything changed. The servers' rows and the stream were restored first and
+    the dense model failed after: a script that went on after the error (starting fresh,
+    say) trained the checkpoint's embeddings with a dense model they had not met."""
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(3)], background=False)
+    model = SumModel(IN_DIM)
+    ck = str(tmp_path / "ck")
+    with _ctx(job, model, torch.optim.Adam(model.parameters(), lr=0.01)) as ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=3,
+                             timeout_ms=3000):
+            _step(ctx, tb)
+            if ctx.steps == 1:
+                ctx.dump_checkpoint(ck)
+    probe = make_batch(0, requires_grad=False)
+    rows = _eval_embeddings(job, probe)
+    if other == "model":
+        model = SumModel(IN_DIM, hidden=4)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        opt = torch.optim.Adam([model.mlp[0].weight], lr=0.01)
+    with _ctx(job, model, opt) as ctx:
+        with pytest.raises(Misuse, match="nothing was restored") as err:
+            ctx.load_checkpoint(ck)
+        assert err.value.field == other and ctx.steps == 0
+    for a, b in zip(rows, _eval_embeddings(job, probe), strict=True):
+        np.testing.assert_array_equal(a, b)

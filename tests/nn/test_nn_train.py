@@ -92,6 +92,37 @@ def test_forward_shapes_and_gradients_reach_the_owning_rows(job_factory):
     np.testing.assert_array_equal(server_rows(job, "item", ids), rows)
 
 
+@pytest.mark.parametrize("second", ["forward", "prepare_features"])
+def test_a_batch_prepared_twice_sends_the_gradient_of_every_use(job_factory, second):
+    """A batch given to ``forward`` twice (two passes summed in one loss, as R-Drop
+    does), or to ``prepare_features`` after its forward (to look at its features), gets
+    the same embedding leaves each time: ``backward`` sends the gradient of every use.
+    Each call made fresh leaves and kept only the last: the loss's gradient reached leaves
+    that were not sent, and the batch was pushed with no (or half its) embedding update,
+    counted as trained."""
+    job = job_factory(SCHEMA)
+    batch = make_batch(0, batch_size=16)
+    job.feed([batch], background=False)
+    model = TwoSlotLoss()
+    feats = {f.name: f for f in batch.id_type_features}
+    ids = np.unique(feats["user"].values)
+    with TrainCtx(SGD(lr=LR), torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                  embedding_workers=job.worker_addresses, mixed_precision=False) as ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=1):
+            before = server_rows(job, "user", ids)   # inserted by the lookup
+            output, _ = ctx.forward(tb)
+            uses = 1
+            if second == "forward":
+                output = output + ctx.forward(tb)[0]
+                uses = 2
+            else:
+                ctx.prepare_features(tb)
+            ctx.backward(output)
+    n = (np.concatenate(feats["user"].data)[None, :] == ids[:, None]).sum(1)
+    np.testing.assert_allclose(server_rows(job, "user", ids),
+                               before - uses * LR * n[:, None], atol=1e-5)
+
+
 def test_with_continue_servers_and_workers_restarted_together_are_configured_again(
         job_factory):
     """With ``on_server_restart: continue``, every server and worker restarts between the
@@ -315,6 +346,57 @@ def test_a_batch_without_backward_is_released(job_factory):
         seen = [tb.meta for tb in DataLoader(StreamingDataset(), embedding_staleness=1,
                                              max_batches=4, timeout_ms=5000)]
     assert len(seen) == 4 and len(job.workers[0].inflight) == 0
+
+
+def test_loss_backward_instead_of_ctx_backward_is_refused(job_factory):
+    """A script that runs ``loss.backward()`` and its dense optimizer's step, the plain
+    PyTorch way, instead of ``ctx.backward(loss)``: the embedding gradients it computed
+    are never sent. Each batch was released without update at the next one, logged
+    once, so the dense model trained while the embeddings never did and every batch was
+    consumed. Taking the next batch now raises Misuse (a batch skipped without any
+    gradient is still released, as above)."""
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(3)], background=False)
+    model = SumModel(3 + 8 + 8 + 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(Misuse, match="ctx.backward") as err:
+        with TrainCtx(Adagrad(lr=0.1), opt, model=model, mixed_precision=False,
+                      embedding_workers=job.worker_addresses, ready_timeout_s=10) as ctx:
+            for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=3,
+                                 timeout_ms=5000):
+                output, labels = ctx.forward(tb)
+                bce(output, labels).backward()
+                opt.step()
+                opt.zero_grad()
+    assert err.value.field == "backward" and ctx.stats()["steps"] == 0
+    assert len(job.workers[0].inflight) == 0     # released, and the rest handed back
+
+
+def test_a_loss_over_a_released_batch_is_refused(job_factory):
+    """Gradients accumulated over two batches (the loss of one summed with the next's,
+    one ``backward``): the first was released untrained when the second was taken, so
+    its embedding gradients could not be sent, and only the second batch's embeddings
+    were trained while the dense model took both. Now that backward raises Misuse and
+    applies nothing."""
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(2)], background=False)
+    model = SumModel(3 + 8 + 8 + 4)
+    with train_ctx(job, model) as ctx:
+        before = [p.detach().clone() for p in model.parameters()]
+        held = None
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=2, max_batches=2,
+                             timeout_ms=5000):
+            output, labels = ctx.forward(tb)
+            loss = bce(output, labels)
+            if held is None:
+                held = loss
+                continue
+            with pytest.raises(Misuse, match="released before") as err:
+                ctx.backward(held + loss)
+            assert err.value.field == "loss"
+        assert ctx.stats()["steps"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert len(job.workers[0].inflight) == 0
 
 
 def _with_event_time(b, event_time):

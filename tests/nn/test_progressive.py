@@ -94,13 +94,37 @@ def test_ranks_merge_to_the_metrics_of_all_their_samples():
 
 def test_samples_without_a_probability_or_a_binary_label_are_counted_and_skipped():
     pv = ProgressiveValidation(100)
-    p = np.array([0.2, np.nan, 0.7, 1.5, 0.4, np.inf], np.float32)
-    y = np.array([0, 1, 1, 0, 0.5, 1], np.float32)
+    p = np.array([0.2, np.nan, 0.7, 0.9, 0.4, np.inf], np.float32)
+    y = np.array([0, 1, 1, 2, 0.5, 1], np.float32)
     pv.add([p], [y])
     m = pv.read()["task0"]
     assert m["skipped"] == 4 and m["samples"] == 2 and m["window_samples"] == 2
+    assert m["not_probabilities"] == 0
     assert m["auc"] == 1.0
     assert math.isfinite(m["log_loss"])
+
+
+def test_a_model_that_outputs_logits_has_no_figures():
+    """Logits (a model trained with BCEWithLogitsLoss): the samples whose logit fell in
+    [0, 1] were scored as if it were a probability and the rest skipped, so the task read
+    an AUC, NE and calibration of that biased subset, and nothing said they were wrong
+    but a 'skipped' count. From the first prediction outside [0, 1], every figure of the
+    task is None, merged over ranks too."""
+    rng = np.random.default_rng(0)
+    y = (rng.random(1000) < 0.3).astype(np.float32)
+    logits = rng.normal(size=1000).astype(np.float32) + 2 * y
+    pv = ProgressiveValidation(10_000, world_size=2, tasks=["click"])
+    pv.add([1 / (1 + np.exp(-logits[:500]))], [y[:500]])   # probabilities at first
+    assert pv.read()["click"]["auc"] is not None
+    pv.add([logits[500:]], [y[500:]])
+    m = pv.read()["click"]
+    assert all(m[k] is None for k in ("auc", "ne", "log_loss", "calibration", "lifetime_ne",
+                                      "lifetime_log_loss", "lifetime_calibration"))
+    assert m["not_probabilities"] > 0
+    other = ProgressiveValidation(10_000, world_size=2, tasks=["click"])
+    other.add([1 / (1 + np.exp(-logits))], [y])
+    merged = pv.read(lambda state: [state, other.state()])["click"]
+    assert merged["auc"] is None and merged["not_probabilities"] == m["not_probabilities"]
 
 
 def test_inputs_that_do_not_pair_up_are_refused_naming_the_field():
