@@ -545,8 +545,9 @@ class Checkpoints:
                 # and the dense model's event time: a serving replica restored from this
                 # checkpoint starts trained through it (without it, trained_through stays
                 # unknown until training moves again)
-                extra |= {k: base.extra[k] for k in ("heads", "inputs", "trained_through",
-                                                      "dense_lineage") if k in base.extra}
+                extra |= {k: base.extra[k] for k in ("heads", "inputs", "label_names",
+                                                      "trained_through", "dense_lineage")
+                          if k in base.extra}
             manifest = await asyncio.to_thread(
                 lambda: writer.commit(job=self.job_name, step=step, offsets=offsets,
                                       stream=stream, schema=self.settings.schema,

@@ -181,6 +181,9 @@ async def test_http_checkpoint_while_training_restores_exactly_once(kafka_topic,
             assert final.extra["trained_through"] is not None
             assert info["manifest"]["extra"]["trained_through"] == \
                 final.extra["trained_through"]
+            # and the order of its labels, which a restore of it trains them in
+            assert final.extra["label_names"] is not None
+            assert info["manifest"]["extra"]["label_names"] == final.extra["label_names"]
     finally:
         await stop_job(job)
 
