@@ -425,7 +425,7 @@ async def test_counters_go_on_across_loads_and_leave_out_the_loads_own(tmp_path)
 
     async def check(client, rows: int, loads: int) -> dict:
         stats = await client.call("stats", None)
-        assert stats == {**want, "rows": rows, "capacity": cap, "loads": loads}
+        assert stats == {**want, "rows": rows, "capacity": cap, "loads": loads, "clears": 0}
         assert exported(await client.call("metrics", None)) == {
             k: float(v) for k, v in stats.items()}
         return stats
