@@ -72,8 +72,8 @@ def label(pid: int, name: str) -> str:
             argv = f.read().decode(errors="replace").split("\0")
     except OSError:
         return name
-    if "torch.distributed.run" in argv:
-        return "torchrun"
+    if "torch.distributed.run" in argv or "stream_persia.launch.torchrun" in argv:
+        return "torchrun"   # (launch nn-worker runs torchrun through the latter)
     if "stream_persia.launch.rank" in argv:
         return "nn-rank"
     roles = ("embedding-server", "embedding-worker", "nn-worker", "data-loader", "run")
