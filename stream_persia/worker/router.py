@@ -270,19 +270,20 @@ class ShardRouter:
         (:meth:`_stale`)."""
         if not self._asked:
             await self.learn(once=True)
+        if pinned is not None and pinned.incarnation is None:
+            pinned = None   # a server that names no process: nothing to pin to
         for _ in range(_ATTEMPTS):
             if s in self.lost:
                 await self.check(s)   # raises its ServerRestarted unless restored since
             if self.config is not None:
                 params["config"] = self.config["digest"]
             expect = self.incarnations[s]
-            if pinned is not None and pinned.incarnation is not None \
-                    and expect is not None and expect != pinned.incarnation:
+            if pinned is not None and expect is not None and expect != pinned.incarnation:
                 if self.on_server_restart != "continue":
                     raise self._stale(s, pinned)
                 pinned = None   # continue: on with the process adopted, as before
                 params.pop("loads", None)
-            if pinned is not None and pinned.incarnation is not None:
+            if pinned is not None:
                 expect = pinned.incarnation
                 if pinned.loads is not None:
                     params["loads"] = pinned.loads
@@ -292,9 +293,8 @@ class ShardRouter:
                 reply = await self.clients[s].call(method, params, timeout_ms)
             except ServerRestarted as e:
                 await self.check(s)   # fail: raises; restored or continue: adopted
-                if pinned is not None and pinned.incarnation is not None \
-                        and (self.on_server_restart != "continue"
-                             or self.incarnations[s] == pinned.incarnation):
+                if pinned is not None and (self.on_server_restart != "continue"
+                                           or self.incarnations[s] == pinned.incarnation):
                     raise self._stale(s, pinned, e) from None
                 continue
             except Misuse as e:
