@@ -473,8 +473,8 @@ class Checkpoints:
         """Refuse a restore while NN rank 0 heartbeats (attached): between two steps it
         has nothing in flight, and it would go on training its own dense model over the
         restored rows and rewound stream. A rank that stopped (detached) or went silent
-        (killed, or waiting for batches longer than the mailbox's attached window) does
-        not stop it."""
+        (killed) does not stop it; one waiting for a paused stream heartbeats from the
+        DataLoader's wait, so it does."""
         hb = await self.training()
         if hb is not None and hb.get("attached"):
             raise Misuse(f"checkpoint {ident!r} cannot be restored while NN ranks train "

@@ -273,6 +273,22 @@ class NnCheckpointPoller:
         finally:
             self._stop_keepalive()
 
+    def idle(self) -> None:
+        """The DataLoader waits for a batch (``TrainCtx.stream_idle``, every ``POLL_S``
+        without one): rank 0 goes on heartbeating. Heartbeats came only at step
+        boundaries, so a stream paused for longer than the mailbox's attached window made
+        a live rank look gone, and the API then restored a checkpoint under it (the rank
+        went on with its own dense model over the restored rows and rewound stream). With
+        one rank this is a step boundary too (the last batch's ``backward`` is done and
+        untrained ones were given back): a request is taken now, dense model included,
+        not when the stream resumes. With several, it waits for the next step they agree
+        on (or the stream's end): the other ranks are not at a point where they agree."""
+        if self.ctx.world_size <= 1:
+            self.step_boundary()
+        elif self._rank0 and self.enabled and time.monotonic() - self._sent >= \
+                self.min_interval_s and (self._inflight is None or self._inflight.done()):
+            self._send_heartbeat()
+
     def _claim(self, request: dict[str, Any]) -> dict[str, Any] | None:
         """Rank 0: report the request running, which makes it ours; None when the mailbox
         refuses (it expired meanwhile, and the API may be taking it itself)."""

@@ -551,7 +551,11 @@ class TrainCtx(EmbeddingCtx):
         """The DataLoader waits for a batch (called every ``POLL_S`` without one): rank 0
         publishes the dense model of the current step unless it did already, so that a
         paused or slow stream does not leave serving replicas on an older one
-        (:meth:`~stream_persia.nn.dense_publisher.DensePublisher.idle`)."""
+        (:meth:`~stream_persia.nn.dense_publisher.DensePublisher.idle`), and keeps the
+        ranks attached to the checkpoint mailbox (:meth:`~stream_persia.nn.
+        checkpoint_poller.NnCheckpointPoller.idle`)."""
+        if self.checkpoint_poller is not None:
+            self.checkpoint_poller.idle()
         if self.dense_publisher is not None:
             self.dense_publisher.idle(self.steps, self.trained_through)
 

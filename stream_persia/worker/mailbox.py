@@ -11,7 +11,8 @@ RPC methods (params → result):
 
 - ``nn_heartbeat {"rank", "world_size", "step", "trained"?, "progressive"?,
   "periodic"?}`` → ``{"checkpoint": {"id", "dst", "report_every_s"} | None}``: NN rank 0
-  calls it at step boundaries (at most every ~0.5 s). ``trained``, ``progressive`` and
+  calls it at step boundaries and while its DataLoader waits for a batch (at most every
+  ~0.5 s: a paused stream does not make a live rank look gone). ``trained``, ``progressive`` and
   ``periodic`` are the figures it relays for the worker to export
   (:mod:`stream_persia.worker.nn_relay`, which validates them). The reply carries the
   pending request, again on every call until the rank

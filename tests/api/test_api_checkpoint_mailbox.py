@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from api_helpers import AUTH, Click, LiveApi, settings_for
+from api_helpers import AUTH, Click, LiveApi, settings_for, take_checkpoint
 from stream_persia.api.checkpoints import Checkpoints
 
 from stream_persia.checkpoint import read_manifest
@@ -248,3 +248,61 @@ async def test_the_launchers_stop_checkpoint_waits_out_one_in_progress(job, tmp_
         assert ident is not None and served == ["bootstrap", ident]
         info = (await api.client.get(f"/v1/checkpoints/{ident}", headers=AUTH)).json()
         assert info["state"] == "done" and info["by"] == "nn"
+
+
+def _train_then_idle(worker: str, n: int, idle: threading.Event) -> TrainCtx:
+    """Train the ``n`` batches the stream holds, then wait in the DataLoader (the stream
+    paused, the loop not over: ``idle`` is set) for one more batch, and leave."""
+    model = Click(seed=3)
+    ctx = TrainCtx(SGD(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+                   embedding_workers=[worker], mixed_precision=False, ready_timeout_s=10)
+    with ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, timeout_ms=30_000,
+                             max_batches=n + 1):
+            output, labels = ctx.forward(tb)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+            if ctx.steps == n:
+                idle.set()
+    return ctx
+
+
+async def test_a_rank_waiting_for_a_paused_stream_stays_attached(job, tmp_path):
+    """NN rank 0 heartbeated only at step boundaries, so a stream paused for longer than
+    the mailbox's attached window made a live rank look gone: a restore went through under
+    it (it trained on with its own dense model over the restored rows) and a checkpoint was
+    cut by the API without the dense model. While the DataLoader waits, rank 0 heartbeats:
+    the restore is refused (409), and with one rank a checkpoint asked for during the pause
+    is taken by the rank, dense model included."""
+    n = 3
+    worker = job.client(job.workers[0].address)
+    for i in range(n):
+        await worker.call("ingest", {"batch": make_batch(i).to_wire()})
+    root = str(tmp_path / "ckpts")
+    idle = threading.Event()
+    async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+        window = 1.0
+        api.state.checkpoints.mailbox.attached_within_s = window   # 10 s by default
+        run = asyncio.get_running_loop().run_in_executor(
+            None, _train_then_idle, job.workers[0].address, n, idle)
+        try:
+            async with asyncio.timeout(30):
+                while not idle.is_set():
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(3 * window)   # paused for longer than the window
+            status = (await api.client.get("/v1/status", headers=AUTH)).json()
+            assert status["training"]["nn_attached"] is True, status["training"]
+            info = await take_checkpoint(api, "paused")
+            assert info["state"] == "done" and info["by"] == "nn", info
+            manifest = read_manifest(f"{root}/paused")
+            assert manifest.step == n and manifest.dense_filename == "dense.pt"
+            assert not manifest.extra.get("embeddings_only")
+            await asyncio.sleep(3 * window)
+            r = await api.client.post("/v1/checkpoints/paused/restore", headers=AUTH)
+            assert r.status_code == 409, r.text
+            assert "while NN ranks train" in r.json()["error"]["message"]
+        finally:
+            await worker.call("ingest", {"batch": make_batch(n).to_wire()})
+        ctx = await asyncio.wait_for(run, 30)
+        assert ctx.steps == n + 1
+        status = (await api.client.get("/v1/status", headers=AUTH)).json()
+        assert not status["training"]["nn_attached"]      # the rank said goodbye
