@@ -228,6 +228,10 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
         "dir": Location(base.path or src).url, "files": base.embedding_files,
         "expected": expect(base, base.embedding_files),
         "cut": manifest.offsets if manifest.stream == "kafka" else {}}
+    if manifest.stream == "kafka" and manifest.fingerprints:
+        # kept with the restored watermarks: a worker that resumes at them (restarted
+        # after the restore) checks the topic is still this one, as the restore did
+        request["cut_fingerprints"] = manifest.fingerprints
     if len(chain) > 1:   # the patches, in order, over the base
         request["patches"] = [
             {"dir": Location(m.path or src).url, "files": m.embedding_files,
@@ -238,14 +242,12 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
     if through is not None:   # the restored rows' trained_through (not the replaced ones')
         request["trained_through"] = through
     staged = await _stage(server_clients, request, timeout_ms)
-    if through is not None and any(isinstance(r, BadInput)
-                                   and refused_as_unknown(r, "trained_through")
-                                   for r in staged):
-        # a server from before the field (a rolling upgrade): it keeps its own
+    while (field := _refused_optional(staged, request)) is not None:
+        # a server from before the field (a rolling upgrade): it goes without
         log.warning("restore of %s: an embedding server does not take the checkpoint's "
-                    "trained_through (an older version): loading without it", loc.url)
+                    "%s (an older version): loading without it", loc.url, field)
         await _abort(server_clients, staged, timeout_ms)
-        del request["trained_through"]
+        del request[field]
         staged = await _stage(server_clients, request, timeout_ms)
     failed = [(i, r) for i, r in enumerate(staged) if isinstance(r, BaseException)]
     loaded = sum(int(r["rows"]) for r in staged if not isinstance(r, BaseException))
@@ -286,6 +288,21 @@ async def load_embeddings(src: str, server_clients: Sequence[Any], *,
                     "capacity is too small and the least recent rows were evicted",
                     held, loaded, loc.url)
     return loaded
+
+
+#: ``load`` fields newer than the rest: a server from before one refuses it as unknown,
+#: and is then loaded without it (a rolling upgrade) rather than fail the restore.
+OPTIONAL_LOAD_FIELDS = ("trained_through", "cut_fingerprints")
+
+
+def _refused_optional(results: Sequence[Any], request: dict[str, Any]) -> str | None:
+    """The optional field of ``request`` a server refused as unknown, if any."""
+    for r in results:
+        if isinstance(r, BadInput):
+            for field in OPTIONAL_LOAD_FIELDS:
+                if field in request and refused_as_unknown(r, field):
+                    return field
+    return None
 
 
 async def _stage(clients: Sequence[Any], request: dict[str, Any],
@@ -372,10 +389,10 @@ async def _roll_forward(client: Any, replica: int, replicas: int, request: dict,
         except (PeerUnavailable, RemoteTimeout) as exc:
             error = exc
         except PersiaError as exc:   # another replica there, out of memory, a file changed
-            if isinstance(exc, BadInput) and "trained_through" in request \
-                    and refused_as_unknown(exc, "trained_through"):
+            field = _refused_optional([exc], request)
+            if field is not None:
                 # it came back as an older version (a rolling upgrade): load it without
-                request = {k: v for k, v in request.items() if k != "trained_through"}
+                request = {k: v for k, v in request.items() if k != field}
                 continue
             return exc
         else:

@@ -79,10 +79,12 @@ class UpdateReply(_ServedByServer):
 
 
 class MarkWire(TypedDict):
-    """One partition's stream watermark (``writer`` None: set by a load)."""
+    """One partition's stream watermark (``writer`` None: set by a load, with the
+    checkpoint's fingerprint of the record at ``offset`` when the load had one)."""
 
     offset: int
     writer: str | None
+    fingerprint: NotRequired[dict[str, Any]]
 
 
 class WatermarksReply(TypedDict):

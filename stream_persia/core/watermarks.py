@@ -26,7 +26,9 @@ consistent with its rows; :mod:`stream_persia.server.service`):
   same cut, whichever shard files it reads, so a checkpoint loads into any number of
   servers, and checkpoints written before watermarks existed carry them too. A checkpoint
   of a direct stream (or an embedding-only dump) records no stream position: its load
-  leaves none.
+  leaves none. With the cut comes the checkpoint's fingerprint of the record below each
+  offset (``cut_fingerprints``, :mod:`stream_persia.kafka.fingerprint`), kept while the
+  mark stays a restored one and given with it.
 - ``clear`` drops them with the rows. A job that deliberately trains a stream again on
   servers it keeps clears them first (``POST /v1/embeddings/clear``).
 - ``dump`` replies with them, and a checkpoint whose offsets are at or below one refuses
@@ -39,7 +41,9 @@ their ingest reads anything (at start and on each ``reset_stream``, :func:`merge
 - a partition given no start offset whose watermarks are all restored ones (a restore, and
   nothing applied since) starts right after them, at the restored cut
   (:func:`resume_points`): a worker that restarted after a restore, or missed the
-  restore's ``reset_stream``, resumes exactly where the table stands;
+  restore's ``reset_stream``, resumes exactly where the table stands, and checks the
+  restored fingerprints there (:func:`resume_fingerprints`) as the restore checked them: a
+  topic deleted and created again since is not read from the old topic's offsets;
 - a partition whose start offset is at or below the highest watermark of any server is
   *refused* (:func:`refusals`): never read nor served; the worker's ``health`` names the
   topic/partition, the start offset, the watermark and the server, and ``next_batch``
@@ -52,11 +56,14 @@ Wire schema (msgpack maps):
 - ``update`` param ``source``: ``{"topic": str, "partition": int >= 0, "offset": int >= 0,
   "writer": str (1-64 chars)}``;
 - ``watermarks {"topic"?: str}`` → ``{"topics": {topic: {partition (decimal str):
-  {"offset": int >= -1, "writer": str | None}}}}`` (``writer`` None: restored; only
-  ``topic``'s when given); ``dump`` replies carry the same map (every topic) as
+  {"offset": int >= -1, "writer": str | None, "fingerprint"?: {...}}}}}`` (``writer``
+  None: restored, with the load's fingerprint of the record at ``offset`` when it had one;
+  only ``topic``'s when given); ``dump`` replies carry the same map (every topic) as
   ``watermarks``;
-- ``load`` param ``cut``: ``{topic: {partition (decimal str): next offset (int >= 0)}}``,
-  a manifest's ``offsets``.
+- ``load`` params ``cut``: ``{topic: {partition (decimal str): next offset (int >= 0)}}``,
+  a manifest's ``offsets``; ``cut_fingerprints``: ``{topic: {partition (decimal str):
+  {"offset", "timestamp", "digest"}}}``, its ``fingerprints`` (one whose offset is not the
+  cut's - 1 is not kept).
 
 Cost: one dict lookup and a comparison per update request, none per id. Bounds: a server
 tracks at most :data:`MAX_PARTITIONS` topic/partitions.
@@ -71,7 +78,8 @@ from stream_persia.core.replies import MarkWire, WatermarksReply
 from stream_persia.errors import BadInput, StreamReplay
 
 __all__ = ["Mark", "check_topic", "PartitionMark", "Refusal", "Source", "Watermarks", "merge", "parse_cut",
-           "parse_source", "refusals", "resume_points", "RESTORE_HINT"]
+           "parse_cut_fingerprints", "parse_source", "refusals", "resume_fingerprints",
+           "resume_points", "RESTORE_HINT"]
 
 #: Kafka's own bound on a topic name.
 MAX_TOPIC_CHARS = 249
@@ -164,6 +172,44 @@ def parse_cut(value: Any) -> dict[str, dict[int, int]]:
     return cut
 
 
+#: The most characters of a fingerprint's digest kept (it is 16 hex chars today).
+MAX_DIGEST_CHARS = 64
+
+
+def parse_cut_fingerprints(value: Any) -> dict[str, dict[int, dict[str, Any]]]:
+    """A ``load``'s ``cut_fingerprints`` (a manifest's ``fingerprints``: topic → partition
+    → ``{"offset", "timestamp", "digest"}``), validated for shape and size (BadInput
+    naming the field); None is none. The worker that compares them parses them as
+    :class:`stream_persia.kafka.fingerprint.Fingerprint`."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadInput(f"cut_fingerprints must map topic -> partition -> fingerprint, got "
+                       f"{type(value).__name__}", field="cut_fingerprints")
+    if sum(len(p) if isinstance(p, dict) else 0 for p in value.values()) > MAX_PARTITIONS:
+        raise BadInput(f"cut_fingerprints names more than {MAX_PARTITIONS} "
+                       f"topic/partitions", field="cut_fingerprints")
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for topic, parts in value.items():
+        where = f"cut_fingerprints.{str(topic)[:80]}"
+        check_topic(topic, "cut_fingerprints")
+        if not isinstance(parts, dict):
+            raise BadInput(f"{where} must map partition -> fingerprint, got "
+                           f"{type(parts).__name__}", field=where)
+        for p, d in parts.items():
+            at = f"{where}.{str(p)[:20]}"
+            ok = (isinstance(d, dict) and set(d) == {"offset", "timestamp", "digest"}
+                  and all(isinstance(d[k], int) and not isinstance(d[k], bool)
+                          for k in ("offset", "timestamp"))
+                  and isinstance(d["digest"], str)
+                  and 0 < len(d["digest"]) <= MAX_DIGEST_CHARS)
+            if not ok:
+                raise BadInput(f"{at} must be {{'offset': int, 'timestamp': int, 'digest': "
+                               f"str}}, got {str(d)[:120]}", field=at)
+            out.setdefault(topic, {})[_partition_key(p, at)] = dict(d)
+    return out
+
+
 class Mark(NamedTuple):
     """One partition's watermark on one server."""
 
@@ -178,13 +224,21 @@ class Watermarks:
     Args:
         who: the server, for messages ("embedding server 0").
         cut: a checkpoint's offsets (:func:`parse_cut`): restored watermarks.
+        fingerprints: the checkpoint's fingerprints of the records at them
+            (:func:`parse_cut_fingerprints`); one of another offset is not kept.
     """
 
-    def __init__(self, who: str, cut: Mapping[str, Mapping[int, int]] | None = None):
+    def __init__(self, who: str, cut: Mapping[str, Mapping[int, int]] | None = None,
+                 fingerprints: Mapping[str, Mapping[int, dict[str, Any]]] | None = None):
         self.who = who
         self._marks: dict[tuple[str, int], Mark] = {
             (topic, p): Mark(o - 1, None)
             for topic, parts in (cut or {}).items() for p, o in parts.items()}
+        # The restored marks' fingerprints, while they stay restored ones.
+        self._prints: dict[tuple[str, int], dict[str, Any]] = {
+            (topic, p): d for topic, parts in (fingerprints or {}).items()
+            for p, d in parts.items()
+            if (m := self._marks.get((topic, p))) is not None and d["offset"] == m.offset}
 
     def __len__(self) -> int:
         return len(self._marks)
@@ -219,17 +273,22 @@ class Watermarks:
         mark = self._marks.get(key)
         if mark is None or src.offset > mark.offset:   # never lower a mark
             self._marks[key] = Mark(src.offset, src.writer)
+            self._prints.pop(key, None)
 
     def clear(self) -> None:
         self._marks.clear()
+        self._prints.clear()
 
     def to_wire(self, topic: str | None = None) -> dict[str, dict[str, MarkWire]]:
-        """``{topic: {partition (str): {"offset", "writer"}}}`` (the ``watermarks`` reply),
-        of every topic or of ``topic`` only."""
+        """``{topic: {partition (str): {"offset", "writer", "fingerprint"?}}}`` (the
+        ``watermarks`` reply), of every topic or of ``topic`` only."""
         out: dict[str, dict[str, MarkWire]] = {}
         for (t, p), mark in sorted(self._marks.items()):
             if topic is None or t == topic:
-                out.setdefault(t, {})[str(p)] = {"offset": mark.offset, "writer": mark.writer}
+                wire: MarkWire = {"offset": mark.offset, "writer": mark.writer}
+                if (t, p) in self._prints:
+                    wire["fingerprint"] = dict(self._prints[(t, p)])
+                out.setdefault(t, {})[str(p)] = wire
         return out
 
 
@@ -241,6 +300,7 @@ class PartitionMark(NamedTuple):
     server: int            # the server holding it
     writer: str | None     # who applied it there (None: restored)
     restored: bool         # every server's mark of the partition is a restored one
+    fingerprint: dict[str, Any] | None = None   # a restored mark's record, as loaded
 
 
 def merge(replies: Sequence[WatermarksReply], topic: str) -> dict[int, PartitionMark]:
@@ -263,12 +323,17 @@ def merge(replies: Sequence[WatermarksReply], topic: str) -> dict[int, Partition
             part = _partition_key(p, where)
             offset = _int(mark.get("offset"), f"{where}.offset", -1)
             writer = mark.get("writer")
+            printed = mark.get("fingerprint") if writer is None else None
+            printed = printed if isinstance(printed, dict) else None
             seen = out.get(part)
             restored = writer is None and (seen is None or seen.restored)
             if seen is None or offset > seen.offset:
-                out[part] = PartitionMark(offset, s, writer, restored)
-            elif seen.restored != restored:
-                out[part] = seen._replace(restored=restored)
+                out[part] = PartitionMark(offset, s, writer, restored, printed)
+            else:
+                if seen.restored != restored:
+                    seen = out[part] = seen._replace(restored=restored)
+                if seen.fingerprint is None and printed is not None and offset == seen.offset:
+                    out[part] = seen._replace(fingerprint=printed)
     return out
 
 
@@ -276,6 +341,14 @@ def resume_points(marks: Mapping[int, PartitionMark]) -> dict[int, int]:
     """Where a partition without a start offset starts: right after a restored cut no
     update has passed since (the partitions whose marks are all restored ones)."""
     return {p: m.offset + 1 for p, m in marks.items() if m.restored}
+
+
+def resume_fingerprints(marks: Mapping[int, PartitionMark]) -> dict[int, dict[str, Any]]:
+    """The restored fingerprints of the :func:`resume_points` partitions (partition →
+    ``{"offset", "timestamp", "digest"}``): where a worker resumes, it checks that the
+    record below is still the one the checkpoint was cut at."""
+    return {p: m.fingerprint for p, m in marks.items()
+            if m.restored and m.fingerprint is not None}
 
 
 class Refusal(NamedTuple):

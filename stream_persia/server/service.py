@@ -132,8 +132,9 @@ RPC methods (params → result):
   (:mod:`stream_persia.checkpoint.root`; BadInput on field ``dir`` otherwise, Misuse when
   the server has no root), and their errors never quote a file's contents.
 - ``load {"dir": url, "files": [...], "expected"?: {file: {"sha256"?, "bytes"?, "rows"?}},
-  "cut"?: {topic: {partition: offset}}, "patches"?: [{"dir", "files", "tombstones",
-  "expected"}], "trained_through"?: seconds}`` (``patches``: applied in order over the files, an incremental
+  "cut"?: {topic: {partition: offset}}, "cut_fingerprints"?: {topic: {partition:
+  fingerprint}}, "patches"?: [{"dir", "files", "tombstones", "expected"}],
+  "trained_through"?: seconds}`` (``patches``: applied in order over the files, an incremental
   checkpoint's chain; the reply's ``rows`` is then the rows held after the last)
   → ``{"rows": int}`` — replaces the shard's rows with the rows it owns in every listed
   shard file, so a checkpoint written by S servers loads into S' servers; all or nothing.
@@ -141,7 +142,9 @@ RPC methods (params → result):
   entry: hex sha256, size in bytes, rows in the file) and nothing else. ``cut``, a
   manifest's ``offsets`` (topic → partition → next offset), becomes the stream watermarks
   with the rows (each offset - 1, as restored); without it the server holds none after
-  the load (the checkpoint records no stream position). ``trained_through``: the event
+  the load (the checkpoint records no stream position). ``cut_fingerprints``, the
+  manifest's ``fingerprints``, go with those marks (a worker resuming at them checks the
+  topic is still the one cut: :mod:`stream_persia.core.watermarks`). ``trained_through``: the event
   time the checkpoint is trained through (its manifest's ``extra``), the server's
   ``trained_through`` once the rows are in (above). With
   ``"stage": true`` the checked table is kept aside instead of swapped in, and the reply
@@ -212,7 +215,13 @@ from stream_persia.core.replies import (
     WatermarksReply,
 )
 from stream_persia.core.stages import StageCollector
-from stream_persia.core.watermarks import Watermarks, check_topic, parse_cut, parse_source
+from stream_persia.core.watermarks import (
+    Watermarks,
+    check_topic,
+    parse_cut,
+    parse_cut_fingerprints,
+    parse_source,
+)
 from stream_persia.errors import (
     BadInput,
     Misuse,
@@ -861,7 +870,8 @@ class EmbeddingServer:
         for p in chain:
             p["dir"] = self._confine(p["dir"])
         marks = Watermarks(f"embedding server {self.replica_index}",
-                           parse_cut(params.get("cut")))
+                           parse_cut(params.get("cut")),
+                           parse_cut_fingerprints(params.get("cut_fingerprints")))
         through = check_event_time(params.get("trained_through"), "trained_through")
 
         def run() -> LoadReply:

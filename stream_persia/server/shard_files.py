@@ -255,14 +255,17 @@ def check_load_request(params: Any
     server's ``load`` request, validated (BadInput naming the field)."""
     directory = require(params, "dir", str)
     files = require(params, "files", list)
-    # ``cut`` (the stream watermarks a load sets) is the server's: stream_persia.core.watermarks.
+    # ``cut`` (the stream watermarks a load sets) and ``cut_fingerprints`` are the server's:
+    # stream_persia.core.watermarks.
     # ``patches`` (applied over the files) are checked by stream_persia.server.patches.
     # ``trained_through`` (the checkpoint's event time) is checked by the server too.
     unknown = sorted(map(str, set(params) - {"dir", "files", "expected", "stage", "cut",
-                                             "patches", "trained_through"}))
+                                             "cut_fingerprints", "patches",
+                                             "trained_through"}))
     if unknown:
         raise BadInput(f"unknown load field(s) {unknown}", field=unknown[0],
-                       hint="dir, files, expected, stage, cut, patches, trained_through")
+                       hint="dir, files, expected, stage, cut, cut_fingerprints, patches, "
+                            "trained_through")
     stage = params.get("stage", False)
     if not isinstance(stage, bool):
         raise BadInput(f"stage must be true or false, got {stage!r}", field="stage")

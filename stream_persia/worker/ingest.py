@@ -24,7 +24,10 @@ Before it reads anything (at start, and on each ``reset_stream``), the ingest as
 embedding server how far it applied each partition (its stream watermarks,
 :mod:`stream_persia.core.watermarks`), waiting for the servers as it waits for the brokers (up
 to ``kafka.startup_timeout_ms``). A partition without a start offset whose watermarks all
-come from a restore starts at the restored cut; a partition whose start is at or below a
+come from a restore starts at the restored cut, checked against the checkpoint's
+fingerprints the servers keep with it (a topic recreated since the restore is refused
+there as the restore refuses it: :mod:`stream_persia.kafka.fingerprint`); a partition
+whose start is at or below a
 watermark is *refused*: held (never read, so never served), listed in :meth:`status`
 (``refused``), and reported to the worker (``EmbeddingWorker.stream_checked``: health
 not ok and ``next_batch`` raises ``StreamReplay`` until a restore resets the stream).
@@ -51,7 +54,7 @@ from stream_persia.core.backoff import retry_startup, wait_bounded
 from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import BadInput, Misuse, PeerUnavailable, RemoteTimeout
 from stream_persia.kafka import DeadLetterWriter, KafkaUnavailable, SampleConsumer
-from stream_persia.kafka.fingerprint import Fingerprint
+from stream_persia.kafka.fingerprint import Fingerprint, parse_fingerprints
 from stream_persia.worker.frontier import Frontier
 from stream_persia.worker.kafka_lag import PROBE_INTERVAL_S, KafkaLag
 
@@ -124,7 +127,12 @@ class KafkaIngest:
         resumed = {p: o for p, o in watermarks.resume_points(marks).items()
                    if p in consumer.partitions and p not in self.start_offsets}
         if resumed:
-            await consumer.seek(resumed)
+            # The record below each is the one the checkpoint was cut at, or the topic was
+            # recreated since the restore (KafkaDataLoss with on_data_loss: fail).
+            prints = watermarks.resume_fingerprints(marks)
+            await consumer.seek(resumed, parse_fingerprints(
+                {str(p): prints[p] for p in resumed if p in prints},
+                "watermarks.fingerprint"))
             log.info("worker %d: partitions %s of %s resume at the cut restored into the "
                      "embedding servers (nothing applied since): %s", worker.replica_index,
                      sorted(resumed), topic, resumed)

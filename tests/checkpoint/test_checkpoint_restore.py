@@ -479,3 +479,37 @@ async def test_a_restore_rewinds_trained_through_to_the_checkpoints(tmp_path, mo
         monkeypatch.setattr(embedding_server, "check_load_request", before_the_field)
         assert await load_embeddings(dst, router.clients) == 32
         assert await through(router) == [None, None]
+
+
+async def test_a_restore_gives_the_servers_the_cuts_fingerprints(tmp_path, monkeypatch):
+    """A Kafka checkpoint's fingerprints go to the servers with its cut (kept with the
+    restored watermarks: a worker that resumes there checks them). A server from before
+    the field (a rolling upgrade) refuses it, even beside trained_through; the restore
+    then goes on without them."""
+    ids = np.arange(1, 33, dtype=np.uint64)
+    prints = {"t": {"0": {"offset": 4, "timestamp": 1_700_000_000_000,
+                          "digest": "0123456789abcdef"}}}
+    async with running_servers(2) as (_, router):
+        await router.lookup([RowLookup(4, ids)], "train")
+        dst = str(tmp_path / "ck")
+        with CheckpointWriter(dst) as w:
+            await w.dump_embeddings(router.clients)
+            w.commit(job="t", step=1, offsets={"t": {"0": 5}}, stream="kafka",
+                     fingerprints=prints, extra={"trained_through": 100.0})
+        assert await load_embeddings(dst, router.clients) == 32
+        for c in router.clients:
+            assert (await c.call("watermarks"))["topics"] == {
+                "t": {"0": {"offset": 4, "writer": None, "fingerprint": prints["t"]["0"]}}}
+        real = embedding_server.check_load_request
+
+        def before_the_fields(params):   # what a server of an older version answers
+            unknown = sorted({"cut_fingerprints", "trained_through"} & set(params))
+            if unknown:
+                raise BadInput(f"unknown load field(s) {unknown}", field=unknown[0])
+            return real(params)
+
+        monkeypatch.setattr(embedding_server, "check_load_request", before_the_fields)
+        assert await load_embeddings(dst, router.clients) == 32
+        for c in router.clients:
+            assert (await c.call("watermarks"))["topics"] == {
+                "t": {"0": {"offset": 4, "writer": None}}}

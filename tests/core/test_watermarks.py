@@ -13,8 +13,10 @@ from stream_persia.core.watermarks import (
     Watermarks,
     merge,
     parse_cut,
+    parse_cut_fingerprints,
     parse_source,
     refusals,
+    resume_fingerprints,
     resume_points,
 )
 from stream_persia.errors import BadInput, StreamReplay
@@ -150,3 +152,45 @@ def test_a_worker_merges_every_servers_marks():
                                     "server": 1, "writer": "a.1"}
     with pytest.raises(BadInput):
         merge([{"nope": 1}], "t")
+
+
+def fp(offset: int, digest: str = "0123456789abcdef") -> dict:
+    return {"offset": offset, "timestamp": 1_700_000_000_000, "digest": digest}
+
+
+def test_restored_marks_keep_the_cuts_fingerprints_until_trained_past():
+    """A load's fingerprints stay with its restored marks (one of another offset is not
+    kept), travel in the watermarks reply, and reach the worker's merge, which hands them
+    to where it resumes; a mark trained past (or cleared) drops its fingerprint."""
+    cut = parse_cut({"t": {"0": 5, "1": 5, "2": 3}})
+    prints = parse_cut_fingerprints({"t": {"0": fp(4), "1": fp(4, "f" * 16), "2": fp(7)}})
+    s0 = Watermarks("s0", cut, prints)
+    s1 = Watermarks("s1", cut)                   # a server loaded without them
+    assert s0.to_wire()["t"] == {"0": {"offset": 4, "writer": None, "fingerprint": fp(4)},
+                                 "1": {"offset": 4, "writer": None,
+                                       "fingerprint": fp(4, "f" * 16)},
+                                 "2": {"offset": 2, "writer": None}}
+    apply(s0, src(5, partition=1))
+    assert s0.to_wire()["t"]["1"] == {"offset": 5, "writer": "a.1"}
+    marks = merge([{"topics": s1.to_wire()}, {"topics": s0.to_wire()}], "t")
+    assert marks[0] == PartitionMark(4, 0, None, True, fp(4))
+    assert resume_points(marks) == {0: 5, 2: 3}
+    assert resume_fingerprints(marks) == {0: fp(4)}
+    s0.clear()
+    apply(s0, src(4))
+    assert s0.to_wire()["t"] == {"0": {"offset": 4, "writer": "a.1"}}
+
+
+@pytest.mark.parametrize("value,field", [
+    ([], "cut_fingerprints"), ({"t": []}, "cut_fingerprints.t"),
+    ({"t": {"x": fp(1)}}, "cut_fingerprints.t.x"),
+    ({"t": {"0": {"offset": 1}}}, "cut_fingerprints.t.0"),
+    ({"t": {"0": {**fp(1), "offset": True}}}, "cut_fingerprints.t.0"),
+    ({"t": {"0": {**fp(1), "digest": "x" * 65}}}, "cut_fingerprints.t.0"),
+    ({"t": {"0": {**fp(1), "more": 1}}}, "cut_fingerprints.t.0"),
+    ({"": {"0": fp(1)}}, "cut_fingerprints"),
+])
+def test_bad_cut_fingerprints_are_refused_naming_the_field(value, field):
+    with pytest.raises(BadInput) as err:
+        parse_cut_fingerprints(value)
+    assert err.value.field == field

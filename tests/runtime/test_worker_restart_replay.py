@@ -23,12 +23,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stream_persia.checkpoint import CheckpointWriter, load_embeddings, stream_cut
+from stream_persia.checkpoint import CheckpointWriter, load_embeddings, read_cut, stream_cut
 from stream_persia.errors import StreamReplay
 from stream_persia.kafka import BatchProducer
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.rpc import RpcClient
 from stream_persia.server.shard_files import read_shard_file
+from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.pytest_plugin import TANSU_LIST_OFFSETS, deviates_on
 from stream_persia.testing.samples import EMBEDDING_YAML, make_batch
 
@@ -180,3 +181,64 @@ async def test_a_worker_restarted_alone_refuses_the_replay_and_a_restore_trains_
             w.kill()
         await sc.close()
         server.stop()
+
+
+@pytest.mark.timeout(300)
+async def test_a_worker_started_after_a_restore_refuses_a_topic_recreated_since(tmp_path):
+    """A restore checks the checkpoint's fingerprints against the topic; a worker that
+    starts after it resumes at the restored cut by itself, and checks them there too
+    (the servers keep them with the restored watermarks). A topic deleted and created
+    again since the restore (modelled as the same topic name on a new cluster, grown past
+    the cut: the mock cannot delete a topic) is refused naming it, instead of being read
+    from the old topic's offsets (its records 0..CUT-1 never trained, silently); the
+    topic the checkpoint was cut from resumes there and trains the rest once."""
+    topic = "samples"
+    clusters = [MockKafkaCluster().start() for _ in range(2)]
+    for c, first in zip(clusters, (0, 100), strict=True):
+        c.create_topic(topic, 1)
+        c.create_topic(f"{topic}.dlq", 1)
+        async with BatchProducer(topic, bootstrap_servers=c.bootstrap_servers) as producer:
+            for i in range(N):
+                await producer.send(make_batch(first + i), key=i)
+    old, new = (c.bootstrap_servers for c in clusters)
+    server, sc = await start_server(tmp_path, "server")
+    workers = [await launch_worker(tmp_path, "worker-1", sc.address, old, topic)]
+    ck = str(tmp_path / "ck")
+    try:
+        async with RpcClient(workers[0].address, timeout_ms=20_000) as client:
+            trained = await train(client, CUT)
+
+            async def call_workers(method: str, params: object = None) -> list:
+                return [await client.call(method, params)]
+
+            cut = await read_cut(call_workers, [topic])
+            assert cut.fingerprints[topic]["0"]["offset"] == CUT - 1
+            with CheckpointWriter(ck) as w:
+                await w.dump_embeddings([sc])
+                w.commit(job="replay", step=CUT, offsets=cut.offsets, stream=cut.stream,
+                         fingerprints=cut.fingerprints)
+            trained += await train(client, PAST)
+        workers[0].kill()
+        await load_embeddings(ck, [sc])
+        marks = (await sc.call("watermarks"))["topics"][topic]["0"]
+        assert marks == {"offset": CUT - 1, "writer": None,
+                         "fingerprint": cut.fingerprints[topic]["0"]}
+        # The topic was recreated meanwhile: the worker that starts now does not resume.
+        with pytest.raises(RuntimeError) as err:
+            await launch_worker(tmp_path, "worker-2", sc.address, new, topic)
+        assert f"data lost in Kafka: {topic}/0: the record at offset {CUT - 1} is not the " \
+               "one the checkpoint recorded" in str(err.value)
+        assert "the topic was deleted and created again" in str(err.value)
+        # The checkpoint's own topic resumes at the cut and trains the rest once.
+        workers.append(await launch_worker(tmp_path, "worker-3", sc.address, old, topic))
+        async with RpcClient(workers[1].address, timeout_ms=20_000) as client:
+            assert (await client.call("health"))["ok"] is True
+            rest = await train(client, N - CUT)
+        assert trained[:CUT] + rest == [f"batch-{i}" for i in range(N)]
+    finally:
+        for w in workers:
+            w.kill()
+        await sc.close()
+        server.stop()
+        for c in clusters:
+            c.stop()
