@@ -191,7 +191,8 @@ async def test_a_broker_refusing_idempotence_is_named_with_the_way_out(tansu, mo
 
 # -------------------------------------------------------------------- the plugin switch
 
-def _inner_pytest(tmp_path: Path, body: str, **env: str) -> subprocess.CompletedProcess:
+def _inner_pytest(tmp_path: Path, body: str, *args: str, **env: str
+                  ) -> subprocess.CompletedProcess:
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(body))
     full = {k: v for k, v in os.environ.items()
             if k not in ("KAFKA_BOOTSTRAP_SERVERS", "KAFKA_ENABLE_IDEMPOTENCE",
@@ -199,7 +200,7 @@ def _inner_pytest(tmp_path: Path, body: str, **env: str) -> subprocess.Completed
     full.update(env)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "stream_persia.testing.pytest_plugin",
-         "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path),
+         "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path), *args,
          str(tmp_path / "test_inner.py")],
         capture_output=True, text=True, env=full, timeout=60, cwd=tmp_path)
 
@@ -242,3 +243,30 @@ def test_the_default_session_broker_is_the_mock_and_a_bad_choice_is_named(tmp_pa
     bad = _inner_pytest(tmp_path, body, STREAM_PERSIA_TEST_BROKER="kafka")
     assert bad.returncode != 0
     assert "STREAM_PERSIA_TEST_BROKER" in bad.stderr and "mock, tansu" in bad.stderr
+
+
+def test_kafka_tests_with_brokers_of_their_own_run_on_the_mock_session_only(tmp_path):
+    """A ``kafka`` test that uses neither fixture starts its own (mock) brokers: on another
+    session broker it is deselected, since the mock session runs it the same; one that
+    uses the session broker runs on both (here only collected: no broker starts)."""
+    body = """
+        import pytest
+
+        def test_session(kafka_topic):
+            pass
+
+        @pytest.mark.kafka
+        def test_own_brokers():
+            pass
+
+        def test_no_kafka():
+            pass
+    """
+    for broker, want in (("mock", ["test_session", "test_own_brokers"]),
+                         ("tansu", ["test_session"])):
+        out = _inner_pytest(tmp_path, body, "--collect-only", "-m", "kafka",
+                            STREAM_PERSIA_TEST_BROKER=broker)
+        assert out.returncode == 0, out.stdout + out.stderr
+        got = [line.rsplit("::", 1)[1] for line in out.stdout.splitlines() if "::" in line]
+        assert got == want, out.stdout
+        assert f"{3 - len(want)} deselected" in out.stdout, out.stdout
