@@ -54,10 +54,14 @@ from stream_persia.kafka.loss import (
     KafkaDataLoss,
     gaps,
 )
+from stream_persia.kernels.sharding import static_partitions
 
 log = logging.getLogger(__name__)
 
 MAX_LOSSES_KEPT = 32   # accepted losses kept for status (each is also logged and counted)
+#: How often the client refreshes the topic's metadata, so how soon partitions added to
+#: the samples topic while it runs are read (aiokafka's own default is 5 minutes).
+DEFAULT_METADATA_MAX_AGE_MS = 30_000
 
 
 class SampleConsumer:
@@ -121,6 +125,7 @@ class SampleConsumer:
         # sought explicitly in _assign_and_seek.
         self._kwargs.update(group_id=group_id, enable_auto_commit=False,
                             auto_offset_reset="none",
+                            metadata_max_age_ms=DEFAULT_METADATA_MAX_AGE_MS,
                             fetch_max_wait_ms=fetch_max_wait_ms,
                             max_partition_fetch_bytes=max_message_bytes)
         self._kwargs.update(consumer_kwargs)
@@ -138,7 +143,7 @@ class SampleConsumer:
         self.num_partitions = 0
         self._counts = dict(records=0, bytes=0, commits=0, commit_failures=0,
                             commits_skipped=0, offsets_lost=0, data_loss_events=0,
-                            fingerprint_mismatches=0)
+                            fingerprint_mismatches=0, partitions_added=0)
 
     @classmethod
     def from_config(cls, kafka: Any, *, replica_index: int, replica_size: int,
@@ -459,6 +464,9 @@ class SampleConsumer:
             KafkaUnavailable: no broker has answered for ``broker_timeout_s``.
         """
         consumer = self._live()
+        found = consumer._client.cluster.partitions_for_topic(self.topic) or ()
+        if len(found) > self.num_partitions:
+            self._adopt(consumer, len(found))
         try:
             fetched = await consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
         except OffsetOutOfRangeError as e:
@@ -484,6 +492,39 @@ class SampleConsumer:
         else:
             await self._watch.check(consumer._client, self.topic)
         return out
+
+    def _adopt(self, consumer: AIOKafkaConsumer, num_partitions: int) -> None:
+        """The topic grew to ``num_partitions`` (CreatePartitions while the job runs):
+        read the new partitions this replica owns (``p % replica_size``: no partition
+        changes owner) from offset 0. Every record of them was written after this
+        consumer started, so none may be skipped; one the broker no longer has is a
+        loss like any other (``on_data_loss``). The others keep their positions and
+        pauses."""
+        old, self.num_partitions = self.num_partitions, num_partitions
+        self._counts["partitions_added"] += num_partitions - old
+        new = [p for p in static_partitions(num_partitions, self.replica_index,
+                                            self.replica_size) if p not in self._tps]
+        log.warning("%r grew from %d to %d partitions while it was read; replica %d reads "
+                    "its new partitions %s from offset 0%s", self.topic, old, num_partitions,
+                    self.replica_index, new,
+                    "" if self.expected_partitions in (None, num_partitions) else
+                    f" (a restart refuses the topic until kafka.num_partitions is "
+                    f"{num_partitions})")
+        if not new:
+            return
+        paused = {tp.partition for tp in consumer.paused()}
+        all_paused = bool(self._tps) and paused >= set(self._tps)
+        for p in new:
+            self._tps[p] = TopicPartition(self.topic, p)
+            self._next[p] = 0
+        # assign() forgets positions and pauses (and drops what was fetched but not
+        # handed over): every partition goes back to where the next record is owed.
+        consumer.assign(list(self._tps.values()))
+        for p, tp in self._tps.items():
+            consumer.seek(tp, self._next[p])
+        again = paused | (set(new) if all_paused else set())
+        if again:
+            consumer.pause(*(self._tps[p] for p in again))
 
     def _after_gaps(self, p: int, records: list[ConsumerRecord],
                     holes: list[tuple[int, int]]) -> list[ConsumerRecord]:
@@ -585,9 +626,11 @@ class SampleConsumer:
     #: and ``broker_down_seconds`` are levels. ``offsets_lost``: messages lost and
     #: accepted (``on_data_loss="skip"``); ``data_loss_events``: losses detected,
     #: accepted or not; ``fingerprint_mismatches``: starts at stored offsets whose record
-    #: below did not match the checkpoint's fingerprint, accepted (a recreated topic).
+    #: below did not match the checkpoint's fingerprint, accepted (a recreated topic);
+    #: ``partitions_added``: partitions the topic gained while it was read.
     COUNTERS = frozenset({"records", "bytes", "commits", "commit_failures", "commits_skipped",
-                          "offsets_lost", "data_loss_events", "fingerprint_mismatches"})
+                          "offsets_lost", "data_loss_events", "fingerprint_mismatches",
+                          "partitions_added"})
 
     def stats(self) -> dict[str, float]:
         """Counts and levels for metrics (``RoleMetrics.add_callback``; see :attr:`COUNTERS`)."""

@@ -1,0 +1,107 @@
+"""The samples topic changing under a running job, against the real mock broker.
+
+- Partitions added while the job runs (``kafka-topics --alter --partitions``): each new
+  partition is read, from offset 0, by the one worker that owns it (``p mod W``), counted,
+  and from then on in the worker's checkpoint frontier. The mock answers no
+  CreatePartitions, so a test grows a topic nothing was written to yet by deleting it and
+  creating it again with more partitions: to consumers at offset 0 everywhere that is the
+  same metadata change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from test_kafka_loss import Worker, bounded, ingest_factory, serve_all
+
+from stream_persia.config import KafkaConfig
+from stream_persia.kafka import SampleConsumer
+from stream_persia.testing.kafka_mock import MockKafkaCluster
+from stream_persia.testing.samples import make_batch
+
+pytestmark = [pytest.mark.timeout(90), pytest.mark.kafka]
+
+REFRESH_MS = 300   # the consumers' metadata refresh (30 s by default)
+
+
+async def produce_one_each(bootstrap: str, topic: str, values: dict[int, bytes]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await bounded(producer.start())
+    try:
+        for partition, value in values.items():
+            await producer.send_and_wait(topic, value, partition=partition)
+    finally:
+        await producer.stop()
+
+
+async def read_until(consumers: list[SampleConsumer], n: int, seconds: float = 10.0
+                     ) -> list[dict[int, list[int]]]:
+    got: list[dict[int, list[int]]] = [{} for _ in consumers]
+    deadline = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < deadline:
+        for consumer, mine in zip(consumers, got, strict=True):
+            for p, recs in (await consumer.getmany(timeout_ms=50)).items():
+                mine.setdefault(p, []).extend(r.offset for r in recs)
+        if sum(len(offsets) for mine in got for offsets in mine.values()) >= n:
+            break
+    return got
+
+
+def grow(cluster: MockKafkaCluster, topic: str, partitions: int) -> None:
+    cluster.delete_topic(topic)
+    cluster.create_topic(topic, partitions)
+
+
+async def test_partitions_added_while_reading_are_read_from_offset_0_by_their_owner():
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("grow", 2)
+        consumers = [SampleConsumer(cluster.bootstrap_servers, "grow", replica_index=i,
+                                    replica_size=2, metadata_max_age_ms=REFRESH_MS)
+                     for i in (0, 1)]
+        try:
+            for c in consumers:
+                await bounded(c.start())
+            assert await read_until(consumers, 1, seconds=0.5) == [{}, {}]
+            grow(cluster, "grow", 5)
+            await produce_one_each(cluster.bootstrap_servers, "grow",
+                                   {p: b"v%d" % p for p in range(5)})
+            got = await read_until(consumers, 5)
+            # Every partition read once, by its owner, from its first record.
+            assert got == [{0: [0], 2: [0], 4: [0]}, {1: [0], 3: [0]}]
+            assert [c.partitions for c in consumers] == [[0, 2, 4], [1, 3]]
+            assert [c.num_partitions for c in consumers] == [5, 5]
+            assert [c.stats()["partitions_added"] for c in consumers] == [3, 3]
+            assert [c.stats()["partitions"] for c in consumers] == [3, 2]
+            assert [await c.lag() for c in consumers] == [{0: 0, 2: 0, 4: 0}, {1: 0, 3: 0}]
+        finally:
+            for c in consumers:
+                await c.stop()
+
+
+async def test_a_partition_added_under_a_worker_is_trained_and_in_its_checkpoint_frontier():
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("job", 1)
+        cluster.create_topic("job.dlq", 1)
+        cfg = KafkaConfig(bootstrap_servers=cluster.bootstrap_servers, samples_topic="job")
+        async with Worker() as worker:
+            make = ingest_factory(worker, cfg)
+
+            def ingest(start_offsets):
+                made = make(start_offsets)
+                made.consumer._kwargs["metadata_max_age_ms"] = REFRESH_MS
+                return made
+
+            await bounded(worker.start_kafka_ingest(ingest))
+            assert worker.frontier.offsets() == {0: 0}
+            grow(cluster, "job", 2)
+            await produce_one_each(cluster.bootstrap_servers, "job",
+                                   {1: make_batch(1).to_bytes(), 0: make_batch(0).to_bytes()})
+            assert len(await serve_all(worker, 2)) == 2
+            status = await worker._status({})
+            assert status["frontier"] == {"0": 1, "1": 1}       # the cut has partition 1
+            assert status["kafka"]["partitions"] == [0, 1]
+            metrics = worker.metrics.render().decode()
+            assert "persia_embedding_worker_kafka_consumer_partitions_added_total 1.0" in \
+                metrics
