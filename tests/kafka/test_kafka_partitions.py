@@ -1,4 +1,5 @@
-"""The samples topic changing under a running job, against the real mock broker.
+"""The samples topic changing under a running job, and records a hostile producer writes,
+against the real mock broker.
 
 - Partitions added while the job runs (``kafka-topics --alter --partitions``): each new
   partition is read, from offset 0, by the one worker that owns it (``p mod W``), counted,
@@ -6,18 +7,22 @@
   CreatePartitions, so a test grows a topic nothing was written to yet by deleting it and
   creating it again with more partitions: to consumers at offset 0 everywhere that is the
   same metadata change.
+- A batch whose event time is far ahead of the worker's clock (milliseconds written as
+  seconds) is dead-lettered and counted, never trained: watermarks only go up, so it
+  would have claimed every later checkpoint and answer trained through that time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from aiokafka import AIOKafkaProducer
 from test_kafka_loss import Worker, bounded, ingest_factory, serve_all
 
 from stream_persia.config import KafkaConfig
-from stream_persia.kafka import SampleConsumer
+from stream_persia.kafka import SampleConsumer, parse_dead_letter
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.samples import make_batch
 
@@ -105,3 +110,39 @@ async def test_a_partition_added_under_a_worker_is_trained_and_in_its_checkpoint
             metrics = worker.metrics.render().decode()
             assert "persia_embedding_worker_kafka_consumer_partitions_added_total 1.0" in \
                 metrics
+
+
+async def test_a_batch_from_the_far_future_is_dead_lettered_not_trained():
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("job", 1)
+        cluster.create_topic("job.dlq", 1)
+        cfg = KafkaConfig(bootstrap_servers=cluster.bootstrap_servers, samples_topic="job")
+        now = time.time()
+        producer = AIOKafkaProducer(bootstrap_servers=cluster.bootstrap_servers)
+        await bounded(producer.start())
+        try:
+            for i, t in enumerate((now - 60, now * 1000, now - 30)):
+                await producer.send_and_wait("job", make_batch(i).stamped(t).to_bytes(),
+                                             partition=0)
+        finally:
+            await producer.stop()
+        async with Worker() as worker:
+            await bounded(worker.start_kafka_ingest(ingest_factory(worker, cfg)))
+            metas = await serve_all(worker, 2)
+            assert metas == [b"batch-0", b"batch-2"]
+            assert worker.frontier.offsets() == {0: 3}           # settled, never replayed
+            assert worker.watermarks()["ingested"] == pytest.approx(now - 30)
+            metrics = worker.metrics.render().decode()
+            assert 'batches_rejected_total{reason="BadInput"} 1.0' in metrics
+        dlq = SampleConsumer(cluster.bootstrap_servers, "job.dlq")
+        records = []
+        try:
+            await bounded(dlq.start())
+            deadline = time.monotonic() + 10
+            while not records and time.monotonic() < deadline:
+                records += (await dlq.getmany(timeout_ms=100)).get(0, [])
+        finally:
+            await dlq.stop()
+        (letter,) = map(parse_dead_letter, records)
+        assert (letter.source_partition, letter.source_offset) == (0, 1)
+        assert "batch.event_time" in letter.reason and "days ahead" in letter.reason
