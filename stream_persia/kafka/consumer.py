@@ -62,6 +62,9 @@ MAX_LOSSES_KEPT = 32   # accepted losses kept for status (each is also logged an
 #: How often the client refreshes the topic's metadata, so how soon partitions added to
 #: the samples topic while it runs are read (aiokafka's own default is 5 minutes).
 DEFAULT_METADATA_MAX_AGE_MS = 30_000
+#: A partition resumed after a pause this long is checked (the record below its position
+#: is still the last one read) before its records are handed over.
+RECHECK_AFTER_PAUSE_S = 10.0
 
 
 class SampleConsumer:
@@ -83,6 +86,12 @@ class SampleConsumer:
         startup_timeout_s: how long :meth:`start` keeps trying to reach a broker.
         broker_timeout_s: how long :meth:`getmany` may go without any broker answering
             before it raises :class:`~stream_persia.kafka.liveness.KafkaUnavailable`.
+        recheck_after_pause_s: a partition resumed after a pause at least this long, or
+            found out of range and then in range again, has the record below its position
+            compared with the last one read before its records are handed over: the topic
+            deleted and created again meanwhile (a broker back without its data) and
+            refilled past the position is a loss of cause ``"recreated"``, not a place
+            to read on from.
         **consumer_kwargs: passed to ``AIOKafkaConsumer`` (not auto-commit settings).
     """
 
@@ -95,6 +104,7 @@ class SampleConsumer:
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
                  broker_timeout_s: float = DEFAULT_BROKER_TIMEOUT_S,
                  expected_partitions: int | None = None,
+                 recheck_after_pause_s: float = RECHECK_AFTER_PAUSE_S,
                  security_kwargs: Mapping[str, Any] | None = None,
                  client_id: str | None = None,
                  **consumer_kwargs: Any):
@@ -119,6 +129,7 @@ class SampleConsumer:
         self.metadata_timeout_s = metadata_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.expected_partitions = expected_partitions
+        self.recheck_after_pause_s = recheck_after_pause_s
         self._kwargs = client_kwargs(bootstrap_servers, security_kwargs, client_id)
         # "none": aiokafka raises OffsetOutOfRangeError instead of jumping to the log
         # start or end (a loss it would only log at INFO); the start positions are
@@ -140,6 +151,9 @@ class SampleConsumer:
         self._held: set[int] = set()             # partitions never to be read (hold())
         self._lost: dict[int, int] = {}          # messages lost (accepted), per partition
         self._accepted: list[DataLoss] = []      # the latest accepted losses (bounded)
+        self._last: dict[int, ConsumerRecord] = {}  # the last record handed over
+        self._paused_at: dict[int, float] = {}   # when each paused partition was paused
+        self._recheck: set[int] = set()          # compare the record below before reading
         self.num_partitions = 0
         self._counts = dict(records=0, bytes=0, commits=0, commit_failures=0,
                             commits_skipped=0, offsets_lost=0, data_loss_events=0,
@@ -443,14 +457,36 @@ class SampleConsumer:
             elif position > end[tp]:
                 loss = DataLoss(self.topic, tp.partition, position, end[tp], "truncated", skip)
                 resume = end[tp]
-            else:   # in range again (a leader change): fetch it again
+            else:   # in range again: a leader change, or the topic created again since
                 log.warning("%s/%d: offset %d was out of range, and is not any more",
                             self.topic, tp.partition, position)
+                self._recheck.add(tp.partition)
                 consumer.seek(tp, position)
                 continue
             if self._lose(loss):
                 consumer.seek(tp, resume)
                 self._next[tp.partition] = resume
+
+    async def _recheck_below(self, partitions: list[int]) -> set[int]:
+        """Of ``partitions``, those that stopped because the record below their position
+        is not the last one handed over any more (``recheck_after_pause_s``; one side
+        client for all of them). The topic deleted and created again (a broker back
+        without its data) and refilled past the position meanwhile is in range too, and
+        reading on would never train the new records below it. A mismatch is a loss of
+        cause ``"recreated"`` (``on_data_loss="skip"`` counts it and reads on)."""
+        self._recheck.difference_update(partitions)
+        below = {p: Fingerprint.of(self._last[p]) for p in partitions
+                 if p in self._last and self._last[p].offset == self._next[p] - 1}
+        if not below:
+            return set()
+        tps = [self._tps[p] for p in below]
+        begin, _ = await self._log_bounds(self._live(), tps)
+        losses = await recreated(self._kwargs, self.topic,
+                                 {p: fp.offset + 1 for p, fp in below.items()}, below,
+                                 {tp.partition: b for tp, b in begin.items()},
+                                 skip=self.on_data_loss == "skip",
+                                 timeout_s=self._fingerprint_timeout_s)
+        return {loss.partition for loss in losses if not self._lose(loss)}
 
     async def getmany(self, timeout_ms: int = 100,
                       max_records: int | None = None) -> dict[int, list[ConsumerRecord]]:
@@ -474,6 +510,10 @@ class SampleConsumer:
             await self._out_of_range(e)
             return {}
         out: dict[int, list[ConsumerRecord]] = {}
+        recheck = [tp.partition for tp, records in fetched.items()
+                   if records and tp.partition in self._recheck]
+        if recheck:
+            await self._recheck_below(recheck)
         for tp, records in fetched.items():
             p = tp.partition
             if not records or p in self._stopped or p in self._held:
@@ -484,6 +524,7 @@ class SampleConsumer:
                 if not records:
                     continue
             self._next[p] = records[-1].offset + 1
+            self._last[p] = records[-1]
             out[p] = records
             self._counts["records"] += len(records)
             self._counts["bytes"] += sum(r.serialized_value_size for r in records)
@@ -539,14 +580,24 @@ class SampleConsumer:
 
     def pause(self, partitions: Iterable[int] | None = None) -> None:
         """Stop fetching ``partitions`` (all owned ones when None) until resumed."""
-        self._live().pause(*self._owned(partitions))
+        tps = self._owned(partitions)
+        now = time.monotonic()
+        for tp in tps:
+            self._paused_at.setdefault(tp.partition, now)
+        self._live().pause(*tps)
 
     def resume(self, partitions: Iterable[int] | None = None) -> None:
         """Fetch ``partitions`` again (all owned ones when None), except those stopped on
-        a data loss or held: nothing resumes them."""
-        self._live().resume(*(tp for tp in self._owned(partitions)
-                              if tp.partition not in self._stopped
-                              and tp.partition not in self._held))
+        a data loss or held: nothing resumes them. One paused for
+        ``recheck_after_pause_s`` or longer is checked before it is read on."""
+        tps = [tp for tp in self._owned(partitions)
+               if tp.partition not in self._stopped and tp.partition not in self._held]
+        now = time.monotonic()
+        for tp in tps:
+            since = self._paused_at.pop(tp.partition, None)
+            if since is not None and now - since >= self.recheck_after_pause_s:
+                self._recheck.add(tp.partition)
+        self._live().resume(*tps)
 
     def hold(self, partitions: Iterable[int]) -> None:
         """Never read ``partitions`` again (their stream would replay data the embedding

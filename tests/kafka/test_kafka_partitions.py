@@ -7,6 +7,10 @@ against the real mock broker.
   CreatePartitions, so a test grows a topic nothing was written to yet by deleting it and
   creating it again with more partitions: to consumers at offset 0 everywhere that is the
   same metadata change.
+- The topic deleted and created again (a broker back without its data) and refilled
+  past a partition's position while it was not read: the position is in range again,
+  but the record below it is another; the partition stops on it (or counts it, with
+  ``on_data_loss="skip"``), rather than read on and never train the new records below.
 - A batch whose event time is far ahead of the worker's clock (milliseconds written as
   seconds) is dead-lettered and counted, never trained: watermarks only go up, so it
   would have claimed every later checkpoint and answer trained through that time.
@@ -146,3 +150,36 @@ async def test_a_batch_from_the_far_future_is_dead_lettered_not_trained():
         (letter,) = map(parse_dead_letter, records)
         assert (letter.source_partition, letter.source_offset) == (0, 1)
         assert "batch.event_time" in letter.reason and "days ahead" in letter.reason
+
+
+@pytest.mark.parametrize("mode", ["fail", "skip"])
+async def test_a_topic_created_again_and_refilled_past_the_position_is_a_loss(mode):
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("s", 1)
+        servers = cluster.bootstrap_servers
+        await produce_one_each(servers, "s", {0: b"old0"})
+        await produce_one_each(servers, "s", {0: b"old1"})
+        consumer = SampleConsumer(servers, "s", on_data_loss=mode, recheck_after_pause_s=0.5)
+        try:
+            await bounded(consumer.start())
+            assert await read_until([consumer], 2) == [{0: [0, 1]}]
+            consumer.pause()
+            grow(cluster, "s", 1)                        # empty again, then refilled
+            for i in range(4):
+                await produce_one_each(servers, "s", {0: b"new%d" % i})
+            await asyncio.sleep(0.5)
+            consumer.resume()
+            got = (await read_until([consumer], 2, seconds=3))[0]
+            stats = consumer.stats()
+            if mode == "fail":
+                assert got == {}                             # nothing of the new topic
+                (loss,) = consumer.stopped().values()
+                assert (loss.cause, loss.first) == ("recreated", 2)
+                assert (await consumer.positions())[0] == 2
+                assert stats["partitions_stopped"] == 1
+            else:
+                assert got == {0: [2, 3]}
+                assert stats["fingerprint_mismatches"] == 1
+            assert stats["data_loss_events"] == 1
+        finally:
+            await consumer.stop()
