@@ -9,8 +9,9 @@ offsets away from a consumer, and none may pass silently:
   built with ``auto_offset_reset="none"`` so that aiokafka raises it instead of jumping.
 - **gap**: a record's offset is not the one after its predecessor's. Non-transactional
   producers on a non-compacted topic write contiguous offsets, which is what
-  stream-persia's producers do (idempotent, not transactional). Transaction markers
-  and compaction leave holes that are not lost samples: on such topics set
+  stream-persia's producers do (idempotent, not transactional). Transaction markers,
+  the records of aborted transactions (never read: the consumer reads committed records
+  only) and compaction leave holes that are not lost samples: on such topics set
   ``on_data_loss: skip`` (each hole is then counted as lost).
 - **truncated**: the position is beyond the partition's end (the log was truncated by an
   unclean leader election, or the topic deleted and created again).

@@ -11,6 +11,10 @@ against the real mock broker.
   past a partition's position while it was not read: the position is in range again,
   but the record below it is another; the partition stops on it (or counts it, with
   ``on_data_loss="skip"``), rather than read on and never train the new records below.
+- Records of an aborted transaction are never read (``read_committed``; neither test
+  broker filters them: the mock hands aborted records to read_committed consumers and its
+  transaction markers fail aiokafka's CRC check, Tansu refuses InitProducerId, so only the
+  setting is checked, with reads through it on the real broker).
 - A batch whose event time is far ahead of the worker's clock (milliseconds written as
   seconds) is dead-lettered and counted, never trained: watermarks only go up, so it
   would have claimed every later checkpoint and answer trained through that time.
@@ -181,5 +185,20 @@ async def test_a_topic_created_again_and_refilled_past_the_position_is_a_loss(mo
                 assert got == {0: [2, 3]}
                 assert stats["fingerprint_mismatches"] == 1
             assert stats["data_loss_events"] == 1
+        finally:
+            await consumer.stop()
+
+
+async def test_the_consumer_and_its_side_clients_read_committed_records_only():
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("s", 1)
+        consumer = SampleConsumer(cluster.bootstrap_servers, "s")
+        assert consumer._kwargs["isolation_level"] == "read_committed"
+        assert consumer.side_client_kwargs()["isolation_level"] == "read_committed"
+        try:
+            await bounded(consumer.start())
+            await produce_one_each(cluster.bootstrap_servers, "s", {0: b"a"})
+            assert await read_until([consumer], 1) == [{0: [0]}]
+            assert await consumer.lag() == {0: 0}   # the last stable offset is the end
         finally:
             await consumer.stop()
