@@ -679,7 +679,8 @@ class SampleConsumer:
     #: and ``broker_down_seconds`` are levels. ``offsets_lost``: messages lost and
     #: accepted (``on_data_loss="skip"``); ``data_loss_events``: losses detected,
     #: accepted or not; ``fingerprint_mismatches``: starts at stored offsets whose record
-    #: below did not match the checkpoint's fingerprint, accepted (a recreated topic);
+    #: below did not match the checkpoint's fingerprint (or, while reading, the last
+    #: record read: ``recheck_after_pause_s``), accepted (a recreated topic);
     #: ``partitions_added``: partitions the topic gained while it was read.
     COUNTERS = frozenset({"records", "bytes", "commits", "commit_failures", "commits_skipped",
                           "offsets_lost", "data_loss_events", "fingerprint_mismatches",
