@@ -156,6 +156,7 @@ class SampleConsumer:
         self._last: dict[int, ConsumerRecord] = {}  # the last record handed over
         self._paused_at: dict[int, float] = {}   # when each paused partition was paused
         self._recheck: set[int] = set()          # compare the record below before reading
+        self._added: dict[int, int] = {}         # adopted partitions not yet taken
         self.num_partitions = 0
         self._counts = dict(records=0, bytes=0, commits=0, commit_failures=0,
                             commits_skipped=0, offsets_lost=0, data_loss_events=0,
@@ -559,7 +560,7 @@ class SampleConsumer:
         all_paused = bool(self._tps) and paused >= set(self._tps)
         for p in new:
             self._tps[p] = TopicPartition(self.topic, p)
-            self._next[p] = 0
+            self._next[p] = self._added[p] = 0
         # assign() forgets positions and pauses (and drops what was fetched but not
         # handed over): every partition goes back to where the next record is owed.
         consumer.assign(list(self._tps.values()))
@@ -568,6 +569,12 @@ class SampleConsumer:
         again = paused | (set(new) if all_paused else set())
         if again:
             consumer.pause(*(self._tps[p] for p in again))
+
+    def take_added(self) -> dict[int, int]:
+        """Partitions added to the topic and adopted since the last call, with the offset
+        each starts at (a worker's checkpoint frontier tracks them from there)."""
+        added, self._added = self._added, {}
+        return added
 
     def _after_gaps(self, p: int, records: list[ConsumerRecord],
                     holes: list[tuple[int, int]]) -> list[ConsumerRecord]:

@@ -790,10 +790,14 @@ class EmbeddingWorker:
         # Every server still the process this worker trained through? A checkpoint must
         # not record a restarted server's empty table as trained (``lost``).
         await self.router.verify()
-        return {"stream": "kafka" if self.kafka is not None else "direct",
-                "offsets": {str(p): o for p, o in self.frontier.offsets().items()},
-                "inflight": len(self.inflight), "pending": self.frontier.pending(),
-                "failed": self.pushes.failed(), "lost": self._lost_servers()}
+        reply: FrontierReply = {
+            "stream": "kafka" if self.kafka is not None else "direct",
+            "offsets": {str(p): o for p, o in self.frontier.offsets().items()},
+            "inflight": len(self.inflight), "pending": self.frontier.pending(),
+            "failed": self.pushes.failed(), "lost": self._lost_servers()}
+        if self.kafka is not None and self.kafka.consumer.num_partitions:
+            reply["topic_partitions"] = self.kafka.consumer.num_partitions
+        return reply
 
     @staticmethod
     def _offsets_param(params: Any) -> dict[int, int]:

@@ -15,6 +15,9 @@ against the real mock broker.
   broker filters them: the mock hands aborted records to read_committed consumers and its
   transaction markers fail aiokafka's CRC check, Tansu refuses InitProducerId, so only the
   setting is checked, with reads through it on the real broker).
+- Workers started with different ``--replica-size`` leave a partition nobody reads: the
+  checkpoint cut is refused naming it (the workers' ``frontier`` replies carry the
+  topic's partition count).
 - A batch whose event time is far ahead of the worker's clock (milliseconds written as
   seconds) is dead-lettered and counted, never trained: watermarks only go up, so it
   would have claimed every later checkpoint and answer trained through that time.
@@ -29,10 +32,17 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from test_kafka_loss import Worker, bounded, ingest_factory, serve_all
 
+from stream_persia.checkpoint import stream_cut
 from stream_persia.config import KafkaConfig
-from stream_persia.kafka import SampleConsumer, parse_dead_letter
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import SGD
+from stream_persia.errors import Misuse
+from stream_persia.kafka import DeadLetterWriter, SampleConsumer, parse_dead_letter
+from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.kafka_mock import MockKafkaCluster
-from stream_persia.testing.samples import make_batch
+from stream_persia.testing.samples import SCHEMA, make_batch
+from stream_persia.worker.ingest import KafkaIngest
+from stream_persia.worker.service import EmbeddingWorker
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.kafka]
 
@@ -109,6 +119,12 @@ async def test_a_partition_added_under_a_worker_is_trained_and_in_its_checkpoint
             await bounded(worker.start_kafka_ingest(ingest))
             assert worker.frontier.offsets() == {0: 0}
             grow(cluster, "job", 2)
+            # Tracked before anything is read from it: a cut now records it at 0.
+            deadline = time.monotonic() + 10
+            while 1 not in worker.frontier.offsets() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert worker.frontier.offsets() == {0: 0, 1: 0}
+            assert (await worker._frontier({}))["topic_partitions"] == 2
             await produce_one_each(cluster.bootstrap_servers, "job",
                                    {1: make_batch(1).to_bytes(), 0: make_batch(0).to_bytes()})
             assert len(await serve_all(worker, 2)) == 2
@@ -202,3 +218,34 @@ async def test_the_consumer_and_its_side_clients_read_committed_records_only():
             assert await consumer.lag() == {0: 0}   # the last stable offset is the end
         finally:
             await consumer.stop()
+
+
+async def test_workers_of_different_replica_sizes_leave_a_partition_and_the_cut_is_refused():
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("job", 4)
+        cluster.create_topic("job.dlq", 1)
+        cfg = KafkaConfig(bootstrap_servers=cluster.bootstrap_servers, samples_topic="job")
+        server = EmbeddingServer(10_000, SGD(lr=0.1), EmbeddingConfig((-0.5, 0.5)))
+        await server.start()
+        workers = []
+        try:
+            # Worker 1 restarted with --replica-size 3 while worker 0 kept 2.
+            for index, size in ((0, 2), (1, 3)):
+                worker = EmbeddingWorker(SCHEMA, [server.address], replica_index=index,
+                                         replica_size=size)
+                await worker.start()
+                workers.append(worker)
+
+                def make(start_offsets, worker=worker, index=index, size=size):
+                    return KafkaIngest(worker, SampleConsumer.from_config(
+                        cfg, replica_index=index, replica_size=size),
+                        DeadLetterWriter.from_config(cfg), start_offsets=start_offsets)
+                await bounded(worker.start_kafka_ingest(make))
+            fronts = [await w._frontier({}) for w in workers]
+            assert [sorted(f["offsets"]) for f in fronts] == [["0", "2"], ["1"]]
+            with pytest.raises(Misuse, match=r"partitions \[3\] of 'job'"):
+                stream_cut(fronts, ["job", "job"])
+        finally:
+            for w in workers:
+                await w.stop()
+            await server.stop()
