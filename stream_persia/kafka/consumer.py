@@ -470,10 +470,10 @@ class SampleConsumer:
                 consumer.seek(tp, resume)
                 self._next[tp.partition] = resume
 
-    async def _recheck_below(self, partitions: list[int]) -> set[int]:
-        """Of ``partitions``, those that stopped because the record below their position
-        is not the last one handed over any more (``recheck_after_pause_s``; one side
-        client for all of them). The topic deleted and created again (a broker back
+    async def _recheck_below(self, partitions: list[int]) -> None:
+        """Stop (or, with ``on_data_loss="skip"``, count) each of ``partitions`` whose
+        record below its position is not the last one handed over any more
+        (``recheck_after_pause_s``; one side client for all of them). The topic deleted and created again (a broker back
         without its data) and refilled past the position meanwhile is in range too, and
         reading on would never train the new records below it. A mismatch is a loss of
         cause ``"recreated"`` (``on_data_loss="skip"`` counts it and reads on)."""
@@ -481,7 +481,7 @@ class SampleConsumer:
         below = {p: Fingerprint.of(self._last[p]) for p in partitions
                  if p in self._last and self._last[p].offset == self._next[p] - 1}
         if not below:
-            return set()
+            return
         tps = [self._tps[p] for p in below]
         begin, _ = await self._log_bounds(self._live(), tps)
         losses = await recreated(self._kwargs, self.topic,
@@ -489,7 +489,8 @@ class SampleConsumer:
                                  {tp.partition: b for tp, b in begin.items()},
                                  skip=self.on_data_loss == "skip",
                                  timeout_s=self._fingerprint_timeout_s)
-        return {loss.partition for loss in losses if not self._lose(loss)}
+        for loss in losses:
+            self._lose(loss)
 
     async def getmany(self, timeout_ms: int = 100,
                       max_records: int | None = None) -> dict[int, list[ConsumerRecord]]:
