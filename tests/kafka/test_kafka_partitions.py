@@ -19,7 +19,7 @@ against the real mock broker.
   checkpoint cut is refused naming it (the workers' ``frontier`` replies carry the
   topic's partition count).
 - A batch whose event time is far ahead of the worker's clock (milliseconds written as
-  seconds) is dead-lettered and counted, never trained: watermarks only go up, so it
+  seconds) is dead-lettered and counted, never trained (a null record too): watermarks only go up, so it
   would have claimed every later checkpoint and answer trained through that time.
 """
 
@@ -136,7 +136,7 @@ async def test_a_partition_added_under_a_worker_is_trained_and_in_its_checkpoint
                 metrics
 
 
-async def test_a_batch_from_the_far_future_is_dead_lettered_not_trained():
+async def test_batches_from_the_far_future_and_null_records_are_dead_lettered_not_trained():
     with MockKafkaCluster() as cluster:
         cluster.create_topic("job", 1)
         cluster.create_topic("job.dlq", 1)
@@ -148,28 +148,36 @@ async def test_a_batch_from_the_far_future_is_dead_lettered_not_trained():
             for i, t in enumerate((now - 60, now * 1000, now - 30)):
                 await producer.send_and_wait("job", make_batch(i).stamped(t).to_bytes(),
                                              partition=0)
+            # A null value with a key and headers nobody expects.
+            await producer.send_and_wait("job", None, key=b"k", partition=0,
+                                         headers=[("h", b"x")])
         finally:
             await producer.stop()
         async with Worker() as worker:
             await bounded(worker.start_kafka_ingest(ingest_factory(worker, cfg)))
             metas = await serve_all(worker, 2)
             assert metas == [b"batch-0", b"batch-2"]
-            assert worker.frontier.offsets() == {0: 3}           # settled, never replayed
+            deadline = time.monotonic() + 10
+            while worker.frontier.offsets() != {0: 4} and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert worker.frontier.offsets() == {0: 4}           # settled, never replayed
             assert worker.watermarks()["ingested"] == pytest.approx(now - 30)
             metrics = worker.metrics.render().decode()
-            assert 'batches_rejected_total{reason="BadInput"} 1.0' in metrics
+            assert 'batches_rejected_total{reason="BadInput"} 2.0' in metrics
         dlq = SampleConsumer(cluster.bootstrap_servers, "job.dlq")
         records = []
         try:
             await bounded(dlq.start())
             deadline = time.monotonic() + 10
-            while not records and time.monotonic() < deadline:
+            while len(records) < 2 and time.monotonic() < deadline:
                 records += (await dlq.getmany(timeout_ms=100)).get(0, [])
         finally:
             await dlq.stop()
-        (letter,) = map(parse_dead_letter, records)
+        letter, null = map(parse_dead_letter, records)
         assert (letter.source_partition, letter.source_offset) == (0, 1)
         assert "batch.event_time" in letter.reason and "days ahead" in letter.reason
+        assert (null.source_offset, null.key, null.value) == (3, b"k", b"")
+        assert "no value" in null.reason
 
 
 @pytest.mark.parametrize("mode", ["fail", "skip"])
