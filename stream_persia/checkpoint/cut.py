@@ -214,8 +214,10 @@ def stream_cut(frontiers: Sequence[Mapping[str, Any]],
 
 def check_every_partition_read(topic: str, frontiers: Sequence[Mapping[str, Any]],
                                names: Sequence[str], offsets: Mapping[str, int]) -> None:
-    """Refuse a Kafka cut that leaves out a partition of the topic (the workers'
-    ``topic_partitions``; not checked when no worker reports it).
+    """Refuse a Kafka cut that leaves out a partition of the topic that every worker
+    knows of (below the least of the workers' ``topic_partitions``: a partition just
+    added is not refused before every worker's consumer saw it; not checked when no
+    worker reports a count).
 
     Raises:
         Misuse: naming the partitions no worker reads and what each worker reads.
@@ -224,12 +226,12 @@ def check_every_partition_read(topic: str, frontiers: Sequence[Mapping[str, Any]
     known = [n for n in counts if isinstance(n, int) and not isinstance(n, bool)]
     if not known:
         return
-    unread = [p for p in range(max(known)) if str(p) not in offsets]
+    unread = [p for p in range(min(known)) if str(p) not in offsets]
     if unread:
         reads = "; ".join(f"{name} reads {sorted(int(p) for p in f.get('offsets') or {})}"
                           for name, f in zip(names, frontiers, strict=True))
         raise Misuse(
-            f"partitions {unread[:20]} of {topic!r} ({max(known)} partitions) are read by no "
+            f"partitions {unread[:20]} of {topic!r} ({min(known)} partitions) are read by no "
             f"embedding worker ({reads}): their samples are not trained and no checkpoint "
             "can record them; no checkpoint was taken", field="offsets",
             hint="run one embedding worker per --replica-index 0..W-1, all with the same "

@@ -97,10 +97,11 @@ def test_a_partition_no_worker_reads_refuses_the_cut_naming_it():
                                      r"no embedding worker \(embedding worker 0 reads \[0, 2\]; "
                                      r"embedding worker 1 reads \[1\]\)"):
         stream_cut(fronts, ["t", "t"])
-    # A worker whose consumer saw the topic grow first: the others' counts are older.
-    fronts = [kafka({"0": 5, "2": 0}, topic_partitions=3), kafka({"1": 2}, topic_partitions=2)]
+    # The workers' consumers learn of added partitions at different times: only those
+    # every worker knows of must be read (worker 0 does not know of partition 3 yet).
+    fronts = [kafka({"0": 5, "2": 0}, topic_partitions=3), kafka({"1": 2}, topic_partitions=4)]
     assert stream_cut(fronts, ["t", "t"]).partitions == {"0": 5, "1": 2, "2": 0}
-    fronts[1]["topic_partitions"] = 4
+    fronts[0]["topic_partitions"] = 4
     with pytest.raises(Misuse, match=r"partitions \[3\]"):
         stream_cut(fronts, ["t", "t"])
 
