@@ -14,7 +14,11 @@ which a restore of the result would lose a batch or train one twice:
 - a batch in flight (served to an NN rank, gradients not applied yet:
   :func:`check_nothing_in_flight`);
 - workers that mix Kafka and direct ingest, or read more than one topic, or two workers
-  that claim one partition at different offsets.
+  that claim one partition at different offsets;
+- a partition of the topic that no worker reads (``topic_partitions`` in the workers'
+  replies): workers started with different ``--replica-size``, or fewer workers asked
+  than run. Its samples are not trained, and a restore would start it at its log start
+  while the servers hold what was trained of it.
 
 The servers' stream watermarks are the last check, made where they are known: at the
 commit (:meth:`stream_persia.checkpoint.CheckpointWriter.commit` refuses Kafka offsets at
@@ -204,7 +208,34 @@ def stream_cut(frontiers: Sequence[Mapping[str, Any]],
                                   "by replica index): check their replica indices")
             offsets[p], owner[p] = o, name
     topic = str(topics[0])
+    check_every_partition_read(topic, frontiers, names, offsets)
     return Cut("kafka", {topic: dict(sorted(offsets.items(), key=lambda kv: int(kv[0])))})
+
+
+def check_every_partition_read(topic: str, frontiers: Sequence[Mapping[str, Any]],
+                               names: Sequence[str], offsets: Mapping[str, int]) -> None:
+    """Refuse a Kafka cut that leaves out a partition of the topic that every worker
+    knows of (below the least of the workers' ``topic_partitions``: a partition just
+    added is not refused before every worker's consumer saw it; not checked when no
+    worker reports a count).
+
+    Raises:
+        Misuse: naming the partitions no worker reads and what each worker reads.
+    """
+    counts = [f.get("topic_partitions") for f in frontiers]
+    known = [n for n in counts if isinstance(n, int) and not isinstance(n, bool)]
+    if not known:
+        return
+    unread = [p for p in range(min(known)) if str(p) not in offsets]
+    if unread:
+        reads = "; ".join(f"{name} reads {sorted(int(p) for p in f.get('offsets') or {})}"
+                          for name, f in zip(names, frontiers, strict=True))
+        raise Misuse(
+            f"partitions {unread[:20]} of {topic!r} ({min(known)} partitions) are read by no "
+            f"embedding worker ({reads}): their samples are not trained and no checkpoint "
+            "can record them; no checkpoint was taken", field="offsets",
+            hint="run one embedding worker per --replica-index 0..W-1, all with the same "
+                 "--replica-size W, and name all of them to the trainer")
 
 
 async def read_cut(call_workers: Callable[..., Awaitable[Sequence[Any]]],

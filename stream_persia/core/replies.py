@@ -200,6 +200,9 @@ class FrontierReply(TypedDict):
     pending: int
     failed: list[FailedPush]
     lost: list[LostServerInfo]
+    #: Partitions of the samples topic as the worker's consumer knows them (Kafka only):
+    #: a cut refuses partitions no worker reads.
+    topic_partitions: NotRequired[int]
 
 
 class PushReply(TypedDict):

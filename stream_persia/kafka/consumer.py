@@ -54,10 +54,17 @@ from stream_persia.kafka.loss import (
     KafkaDataLoss,
     gaps,
 )
+from stream_persia.kernels.sharding import static_partitions
 
 log = logging.getLogger(__name__)
 
 MAX_LOSSES_KEPT = 32   # accepted losses kept for status (each is also logged and counted)
+#: How often the client refreshes the topic's metadata, so how soon partitions added to
+#: the samples topic while it runs are read (aiokafka's own default is 5 minutes).
+DEFAULT_METADATA_MAX_AGE_MS = 30_000
+#: A partition resumed after a pause this long is checked (the record below its position
+#: is still the last one read) before its records are handed over.
+RECHECK_AFTER_PAUSE_S = 10.0
 
 
 class SampleConsumer:
@@ -79,6 +86,12 @@ class SampleConsumer:
         startup_timeout_s: how long :meth:`start` keeps trying to reach a broker.
         broker_timeout_s: how long :meth:`getmany` may go without any broker answering
             before it raises :class:`~stream_persia.kafka.liveness.KafkaUnavailable`.
+        recheck_after_pause_s: a partition resumed after a pause at least this long, or
+            found out of range and then in range again, has the record below its position
+            compared with the last one read before its records are handed over: the topic
+            deleted and created again meanwhile (a broker back without its data) and
+            refilled past the position is a loss of cause ``"recreated"``, not a place
+            to read on from.
         **consumer_kwargs: passed to ``AIOKafkaConsumer`` (not auto-commit settings).
     """
 
@@ -91,6 +104,7 @@ class SampleConsumer:
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
                  broker_timeout_s: float = DEFAULT_BROKER_TIMEOUT_S,
                  expected_partitions: int | None = None,
+                 recheck_after_pause_s: float = RECHECK_AFTER_PAUSE_S,
                  security_kwargs: Mapping[str, Any] | None = None,
                  client_id: str | None = None,
                  **consumer_kwargs: Any):
@@ -115,12 +129,16 @@ class SampleConsumer:
         self.metadata_timeout_s = metadata_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.expected_partitions = expected_partitions
+        self.recheck_after_pause_s = recheck_after_pause_s
         self._kwargs = client_kwargs(bootstrap_servers, security_kwargs, client_id)
         # "none": aiokafka raises OffsetOutOfRangeError instead of jumping to the log
         # start or end (a loss it would only log at INFO); the start positions are
         # sought explicitly in _assign_and_seek.
+        # read_committed: records of an aborted transaction are never handed over
+        # (aiokafka's default, read_uncommitted, trains them).
         self._kwargs.update(group_id=group_id, enable_auto_commit=False,
-                            auto_offset_reset="none",
+                            auto_offset_reset="none", isolation_level="read_committed",
+                            metadata_max_age_ms=DEFAULT_METADATA_MAX_AGE_MS,
                             fetch_max_wait_ms=fetch_max_wait_ms,
                             max_partition_fetch_bytes=max_message_bytes)
         self._kwargs.update(consumer_kwargs)
@@ -135,10 +153,14 @@ class SampleConsumer:
         self._held: set[int] = set()             # partitions never to be read (hold())
         self._lost: dict[int, int] = {}          # messages lost (accepted), per partition
         self._accepted: list[DataLoss] = []      # the latest accepted losses (bounded)
+        self._last: dict[int, ConsumerRecord] = {}  # the last record handed over
+        self._paused_at: dict[int, float] = {}   # when each paused partition was paused
+        self._recheck: set[int] = set()          # compare the record below before reading
+        self._added: dict[int, int] = {}         # adopted partitions not yet taken
         self.num_partitions = 0
         self._counts = dict(records=0, bytes=0, commits=0, commit_failures=0,
                             commits_skipped=0, offsets_lost=0, data_loss_events=0,
-                            fingerprint_mismatches=0)
+                            fingerprint_mismatches=0, partitions_added=0)
 
     @classmethod
     def from_config(cls, kafka: Any, *, replica_index: int, replica_size: int,
@@ -438,14 +460,37 @@ class SampleConsumer:
             elif position > end[tp]:
                 loss = DataLoss(self.topic, tp.partition, position, end[tp], "truncated", skip)
                 resume = end[tp]
-            else:   # in range again (a leader change): fetch it again
+            else:   # in range again: a leader change, or the topic created again since
                 log.warning("%s/%d: offset %d was out of range, and is not any more",
                             self.topic, tp.partition, position)
+                self._recheck.add(tp.partition)
                 consumer.seek(tp, position)
                 continue
             if self._lose(loss):
                 consumer.seek(tp, resume)
                 self._next[tp.partition] = resume
+
+    async def _recheck_below(self, partitions: list[int]) -> None:
+        """Stop (or, with ``on_data_loss="skip"``, count) each of ``partitions`` whose
+        record below its position is not the last one handed over any more
+        (``recheck_after_pause_s``; one side client for all of them). The topic deleted and created again (a broker back
+        without its data) and refilled past the position meanwhile is in range too, and
+        reading on would never train the new records below it. A mismatch is a loss of
+        cause ``"recreated"`` (``on_data_loss="skip"`` counts it and reads on)."""
+        self._recheck.difference_update(partitions)
+        below = {p: Fingerprint.of(self._last[p]) for p in partitions
+                 if p in self._last and self._last[p].offset == self._next[p] - 1}
+        if not below:
+            return
+        tps = [self._tps[p] for p in below]
+        begin, _ = await self._log_bounds(self._live(), tps)
+        losses = await recreated(self._kwargs, self.topic,
+                                 {p: fp.offset + 1 for p, fp in below.items()}, below,
+                                 {tp.partition: b for tp, b in begin.items()},
+                                 skip=self.on_data_loss == "skip",
+                                 timeout_s=self._fingerprint_timeout_s)
+        for loss in losses:
+            self._lose(loss)
 
     async def getmany(self, timeout_ms: int = 100,
                       max_records: int | None = None) -> dict[int, list[ConsumerRecord]]:
@@ -459,6 +504,9 @@ class SampleConsumer:
             KafkaUnavailable: no broker has answered for ``broker_timeout_s``.
         """
         consumer = self._live()
+        found = consumer._client.cluster.partitions_for_topic(self.topic) or ()
+        if len(found) > self.num_partitions:
+            self._adopt(consumer, len(found))
         try:
             fetched = await consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
         except OffsetOutOfRangeError as e:
@@ -466,6 +514,10 @@ class SampleConsumer:
             await self._out_of_range(e)
             return {}
         out: dict[int, list[ConsumerRecord]] = {}
+        recheck = [tp.partition for tp, records in fetched.items()
+                   if records and tp.partition in self._recheck]
+        if recheck:
+            await self._recheck_below(recheck)
         for tp, records in fetched.items():
             p = tp.partition
             if not records or p in self._stopped or p in self._held:
@@ -476,6 +528,7 @@ class SampleConsumer:
                 if not records:
                     continue
             self._next[p] = records[-1].offset + 1
+            self._last[p] = records[-1]
             out[p] = records
             self._counts["records"] += len(records)
             self._counts["bytes"] += sum(r.serialized_value_size for r in records)
@@ -484,6 +537,45 @@ class SampleConsumer:
         else:
             await self._watch.check(consumer._client, self.topic)
         return out
+
+    def _adopt(self, consumer: AIOKafkaConsumer, num_partitions: int) -> None:
+        """The topic grew to ``num_partitions`` (CreatePartitions while the job runs):
+        read the new partitions this replica owns (``p % replica_size``: no partition
+        changes owner) from offset 0. Every record of them was written after this
+        consumer started, so none may be skipped; one the broker no longer has is a
+        loss like any other (``on_data_loss``). The others keep their positions and
+        pauses."""
+        old, self.num_partitions = self.num_partitions, num_partitions
+        self._counts["partitions_added"] += num_partitions - old
+        new = [p for p in static_partitions(num_partitions, self.replica_index,
+                                            self.replica_size) if p not in self._tps]
+        log.warning("%r grew from %d to %d partitions while it was read; replica %d reads "
+                    "its new partitions %s from offset 0%s", self.topic, old, num_partitions,
+                    self.replica_index, new,
+                    "" if self.expected_partitions in (None, num_partitions) else
+                    f" (a restart refuses the topic until kafka.num_partitions is "
+                    f"{num_partitions})")
+        if not new:
+            return
+        paused = {tp.partition for tp in consumer.paused()}
+        all_paused = bool(self._tps) and paused >= set(self._tps)
+        for p in new:
+            self._tps[p] = TopicPartition(self.topic, p)
+            self._next[p] = self._added[p] = 0
+        # assign() forgets positions and pauses (and drops what was fetched but not
+        # handed over): every partition goes back to where the next record is owed.
+        consumer.assign(list(self._tps.values()))
+        for p, tp in self._tps.items():
+            consumer.seek(tp, self._next[p])
+        again = paused | (set(new) if all_paused else set())
+        if again:
+            consumer.pause(*(self._tps[p] for p in again))
+
+    def take_added(self) -> dict[int, int]:
+        """Partitions added to the topic and adopted since the last call, with the offset
+        each starts at (a worker's checkpoint frontier tracks them from there)."""
+        added, self._added = self._added, {}
+        return added
 
     def _after_gaps(self, p: int, records: list[ConsumerRecord],
                     holes: list[tuple[int, int]]) -> list[ConsumerRecord]:
@@ -498,14 +590,24 @@ class SampleConsumer:
 
     def pause(self, partitions: Iterable[int] | None = None) -> None:
         """Stop fetching ``partitions`` (all owned ones when None) until resumed."""
-        self._live().pause(*self._owned(partitions))
+        tps = self._owned(partitions)
+        now = time.monotonic()
+        for tp in tps:
+            self._paused_at.setdefault(tp.partition, now)
+        self._live().pause(*tps)
 
     def resume(self, partitions: Iterable[int] | None = None) -> None:
         """Fetch ``partitions`` again (all owned ones when None), except those stopped on
-        a data loss or held: nothing resumes them."""
-        self._live().resume(*(tp for tp in self._owned(partitions)
-                              if tp.partition not in self._stopped
-                              and tp.partition not in self._held))
+        a data loss or held: nothing resumes them. One paused for
+        ``recheck_after_pause_s`` or longer is checked before it is read on."""
+        tps = [tp for tp in self._owned(partitions)
+               if tp.partition not in self._stopped and tp.partition not in self._held]
+        now = time.monotonic()
+        for tp in tps:
+            since = self._paused_at.pop(tp.partition, None)
+            if since is not None and now - since >= self.recheck_after_pause_s:
+                self._recheck.add(tp.partition)
+        self._live().resume(*tps)
 
     def hold(self, partitions: Iterable[int]) -> None:
         """Never read ``partitions`` again (their stream would replay data the embedding
@@ -585,9 +687,12 @@ class SampleConsumer:
     #: and ``broker_down_seconds`` are levels. ``offsets_lost``: messages lost and
     #: accepted (``on_data_loss="skip"``); ``data_loss_events``: losses detected,
     #: accepted or not; ``fingerprint_mismatches``: starts at stored offsets whose record
-    #: below did not match the checkpoint's fingerprint, accepted (a recreated topic).
+    #: below did not match the checkpoint's fingerprint (or, while reading, the last
+    #: record read: ``recheck_after_pause_s``), accepted (a recreated topic);
+    #: ``partitions_added``: partitions the topic gained while it was read.
     COUNTERS = frozenset({"records", "bytes", "commits", "commit_failures", "commits_skipped",
-                          "offsets_lost", "data_loss_events", "fingerprint_mismatches"})
+                          "offsets_lost", "data_loss_events", "fingerprint_mismatches",
+                          "partitions_added"})
 
     def stats(self) -> dict[str, float]:
         """Counts and levels for metrics (``RoleMetrics.add_callback``; see :attr:`COUNTERS`)."""

@@ -37,6 +37,11 @@ restore path (the API's, ``load_checkpoint``, ``reset_stream``) sends the manife
 fingerprints with its offsets, and the consumer compares them where it checks any stored
 offset (``SampleConsumer._plan``).
 
+While reading, the consumer makes the same comparison against the last record it handed
+over, for a partition resumed after a long pause or found out of range and then in range
+again (``SampleConsumer(recheck_after_pause_s=...)``): a topic re-created under a running
+job and refilled past its position.
+
 ``on_data_loss`` decides because a recreated topic is data the job would lose (the new
 records below the offsets): ``fail`` refuses, as it refuses offsets retention deleted;
 ``skip`` is the operator's "go on regardless".

@@ -9,15 +9,18 @@ offsets away from a consumer, and none may pass silently:
   built with ``auto_offset_reset="none"`` so that aiokafka raises it instead of jumping.
 - **gap**: a record's offset is not the one after its predecessor's. Non-transactional
   producers on a non-compacted topic write contiguous offsets, which is what
-  stream-persia's producers do (idempotent, not transactional). Transaction markers
-  and compaction leave holes that are not lost samples: on such topics set
+  stream-persia's producers do (idempotent, not transactional). Transaction markers,
+  the records of aborted transactions (never read: the consumer reads committed records
+  only) and compaction leave holes that are not lost samples: on such topics set
   ``on_data_loss: skip`` (each hole is then counted as lost).
 - **truncated**: the position is beyond the partition's end (the log was truncated by an
   unclean leader election, or the topic deleted and created again).
 - **recreated**: a checkpoint's stored offset is within the log, but the record below it
   is not the one the checkpoint recorded (the topic was deleted and created again, and
   has grown past the offset since; :mod:`stream_persia.kafka.fingerprint`). Starting
-  there would never train the new topic's records below it.
+  there would never train the new topic's records below it. The same while reading: a
+  position found out of range and then in range again is checked against the last
+  record read (a broker back without its data, refilled past the position since).
 
 What happens then is the ``kafka.on_data_loss`` setting:
 
@@ -83,7 +86,8 @@ class DataLoss:
         where = f"{self.topic}/{self.partition}"
         if self.cause == "recreated":
             return (f"{where}: the record at offset {self.first - 1} is not the one the "
-                    f"checkpoint recorded ({self.detail}): the topic was deleted and created "
+                    f"checkpoint recorded, or the one read there ({self.detail}): the topic "
+                    f"was deleted and created "
                     f"again (or this is another cluster's): starting at offset {self.first} would "
                     f"never train the records below it")
         if self.cause == "truncated" or self.resume is None:

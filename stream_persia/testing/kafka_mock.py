@@ -143,6 +143,7 @@ def _bind(lib: ctypes.CDLL) -> None:
         "rd_kafka_mock_cluster_destroy": ([vp], None),
         "rd_kafka_mock_cluster_bootstraps": ([vp], cp),
         "rd_kafka_mock_topic_create": ([vp, cp, i, i], i),
+        "rd_kafka_mock_topic_delete": ([vp, cp], i),
         "rd_kafka_mock_group_initial_rebalance_delay_ms": ([vp, ctypes.c_int32], None),
         "rd_kafka_mock_broker_set_rtt": ([vp, ctypes.c_int32, i], i),
         "rd_kafka_mock_broker_set_down": ([vp, ctypes.c_int32], i),
@@ -193,6 +194,8 @@ class _Cluster:
                 err = self.lib.rd_kafka_mock_topic_create(self.mc, args[0].encode(),
                                                           int(args[1]), 1)
                 return "ok exists" if err == _TOPIC_ALREADY_EXISTS else self._result(err)
+            if cmd == "delete_topic" and len(args) == 1:
+                return self._result(self.lib.rd_kafka_mock_topic_delete(self.mc, args[0].encode()))
             if cmd == "set_rtt" and len(args) == 2:
                 return self._result(self.lib.rd_kafka_mock_broker_set_rtt(
                     self.mc, int(args[0]), int(args[1])))
@@ -365,6 +368,12 @@ class MockKafkaCluster(BrokerProcess):
             raise ConfigError(f"partitions must be >= 1, got {partitions}",
                               field="partitions")
         return self._command(f"create_topic {name} {partitions}") != "ok exists"
+
+    def delete_topic(self, name: str) -> None:
+        """Delete a topic and its data (a topic created again under the name starts
+        empty, with the partitions it is created with: the way a test grows a topic,
+        since the mock answers no CreatePartitions)."""
+        self._command(f"delete_topic {name}")
 
     def set_rtt(self, rtt_ms: int, broker_id: int = -1) -> None:
         """Delay every broker response by ``rtt_ms`` (``broker_id=-1``: all brokers)."""

@@ -59,6 +59,11 @@ class Frontier:
         self._parts: dict[int, _Partition] = {
             p: _Partition(o) for p, o in (start_offsets or {}).items()}
 
+    def track(self, partition: int, offset: int) -> None:
+        """Track ``partition`` from ``offset`` before anything is read from it (one added
+        to the topic while it is read): the cut then records it; a no-op when tracked."""
+        self._parts.setdefault(partition, _Partition(offset))
+
     def read(self, partition: int, offset: int) -> None:
         """Record that the batch at ``offset`` was read and is now pending."""
         part = self._parts.get(partition)

@@ -15,6 +15,11 @@ silently: by default the consumer stops that partition and the status reports it
 (``kafka.stopped``); the others go on, and the frontier of the stopped one stays where
 the loss starts (:mod:`stream_persia.kafka.loss`).
 
+Partitions added to the topic while it is read (the consumer adopts its new ones:
+:meth:`SampleConsumer.take_added <stream_persia.kafka.SampleConsumer.take_added>`) are
+tracked in the frontier from their start offset before anything is read from them, so a
+checkpoint cut records them from then on.
+
 Failure: when no broker answers for ``kafka.broker_timeout_ms`` (while waiting for
 records, or while retrying a dead letter), the ingest task ends with
 :class:`~stream_persia.kafka.liveness.KafkaUnavailable` naming the bootstrap servers
@@ -243,6 +248,8 @@ class KafkaIngest:
                     self.consumer.resume()
                 records = await self.consumer.getmany(timeout_ms=200,
                                                       max_records=self.max_records)
+                for partition, offset in self.consumer.take_added().items():
+                    worker.frontier.track(partition, offset)
                 for partition, recs in records.items():
                     for rec in recs:
                         await self._one(partition, rec)

@@ -198,6 +198,9 @@ __all__ = ["EmbeddingWorker", "PendingBatch"]
 SERVERS_LOST = "embedding-servers"
 #: How long ``health`` waits for a lost server to say whether it was restored since.
 HEALTH_PROBE_MS = 1000
+#: How far ahead of the worker's clock a batch's event time may be (clock skew, time
+#: zones); one further ahead is refused (``prepare``; Kafka ingest dead-letters it).
+MAX_EVENT_TIME_AHEAD_S = 86_400.0
 
 
 @dataclass(eq=False)
@@ -409,8 +412,20 @@ class EmbeddingWorker:
         ingest dead-lettered it).
 
         Raises:
-            BadInput: unknown slot, disagreeing batch sizes (names the field).
+            BadInput: unknown slot, disagreeing batch sizes (names the field), or an
+                event time more than ``MAX_EVENT_TIME_AHEAD_S`` ahead of this worker's
+                clock (milliseconds sent as seconds, say): watermarks only go up, so one
+                such batch would claim every ``ingested`` and ``trained`` watermark,
+                checkpoint and served answer after it as trained through that time.
         """
+        ahead = (batch.event_time or 0.0) - time.time()
+        if ahead > MAX_EVENT_TIME_AHEAD_S:
+            raise BadInput(f"batch.event_time {batch.event_time!r} is {ahead / 86_400:,.1f} "
+                           f"days ahead of this worker's clock (at most "
+                           f"{MAX_EVENT_TIME_AHEAD_S / 3600:g} h is accepted)",
+                           field="batch.event_time",
+                           hint="seconds since the Unix epoch, like time.time(), not "
+                                "milliseconds")
         plan = plan_batch(batch.id_type_features, self.schema,
                           requires_grad=batch.requires_grad, csr_checked=True)
         batch_id = self._seq * self.replica_size + self.replica_index
@@ -775,10 +790,14 @@ class EmbeddingWorker:
         # Every server still the process this worker trained through? A checkpoint must
         # not record a restarted server's empty table as trained (``lost``).
         await self.router.verify()
-        return {"stream": "kafka" if self.kafka is not None else "direct",
-                "offsets": {str(p): o for p, o in self.frontier.offsets().items()},
-                "inflight": len(self.inflight), "pending": self.frontier.pending(),
-                "failed": self.pushes.failed(), "lost": self._lost_servers()}
+        reply: FrontierReply = {
+            "stream": "kafka" if self.kafka is not None else "direct",
+            "offsets": {str(p): o for p, o in self.frontier.offsets().items()},
+            "inflight": len(self.inflight), "pending": self.frontier.pending(),
+            "failed": self.pushes.failed(), "lost": self._lost_servers()}
+        if self.kafka is not None and self.kafka.consumer.num_partitions:
+            reply["topic_partitions"] = self.kafka.consumer.num_partitions
+        return reply
 
     @staticmethod
     def _offsets_param(params: Any) -> dict[int, int]:

@@ -90,6 +90,22 @@ def test_topics_and_partitions_must_agree():
         stream_cut([{**direct(), "stream": "files"}])
 
 
+def test_a_partition_no_worker_reads_refuses_the_cut_naming_it():
+    # Workers started with --replica-size 2 and 3: partition 3 of 4 is nobody's.
+    fronts = [kafka({"0": 5, "2": 1}, topic_partitions=4), kafka({"1": 2}, topic_partitions=4)]
+    with pytest.raises(Misuse, match=r"partitions \[3\] of 't' \(4 partitions\) are read by "
+                                     r"no embedding worker \(embedding worker 0 reads \[0, 2\]; "
+                                     r"embedding worker 1 reads \[1\]\)"):
+        stream_cut(fronts, ["t", "t"])
+    # The workers' consumers learn of added partitions at different times: only those
+    # every worker knows of must be read (worker 0 does not know of partition 3 yet).
+    fronts = [kafka({"0": 5, "2": 0}, topic_partitions=3), kafka({"1": 2}, topic_partitions=4)]
+    assert stream_cut(fronts, ["t", "t"]).partitions == {"0": 5, "1": 2, "2": 0}
+    fronts[0]["topic_partitions"] = 4
+    with pytest.raises(Misuse, match=r"partitions \[3\]"):
+        stream_cut(fronts, ["t", "t"])
+
+
 async def test_read_cut_asks_for_the_topic_only_with_kafka():
     asked: list[str] = []
 

@@ -1,0 +1,259 @@
+"""The samples topic changing under a running job, and records a hostile producer writes,
+against the real mock broker.
+
+- Partitions added while the job runs (``kafka-topics --alter --partitions``): each new
+  partition is read, from offset 0, by the one worker that owns it (``p mod W``), counted,
+  and from then on in the worker's checkpoint frontier. The mock answers no
+  CreatePartitions, so a test grows a topic nothing was written to yet by deleting it and
+  creating it again with more partitions: to consumers at offset 0 everywhere that is the
+  same metadata change.
+- The topic deleted and created again (a broker back without its data) and refilled
+  past a partition's position while it was not read: the position is in range again,
+  but the record below it is another; the partition stops on it (or counts it, with
+  ``on_data_loss="skip"``), rather than read on and never train the new records below.
+- Records of an aborted transaction are never read (``read_committed``; neither test
+  broker filters them: the mock hands aborted records to read_committed consumers and its
+  transaction markers fail aiokafka's CRC check, Tansu refuses InitProducerId, so only the
+  setting is checked, with reads through it on the real broker).
+- Workers started with different ``--replica-size`` leave a partition nobody reads: the
+  checkpoint cut is refused naming it (the workers' ``frontier`` replies carry the
+  topic's partition count).
+- A batch whose event time is far ahead of the worker's clock (milliseconds written as
+  seconds) is dead-lettered and counted, never trained (a null record too): watermarks only go up, so it
+  would have claimed every later checkpoint and answer trained through that time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from test_kafka_loss import Worker, bounded, ingest_factory, serve_all
+
+from stream_persia.checkpoint import stream_cut
+from stream_persia.config import KafkaConfig
+from stream_persia.embedding import EmbeddingConfig
+from stream_persia.embedding.optim import SGD
+from stream_persia.errors import Misuse
+from stream_persia.kafka import DeadLetterWriter, SampleConsumer, parse_dead_letter
+from stream_persia.server.service import EmbeddingServer
+from stream_persia.testing.kafka_mock import MockKafkaCluster
+from stream_persia.testing.samples import SCHEMA, make_batch
+from stream_persia.worker.ingest import KafkaIngest
+from stream_persia.worker.service import EmbeddingWorker
+
+pytestmark = [pytest.mark.timeout(90), pytest.mark.kafka]
+
+REFRESH_MS = 300   # the consumers' metadata refresh (30 s by default)
+
+
+async def produce_one_each(bootstrap: str, topic: str, values: dict[int, bytes]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await bounded(producer.start())
+    try:
+        for partition, value in values.items():
+            await producer.send_and_wait(topic, value, partition=partition)
+    finally:
+        await producer.stop()
+
+
+async def read_until(consumers: list[SampleConsumer], n: int, seconds: float = 10.0
+                     ) -> list[dict[int, list[int]]]:
+    got: list[dict[int, list[int]]] = [{} for _ in consumers]
+    deadline = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < deadline:
+        for consumer, mine in zip(consumers, got, strict=True):
+            for p, recs in (await consumer.getmany(timeout_ms=50)).items():
+                mine.setdefault(p, []).extend(r.offset for r in recs)
+        if sum(len(offsets) for mine in got for offsets in mine.values()) >= n:
+            break
+    return got
+
+
+def grow(cluster: MockKafkaCluster, topic: str, partitions: int) -> None:
+    cluster.delete_topic(topic)
+    cluster.create_topic(topic, partitions)
+
+
+async def test_partitions_added_while_reading_are_read_from_offset_0_by_their_owner():
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("grow", 2)
+        consumers = [SampleConsumer(cluster.bootstrap_servers, "grow", replica_index=i,
+                                    replica_size=2, metadata_max_age_ms=REFRESH_MS)
+                     for i in (0, 1)]
+        try:
+            for c in consumers:
+                await bounded(c.start())
+            assert await read_until(consumers, 1, seconds=0.5) == [{}, {}]
+            grow(cluster, "grow", 5)
+            await produce_one_each(cluster.bootstrap_servers, "grow",
+                                   {p: b"v%d" % p for p in range(5)})
+            got = await read_until(consumers, 5)
+            # Every partition read once, by its owner, from its first record.
+            assert got == [{0: [0], 2: [0], 4: [0]}, {1: [0], 3: [0]}]
+            assert [c.partitions for c in consumers] == [[0, 2, 4], [1, 3]]
+            assert [c.num_partitions for c in consumers] == [5, 5]
+            assert [c.stats()["partitions_added"] for c in consumers] == [3, 3]
+            assert [c.stats()["partitions"] for c in consumers] == [3, 2]
+            assert [await c.lag() for c in consumers] == [{0: 0, 2: 0, 4: 0}, {1: 0, 3: 0}]
+        finally:
+            for c in consumers:
+                await c.stop()
+
+
+async def test_a_partition_added_under_a_worker_is_trained_and_in_its_checkpoint_frontier():
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("job", 1)
+        cluster.create_topic("job.dlq", 1)
+        cfg = KafkaConfig(bootstrap_servers=cluster.bootstrap_servers, samples_topic="job")
+        async with Worker() as worker:
+            make = ingest_factory(worker, cfg)
+
+            def ingest(start_offsets):
+                made = make(start_offsets)
+                made.consumer._kwargs["metadata_max_age_ms"] = REFRESH_MS
+                return made
+
+            await bounded(worker.start_kafka_ingest(ingest))
+            assert worker.frontier.offsets() == {0: 0}
+            grow(cluster, "job", 2)
+            # Tracked before anything is read from it: a cut now records it at 0.
+            deadline = time.monotonic() + 10
+            while 1 not in worker.frontier.offsets() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert worker.frontier.offsets() == {0: 0, 1: 0}
+            assert (await worker._frontier({}))["topic_partitions"] == 2
+            await produce_one_each(cluster.bootstrap_servers, "job",
+                                   {1: make_batch(1).to_bytes(), 0: make_batch(0).to_bytes()})
+            assert len(await serve_all(worker, 2)) == 2
+            status = await worker._status({})
+            assert status["frontier"] == {"0": 1, "1": 1}       # the cut has partition 1
+            assert status["kafka"]["partitions"] == [0, 1]
+            metrics = worker.metrics.render().decode()
+            assert "persia_embedding_worker_kafka_consumer_partitions_added_total 1.0" in \
+                metrics
+
+
+async def test_batches_from_the_far_future_and_null_records_are_dead_lettered_not_trained():
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("job", 1)
+        cluster.create_topic("job.dlq", 1)
+        cfg = KafkaConfig(bootstrap_servers=cluster.bootstrap_servers, samples_topic="job")
+        now = time.time()
+        producer = AIOKafkaProducer(bootstrap_servers=cluster.bootstrap_servers)
+        await bounded(producer.start())
+        try:
+            for i, t in enumerate((now - 60, now * 1000, now - 30)):
+                await producer.send_and_wait("job", make_batch(i).stamped(t).to_bytes(),
+                                             partition=0)
+            # A null value with a key and headers nobody expects.
+            await producer.send_and_wait("job", None, key=b"k", partition=0,
+                                         headers=[("h", b"x")])
+        finally:
+            await producer.stop()
+        async with Worker() as worker:
+            await bounded(worker.start_kafka_ingest(ingest_factory(worker, cfg)))
+            metas = await serve_all(worker, 2)
+            assert metas == [b"batch-0", b"batch-2"]
+            deadline = time.monotonic() + 10
+            while worker.frontier.offsets() != {0: 4} and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert worker.frontier.offsets() == {0: 4}           # settled, never replayed
+            assert worker.watermarks()["ingested"] == pytest.approx(now - 30)
+            metrics = worker.metrics.render().decode()
+            assert 'batches_rejected_total{reason="BadInput"} 2.0' in metrics
+        dlq = SampleConsumer(cluster.bootstrap_servers, "job.dlq")
+        records = []
+        try:
+            await bounded(dlq.start())
+            deadline = time.monotonic() + 10
+            while len(records) < 2 and time.monotonic() < deadline:
+                records += (await dlq.getmany(timeout_ms=100)).get(0, [])
+        finally:
+            await dlq.stop()
+        letter, null = map(parse_dead_letter, records)
+        assert (letter.source_partition, letter.source_offset) == (0, 1)
+        assert "batch.event_time" in letter.reason and "days ahead" in letter.reason
+        assert (null.source_offset, null.key, null.value) == (3, b"k", b"")
+        assert "no value" in null.reason
+
+
+@pytest.mark.parametrize("mode", ["fail", "skip"])
+async def test_a_topic_created_again_and_refilled_past_the_position_is_a_loss(mode):
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("s", 1)
+        servers = cluster.bootstrap_servers
+        await produce_one_each(servers, "s", {0: b"old0"})
+        await produce_one_each(servers, "s", {0: b"old1"})
+        consumer = SampleConsumer(servers, "s", on_data_loss=mode, recheck_after_pause_s=0.5)
+        try:
+            await bounded(consumer.start())
+            assert await read_until([consumer], 2) == [{0: [0, 1]}]
+            consumer.pause()
+            grow(cluster, "s", 1)                        # empty again, then refilled
+            for i in range(4):
+                await produce_one_each(servers, "s", {0: b"new%d" % i})
+            await asyncio.sleep(0.5)
+            consumer.resume()
+            got = (await read_until([consumer], 2, seconds=3))[0]
+            stats = consumer.stats()
+            if mode == "fail":
+                assert got == {}                             # nothing of the new topic
+                (loss,) = consumer.stopped().values()
+                assert (loss.cause, loss.first) == ("recreated", 2)
+                assert (await consumer.positions())[0] == 2
+                assert stats["partitions_stopped"] == 1
+            else:
+                assert got == {0: [2, 3]}
+                assert stats["fingerprint_mismatches"] == 1
+            assert stats["data_loss_events"] == 1
+        finally:
+            await consumer.stop()
+
+
+async def test_the_consumer_and_its_side_clients_read_committed_records_only():
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("s", 1)
+        consumer = SampleConsumer(cluster.bootstrap_servers, "s")
+        assert consumer._kwargs["isolation_level"] == "read_committed"
+        assert consumer.side_client_kwargs()["isolation_level"] == "read_committed"
+        try:
+            await bounded(consumer.start())
+            await produce_one_each(cluster.bootstrap_servers, "s", {0: b"a"})
+            assert await read_until([consumer], 1) == [{0: [0]}]
+            assert await consumer.lag() == {0: 0}   # the last stable offset is the end
+        finally:
+            await consumer.stop()
+
+
+async def test_workers_of_different_replica_sizes_leave_a_partition_and_the_cut_is_refused():
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("job", 4)
+        cluster.create_topic("job.dlq", 1)
+        cfg = KafkaConfig(bootstrap_servers=cluster.bootstrap_servers, samples_topic="job")
+        server = EmbeddingServer(10_000, SGD(lr=0.1), EmbeddingConfig((-0.5, 0.5)))
+        await server.start()
+        workers = []
+        try:
+            # Worker 1 restarted with --replica-size 3 while worker 0 kept 2.
+            for index, size in ((0, 2), (1, 3)):
+                worker = EmbeddingWorker(SCHEMA, [server.address], replica_index=index,
+                                         replica_size=size)
+                await worker.start()
+                workers.append(worker)
+
+                def make(start_offsets, worker=worker, index=index, size=size):
+                    return KafkaIngest(worker, SampleConsumer.from_config(
+                        cfg, replica_index=index, replica_size=size),
+                        DeadLetterWriter.from_config(cfg), start_offsets=start_offsets)
+                await bounded(worker.start_kafka_ingest(make))
+            fronts = [await w._frontier({}) for w in workers]
+            assert [sorted(f["offsets"]) for f in fronts] == [["0", "2"], ["1"]]
+            with pytest.raises(Misuse, match=r"partitions \[3\] of 'job'"):
+                stream_cut(fronts, ["job", "job"])
+        finally:
+            for w in workers:
+                await w.stop()
+            await server.stop()
