@@ -4,13 +4,16 @@ Starting one returns at once with an id; a background task owned by :class:`Chec
 takes it in one of two ways, both giving the consistent cut of DESIGN §7 (every batch
 consumed before it applied, none after it, offsets pointing at the first batch after it):
 
-- **NN ranks attached** (a recent heartbeat in the checkpoint mailbox on embedding worker
-  0, :mod:`stream_persia.worker.mailbox`): the request goes to the mailbox; ``TrainCtx``
-  picks it up after its next ``backward`` and every rank runs ``dump_checkpoint(dst)``
+- **NN ranks stepping** (a recent step's heartbeat in the checkpoint mailbox on embedding
+  worker 0, :mod:`stream_persia.worker.mailbox`): the request goes to the mailbox;
+  ``TrainCtx`` picks it up after its next ``backward`` (with one rank, also while its
+  DataLoader waits for a batch) and every rank runs ``dump_checkpoint(dst)``
   at that same step, exactly as a checkpoint taken from ``train.py``. The API follows
   the progress rank 0 reports. When the ranks stop training before taking it (their
   context exits, or no step ends within the pickup time), the API takes it as below.
-- **No NN rank attached**: nothing is training, so the API takes the cut itself. It checks
+- **No NN rank stepping** (none attached, or rank 0 alive but between steps: waiting for
+  a paused stream with several ranks, evaluating): nothing is training, so the API takes
+  the cut itself. It checks
   that no batch is in flight on any worker, has every server dump its shard, checks again
   that nothing trained meanwhile (no batch in flight, no update applied, no row admitted
   or evicted), and commits with the workers' frontier offsets. When the newest
@@ -28,7 +31,8 @@ schema, :mod:`stream_persia.checkpoint.digest`).
 Restore refuses a checkpoint whose ``config_digest`` is not this job's embedding schema
 (409 naming what differs; one without a digest is restored unchecked). It loads the
 embedding rows into every server (any server count) and resets every
-worker's stream to the checkpoint's offsets; it refuses while NN rank 0 heartbeats or
+worker's stream to the checkpoint's offsets; it refuses while NN rank 0 heartbeats (any
+heartbeat, stepping or only alive) or
 batches are in flight, since NN ranks that are training would keep their own dense state. Batches whose push
 failed and embedding servers that restarted (their tables lost) do not stop it: a restore
 is the way back from both. NN ranks load the
@@ -392,7 +396,10 @@ class Checkpoints:
     async def _drive(self, job: CheckpointJob) -> None:
         try:
             hb = await self.training()
-            if hb is not None and hb.get("attached"):
+            # A rank that steps takes it at its next step; one alive but not stepping
+            # (waiting for a paused stream with several ranks, evaluating) trains nothing:
+            # the API cuts it now (the cut is refused if training moves meanwhile).
+            if hb is not None and hb.get("stepping", hb.get("attached")):
                 job.by = "nn"
                 await asyncio.wait_for(self._through_nn(job), self.timeout_s)
                 if job.state == "failed" and job.step is None:

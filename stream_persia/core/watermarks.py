@@ -172,8 +172,9 @@ def parse_cut(value: Any) -> dict[str, dict[int, int]]:
     return cut
 
 
-#: The most characters of a fingerprint's digest kept (it is 16 hex chars today).
-MAX_DIGEST_CHARS = 64
+#: Hex characters of a fingerprint's digest (:mod:`stream_persia.kafka.fingerprint`,
+#: which takes it from here: the server checks what the worker will read).
+FINGERPRINT_DIGEST_HEX = 16
 
 
 def parse_cut_fingerprints(value: Any) -> dict[str, dict[int, dict[str, Any]]]:
@@ -201,11 +202,13 @@ def parse_cut_fingerprints(value: Any) -> dict[str, dict[int, dict[str, Any]]]:
             ok = (isinstance(d, dict) and set(d) == {"offset", "timestamp", "digest"}
                   and all(isinstance(d[k], int) and not isinstance(d[k], bool)
                           for k in ("offset", "timestamp"))
-                  and isinstance(d["digest"], str)
-                  and 0 < len(d["digest"]) <= MAX_DIGEST_CHARS)
+                  and d["offset"] >= 0 and isinstance(d["digest"], str)
+                  and len(d["digest"]) == FINGERPRINT_DIGEST_HEX
+                  and all(c in "0123456789abcdef" for c in d["digest"]))
             if not ok:
-                raise BadInput(f"{at} must be {{'offset': int, 'timestamp': int, 'digest': "
-                               f"str}}, got {str(d)[:120]}", field=at)
+                raise BadInput(f"{at} must be {{'offset': int >= 0, 'timestamp': int, "
+                               f"'digest': {FINGERPRINT_DIGEST_HEX} hex chars}}, got "
+                               f"{str(d)[:120]}", field=at)
             out.setdefault(topic, {})[_partition_key(p, at)] = dict(d)
     return out
 

@@ -65,6 +65,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 
+from stream_persia.core.watermarks import FINGERPRINT_DIGEST_HEX
 from stream_persia.errors import BadInput
 from stream_persia.kafka.liveness import KafkaUnavailable, servers_text, start_client, stop_client
 from stream_persia.kafka.loss import DataLoss
@@ -74,7 +75,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Fingerprint", "RECREATED_HINT", "read_records", "parse_fingerprints", "take",
            "recreated"]
 
-DIGEST_HEX = 16          # 64 bits of sha256: a collision by chance is not a concern
+DIGEST_HEX = FINGERPRINT_DIGEST_HEX   # 64 bits of sha256: no collision by chance
 FINGERPRINT_TIMEOUT_S = 5.0
 RECREATED_HINT = ("restore a checkpoint taken of this topic (on this cluster), or train the "
                   "new topic from its start on purpose (a fresh job, or the checkpoint's "

@@ -30,6 +30,10 @@ __all__ = ["NnCheckpointPoller"]
 
 log = logging.getLogger(__name__)
 
+#: Seconds between two liveness heartbeats of rank 0 while no step sends one (a paused
+#: stream, evaluation, a slow step): well inside the mailbox's attached window (10 s).
+LIVENESS_EVERY_S = 2.0
+
 #: Least seconds between two reads of rank 0's progressive figures for the heartbeat.
 PROGRESSIVE_EVERY_S = 2.0
 
@@ -89,6 +93,8 @@ class NnCheckpointPoller:
         self._sent = -math.inf
         self._inflight: Any = None     # the heartbeat future in flight, if any
         self._keepalive: Any = None    # rank 0: the keepalive future while a checkpoint runs
+        self._liveness: Any = None     # rank 0: the liveness heartbeats' future while attached
+        self._attached = False         # rank 0: between attach() and detach()
         self._figures: dict[str, Any] | None = None   # rank 0's last progressive figures
         self._figures_at = -math.inf
         self._relay_figures = True     # rank 0: False once worker 0 refused the figures
@@ -99,9 +105,44 @@ class NnCheckpointPoller:
 
     # ------------------------------------------------------------------ heartbeats
     def attach(self) -> None:
-        """Tell the mailbox (rank 0, in the background) that the ranks are training."""
+        """Tell the mailbox (rank 0, in the background) that the ranks are training, and
+        keep telling it while no step does (:meth:`_keep_attached`)."""
         if self._rank0:
+            self._attached = True
             self._send_heartbeat()
+            cluster = self.ctx.require_cluster()
+            self._liveness = cluster.loop.submit(self._keep_attached(cluster))
+
+    async def _keep_attached(self, cluster: Any) -> None:
+        """Rank 0's liveness, from its RPC loop thread: a ``waiting`` heartbeat every
+        :data:`LIVENESS_EVERY_S` that the training thread sent none (evaluation, user code
+        between loops, a slow step). Heartbeats came only from steps, so a rank doing
+        anything else for longer than the mailbox's attached window looked gone, and the
+        API restored a checkpoint under it: it trained on with its own dense model over
+        the restored rows. A ``waiting`` heartbeat says the process is alive but not at a
+        step boundary: restores stay refused, while checkpoints are cut by the API at
+        once (nothing trains) instead of waiting for a step. It relays nothing (the
+        freshness figures and ``persia_nn_heartbeat_age_seconds`` stay those of the
+        training thread: a stuck step still ages them) and never attaches a rank the
+        mailbox marked detached."""
+        while self._attached and self.enabled:
+            await asyncio.sleep(LIVENESS_EVERY_S)
+            if not self._attached or not self.enabled \
+                    or time.monotonic() - self._sent < LIVENESS_EVERY_S \
+                    or (self._inflight is not None and not self._inflight.done()):
+                continue
+            try:
+                await cluster.workers[0].call("nn_heartbeat", {
+                    "rank": 0, "world_size": int(self.ctx.world_size),
+                    "step": int(self.ctx.steps), "waiting": True})
+            except PersiaError as e:   # the next one may get through; training decides
+                log.debug("checkpoint mailbox liveness heartbeat failed: %r", e)
+
+    def _stop_liveness(self) -> None:
+        self._attached = False
+        if self._liveness is not None:
+            self._liveness.cancel()
+            self._liveness = None
 
     def _heartbeat_params(self) -> dict[str, Any]:
         params: dict[str, Any] = {"rank": 0, "world_size": int(self.ctx.world_size),
@@ -123,11 +164,14 @@ class NnCheckpointPoller:
         self._figures_at = now
         return pv.state(), pv.window_samples
 
-    def _send_heartbeat(self) -> None:
+    def _send_heartbeat(self, *, at_step: bool = True) -> None:
         self._sent = time.monotonic()
         cluster = self.ctx.require_cluster()
+        params = self._heartbeat_params()
+        if not at_step:
+            params["at_step"] = False
         self._inflight = cluster.loop.submit(self._heartbeat(
-            cluster, self._heartbeat_params(), self._progressive_state()))
+            cluster, params, self._progressive_state()))
 
     async def _heartbeat(self, cluster: Any, params: dict[str, Any],
                          state: tuple[list[dict[str, Any]], int] | None = None) -> None:
@@ -275,19 +319,17 @@ class NnCheckpointPoller:
 
     def idle(self) -> None:
         """The DataLoader waits for a batch (``TrainCtx.stream_idle``, every ``POLL_S``
-        without one): rank 0 goes on heartbeating. Heartbeats came only at step
-        boundaries, so a stream paused for longer than the mailbox's attached window made
-        a live rank look gone, and the API then restored a checkpoint under it (the rank
-        went on with its own dense model over the restored rows and rewound stream). With
-        one rank this is a step boundary too (the last batch's ``backward`` is done and
-        untrained ones were given back): a request is taken now, dense model included,
-        not when the stream resumes. With several, it waits for the next step they agree
-        on (or the stream's end): the other ranks are not at a point where they agree."""
+        without one). With one rank this is a step boundary too (the last batch's
+        ``backward`` is done and untrained ones were given back): rank 0 heartbeats as at
+        a step and a request is taken now, dense model included, not when the stream
+        resumes. With several, the ranks are not at a point where they agree: rank 0's
+        heartbeat says so (``at_step: false``), and the API cuts a checkpoint asked for
+        meanwhile itself."""
         if self.ctx.world_size <= 1:
             self.step_boundary()
         elif self._rank0 and self.enabled and time.monotonic() - self._sent >= \
                 self.min_interval_s and (self._inflight is None or self._inflight.done()):
-            self._send_heartbeat()
+            self._send_heartbeat(at_step=False)
 
     def _claim(self, request: dict[str, Any]) -> dict[str, Any] | None:
         """Rank 0: report the request running, which makes it ours; None when the mailbox
@@ -386,6 +428,7 @@ class NnCheckpointPoller:
         """The context exits: serve a pending request (clean exit), then say goodbye."""
         if clean:
             self.serve_pending()
+        self._stop_liveness()
         if self._rank0 and self.enabled:
             self._wait_heartbeat()
             reason = ("the NN ranks finished training" if clean

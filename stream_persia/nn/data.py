@@ -20,7 +20,9 @@ and the iteration ends once every gradient push it sent was answered.
 
 Waiting. While no batch comes, the trainer's ``stream_idle`` is called every
 :data:`~stream_persia.core.lifecycle.POLL_S`: rank 0 publishes the dense model of the
-last step to serving replicas if it has not yet (a paused stream would keep it back).
+last step to serving replicas if it has not yet (a paused stream would keep it back),
+and with one rank a checkpoint requested over HTTP is taken there (the time it takes
+does not count against ``timeout_ms``).
 
 A batch whose ``backward`` was not called by the time the next batch is taken is
 released without an embedding update (logged once): otherwise it would keep its
@@ -211,14 +213,17 @@ class DataLoader:
                     ) -> PersiaTrainingBatch | None:
         """The next ready batch, None after ``timeout_s`` without one or once a stop is
         requested (looked at every :data:`~stream_persia.core.lifecycle.POLL_S`). Each
-        slice that brings no batch calls ``idle`` (the trainer's ``stream_idle``)."""
+        slice that brings no batch calls ``idle`` (the trainer's ``stream_idle``), whose
+        time does not count as waiting: a checkpoint it takes pauses the stream."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             batch = pf.get(max(0.0, min(left, POLL_S)))
             if batch is not None or left <= POLL_S or drain.requested:
                 return batch
+            began = time.monotonic()
             idle()
+            deadline += time.monotonic() - began
 
     # ------------------------------------------------------------------ lookups
     def _lookups(self, ctx: EmbeddingCtx) -> Iterator[PersiaTrainingBatch]:

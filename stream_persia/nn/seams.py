@@ -100,7 +100,8 @@ class TrainerSeam(ContextSeam, Protocol):
 
     def stream_idle(self) -> None:
         """The DataLoader waited a poll slice without a batch (a paused or slow stream):
-        publish what training holds if not yet (the dense model to serving replicas)."""
+        publish what training holds if not yet (the dense model to serving replicas) and,
+        with one rank, take a checkpoint requested over HTTP."""
         ...
 
     def raise_async_errors(self) -> None:

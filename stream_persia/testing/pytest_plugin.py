@@ -17,11 +17,12 @@
   that creates a topic with a fresh unique name.
 
 Tests that use either fixture get the ``kafka`` marker automatically, so
-``pytest -m "not kafka"`` leaves them out. On any other session broker than the mock, a
-test marked ``kafka`` that uses neither fixture is deselected (reported as such): it starts
-brokers of its own (mock clusters it can kill or refill), so it runs the same on every
-session and the mock session runs it; CI's second pass on Tansu (``-m kafka``) then runs
-only what meets Tansu. Users' own suites can load this plugin with
+``pytest -m "not kafka"`` leaves them out. On a Tansu session, a test marked ``kafka``
+that uses neither fixture is deselected (reported as such): it starts brokers of its own
+(mock clusters it can kill or refill), so the mock session runs it the same, and CI's
+second pass on Tansu (``-m kafka``) runs only what meets Tansu. One that depends on the
+session's client settings (Tansu turns producer idempotence off) is marked
+``client_settings`` and stays. ``KAFKA_BOOTSTRAP_SERVERS`` sessions deselect nothing. Users' own suites can load this plugin with
 ``pytest_plugins = ["stream_persia.testing.pytest_plugin"]``.
 """
 
@@ -156,12 +157,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.kafka)
-    if session_broker() == "mock":
+    if session_broker() != "tansu":
         return
     # Kafka tests that never reach the session broker (they start their own mock
     # clusters) ran on the mock session already: the same run again on this one proves
     # nothing about this broker.
     own = [item for item in items if item.get_closest_marker("kafka") is not None
+           and item.get_closest_marker("client_settings") is None
            and not _FIXTURES.intersection(getattr(item, "fixturenames", ()))]
     if own:
         config.hook.pytest_deselected(items=own)

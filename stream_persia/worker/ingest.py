@@ -59,7 +59,7 @@ from stream_persia.core.backoff import retry_startup, wait_bounded
 from stream_persia.core.data import PersiaBatch
 from stream_persia.errors import BadInput, Misuse, PeerUnavailable, RemoteTimeout
 from stream_persia.kafka import DeadLetterWriter, KafkaUnavailable, SampleConsumer
-from stream_persia.kafka.fingerprint import Fingerprint, parse_fingerprints
+from stream_persia.kafka.fingerprint import Fingerprint
 from stream_persia.worker.frontier import Frontier
 from stream_persia.worker.kafka_lag import PROBE_INTERVAL_S, KafkaLag
 
@@ -134,10 +134,7 @@ class KafkaIngest:
         if resumed:
             # The record below each is the one the checkpoint was cut at, or the topic was
             # recreated since the restore (KafkaDataLoss with on_data_loss: fail).
-            prints = watermarks.resume_fingerprints(marks)
-            await consumer.seek(resumed, parse_fingerprints(
-                {str(p): prints[p] for p in resumed if p in prints},
-                "watermarks.fingerprint"))
+            await consumer.seek(resumed, self._resume_fingerprints(marks, resumed))
             log.info("worker %d: partitions %s of %s resume at the cut restored into the "
                      "embedding servers (nothing applied since): %s", worker.replica_index,
                      sorted(resumed), topic, resumed)
@@ -154,6 +151,24 @@ class KafkaIngest:
         log.info("worker %d consumes %s partitions %s from %s", self.worker.replica_index,
                  self.consumer.topic, self.consumer.partitions,
                  self.worker.frontier.offsets())
+
+    def _resume_fingerprints(self, marks: Mapping[int, watermarks.PartitionMark],
+                             resumed: Mapping[int, int]) -> dict[int, Fingerprint]:
+        """The restored fingerprints of the partitions resumed at a restored cut; one a
+        server sent malformed is not checked (logged naming the server): a bad reply of
+        a peer must not keep the worker from starting."""
+        out: dict[int, Fingerprint] = {}
+        for p, raw in watermarks.resume_fingerprints(marks).items():
+            if p not in resumed:
+                continue
+            try:
+                out[p] = Fingerprint.from_dict(raw, f"watermarks.{p}.fingerprint")
+            except BadInput as e:
+                log.warning("worker %d: embedding server %d's fingerprint of %s/%d is not "
+                            "one (%s): the topic's identity there is not checked",
+                            self.worker.replica_index, marks[p].server,
+                            self.consumer.topic, p, e.message)
+        return out
 
     async def _watermarks(self) -> dict[int, watermarks.PartitionMark]:
         """The servers' stream watermarks of this topic, waiting for every server to

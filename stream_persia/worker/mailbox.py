@@ -10,9 +10,16 @@ and ``TrainCtx`` polls it through
 RPC methods (params → result):
 
 - ``nn_heartbeat {"rank", "world_size", "step", "trained"?, "progressive"?,
-  "periodic"?}`` → ``{"checkpoint": {"id", "dst", "report_every_s"} | None}``: NN rank 0
-  calls it at step boundaries and while its DataLoader waits for a batch (at most every
-  ~0.5 s: a paused stream does not make a live rank look gone). ``trained``, ``progressive`` and
+  "periodic"?, "at_step"?, "waiting"?}`` → ``{"checkpoint": {"id", "dst",
+  "report_every_s"} | None}``: NN rank 0's training thread calls it at step boundaries
+  (at most every ~0.5 s) and while its DataLoader waits for a batch: with one rank that
+  is a step boundary too, with several it says ``"at_step": false`` (it cannot take a
+  request there). Its RPC loop thread adds ``"waiting": true`` heartbeats every ~2 s that
+  the training thread sent none (evaluation, user code, a slow step, a stuck collective):
+  they relay nothing, only say the process is alive, and never attach a rank the mailbox
+  marked detached. ``nn_status`` tells them apart: ``age_s`` since the training thread's
+  last heartbeat (what ``persia_nn_heartbeat_age_seconds`` exports: a stuck step ages
+  it), ``step_age_s`` since the last one at a step boundary, ``alive_s`` since any. ``trained``, ``progressive`` and
   ``periodic`` are the figures it relays for the worker to export
   (:mod:`stream_persia.worker.nn_relay`, which validates them). The reply carries the
   pending request, again on every call until the rank
@@ -112,6 +119,13 @@ def _count(params: dict, key: str) -> int:
     return v
 
 
+def _flag(params: dict, key: str, default: bool) -> bool:
+    v = params.get(key, default)
+    if not isinstance(v, bool):
+        raise BadInput(f"{key!r} must be true or false, got {v!r}", field=key)
+    return v
+
+
 class CheckpointMailbox:
     """Server side: pending checkpoint requests and the NN ranks' heartbeats.
 
@@ -189,9 +203,18 @@ class CheckpointMailbox:
         if not isinstance(params, dict):
             raise BadInput("nn_heartbeat takes {'rank', 'world_size', 'step'}", field="params")
         rank, world, step = (_count(params, k) for k in ("rank", "world_size", "step"))
-        relay = parse_relay(params)
-        self._heartbeat = {"rank": rank, "world_size": world, "step": step,
-                           "at": self._clock(), "detached": False, "relay": relay}
+        waiting, at_step = (_flag(params, "waiting", False), _flag(params, "at_step", True))
+        now = self._clock()
+        hb = self._heartbeat
+        if waiting:   # the process is alive, training is elsewhere: liveness only
+            if hb is not None and not hb["detached"]:
+                hb.update(world_size=world, step=step, seen=now)
+        else:
+            relay = parse_relay(params)
+            kept = hb["stepped"] if hb is not None and not hb["detached"] else None
+            self._heartbeat = {"rank": rank, "world_size": world, "step": step, "at": now,
+                               "seen": now, "stepped": now if at_step else kept,
+                               "detached": False, "relay": relay}
         active = self._active()
         if active is None or active["state"] != "pending":
             return {"checkpoint": None}
@@ -243,8 +266,12 @@ class CheckpointMailbox:
         hb = self._heartbeat
         if hb is None:
             return None
+        now = self._clock()
+        stepped = hb["stepped"]
         return {"rank": hb["rank"], "world_size": hb["world_size"], "step": hb["step"],
-                "age_s": max(0.0, self._clock() - hb["at"]), "detached": hb["detached"],
+                "age_s": max(0.0, now - hb["at"]), "alive_s": max(0.0, now - hb["seen"]),
+                "step_age_s": None if stepped is None else max(0.0, now - stepped),
+                "detached": hb["detached"],
                 "trained": hb["relay"]["trained"], "progressive": hb["relay"]["progressive"],
                 "periodic": hb["relay"]["periodic"]}
 
@@ -271,7 +298,9 @@ class MailboxClient:
         self.supported: bool | None = None   # None: not probed yet
 
     async def nn_status(self) -> dict[str, Any] | None:
-        """The last heartbeat (with ``attached``), or None without a mailbox or heartbeat."""
+        """The last heartbeat, or None without a mailbox or heartbeat; with ``attached``
+        (NN rank 0 alive and training: any heartbeat within the window) and ``stepping``
+        (a step's heartbeat within it: a checkpoint request reaches a step soon)."""
         try:
             hb = await self._call("nn_status", None)
         except Misuse:          # the peer has no mailbox: RpcServer answers unknown methods
@@ -280,8 +309,13 @@ class MailboxClient:
         self.supported = True
         if not isinstance(hb, dict):
             return None
-        return {**hb, "attached": not hb.get("detached") and
-                float(hb.get("age_s", 1e9)) <= self.attached_within_s}
+        def within(key: str) -> bool:
+            value = hb.get(key, hb.get("age_s"))   # an older mailbox has age_s alone
+            return value is not None and float(value) <= self.attached_within_s
+
+        live = not hb.get("detached")
+        return {**hb, "attached": live and (within("age_s") or within("alive_s")),
+                "stepping": live and within("step_age_s")}
 
     async def request(self, ident: str, dst: str, ttl_s: float,
                       report_timeout_s: float = REPORT_TIMEOUT_S) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import BadInput, ConfigError, Misuse
 from stream_persia.testing.samples import make_batch
-from stream_persia.worker.mailbox import CheckpointMailbox
+from stream_persia.worker.mailbox import CheckpointMailbox, MailboxClient
 
 ROOT = CheckpointRoot("/c")   # where the unit tests' requests point
 
@@ -46,6 +46,7 @@ async def test_a_request_is_offered_until_taken_then_reported():
     assert await box.nn_heartbeat(hb) == {"checkpoint": None}
     clock.now += 1.5
     assert await box.nn_status(None) == {"rank": 0, "world_size": 2, "step": 7, "age_s": 1.5,
+                                         "alive_s": 1.5, "step_age_s": 1.5,
                                          "detached": False, "trained": None,
                                          "progressive": {}, "periodic": None}
     rec = await box.request({"id": "a", "dst": "/c/a"})
@@ -69,6 +70,60 @@ async def test_a_request_is_offered_until_taken_then_reported():
     with pytest.raises(BadInput) as err:
         await box.nn_heartbeat({"rank": 0, "world_size": 1, "step": -1})
     assert err.value.field == "step"
+
+
+async def test_heartbeats_tell_a_stepping_rank_from_a_waiting_or_a_living_one():
+    """Three kinds of heartbeat: at a step (the rank takes requests there), from the
+    training thread between steps (``at_step: false``: waiting for a batch with several
+    ranks) and from the RPC loop (``waiting``: the process lives, training is elsewhere).
+    The API's client reads them as ``stepping`` (requests go to the mailbox) and
+    ``attached`` (restores are refused)."""
+    clock = Clock()
+    box = CheckpointMailbox(clock, checkpoint_root=ROOT)
+    calls = []
+
+    async def call(method, params):
+        calls.append(method)
+        return await getattr(box, method)(params)
+
+    client = MailboxClient(call, attached_within_s=10)
+    hb = {"rank": 0, "world_size": 2, "step": 7}
+    await box.nn_heartbeat(hb)
+    clock.now += 6
+    await box.nn_heartbeat({**hb, "at_step": False, "trained": 123.0})
+    clock.now += 6
+    await box.nn_heartbeat({**hb, "waiting": True})
+    status = await client.nn_status()
+    assert (status["age_s"], status["step_age_s"], status["alive_s"]) == (6, 12, 0)
+    assert status["trained"] == 123.0        # relayed by the training thread's heartbeat
+    assert status["attached"] and not status["stepping"]
+    clock.now += 6
+    await box.nn_heartbeat({**hb, "waiting": True, "trained": 999.0})   # relays nothing
+    status = await client.nn_status()
+    assert status["attached"] and status["trained"] == 123.0 and status["age_s"] == 12
+    clock.now += 11                          # nothing for longer than the window
+    status = await client.nn_status()
+    assert not status["attached"] and not status["stepping"]
+    await box.nn_heartbeat(hb)               # a step: stepping again
+    status = await client.nn_status()
+    assert status["attached"] and status["stepping"]
+    await box.nn_detach({"rank": 0, "step": 8})
+    await box.nn_heartbeat({**hb, "waiting": True})   # never attaches a detached rank
+    status = await client.nn_status()
+    assert status["detached"] and not status["attached"] and not status["stepping"]
+    for bad in ("yes", 1, None):
+        with pytest.raises(BadInput) as err:
+            await box.nn_heartbeat({**hb, "waiting": bad})
+        assert err.value.field == "waiting"
+    # A mailbox from before the kinds answers age_s alone: both read from it.
+    old = MailboxClient(lambda m, p: _aiter_value({"rank": 0, "step": 3, "age_s": 2.0,
+                                                  "detached": False}))
+    status = await old.nn_status()
+    assert status["attached"] and status["stepping"]
+
+
+async def _aiter_value(value):
+    return value
 
 
 async def test_a_request_nobody_takes_fails_and_a_detach_fails_the_pending_one():
@@ -304,5 +359,62 @@ async def test_a_rank_waiting_for_a_paused_stream_stays_attached(job, tmp_path):
             await worker.call("ingest", {"batch": make_batch(n).to_wire()})
         ctx = await asyncio.wait_for(run, 30)
         assert ctx.steps == n + 1
+        status = (await api.client.get("/v1/status", headers=AUTH)).json()
+        assert not status["training"]["nn_attached"]      # the rank said goodbye
+
+
+def _train_then_evaluate(worker: str, n: int, evaluating: threading.Event,
+                         leave: threading.Event) -> TrainCtx:
+    """Train the ``n`` batches the stream holds (the loop ends when it runs dry), then
+    stay in the context without a step until ``leave``: an evaluation, user code."""
+    model = Click(seed=3)
+    ctx = TrainCtx(SGD(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+                   embedding_workers=[worker], mixed_precision=False, ready_timeout_s=10)
+    with ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, timeout_ms=300):
+            output, labels = ctx.forward(tb)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+        evaluating.set()
+        assert leave.wait(30)
+    return ctx
+
+
+async def test_a_rank_busy_between_steps_stays_attached_and_the_api_cuts_at_once(
+        job, tmp_path):
+    """A rank doing something else than stepping (evaluation, user code) for longer than
+    the attached window looked gone: a restore went through under it. Its RPC loop's
+    liveness heartbeats keep it attached (the restore is refused) without making it look
+    like it steps: a checkpoint asked for meanwhile is cut by the API at once, rather
+    than waiting the pickup time for a step that does not come."""
+    n = 3
+    worker = job.client(job.workers[0].address)
+    for i in range(n):
+        await worker.call("ingest", {"batch": make_batch(i).to_wire()})
+    root = str(tmp_path / "ckpts")
+    evaluating, leave = threading.Event(), threading.Event()
+    async with LiveApi(settings_for(job, checkpoint_dir=root)) as api:
+        window = 3.0
+        ckpts = api.state.checkpoints
+        ckpts.mailbox.attached_within_s = window    # 10 s by default
+        ckpts.pickup_ttl_s = 30.0
+        run = asyncio.get_running_loop().run_in_executor(
+            None, _train_then_evaluate, job.workers[0].address, n, evaluating, leave)
+        try:
+            async with asyncio.timeout(30):
+                while not evaluating.is_set():
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(2 * window)     # no step for longer than the window
+            status = (await api.client.get("/v1/status", headers=AUTH)).json()
+            assert status["training"]["nn_attached"] is True, status["training"]
+            began = asyncio.get_running_loop().time()
+            info = await take_checkpoint(api, "busy")
+            assert info["by"] == "api", info
+            assert asyncio.get_running_loop().time() - began < 10   # not the pickup time
+            r = await api.client.post("/v1/checkpoints/busy/restore", headers=AUTH)
+            assert r.status_code == 409, r.text
+            assert "while NN ranks train" in r.json()["error"]["message"]
+        finally:
+            leave.set()
+        await asyncio.wait_for(run, 30)
         status = (await api.client.get("/v1/status", headers=AUTH)).json()
         assert not status["training"]["nn_attached"]      # the rank said goodbye

@@ -186,7 +186,9 @@ def test_restored_marks_keep_the_cuts_fingerprints_until_trained_past():
     ({"t": {"x": fp(1)}}, "cut_fingerprints.t.x"),
     ({"t": {"0": {"offset": 1}}}, "cut_fingerprints.t.0"),
     ({"t": {"0": {**fp(1), "offset": True}}}, "cut_fingerprints.t.0"),
-    ({"t": {"0": {**fp(1), "digest": "x" * 65}}}, "cut_fingerprints.t.0"),
+    ({"t": {"0": {**fp(1), "digest": "a" * 32}}}, "cut_fingerprints.t.0"),
+    ({"t": {"0": {**fp(1), "digest": "X" * 16}}}, "cut_fingerprints.t.0"),
+    ({"t": {"0": {**fp(1), "offset": -1}}}, "cut_fingerprints.t.0"),
     ({"t": {"0": {**fp(1), "more": 1}}}, "cut_fingerprints.t.0"),
     ({"": {"0": fp(1)}}, "cut_fingerprints"),
 ])
@@ -194,3 +196,23 @@ def test_bad_cut_fingerprints_are_refused_naming_the_field(value, field):
     with pytest.raises(BadInput) as err:
         parse_cut_fingerprints(value)
     assert err.value.field == field
+
+
+def test_a_worker_skips_a_malformed_fingerprint_naming_the_server(caplog):
+    """The servers check fingerprints as the worker reads them; one a server sends
+    malformed all the same (another version) is not checked, logged naming the server
+    and partition, instead of keeping the worker from starting."""
+    from types import SimpleNamespace
+
+    from stream_persia.kafka.fingerprint import Fingerprint
+    from stream_persia.worker.ingest import KafkaIngest
+
+    marks = {0: PartitionMark(4, 1, None, True, fp(4)),
+             1: PartitionMark(4, 2, None, True, {**fp(4), "digest": "zz"}),
+             2: PartitionMark(4, 0, None, True, fp(4))}
+    ingest = SimpleNamespace(worker=SimpleNamespace(replica_index=0),
+                             consumer=SimpleNamespace(topic="t"))
+    with caplog.at_level("WARNING"):
+        got = KafkaIngest._resume_fingerprints(ingest, marks, {0: 5, 1: 5})
+    assert got == {0: Fingerprint.from_dict(fp(4))}
+    assert "embedding server 2's fingerprint of t/1 is not one" in caplog.text

@@ -71,7 +71,7 @@ from stream_persia.testing.roles import (
     start_server,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.kafka]
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.client_settings]
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "nn" / "restore_train.py"
 N, C = 16, 4                 # batches in the stream; a checkpoint every C batches

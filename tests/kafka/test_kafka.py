@@ -30,7 +30,7 @@ from stream_persia.kafka import (
 from stream_persia.testing.kafka_mock import MockKafkaCluster
 from stream_persia.testing.pytest_plugin import TANSU_LIST_OFFSETS, deviates_on
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.client_settings]
 
 
 async def bounded(coro: Awaitable, seconds: float = 20.0):

@@ -47,7 +47,7 @@ from stream_persia.worker.frontier import Frontier
 from stream_persia.worker.ingest import KafkaIngest
 from stream_persia.worker.service import EmbeddingWorker
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.client_settings]
 
 Rec = namedtuple("Rec", "offset")
 BIG = b"x" * 100_000          # 80 of them overflow the mock's ~5 MiB per partition

@@ -246,9 +246,11 @@ def test_the_default_session_broker_is_the_mock_and_a_bad_choice_is_named(tmp_pa
 
 
 def test_kafka_tests_with_brokers_of_their_own_run_on_the_mock_session_only(tmp_path):
-    """A ``kafka`` test that uses neither fixture starts its own (mock) brokers: on another
-    session broker it is deselected, since the mock session runs it the same; one that
-    uses the session broker runs on both (here only collected: no broker starts)."""
+    """A ``kafka`` test that uses neither fixture starts its own (mock) brokers: on a Tansu
+    session it is deselected, since the mock session runs it the same, unless it depends on
+    the session's client settings (``client_settings``); one that uses the session broker
+    runs on every session, and a ``KAFKA_BOOTSTRAP_SERVERS`` session deselects nothing
+    (here only collected: no broker starts)."""
     body = """
         import pytest
 
@@ -259,14 +261,22 @@ def test_kafka_tests_with_brokers_of_their_own_run_on_the_mock_session_only(tmp_
         def test_own_brokers():
             pass
 
+        @pytest.mark.kafka
+        @pytest.mark.client_settings
+        def test_own_brokers_settings():
+            pass
+
         def test_no_kafka():
             pass
     """
-    for broker, want in (("mock", ["test_session", "test_own_brokers"]),
-                         ("tansu", ["test_session"])):
+    every = ["test_session", "test_own_brokers", "test_own_brokers_settings"]
+    for env, want in (({"STREAM_PERSIA_TEST_BROKER": "mock"}, every),
+                      ({"STREAM_PERSIA_TEST_BROKER": "tansu"},
+                       ["test_session", "test_own_brokers_settings"]),
+                      ({"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"}, every)):
         out = _inner_pytest(tmp_path, body, "--collect-only", "-m", "kafka",
-                            STREAM_PERSIA_TEST_BROKER=broker)
+                            **env)
         assert out.returncode == 0, out.stdout + out.stderr
         got = [line.rsplit("::", 1)[1] for line in out.stdout.splitlines() if "::" in line]
         assert got == want, out.stdout
-        assert f"{3 - len(want)} deselected" in out.stdout, out.stdout
+        assert f"{4 - len(want)} deselected" in out.stdout, out.stdout

@@ -28,7 +28,7 @@ from stream_persia.testing.proxy import LateProxy, free_port
 from stream_persia.testing.samples import EMBEDDING_YAML
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.client_settings]
 
 
 def worker_args(tmp: Path, bootstrap: str, startup_timeout_ms: int,
