@@ -51,8 +51,9 @@ import contextlib
 import logging
 import os
 import secrets
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -176,7 +177,11 @@ class Checkpoints:
         self.report_timeout_s = report_timeout_s
         self.jobs: dict[str, CheckpointJob] = {}
         self.root = CheckpointDir(settings.checkpoint_dir)
-        # Checkpoints being read here (restored, or the base a cut copies), or deleted.
+        # Checkpoints being read here (restored, loaded to serve, or the base a cut
+        # copies), or deleted. Retention decides in its thread: both sets change only
+        # under this lock, so a checkpoint is either pinned (and kept) or being deleted
+        # (and a restore or reload of it refused), never both.
+        self._lock = threading.RLock()
         self._using: collections.Counter[str] = collections.Counter()
         self._deleting: set[str] = set()
         # The checkpoint being restored: one restore at a time, and no checkpoint taken
@@ -184,6 +189,8 @@ class Checkpoints:
         self._restoring: str | None = None
         gc = settings.global_config
         self.job_name = gc.kafka.job_name if gc is not None else "persia"
+        if predictor is not None and hasattr(predictor, "pin"):
+            predictor.pin = self.pin   # a reload pins what it loads
 
     async def stop(self) -> None:
         tasks = [j.task for j in self.jobs.values() if j.task is not None and not j.task.done()]
@@ -256,21 +263,90 @@ class Checkpoints:
 
     # ----------------------------------------------------------------- retention
     def in_use(self) -> dict[str, str]:
-        """Ids of the checkpoints that must not be deleted now → why."""
+        """Ids of the checkpoints that must not be deleted now → why (thread-safe:
+        retention asks from its thread)."""
         out: dict[str, str] = {}
+        with self._lock:
+            using, deleting = builtins.list(self._using), builtins.list(self._deleting)
+        for ident in using:
+            out.setdefault(ident, "being restored, loaded or copied")
         if self.predictor is not None:
             for path, why in self.predictor.in_use().items():
-                ident = self.root.id_of(path)
-                if ident is not None:
-                    out.setdefault(ident, why)
-        for ident in self._using:
-            out.setdefault(ident, "being restored or copied")
-        for ident in self._deleting:
+                served = self.root.id_of(path)
+                if served is not None:
+                    out.setdefault(served, why)
+        for ident in deleting:
             out.setdefault(ident, "being deleted")
-        for job in self.jobs.values():
+        for job in builtins.list(self.jobs.values()):
             if job.state not in TERMINAL:
                 out.setdefault(job.id, "being taken")
         return out
+
+    def _pin(self, ident: str) -> None:
+        """Count ``ident`` in use: neither retention nor a request deletes it until
+        :meth:`_release`.
+
+        Raises:
+            Misuse: it is being deleted (its files may already be gone).
+        """
+        with self._lock:
+            if ident in self._deleting:
+                raise Misuse(f"checkpoint {ident!r} is being deleted", field="checkpoint",
+                             hint="choose another checkpoint")
+            self._using[ident] += 1
+
+    def _release(self, ident: str) -> None:
+        with self._lock:
+            self._using[ident] -= 1
+            if self._using[ident] <= 0:
+                del self._using[ident]
+
+    @contextlib.contextmanager
+    def pin(self, path: str) -> Iterator[None]:
+        """Keep the checkpoint at ``path`` from being deleted while the block runs (the
+        predictor's reload); a path that is not right under the directory is not ours
+        to delete and needs no pin.
+
+        Raises:
+            Misuse: it is being deleted.
+        """
+        ident = self.root.id_of(path)
+        if ident is None:
+            yield
+            return
+        self._pin(ident)
+        try:
+            yield
+        finally:
+            self._release(ident)
+
+    def _mark_deleting(self, ident: str, users: Collection[str]) -> str | None:
+        """In one step against the live in-use set: why ``ident`` cannot be deleted now
+        (one of ``users``, the checkpoints deleting it would break, is in use), or None,
+        and then it is marked as being deleted (restores and reloads of it are refused)
+        until :meth:`_unmark_deleting`."""
+        with self._lock:
+            busy = self.in_use()
+            why = next((f"{u!r} is {busy[u]}" for u in sorted(users) if u in busy), None)
+            if why is None:
+                self._deleting.add(ident)
+            return why
+
+    def _unmark_deleting(self, ident: str) -> None:
+        with self._lock:
+            self._deleting.discard(ident)
+
+    @contextlib.contextmanager
+    def _retention_guard(self, name: str, users: Collection[str]) -> Iterator[str | None]:
+        """:func:`prune_checkpoints`' ``guard`` (called in its thread)."""
+        why = self._mark_deleting(name, users)
+        if why is not None:
+            yield why
+            return
+        try:
+            yield None
+        finally:
+            self._unmark_deleting(name)
 
     async def delete(self, ident: str) -> dict[str, Any] | None:
         """Delete the checkpoint ``ident`` from the directory (None: there is none).
@@ -297,15 +373,19 @@ class Checkpoints:
                          f"checkpoint(s) {needed[:5]} need to restore: it cannot be deleted "
                          "while they exist", field="checkpoint",
                          hint="delete the patches that depend on it first (newest first)")
-        self._refuse_if_in_use(ident)   # again: a restore or a reload may have begun meanwhile
-        self._deleting.add(ident)   # a restore of it is refused from now on
+        # Again, in one step with marking it: a restore or a reload may have begun meanwhile;
+        # one that begins from now on is refused.
+        busy = self._mark_deleting(ident, (ident,))
+        if busy is not None:
+            raise Misuse(f"checkpoint {busy}: it cannot be deleted now", field="checkpoint",
+                         hint="reload another model or wait until it is no longer in use")
         try:
             await asyncio.to_thread(delete_checkpoint, src)
         except OSError as e:
             raise Misuse(f"checkpoint {ident!r} could not be deleted: {e}",
                          field="checkpoint") from None
         finally:
-            self._deleting.discard(ident)
+            self._unmark_deleting(ident)
         self.jobs.pop(ident, None)
         self._count_deleted("request", 1)
         log.info("deleted checkpoint %s (step %d) on request", src, manifest.step)
@@ -327,7 +407,7 @@ class Checkpoints:
         protect = set(self.in_use()) | {job.id}
         try:
             deleted = await asyncio.to_thread(prune_checkpoints, self.settings.checkpoint_dir,
-                                              keep, protect)
+                                              keep, protect, guard=self._retention_guard)
         except Exception as e:   # retention must never fail the checkpoint it follows
             log.warning("retention after checkpoint %s failed: %s", job.id, e)
             return
@@ -339,11 +419,6 @@ class Checkpoints:
         metrics = getattr(self.predictor, "metrics", None)
         if metrics is not None and n:
             metrics.checkpoints_deleted.labels(reason).inc(n)
-
-    def _release(self, ident: str) -> None:
-        self._using[ident] -= 1
-        if self._using[ident] <= 0:
-            del self._using[ident]
 
     # ----------------------------------------------------------------- start
     async def start(self, ident: str | None = None) -> CheckpointJob:
@@ -502,7 +577,10 @@ class Checkpoints:
         base = complete[-1] if complete else None
         base_id = self.root.id_of(base.path) if base is not None else None
         if base_id is not None:
-            self._using[base_id] += 1   # its dense files may be copied: not deleted meanwhile
+            try:   # its dense files may be copied: not deleted meanwhile
+                self._pin(base_id)
+            except Misuse:   # being deleted: nothing to carry from it
+                base, base_id = None, None
         try:
             await self._cut_by_api(job, hb, base, servers, updates)
         finally:
@@ -582,8 +660,6 @@ class Checkpoints:
         active = next((j for j in self.jobs.values() if j.state not in TERMINAL), None)
         if active is not None:
             raise Misuse(f"checkpoint {active.id} is being taken; restore after it finishes")
-        if ident in self._deleting:
-            raise Misuse(f"checkpoint {ident!r} is being deleted", field="checkpoint")
         if self._restoring is not None:
             # Two restores would interleave on the servers (a newer stage replaces an older
             # one) and the workers: both would answer 200 over the rows of one and, for a
@@ -591,8 +667,8 @@ class Checkpoints:
             raise Misuse(f"checkpoint {self._restoring!r} is being restored; one restore at "
                          "a time", field="checkpoint",
                          hint="restore again once it returned")
+        self._pin(ident)   # not deleted (by retention or a request) meanwhile
         self._restoring = ident
-        self._using[ident] += 1   # not deleted (by retention or a request) meanwhile
         try:
             return await self._restore(ident, src, reload_model)
         finally:

@@ -12,6 +12,7 @@ still restores. The crash of a server during a patch write is in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -232,3 +233,33 @@ def test_an_overrun_eviction_log_or_a_clear_makes_a_full_shard_not_a_patch(tmp_p
                                str(tmp_path), 0, 1) is None
     assert "restarted" in patches.why_full(since, {**now, "incarnation": "other"}, True)
     assert "restore" in patches.why_full(since, {**now, "loads": 1}, True)
+
+
+async def test_retention_keeps_the_chain_of_a_patch_that_comes_into_use_during_the_pass(
+        tmp_path):
+    """Retention's guard is asked, just before each deletion, about every checkpoint the
+    deletion would break: a base whose expired patch came into use after the pass began
+    (a restore of the patch) is kept with the patch, not deleted under it."""
+    rng = np.random.default_rng(3)
+    async with running_servers(2, Adam(lr=0.01), capacity=CAPACITY) as (_, router):
+        await train(router, rng, 200)
+        await checkpoint(router, tmp_path / "a-base", step=1)
+        await train(router, rng)
+        await checkpoint(router, tmp_path / "b-patch", tmp_path / "a-base", step=2)
+        await train(router, rng)
+        await checkpoint(router, tmp_path / "c-new", step=3)
+    asked = []
+    in_use = {"b-patch": "being restored"}
+
+    @contextlib.contextmanager
+    def guard(name, users):
+        asked.append((name, sorted(users)))
+        yield next((f"{u!r} is {in_use[u]}" for u in sorted(users) if u in in_use), None)
+
+    assert prune_checkpoints(str(tmp_path), keep=1, guard=guard) == []
+    assert asked == [("a-base", ["a-base", "b-patch"]), ("b-patch", ["b-patch"])]
+    assert sorted(os.listdir(tmp_path)) == ["a-base", "b-patch", "c-new"]
+    await restored(str(tmp_path / "b-patch"))   # its chain is whole
+    in_use.clear()
+    assert prune_checkpoints(str(tmp_path), keep=1, guard=guard) == ["a-base", "b-patch"]
+    assert sorted(os.listdir(tmp_path)) == ["c-new"]
