@@ -78,6 +78,7 @@ from stream_persia.checkpoint import (
 )
 from stream_persia.checkpoint._common import Location
 from stream_persia.checkpoint.cut import check_nothing_in_flight
+from stream_persia.checkpoint.reader import newest_last
 from stream_persia.errors import BadInput, ConfigError, DataLost, Misuse, PersiaError
 
 __all__ = ["Checkpoints", "CheckpointJob", "new_checkpoint_id"]
@@ -212,7 +213,7 @@ class Checkpoints:
         if self.settings.checkpoint_dir is None:
             return None
         found = await self._complete()
-        return _manifest_info(found[-1]) if found else None
+        return _manifest_info(max(found, key=newest_last)) if found else None
 
     async def _complete(self) -> list[Manifest]:
         """Complete checkpoints right under the directory, oldest step first, leaving out
@@ -574,7 +575,7 @@ class Checkpoints:
         await self._cut(fingerprints=False)
         updates = await self._updates()
         complete = await self._complete()
-        base = complete[-1] if complete else None
+        base = max(complete, key=newest_last) if complete else None
         base_id = self.root.id_of(base.path) if base is not None else None
         if base_id is not None:
             try:   # its dense files may be copied: not deleted meanwhile

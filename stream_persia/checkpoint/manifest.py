@@ -3,7 +3,7 @@
 Schema (format version 1; JSON object, every key present, ``null`` where optional)::
 
     {"format_version": 1, "job": str, "step": int >= 0,
-     "created_at": ISO-8601 UTC ("2024-05-01T12:00:00Z"),
+     "created_at": ISO-8601 UTC ("2024-05-01T12:00:00.123456Z"; whole seconds before),
      "stream": "kafka" | "direct",
      "offsets": {topic: {partition (decimal str): next offset to consume (int >= 0)}},
      "fingerprints"?: {topic: {partition: {"offset": int, "timestamp": int,
@@ -88,8 +88,10 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def utc_now() -> str:
-    """The current time as ISO-8601 UTC with a ``Z`` suffix (second precision)."""
-    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    """The current time as ISO-8601 UTC with a ``Z`` suffix (microsecond precision: the
+    newest checkpoint is the one committed last, two in one second included)."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace(
+        "+00:00", "Z")
 
 
 def check_file_name(name: Any, field_name: str = "name") -> str:

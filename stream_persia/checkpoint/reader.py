@@ -444,8 +444,16 @@ def load_torch(src: str, name: str, map_location: Any = None, *,
 
 
 def _created(m: Manifest) -> datetime:
-    t = datetime.fromisoformat(m.created_at)
+    t = datetime.fromisoformat(m.created_at.replace("Z", "+00:00"))
     return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
+def newest_last(m: Manifest) -> tuple:
+    """Sort key putting the newest checkpoint last: the latest ``created_at``, then the
+    highest step, then the path. Time comes first because steps go back: an NN worker
+    that restored an older checkpoint goes on from its step, so the checkpoints it writes
+    have lower steps than the abandoned ones after the one it restored."""
+    return _created(m), m.step, m.path or ""
 
 
 def list_checkpoints(root: str) -> list[Manifest]:
@@ -478,6 +486,7 @@ def list_checkpoints(root: str) -> list[Manifest]:
 
 
 def latest_checkpoint(root: str) -> Manifest | None:
-    """The complete checkpoint under ``root`` with the highest step, or None."""
+    """The newest complete checkpoint under ``root`` (:func:`newest_last`: committed last,
+    not the highest step, which after a rewind is an abandoned one), or None."""
     found = list_checkpoints(root)
-    return found[-1] if found else None
+    return max(found, key=newest_last) if found else None

@@ -42,12 +42,11 @@ import os
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from datetime import datetime, timezone
 
 from stream_persia.checkpoint._common import Location
 from stream_persia.checkpoint.leftovers import rmtree_racing, sweep_abandoned
 from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest
-from stream_persia.checkpoint.reader import list_checkpoints
+from stream_persia.checkpoint.reader import list_checkpoints, newest_last
 
 __all__ = ["delete_checkpoint", "dependents", "expired", "prune_checkpoints"]
 
@@ -58,19 +57,13 @@ log = logging.getLogger(__name__)
 #: until it exits), or why not (one of ``users`` is in use).
 Guard = Callable[[str, Collection[str]], AbstractContextManager[str | None]]
 
-def _newest_last(m: Manifest) -> tuple:
-    t = datetime.fromisoformat(m.created_at.replace("Z", "+00:00"))
-    t = t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
-    return t, m.step, m.path or ""
-
-
 def expired(manifests: Sequence[Manifest], keep: int, protect: Collection[str] = ()
             ) -> list[Manifest]:
     """The checkpoints beyond the ``keep`` newest, oldest first, leaving out those whose
     directory name is in ``protect``. ``keep`` 0 keeps every one."""
     if keep <= 0:
         return []
-    ordered = sorted(manifests, key=_newest_last)
+    ordered = sorted(manifests, key=newest_last)
     old = ordered[:-keep] if len(ordered) > keep else []
     return [m for m in old if Location(m.path or "").name not in protect]
 

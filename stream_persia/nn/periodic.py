@@ -71,6 +71,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from stream_persia.checkpoint import Manifest, chain_of, list_checkpoints, prune_checkpoints
+from stream_persia.checkpoint.reader import newest_last
 from stream_persia.config import CheckpointingConfig
 from stream_persia.errors import Misuse
 from stream_persia.nn import checkpointing
@@ -137,7 +138,7 @@ def latest_parent(dst: str, full_every: int) -> str | None:
     found = [m for m in list_checkpoints(root) if m.chain is not None]
     if not found:
         return None
-    newest = found[-1]
+    newest = max(found, key=newest_last)
     depth = int(newest.chain["depth"]) if newest.chain is not None else full_every
     return newest.path if depth < full_every else None
 
