@@ -185,11 +185,11 @@ class Checkpoints:
         self._lock = threading.RLock()
         self._using: collections.Counter[str] = collections.Counter()
         self._deleting: set[str] = set()
+        self._foreign: set[str | None] = set()   # other jobs' checkpoints retention saw
         # The checkpoint being restored: one restore at a time, and no checkpoint taken
         # meanwhile (set and tested with no await in between).
         self._restoring: str | None = None
-        gc = settings.global_config
-        self.job_name = gc.kafka.job_name if gc is not None else "persia"
+        self.job_name = settings.job_name
         if predictor is not None and hasattr(predictor, "pin"):
             predictor.pin = self.pin   # a reload pins what it loads
 
@@ -407,14 +407,27 @@ class Checkpoints:
             return
         protect = set(self.in_use()) | {job.id}
         try:
-            deleted = await asyncio.to_thread(prune_checkpoints, self.settings.checkpoint_dir,
-                                              keep, protect, guard=self._retention_guard)
+            deleted = await asyncio.to_thread(
+                prune_checkpoints, self.settings.checkpoint_dir, keep, protect,
+                select=self._ours, guard=self._retention_guard)
         except Exception as e:   # retention must never fail the checkpoint it follows
             log.warning("retention after checkpoint %s failed: %s", job.id, e)
             return
         for ident in deleted:
             self.jobs.pop(ident, None)
         self._count_deleted("retention", len(deleted))
+
+    def _ours(self, m: Manifest) -> bool:
+        """Whether retention counts (and may delete) ``m``: a checkpoint of this job. Another
+        job's under the same directory is left alone (said once per checkpoint)."""
+        if m.job == self.job_name:
+            return True
+        if m.path not in self._foreign and len(self._foreign) < 1024:   # bounded: said once
+            self._foreign.add(m.path)
+            log.warning("retention: checkpoint %s is of job %r, not this job's (%r): it is "
+                        "neither counted in keep_checkpoints nor deleted (give each job its "
+                        "own checkpoint directory)", m.path, m.job, self.job_name)
+        return False
 
     def _count_deleted(self, reason: str, n: int) -> None:
         metrics = getattr(self.predictor, "metrics", None)

@@ -109,11 +109,10 @@ class Predictor:
         self.root = CheckpointDir(settings.checkpoint_dir)
         self._reload_lock = asyncio.Lock()
         self._loading: str | None = None
-        #: Set by the owner of the checkpoint directory's deletions (the API's
-        #: ``Checkpoints``): keeps a checkpoint from being deleted while it is loaded, and
-        #: refuses one being deleted (Misuse naming it).
-        self.pin: Callable[[str], contextlib.AbstractContextManager[None]] = (
-            lambda src: contextlib.nullcontext())
+        #: Set by the API's ``Checkpoints``: keeps a checkpoint from deletion while it loads
+        #: (Misuse naming it if it is being deleted).
+        self.pin: Callable[[str], contextlib.AbstractContextManager[None]] = \
+            lambda src: contextlib.nullcontext()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="predict")
         self._rr = itertools.count()
         self._last_error: str | None = None
@@ -158,10 +157,12 @@ class Predictor:
                               field="PERSIA_CHECKPOINT_DIR",
                               hint="set PERSIA_CHECKPOINT_DIR (its newest checkpoint is "
                                    "used) or PERSIA_API_MODEL")
-        manifest = latest_checkpoint(self.settings.checkpoint_dir)
+        job = self.settings.job_name
+        manifest = latest_checkpoint(self.settings.checkpoint_dir, job)
         if manifest is None or manifest.path is None:
-            raise NotReady(f"no checkpoint under {self.settings.checkpoint_dir} yet",
-                           hint="the replica starts from the first one written")
+            raise NotReady(f"no checkpoint of job {job!r} (kafka.job_name) under "
+                           f"{self.settings.checkpoint_dir} yet",
+                           hint="the replica starts from the first one its job writes")
         return manifest.path
 
     async def _retry_load(self, path: str, first_s: float = 1.0, max_s: float = 60.0) -> None:
@@ -251,9 +252,7 @@ class Predictor:
             Misuse: it is being deleted.
         """
         async with self._reload_lock:
-            # Pinned until it is the served one (which keeps it from then on): retention
-            # runs in a thread and must never find it neither loading nor served.
-            with self.pin(src):
+            with self.pin(src):   # until served: retention's thread sees one or the other
                 old, served = await self._load_pinned(src)
             if self.source == "replica":
                 await self._follow(served)

@@ -485,8 +485,10 @@ def list_checkpoints(root: str) -> list[Manifest]:
     return found
 
 
-def latest_checkpoint(root: str) -> Manifest | None:
+def latest_checkpoint(root: str, job: str | None = None) -> Manifest | None:
     """The newest complete checkpoint under ``root`` (:func:`newest_last`: committed last,
-    not the highest step, which after a rewind is an abandoned one), or None."""
-    found = list_checkpoints(root)
+    not the highest step, which after a rewind is an abandoned one), or None; with
+    ``job``, the newest of that job (another job's under a shared root is not its
+    latest)."""
+    found = [m for m in list_checkpoints(root) if job is None or m.job == job]
     return max(found, key=newest_last) if found else None

@@ -253,6 +253,22 @@ async def test_a_checkpoint_that_comes_into_use_while_it_is_deleted_is_kept(job,
         assert (await api.client.get("/v1/model")).json()["checkpoint"].endswith("old")
 
 
+async def test_retention_leaves_another_jobs_checkpoints_alone(job, tmp_path):
+    """Two jobs pointed at one checkpoint directory: the API's retention neither counts
+    nor deletes the other job's checkpoints (it deleted them as its own oldest)."""
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    aged(await write_checkpoint(job, f"{root}/theirs", TwoHeads()), job="another-job")
+    aged(await write_checkpoint(job, f"{root}/mine", TwoHeads()))
+    async with LiveApi(settings_for(job, checkpoint_dir=root, keep_checkpoints=1)) as api:
+        await take_checkpoint(api, "c1")
+        await wait_retention(api)
+        assert on_disk(root) == ["c1", "theirs"]
+        await take_checkpoint(api, "c2")
+        await wait_retention(api)
+        assert on_disk(root) == ["c2", "theirs"]
+
+
 async def test_retention_keeps_a_checkpoint_reloaded_after_its_pass_began(job, tmp_path,
                                                                           monkeypatch):
     """Retention takes its in-use snapshot, then runs in a thread: a reload of an expired
@@ -376,11 +392,13 @@ async def test_retention_keeps_a_checkpoint_a_restore_is_reading(job, tmp_path, 
         assert ckpts.in_use() == {"old": "the model being served"}   # the restore reloaded it
 
 
-def aged(path: str) -> None:
-    """Make the checkpoint at ``path`` older than any taken now (retention's order)."""
+def aged(path: str, **fields: str) -> None:
+    """Make the checkpoint at ``path`` older than any taken now (retention's order), and
+    change its manifest's ``fields``."""
     with open(os.path.join(path, "manifest.json")) as f:
         m = json.load(f)
     m["created_at"] = "2024-01-01T00:00:00Z"   # the manifest carries no checksum of itself
+    m.update(fields)
     with open(os.path.join(path, "manifest.json"), "w") as f:
         json.dump(m, f)
 

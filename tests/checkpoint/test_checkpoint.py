@@ -437,6 +437,18 @@ def test_the_latest_checkpoint_is_the_newest_not_the_highest_step(tmp_path):
     assert ck.prune_checkpoints(str(tmp_path), keep=3) == ["s10"]
 
 
+def test_the_latest_checkpoint_of_a_job(tmp_path):
+    """Two jobs share a directory: each one's latest is its own (a serving replica of one
+    served the other's model when it was the newer)."""
+    for name, job in (("mine", "j"), ("theirs", "other")):
+        with CheckpointWriter(str(tmp_path / name)) as w:
+            w.write_bytes("x.bin", b"x")
+            w.commit(job=job, step=1, offsets={}, stream="direct")
+    assert ck.latest_checkpoint(str(tmp_path)).path == str(tmp_path / "theirs")
+    assert ck.latest_checkpoint(str(tmp_path), "j").path == str(tmp_path / "mine")
+    assert ck.latest_checkpoint(str(tmp_path), "none") is None
+
+
 def test_list_checkpoints_sorted_complete_only(tmp_path):
     for step in (20, 3, 11):
         with CheckpointWriter(str(tmp_path / f"s{step}")) as w:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from nn_helpers import SumModel
 
-from stream_persia.checkpoint import list_checkpoints, read_manifest, verify
+from stream_persia.checkpoint import CheckpointWriter, list_checkpoints, read_manifest, verify
 from stream_persia.config import CheckpointingConfig, GlobalConfig, KafkaConfig
 from stream_persia.ctx import DataCtx, TrainCtx
 from stream_persia.data import DataLoader, StreamingDataset
@@ -64,6 +64,12 @@ def test_every_steps_with_retention_and_the_relayed_figures(job_factory, tmp_pat
     # another checkpoint in the same directory: periodic retention neither counts nor
     # deletes it
     other = root / "by-hand"
+    # nor another job's periodic one (a directory two jobs share)
+    theirs = root / "periodic-step-000000000001-20240101T000000.000Z-0000"
+    with CheckpointWriter(str(theirs)) as w:
+        w.write_bytes("dense.pt", b"x")
+        w.commit(job="another-job", step=1, offsets={}, stream="direct",
+                 extra={"id": theirs.name, "by": "periodic"})
     config = CheckpointingConfig(every_steps=3, keep_checkpoints=2, periodic_dir=str(root))
     model = SumModel(IN_DIM)
     with _ctx(job.worker_addresses, model, config) as ctx:
@@ -84,8 +90,9 @@ def test_every_steps_with_retention_and_the_relayed_figures(job_factory, tmp_pat
     assert figures["last_step"] == 9 and figures["last_bytes"] > 0
     assert figures["last_duration_s"] > 0
     # steps 3, 6 and 9 were taken; the two newest periodic ones are kept, and the other one
-    kept = _periodic(root)
+    kept = [m for m in _periodic(root) if m.job != "another-job"]
     assert [m.step for m in kept] == [6, 9]
+    assert read_manifest(str(theirs)).job == "another-job"
     assert [Path(p).name for p in periodic.taken][1:] == [Path(m.path).name for m in kept]
     assert all(Path(m.path).name.startswith(f"periodic-step-{m.step:012d}-") for m in kept)
     assert read_manifest(str(other)).step == 2
