@@ -75,7 +75,7 @@ from typing import Any
 from stream_persia.errors import BadInput
 
 __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "DENSE_FILENAME", "OPT_FILENAME", "JIT_FILENAME",
-           "STREAMS", "Manifest", "check_file_name", "utc_now"]
+           "STREAMS", "Manifest", "check_file_name", "not_taken_since", "utc_now"]
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -419,3 +419,22 @@ class Manifest:
             kwargs["extra"] = {}
         return cls(**kwargs, path=path)
 
+
+def not_taken_since(parent: Manifest, patch: Manifest) -> str | None:
+    """Why ``patch`` was not taken on ``parent`` as it is now (None: it may have been).
+    A patch holds the rows its servers changed since the parent's dump, so each server's
+    position at the parent (``chain.tracking``) is of the same incarnation and table load
+    and not ahead of its position at the patch. A checkpoint written again at the
+    parent's path (same id, base and depth) fails this: its servers were further on, or
+    other ones."""
+    before, after = (parent.chain or {}).get("tracking"), (patch.chain or {}).get("tracking")
+    if not isinstance(before, list) or not isinstance(after, list) \
+            or len(before) != len(after):
+        return (f"it records {len(before or [])} server position(s), the patch "
+                f"{len(after or [])}")
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        if b["incarnation"] != a["incarnation"] or b["loads"] != a["loads"] \
+                or b["version"] > a["version"]:
+            return (f"server {i} was at {b} when it was written, and at {a} when the patch "
+                    "was")
+    return None

@@ -263,3 +263,35 @@ async def test_retention_keeps_the_chain_of_a_patch_that_comes_into_use_during_t
     in_use.clear()
     assert prune_checkpoints(str(tmp_path), keep=1, guard=guard) == ["a-base", "b-patch"]
     assert sorted(os.listdir(tmp_path)) == ["c-new"]
+
+
+async def test_a_patch_whose_parent_was_written_again_at_its_path_is_refused(tmp_path):
+    """A checkpoint written again at the parent's path (``dump_checkpoint`` to the same
+    directory) has the same id, base and depth: the patch was restored over it, its rows
+    over rows of another time, with the same row count (no id admitted or evicted in
+    between) and no error. Its servers' positions tell it apart: refused naming it."""
+    rng = np.random.default_rng(5)
+    ids = [np.arange(400, dtype=np.uint64) + np.uint64((k + 1) << 40) for k in range(2)]
+
+    async def train_known(n: int) -> None:   # only ids already held: the row count stays
+        groups = [RowLookup(dim, np.unique(rng.choice(ids[k], size=n, replace=False)))
+                  for k, dim in enumerate(DIMS)]
+        await router.lookup(groups, "train")
+        await router.update([UpdateGroup(g.dim, g.ids, rng.normal(size=(g.ids.size, g.dim))
+                                         .astype(np.float32)) for g in groups])
+
+    async with running_servers(2, Adam(lr=0.01), capacity=100_000) as (_, router):
+        await train_known(400)
+        await checkpoint(router, tmp_path / "b", step=1)
+        await train_known(100)
+        patch = await checkpoint(router, tmp_path / "p", tmp_path / "b", step=2)
+        assert patch.is_patch
+        await train_known(100)
+        again = await checkpoint(router, tmp_path / "b", step=3)   # replaces b
+        assert again.table_rows == patch.table_rows
+    with pytest.raises(BadInput) as err:
+        await restored(str(tmp_path / "p"))
+    assert err.value.field == "chain.parent"
+    assert "is not the checkpoint it was taken on" in err.value.message
+    with pytest.raises(BadInput):
+        verify(str(tmp_path / "p"))
