@@ -295,3 +295,31 @@ async def test_a_patch_whose_parent_was_written_again_at_its_path_is_refused(tmp
     assert "is not the checkpoint it was taken on" in err.value.message
     with pytest.raises(BadInput):
         verify(str(tmp_path / "p"))
+
+
+async def test_a_patch_whose_parent_goes_while_it_is_written_is_not_published(tmp_path):
+    """The parent is deleted (retention in another process) or written again between the
+    servers' dump and the commit: the patch is refused naming it, nothing is published
+    (it was: a complete-looking checkpoint that no restore can load)."""
+    from stream_persia.checkpoint import delete_checkpoint
+
+    rng = np.random.default_rng(6)
+    async with running_servers(2, Adam(lr=0.01), capacity=CAPACITY) as (_, router):
+        await train(router, rng, 200)
+        await checkpoint(router, tmp_path / "b", step=1)
+        for spoil in ("deleted", "written again"):
+            await train(router, rng)
+            with CheckpointWriter(str(tmp_path / "p")) as w:
+                await w.dump_embeddings(router.clients,
+                                        parent=read_manifest(str(tmp_path / "b")))
+                if spoil == "deleted":
+                    delete_checkpoint(str(tmp_path / "b"))
+                else:
+                    await train(router, rng)
+                    await checkpoint(router, tmp_path / "b", step=3)
+                with pytest.raises(BadInput) as err:
+                    w.commit(job="j", step=2, offsets={}, stream="direct")
+            assert err.value.field == "chain.parent" and "'b'" in err.value.message, spoil
+            assert not (tmp_path / "p").exists(), spoil
+            if spoil == "deleted":
+                await checkpoint(router, tmp_path / "b", step=1)

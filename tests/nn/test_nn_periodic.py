@@ -266,3 +266,40 @@ def test_compact_after_compacts_a_chain_that_the_next_patch_patches(job_factory,
     for m in _periodic(root):        # every kept one restores: its whole chain is there
         verify(m.path)
         assert chain_of(m.path)[0].chain["depth"] == 0
+
+
+def test_a_patch_whose_parent_is_deleted_while_it_is_written_fails_then_a_full_base(
+        job_factory, tmp_path, monkeypatch):
+    """The periodic checkpoint a patch patches is deleted while the patch is written (the
+    API's retention, which counts every checkpoint of the job, or a DELETE): the patch is
+    not published (it was, as a checkpoint no restore can load), the failure is counted,
+    and the next periodic checkpoint is a full base that restores."""
+    from stream_persia.checkpoint import chain_of, delete_checkpoint
+    from stream_persia.nn import checkpointing
+
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(6)], background=False)
+    root = _root(tmp_path)
+    config = CheckpointingConfig(every_steps=2, keep_checkpoints=0, periodic_dir=str(root))
+    real = checkpointing.check_servers_kept
+    deleted = []
+
+    def delete_the_parent_meanwhile(*args):   # between the shards' dump and the commit
+        if len(periodic.taken) == 1 and not deleted:
+            delete_checkpoint(periodic.taken[0])
+            deleted.append(periodic.taken[0])
+        return real(*args)
+
+    monkeypatch.setattr(checkpointing, "check_servers_kept", delete_the_parent_meanwhile)
+    with _ctx(job.worker_addresses, SumModel(IN_DIM), config) as ctx:
+        periodic = ctx.periodic_checkpoints
+        assert periodic is not None
+        periodic.incremental = True   # as enable_incremental_update: true makes it
+        _train(ctx, 2)                # step 2: a base
+        _train(ctx, 2)                # step 4: a patch of it, deleted meanwhile
+        assert deleted and periodic.failed == 1 and len(periodic.taken) == 1
+        _train(ctx, 2)                # step 6: a full base
+        assert periodic.failed == 1 and len(periodic.taken) == 2
+    kept = _periodic(root)
+    assert [m.step for m in kept] == [6] and kept[0].chain["parent"] is None
+    assert len(chain_of(kept[0].path)) == 1
