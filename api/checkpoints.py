@@ -13,7 +13,7 @@ consumed before it applied, none after it, offsets pointing at the first batch a
 - **No NN rank attached**: nothing is training, so the API takes the cut itself. It checks
   that no batch is in flight on any worker, has every server dump its shard, checks again
   that nothing trained meanwhile (no batch in flight, no update applied, no row admitted
-  or evicted), and commits with the workers' frontier offsets. When the newest
+  or evicted), and commits with the workers' frontier offsets. When this job's newest
   checkpoint under the checkpoint directory is at the very same stream position (a Kafka
   stream whose offsets did not move since), its dense files are carried over
   (``extra.dense_from``, with its ``trained_through``) and the result serves too;
@@ -587,7 +587,9 @@ class Checkpoints:
         job.progress = {"phase": "checking that nothing is in flight"}
         await self._cut(fingerprints=False)
         updates = await self._updates()
-        complete = await self._complete()
+        # this job's newest only: another job's at the same offsets (of a topic both read)
+        # holds another model
+        complete = [m for m in await self._complete() if m.job == self.job_name]
         base = max(complete, key=newest_last) if complete else None
         base_id = self.root.id_of(base.path) if base is not None else None
         if base_id is not None:

@@ -409,3 +409,24 @@ async def wait_retention(api: LiveApi) -> None:
         for job in list(api.state.checkpoints.jobs.values()):
             if job.task is not None:
                 await asyncio.shield(job.task)
+
+
+@pytest.mark.kafka
+async def test_an_api_cut_carries_no_dense_model_of_another_job(tmp_path):
+    """Another job reading the same topic (an experiment on the same data) wrote the
+    newest checkpoint under the directory, at the very offsets of this job's cut: the
+    checkpoint the API takes does not carry its dense model as this job's."""
+    from test_api_kafka_data_loss import kafka_job
+
+    root = str(tmp_path / "ckpts")
+    async with kafka_job() as (_, job, _), \
+            LiveApi(settings_for(job, checkpoint_dir=root, keep_checkpoints=0)) as api:
+        first = (await take_checkpoint(api, "c0"))["manifest"]
+        assert first["stream"] == "kafka" and first["offsets"]
+        with CheckpointWriter(f"{root}/theirs") as w:
+            w.write_torch("dense.pt", TwoHeads().state_dict())
+            await w.dump_embeddings([job.client(a) for a in job.server_addresses])
+            w.commit(job="another-job", step=7, offsets=first["offsets"], stream="kafka")
+        got = (await take_checkpoint(api, "c1"))["manifest"]
+        assert got["extra"]["dense_from"] != "theirs" and got["dense_filename"] is None
+        assert got["step"] != 7
