@@ -757,8 +757,9 @@ def _exists(url: str) -> bool:
 
 
 def _carry_dense(writer: CheckpointWriter, base: Manifest | None) -> str | None:
-    """Copy the dense files of ``base`` into ``writer`` (blocking); returns base's id."""
-    if base is None:
+    """Copy the dense files of ``base`` into ``writer`` (blocking); returns base's id, or
+    None when it has none (an embeddings-only one: nothing carried)."""
+    if base is None or (base.dense_filename is None and base.jit_filename is None):
         return None
     from stream_persia.api.model import checkpoint_id
 

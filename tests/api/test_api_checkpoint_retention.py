@@ -430,3 +430,5 @@ async def test_an_api_cut_carries_no_dense_model_of_another_job(tmp_path):
         got = (await take_checkpoint(api, "c1"))["manifest"]
         assert got["extra"]["dense_from"] != "theirs" and got["dense_filename"] is None
         assert got["step"] != 7
+        # nor does it claim one from its own embeddings-only one
+        assert got["extra"]["dense_from"] is None and got["extra"]["embeddings_only"]
