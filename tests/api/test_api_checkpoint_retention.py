@@ -340,6 +340,7 @@ async def test_retention_keeps_a_checkpoint_a_restore_is_reading(job, tmp_path, 
     """A restore that began after retention's snapshot and is still loading the rows when
     the pass reaches its checkpoint: the checkpoint is kept and the restore completes."""
     from stream_persia.api import checkpoints as checkpoints_mod
+
     from stream_persia.checkpoint import retention
 
     root = str(tmp_path / "ckpts")
