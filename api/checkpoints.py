@@ -16,7 +16,7 @@ consumed before it applied, none after it, offsets pointing at the first batch a
   the cut itself. It checks
   that no batch is in flight on any worker, has every server dump its shard, checks again
   that nothing trained meanwhile (no batch in flight, no update applied, no row admitted
-  or evicted), and commits with the workers' frontier offsets. When the newest
+  or evicted), and commits with the workers' frontier offsets. When this job's newest
   checkpoint under the checkpoint directory is at the very same stream position (a Kafka
   stream whose offsets did not move since), its dense files are carried over
   (``extra.dense_from``, with its ``trained_through``) and the result serves too;
@@ -55,8 +55,9 @@ import contextlib
 import logging
 import os
 import secrets
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -81,6 +82,7 @@ from stream_persia.checkpoint import (
 )
 from stream_persia.checkpoint._common import Location
 from stream_persia.checkpoint.cut import check_nothing_in_flight
+from stream_persia.checkpoint.reader import newest_last
 from stream_persia.errors import BadInput, ConfigError, DataLost, Misuse, PersiaError
 
 __all__ = ["Checkpoints", "CheckpointJob", "new_checkpoint_id"]
@@ -180,14 +182,20 @@ class Checkpoints:
         self.report_timeout_s = report_timeout_s
         self.jobs: dict[str, CheckpointJob] = {}
         self.root = CheckpointDir(settings.checkpoint_dir)
-        # Checkpoints being read here (restored, or the base a cut copies), or deleted.
+        # Checkpoints being read here (restored, loaded to serve, or the base a cut
+        # copies), or deleted. Retention decides in its thread: both sets change only
+        # under this lock, so a checkpoint is either pinned (and kept) or being deleted
+        # (and a restore or reload of it refused), never both.
+        self._lock = threading.RLock()
         self._using: collections.Counter[str] = collections.Counter()
         self._deleting: set[str] = set()
+        self._foreign: set[str | None] = set()   # other jobs' checkpoints retention saw
         # The checkpoint being restored: one restore at a time, and no checkpoint taken
         # meanwhile (set and tested with no await in between).
         self._restoring: str | None = None
-        gc = settings.global_config
-        self.job_name = gc.kafka.job_name if gc is not None else "persia"
+        self.job_name = settings.job_name
+        if predictor is not None and hasattr(predictor, "pin"):
+            predictor.pin = self.pin   # a reload pins what it loads
 
     async def stop(self) -> None:
         tasks = [j.task for j in self.jobs.values() if j.task is not None and not j.task.done()]
@@ -209,7 +217,7 @@ class Checkpoints:
         if self.settings.checkpoint_dir is None:
             return None
         found = await self._complete()
-        return _manifest_info(found[-1]) if found else None
+        return _manifest_info(max(found, key=newest_last)) if found else None
 
     async def _complete(self) -> list[Manifest]:
         """Complete checkpoints right under the directory, oldest step first, leaving out
@@ -260,21 +268,90 @@ class Checkpoints:
 
     # ----------------------------------------------------------------- retention
     def in_use(self) -> dict[str, str]:
-        """Ids of the checkpoints that must not be deleted now → why."""
+        """Ids of the checkpoints that must not be deleted now → why (thread-safe:
+        retention asks from its thread)."""
         out: dict[str, str] = {}
+        with self._lock:
+            using, deleting = builtins.list(self._using), builtins.list(self._deleting)
+        for ident in using:
+            out.setdefault(ident, "being restored, loaded or copied")
         if self.predictor is not None:
             for path, why in self.predictor.in_use().items():
-                ident = self.root.id_of(path)
-                if ident is not None:
-                    out.setdefault(ident, why)
-        for ident in self._using:
-            out.setdefault(ident, "being restored or copied")
-        for ident in self._deleting:
+                served = self.root.id_of(path)
+                if served is not None:
+                    out.setdefault(served, why)
+        for ident in deleting:
             out.setdefault(ident, "being deleted")
-        for job in self.jobs.values():
+        for job in builtins.list(self.jobs.values()):
             if job.state not in TERMINAL:
                 out.setdefault(job.id, "being taken")
         return out
+
+    def _pin(self, ident: str) -> None:
+        """Count ``ident`` in use: neither retention nor a request deletes it until
+        :meth:`_release`.
+
+        Raises:
+            Misuse: it is being deleted (its files may already be gone).
+        """
+        with self._lock:
+            if ident in self._deleting:
+                raise Misuse(f"checkpoint {ident!r} is being deleted", field="checkpoint",
+                             hint="choose another checkpoint")
+            self._using[ident] += 1
+
+    def _release(self, ident: str) -> None:
+        with self._lock:
+            self._using[ident] -= 1
+            if self._using[ident] <= 0:
+                del self._using[ident]
+
+    @contextlib.contextmanager
+    def pin(self, path: str) -> Iterator[None]:
+        """Keep the checkpoint at ``path`` from being deleted while the block runs (the
+        predictor's reload); a path that is not right under the directory is not ours
+        to delete and needs no pin.
+
+        Raises:
+            Misuse: it is being deleted.
+        """
+        ident = self.root.id_of(path)
+        if ident is None:
+            yield
+            return
+        self._pin(ident)
+        try:
+            yield
+        finally:
+            self._release(ident)
+
+    def _mark_deleting(self, ident: str, users: Collection[str]) -> str | None:
+        """In one step against the live in-use set: why ``ident`` cannot be deleted now
+        (one of ``users``, the checkpoints deleting it would break, is in use), or None,
+        and then it is marked as being deleted (restores and reloads of it are refused)
+        until :meth:`_unmark_deleting`."""
+        with self._lock:
+            busy = self.in_use()
+            why = next((f"{u!r} is {busy[u]}" for u in sorted(users) if u in busy), None)
+            if why is None:
+                self._deleting.add(ident)
+            return why
+
+    def _unmark_deleting(self, ident: str) -> None:
+        with self._lock:
+            self._deleting.discard(ident)
+
+    @contextlib.contextmanager
+    def _retention_guard(self, name: str, users: Collection[str]) -> Iterator[str | None]:
+        """:func:`prune_checkpoints`' ``guard`` (called in its thread)."""
+        why = self._mark_deleting(name, users)
+        if why is not None:
+            yield why
+            return
+        try:
+            yield None
+        finally:
+            self._unmark_deleting(name)
 
     async def delete(self, ident: str) -> dict[str, Any] | None:
         """Delete the checkpoint ``ident`` from the directory (None: there is none).
@@ -301,15 +378,19 @@ class Checkpoints:
                          f"checkpoint(s) {needed[:5]} need to restore: it cannot be deleted "
                          "while they exist", field="checkpoint",
                          hint="delete the patches that depend on it first (newest first)")
-        self._refuse_if_in_use(ident)   # again: a restore or a reload may have begun meanwhile
-        self._deleting.add(ident)   # a restore of it is refused from now on
+        # Again, in one step with marking it: a restore or a reload may have begun meanwhile;
+        # one that begins from now on is refused.
+        busy = self._mark_deleting(ident, (ident,))
+        if busy is not None:
+            raise Misuse(f"checkpoint {busy}: it cannot be deleted now", field="checkpoint",
+                         hint="reload another model or wait until it is no longer in use")
         try:
             await asyncio.to_thread(delete_checkpoint, src)
         except OSError as e:
             raise Misuse(f"checkpoint {ident!r} could not be deleted: {e}",
                          field="checkpoint") from None
         finally:
-            self._deleting.discard(ident)
+            self._unmark_deleting(ident)
         self.jobs.pop(ident, None)
         self._count_deleted("request", 1)
         log.info("deleted checkpoint %s (step %d) on request", src, manifest.step)
@@ -330,8 +411,9 @@ class Checkpoints:
             return
         protect = set(self.in_use()) | {job.id}
         try:
-            deleted = await asyncio.to_thread(prune_checkpoints, self.settings.checkpoint_dir,
-                                              keep, protect)
+            deleted = await asyncio.to_thread(
+                prune_checkpoints, self.settings.checkpoint_dir, keep, protect,
+                select=self._ours, guard=self._retention_guard)
         except Exception as e:   # retention must never fail the checkpoint it follows
             log.warning("retention after checkpoint %s failed: %s", job.id, e)
             return
@@ -339,15 +421,22 @@ class Checkpoints:
             self.jobs.pop(ident, None)
         self._count_deleted("retention", len(deleted))
 
+    def _ours(self, m: Manifest) -> bool:
+        """Whether retention counts (and may delete) ``m``: a checkpoint of this job. Another
+        job's under the same directory is left alone (said once per checkpoint)."""
+        if m.job == self.job_name:
+            return True
+        if m.path not in self._foreign and len(self._foreign) < 1024:   # bounded: said once
+            self._foreign.add(m.path)
+            log.warning("retention: checkpoint %s is of job %r, not this job's (%r): it is "
+                        "neither counted in keep_checkpoints nor deleted (give each job its "
+                        "own checkpoint directory)", m.path, m.job, self.job_name)
+        return False
+
     def _count_deleted(self, reason: str, n: int) -> None:
         metrics = getattr(self.predictor, "metrics", None)
         if metrics is not None and n:
             metrics.checkpoints_deleted.labels(reason).inc(n)
-
-    def _release(self, ident: str) -> None:
-        self._using[ident] -= 1
-        if self._using[ident] <= 0:
-            del self._using[ident]
 
     # ----------------------------------------------------------------- start
     async def start(self, ident: str | None = None) -> CheckpointJob:
@@ -505,11 +594,16 @@ class Checkpoints:
         job.progress = {"phase": "checking that nothing is in flight"}
         await self._cut(fingerprints=False)
         updates = await self._updates()
-        complete = await self._complete()
-        base = complete[-1] if complete else None
+        # this job's newest only: another job's at the same offsets (of a topic both read)
+        # holds another model
+        complete = [m for m in await self._complete() if m.job == self.job_name]
+        base = max(complete, key=newest_last) if complete else None
         base_id = self.root.id_of(base.path) if base is not None else None
         if base_id is not None:
-            self._using[base_id] += 1   # its dense files may be copied: not deleted meanwhile
+            try:   # its dense files may be copied: not deleted meanwhile
+                self._pin(base_id)
+            except Misuse:   # being deleted: nothing to carry from it
+                base, base_id = None, None
         try:
             await self._cut_by_api(job, hb, base, servers, updates)
         finally:
@@ -589,8 +683,6 @@ class Checkpoints:
         active = next((j for j in self.jobs.values() if j.state not in TERMINAL), None)
         if active is not None:
             raise Misuse(f"checkpoint {active.id} is being taken; restore after it finishes")
-        if ident in self._deleting:
-            raise Misuse(f"checkpoint {ident!r} is being deleted", field="checkpoint")
         if self._restoring is not None:
             # Two restores would interleave on the servers (a newer stage replaces an older
             # one) and the workers: both would answer 200 over the rows of one and, for a
@@ -598,8 +690,8 @@ class Checkpoints:
             raise Misuse(f"checkpoint {self._restoring!r} is being restored; one restore at "
                          "a time", field="checkpoint",
                          hint="restore again once it returned")
+        self._pin(ident)   # not deleted (by retention or a request) meanwhile
         self._restoring = ident
-        self._using[ident] += 1   # not deleted (by retention or a request) meanwhile
         try:
             return await self._restore(ident, src, reload_model)
         finally:
@@ -672,8 +764,9 @@ def _exists(url: str) -> bool:
 
 
 def _carry_dense(writer: CheckpointWriter, base: Manifest | None) -> str | None:
-    """Copy the dense files of ``base`` into ``writer`` (blocking); returns base's id."""
-    if base is None:
+    """Copy the dense files of ``base`` into ``writer`` (blocking); returns base's id, or
+    None when it has none (an embeddings-only one: nothing carried)."""
+    if base is None or (base.dense_filename is None and base.jit_filename is None):
         return None
     from stream_persia.api.model import checkpoint_id
 

@@ -18,10 +18,11 @@ so one bad request never fails the others.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,10 @@ class Predictor:
         self.root = CheckpointDir(settings.checkpoint_dir)
         self._reload_lock = asyncio.Lock()
         self._loading: str | None = None
+        #: Set by the API's ``Checkpoints``: keeps a checkpoint from deletion while it loads
+        #: (Misuse naming it if it is being deleted).
+        self.pin: Callable[[str], contextlib.AbstractContextManager[None]] = \
+            lambda src: contextlib.nullcontext()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="predict")
         self._rr = itertools.count()
         self._last_error: str | None = None
@@ -152,10 +157,12 @@ class Predictor:
                               field="PERSIA_CHECKPOINT_DIR",
                               hint="set PERSIA_CHECKPOINT_DIR (its newest checkpoint is "
                                    "used) or PERSIA_API_MODEL")
-        manifest = latest_checkpoint(self.settings.checkpoint_dir)
+        job = self.settings.job_name
+        manifest = latest_checkpoint(self.settings.checkpoint_dir, job)
         if manifest is None or manifest.path is None:
-            raise NotReady(f"no checkpoint under {self.settings.checkpoint_dir} yet",
-                           hint="the replica starts from the first one written")
+            raise NotReady(f"no checkpoint of job {job!r} (kafka.job_name) under "
+                           f"{self.settings.checkpoint_dir} yet",
+                           hint="the replica starts from the first one its job writes")
         return manifest.path
 
     async def _retry_load(self, path: str, first_s: float = 1.0, max_s: float = 60.0) -> None:
@@ -242,35 +249,41 @@ class Predictor:
             BadInput: not a loadable checkpoint (the field is ``checkpoint``; the message
                 names the file at fault).
             ConfigError: the API's own settings do not allow serving it (model class).
+            Misuse: it is being deleted.
         """
         async with self._reload_lock:
-            self._loading = src
-            try:
-                served = await asyncio.get_running_loop().run_in_executor(None, self._load, src)
-            except ConfigError as e:
-                self._failed(src, e.message)
-                raise
-            except BadInput as e:
-                self._failed(src, e.message)
-                raise BadInput(e.message, field="checkpoint", hint=e.hint) from None
-            except PersiaError as e:
-                self._failed(src, e.message)
-                raise
-            except Exception as e:   # any other failure to read it: this checkpoint's fault
-                log.warning("cannot load checkpoint %s", src, exc_info=True)
-                self._failed(src, f"{type(e).__name__}: {e}")
-                raise BadInput(f"cannot load checkpoint {src}: {type(e).__name__}: {e}",
-                               field="checkpoint") from None
-            finally:
-                self._loading = None
-            old, self._served = self._served, served
-            self._last_error = None
+            with self.pin(src):   # until served: retention's thread sees one or the other
+                old, served = await self._load_pinned(src)
             if self.source == "replica":
                 await self._follow(served)
         self.metrics.reloads.labels("ok").inc()
         log.info("serving model %s (was %s)", served.version,
                  old.version if old is not None else "none")
         return served.info()
+
+    async def _load_pinned(self, src: str) -> tuple[Served | None, Served]:
+        self._loading = src
+        try:
+            served = await asyncio.get_running_loop().run_in_executor(None, self._load, src)
+            old, self._served = self._served, served   # served before it is not loading
+        except ConfigError as e:
+            self._failed(src, e.message)
+            raise
+        except BadInput as e:
+            self._failed(src, e.message)
+            raise BadInput(e.message, field="checkpoint", hint=e.hint) from None
+        except PersiaError as e:
+            self._failed(src, e.message)
+            raise
+        except Exception as e:   # any other failure to read it: this checkpoint's fault
+            log.warning("cannot load checkpoint %s", src, exc_info=True)
+            self._failed(src, f"{type(e).__name__}: {e}")
+            raise BadInput(f"cannot load checkpoint {src}: {type(e).__name__}: {e}",
+                           field="checkpoint") from None
+        finally:
+            self._loading = None
+        self._last_error = None
+        return old, served
 
     async def _stop_following(self) -> None:
         if self._kafka is not None:

@@ -213,6 +213,12 @@ class ApiSettings:
         return min(MAX_CAPACITY, per * max(1, len(self.embedding_servers)))
 
     @property
+    def job_name(self) -> str:
+        """The job's name (``kafka.job_name``): what its checkpoints record as ``job``."""
+        kafka = self.global_config.kafka if self.global_config is not None else KafkaConfig()
+        return kafka.job_name
+
+    @property
     def source(self) -> str:
         """The embedding source actually used (``auto`` resolved)."""
         if self.embeddings != "auto":

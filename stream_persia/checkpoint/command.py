@@ -98,13 +98,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     elif not found:
         print(f"no complete checkpoints under {args.root}", file=out)
     else:
-        print(f"{'STEP':>10}  {'CREATED':<20}  {'JOB':<12} {'SHARDS':>6} {'ROWS':>12} "
+        print(f"{'STEP':>10}  {'CREATED':<27}  {'JOB':<12} {'SHARDS':>6} {'ROWS':>12} "
               f"{'SIZE':>10}  {'KIND':<5} {'DEPTH':>5}  {'PARENT':<24} PATH", file=out)
         for m in _grouped(found):
             c = m.chain
             kind = "full" if c is None else "patch" if c["parent"] else "base"
             mark = "  └ " if c is not None and c["parent"] else ""
-            print(f"{m.step:>10}  {m.created_at:<20}  {m.job:<12} {m.shard_count:>6} "
+            print(f"{m.step:>10}  {m.created_at:<27}  {m.job:<12} {m.shard_count:>6} "
                   f"{m.table_rows:>12,} {_size(size_of(m)):>10}  {kind:<5} "
                   f"{'-' if c is None else c['depth']:>5}  "
                   f"{(c or {}).get('parent') or '-':<24} {mark}{m.path}", file=out)

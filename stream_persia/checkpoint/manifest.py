@@ -3,7 +3,7 @@
 Schema (format version 1; JSON object, every key present, ``null`` where optional)::
 
     {"format_version": 1, "job": str, "step": int >= 0,
-     "created_at": ISO-8601 UTC ("2024-05-01T12:00:00Z"),
+     "created_at": ISO-8601 UTC ("2024-05-01T12:00:00.123456Z"; whole seconds before),
      "stream": "kafka" | "direct",
      "offsets": {topic: {partition (decimal str): next offset to consume (int >= 0)}},
      "fingerprints"?: {topic: {partition: {"offset": int, "timestamp": int,
@@ -75,7 +75,7 @@ from typing import Any
 from stream_persia.errors import BadInput
 
 __all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "DENSE_FILENAME", "OPT_FILENAME", "JIT_FILENAME",
-           "STREAMS", "Manifest", "check_file_name", "utc_now"]
+           "STREAMS", "Manifest", "check_file_name", "not_taken_since", "utc_now"]
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -88,8 +88,10 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def utc_now() -> str:
-    """The current time as ISO-8601 UTC with a ``Z`` suffix (second precision)."""
-    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    """The current time as ISO-8601 UTC with a ``Z`` suffix (microsecond precision: the
+    newest checkpoint is the one committed last, two in one second included)."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace(
+        "+00:00", "Z")
 
 
 def check_file_name(name: Any, field_name: str = "name") -> str:
@@ -417,3 +419,22 @@ class Manifest:
             kwargs["extra"] = {}
         return cls(**kwargs, path=path)
 
+
+def not_taken_since(parent: Manifest, patch: Manifest) -> str | None:
+    """Why ``patch`` was not taken on ``parent`` as it is now (None: it may have been).
+    A patch holds the rows its servers changed since the parent's dump, so each server's
+    position at the parent (``chain.tracking``) is of the same incarnation and table load
+    and not ahead of its position at the patch. A checkpoint written again at the
+    parent's path (same id, base and depth) fails this: its servers were further on, or
+    other ones."""
+    before, after = (parent.chain or {}).get("tracking"), (patch.chain or {}).get("tracking")
+    if not isinstance(before, list) or not isinstance(after, list) \
+            or len(before) != len(after):
+        return (f"it records {len(before or [])} server position(s), the patch "
+                f"{len(after or [])}")
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        if b["incarnation"] != a["incarnation"] or b["loads"] != a["loads"] \
+                or b["version"] > a["version"]:
+            return (f"server {i} was at {b} when it was written, and at {a} when the patch "
+                    "was")
+    return None

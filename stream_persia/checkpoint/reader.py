@@ -18,7 +18,12 @@ from stream_persia.checkpoint._common import (
     check_server_set,
     sha256_file,
 )
-from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest, check_file_name
+from stream_persia.checkpoint.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    check_file_name,
+    not_taken_since,
+)
 from stream_persia.core.data import check_event_time
 from stream_persia.errors import (
     BadInput,
@@ -134,6 +139,11 @@ def chain_of(src: str) -> list[Manifest]:
                            f"{parent_url} is another checkpoint ({pc and pc['id']!r}, base "
                            f"{pc and pc['base']!r}, depth {pc and pc['depth']})",
                            field="chain.parent")
+        why = not_taken_since(parent, manifest)
+        if why is not None:
+            raise BadInput(f"checkpoint {manifest.path} is a patch of {link['parent']!r}, but "
+                           f"{parent_url} is not the checkpoint it was taken on: {why}",
+                           field="chain.parent", hint="it was written again at its path since")
         if len(chain) > 100_000:
             raise BadInput(f"checkpoint {src}: its chain does not end", field="chain")
         chain.append(parent)
@@ -461,8 +471,14 @@ def load_torch(src: str, name: str, map_location: Any = None, *,
 
 
 def _created(m: Manifest) -> datetime:
-    t = datetime.fromisoformat(m.created_at)
+    t = datetime.fromisoformat(m.created_at.replace("Z", "+00:00"))
     return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
+def newest_last(m: Manifest) -> tuple:
+    """Sort key putting the newest checkpoint last: latest ``created_at``, then highest
+    step, then path (not step first: a run restored from an older one goes on below)."""
+    return _created(m), m.step, m.path or ""
 
 
 def list_checkpoints(root: str) -> list[Manifest]:
@@ -494,7 +510,8 @@ def list_checkpoints(root: str) -> list[Manifest]:
     return found
 
 
-def latest_checkpoint(root: str) -> Manifest | None:
-    """The complete checkpoint under ``root`` with the highest step, or None."""
-    found = list_checkpoints(root)
-    return found[-1] if found else None
+def latest_checkpoint(root: str, job: str | None = None) -> Manifest | None:
+    """The newest complete checkpoint under ``root`` (:func:`newest_last`), of ``job``
+    only when given (a shared root), or None."""
+    found = [m for m in list_checkpoints(root) if job is None or m.job == job]
+    return max(found, key=newest_last) if found else None

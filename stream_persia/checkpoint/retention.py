@@ -16,6 +16,14 @@ the kept patch reads them all. A compacted base (``stream-persia checkpoint comp
 :mod:`stream_persia.server.compaction`) needs nothing, so the chain it was made from is
 freed once no kept patch needs it.
 
+In use meanwhile: ``protect`` is a snapshot taken before the pass, and a restore or a
+reload may start using a checkpoint while the pass runs (in a thread). ``guard``, when
+given, is asked just before each deletion, with the checkpoint's name and the names of
+the checkpoints that deleting it would break (itself and the expired patches whose chain
+needs it); it decides in one step, against the caller's live in-use set, whether the
+deletion may go ahead and, if so, marks it as being deleted until it is done (a restore
+or reload of it is then refused, naming it). A refused one is kept for the next pass.
+
 Leftovers: after each pass, the hidden directories that killed writers left under the
 root (staging, replaced and half-deleted checkpoints) are removed once abandoned
 (:mod:`stream_persia.checkpoint.leftovers`), so a job killed now and then does not fill
@@ -33,22 +41,21 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Collection, Sequence
-from datetime import datetime, timezone
+from contextlib import AbstractContextManager, nullcontext
 
 from stream_persia.checkpoint._common import Location
 from stream_persia.checkpoint.leftovers import rmtree_racing, sweep_abandoned
 from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest
-from stream_persia.checkpoint.reader import list_checkpoints
+from stream_persia.checkpoint.reader import list_checkpoints, newest_last
 
 __all__ = ["delete_checkpoint", "dependents", "expired", "prune_checkpoints"]
 
 log = logging.getLogger(__name__)
 
-def _newest_last(m: Manifest) -> tuple:
-    t = datetime.fromisoformat(m.created_at.replace("Z", "+00:00"))
-    t = t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
-    return t, m.step, m.path or ""
-
+#: ``guard(name, users)``: a context manager entered just before ``name`` is deleted; it
+#: yields None when the deletion may go ahead (and keeps ``name`` marked as being deleted
+#: until it exits), or why not (one of ``users`` is in use).
+Guard = Callable[[str, Collection[str]], AbstractContextManager[str | None]]
 
 def expired(manifests: Sequence[Manifest], keep: int, protect: Collection[str] = ()
             ) -> list[Manifest]:
@@ -56,36 +63,48 @@ def expired(manifests: Sequence[Manifest], keep: int, protect: Collection[str] =
     directory name is in ``protect``. ``keep`` 0 keeps every one."""
     if keep <= 0:
         return []
-    ordered = sorted(manifests, key=_newest_last)
+    ordered = sorted(manifests, key=newest_last)
     old = ordered[:-keep] if len(ordered) > keep else []
     return [m for m in old if Location(m.path or "").name not in protect]
 
 
 def prune_checkpoints(root: str, keep: int, protect: Collection[str] = (),
-                      select: Callable[[Manifest], bool] | None = None) -> list[str]:
+                      select: Callable[[Manifest], bool] | None = None,
+                      guard: Guard | None = None) -> list[str]:
     """Delete the complete checkpoints right under ``root`` beyond the ``keep`` newest,
     except those named (directory name) in ``protect``; returns the names deleted.
     ``select``: only the checkpoints it accepts are counted and deleted (periodic
     checkpoints keep their own ``keep`` newest in a directory shared with others).
-    Blocking. A checkpoint that cannot be deleted is logged and left."""
+    ``guard``: asked just before each deletion (see the module docstring). Blocking. A
+    checkpoint that cannot be deleted is logged and left."""
     loc = Location(root)
     found = [m for m in list_checkpoints(root)
              if not (loc.local and os.path.islink(m.path or ""))
              and (select is None or select(m))]
     deleted = []
     old = expired(found, keep, protect)
-    needed = _needed(list_checkpoints(root), {Location(m.path or "").name for m in old})
+    every = list_checkpoints(root)
+    doomed = {Location(m.path or "").name for m in old}
+    needed = _needed(every, doomed)
+    by_name = _by_name(every)
     for m in old:
-        if Location(m.path or "").name in needed:
+        name = Location(m.path or "").name
+        if name in needed:
             log.info("retention: keeping checkpoint %s (step %d): a kept patch's chain "
                      "needs it", m.path, m.step)
             continue
-        name = Location(m.path or "").name
-        try:
-            delete_checkpoint(m.path or "")
-        except OSError as e:
-            log.warning("retention: could not delete checkpoint %s: %s", m.path, e)
-            continue
+        users = {name} | {n for n in doomed
+                          if n in by_name and name in _ancestors(by_name[n], by_name)}
+        with guard(name, users) if guard is not None else nullcontext() as busy:
+            if busy is not None:
+                log.info("retention: keeping checkpoint %s (step %d): %s", m.path, m.step,
+                         busy)
+                continue
+            try:
+                delete_checkpoint(m.path or "")
+            except OSError as e:
+                log.warning("retention: could not delete checkpoint %s: %s", m.path, e)
+                continue
         log.info("retention: deleted checkpoint %s (step %d), keeping the %d newest under %s",
                  m.path, m.step, keep, loc.url)
         deleted.append(name)

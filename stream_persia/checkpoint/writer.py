@@ -1,4 +1,9 @@
-"""Writing a checkpoint: stage every file, write the manifest last, then publish atomically."""
+"""Writing a checkpoint: stage every file, write the manifest last, then publish atomically.
+
+Size: one module because :class:`CheckpointWriter` is one state machine (open, then
+committed or aborted) over one staging directory; its dump, checks and publication share
+that state.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +33,9 @@ from stream_persia.checkpoint.manifest import (
     OPT_FILENAME,
     Manifest,
     check_file_name,
+    not_taken_since,
 )
+from stream_persia.checkpoint.reader import read_manifest
 from stream_persia.config.embedding import EmbeddingSchema
 from stream_persia.core import watermarks
 from stream_persia.core.replies import WatermarksReply
@@ -282,7 +289,9 @@ class CheckpointWriter:
             The manifest, with ``path`` set to ``dst``.
 
         Raises:
-            BadInput: an argument is invalid (nothing is published; the writer stays open).
+            BadInput: an argument is invalid, or a patch's parent was deleted or written
+                again meanwhile (``chain.parent``); nothing is published, the writer stays
+                open.
             StreamReplay: a Kafka cut whose offsets are at or below what an embedding
                 server had applied when it dumped (its stream watermark): the cut is not
                 consistent, and restoring it would train those batches twice.
@@ -317,6 +326,7 @@ class CheckpointWriter:
         if manifest.files != self._files:
             raise Misuse(f"the manifest for {self.dst} lists files "
                          f"{sorted(manifest.files)} but {sorted(self._files)} were written")
+        self._check_parent(manifest)
         data = (json.dumps(manifest.to_dict(), indent=2) + "\n").encode()
         if self._dst.local:
             self._check_replaceable()
@@ -335,6 +345,29 @@ class CheckpointWriter:
                  manifest.step, manifest.job, self._dst.url, manifest.shard_count,
                  manifest.rows)
         return manifest
+
+    def _check_parent(self, manifest: Manifest) -> None:
+        """Refuse to publish a patch whose parent is gone (retention in another process, a
+        delete) or was written again at its path since: no restore could load it, or one
+        would load its rows over other rows.
+
+        Raises:
+            BadInput: naming the parent (``chain.parent``); nothing is published.
+        """
+        link = manifest.chain
+        if link is None or link["parent"] is None:
+            return
+        url = f"{self._dst.url.rstrip('/').rsplit('/', 1)[0]}/{link['parent']}"
+        try:
+            parent = read_manifest(url)
+            why = (not_taken_since(parent, manifest) if parent.chain is not None
+                   and parent.chain["id"] == link["parent"] else "another checkpoint")
+        except BadInput as e:
+            why = e.message
+        if why is not None:
+            raise BadInput(f"checkpoint {self.dst} is a patch of {link['parent']!r}, which "
+                           f"changed while it was written ({why}): nothing was published",
+                           field="chain.parent", hint="take a full checkpoint")
 
     def _swap_into_place(self) -> None:
         dst = self._dst.path

@@ -25,7 +25,8 @@ mailbox (:mod:`~stream_persia.nn.checkpoint_poller`):
 - **Retention.** After each one, rank 0 deletes the periodic checkpoints under
   ``periodic_dir`` beyond the ``keep_checkpoints`` newest
   (:func:`stream_persia.checkpoint.prune_checkpoints`, selecting ``extra.by ==
-  "periodic"``: other checkpoints in the same directory are neither counted nor deleted).
+  "periodic"`` of this job, ``kafka.job_name``: other checkpoints in the same directory,
+  another job's periodic ones included, are neither counted nor deleted).
 - **Incremental.** With ``embedding_parameter_server_config.enable_incremental_update:
   true`` each periodic checkpoint after the first this process took is a patch of the
   previous one (only the embedding rows changed since: :mod:`stream_persia.checkpoint.
@@ -71,6 +72,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from stream_persia.checkpoint import Manifest, chain_of, list_checkpoints, prune_checkpoints
+from stream_persia.checkpoint.reader import newest_last
 from stream_persia.config import CheckpointingConfig
 from stream_persia.errors import Misuse
 from stream_persia.nn import checkpointing
@@ -137,7 +139,7 @@ def latest_parent(dst: str, full_every: int) -> str | None:
     found = [m for m in list_checkpoints(root) if m.chain is not None]
     if not found:
         return None
-    newest = found[-1]
+    newest = max(found, key=newest_last)
     depth = int(newest.chain["depth"]) if newest.chain is not None else full_every
     return newest.path if depth < full_every else None
 
@@ -271,7 +273,7 @@ class PeriodicCheckpoints:
             self.last_duration_s, self.last_bytes = took, size
             log.info("periodic checkpoint %s: step %d, %d bytes, %.2f s", dst, step, size,
                      took)
-            self._prune(name)
+            self._prune(name, manifest.job)
             if self.incremental and self.compact_after is not None and chain is not None \
                     and int(chain["depth"]) >= self.compact_after and self._compaction is None:
                 self._compact(dst)
@@ -334,13 +336,16 @@ class PeriodicCheckpoints:
                         missed, self.skipped, self.every_s)
         self._next_due = began + self.every_s * (missed + 1)
 
-    def _prune(self, name: str) -> None:
+    def _prune(self, name: str, job: str) -> None:
+        """Retention after checkpoint ``name`` of ``job``: the periodic checkpoints of
+        this job only (another job's under a shared root are not ours to count or
+        delete)."""
         if self.keep <= 0:
             return
         try:
             running = self._compaction.reads if self._compaction is not None else set()
             prune_checkpoints(self.root, self.keep, protect={name} | running,
-                              select=_is_periodic)
+                              select=lambda m: _is_periodic(m) and m.job == job)
         except Exception as e:   # retention is retried after the next checkpoint
             log.warning("periodic checkpoints: retention under %s failed: %s: %s",
                         self.root, type(e).__name__, e)

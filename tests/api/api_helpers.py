@@ -171,7 +171,8 @@ async def write_checkpoint(job: Job, dst: str, model: torch.nn.Module, *, step: 
         extra = ({"heads": heads} if heads else {}) | ({"inputs": inputs} if inputs else {}) \
             | ({} if dense_lineage is None else {"dense_lineage": dense_lineage}) \
             | ({} if trained_through is None else {"trained_through": trained_through})
-        w.commit(job="test", step=step, offsets={}, stream="direct", extra=extra or None)
+        # the API's job name (kafka.job_name) with no global config: its replica serves it
+        w.commit(job="persia", step=step, offsets={}, stream="direct", extra=extra or None)
     return dst
 
 

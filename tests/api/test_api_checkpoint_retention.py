@@ -9,6 +9,7 @@ served (nor the one configured to be served), nor one being taken or restored.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import numpy as np
@@ -250,3 +251,185 @@ async def test_a_checkpoint_that_comes_into_use_while_it_is_deleted_is_kept(job,
         assert r.status_code == 409, r.text
         assert "old" in os.listdir(root)
         assert (await api.client.get("/v1/model")).json()["checkpoint"].endswith("old")
+
+
+async def test_retention_leaves_another_jobs_checkpoints_alone(job, tmp_path):
+    """Two jobs pointed at one checkpoint directory: the API's retention neither counts
+    nor deletes the other job's checkpoints (it deleted them as its own oldest)."""
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    aged(await write_checkpoint(job, f"{root}/theirs", TwoHeads()), job="another-job")
+    aged(await write_checkpoint(job, f"{root}/mine", TwoHeads()))
+    async with LiveApi(settings_for(job, checkpoint_dir=root, keep_checkpoints=1)) as api:
+        await take_checkpoint(api, "c1")
+        await wait_retention(api)
+        assert on_disk(root) == ["c1", "theirs"]
+        await take_checkpoint(api, "c2")
+        await wait_retention(api)
+        assert on_disk(root) == ["c2", "theirs"]
+
+
+async def test_retention_keeps_a_checkpoint_reloaded_after_its_pass_began(job, tmp_path,
+                                                                          monkeypatch):
+    """Retention takes its in-use snapshot, then runs in a thread: a reload of an expired
+    checkpoint that lands after the snapshot (here: as the pass computes what expired)
+    is seen just before the deletion, and the served model's files stay."""
+    from stream_persia.checkpoint import retention
+
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    aged(await write_checkpoint(job, f"{root}/old", TwoHeads()))
+    async with LiveApi(settings_for(job, checkpoint_dir=root, keep_checkpoints=1,
+                                    embeddings="local")) as api:
+        loop = asyncio.get_running_loop()
+        real = retention.expired
+        reloads = []
+
+        def reload_meanwhile(*args):
+            found = real(*args)
+            if not reloads:
+                reloads.append(asyncio.run_coroutine_threadsafe(api.client.post(
+                    "/v1/model/reload", headers=AUTH, json={"checkpoint": "old"}),
+                    loop).result())
+            return found
+
+        monkeypatch.setattr(retention, "expired", reload_meanwhile)
+        await take_checkpoint(api, "c1")
+        await wait_retention(api)
+        assert reloads and reloads[0].status_code == 200, reloads
+        assert (await api.client.get("/v1/model")).json()["checkpoint"].endswith("old")
+        assert on_disk(root) == ["c1", "old"]
+
+
+async def test_a_reload_or_restore_of_a_checkpoint_retention_is_deleting_is_refused(
+        job, tmp_path, monkeypatch):
+    """Once retention has decided to delete a checkpoint, a reload or a restore of it is
+    refused naming it (409), not answered 200 over files deleted right after."""
+    from stream_persia.checkpoint import retention
+
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    aged(await write_checkpoint(job, f"{root}/old", TwoHeads()))
+    aged(await write_checkpoint(job, f"{root}/served", TwoHeads(seed=1)))
+    settings = settings_for(job, checkpoint_dir=root, keep_checkpoints=1, embeddings="local",
+                            model_checkpoint=f"{root}/served")
+    async with LiveApi(settings) as api:
+        loop = asyncio.get_running_loop()
+        real = retention.delete_checkpoint
+        answers = {}
+
+        def use_meanwhile(src):
+            for what, url, body in (("reload", "/v1/model/reload", {"checkpoint": "old"}),
+                                    ("restore", "/v1/checkpoints/old/restore", None)):
+                answers[what] = asyncio.run_coroutine_threadsafe(api.client.post(
+                    url, headers=AUTH, json=body), loop).result()
+            return real(src)
+
+        monkeypatch.setattr(retention, "delete_checkpoint", use_meanwhile)
+        await take_checkpoint(api, "c1")
+        await wait_retention(api)
+        for what, r in answers.items():
+            assert r.status_code == 409, (what, r.text)
+            err = r.json()["error"]
+            assert err["field"] == "checkpoint" and "'old' is being deleted" in err["message"]
+        assert (await api.client.get("/v1/model")).json()["checkpoint"].endswith("served")
+        assert on_disk(root) == ["c1", "served"]
+
+
+async def test_retention_keeps_a_checkpoint_a_restore_is_reading(job, tmp_path, monkeypatch):
+    """A restore that began after retention's snapshot and is still loading the rows when
+    the pass reaches its checkpoint: the checkpoint is kept and the restore completes."""
+    from stream_persia.api import checkpoints as checkpoints_mod
+
+    from stream_persia.checkpoint import retention
+
+    root = str(tmp_path / "ckpts")
+    await job.train(2)
+    aged(await write_checkpoint(job, f"{root}/old", TwoHeads()))
+    want = rows_of(job)
+    await job.train(2, seed=5)
+    async with LiveApi(settings_for(job, checkpoint_dir=root, keep_checkpoints=1)) as api:
+        loop = asyncio.get_running_loop()
+        ckpts = api.state.checkpoints
+        loading, pass_over = asyncio.Event(), asyncio.Event()
+        real_load, real_expired, real_prune = (checkpoints_mod.load_embeddings,
+                                               retention.expired, checkpoints_mod.prune_checkpoints)
+        restore = []
+
+        async def held_load(*args, **kw):   # the restore waits for retention's pass
+            loading.set()
+            await pass_over.wait()
+            return await real_load(*args, **kw)
+
+        async def start_restore():
+            restore.append(asyncio.create_task(
+                api.client.post("/v1/checkpoints/old/restore", headers=AUTH)))
+            await loading.wait()
+
+        def restore_meanwhile(*args):
+            found = real_expired(*args)
+            if not restore:
+                asyncio.run_coroutine_threadsafe(start_restore(), loop).result()
+            return found
+
+        def prune(*args, **kw):
+            try:
+                return real_prune(*args, **kw)
+            finally:
+                loop.call_soon_threadsafe(pass_over.set)
+
+        monkeypatch.setattr(checkpoints_mod, "load_embeddings", held_load)
+        monkeypatch.setattr(retention, "expired", restore_meanwhile)
+        monkeypatch.setattr(checkpoints_mod, "prune_checkpoints", prune)
+        await take_checkpoint(api, "c1")
+        async with asyncio.timeout(30):
+            r = await restore[0]
+        assert r.status_code == 200, r.text
+        assert "old" in os.listdir(root)
+        got = rows_of(job)
+        assert got.keys() == want.keys()
+        for k, (w8, _) in want.items():
+            np.testing.assert_allclose(got[k][0], w8, atol=1e-6, rtol=0)
+        assert ckpts.in_use() == {"old": "the model being served"}   # the restore reloaded it
+
+
+def aged(path: str, **fields: str) -> None:
+    """Make the checkpoint at ``path`` older than any taken now (retention's order), and
+    change its manifest's ``fields``."""
+    with open(os.path.join(path, "manifest.json")) as f:
+        m = json.load(f)
+    m["created_at"] = "2024-01-01T00:00:00Z"   # the manifest carries no checksum of itself
+    m.update(fields)
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(m, f)
+
+
+async def wait_retention(api: LiveApi) -> None:
+    """Until the retention pass after the last checkpoint (a task of its job) ended."""
+    async with asyncio.timeout(30):
+        for job in list(api.state.checkpoints.jobs.values()):
+            if job.task is not None:
+                await asyncio.shield(job.task)
+
+
+@pytest.mark.kafka
+async def test_an_api_cut_carries_no_dense_model_of_another_job(tmp_path):
+    """Another job reading the same topic (an experiment on the same data) wrote the
+    newest checkpoint under the directory, at the very offsets of this job's cut: the
+    checkpoint the API takes does not carry its dense model as this job's."""
+    from test_api_kafka_data_loss import kafka_job
+
+    root = str(tmp_path / "ckpts")
+    async with kafka_job() as (_, job, _), \
+            LiveApi(settings_for(job, checkpoint_dir=root, keep_checkpoints=0)) as api:
+        first = (await take_checkpoint(api, "c0"))["manifest"]
+        assert first["stream"] == "kafka" and first["offsets"]
+        with CheckpointWriter(f"{root}/theirs") as w:
+            w.write_torch("dense.pt", TwoHeads().state_dict())
+            await w.dump_embeddings([job.client(a) for a in job.server_addresses])
+            w.commit(job="another-job", step=7, offsets=first["offsets"], stream="kafka")
+        got = (await take_checkpoint(api, "c1"))["manifest"]
+        assert got["extra"]["dense_from"] != "theirs" and got["dense_filename"] is None
+        assert got["step"] != 7
+        # nor does it claim one from its own embeddings-only one
+        assert got["extra"]["dense_from"] is None and got["extra"]["embeddings_only"]

@@ -421,6 +421,34 @@ def test_unknown_format_version_is_a_clear_error(tmp_path):
     assert ck.list_checkpoints(str(tmp_path)) == []
 
 
+def test_the_latest_checkpoint_is_the_newest_not_the_highest_step(tmp_path):
+    """An NN worker that restored step 5 of a run that reached step 10 goes on from step
+    5: the checkpoints it writes next (steps 6, 7), within the same second too, are the
+    latest, not the abandoned step 10 (a serving replica started on "latest" served the
+    abandoned model; an incremental checkpoint patched it)."""
+    for step in (10, 5, 6, 7):
+        with CheckpointWriter(str(tmp_path / f"s{step}")) as w:
+            w.write_bytes("x.bin", b"%d" % step)
+            w.commit(job="j", step=step, offsets={}, stream="direct")
+    assert ck.latest_checkpoint(str(tmp_path)).path == str(tmp_path / "s7")
+    created = [ck.read_manifest(str(tmp_path / f"s{s}")).created_at for s in (10, 5, 6, 7)]
+    assert created == sorted(created) and len(set(created)) == 4, created
+    # retention agrees: the abandoned step 10 is the oldest
+    assert ck.prune_checkpoints(str(tmp_path), keep=3) == ["s10"]
+
+
+def test_the_latest_checkpoint_of_a_job(tmp_path):
+    """Two jobs share a directory: each one's latest is its own (a serving replica of one
+    served the other's model when it was the newer)."""
+    for name, job in (("mine", "j"), ("theirs", "other")):
+        with CheckpointWriter(str(tmp_path / name)) as w:
+            w.write_bytes("x.bin", b"x")
+            w.commit(job=job, step=1, offsets={}, stream="direct")
+    assert ck.latest_checkpoint(str(tmp_path)).path == str(tmp_path / "theirs")
+    assert ck.latest_checkpoint(str(tmp_path), "j").path == str(tmp_path / "mine")
+    assert ck.latest_checkpoint(str(tmp_path), "none") is None
+
+
 def test_list_checkpoints_sorted_complete_only(tmp_path):
     for step in (20, 3, 11):
         with CheckpointWriter(str(tmp_path / f"s{step}")) as w:
@@ -432,5 +460,5 @@ def test_list_checkpoints_sorted_complete_only(tmp_path):
     found = ck.list_checkpoints(str(tmp_path))
     assert [m.step for m in found] == [3, 11, 20]
     assert found[0].path == str(tmp_path / "s3")
-    assert ck.latest_checkpoint(str(tmp_path)).step == 20
+    assert ck.latest_checkpoint(str(tmp_path)).step == 11   # the one committed last
     assert ck.list_checkpoints(str(tmp_path / "missing")) == []

@@ -12,6 +12,7 @@ still restores. The crash of a server during a patch write is in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -232,3 +233,93 @@ def test_an_overrun_eviction_log_or_a_clear_makes_a_full_shard_not_a_patch(tmp_p
                                str(tmp_path), 0, 1) is None
     assert "restarted" in patches.why_full(since, {**now, "incarnation": "other"}, True)
     assert "restore" in patches.why_full(since, {**now, "loads": 1}, True)
+
+
+async def test_retention_keeps_the_chain_of_a_patch_that_comes_into_use_during_the_pass(
+        tmp_path):
+    """Retention's guard is asked, just before each deletion, about every checkpoint the
+    deletion would break: a base whose expired patch came into use after the pass began
+    (a restore of the patch) is kept with the patch, not deleted under it."""
+    rng = np.random.default_rng(3)
+    async with running_servers(2, Adam(lr=0.01), capacity=CAPACITY) as (_, router):
+        await train(router, rng, 200)
+        await checkpoint(router, tmp_path / "a-base", step=1)
+        await train(router, rng)
+        await checkpoint(router, tmp_path / "b-patch", tmp_path / "a-base", step=2)
+        await train(router, rng)
+        await checkpoint(router, tmp_path / "c-new", step=3)
+    asked = []
+    in_use = {"b-patch": "being restored"}
+
+    @contextlib.contextmanager
+    def guard(name, users):
+        asked.append((name, sorted(users)))
+        yield next((f"{u!r} is {in_use[u]}" for u in sorted(users) if u in in_use), None)
+
+    assert prune_checkpoints(str(tmp_path), keep=1, guard=guard) == []
+    assert asked == [("a-base", ["a-base", "b-patch"]), ("b-patch", ["b-patch"])]
+    assert sorted(os.listdir(tmp_path)) == ["a-base", "b-patch", "c-new"]
+    await restored(str(tmp_path / "b-patch"))   # its chain is whole
+    in_use.clear()
+    assert prune_checkpoints(str(tmp_path), keep=1, guard=guard) == ["a-base", "b-patch"]
+    assert sorted(os.listdir(tmp_path)) == ["c-new"]
+
+
+async def test_a_patch_whose_parent_was_written_again_at_its_path_is_refused(tmp_path):
+    """A checkpoint written again at the parent's path (``dump_checkpoint`` to the same
+    directory) has the same id, base and depth: the patch was restored over it, its rows
+    over rows of another time, with the same row count (no id admitted or evicted in
+    between) and no error. Its servers' positions tell it apart: refused naming it."""
+    rng = np.random.default_rng(5)
+    ids = [np.arange(400, dtype=np.uint64) + np.uint64((k + 1) << 40) for k in range(2)]
+
+    async def train_known(n: int) -> None:   # only ids already held: the row count stays
+        groups = [RowLookup(dim, np.unique(rng.choice(ids[k], size=n, replace=False)))
+                  for k, dim in enumerate(DIMS)]
+        await router.lookup(groups, "train")
+        await router.update([UpdateGroup(g.dim, g.ids, rng.normal(size=(g.ids.size, g.dim))
+                                         .astype(np.float32)) for g in groups])
+
+    async with running_servers(2, Adam(lr=0.01), capacity=100_000) as (_, router):
+        await train_known(400)
+        await checkpoint(router, tmp_path / "b", step=1)
+        await train_known(100)
+        patch = await checkpoint(router, tmp_path / "p", tmp_path / "b", step=2)
+        assert patch.is_patch
+        await train_known(100)
+        again = await checkpoint(router, tmp_path / "b", step=3)   # replaces b
+        assert again.table_rows == patch.table_rows
+    with pytest.raises(BadInput) as err:
+        await restored(str(tmp_path / "p"))
+    assert err.value.field == "chain.parent"
+    assert "is not the checkpoint it was taken on" in err.value.message
+    with pytest.raises(BadInput):
+        verify(str(tmp_path / "p"))
+
+
+async def test_a_patch_whose_parent_goes_while_it_is_written_is_not_published(tmp_path):
+    """The parent is deleted (retention in another process) or written again between the
+    servers' dump and the commit: the patch is refused naming it, nothing is published
+    (it was: a complete-looking checkpoint that no restore can load)."""
+    from stream_persia.checkpoint import delete_checkpoint
+
+    rng = np.random.default_rng(6)
+    async with running_servers(2, Adam(lr=0.01), capacity=CAPACITY) as (_, router):
+        await train(router, rng, 200)
+        await checkpoint(router, tmp_path / "b", step=1)
+        for spoil in ("deleted", "written again"):
+            await train(router, rng)
+            with CheckpointWriter(str(tmp_path / "p")) as w:
+                await w.dump_embeddings(router.clients,
+                                        parent=read_manifest(str(tmp_path / "b")))
+                if spoil == "deleted":
+                    delete_checkpoint(str(tmp_path / "b"))
+                else:
+                    await train(router, rng)
+                    await checkpoint(router, tmp_path / "b", step=3)
+                with pytest.raises(BadInput) as err:
+                    w.commit(job="j", step=2, offsets={}, stream="direct")
+            assert err.value.field == "chain.parent" and "'b'" in err.value.message, spoil
+            assert not (tmp_path / "p").exists(), spoil
+            if spoil == "deleted":
+                await checkpoint(router, tmp_path / "b", step=1)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from nn_helpers import SumModel
 
-from stream_persia.checkpoint import list_checkpoints, read_manifest, verify
+from stream_persia.checkpoint import CheckpointWriter, list_checkpoints, read_manifest, verify
 from stream_persia.config import CheckpointingConfig, GlobalConfig, KafkaConfig
 from stream_persia.ctx import DataCtx, TrainCtx
 from stream_persia.data import DataLoader, StreamingDataset
@@ -64,6 +64,12 @@ def test_every_steps_with_retention_and_the_relayed_figures(job_factory, tmp_pat
     # another checkpoint in the same directory: periodic retention neither counts nor
     # deletes it
     other = root / "by-hand"
+    # nor another job's periodic one (a directory two jobs share)
+    theirs = root / "periodic-step-000000000001-20240101T000000.000Z-0000"
+    with CheckpointWriter(str(theirs)) as w:
+        w.write_bytes("dense.pt", b"x")
+        w.commit(job="another-job", step=1, offsets={}, stream="direct",
+                 extra={"id": theirs.name, "by": "periodic"})
     config = CheckpointingConfig(every_steps=3, keep_checkpoints=2, periodic_dir=str(root))
     model = SumModel(IN_DIM)
     with _ctx(job.worker_addresses, model, config) as ctx:
@@ -84,8 +90,9 @@ def test_every_steps_with_retention_and_the_relayed_figures(job_factory, tmp_pat
     assert figures["last_step"] == 9 and figures["last_bytes"] > 0
     assert figures["last_duration_s"] > 0
     # steps 3, 6 and 9 were taken; the two newest periodic ones are kept, and the other one
-    kept = _periodic(root)
+    kept = [m for m in _periodic(root) if m.job != "another-job"]
     assert [m.step for m in kept] == [6, 9]
+    assert read_manifest(str(theirs)).job == "another-job"
     assert [Path(p).name for p in periodic.taken][1:] == [Path(m.path).name for m in kept]
     assert all(Path(m.path).name.startswith(f"periodic-step-{m.step:012d}-") for m in kept)
     assert read_manifest(str(other)).step == 2
@@ -259,3 +266,40 @@ def test_compact_after_compacts_a_chain_that_the_next_patch_patches(job_factory,
     for m in _periodic(root):        # every kept one restores: its whole chain is there
         verify(m.path)
         assert chain_of(m.path)[0].chain["depth"] == 0
+
+
+def test_a_patch_whose_parent_is_deleted_while_it_is_written_fails_then_a_full_base(
+        job_factory, tmp_path, monkeypatch):
+    """The periodic checkpoint a patch patches is deleted while the patch is written (the
+    API's retention, which counts every checkpoint of the job, or a DELETE): the patch is
+    not published (it was, as a checkpoint no restore can load), the failure is counted,
+    and the next periodic checkpoint is a full base that restores."""
+    from stream_persia.checkpoint import chain_of, delete_checkpoint
+    from stream_persia.nn import checkpointing
+
+    job = job_factory(SCHEMA)
+    job.feed([make_batch(i) for i in range(6)], background=False)
+    root = _root(tmp_path)
+    config = CheckpointingConfig(every_steps=2, keep_checkpoints=0, periodic_dir=str(root))
+    real = checkpointing.check_servers_kept
+    deleted = []
+
+    def delete_the_parent_meanwhile(*args):   # between the shards' dump and the commit
+        if len(periodic.taken) == 1 and not deleted:
+            delete_checkpoint(periodic.taken[0])
+            deleted.append(periodic.taken[0])
+        return real(*args)
+
+    monkeypatch.setattr(checkpointing, "check_servers_kept", delete_the_parent_meanwhile)
+    with _ctx(job.worker_addresses, SumModel(IN_DIM), config) as ctx:
+        periodic = ctx.periodic_checkpoints
+        assert periodic is not None
+        periodic.incremental = True   # as enable_incremental_update: true makes it
+        _train(ctx, 2)                # step 2: a base
+        _train(ctx, 2)                # step 4: a patch of it, deleted meanwhile
+        assert deleted and periodic.failed == 1 and len(periodic.taken) == 1
+        _train(ctx, 2)                # step 6: a full base
+        assert periodic.failed == 1 and len(periodic.taken) == 2
+    kept = _periodic(root)
+    assert [m.step for m in kept] == [6] and kept[0].chain["parent"] is None
+    assert len(chain_of(kept[0].path)) == 1
