@@ -1,4 +1,11 @@
-"""Reading a checkpoint: manifest, checksums, embedding restore (any server count), torch."""
+"""Reading a checkpoint: manifest, checksums, embedding restore (any server count), torch.
+
+Size: one module because a restore is one protocol: the chain it reads (``chain_of``), the
+files it checks and the staged load across servers, with its commit, roll-forward and
+fallbacks for older servers, share one load request and one set of checks of the
+manifest; split, the request would be built in one place and its fallbacks handled in
+another.
+"""
 
 from __future__ import annotations
 
