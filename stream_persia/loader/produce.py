@@ -30,7 +30,8 @@ the function defaults to ``make_batch``; a file's folder is put on ``sys.path`` 
     ... with ``--no-header``). The dtype is inferred per column and per chunk: ``int64``
     when every value is an integer that fits, ``uint64`` when they are non-negative and
     some exceed int64 (hashed ids), ``float64`` when every value is a number (empty
-    fields become NaN), else ``str`` (numpy ``<U``). Inference is per chunk, so cast
+    fields become NaN) and no integer past 2**53 would be rounded (a hashed-id column
+    with an empty field stays text), else ``str`` (numpy ``<U``). Inference is per chunk, so cast
     (``columns["x"].astype(np.float32)``) where a fixed dtype matters. Blank lines are
     skipped; a row with the wrong number of fields stops the run, naming its line.
     ``.gz`` files are read compressed. :func:`split_ids` (from

@@ -118,6 +118,23 @@ def test_csv_chunks_by_rows_and_infers_column_types(tmp_path):
     first["id"][0] = 99  # new, writable arrays
 
 
+def test_csv_integers_float64_would_round_stay_text(tmp_path):
+    """A hashed-id column (ids past 2**53) with an empty field, or with a negative value
+    beside ids past int64, used to be inferred float64, rounding every id: a mapping's
+    ``astype(np.uint64)`` then sent other ids, silently. Such columns stay text."""
+    path = tmp_path / "d.csv"
+    path.write_text("gap,mixed,small,huge\n"
+                    "12345678901234567891,-1,1,1e300\n"
+                    ",18446744073709551615,,2.5\n"
+                    "9007199254740993,3,9007199254740992,-9007199254740993.5\n")
+    (got,) = chunks(path, batch_size=3)
+    assert got["gap"].tolist() == ["12345678901234567891", "", "9007199254740993"]
+    assert got["mixed"].tolist() == ["-1", "18446744073709551615", "3"]
+    # float64 holds these exactly, or they were written as floats: still numbers
+    assert got["small"].dtype == np.float64 and got["small"][2] == 2**53
+    assert got["huge"].dtype == np.float64
+
+
 def test_csv_without_header_tsv_and_gzip(tmp_path):
     path = tmp_path / "d.tsv.gz"
     with gzip.open(path, "wt") as f:
