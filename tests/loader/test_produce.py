@@ -257,6 +257,22 @@ def test_produce_limit_repeat_skip_and_errors_naming_the_chunk(tmp_path):
                 batch_size=4)
 
 
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("repeat", [0, 3])
+def test_a_file_without_rows_is_read_once_whatever_repeat_says(tmp_path, caplog, repeat):
+    """A header-only file with ``--repeat 0`` re-read itself forever, sending nothing and
+    saying nothing; a pass that reads no row now ends the run, with a warning."""
+    path = tmp_path / "d.csv"
+    path.write_text("user,item,click\n")
+    (tmp_path / "m.py").write_text(MAPPING)
+    with caplog.at_level("WARNING", logger="stream_persia.loader.produce"):
+        summary = produce(str(path), load_mapping(str(tmp_path / "m.py")), Collect(),
+                          repeat=repeat)
+    assert (summary.rows, summary.batches) == (0, 0)
+    assert any("no rows" in r.getMessage() and str(path) in r.getMessage()
+               for r in caplog.records)
+
+
 def test_progress_redraws_on_a_terminal_and_logs_otherwise(caplog):
     out = io.StringIO()
     progress = Progress(out, tty=True, interval_s=0)
