@@ -44,6 +44,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from stream_persia.config import parse_yaml
+
 __all__ = ["RunSettings", "load_settings", "MetricsLog", "Progress", "log", "topology_file",
            "embedding_config_path", "model_kwargs", "steps_per_rank", "num_batches", "predict",
            "task_metrics", "all_ranks_sum", "record_progressive", "progressive_every",
@@ -104,8 +106,10 @@ class RunSettings:
 def topology_file(topology_dir: str | Path) -> dict[str, Any]:
     """The parsed ``topology.yml`` of a topology directory."""
     path = Path(topology_dir) / "topology.yml"
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:   # refuses a key given twice (PyYAML would keep the last one silently)
+        data = parse_yaml(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise SystemExit(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise SystemExit(f"{path}: expected a mapping at the top level")
     return data

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from stream_persia.config._base import read_yaml
+from stream_persia.config._base import parse_yaml, read_yaml
 from stream_persia.config.embedding import (
     MAX_PREFIX_BIT,
     EmbeddingSchema,
@@ -50,7 +50,7 @@ from stream_persia.config.kafka import (
 )
 
 __all__ = [
-    "load_embedding_config", "load_global_config",
+    "load_embedding_config", "load_global_config", "parse_yaml",
     "EmbeddingSchema", "SlotConfig", "HashStackConfig", "MAX_PREFIX_BIT",
     "GlobalConfig", "CommonConfig", "MetricsConfig", "CheckpointingConfig", "InferConfig",
     "EmbeddingParameterServerConfig", "EmbeddingWorkerConfig", "KafkaConfig", "ApiConfig",

@@ -27,8 +27,8 @@ from stream_persia.errors import ConfigError
 
 __all__ = ["error", "rescope", "at_source", "describe", "did_you_mean", "build",
            "check_int", "check_bool", "check_str", "check_choice", "check_instance",
-           "check_no_unknown", "parse_addresses", "section_to_dict", "read_yaml",
-           "canonical_digest"]
+           "check_no_unknown", "parse_addresses", "section_to_dict", "parse_yaml",
+           "read_yaml", "canonical_digest"]
 
 
 def error(field: str, detail: str, hint: str | None = None) -> ConfigError:
@@ -314,6 +314,17 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def parse_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the
+    last one silently): how every file of a job is read (configs, ``topology.yml``).
+
+    Raises:
+        yaml.YAMLError: invalid YAML or a duplicate key (its message names the key and
+            both lines).
+    """
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def read_yaml(path: str | os.PathLike[str] | None, what: str, env_var: str
               ) -> tuple[dict, str]:
     """Read ``path`` (or the file named by ``env_var``) as a YAML mapping.
@@ -340,7 +351,7 @@ def read_yaml(path: str | os.PathLike[str] | None, what: str, env_var: str
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{source}: cannot read {what} file: {exc}", field=source) from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        data = parse_yaml(text)
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)

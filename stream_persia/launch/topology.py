@@ -18,6 +18,8 @@ Schema (every key but ``name`` has a default; unknown keys are errors)::
     tasks: [click]
     gates: [{metric: bayes_lift.click, min: 0.95}]
 
+A key given twice in one mapping is an error (PyYAML would keep the last one silently).
+
 Paths are relative to the topology directory, except ``data.default`` (relative to the
 directory ``stream-persia run`` is started from, normally the project root).
 """
@@ -31,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from stream_persia.config import parse_yaml
 from stream_persia.errors import ConfigError
 
 __all__ = ["Topology", "Gate", "load_topology"]
@@ -110,7 +113,7 @@ def load_topology(directory: str | Path) -> Topology:
                           field="topology", hint="pass a directory such as "
                                                  "topologies/synthetic_ctr")
     try:
-        raw = yaml.safe_load(file.read_text())
+        raw = parse_yaml(file.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{file}: not valid YAML: {e}", field="topology") from None
     top = _mapping(file, "<top>", raw, _TOP_KEYS)

@@ -59,8 +59,10 @@ Semantics:
   retried on the next worker and may be ingested twice — and a batch buffered in a worker
   that dies is lost.
 - **Threads.** Use a context from one thread at a time (overlapping calls raise
-  ``Misuse``). In direct mode the batch's arrays are encoded after ``send_data`` returns:
-  do not modify them in place until ``flush``.
+  ``Misuse``).
+- **Snapshot.** What is sent is the batch as it was when ``send_data`` was called: Kafka
+  encodes it then, broker-less copies its arrays then (they are encoded later, on the
+  loop thread). A data loader may refill its arrays for the next batch at once.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ A synchronous caller thread submits batches; the RPCs run on a
 (a worker acknowledges once the batch is in its ready buffer, waiting while that buffer is
 full) until one takes it or ``timeout_ms`` passes. A send whose connection drops or times
 out is retried on the next worker, so a batch may be ingested twice (at least once).
+:meth:`DirectSender.submit` copies the batch's arrays (:func:`snapshot`), so what is sent
+is the batch as it was when submitted, as on the Kafka path, which encodes it at once.
 
 Before the first batch is offered, every worker must answer (:meth:`DirectSender.
 wait_for_workers`: bounded by ``startup_timeout_s``, with backoff and each failure logged,
@@ -21,6 +23,8 @@ import logging
 import threading
 import time
 
+import numpy as np
+
 from stream_persia.core.aio import LoopThread
 from stream_persia.core.backoff import retry_startup
 from stream_persia.core.data import PersiaBatch
@@ -32,6 +36,21 @@ log = logging.getLogger(__name__)
 __all__ = ["DirectSender"]
 
 RPC_MARGIN_MS = 10_000      # an ingest call's timeout beyond the worker-side wait
+
+
+def snapshot(batch: PersiaBatch) -> dict:
+    """The batch's wire dict with every array copied (C-ordered, so encoding copies no
+    more): the batch as it is now. The RPC encodes it later, on the loop thread, and
+    again for each retry; without the copy a caller that refills its arrays for the next
+    batch (PERSIA's batches are copies, so its loaders may) would send the new data."""
+    d = batch.to_wire()
+    d["id_type_features"] = [
+        {**f, "values": f["values"].copy(),
+         "offsets": None if f["offsets"] is None else f["offsets"].copy()}
+        for f in d["id_type_features"]]
+    for key in ("non_id_type_features", "labels"):
+        d[key] = [{**f, "data": np.array(f["data"], order="C")} for f in d[key]]
+    return d
 
 
 def payload_nbytes(batch: PersiaBatch) -> int:
@@ -114,7 +133,7 @@ class DirectSender:
         return (self.timeout_ms + 2 * RPC_MARGIN_MS) / 1000
 
     def submit(self, batch: PersiaBatch, seq: int) -> None:
-        """Queue one batch (``seq`` names it in a later error); blocks while
+        """Queue a copy of one batch (``seq`` names it in a later error); blocks while
         ``max_inflight`` sends are unacknowledged; raises an earlier send's failure. A
         batch without an ``event_time`` is sent with this process's clock (now)."""
         batch = batch.stamped(time.time())
@@ -125,7 +144,7 @@ class DirectSender:
                                f"{self.timeout_ms} ms", field="max_inflight")
         try:
             self._collect()  # the slot may have come free because a send failed
-            fut = self._loop.submit(self._deliver(batch.to_wire(), payload_nbytes(batch), seq))
+            fut = self._loop.submit(self._deliver(snapshot(batch), payload_nbytes(batch), seq))
         except BaseException:
             self._room.release()
             raise

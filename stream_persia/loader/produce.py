@@ -30,7 +30,8 @@ the function defaults to ``make_batch``; a file's folder is put on ``sys.path`` 
     ... with ``--no-header``). The dtype is inferred per column and per chunk: ``int64``
     when every value is an integer that fits, ``uint64`` when they are non-negative and
     some exceed int64 (hashed ids), ``float64`` when every value is a number (empty
-    fields become NaN), else ``str`` (numpy ``<U``). Inference is per chunk, so cast
+    fields become NaN) and no integer past 2**53 would be rounded (a hashed-id column
+    with an empty field stays text), else ``str`` (numpy ``<U``). Inference is per chunk, so cast
     (``columns["x"].astype(np.float32)``) where a fixed dtype matters. Blank lines are
     skipped; a row with the wrong number of fields stops the run, naming its line.
     ``.gz`` files are read compressed. :func:`split_ids` (from
@@ -209,7 +210,8 @@ def produce(path: str, mapping: Mapping, ctx: Any, *, fmt: str | None = None,
 
     Args:
         limit: stop after this many rows in all (None: no limit).
-        repeat: passes over the file; 0 repeats until interrupted.
+        repeat: passes over the file; 0 repeats until interrupted. A file without rows
+            is read once, with a warning.
         summary: filled in as the run goes (so a caller sees the counts on an error).
 
     Raises:
@@ -228,6 +230,7 @@ def produce(path: str, mapping: Mapping, ctx: Any, *, fmt: str | None = None,
     start, index = time.monotonic(), 0
     passes = itertools.count() if repeat == 0 else range(repeat)
     for _ in passes:
+        rows_before = summary.rows
         for columns in read_chunks(path, fmt, batch_size, header=header):
             n = len(next(iter(columns.values())))
             if limit is not None and summary.rows + n > limit:
@@ -248,6 +251,11 @@ def produce(path: str, mapping: Mapping, ctx: Any, *, fmt: str | None = None,
             summary.seconds = time.monotonic() - start
             progress.update(summary)
         if limit is not None and summary.rows >= limit:
+            break
+        if summary.rows == rows_before:
+            # Another pass would read nothing again (--repeat 0 would spin for ever).
+            log.warning("produce: %s holds no rows: nothing to send%s", path,
+                        "" if repeat == 1 else ", so it is not read again")
             break
     summary.bytes = ctx.stats()["bytes"]
     summary.seconds = time.monotonic() - start

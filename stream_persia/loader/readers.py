@@ -101,8 +101,12 @@ def _columns(names: list[str], rows: list[list[str]]) -> Columns:
             zip(names, zip(*rows, strict=True), strict=True)}
 
 
+_EXACT = 2.0 ** 53   # float64 holds every integer up to this magnitude, not all beyond
+
+
 def _infer(text: np.ndarray) -> np.ndarray:
-    """int64, else uint64, else float64 (empty → NaN), else the strings themselves."""
+    """int64, else uint64, else float64 (empty → NaN) unless that would round an integer,
+    else the strings themselves."""
     try:
         return text.astype(np.int64)
     except OverflowError:
@@ -115,12 +119,24 @@ def _infer(text: np.ndarray) -> np.ndarray:
         return text
     try:
         if not empty.any():
-            return text.astype(np.float64)
-        out = np.full(text.shape, np.nan)
-        out[~empty] = text[~empty].astype(np.float64)
-        return out
+            out = text.astype(np.float64)
+        else:
+            out = np.full(text.shape, np.nan)
+            out[~empty] = text[~empty].astype(np.float64)
     except ValueError:
         return text
+    return text if _rounds_integers(text, out) else out
+
+
+def _rounds_integers(text: np.ndarray, floats: np.ndarray) -> bool:
+    """Whether ``floats`` rounded an integer written in ``text``: one past 2**53, such as
+    a hashed id in a column that also has an empty field or a negative number. Such a
+    column stays text, so that no id is changed behind the mapping's back."""
+    big = np.abs(floats) > _EXACT    # NaN is not
+    if not big.any():
+        return False
+    digits = np.char.lstrip(np.char.strip(text[big]), "+-")
+    return bool(np.char.isdigit(digits).any())
 
 
 def _npz_chunks(path: str, batch_size: int) -> Iterator[Columns]:

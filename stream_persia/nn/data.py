@@ -135,6 +135,10 @@ class DataLoader:
         self.forward_buffer_size = _positive_int("forward_buffer_size", forward_buffer_size)
         self.timeout_ms = _positive_int("timeout_ms", timeout_ms)
         self.num_workers = _positive_int("num_workers", num_workers)
+        # bool() would read a string such as "false" (an env variable passed on) as True.
+        if reproducible not in (True, False):   # bool, numpy bool, 0 or 1
+            raise Misuse(f"reproducible must be True or False, got {reproducible!r}",
+                         field="reproducible")
         self.reproducible = bool(reproducible)
         self.embedding_staleness = _positive_int("embedding_staleness", embedding_staleness,
                                                  allow_none=True)

@@ -24,7 +24,7 @@ gradient holds NaN or infinity is skipped and reported.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -88,12 +88,15 @@ class BatchPlan:
         classic: slot name -> its :class:`~stream_persia.worker.pooling.SlotPlan` (raw and
             hash-stacked slots; the worker pools them).
         requires_grad: whether gradients may be reduced.
+        truncated: raw slot name -> ids of the batch past ``sample_fixed_size`` in their
+            sample, which get no row (PERSIA's rule); only slots that dropped some.
     """
 
     names: tuple[str, ...]
     pooled: dict[int, PooledGroup]
     classic: dict[str, pooling.SlotPlan]
     requires_grad: bool
+    truncated: Mapping[str, int] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         """Bytes of the plan's arrays (per dim and per classic slot, not per id): what a
@@ -166,6 +169,7 @@ def plan_batch(id_features: Iterable[Any], schema: Any, requires_grad: bool = Tr
     """
     names: list[str] = []
     classic: dict[str, pooling.SlotPlan] = {}
+    truncated: dict[str, int] = {}
     parts: dict[int, list[tuple[str, np.ndarray, np.ndarray, bool, int]]] = {}
     batch_size, first = -1, ""
     bits = schema.feature_index_prefix_bit
@@ -193,10 +197,14 @@ def plan_batch(id_features: Iterable[Any], schema: Any, requires_grad: bool = Tr
             parts.setdefault(int(slot.dim), []).append(
                 (name, values, offsets, bool(slot.sqrt_scaling), slot.index_prefix))
         else:
-            classic[name] = pooling.plan_slot(values, offsets, slot, bits, requires_grad,
-                                              csr_checked=True)
+            classic[name] = plan = pooling.plan_slot(values, offsets, slot, bits,
+                                                     requires_grad, csr_checked=True)
+            if not plan.summation:
+                over = int(np.maximum(np.diff(offsets) - plan.sample_fixed_size, 0).sum())
+                if over:
+                    truncated[name] = over
     pooled = {dim: _pooled_group(dim, items, batch_size, bits) for dim, items in parts.items()}
-    return BatchPlan(tuple(names), pooled, classic, requires_grad)
+    return BatchPlan(tuple(names), pooled, classic, requires_grad, truncated)
 
 
 def _pooled_group(dim: int, items: list[tuple[str, np.ndarray, np.ndarray, bool, int]],

@@ -298,9 +298,8 @@ class KafkaIngest:
                     self.consumer.resume()
         else:
             await worker.ready.put(pb)
-        worker.m_ingested.inc()
         self.lag.saw(partition, rec.offset, pb.batch.event_time)
-        worker.saw_ingested(pb.batch.event_time)
+        worker.accepted(pb)
 
     async def _dead_letter(self, rec: Any, err: BadInput) -> None:
         delay = 0.1

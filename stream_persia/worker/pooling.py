@@ -22,7 +22,7 @@ Slot semantics (PERSIA's):
   hash stacking; empty samples give zeros). The gradient of a sample reaches each of its
   id occurrences with the same ``1/sqrt(n)`` factor and is summed per looked-up id.
 - **Raw** slots (``embedding_summation: false``) keep each sample's first
-  ``sample_fixed_size`` ids and give ``embeddings`` ``(n_rows + 1, dim)`` with padding row
+  ``sample_fixed_size`` ids (the batch plan counts the rest) and give ``embeddings`` ``(n_rows + 1, dim)`` with padding row
   0 all zeros, ``index`` ``(batch, sample_fixed_size)`` into it and ``mask`` (True where an
   id is). One row per distinct id in the batch, so the NN worker's gradient for
   ``embeddings`` comes back already summed per id. ``sqrt_scaling`` does not apply.

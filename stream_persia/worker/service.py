@@ -301,6 +301,10 @@ class EmbeddingWorker:
         self.m_rejected = m.counter("batches_rejected_total", "batches refused or dead-lettered",
                                     ("reason",))
         self.m_served = m.counter("batches_served_total", "batches served to NN workers")
+        self.m_truncated = m.counter(
+            "ids_truncated_total", "ids of accepted batches that a raw slot keeps no row for "
+            "(past sample_fixed_size in their sample)", ("slot",))
+        self._truncation_logged: set[str] = set()
         self.m_lookup_s = m.histogram("lookup_seconds", "embedding lookup latency",
                                       buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, 1))
         self.m_server_restarts = m.counter(
@@ -434,6 +438,22 @@ class EmbeddingWorker:
         pb.nbytes = _batch_nbytes(batch) + plan.nbytes()
         return pb
 
+    def accepted(self, pb: PendingBatch) -> None:
+        """``pb`` is in the ready buffer: count it, and the ids its raw slots keep no row
+        for (logged once per slot), and move the ``ingested`` watermark."""
+        self.m_ingested.inc()
+        for slot, n in pb.plan.truncated.items():
+            self.m_truncated.labels(slot).inc(n)
+            if slot not in self._truncation_logged:
+                self._truncation_logged.add(slot)
+                log.warning("slot %r: samples with more than sample_fixed_size=%d ids keep "
+                            "their first %d (PERSIA's rule); the ids past them get no "
+                            "embedding (counted in ids_truncated_total{slot}; raise "
+                            "sample_fixed_size in embedding_config.yml to keep them)", slot,
+                            self.schema.slot(slot).sample_fixed_size,
+                            self.schema.slot(slot).sample_fixed_size)
+        self.saw_ingested(pb.batch.event_time)
+
     def saw_ingested(self, event_time: float | None) -> None:
         """A batch with ``event_time`` was accepted (the ``ingested`` watermark)."""
         self.ingested_mark = newer(self.ingested_mark, event_time)
@@ -482,8 +502,7 @@ class EmbeddingWorker:
         if self.ingest_paused.is_set():
             await self._wait_ingest_resumed(deadline, timeout_ms)
         await self.ready.put(pb, timeout=max(0.0, deadline - time.monotonic()))
-        self.m_ingested.inc()
-        self.saw_ingested(pb.batch.event_time)
+        self.accepted(pb)
         return {"batch_id": pb.batch_id}
 
     async def _wait_ingest_resumed(self, deadline: float, timeout_ms: float) -> None:

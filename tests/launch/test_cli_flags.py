@@ -133,6 +133,20 @@ def test_run_refuses_bad_topology_run_settings_naming_file_and_key(tmp_path, cap
     assert "--epochs" in err
 
 
+def test_run_refuses_a_key_given_twice_in_topology_yml(tmp_path, capsys):
+    """PyYAML keeps the last of two equal keys: a second ``run:`` section (say, pasted in
+    to try other sizes) silently dropped the first's settings, and a second
+    ``roles:`` its counts."""
+    topo = tmp_path / "topo"
+    shutil.copytree(TOPOLOGY, topo)
+    with open(topo / "topology.yml", "a") as f:
+        f.write("run:\n  epochs: 2\n")
+    err = refused(["run", str(topo), "--output-dir", str(tmp_path / "run")],
+                  "duplicate key 'run'", capsys)
+    assert str(topo / "topology.yml") in err and "first at line" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_run_refuses_a_dataset_that_does_not_exist(tmp_path, capsys):
     out = tmp_path / "run"
     err = refused(["run", str(ROOT / "topologies" / "taobao_ple"), "--output-dir", str(out),

@@ -20,7 +20,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from stream_persia.ctx import DataCtx
 from stream_persia.embedding import EmbeddingConfig
-from stream_persia.embedding.data import IDTypeFeature, PersiaBatch
+from stream_persia.embedding.data import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import (
     Backpressure,
@@ -334,6 +334,44 @@ def test_direct_stamps_the_producer_clock_unless_the_user_gave_an_event_time(job
     assert before <= served[0]["event_time"] <= after
     assert served[1]["event_time"] == 12.5      # an evaluation batch keeps it too
     assert after <= served[2]["event_time"] <= last
+
+
+def test_direct_sends_each_batch_as_it_was_when_send_data_returned():
+    """A data loader that refills its buffers for the next batch (PERSIA's batches are
+    copies, so its loaders may) must not change a batch already handed to send_data.
+    Kafka encodes the batch at once; broker-less, the arrays were encoded only when the
+    RPC went out, so the worker got the refilled data, silently."""
+    port = free_port()
+    ref = batch(0)
+    ids = [(f.name, f.values.copy(), f.offsets.copy()) for f in ref.id_type_features]
+    dense, label = ref.non_id_type_features[0].data.copy(), ref.labels[0].data.copy()
+    reused = PersiaBatch([IDTypeFeature.from_csr(n, v, o) for n, v, o in ids],
+                         [NonIDTypeFeature(dense, "dense")], [Label(label, "click")],
+                         meta=b"reused")
+    w = None
+    try:
+        # No worker listens yet, so the batch cannot have gone out before the refill.
+        with DataCtx(embedding_workers=[f"127.0.0.1:{port}"], max_inflight=2,
+                     startup_timeout_ms=30_000) as ctx:
+            ctx.send_data(reused)
+            for _, values, offsets in ids:
+                values[:] = 7
+                offsets[1:] = offsets[-1]   # still valid CSR: every id in sample 0
+            dense[:] = np.nan
+            label[:] = 5
+            w = WorkersOnLoop(1, ports=[port])
+            ctx.send_data(ref)
+        got, want = w.pull(), w.pull()
+    finally:
+        if w is not None:
+            w.close()
+    assert (got["meta"], want["meta"]) == (b"reused", b"batch-0")
+    for key in ("non_id_type_features", "labels", "embeddings"):
+        assert len(got[key]) == len(want[key])
+        for g, s in zip(got[key], want[key], strict=True):
+            for part in ("data", "emb", "index", "mask"):
+                if isinstance(s, dict) and s.get(part) is not None:
+                    np.testing.assert_array_equal(g[part], s[part], err_msg=f"{key}.{part}")
 
 
 def test_direct_round_robin_over_workers_from_replica_index(job, monkeypatch):

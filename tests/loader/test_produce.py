@@ -118,6 +118,23 @@ def test_csv_chunks_by_rows_and_infers_column_types(tmp_path):
     first["id"][0] = 99  # new, writable arrays
 
 
+def test_csv_integers_float64_would_round_stay_text(tmp_path):
+    """A hashed-id column (ids past 2**53) with an empty field, or with a negative value
+    beside ids past int64, used to be inferred float64, rounding every id: a mapping's
+    ``astype(np.uint64)`` then sent other ids, silently. Such columns stay text."""
+    path = tmp_path / "d.csv"
+    path.write_text("gap,mixed,small,huge\n"
+                    "12345678901234567891,-1,1,1e300\n"
+                    ",18446744073709551615,,2.5\n"
+                    "9007199254740993,3,9007199254740992,-9007199254740993.5\n")
+    (got,) = chunks(path, batch_size=3)
+    assert got["gap"].tolist() == ["12345678901234567891", "", "9007199254740993"]
+    assert got["mixed"].tolist() == ["-1", "18446744073709551615", "3"]
+    # float64 holds these exactly, or they were written as floats: still numbers
+    assert got["small"].dtype == np.float64 and got["small"][2] == 2**53
+    assert got["huge"].dtype == np.float64
+
+
 def test_csv_without_header_tsv_and_gzip(tmp_path):
     path = tmp_path / "d.tsv.gz"
     with gzip.open(path, "wt") as f:
@@ -238,6 +255,22 @@ def test_produce_limit_repeat_skip_and_errors_naming_the_chunk(tmp_path):
     with pytest.raises(BadInput, match=r"raised KeyError.*batch 1 \(rows 5-8\)"):
         produce(str(path), load_mapping(f"{tmp_path / 'm.py'}:crashes"), Collect(),
                 batch_size=4)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("repeat", [0, 3])
+def test_a_file_without_rows_is_read_once_whatever_repeat_says(tmp_path, caplog, repeat):
+    """A header-only file with ``--repeat 0`` re-read itself forever, sending nothing and
+    saying nothing; a pass that reads no row now ends the run, with a warning."""
+    path = tmp_path / "d.csv"
+    path.write_text("user,item,click\n")
+    (tmp_path / "m.py").write_text(MAPPING)
+    with caplog.at_level("WARNING", logger="stream_persia.loader.produce"):
+        summary = produce(str(path), load_mapping(str(tmp_path / "m.py")), Collect(),
+                          repeat=repeat)
+    assert (summary.rows, summary.batches) == (0, 0)
+    assert any("no rows" in r.getMessage() and str(path) in r.getMessage()
+               for r in caplog.records)
 
 
 def test_progress_redraws_on_a_terminal_and_logs_otherwise(caplog):

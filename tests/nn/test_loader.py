@@ -209,3 +209,18 @@ def test_a_worker_that_goes_away_is_raised_to_the_training_thread(job_factory, c
         assert pf.get(0.3) is None              # it stopped fetching: nothing more comes
     finally:
         stop(cluster, pf)
+
+
+@pytest.mark.parametrize("value", ["false", "0", 2, None, [True]])
+def test_reproducible_must_be_a_bool(value):
+    """``bool(reproducible)`` read ``"false"`` (an environment variable passed on) as True:
+    the run fetched in strict round-robin, waiting on slow workers, with nothing to say
+    it was asked not to."""
+    from stream_persia.data import DataLoader, StreamingDataset
+    from stream_persia.errors import Misuse
+
+    with pytest.raises(Misuse) as err:
+        DataLoader(StreamingDataset(), reproducible=value)
+    assert err.value.field == "reproducible"
+    for ok in (True, False, 1, 0):
+        assert DataLoader(StreamingDataset(), reproducible=ok).reproducible is bool(ok)

@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 
+from stream_persia.core.data import IDTypeFeature, Label, PersiaBatch
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import Backpressure, BadInput, Misuse, ServerRestarted
@@ -168,6 +169,31 @@ async def test_malformed_ids_are_refused_at_decode_naming_the_feature(job, offse
     with pytest.raises(BadInput) as err:
         await client.call("lookup_batch", {"batch": wire, "mode": "eval"})
     assert err.value.field == f"batch.id_type_features[{tags}]"
+
+
+async def test_ids_a_raw_slot_keeps_no_row_for_are_counted_per_slot_and_logged_once(
+        job, caplog):
+    """A raw slot keeps each sample's first ``sample_fixed_size`` ids (PERSIA's rule) and
+    drops the rest: nothing said so, so a data loader sending longer lists than the config
+    allows lost ids unseen. They are counted per slot, and the first time logged."""
+    servers, worker, client = job
+    u64 = np.uint64
+    batch = PersiaBatch([
+        IDTypeFeature("user", [np.array([1], u64), np.array([2], u64)]),
+        IDTypeFeature("item", [np.array([3], u64), np.array([4, 5, 6, 7, 8], u64)]),
+        IDTypeFeature("tags", [np.arange(5, dtype=u64), np.array([9], u64)]),  # fixed size 3
+    ], labels=[Label(np.zeros((2, 1), np.float32))])
+    with caplog.at_level("WARNING", logger="stream_persia.worker.service"):
+        for _ in range(2):
+            await client.call("ingest", {"batch": batch.to_wire()})
+    text = (await client.call("metrics")).decode()
+    assert 'persia_embedding_worker_ids_truncated_total{slot="tags"} 4.0' in text
+    assert 'slot="item"' not in text and 'slot="user"' not in text   # summation: all kept
+    warned = [r.getMessage() for r in caplog.records if "sample_fixed_size" in r.getMessage()]
+    assert len(warned) == 1 and "'tags'" in warned[0] and "3" in warned[0]
+    served = await client.call("next_batch", {"timeout_ms": 2000})
+    tags = next(e for e in served["embeddings"] if e["name"] == "tags")
+    assert np.asarray(tags["mask"]).sum(axis=1).tolist() == [3, 1]
 
 
 async def test_a_broker_less_worker_exports_no_kafka_series(job):

@@ -172,6 +172,17 @@ def test_settings_refuse_bad_values_naming_the_variable(monkeypatch, env, value)
     assert ("staleness" in str(e.value)) if value == "0" else (env in str(e.value))
 
 
+def test_settings_refuse_a_key_given_twice_in_topology_yml(tmp_path):
+    """An entry script run by hand reads topology.yml itself: a second ``run:`` section
+    must not silently replace the first."""
+    t = load("synthetic_ctr")
+    text = (t.folder / "topology.yml").read_text()
+    (tmp_path / "topology.yml").write_text(text.replace("  seed: 0\n", "  seed: 0\n  seed: 3\n"))
+    with pytest.raises(SystemExit) as e:
+        t.common.load_settings(tmp_path, [])
+    assert "duplicate key 'seed'" in str(e.value) and "topology.yml" in str(e.value)
+
+
 def test_metrics_file_is_json_and_replaced_whole(tmp_path):
     t = load("synthetic_ctr")
     s = t.common.RunSettings(samples=10, output_dir=str(tmp_path))
