@@ -192,6 +192,10 @@ class TrainCtx(EmbeddingCtx):
         self.backward_workers_size = backward_workers_size
         self.grad_update_buffer_size = grad_update_buffer_size
         self.lookup_emb_directly = lookup_emb_directly
+        # bool() would read a string such as "false" (an env variable passed on) as True.
+        if mixed_precision not in (True, False):   # bool, numpy bool, 0 or 1
+            raise Misuse(f"mixed_precision must be True or False, got {mixed_precision!r}",
+                         field="mixed_precision")
         self.mixed_precision = bool(mixed_precision) and self.device.type == "cuda"
         if mixed_precision and self.device.type != "cuda":
             log.info("mixed_precision needs CUDA; training in float32 on the CPU")

@@ -577,3 +577,18 @@ def test_a_crashed_prefetch_task_reaches_the_training_thread():
         with pytest.raises(ZeroDivisionError):
             prefetcher.get(timeout_s=10)
         assert not prefetcher.running
+
+
+@pytest.mark.parametrize("value", ["false", "True", None, 2, 0.5])
+def test_mixed_precision_must_be_a_bool(value):
+    """``bool(mixed_precision)`` read ``"false"`` (an environment variable passed on) as
+    True: float16 autocast on CUDA that the script asked to leave off."""
+    model = SumModel(13)
+    with pytest.raises(Misuse) as err:
+        TrainCtx(SGD(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                 embedding_workers=["127.0.0.1:1"], mixed_precision=value)
+    assert err.value.field == "mixed_precision"
+    for ok in (True, False, 1, 0):
+        ctx = TrainCtx(SGD(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1),
+                       model=model, embedding_workers=["127.0.0.1:1"], mixed_precision=ok)
+        assert ctx.mixed_precision is (bool(ok) and ctx.device.type == "cuda")
