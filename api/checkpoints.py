@@ -328,18 +328,19 @@ class Checkpoints:
     def _mark_deleting(self, ident: str, users: Collection[str]) -> str | None:
         """In one step against the live in-use set: why ``ident`` cannot be deleted now
         (one of ``users``, the checkpoints deleting it would break, is in use), or None,
-        and then it is marked as being deleted (restores and reloads of it are refused)
-        until :meth:`_unmark_deleting`."""
+        and then it and ``users`` are marked as being deleted (restores and reloads of
+        them are refused: without ``ident`` they cannot load) until
+        :meth:`_unmark_deleting`."""
         with self._lock:
             busy = self.in_use()
             why = next((f"{u!r} is {busy[u]}" for u in sorted(users) if u in busy), None)
             if why is None:
-                self._deleting.add(ident)
+                self._deleting.update({ident, *users})
             return why
 
-    def _unmark_deleting(self, ident: str) -> None:
+    def _unmark_deleting(self, ident: str, users: Collection[str] = ()) -> None:
         with self._lock:
-            self._deleting.discard(ident)
+            self._deleting.difference_update({ident, *users})
 
     @contextlib.contextmanager
     def _retention_guard(self, name: str, users: Collection[str]) -> Iterator[str | None]:
@@ -351,7 +352,7 @@ class Checkpoints:
         try:
             yield None
         finally:
-            self._unmark_deleting(name)
+            self._unmark_deleting(name, users)
 
     async def delete(self, ident: str) -> dict[str, Any] | None:
         """Delete the checkpoint ``ident`` from the directory (None: there is none).

@@ -42,7 +42,7 @@ from stream_persia.api.replica_kafka import KafkaFollow
 from stream_persia.api.roles import WORKER, Roles
 from stream_persia.api.settings import ApiSettings
 
-from stream_persia.checkpoint import latest_checkpoint
+from stream_persia.checkpoint import latest_checkpoint, list_checkpoints
 from stream_persia.core.data import PersiaBatch
 from stream_persia.core.served import ServedBatch
 from stream_persia.errors import (
@@ -160,8 +160,11 @@ class Predictor:
         job = self.settings.job_name
         manifest = latest_checkpoint(self.settings.checkpoint_dir, job)
         if manifest is None or manifest.path is None:
+            others = sorted({m.job for m in list_checkpoints(self.settings.checkpoint_dir)})
+            seen = (f"; it holds checkpoints of job(s) {others[:5]} (is kafka.job_name the "
+                    "same for the trainer and this replica?)" if others else "")
             raise NotReady(f"no checkpoint of job {job!r} (kafka.job_name) under "
-                           f"{self.settings.checkpoint_dir} yet",
+                           f"{self.settings.checkpoint_dir} yet{seen}",
                            hint="the replica starts from the first one its job writes")
         return manifest.path
 

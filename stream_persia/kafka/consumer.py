@@ -558,7 +558,11 @@ class SampleConsumer:
         if not new:
             return
         paused = {tp.partition for tp in consumer.paused()}
-        all_paused = bool(self._tps) and paused >= set(self._tps)
+        # A pause of every partition (backpressure, an API pause) that a resume will lift
+        # holds the new ones too; stopped and held partitions are paused for good and say
+        # nothing about it (the new ones would never be read, their samples never trained).
+        live = set(self._tps) - set(self._stopped) - self._held
+        all_paused = bool(live) and paused >= live
         for p in new:
             self._tps[p] = TopicPartition(self.topic, p)
             self._next[p] = self._added[p] = 0

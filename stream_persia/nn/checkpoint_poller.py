@@ -293,7 +293,8 @@ class NnCheckpointPoller:
         if not rank0 or not periodic.incremental_enabled():
             return None
         try:
-            return periodic.latest_parent(dst, periodic.checkpointing_config().full_every)
+            return periodic.latest_parent(dst, periodic.checkpointing_config().full_every,
+                                          checkpointing.job_name())
         except (BadInput, OSError) as e:   # a full base then
             log.warning("checkpoint %s: no parent to patch (%s): a full base", dst, e)
             return None

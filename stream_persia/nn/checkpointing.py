@@ -98,7 +98,9 @@ def scripted(model: torch.nn.Module) -> bytes:
     return buf.getvalue()
 
 
-def _job_name() -> str:
+def job_name() -> str:
+    """This job's ``kafka.job_name`` (the global config ``PERSIA_GLOBAL_CONFIG`` names;
+    ``persia`` without one): what its checkpoints record as their ``job``."""
     path = os.environ.get("PERSIA_GLOBAL_CONFIG")
     if path:
         from stream_persia.config import load_global_config
@@ -257,7 +259,7 @@ def _write(ctx: ContextSeam, cluster: Any, dst_dir: str, *, trainer: TrainerSeam
             # table: the workers find it now (its incarnation changed), before the commit.
             check_servers_kept(cluster.run(cluster.call_workers("frontier")))
         note("committing")
-        manifest = writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0),
+        manifest = writer.commit(job=job_name(), step=getattr(ctx, "steps", 0),
                                  offsets=offsets, stream=stream,
                                  fingerprints=cut.fingerprints,
                                  schema=checkpoint_schema(cluster),
@@ -450,7 +452,7 @@ def dump_embedding(ctx: ContextSeam, dst_dir: str, blocking: bool = True
     def dump() -> None:
         with CheckpointWriter(dst_dir) as writer:
             cluster.run(writer.dump_embeddings(cluster.servers))
-            writer.commit(job=_job_name(), step=getattr(ctx, "steps", 0), offsets={},
+            writer.commit(job=job_name(), step=getattr(ctx, "steps", 0), offsets={},
                           stream="direct", schema=checkpoint_schema(cluster),
                           extra={"embedding_only": True})
 

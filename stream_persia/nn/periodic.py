@@ -130,13 +130,15 @@ def periodic_root(config: CheckpointingConfig) -> str:
     return root
 
 
-def latest_parent(dst: str, full_every: int) -> str | None:
+def latest_parent(dst: str, full_every: int, job: str | None = None) -> str | None:
     """The checkpoint an incremental checkpoint at ``dst`` patches: the newest complete
-    one beside it that records a chain shorter than ``full_every`` patches (None: take a
-    full base). Checkpoints requested over HTTP use it (the API's directory holds
-    periodic ones and others alike; the servers refuse a parent they cannot patch)."""
+    one beside it (of ``job``, when given) that records a chain shorter than
+    ``full_every`` patches (None: take a full base). Checkpoints requested over HTTP use
+    it (the API's directory holds periodic ones and others alike, perhaps other jobs'; the
+    servers refuse a parent they cannot patch)."""
     root = dst.rstrip("/").rsplit("/", 1)[0]
-    found = [m for m in list_checkpoints(root) if m.chain is not None]
+    found = [m for m in list_checkpoints(root)
+             if m.chain is not None and (job is None or m.job == job)]
     if not found:
         return None
     newest = max(found, key=newest_last)

@@ -152,6 +152,14 @@ class KafkaIngest:
                  self.consumer.topic, self.consumer.partitions,
                  self.worker.frontier.offsets())
 
+    def track_added(self) -> None:
+        """Track the partitions the consumer adopted (added to the topic) in the worker's
+        frontier from their start offsets: after each fetch, and before each frontier
+        reply (the consumer counts a new partition as soon as it adopts it, inside a
+        fetch: a cut read in between must not find the count without the partition)."""
+        for partition, offset in self.consumer.take_added().items():
+            self.worker.frontier.track(partition, offset)
+
     def _resume_fingerprints(self, marks: Mapping[int, watermarks.PartitionMark],
                              resumed: Mapping[int, int]) -> dict[int, Fingerprint]:
         """The restored fingerprints of the partitions resumed at a restored cut; one a
@@ -263,8 +271,7 @@ class KafkaIngest:
                     self.consumer.resume()
                 records = await self.consumer.getmany(timeout_ms=200,
                                                       max_records=self.max_records)
-                for partition, offset in self.consumer.take_added().items():
-                    worker.frontier.track(partition, offset)
+                self.track_added()
                 for partition, recs in records.items():
                     for rec in recs:
                         await self._one(partition, rec)

@@ -809,6 +809,8 @@ class EmbeddingWorker:
         # Every server still the process this worker trained through? A checkpoint must
         # not record a restarted server's empty table as trained (``lost``).
         await self.router.verify()
+        if self.kafka is not None:
+            self.kafka.track_added()
         reply: FrontierReply = {
             "stream": "kafka" if self.kafka is not None else "direct",
             "offsets": {str(p): o for p, o in self.frontier.offsets().items()},

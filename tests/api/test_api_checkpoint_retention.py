@@ -433,3 +433,46 @@ async def test_an_api_cut_carries_no_dense_model_of_another_job(tmp_path):
         assert got["step"] != 7
         # nor does it claim one from its own embeddings-only one
         assert got["extra"]["dense_from"] is None and got["extra"]["embeddings_only"]
+
+
+def test_a_patch_of_a_base_being_deleted_is_refused_like_the_base(tmp_path):
+    """Retention deleting a base marks the checkpoints that deleting it breaks (its
+    patches) as being deleted too: a restore or reload of a patch that starts meanwhile
+    is refused naming it, instead of failing later on the base's missing files."""
+    from types import SimpleNamespace
+
+    from stream_persia.api.checkpoints import Checkpoints
+
+    from stream_persia.errors import Misuse
+
+    ck = Checkpoints(settings_for(checkpoint_dir=str(tmp_path)),
+                     roles=SimpleNamespace(workers=[]))
+    with ck._retention_guard("a-base", ["a-base", "b-patch"]) as why:
+        assert why is None
+        for name in ("a-base", "b-patch"):
+            with pytest.raises(Misuse, match=f"'{name}' is being deleted"):
+                ck._pin(name)
+    ck._pin("b-patch")          # the pass is over: usable again
+    with ck._retention_guard("a-base", ["a-base", "b-patch"]) as why:
+        assert why == "'b-patch' is being restored, loaded or copied"
+    ck._release("b-patch")
+    assert ck.in_use() == {}
+
+
+def test_a_replica_without_its_jobs_checkpoint_names_the_jobs_it_sees(tmp_path):
+    """A replica whose kafka.job_name differs from the trainer's waits for ever: its
+    NotReady names the jobs whose checkpoints the directory holds."""
+    from stream_persia.api.errors import NotReady
+    from stream_persia.api.metrics import ApiMetrics
+    from stream_persia.api.predictor import LATEST, Predictor
+    from stream_persia.api.roles import Roles
+
+    with CheckpointWriter(str(tmp_path / "theirs")) as w:
+        w.write_bytes("x.bin", b"x")
+        w.commit(job="ctr", step=1, offsets={}, stream="direct")
+    predictor = Predictor(settings_for(checkpoint_dir=str(tmp_path)), Roles([], []),
+                          ApiMetrics())
+    with pytest.raises(NotReady) as err:
+        predictor._start_path(LATEST)
+    assert "no checkpoint of job 'persia'" in err.value.message
+    assert "job(s) ['ctr']" in err.value.message

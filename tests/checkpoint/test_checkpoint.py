@@ -462,3 +462,4 @@ def test_list_checkpoints_sorted_complete_only(tmp_path):
     assert found[0].path == str(tmp_path / "s3")
     assert ck.latest_checkpoint(str(tmp_path)).step == 11   # the one committed last
     assert ck.list_checkpoints(str(tmp_path / "missing")) == []
+

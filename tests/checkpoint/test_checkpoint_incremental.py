@@ -203,6 +203,9 @@ def test_a_requested_checkpoint_patches_the_newest_chain_shorter_than_full_every
     assert latest_parent(str(root / "next"), 8) == str(root / "ck-3")
     assert latest_parent(str(root / "next"), 3) is None   # ck-3 is the 3rd patch: a base
     assert latest_parent(str(root / "empty" / "next"), 8) is None
+    # Only the job's own: another job's chain in the same directory is no parent.
+    assert latest_parent(str(root / "next"), 8, job="j") == str(root / "ck-3")
+    assert latest_parent(str(root / "next"), 8, job="other") is None
 
 
 @pytest.mark.parametrize("impl", ["cython", "python"])

@@ -103,6 +103,25 @@ async def test_partitions_added_while_reading_are_read_from_offset_0_by_their_ow
                 await c.stop()
 
 
+async def test_a_partition_added_while_the_others_are_held_is_read():
+    """A held partition (a worker refusing a replay) is paused for good; a partition added
+    meanwhile is not held with it: it is read (it was paused with the held one and never
+    read, its samples untrained while the frontier tracked it at offset 0)."""
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("held", 1)
+        consumer = SampleConsumer(cluster.bootstrap_servers, "held",
+                                  metadata_max_age_ms=REFRESH_MS)
+        try:
+            await bounded(consumer.start())
+            consumer.hold([0])
+            grow(cluster, "held", 2)
+            await produce_one_each(cluster.bootstrap_servers, "held", {0: b"a", 1: b"b"})
+            assert await read_until([consumer], 1) == [{1: [0]}]
+            assert consumer.partitions == [0, 1]
+        finally:
+            await consumer.stop()
+
+
 async def test_a_partition_added_under_a_worker_is_trained_and_in_its_checkpoint_frontier():
     with MockKafkaCluster() as cluster:
         cluster.create_topic("job", 1)
