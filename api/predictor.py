@@ -13,6 +13,10 @@ batch; tiny ones (``inline_max_rows``) run on the loop, where they cost less tha
 hand-off to a thread. A
 micro-batch whose merged forward is rejected as bad input is re-run request by request,
 so one bad request never fails the others.
+
+Size: one module because the served reference is one state: the reload that swaps it
+(pinned against retention), the micro-batches that read it once and the replica source
+that follows it would otherwise pass it around unguarded.
 """
 
 from __future__ import annotations
@@ -160,12 +164,12 @@ class Predictor:
         job = self.settings.job_name
         manifest = latest_checkpoint(self.settings.checkpoint_dir, job)
         if manifest is None or manifest.path is None:
-            others = sorted({m.job for m in list_checkpoints(self.settings.checkpoint_dir)})
-            seen = (f"; it holds checkpoints of job(s) {others[:5]} (is kafka.job_name the "
-                    "same for the trainer and this replica?)" if others else "")
+            jobs = sorted({m.job for m in list_checkpoints(self.settings.checkpoint_dir)})
             raise NotReady(f"no checkpoint of job {job!r} (kafka.job_name) under "
-                           f"{self.settings.checkpoint_dir} yet{seen}",
-                           hint="the replica starts from the first one its job writes")
+                           f"{self.settings.checkpoint_dir} yet" + (
+                               f"; it holds checkpoints of job(s) {jobs[:5]}" if jobs else ""),
+                           hint="the replica starts from the first one its job writes "
+                                "(the trainer's and the replica's kafka.job_name agree?)")
         return manifest.path
 
     async def _retry_load(self, path: str, first_s: float = 1.0, max_s: float = 60.0) -> None:
