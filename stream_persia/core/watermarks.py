@@ -78,7 +78,7 @@ from stream_persia.core.replies import MarkWire, WatermarksReply
 from stream_persia.errors import BadInput, StreamReplay
 
 __all__ = ["Mark", "check_topic", "PartitionMark", "Refusal", "Source", "Watermarks", "merge", "parse_cut",
-           "parse_cut_fingerprints", "parse_source", "refusals", "resume_fingerprints",
+           "check_fingerprint", "parse_cut_fingerprints", "parse_source", "refusals", "resume_fingerprints",
            "resume_points", "RESTORE_HINT"]
 
 #: Kafka's own bound on a topic name.
@@ -177,6 +177,22 @@ def parse_cut(value: Any) -> dict[str, dict[int, int]]:
 FINGERPRINT_DIGEST_HEX = 16
 
 
+def check_fingerprint(d: Any, where: str) -> dict[str, Any]:
+    """A copy of ``{"offset": int >= 0, "timestamp": int, "digest": hex}``, checked
+    (BadInput naming ``where``): the one rule for a fingerprint, wherever it comes from."""
+    ok = (isinstance(d, dict) and set(d) == {"offset", "timestamp", "digest"}
+          and all(isinstance(d[k], int) and not isinstance(d[k], bool)
+                  for k in ("offset", "timestamp"))
+          and d["offset"] >= 0 and isinstance(d["digest"], str)
+          and len(d["digest"]) == FINGERPRINT_DIGEST_HEX
+          and all(c in "0123456789abcdef" for c in d["digest"]))
+    if not ok:
+        raise BadInput(f"{where} must be {{'offset': int >= 0, 'timestamp': int, "
+                       f"'digest': {FINGERPRINT_DIGEST_HEX} hex chars}}, got {str(d)[:120]}",
+                       field=where)
+    return dict(d)
+
+
 def parse_cut_fingerprints(value: Any) -> dict[str, dict[int, dict[str, Any]]]:
     """A ``load``'s ``cut_fingerprints`` (a manifest's ``fingerprints``: topic → partition
     → ``{"offset", "timestamp", "digest"}``), validated for shape and size (BadInput
@@ -199,17 +215,7 @@ def parse_cut_fingerprints(value: Any) -> dict[str, dict[int, dict[str, Any]]]:
                            f"{type(parts).__name__}", field=where)
         for p, d in parts.items():
             at = f"{where}.{str(p)[:20]}"
-            ok = (isinstance(d, dict) and set(d) == {"offset", "timestamp", "digest"}
-                  and all(isinstance(d[k], int) and not isinstance(d[k], bool)
-                          for k in ("offset", "timestamp"))
-                  and d["offset"] >= 0 and isinstance(d["digest"], str)
-                  and len(d["digest"]) == FINGERPRINT_DIGEST_HEX
-                  and all(c in "0123456789abcdef" for c in d["digest"]))
-            if not ok:
-                raise BadInput(f"{at} must be {{'offset': int >= 0, 'timestamp': int, "
-                               f"'digest': {FINGERPRINT_DIGEST_HEX} hex chars}}, got "
-                               f"{str(d)[:120]}", field=at)
-            out.setdefault(topic, {})[_partition_key(p, at)] = dict(d)
+            out.setdefault(topic, {})[_partition_key(p, at)] = check_fingerprint(d, at)
     return out
 
 

@@ -65,7 +65,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 
-from stream_persia.core.watermarks import FINGERPRINT_DIGEST_HEX
+from stream_persia.core.watermarks import FINGERPRINT_DIGEST_HEX, check_fingerprint
 from stream_persia.errors import BadInput
 from stream_persia.kafka.liveness import KafkaUnavailable, servers_text, start_client, stop_client
 from stream_persia.kafka.loss import DataLoss
@@ -115,17 +115,9 @@ class Fingerprint:
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "fingerprints") -> Fingerprint:
-        """Parse ``{"offset", "timestamp", "digest"}``; BadInput naming ``where``."""
-        ok = (isinstance(d, dict) and set(d) == {"offset", "timestamp", "digest"}
-              and all(isinstance(d[k], int) and not isinstance(d[k], bool)
-                      for k in ("offset", "timestamp"))
-              and d["offset"] >= 0 and isinstance(d["digest"], str)
-              and len(d["digest"]) == DIGEST_HEX
-              and all(c in "0123456789abcdef" for c in d["digest"]))
-        if not ok:
-            raise BadInput(f"{where} must be {{'offset': int >= 0, 'timestamp': int, "
-                           f"'digest': {DIGEST_HEX} hex chars}}, got {str(d)[:120]}",
-                           field=where)
+        """Parse ``{"offset", "timestamp", "digest"}``; BadInput naming ``where``
+        (:func:`stream_persia.core.watermarks.check_fingerprint`)."""
+        d = check_fingerprint(d, where)
         return cls(d["offset"], d["timestamp"], d["digest"])
 
 
