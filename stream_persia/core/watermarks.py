@@ -71,8 +71,8 @@ tracks at most :data:`MAX_PARTITIONS` topic/partitions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from stream_persia.core.replies import MarkWire, WatermarksReply
 from stream_persia.errors import BadInput, StreamReplay
@@ -80,6 +80,8 @@ from stream_persia.errors import BadInput, StreamReplay
 __all__ = ["Mark", "check_topic", "PartitionMark", "Refusal", "Source", "Watermarks", "merge", "parse_cut",
            "check_fingerprint", "parse_cut_fingerprints", "parse_source", "refusals", "resume_fingerprints",
            "resume_points", "RESTORE_HINT"]
+
+T = TypeVar("T")
 
 #: Kafka's own bound on a topic name.
 MAX_TOPIC_CHARS = 249
@@ -149,27 +151,34 @@ def parse_source(value: Any) -> Source | None:
                   _int(value.get("offset"), "source.offset", 0), writer)
 
 
-def parse_cut(value: Any) -> dict[str, dict[int, int]]:
-    """A ``load``'s ``cut`` (a manifest's offsets: topic → partition → next offset),
-    validated (BadInput naming the field); None is no cut."""
+def _per_partition(value: Any, field: str, what: str,
+                   parse: Callable[[Any, str], T]) -> dict[str, dict[int, T]]:
+    """``{topic: {partition (int or decimal str): item}}`` with each item checked by ``parse(item,
+    where)``, validated for shape and size (BadInput naming the field); None is {}."""
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise BadInput(f"cut must map topic -> partition -> next offset, got "
-                       f"{type(value).__name__}", field="cut")
-    cut: dict[str, dict[int, int]] = {}
+        raise BadInput(f"{field} must map topic -> partition -> {what}, got "
+                       f"{type(value).__name__}", field=field)
     if sum(len(p) if isinstance(p, dict) else 0 for p in value.values()) > MAX_PARTITIONS:
-        raise BadInput(f"cut names more than {MAX_PARTITIONS} topic/partitions",
-                       field="cut")
+        raise BadInput(f"{field} names more than {MAX_PARTITIONS} topic/partitions",
+                       field=field)
+    out: dict[str, dict[int, T]] = {}
     for topic, parts in value.items():
-        where = f"cut.{str(topic)[:80]}"
-        check_topic(topic, "cut")
+        where = f"{field}.{str(topic)[:80]}"
+        check_topic(topic, field)
         if not isinstance(parts, dict):
-            raise BadInput(f"{where} must map partition -> next offset, got "
+            raise BadInput(f"{where} must map partition -> {what}, got "
                            f"{type(parts).__name__}", field=where)
-        cut[topic] = {_partition_key(p, f"{where}.{str(p)[:20]}"):
-                      _int(o, f"{where}.{str(p)[:20]}", 0) for p, o in parts.items()}
-    return cut
+        out[topic] = {_partition_key(p, f"{where}.{str(p)[:20]}"):
+                      parse(v, f"{where}.{str(p)[:20]}") for p, v in parts.items()}
+    return out
+
+
+def parse_cut(value: Any) -> dict[str, dict[int, int]]:
+    """A ``load``'s ``cut`` (a manifest's offsets: topic → partition → next offset),
+    validated (BadInput naming the field); None is no cut."""
+    return _per_partition(value, "cut", "next offset", lambda o, where: _int(o, where, 0))
 
 
 #: Hex characters of a fingerprint's digest (:mod:`stream_persia.kafka.fingerprint`,
@@ -198,25 +207,7 @@ def parse_cut_fingerprints(value: Any) -> dict[str, dict[int, dict[str, Any]]]:
     → ``{"offset", "timestamp", "digest"}``), validated for shape and size (BadInput
     naming the field); None is none. The worker that compares them parses them as
     :class:`stream_persia.kafka.fingerprint.Fingerprint`."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise BadInput(f"cut_fingerprints must map topic -> partition -> fingerprint, got "
-                       f"{type(value).__name__}", field="cut_fingerprints")
-    if sum(len(p) if isinstance(p, dict) else 0 for p in value.values()) > MAX_PARTITIONS:
-        raise BadInput(f"cut_fingerprints names more than {MAX_PARTITIONS} "
-                       f"topic/partitions", field="cut_fingerprints")
-    out: dict[str, dict[int, dict[str, Any]]] = {}
-    for topic, parts in value.items():
-        where = f"cut_fingerprints.{str(topic)[:80]}"
-        check_topic(topic, "cut_fingerprints")
-        if not isinstance(parts, dict):
-            raise BadInput(f"{where} must map partition -> fingerprint, got "
-                           f"{type(parts).__name__}", field=where)
-        for p, d in parts.items():
-            at = f"{where}.{str(p)[:20]}"
-            out.setdefault(topic, {})[_partition_key(p, at)] = check_fingerprint(d, at)
-    return out
+    return _per_partition(value, "cut_fingerprints", "fingerprint", check_fingerprint)
 
 
 class Mark(NamedTuple):
