@@ -125,6 +125,7 @@ class NnCheckpointPoller:
         freshness figures and ``persia_nn_heartbeat_age_seconds`` stay those of the
         training thread: a stuck step still ages them) and never attaches a rank the
         mailbox marked detached."""
+        known = False   # whether worker 0's mailbox tells waiting heartbeats apart
         while self._attached and self.enabled:
             await asyncio.sleep(LIVENESS_EVERY_S)
             if not self._attached or not self.enabled \
@@ -132,6 +133,20 @@ class NnCheckpointPoller:
                     or (self._inflight is not None and not self._inflight.done()):
                 continue
             try:
+                if not known:
+                    # A mailbox from before them (a rolling upgrade) would take one as a
+                    # step's heartbeat that relays nothing: the trained watermark and the
+                    # figures blanked, a stuck step's heartbeat age kept fresh. Its
+                    # nn_status has no alive_s: then none is sent (as before them).
+                    status = await cluster.workers[0].call("nn_status", None)
+                    if not isinstance(status, dict):
+                        continue
+                    if "alive_s" not in status:
+                        log.info("embedding worker 0's checkpoint mailbox is older than "
+                                 "liveness heartbeats: a rank busy between steps for over "
+                                 "10 s looks detached to it")
+                        return
+                    known = True
                 await cluster.workers[0].call("nn_heartbeat", {
                     "rank": 0, "world_size": int(self.ctx.world_size),
                     "step": int(self.ctx.steps), "waiting": True})

@@ -418,3 +418,43 @@ async def test_a_rank_busy_between_steps_stays_attached_and_the_api_cuts_at_once
         await asyncio.wait_for(run, 30)
         status = (await api.client.get("/v1/status", headers=AUTH)).json()
         assert not status["training"]["nn_attached"]      # the rank said goodbye
+
+
+async def test_no_liveness_heartbeat_goes_to_a_mailbox_from_before_them(job, monkeypatch):
+    """A worker 0 from before liveness heartbeats (a rolling upgrade) would take one as a
+    step's heartbeat that relays nothing (the trained watermark blanked, a stuck step's
+    age kept fresh): its nn_status has no alive_s, and the rank then sends none."""
+    from stream_persia.nn import checkpoint_poller
+
+    monkeypatch.setattr(checkpoint_poller, "LIVENESS_EVERY_S", 0.2)
+    box = job.workers[0].mailbox
+    real_status, real_beat = box.nn_status, box.nn_heartbeat
+    sent = []
+
+    async def old_status(params):
+        status = await real_status(params)
+        return None if status is None else {k: v for k, v in status.items()
+                                            if k not in ("alive_s", "step_age_s")}
+
+    async def beat(params):
+        sent.append(dict(params))
+        return await real_beat(params)
+
+    handlers = job.workers[0].rpc._handlers     # what worker 0 answers over RPC
+    monkeypatch.setitem(handlers, "nn_status", old_status)
+    monkeypatch.setitem(handlers, "nn_heartbeat", beat)
+    worker = job.client(job.workers[0].address)
+    for i in range(2):
+        await worker.call("ingest", {"batch": make_batch(i).to_wire()})
+    evaluating, leave = threading.Event(), threading.Event()
+    run = asyncio.get_running_loop().run_in_executor(
+        None, _train_then_evaluate, job.workers[0].address, 2, evaluating, leave)
+    try:
+        async with asyncio.timeout(30):
+            while not evaluating.is_set():
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(1.5)       # several liveness periods without a step
+    finally:
+        leave.set()
+    await asyncio.wait_for(run, 30)
+    assert sent and not any(p.get("waiting") for p in sent), sent
