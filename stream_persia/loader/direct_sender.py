@@ -6,6 +6,9 @@ A synchronous caller thread submits batches; the RPCs run on a
 (a worker acknowledges once the batch is in its ready buffer, waiting while that buffer is
 full) until one takes it or ``timeout_ms`` passes. A send whose connection drops or times
 out is retried on the next worker, so a batch may be ingested twice (at least once).
+With one worker, batches reach its ready buffer in the order they were submitted (a
+resend after a dropped connection aside); with several, each worker's share keeps its
+order unless a full worker's batch moves on to the next one.
 :meth:`DirectSender.submit` copies the batch's arrays (:func:`snapshot`), so what is sent
 is the batch as it was when submitted, as on the Kafka path, which encodes it at once.
 
@@ -226,9 +229,11 @@ class DirectSender:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_ms / 1000.0
         n = len(self._clients)
-        # A lone worker is asked to wait long (fewer round trips); with several, a short
-        # wait on a full one lets the next one take the batch.
-        wait_ms = 10_000 if n == 1 else 500
+        # A lone worker is asked to wait the whole time: its ready buffer takes waiting
+        # batches in the order they came, so pipelined sends keep theirs (re-offering a
+        # batch after a shorter wait put it behind later ones). With several, a short wait
+        # on a full one lets the next one take the batch.
+        wait_ms = self.timeout_ms if n == 1 else 500
         delay = 0.05
         tried = 0
         while True:

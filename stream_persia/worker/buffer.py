@@ -10,6 +10,13 @@ items or the item would take it past ``max_bytes`` bytes. One item is always let
 empty buffer, however large, so that a single batch bigger than the budget still flows
 (one at a time). Items returned with ``put_front`` may exceed both bounds by that item.
 
+Puts that wait go in in the order they were called: a later put never overtakes one that
+is waiting, not when room comes free in the loop iteration it arrives in (an
+``asyncio.Condition`` lets a newcomer take the lock before the waiters it woke), and not
+when its smaller item would fit where the waiting one does not. Pipelined ``ingest``
+calls from one data loader therefore keep their order, which reproducible training
+relies on.
+
 A ``put`` or ``get`` cancelled while it waits neither adds nor takes an item, even when
 room or an item arrived in the same loop iteration (``asyncio.wait_for`` before Python
 3.12 returned then, and the cancellation was lost: :func:`stream_persia.core.backoff.
@@ -49,15 +56,18 @@ class BoundedBuffer(Generic[T]):
         self._items: deque[tuple[T, int]] = deque()
         self.bytes = 0     # the sizes of the items held, as size_of gave them
         self._changed = asyncio.Condition()
+        self._putters: deque[object] = deque()   # puts waiting for room, oldest first
 
     def __len__(self) -> int:
         return len(self._items)
 
     def full(self, item: T | None = None) -> bool:
-        """No room for ``item`` (``put`` would wait), or with no item, for any: ``maxsize``
-        items or ``max_bytes`` bytes held (an empty buffer is never full)."""
+        """No room for ``item`` (``put`` would wait: no room, or earlier puts wait), or
+        with no item, for any: ``maxsize`` items or ``max_bytes`` bytes held (an empty
+        buffer is never full)."""
         if item is not None:
-            return not self._fits(self._size_of(item) if self._size_of is not None else 0)
+            return bool(self._putters) or not self._fits(
+                self._size_of(item) if self._size_of is not None else 0)
         n = len(self._items)
         return n >= self.maxsize or (self.max_bytes is not None and n > 0
                                      and self.bytes >= self.max_bytes)
@@ -71,19 +81,25 @@ class BoundedBuffer(Generic[T]):
                                      or self.bytes + size <= self.max_bytes)
 
     async def put(self, item: T, timeout: float | None = None) -> None:
-        """Append ``item``, waiting up to ``timeout`` s for room (then :class:`Backpressure`)."""
+        """Append ``item``, waiting up to ``timeout`` s for room (then :class:`Backpressure`)
+        behind any puts already waiting."""
         size = self._size_of(item) if self._size_of is not None else 0
         async with self._changed:
-            if not self._fits(size):
+            if self._putters or not self._fits(size):
+                turn = object()
+                self._putters.append(turn)
                 try:
-                    await wait_bounded(self._changed.wait_for(lambda: self._fits(size)),
-                                       timeout)
+                    await wait_bounded(self._changed.wait_for(
+                        lambda: self._putters[0] is turn and self._fits(size)), timeout)
                 except TimeoutError:
                     held = (f"{len(self._items)} items"
                             + (f", {self.bytes} bytes" if self.max_bytes is not None else ""))
                     raise Backpressure(
                         f"{self.name} stayed full ({held}) for {timeout} s",
                         hint="the consumer is slower than the producer; retry later") from None
+                finally:
+                    self._putters.remove(turn)
+                    self._changed.notify_all()   # the next in line may go now
             self._items.append((item, size))
             self.bytes += size
             self._changed.notify_all()

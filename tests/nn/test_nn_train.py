@@ -505,6 +505,30 @@ def test_reproducible_synchronous_runs_are_identical(job_factory):
     assert np.abs(rows_a).max() > 0.05, "the embeddings trained"
 
 
+def test_pipelined_sends_to_one_worker_are_served_in_the_order_sent(job_factory):
+    """DataCtx keeps up to max_inflight ingest calls in flight; with a one-batch ready
+    buffer they all wait for room on the worker, and must go in, and come out, in the
+    order they were sent. A newcomer took room freed for a waiting one, which made two
+    reproducible runs differ under CPU load; that race needs frames read in one loop
+    iteration, so its deterministic cases are in tests/worker/test_buffer.py."""
+    job = job_factory(LEARNABLE_SCHEMA, ready_buffer_batches=1)
+    batches = learnable_batches(40, 8, seed=2)
+    for i, b in enumerate(batches):
+        b.meta = str(i).encode()
+    feeder = job.feed(batches)
+    model = SumModel(13)
+    with train_ctx(job, model) as ctx:
+        loader = DataLoader(StreamingDataset(10), embedding_staleness=1,
+                            reproducible=True, max_batches=len(batches))
+        order = []
+        for tb in loader:
+            order.append(int(tb.meta))
+            output, labels = ctx.forward(tb)
+            ctx.backward(bce(output, labels))
+    feeder.join(10)
+    assert order == list(range(len(batches)))
+
+
 def test_inference_ctx_needs_no_labels_and_never_inserts(job_factory):
     job = job_factory(SCHEMA)
     model = SumModel(3 + 8 + 8 + 4)

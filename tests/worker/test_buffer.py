@@ -149,3 +149,47 @@ async def test_put_front_wakes_a_waiting_get():
     assert not getter.done()
     await buf.put_front("returned")
     assert await asyncio.wait_for(getter, 1) == "returned"
+
+
+async def test_a_put_arriving_as_room_comes_free_goes_behind_the_waiting_one():
+    """Room freed by a get wakes the waiting put, but a put already scheduled in that loop
+    iteration (an ingest frame read just before) ran first and took the room: pipelined
+    sends from one data loader reached the ready buffer out of order."""
+    buf: BoundedBuffer[str] = BoundedBuffer(1, "ready buffer")
+    await buf.put("a")
+    waiting = asyncio.ensure_future(buf.put("b"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done() and buf.full() and buf.full("c")
+    newcomer = asyncio.ensure_future(buf.put("c"))   # scheduled before the get wakes "b"
+    assert await buf.get() == "a"
+    await asyncio.wait_for(waiting, 1)
+    assert not newcomer.done() and len(buf) == 1
+    assert [await buf.get(), await buf.get()] == ["b", "c"]
+    await asyncio.wait_for(newcomer, 1)
+
+
+async def test_a_smaller_item_that_fits_waits_behind_a_larger_one_that_does_not():
+    buf = sized(100)
+    await buf.put(b"a" * 60)
+    big = asyncio.ensure_future(buf.put(b"b" * 50))
+    await asyncio.sleep(0.01)
+    small = asyncio.ensure_future(buf.put(b"c" * 30))   # would fit on its own
+    await asyncio.sleep(0.01)
+    assert not big.done() and not small.done() and buf.full(b"d")
+    got = [await buf.get(1) for _ in range(3)]
+    assert got == [b"a" * 60, b"b" * 50, b"c" * 30]
+    await asyncio.wait_for(asyncio.gather(big, small), 1)
+
+
+async def test_a_waiting_put_that_times_out_lets_the_next_one_in():
+    buf: BoundedBuffer[str] = BoundedBuffer(1, "ready buffer")
+    await buf.put("a")
+    first = asyncio.ensure_future(buf.put("b", timeout=0.05))
+    await asyncio.sleep(0.01)
+    second = asyncio.ensure_future(buf.put("c"))
+    with pytest.raises(Backpressure):
+        await first
+    assert not second.done()
+    assert await buf.get() == "a"
+    await asyncio.wait_for(second, 1)
+    assert await buf.get() == "c" and not buf.full("d")
