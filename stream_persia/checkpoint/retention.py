@@ -47,6 +47,7 @@ from stream_persia.checkpoint._common import Location
 from stream_persia.checkpoint.leftovers import rmtree_racing, sweep_abandoned
 from stream_persia.checkpoint.manifest import MANIFEST_NAME, Manifest
 from stream_persia.checkpoint.reader import list_checkpoints, newest_last
+from stream_persia.errors import Misuse
 
 __all__ = ["delete_checkpoint", "dependents", "expired", "prune_checkpoints"]
 
@@ -101,7 +102,10 @@ def prune_checkpoints(root: str, keep: int, protect: Collection[str] = (),
                          busy)
                 continue
             try:
-                delete_checkpoint(m.path or "")
+                delete_checkpoint(m.path or "", going=users)
+            except Misuse as e:   # a patch of it was published meanwhile
+                log.info("retention: %s", e.message)
+                continue
             except OSError as e:
                 log.warning("retention: could not delete checkpoint %s: %s", m.path, e)
                 continue
@@ -147,21 +151,46 @@ def dependents(root: str, name: str) -> list[str]:
     return sorted(n for n, m in by_name.items() if name in _ancestors(m, by_name))
 
 
-def delete_checkpoint(src: str) -> None:
+def delete_checkpoint(src: str, going: Collection[str] = ()) -> None:
     """Delete the checkpoint directory ``src`` (blocking; see the module docstring).
 
+    Once hidden, it is kept after all (made visible again) when a checkpoint that needs it
+    was published meanwhile (one not named in ``going``: the patches of it that the caller
+    deletes too): a patch writer checks its parent just before publishing and
+    again after, so a patch published between a caller's check of the dependents and the
+    deletion is seen by one of the two sides, never by neither (the writer withdraws its
+    patch when the parent is gone after it published).
+
     Raises:
+        Misuse: a checkpoint published meanwhile needs it (``checkpoint``, naming them);
+            it is kept.
         OSError: it could not be deleted (a local one is then either still complete or
             already gone from readers' view under its hidden name).
     """
     loc = Location(src)
+    root, name = loc.url.rstrip("/").rsplit("/", 1)
     if loc.local:
-        parent, name = os.path.split(loc.path)
+        parent = os.path.dirname(loc.path)
         hidden = os.path.join(parent, f".{name}.deleting-{uuid.uuid4().hex[:12]}")
         os.rename(loc.path, hidden)
+        needed = [n for n in dependents(root, name) if n not in going]
+        if needed:
+            os.rename(hidden, loc.path)
+            raise _needed_meanwhile(name, needed)
         rmtree_racing(hidden)   # a sweep may remove parts of it meanwhile
         return
     manifest = loc.join(MANIFEST_NAME)
     if loc.fs.exists(manifest):
+        data = loc.fs.cat_file(manifest)
         loc.fs.rm_file(manifest)
+        needed = [n for n in dependents(root, name) if n not in going]
+        if needed:
+            loc.fs.pipe_file(manifest, data)
+            raise _needed_meanwhile(name, needed)
     loc.fs.rm(loc.path, recursive=True)
+
+
+def _needed_meanwhile(name: str, needed: list[str]) -> Misuse:
+    return Misuse(f"checkpoint {name!r} was kept: incremental checkpoint(s) {needed[:5]} "
+                  "published while it was being deleted need it", field="checkpoint",
+                  hint="delete the patches that depend on it first (newest first)")

@@ -36,6 +36,7 @@ from stream_persia.checkpoint.manifest import (
     not_taken_since,
 )
 from stream_persia.checkpoint.reader import read_manifest
+from stream_persia.checkpoint.retention import delete_checkpoint
 from stream_persia.config.embedding import EmbeddingSchema
 from stream_persia.core import watermarks
 from stream_persia.core.replies import WatermarksReply
@@ -290,8 +291,9 @@ class CheckpointWriter:
 
         Raises:
             BadInput: an argument is invalid, or a patch's parent was deleted or written
-                again meanwhile (``chain.parent``); nothing is published, the writer stays
-                open.
+                again meanwhile (``chain.parent``); nothing is published. Found before
+                publishing, the writer stays open; found right after (a deletion that
+                raced the publish), the patch is withdrawn and the writer aborted.
             StreamReplay: a Kafka cut whose offsets are at or below what an embedding
                 server had applied when it dumped (its stream watermark): the cut is not
                 consistent, and restoring it would train those batches twice.
@@ -339,6 +341,7 @@ class CheckpointWriter:
             self._swap_into_place()
         else:
             self._dst.fs.pipe_file(self._dst.join(MANIFEST_NAME), data)
+        self._recheck_parent(manifest)
         self._state = "committed"
         manifest.path = self._dst.url
         log.info("checkpoint step %d of job %s committed at %s (%d shard(s), %d rows)",
@@ -354,20 +357,44 @@ class CheckpointWriter:
         Raises:
             BadInput: naming the parent (``chain.parent``); nothing is published.
         """
+        why = self._parent_changed(manifest)
+        if why is not None:
+            raise self._parent_error(manifest, why)
+
+    def _recheck_parent(self, manifest: Manifest) -> None:
+        """After publishing: a deletion of the parent that had checked for dependents
+        before this patch was visible may have gone ahead since the check before
+        publishing. Then the patch is withdrawn (deleted) and the error raised; a deletion
+        that checks after this patch was visible keeps the parent
+        (:func:`~stream_persia.checkpoint.retention.delete_checkpoint`)."""
+        why = self._parent_changed(manifest)
+        if why is None:
+            return
+        try:
+            delete_checkpoint(self._dst.url)
+        except (OSError, Misuse) as e:
+            log.error("checkpoint %s: could not withdraw the patch whose parent is gone: %s",
+                      self._dst.url, e)
+        self._state = "aborted"
+        raise self._parent_error(manifest, why)
+
+    def _parent_changed(self, manifest: Manifest) -> str | None:
         link = manifest.chain
         if link is None or link["parent"] is None:
-            return
+            return None
         url = f"{self._dst.url.rstrip('/').rsplit('/', 1)[0]}/{link['parent']}"
         try:
             parent = read_manifest(url)
-            why = (not_taken_since(parent, manifest) if parent.chain is not None
-                   and parent.chain["id"] == link["parent"] else "another checkpoint")
+            return (not_taken_since(parent, manifest) if parent.chain is not None
+                    and parent.chain["id"] == link["parent"] else "another checkpoint")
         except BadInput as e:
-            why = e.message
-        if why is not None:
-            raise BadInput(f"checkpoint {self.dst} is a patch of {link['parent']!r}, which "
-                           f"changed while it was written ({why}): nothing was published",
-                           field="chain.parent", hint="take a full checkpoint")
+            return e.message
+
+    def _parent_error(self, manifest: Manifest, why: str) -> BadInput:
+        parent = manifest.chain["parent"] if manifest.chain is not None else None
+        return BadInput(f"checkpoint {self.dst} is a patch of {parent!r}, which changed "
+                        f"while it was written ({why}): nothing was published",
+                        field="chain.parent", hint="take a full checkpoint")
 
     def _swap_into_place(self) -> None:
         dst = self._dst.path

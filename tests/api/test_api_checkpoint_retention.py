@@ -267,6 +267,15 @@ async def test_retention_leaves_another_jobs_checkpoints_alone(job, tmp_path):
         await take_checkpoint(api, "c2")
         await wait_retention(api)
         assert on_disk(root) == ["c2", "theirs"]
+        # Their newest, written after ours, is not this job's last checkpoint either.
+        newer = await write_checkpoint(job, f"{root}/theirs-newer", TwoHeads())
+        with open(os.path.join(newer, "manifest.json")) as f:
+            m = json.load(f)
+        m["job"] = "another-job"
+        with open(os.path.join(newer, "manifest.json"), "w") as f:
+            json.dump(m, f)
+        status = (await api.client.get("/v1/status", headers=AUTH)).json()
+        assert status["last_checkpoint"]["id"] == "c2", status["last_checkpoint"]
 
 
 async def test_retention_keeps_a_checkpoint_reloaded_after_its_pass_began(job, tmp_path,
@@ -318,12 +327,12 @@ async def test_a_reload_or_restore_of_a_checkpoint_retention_is_deleting_is_refu
         real = retention.delete_checkpoint
         answers = {}
 
-        def use_meanwhile(src):
+        def use_meanwhile(src, going=()):
             for what, url, body in (("reload", "/v1/model/reload", {"checkpoint": "old"}),
                                     ("restore", "/v1/checkpoints/old/restore", None)):
                 answers[what] = asyncio.run_coroutine_threadsafe(api.client.post(
                     url, headers=AUTH, json=body), loop).result()
-            return real(src)
+            return real(src, going)
 
         monkeypatch.setattr(retention, "delete_checkpoint", use_meanwhile)
         await take_checkpoint(api, "c1")

@@ -12,6 +12,7 @@ still restores. The crash of a server during a patch write is in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -28,7 +29,7 @@ from stream_persia.checkpoint import (
     verify,
 )
 from stream_persia.embedding.optim import Adam
-from stream_persia.errors import BadInput
+from stream_persia.errors import BadInput, Misuse
 from stream_persia.testing.servers import running_servers
 from stream_persia.worker.shards import RowLookup, UpdateGroup
 
@@ -326,3 +327,64 @@ async def test_a_patch_whose_parent_goes_while_it_is_written_is_not_published(tm
             assert not (tmp_path / "p").exists(), spoil
             if spoil == "deleted":
                 await checkpoint(router, tmp_path / "b", step=1)
+
+
+async def test_a_parent_deleted_right_after_the_writer_checked_it_withdraws_the_patch(
+        tmp_path, monkeypatch):
+    """Retention in another process checked the parent's dependents before the patch was
+    visible and deleted the parent right after the writer's check before publishing: the
+    patch was published without its parent (no restore could load it). The writer checks
+    again after publishing and withdraws it, naming the parent."""
+    from stream_persia.checkpoint import delete_checkpoint, list_checkpoints
+
+    checked = CheckpointWriter._check_parent
+
+    def check_then_lose_the_parent(self, manifest):
+        checked(self, manifest)
+        delete_checkpoint(str(tmp_path / "b"))
+
+    rng = np.random.default_rng(8)
+    async with running_servers(2, Adam(lr=0.01), capacity=CAPACITY) as (_, router):
+        await train(router, rng, 200)
+        await checkpoint(router, tmp_path / "b", step=1)
+        await train(router, rng)
+        monkeypatch.setattr(CheckpointWriter, "_check_parent", check_then_lose_the_parent)
+        with pytest.raises(BadInput) as err:
+            await checkpoint(router, tmp_path / "p", tmp_path / "b", step=2)
+    assert err.value.field == "chain.parent" and "'b'" in err.value.message
+    assert not (tmp_path / "p").exists()
+    assert list_checkpoints(str(tmp_path)) == []
+
+
+async def test_a_parent_whose_patch_is_published_while_it_is_deleted_is_kept(tmp_path):
+    """The other side of that race: a deletion whose check of the dependents came before
+    a patch was published keeps the parent when the patch is there once the parent is
+    hidden (retention: kept and logged; a delete: Misuse naming the patch)."""
+    from stream_persia.checkpoint import delete_checkpoint
+
+    rng = np.random.default_rng(9)
+    async with running_servers(2, Adam(lr=0.01), capacity=CAPACITY) as (servers, router):
+        await train(router, rng, 200)
+        await checkpoint(router, tmp_path / "b", step=1)
+        await train(router, rng)
+        want = table(servers)
+
+        await checkpoint(router, tmp_path / "c", step=2)   # b is the oldest of two
+
+        def publish_a_patch_first(name, users):
+            # Asked just before deleting b, after the pass listed the checkpoints and
+            # found nothing that needs b: the patch of b is published meanwhile.
+            assert name == "b"
+            asyncio.run_coroutine_threadsafe(
+                checkpoint(router, tmp_path / "p", tmp_path / "b", step=3), loop).result(30)
+            return contextlib.nullcontext()
+
+        loop = asyncio.get_running_loop()
+        deleted = await asyncio.to_thread(prune_checkpoints, str(tmp_path), 1, (), None,
+                                          publish_a_patch_first)
+        assert deleted == [] and (tmp_path / "b").is_dir()
+        with pytest.raises(Misuse) as err:
+            delete_checkpoint(str(tmp_path / "b"))
+        assert err.value.field == "checkpoint" and "'p'" in err.value.message
+    assert (tmp_path / "b").is_dir() and (tmp_path / "p").is_dir()
+    assert_same(await restored(str(tmp_path / "p")), want)
