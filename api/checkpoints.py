@@ -214,9 +214,11 @@ class Checkpoints:
             return None
 
     async def last(self) -> dict[str, Any] | None:
+        """This job's newest complete checkpoint (``/v1/status``): another job sharing
+        the directory writes checkpoints this job would never restore or serve."""
         if self.settings.checkpoint_dir is None:
             return None
-        found = await self._complete()
+        found = [m for m in await self._complete() if m.job == self.job_name]
         return _manifest_info(max(found, key=newest_last)) if found else None
 
     async def _complete(self) -> list[Manifest]:
