@@ -320,10 +320,27 @@ def write_frame(transport: asyncio.WriteTransport, parts: list[bytes | memoryvie
             transport.write(part)
 
 
+# TCP keepalive: a peer whose host went away (power, network) with a call waiting on it is
+# noticed within about KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S (30 s),
+# not when the call's own timeout ends (a data loader's ingest waits up to its
+# timeout_ms, 600 s by default, for room on a lone worker). A dead process is seen at once
+# (its kernel resets the connection); a Unix socket's peer is on this host.
+KEEPALIVE_IDLE_S = 15
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_COUNT = 3
+
+
 def set_nodelay(transport: asyncio.BaseTransport) -> None:
-    """Disable Nagle: frames must leave at once, not wait for the peer's ACK."""
+    """Disable Nagle (frames must leave at once, not wait for the peer's ACK) and turn
+    TCP keepalive on (above)."""
     sock = transport.get_extra_info("socket")
     if sock is None:
         return
     with contextlib.suppress(OSError, AttributeError):  # not TCP (e.g. a unix socket)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+                            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                            ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+            if hasattr(socket, name):   # Linux; elsewhere the system's defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)

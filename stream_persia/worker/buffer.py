@@ -64,7 +64,8 @@ class BoundedBuffer(Generic[T]):
     def full(self, item: T | None = None) -> bool:
         """No room for ``item`` (``put`` would wait: no room, or earlier puts wait), or
         with no item, for any: ``maxsize`` items or ``max_bytes`` bytes held (an empty
-        buffer is never full)."""
+        buffer is never full, though a put into it waits behind the puts already waiting).
+        """
         if item is not None:
             return bool(self._putters) or not self._fits(
                 self._size_of(item) if self._size_of is not None else 0)
@@ -130,8 +131,12 @@ class BoundedBuffer(Generic[T]):
         async with self._changed:
             await self._changed.wait_for(lambda: not self.full())
 
-    def clear(self) -> list[T]:
-        items = [item for item, _ in self._items]
-        self._items.clear()
-        self.bytes = 0
-        return items
+    async def clear(self) -> list[T]:
+        """Take every item (oldest first) and wake the puts waiting for room: with room
+        for all of them, none may be left waiting behind a turn nobody wakes."""
+        async with self._changed:
+            items = [item for item, _ in self._items]
+            self._items.clear()
+            self.bytes = 0
+            self._changed.notify_all()
+            return items

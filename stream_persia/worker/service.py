@@ -148,12 +148,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from stream_persia.checkpoint.root import CheckpointRoot
 from stream_persia.config import EmbeddingSchema
+from stream_persia.core.backoff import wait_bounded
 from stream_persia.core.data import PersiaBatch
 from stream_persia.core.metrics import RoleMetrics
 from stream_persia.core.replies import (
@@ -285,7 +287,8 @@ class EmbeddingWorker:
         self._replay: StreamReplay | None = None   # serving would train batches twice
         self.ingest_timeout_ms = ingest_timeout_ms
         self.ingest_paused = asyncio.Event()    # set = paused (control plane)
-        self._ingest_resumed = asyncio.Event()  # set (then replaced) by resume_ingest
+        self._ingest_resumed = asyncio.Condition()   # notified by resume_ingest
+        self._paused_line: deque[object] = deque()   # ingest calls waiting it out, in order
         if isinstance(checkpoint_root, str):
             checkpoint_root = CheckpointRoot(checkpoint_root)
         self.mailbox = (CheckpointMailbox(checkpoint_root=checkpoint_root)
@@ -499,25 +502,36 @@ class EmbeddingWorker:
             self.reject(type(e).__name__)
             raise
         deadline = time.monotonic() + float(timeout_ms) / 1000.0
-        if self.ingest_paused.is_set():
+        if self.ingest_paused.is_set() or self._paused_line:
             await self._wait_ingest_resumed(deadline, timeout_ms)
         await self.ready.put(pb, timeout=max(0.0, deadline - time.monotonic()))
         self.accepted(pb)
         return {"batch_id": pb.batch_id}
 
     async def _wait_ingest_resumed(self, deadline: float, timeout_ms: float) -> None:
-        """Wait while ingest is paused (``pause_ingest``), until ``deadline``."""
-        while self.ingest_paused.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Backpressure(f"ingest is paused on embedding worker {self.replica_index}"
-                                   f" and was not resumed within timeout_ms={timeout_ms}",
-                                   field="timeout_ms",
-                                   hint="resume it (resume_ingest, POST /v1/ingest/resume) "
-                                        "or retry later")
-            # Capped so that a flag cleared without resume_ingest is seen soon too.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ingest_resumed.wait(), min(left, 0.25))
+        """Wait while ingest is paused (``pause_ingest``), until ``deadline``. The calls
+        that waited go on in the order they came, and one arriving before they all went on
+        queues behind them: pipelined sends from one data loader keep their order through
+        a pause (:class:`~stream_persia.worker.buffer.BoundedBuffer` keeps it from there)."""
+        turn = object()
+        async with self._ingest_resumed:
+            self._paused_line.append(turn)
+            try:
+                while self.ingest_paused.is_set() or self._paused_line[0] is not turn:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Backpressure(
+                            f"ingest is paused on embedding worker {self.replica_index} and "
+                            f"was not resumed within timeout_ms={timeout_ms}",
+                            field="timeout_ms",
+                            hint="resume it (resume_ingest, POST /v1/ingest/resume) or "
+                                 "retry later")
+                    # Capped so that a flag cleared without resume_ingest is seen soon too.
+                    with contextlib.suppress(TimeoutError):
+                        await wait_bounded(self._ingest_resumed.wait(), min(left, 0.25))
+            finally:
+                self._paused_line.remove(turn)
+                self._ingest_resumed.notify_all()   # the next in line goes on
 
     # ----------------------------------------------------------------- serving
     async def _embed(self, pb: PendingBatch, mode: str) -> list[ServedSlotWire]:
@@ -770,9 +784,8 @@ class EmbeddingWorker:
 
     async def _resume(self, params: Any) -> None:
         self.ingest_paused.clear()
-        # Wake the waiting ingest calls; later ones wait on a fresh event.
-        resumed, self._ingest_resumed = self._ingest_resumed, asyncio.Event()
-        resumed.set()
+        async with self._ingest_resumed:   # wake the waiting ingest calls
+            self._ingest_resumed.notify_all()
 
     async def _servers(self, params: Any) -> list[str]:
         return self.router.addresses
@@ -917,7 +930,7 @@ class EmbeddingWorker:
         for _ in range(len(self.inflight)):
             self._inflight_room.release()
         self.inflight.clear()
-        self.ready.clear()
+        await self.ready.clear()
         self.kafka = factory(offsets)
         self.kafka.start_fingerprints = fingerprints
         await self._start_ingest(self.kafka)

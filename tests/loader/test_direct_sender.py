@@ -20,7 +20,7 @@ from stream_persia.core.data import IDTypeFeature, PersiaBatch
 from stream_persia.errors import Backpressure, BadInput, PeerUnavailable, RemoteTimeout
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.loader.direct_sender import DirectSender
-from stream_persia.rpc import RpcClient
+from stream_persia.rpc import RpcClient, RpcServer
 from stream_persia.server.service import EmbeddingServer
 from stream_persia.testing.roles import running
 from stream_persia.testing.samples import make_batch
@@ -98,6 +98,51 @@ def test_at_most_max_inflight_sends_are_unacknowledged(workers, sender):
     s.flush(10)
     assert sorted(got) == [tag(i) for i in range(4)]
     assert s.stats()["acked"] == 4 and s.stats()["peak_in_flight"] == 2
+
+
+def test_pipelined_sends_to_a_lone_worker_keep_their_order_through_a_pause(workers, sender):
+    """Sends waiting out a paused worker went on, once resumed, in the order their 0.25 s
+    re-checks fell (and a full buffer let a newcomer overtake a waiting one): the batches
+    of one data loader reached training out of order."""
+    w = workers(1, ready=1)
+    w.lt.run(w.clients[0].call("pause_ingest"), 10)
+    s = sender(w.addresses, max_inflight=6, timeout_ms=30_000)
+    for i in range(6):
+        s.submit(make_batch(i), seq=i)
+        time.sleep(0.07)    # arrivals spread over the waiters' re-check period
+    time.sleep(0.4)
+    assert w.ready(0) == 0
+    w.lt.run(w.clients[0].call("resume_ingest"), 10)
+    got = [w.pull_meta(0) for _ in range(6)]
+    s.flush(10)
+    assert got == [tag(i) for i in range(6)]
+    assert s.stats()["retries"] == 0
+
+
+def test_a_lone_worker_is_asked_to_wait_the_whole_timeout(sender):
+    """With one worker there is nowhere else to send a batch: it is asked to wait for
+    room for all of timeout_ms, so a batch is never re-offered behind later ones (it was
+    every 10 s)."""
+    asked: list[object] = []
+
+    async def ingest(params):
+        asked.append(params.get("timeout_ms"))
+        return {"batch_id": len(asked)}
+
+    async def health(params):
+        return {"ok": True}
+
+    lt = LoopThread(name="test-lone-worker")
+    server = RpcServer({"ingest": ingest, "health": health}, name="lone-worker")
+    try:
+        lt.run(server.start(), 10)
+        s = sender([server.address], timeout_ms=45_000)
+        s.submit(make_batch(0), seq=0)
+        s.flush(10)
+        assert len(asked) == 1 and 44_000 < asked[0] <= 45_000, asked
+    finally:
+        lt.run(server.stop(), 10)
+        lt.close()
 
 
 def test_round_robin_starts_at_first_worker_and_keeps_order_per_worker(workers, sender):

@@ -70,6 +70,28 @@ async def test_switched_off_it_uses_tcp(monkeypatch):
         await server.stop()
 
 
+async def test_tcp_connections_keep_alive_so_a_vanished_host_is_noticed(monkeypatch):
+    """A peer whose host went away (no reset ever comes) with a call waiting on it was
+    noticed only when the call timed out: up to a data loader's timeout_ms (600 s) for a
+    lone worker. Both ends of a TCP connection now probe it after 15 s idle."""
+    from stream_persia.rpc import transport
+
+    monkeypatch.setenv("STREAM_PERSIA_RPC_UNIX", "0")
+    server = RpcServer({"echo": echo}, host="127.0.0.1", port=0)
+    await server.start()
+    try:
+        async with RpcClient(server.address) as client:
+            await client.call("echo", 1)
+            sock = client._conn.proto.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == \
+                transport.KEEPALIVE_IDLE_S
+            assert transport.KEEPALIVE_IDLE_S + transport.KEEPALIVE_COUNT * \
+                transport.KEEPALIVE_INTERVAL_S <= 30
+    finally:
+        await server.stop()
+
+
 async def test_a_name_held_by_something_else_falls_back_to_tcp():
     server = RpcServer({"echo": echo}, host="127.0.0.1", port=0)
     await server.start()

@@ -37,7 +37,7 @@ async def test_one_item_always_fits_an_empty_buffer_and_put_front_may_exceed():
     await buf.put(b"y" * 80)
     await buf.put_front(item)                 # a served batch returned: never refused
     assert (len(buf), buf.bytes) == (2, 580)
-    assert buf.clear() == [b"x" * 500, b"y" * 80] and buf.bytes == 0
+    assert await buf.clear() == [b"x" * 500, b"y" * 80] and buf.bytes == 0
 
 
 async def test_the_count_still_bounds_small_items():
@@ -122,7 +122,7 @@ async def test_put_front_into_a_full_buffer_never_waits_and_a_put_waits_below_th
     assert not waiting.done(), "a put went past maxsize after a put_front"
     assert await buf.get() == "b"                       # 1 left: room
     await asyncio.wait_for(waiting, 1)
-    assert buf.clear() == ["c", "d"]
+    assert await buf.clear() == ["c", "d"]
 
 
 async def test_put_front_counts_its_bytes_and_may_pass_the_byte_budget():
@@ -193,3 +193,19 @@ async def test_a_waiting_put_that_times_out_lets_the_next_one_in():
     assert await buf.get() == "a"
     await asyncio.wait_for(second, 1)
     assert await buf.get() == "c" and not buf.full("d")
+
+
+async def test_a_clear_lets_the_waiting_puts_in_at_once():
+    """A restore clears the ready buffer: the puts waiting for room go in at once (they
+    waited, each behind the one before, for a wake-up the clear did not give, and a new
+    put queued behind them for the whole of their timeouts)."""
+    buf: BoundedBuffer[str] = BoundedBuffer(1, "ready buffer")
+    await buf.put("a")
+    waiting = asyncio.ensure_future(buf.put("b", timeout=5))
+    await asyncio.sleep(0.01)
+    assert await buf.clear() == ["a"]
+    await asyncio.wait_for(waiting, 1)
+    newcomer = asyncio.ensure_future(buf.put("c", timeout=5))
+    assert await buf.get(1) == "b"
+    await asyncio.wait_for(newcomer, 1)
+    assert await buf.get(1) == "c"
