@@ -360,7 +360,8 @@ class Checkpoints:
         """Delete the checkpoint ``ident`` from the directory (None: there is none).
 
         Raises:
-            Misuse: it is being taken, restored or served.
+            Misuse: it is being taken, restored or served, or a patch needs it (one
+                published while it was being deleted included: it is then kept).
             BadInput: ``ident`` is a symbolic link (its target may be another checkpoint,
                 or lie outside the directory).
         """

@@ -32,11 +32,14 @@ its disk.
 Deleting (:func:`delete_checkpoint`): a local checkpoint is first renamed to a hidden
 sibling ``.<name>.deleting-<random>`` (one atomic step: readers skip hidden names), then
 removed; a remote one loses its manifest first (readers then treat it as incomplete),
-then its files.
+then its files. Once hidden, it is kept (made visible again, ``Misuse``) if a checkpoint
+not being deleted with it needs it: a patch published while the deletion went on. Each
+deletion lists the root's manifests again for that (one listing per checkpoint deleted).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
@@ -154,43 +157,46 @@ def dependents(root: str, name: str) -> list[str]:
 def delete_checkpoint(src: str, going: Collection[str] = ()) -> None:
     """Delete the checkpoint directory ``src`` (blocking; see the module docstring).
 
-    Once hidden, it is kept after all (made visible again) when a checkpoint that needs it
-    was published meanwhile (one not named in ``going``: the patches of it that the caller
-    deletes too): a patch writer checks its parent just before publishing and
-    again after, so a patch published between a caller's check of the dependents and the
-    deletion is seen by one of the two sides, never by neither (the writer withdraws its
-    patch when the parent is gone after it published).
+    A checkpoint that another one needs (a patch of it, not named in ``going``: the
+    patches of it that the caller deletes too) is kept. That is checked once ``src`` is
+    hidden, so it holds against a patch published meanwhile: its writer checks the parent
+    just before publishing and again after (and withdraws the patch if the parent went),
+    so each side sees the other, and they never both go ahead. Both may back off; then
+    the check is made once more after the patch was withdrawn.
 
     Raises:
-        Misuse: a checkpoint published meanwhile needs it (``checkpoint``, naming them);
-            it is kept.
+        Misuse: a checkpoint needs it (``checkpoint``, naming them); it is kept.
         OSError: it could not be deleted (a local one is then either still complete or
             already gone from readers' view under its hidden name).
     """
     loc = Location(src)
     root, name = loc.url.rstrip("/").rsplit("/", 1)
-    if loc.local:
-        parent = os.path.dirname(loc.path)
-        hidden = os.path.join(parent, f".{name}.deleting-{uuid.uuid4().hex[:12]}")
-        os.rename(loc.path, hidden)
-        needed = [n for n in dependents(root, name) if n not in going]
-        if needed:
+    needed: list[str] = []
+    for _ in range(2):   # a patch withdrawn meanwhile is gone the second time
+        if loc.local:
+            hidden = os.path.join(os.path.dirname(loc.path),
+                                  f".{name}.deleting-{uuid.uuid4().hex[:12]}")
+            os.rename(loc.path, hidden)
+            needed = [n for n in dependents(root, name) if n not in going]
+            if not needed:
+                rmtree_racing(hidden)   # a sweep may remove parts of it meanwhile
+                return
             os.rename(hidden, loc.path)
-            raise _needed_meanwhile(name, needed)
-        rmtree_racing(hidden)   # a sweep may remove parts of it meanwhile
-        return
-    manifest = loc.join(MANIFEST_NAME)
-    if loc.fs.exists(manifest):
+            continue
+        manifest = loc.join(MANIFEST_NAME)
+        if not loc.fs.exists(manifest):
+            break
         data = loc.fs.cat_file(manifest)
         loc.fs.rm_file(manifest)
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            loc.fs.invalidate_cache(root)   # the listing must see what is there now
         needed = [n for n in dependents(root, name) if n not in going]
-        if needed:
-            loc.fs.pipe_file(manifest, data)
-            raise _needed_meanwhile(name, needed)
-    loc.fs.rm(loc.path, recursive=True)
-
-
-def _needed_meanwhile(name: str, needed: list[str]) -> Misuse:
-    return Misuse(f"checkpoint {name!r} was kept: incremental checkpoint(s) {needed[:5]} "
-                  "published while it was being deleted need it", field="checkpoint",
-                  hint="delete the patches that depend on it first (newest first)")
+        if not needed:
+            break
+        loc.fs.pipe_file(manifest, data)
+    if needed:
+        raise Misuse(f"checkpoint {name!r} was kept: incremental checkpoint(s) "
+                     f"{needed[:5]} need it", field="checkpoint",
+                     hint="delete the patches that depend on it first (newest first)")
+    if not loc.local:
+        loc.fs.rm(loc.path, recursive=True)

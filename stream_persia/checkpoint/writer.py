@@ -338,10 +338,13 @@ class CheckpointWriter:
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(self._stage.path)
-            self._swap_into_place()
+            replaced = self._swap_into_place()
+            self._recheck_parent(manifest, replaced)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
         else:
             self._dst.fs.pipe_file(self._dst.join(MANIFEST_NAME), data)
-        self._recheck_parent(manifest)
+            self._recheck_parent(manifest, None)
         self._state = "committed"
         manifest.path = self._dst.url
         log.info("checkpoint step %d of job %s committed at %s (%d shard(s), %d rows)",
@@ -361,21 +364,34 @@ class CheckpointWriter:
         if why is not None:
             raise self._parent_error(manifest, why)
 
-    def _recheck_parent(self, manifest: Manifest) -> None:
+    def _recheck_parent(self, manifest: Manifest, replaced: str | None) -> None:
         """After publishing: a deletion of the parent that had checked for dependents
         before this patch was visible may have gone ahead since the check before
-        publishing. Then the patch is withdrawn (deleted) and the error raised; a deletion
-        that checks after this patch was visible keeps the parent
+        publishing. Then the patch is withdrawn (the checkpoint it replaced at ``dst``, held
+        at ``replaced`` until now, is put back) and the error raised; a deletion that
+        checks after this patch was visible keeps the parent
         (:func:`~stream_persia.checkpoint.retention.delete_checkpoint`)."""
         why = self._parent_changed(manifest)
         if why is None:
             return
-        try:
-            delete_checkpoint(self._dst.url)
-        except (OSError, Misuse) as e:
-            log.error("checkpoint %s: could not withdraw the patch whose parent is gone: %s",
-                      self._dst.url, e)
         self._state = "aborted"
+        try:
+            if self._dst.local:
+                hidden = os.path.join(os.path.dirname(self._dst.path),
+                                      f".{self._dst.name}.deleting-{uuid.uuid4().hex[:12]}")
+                os.rename(self._dst.path, hidden)
+                if replaced is not None:
+                    os.rename(replaced, self._dst.path)
+                shutil.rmtree(hidden, ignore_errors=True)
+            else:
+                delete_checkpoint(self._dst.url)
+        except (OSError, Misuse) as e:
+            parent = manifest.chain["parent"] if manifest.chain is not None else None
+            raise BadInput(f"checkpoint {self.dst} is a patch of {parent!r}, which was "
+                           f"deleted or written again as it was published ({why}), and it "
+                           f"could not be withdrawn ({e}): it is published, but no restore "
+                           "can load it", field="chain.parent",
+                           hint="delete it and take a full checkpoint") from e
         raise self._parent_error(manifest, why)
 
     def _parent_changed(self, manifest: Manifest) -> str | None:
@@ -396,7 +412,10 @@ class CheckpointWriter:
                         f"while it was written ({why}): nothing was published",
                         field="chain.parent", hint="take a full checkpoint")
 
-    def _swap_into_place(self) -> None:
+    def _swap_into_place(self) -> str | None:
+        """Rename the staging directory to ``dst``; a checkpoint it replaces there is moved
+        to a hidden sibling, returned (None: none) for the caller to delete once the new
+        one stays."""
         dst = self._dst.path
         parent = os.path.dirname(dst)
         old = None
@@ -412,8 +431,7 @@ class CheckpointWriter:
                 os.rename(old, dst)
             raise
         _fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        return old
 
     def abort(self) -> None:
         """Remove everything written so far; ``dst`` is untouched (local) or left without a

@@ -93,8 +93,8 @@ async def chain(tmp_path):
         yield tmp_path, made, tables, evicted
 
 
-async def restored(src: str) -> dict:
-    async with running_servers(3, Adam(lr=0.01), capacity=CAPACITY) as (servers, router):
+async def restored(src: str, **kw) -> dict:
+    async with running_servers(3, Adam(lr=0.01), capacity=CAPACITY, **kw) as (servers, router):
         await load_embeddings(src, router.clients, verify_checksums=True)
         return table(servers)
 
@@ -388,3 +388,63 @@ async def test_a_parent_whose_patch_is_published_while_it_is_deleted_is_kept(tmp
         assert err.value.field == "checkpoint" and "'p'" in err.value.message
     assert (tmp_path / "b").is_dir() and (tmp_path / "p").is_dir()
     assert_same(await restored(str(tmp_path / "p")), want)
+
+
+async def test_a_withdrawn_patch_puts_back_the_checkpoint_it_replaced(tmp_path, monkeypatch):
+    """A patch written over an existing checkpoint at the same path, withdrawn because its
+    parent went as it was published: the checkpoint it replaced is back, complete (it was
+    deleted with the patch)."""
+    from stream_persia.checkpoint import delete_checkpoint
+
+    checked = CheckpointWriter._check_parent
+
+    def check_then_lose_the_parent(self, manifest):
+        checked(self, manifest)
+        delete_checkpoint(str(tmp_path / "b"))
+
+    rng = np.random.default_rng(10)
+    async with running_servers(2, Adam(lr=0.01), capacity=CAPACITY) as (_, router):
+        await train(router, rng, 200)
+        await checkpoint(router, tmp_path / "b", step=1)
+        await checkpoint(router, tmp_path / "p", step=2)          # a full one at p
+        before = read_manifest(str(tmp_path / "p"))
+        await train(router, rng)
+        monkeypatch.setattr(CheckpointWriter, "_check_parent", check_then_lose_the_parent)
+        with pytest.raises(BadInput) as err:
+            await checkpoint(router, tmp_path / "p", tmp_path / "b", step=3)
+    assert err.value.field == "chain.parent"
+    after = read_manifest(str(tmp_path / "p"))
+    assert (after.step, after.created_at, after.is_patch) == (2, before.created_at, False)
+    verify(str(tmp_path / "p"))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+async def test_a_remote_parent_a_patch_needs_is_kept_with_its_manifest():
+    """Remote storage (fsspec): the deletion hides the parent by removing its manifest,
+    finds the patch that needs it, and writes the manifest back."""
+    import uuid
+
+    import fsspec
+
+    from stream_persia.checkpoint import delete_checkpoint, list_checkpoints
+
+    root = f"memory://ck-{uuid.uuid4().hex}"
+    rng = np.random.default_rng(11)
+    try:
+        async with running_servers(2, Adam(lr=0.01), capacity=CAPACITY,
+                                   checkpoint_root=root) as (servers, router):
+            await train(router, rng, 200)
+            await checkpoint(router, f"{root}/b", step=1)
+            await train(router, rng)
+            await checkpoint(router, f"{root}/p", f"{root}/b", step=2)
+            want = table(servers)
+        with pytest.raises(Misuse) as err:
+            delete_checkpoint(f"{root}/b")
+        assert err.value.field == "checkpoint" and "'p'" in err.value.message
+        assert sorted(m.path.rsplit("/", 1)[1] for m in list_checkpoints(root)) == ["b", "p"]
+        assert_same(await restored(f"{root}/p", checkpoint_root=root), want)
+        delete_checkpoint(f"{root}/p")
+        delete_checkpoint(f"{root}/b")
+        assert list_checkpoints(root) == []
+    finally:
+        fsspec.filesystem("memory").rm(root.removeprefix("memory://"), recursive=True)
