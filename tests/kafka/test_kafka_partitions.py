@@ -12,10 +12,14 @@ against the real mock broker.
   but the record below it is another; the partition stops on it (or counts it, with
   ``on_data_loss="skip"``), rather than read on and never train the new records below.
   The same while the consumer reads on with no pause (its periodic check reads a record it
-  read before again: ``recheck_every_s``), and when a broker killed while it was read
-  comes back empty behind its address and refilled past the position (it checks once the
-  brokers answer again). The mock answers no DeleteTopics, so these tests need its own
-  control commands and do not run on Tansu.
+  read before again: ``recheck_every_s``), when a broker killed while it was read comes
+  back empty behind its address and refilled past the position (it checks once the
+  brokers answer again), and when the re-created partition has another leader (metadata
+  says so). These start mock clusters of their own (deleted and created through the
+  mock's control commands, a broker killed and replaced, a leader moved), so the Tansu
+  pass leaves them out like the other tests here. Not covered: metadata that lacks the
+  topic (the mock creates a topic a consumer fetches or asks for by name, with 4
+  partitions, so a deleted topic never shows as missing to a reading consumer).
 - Records of an aborted transaction are never read (``read_committed``; neither test
   broker filters them: the mock hands aborted records to read_committed consumers and its
   transaction markers fail aiokafka's CRC check, Tansu refuses InitProducerId, so only the
@@ -366,3 +370,34 @@ async def test_a_broker_back_empty_and_refilled_after_an_outage_is_a_loss(mode):
         if new is not None:
             new.stop()
         proxy.close()
+
+
+
+async def test_a_leader_change_makes_a_reading_consumer_check_the_record_below():
+    """The topic deleted and created again on another leader and refilled past the
+    position while the partition was paused for less than ``recheck_after_pause_s``
+    (backpressure): the metadata naming the new leader makes the consumer compare the
+    record below its position before it hands over the new topic's records (its periodic
+    check is off here)."""
+    with MockKafkaCluster(brokers=2) as cluster:
+        cluster.create_topic("s", 1)
+        cluster.set_leader("s", 0, 1)
+        servers = cluster.bootstrap_servers
+        await produce_one_each(servers, "s", {0: b"old0"})
+        await produce_one_each(servers, "s", {0: b"old1"})
+        consumer = SampleConsumer(servers, "s", recheck_every_s=3600,
+                                  metadata_max_age_ms=REFRESH_MS)
+        try:
+            await bounded(consumer.start())
+            assert await read_until([consumer], 2) == [{0: [0, 1]}]
+            consumer.pause()
+            grow(cluster, "s", 1)
+            cluster.set_leader("s", 0, 2)
+            for i in range(4):
+                await produce_one_each(servers, "s", {0: b"new%d" % i})
+            assert await keep_reading(consumer, 1.0) == {}   # a metadata refresh or more
+            consumer.resume()
+            got = await keep_reading(consumer, 3.0)
+            assert_recreated_loss("fail", consumer, got, [])
+        finally:
+            await consumer.stop()
