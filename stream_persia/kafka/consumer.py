@@ -395,6 +395,7 @@ class SampleConsumer:
         for p, offset in starts.items():
             consumer.seek(self._tps[p], offset)
             self._next[p] = offset
+            self._anchor.pop(p, None)   # checked here; the next record read is the anchor
 
     async def check_offsets(self, offsets: Mapping[int, int],
                             fingerprints: Mapping[int, Fingerprint] | None = None) -> None:
@@ -438,6 +439,9 @@ class SampleConsumer:
         self._counts["data_loss_events"] += 1
         if loss.cause == "recreated":
             self._counts["fingerprint_mismatches"] += 1
+        # Reading goes on in the log as it is now: the next record read is the anchor of
+        # the periodic check, not one of a log the loss replaced.
+        self._anchor.pop(loss.partition, None)
         self._counts["offsets_lost"] += loss.lost
         self._lost[loss.partition] = self._lost.get(loss.partition, 0) + loss.lost
         self._accepted = [*self._accepted[-(MAX_LOSSES_KEPT - 1):], loss]

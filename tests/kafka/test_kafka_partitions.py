@@ -401,3 +401,30 @@ async def test_a_leader_change_makes_a_reading_consumer_check_the_record_below()
             assert_recreated_loss("fail", consumer, got, [])
         finally:
             await consumer.stop()
+
+
+async def test_a_consumer_moved_onto_a_topic_created_again_checks_from_there():
+    """Moved on purpose (a restore, ``seek``) onto the re-created topic's start, the
+    consumer's periodic check compares records of the new topic only: no loss."""
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("s", 1)
+        servers = cluster.bootstrap_servers
+        await produce_one_each(servers, "s", {0: b"old0"})
+        await produce_one_each(servers, "s", {0: b"old1"})
+        consumer = SampleConsumer(servers, "s", recheck_every_s=0.3)
+        try:
+            await bounded(consumer.start())
+            assert await read_until([consumer], 2) == [{0: [0, 1]}]
+            grow(cluster, "s", 1)
+            for i in range(3):
+                await produce_one_each(servers, "s", {0: b"new%d" % i})
+            await bounded(consumer.seek({0: 0}))
+            (first,) = await read_until([consumer], 1)
+            await asyncio.sleep(0.4)                       # a check is due
+            await produce_one_each(servers, "s", {0: b"new3"})
+            rest = await keep_reading(consumer, 1.5)
+            assert first.get(0, []) + rest.get(0, []) == [0, 1, 2, 3]
+            assert consumer.stats()["data_loss_events"] == 0
+            assert consumer.stopped() == {}
+        finally:
+            await consumer.stop()
