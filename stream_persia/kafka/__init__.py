@@ -33,7 +33,8 @@ No silent loss: offsets the broker no longer has (retention, gaps, truncation) s
 partition by default, or are counted when ``kafka.on_data_loss: skip`` accepts them
 (:mod:`~stream_persia.kafka.loss`); so does a restore onto the topic deleted and created
 again (:mod:`~stream_persia.kafka.fingerprint`), or under a running consumer (checked
-after long pauses and out-of-range answers). Partitions added to the topic while it is
+after long pauses, out-of-range answers, broker outages and metadata without the topic or
+with another leader, and every ``recheck_every_s`` of reading). Partitions added to the topic while it is
 read are adopted by their ``p mod W`` owner from offset 0; only committed records are
 read (``read_committed``). Clients wait for the brokers at start-up
 (``kafka.startup_timeout_ms``) and fail with :class:`KafkaUnavailable` naming the

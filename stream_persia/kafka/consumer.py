@@ -11,6 +11,7 @@ loss rules and broker liveness already live beside it (``loss``, ``liveness``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -65,6 +66,9 @@ DEFAULT_METADATA_MAX_AGE_MS = 30_000
 #: A partition resumed after a pause this long is checked (the record below its position
 #: is still the last one read) before its records are handed over.
 RECHECK_AFTER_PAUSE_S = 10.0
+#: How often a reading consumer reads again a record it read earlier, per partition, to
+#: notice the topic deleted and created again under it with no other sign.
+RECHECK_EVERY_S = 30.0
 
 
 class SampleConsumer:
@@ -91,7 +95,16 @@ class SampleConsumer:
             compared with the last one read before its records are handed over: the topic
             deleted and created again meanwhile (a broker back without its data) and
             refilled past the position is a loss of cause ``"recreated"``, not a place
-            to read on from.
+            to read on from. So is a partition after the brokers answer again following an
+            outage (a broker back without its data), after metadata that lacks the topic
+            or names another leader for it.
+        recheck_every_s: with no such sign (the topic re-created between two fetches),
+            every this many seconds of reading the consumer reads again, by a side
+            client, the record each partition had last handed over at the previous
+            check, before it hands over more: another record there stops the partition
+            (cause ``"recreated"``, at its position) or, with ``on_data_loss="skip"``, is
+            counted. Records of the new topic read in between are handed over already,
+            so this bounds how long a re-creation goes unnoticed, it does not undo it.
         **consumer_kwargs: passed to ``AIOKafkaConsumer`` (not auto-commit settings).
     """
 
@@ -105,6 +118,7 @@ class SampleConsumer:
                  broker_timeout_s: float = DEFAULT_BROKER_TIMEOUT_S,
                  expected_partitions: int | None = None,
                  recheck_after_pause_s: float = RECHECK_AFTER_PAUSE_S,
+                 recheck_every_s: float = RECHECK_EVERY_S,
                  security_kwargs: Mapping[str, Any] | None = None,
                  client_id: str | None = None,
                  **consumer_kwargs: Any):
@@ -130,6 +144,10 @@ class SampleConsumer:
         self.startup_timeout_s = startup_timeout_s
         self.expected_partitions = expected_partitions
         self.recheck_after_pause_s = recheck_after_pause_s
+        if not recheck_every_s > 0:
+            raise ConfigError(f"recheck_every_s = {recheck_every_s!r}", field="recheck_every_s",
+                              hint="seconds > 0")
+        self.recheck_every_s = float(recheck_every_s)
         self._kwargs = client_kwargs(bootstrap_servers, security_kwargs, client_id)
         # "none": aiokafka raises OffsetOutOfRangeError instead of jumping to the log
         # start or end (a loss it would only log at INFO); the start positions are
@@ -156,6 +174,10 @@ class SampleConsumer:
         self._last: dict[int, ConsumerRecord] = {}  # the last record handed over
         self._paused_at: dict[int, float] = {}   # when each paused partition was paused
         self._recheck: set[int] = set()          # compare the record below before reading
+        self._anchor: dict[int, Fingerprint] = {}  # read again every recheck_every_s
+        self._anchor_due = 0.0                   # when the anchors are next read again
+        self._recoveries = 0                     # broker outages already rechecked
+        self._leaders: dict[int, int] = {}       # partition -> leader, as metadata said
         self._added: dict[int, int] = {}         # adopted partitions not yet taken
         self.num_partitions = 0
         self._counts = dict(records=0, bytes=0, commits=0, commit_failures=0,
@@ -241,6 +263,9 @@ class SampleConsumer:
             await stop_client(consumer)
             raise
         self._consumer = consumer
+        self._anchor_due = time.monotonic() + self.recheck_every_s
+        self._on_metadata(consumer._client.cluster)
+        consumer._client.cluster.add_listener(self._on_metadata)
 
     async def _assign_and_seek(self, consumer: AIOKafkaConsumer, start_offsets: dict[int, int],
                                fingerprints: Mapping[int, Fingerprint] | None) -> None:
@@ -370,6 +395,7 @@ class SampleConsumer:
         for p, offset in starts.items():
             consumer.seek(self._tps[p], offset)
             self._next[p] = offset
+            self._anchor.pop(p, None)   # checked here; the next record read is the anchor
 
     async def check_offsets(self, offsets: Mapping[int, int],
                             fingerprints: Mapping[int, Fingerprint] | None = None) -> None:
@@ -413,6 +439,9 @@ class SampleConsumer:
         self._counts["data_loss_events"] += 1
         if loss.cause == "recreated":
             self._counts["fingerprint_mismatches"] += 1
+        # Reading goes on in the log as it is now: the next record read is the anchor of
+        # the periodic check, not one of a log the loss replaced.
+        self._anchor.pop(loss.partition, None)
         self._counts["offsets_lost"] += loss.lost
         self._lost[loss.partition] = self._lost.get(loss.partition, 0) + loss.lost
         self._accepted = [*self._accepted[-(MAX_LOSSES_KEPT - 1):], loss]
@@ -514,10 +543,17 @@ class SampleConsumer:
             await self._out_of_range(e)
             return {}
         out: dict[int, list[ConsumerRecord]] = {}
+        if fetched:
+            self._watch.contact()
+        if self._watch.recoveries != self._recoveries:   # a broker back, maybe empty
+            self._recoveries = self._watch.recoveries
+            self._recheck_all("the brokers answer again after an outage")
         recheck = [tp.partition for tp, records in fetched.items()
                    if records and tp.partition in self._recheck]
         if recheck:
             await self._recheck_below(recheck)
+        if fetched and time.monotonic() >= self._anchor_due:
+            await self._check_anchors()
         for tp, records in fetched.items():
             p = tp.partition
             if not records or p in self._stopped or p in self._held:
@@ -529,14 +565,85 @@ class SampleConsumer:
                     continue
             self._next[p] = records[-1].offset + 1
             self._last[p] = records[-1]
+            if p not in self._anchor:
+                self._anchor[p] = Fingerprint.of(records[-1])
             out[p] = records
             self._counts["records"] += len(records)
             self._counts["bytes"] += sum(r.serialized_value_size for r in records)
-        if fetched:
-            self._watch.contact()
-        else:
+        if not fetched:
             await self._watch.check(consumer._client, self.topic)
         return out
+
+    def _recheck_all(self, why: str) -> None:
+        """Compare every read partition's record below its position with the last one
+        read before its next records are handed over (:meth:`_recheck_below`)."""
+        live = [p for p in self._last if p not in self._stopped and p not in self._held]
+        if live:
+            log.info("%s: %s: the records below partitions %s are read again before more "
+                     "are handed over (the topic may have been created again)", self.topic,
+                     why, sorted(live))
+            self._recheck.update(live)
+
+    def _on_metadata(self, cluster: Any) -> None:
+        """aiokafka's metadata listener: metadata without the topic (deleted), or naming
+        another leader for a partition (a broker replaced, a topic re-created), makes
+        the partitions concerned compare their record below before reading on. Costs
+        nothing per record; runs once per metadata update."""
+        found = cluster.partitions_for_topic(self.topic)
+        if not found:
+            if self._leaders:
+                self._leaders = {}
+                self._recheck_all("the brokers' metadata lacks the topic")
+            return
+        moved = []
+        for p in self._tps:
+            leader = cluster.leader_for_partition(self._tps[p])
+            if leader is None:
+                continue
+            if self._leaders.get(p, leader) != leader:
+                moved.append(p)
+            self._leaders[p] = leader
+        moved = [p for p in moved if p in self._last and p not in self._stopped and
+                 p not in self._held]
+        if moved:
+            log.info("%s: partitions %s have another leader: the records below their "
+                     "positions are read again before more are handed over", self.topic,
+                     sorted(moved))
+            self._recheck.update(moved)
+
+    async def _check_anchors(self) -> None:
+        """Every ``recheck_every_s`` of reading: read again, by one side client, the
+        record each partition had last handed over at the previous check (its anchor),
+        and stop (or count) a partition where it is another record or gone although
+        retention did not delete it. Then the last records read become the anchors. A
+        side client that does not answer leaves the check to the next round (logged)."""
+        self._anchor_due = time.monotonic() + self.recheck_every_s
+        anchors = {p: fp for p, fp in self._anchor.items()
+                   if p not in self._stopped and p not in self._held and p in self._last}
+        if anchors:
+            try:
+                tps = [self._tps[p] for p in anchors]
+                begin, _ = await self._log_bounds(self._live(), tps)
+                losses = await recreated(
+                    self._kwargs, self.topic, {p: fp.offset + 1 for p, fp in anchors.items()},
+                    anchors, {tp.partition: b for tp, b in begin.items()},
+                    skip=self.on_data_loss == "skip", timeout_s=self._fingerprint_timeout_s)
+            except KafkaUnavailable as e:
+                log.warning("%s: the records read at %s could not be read again to check "
+                            "the topic was not created again (tried again in %g s): %s",
+                            self.topic, {p: fp.offset for p, fp in anchors.items()},
+                            self.recheck_every_s, e)
+                return
+            for loss in losses:
+                p = loss.partition
+                first = self._next[p]
+                self._lose(dataclasses.replace(
+                    loss, first=first, checked=anchors[p].offset,
+                    detail=f"{loss.detail}; offsets {anchors[p].offset + 1}..{first - 1} "
+                           f"were read and handed over since, maybe from the new topic"))
+        for p, record in self._last.items():
+            if p not in self._stopped and p not in self._held:
+                self._anchor[p] = Fingerprint.of(record)
 
     def _adopt(self, consumer: AIOKafkaConsumer, num_partitions: int) -> None:
         """The topic grew to ``num_partitions`` (CreatePartitions while the job runs):
@@ -691,8 +798,9 @@ class SampleConsumer:
     #: and ``broker_down_seconds`` are levels. ``offsets_lost``: messages lost and
     #: accepted (``on_data_loss="skip"``); ``data_loss_events``: losses detected,
     #: accepted or not; ``fingerprint_mismatches``: starts at stored offsets whose record
-    #: below did not match the checkpoint's fingerprint (or, while reading, the last
-    #: record read: ``recheck_after_pause_s``), accepted (a recreated topic);
+    #: below did not match the checkpoint's fingerprint (or, while reading, a record
+    #: read before: ``recheck_after_pause_s``, ``recheck_every_s``), accepted (a
+    #: recreated topic);
     #: ``partitions_added``: partitions the topic gained while it was read.
     COUNTERS = frozenset({"records", "bytes", "commits", "commit_failures", "commits_skipped",
                           "offsets_lost", "data_loss_events", "fingerprint_mismatches",

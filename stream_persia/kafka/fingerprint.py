@@ -39,8 +39,16 @@ offset (``SampleConsumer._plan``).
 
 While reading, the consumer makes the same comparison against the last record it handed
 over, for a partition resumed after a long pause or found out of range and then in range
-again (``SampleConsumer(recheck_after_pause_s=...)``): a topic re-created under a running
-job and refilled past its position.
+again (``SampleConsumer(recheck_after_pause_s=...)``), read once the brokers answer again
+after an outage (``BrokerWatch.recoveries``: a broker back without its data), or after
+metadata that lacks the topic or names another leader for the partition (aiokafka's
+metadata listener): a topic re-created under a running job and refilled past its
+position. aiokafka 0.14 speaks Metadata v5 and Fetch below v13, so no topic id reaches
+the client to compare. With none of those signs (deleted, created and refilled between
+two fetches), the periodic check catches it: every ``recheck_every_s`` (30 s) of
+reading, the record each partition had last handed over at the previous check is read
+again and compared before more are handed over; the new topic's records read in between
+are trained already (at most one period's), and the loss is at the partition's position.
 
 ``on_data_loss`` decides because a recreated topic is data the job would lose (the new
 records below the offsets): ``fail`` refuses, as it refuses offsets retention deleted;

@@ -187,10 +187,14 @@ class BrokerWatch:
         self.probe_every_s = min(_PROBE_EVERY_S, timeout_s / 4)
         self._next_probe = time.monotonic() + self.probe_every_s
         self._down_since: float | None = None
+        #: Times the brokers answered again after a probe had found none (a consumer
+        #: checks its topic's identity after each: a broker can come back without its data).
+        self.recoveries = 0
 
     def contact(self) -> None:
         self._next_probe = time.monotonic() + self.probe_every_s
         if self._down_since is not None:
+            self.recoveries += 1
             log.info("%s: Kafka at %s answers again", self.what, servers_text(self.servers))
         self._down_since = None
 

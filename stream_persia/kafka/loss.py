@@ -19,8 +19,11 @@ offsets away from a consumer, and none may pass silently:
   is not the one the checkpoint recorded (the topic was deleted and created again, and
   has grown past the offset since; :mod:`stream_persia.kafka.fingerprint`). Starting
   there would never train the new topic's records below it. The same while reading: a
-  position found out of range and then in range again is checked against the last
-  record read (a broker back without its data, refilled past the position since).
+  position found out of range and then in range again, a partition resumed after a long
+  pause, a broker answering again after an outage or metadata without the topic is
+  checked against the last record read (a broker back without its data, refilled past the
+  position since), and every ``recheck_every_s`` a record read earlier is read again
+  (:class:`~stream_persia.kafka.SampleConsumer`).
 
 What happens then is the ``kafka.on_data_loss`` setting:
 
@@ -76,6 +79,9 @@ class DataLoss:
     accepted: bool              # on_data_loss=skip: counted and read on; else stopped
     at: float = field(default_factory=time.time, compare=False)
     detail: str | None = None   # "recreated": what was recorded and what the broker has
+    #: "recreated": the offset whose record was compared (``first - 1`` unless a running
+    #: consumer's periodic check compared an older record it had read).
+    checked: int | None = None
 
     @property
     def lost(self) -> int:
@@ -85,11 +91,12 @@ class DataLoss:
     def describe(self) -> str:
         where = f"{self.topic}/{self.partition}"
         if self.cause == "recreated":
-            return (f"{where}: the record at offset {self.first - 1} is not the one the "
+            checked = self.first - 1 if self.checked is None else self.checked
+            return (f"{where}: the record at offset {checked} is not the one the "
                     f"checkpoint recorded, or the one read there ({self.detail}): the topic "
                     f"was deleted and created "
-                    f"again (or this is another cluster's): starting at offset {self.first} would "
-                    f"never train the records below it")
+                    f"again (or this is another cluster's): reading on at offset {self.first} "
+                    f"would never train the records below it")
         if self.cause == "truncated" or self.resume is None:
             return (f"{where}: offset {self.first} is beyond the partition's end "
                     f"{self.resume} (the log was truncated, or the topic recreated)")

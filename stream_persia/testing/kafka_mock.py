@@ -22,6 +22,8 @@ Control protocol (child stdin/stdout, one line each way, ASCII): the child first
     broker_down BROKER_ID          drop connections and refuse new ones
     broker_up BROKER_ID
     advertise BROKER_ID HOST PORT  name HOST:PORT as the broker's address in metadata
+    set_leader TOPIC PARTITION BROKER_ID   move the partition's leader (metadata says so;
+                                   the old leader answers its fetches NOT_LEADER)
     ping                           ok
     quit                           ok, then the child exits
 
@@ -149,6 +151,7 @@ def _bind(lib: ctypes.CDLL) -> None:
         "rd_kafka_mock_broker_set_down": ([vp, ctypes.c_int32], i),
         "rd_kafka_mock_broker_set_up": ([vp, ctypes.c_int32], i),
         "rd_kafka_mock_broker_set_host_port": ([vp, ctypes.c_int32, cp, ctypes.c_uint16], i),
+        "rd_kafka_mock_partition_set_leader": ([vp, cp, ctypes.c_int32, ctypes.c_int32], i),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)  # AttributeError names a missing symbol: too old a library
@@ -206,6 +209,9 @@ class _Cluster:
             if cmd == "advertise" and len(args) == 3:
                 return self._result(self.lib.rd_kafka_mock_broker_set_host_port(
                     self.mc, int(args[0]), args[1].encode(), int(args[2])))
+            if cmd == "set_leader" and len(args) == 3:
+                return self._result(self.lib.rd_kafka_mock_partition_set_leader(
+                    self.mc, args[0].encode(), int(args[1]), int(args[2])))
         except ValueError as e:
             return f"err {e}"
         return f"err unknown command {line.strip()!r}"
@@ -393,6 +399,11 @@ class MockKafkaCluster(BrokerProcess):
         broker still listens on its own port only."""
         host, _, port = address.rpartition(":")
         self._command(f"advertise {broker_id} {host} {int(port)}")
+
+    def set_leader(self, topic: str, partition: int, broker_id: int) -> None:
+        """Make ``broker_id`` the leader of ``topic``/``partition`` (a cluster of 2 or
+        more brokers; the data stays, as after a leader election)."""
+        self._command(f"set_leader {topic} {int(partition)} {int(broker_id)}")
 
     def ping(self) -> None:
         self._command("ping")
