@@ -484,8 +484,7 @@ class RpcServer:
         try:
             req = framing.parse_request(msg, conn.peer)
         except framing.MalformedRequest as exc:
-            self._reply_now(conn, framing.error_reply(exc.request_id, exc))
-            conn.slots.release()
+            await self._reply_in_turn(conn, framing.error_reply(exc.request_id, exc))
             return True
         except WireError as exc:  # no id to answer to
             if auth.is_hello(msg):   # a client with a secret: this server has none
@@ -501,8 +500,7 @@ class RpcServer:
             self._counters["unknown_method"] += 1
             err = Misuse(f"{self.name} has no RPC method {req.method!r}", field="m",
                          hint=f"known methods: {', '.join(sorted(self._handlers)) or 'none'}")
-            self._reply_now(conn, framing.error_reply(req.id, err))
-            conn.slots.release()
+            await self._reply_in_turn(conn, framing.error_reply(req.id, err))
             return True
         task = asyncio.get_running_loop().create_task(self._serve(conn, req, handler))
         conn.tasks.add(task)
@@ -568,6 +566,18 @@ class RpcServer:
         """Queue a small reply without waiting for the transport to drain."""
         if not conn.proto.is_closing():
             conn.proto.write(framing.encode_parts(msg, self._limits, "error reply"))
+
+    async def _reply_in_turn(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        """Answer a request refused before it ran, holding its slot until the reply is
+        drained: a peer that pipelines bad requests and never reads the answers is held
+        back by TCP, as one whose requests run is, instead of growing our write buffer
+        by one reply per request without bound."""
+        try:
+            self._reply_now(conn, msg)
+            with contextlib.suppress(ConnectionError):
+                await conn.proto.drain()
+        finally:
+            conn.slots.release()
 
     async def _serve(self, conn: _Conn, req: framing.Request, handler: Handler) -> None:
         stats = self._stats[req.method]
