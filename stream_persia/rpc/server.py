@@ -16,6 +16,10 @@ Who may connect, and for how long (every bound is counted in :meth:`RpcServer.st
   call and closes this one once its own calls have their replies; a request already on
   its way is still served. A peer that keeps it open anyway is closed
   ``GOAWAY_GRACE_S`` later.
+- A peer that stops reading its replies is held back by TCP (at most
+  ``max_in_flight_per_conn`` replies queue per connection, error replies included); one
+  that reads too little of them to drain the write buffer within ``idle_timeout_s`` is
+  aborted (``write_stalled``).
 
 Size: one module past 500 lines on purpose: one protocol role, the server end of the
 RPC (one module per role, as aiokafka does). The bounds above all act on the one
@@ -64,7 +68,7 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 GOAWAY_GRACE_S = 10.0
 #: keys of :meth:`RpcServer.connection_stats` that only grow (exported as counters)
 CONNECTION_COUNTERS = frozenset({"connections", "connections_refused", "auth_refused",
-                                 "idle_closed", "frames_rejected"})
+                                 "idle_closed", "frames_rejected", "write_stalled"})
 _LOG_EVERY_S = 10.0
 #: how long a connection refused over the cap stays half-open for its reason to be read
 _REFUSED_LINGER_S = 1.0
@@ -77,7 +81,9 @@ class ConnectionLimits:
     Args:
         max_connections: connections open at once; more are refused (counted).
         idle_timeout_s: a connection with no request in flight and none received for
-            this long is closed (after a goaway frame); ``math.inf``: never.
+            this long is closed (after a goaway frame), and one whose peer reads too
+            little of its replies to drain them for this long is aborted;
+            ``math.inf``: never.
         handshake_timeout_s: how long a new connection may take to authenticate (with a
             role secret).
 
@@ -230,7 +236,8 @@ class RpcServer:
         self._stopped: asyncio.Event | None = None
         self._stats: dict[str, _MethodStats] = {m: _MethodStats() for m in self._handlers}
         self._counters = {"connections_total": 0, "frames_rejected": 0, "unknown_method": 0,
-                          "connections_refused": 0, "auth_refused": 0, "idle_closed": 0}
+                          "connections_refused": 0, "auth_refused": 0, "idle_closed": 0,
+                          "write_stalled": 0}
         self._secret = auth.resolve(secret)
         self._conn_limits = connection_limits
         self._sweeper: asyncio.Task[None] | None = None
@@ -344,7 +351,7 @@ class RpcServer:
         """Counters for metrics: per-method calls, errors, in-flight and latency histogram;
         connections open, accepted (``connections_total``), refused over the cap
         (``connections_refused``), refused authentication (``auth_refused``), closed idle
-        (``idle_closed``)."""
+        (``idle_closed``), aborted for not reading their replies (``write_stalled``)."""
         return {"name": self.name, "address": self.address,
                 "connections_open": len(self._conns), **self._counters,
                 "methods": {m: s.as_dict() for m, s in self._stats.items()}}
@@ -358,7 +365,8 @@ class RpcServer:
                 "connections_refused": float(c["connections_refused"]),
                 "auth_refused": float(c["auth_refused"]),
                 "idle_closed": float(c["idle_closed"]),
-                "frames_rejected": float(c["frames_rejected"])}
+                "frames_rejected": float(c["frames_rejected"]),
+                "write_stalled": float(c["write_stalled"])}
 
     # -- connections -----------------------------------------------------------------
 
@@ -574,10 +582,33 @@ class RpcServer:
         by one reply per request without bound."""
         try:
             self._reply_now(conn, msg)
-            with contextlib.suppress(ConnectionError):
-                await conn.proto.drain()
+            await self._drain(conn)
         finally:
             conn.slots.release()
+
+    async def _drain(self, conn: _Conn) -> None:
+        """Wait until ``conn`` takes our replies; a peer that takes too little of them to
+        drain its write buffer within ``idle_timeout_s`` is aborted (``write_stalled``):
+        a client that stopped reading would otherwise hold its connection, and every
+        reply queued on it, for as long as it stays connected."""
+        if not conn.proto.write_paused:   # the common case: no timer
+            with contextlib.suppress(ConnectionError):
+                await conn.proto.drain()
+            return
+        timeout_s = self._conn_limits.idle_timeout_s
+        try:
+            await wait_bounded(conn.proto.drain(),
+                               timeout_s if math.isfinite(timeout_s) else None)
+        except ConnectionError:
+            return
+        except TimeoutError:
+            self._counters["write_stalled"] += 1
+            self._warn.warning("stall", "%s: aborted the connection from %s: it read too "
+                               "little of its replies for %g s (idle_timeout_s) with %d "
+                               "bytes queued", self.name, conn.peer, timeout_s,
+                               conn.proto.transport.get_write_buffer_size()
+                               if conn.proto.transport is not None else 0)
+            conn.proto.abort()
 
     async def _serve(self, conn: _Conn, req: framing.Request, handler: Handler) -> None:
         stats = self._stats[req.method]
@@ -621,5 +652,4 @@ class RpcServer:
         if conn.proto.is_closing():
             return  # the caller is gone; it already saw PeerUnavailable
         conn.proto.write(parts)
-        with contextlib.suppress(ConnectionError):
-            await conn.proto.drain()
+        await self._drain(conn)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -114,6 +115,41 @@ async def test_a_peer_that_ignores_the_goaway_is_closed(monkeypatch):
     goaway = wire.unpack(data[4:4 + n])
     assert goaway["goaway"] is True and goaway["id"] is None
     assert goaway["e"]["field"] == "idle_timeout_s"
+
+
+async def test_a_peer_that_stops_reading_its_replies_is_aborted():
+    """A raw client asks for large replies and never reads them: its requests stay in
+    flight (so it is never idle), and it used to hold the connection, and every reply
+    queued on it, for as long as it stayed connected. Now the connection is aborted once
+    its replies have not drained for idle_timeout_s, and counted."""
+    big = np.zeros(1 << 20, dtype=np.uint8)
+
+    async def large(params):
+        return big
+
+    limits = ConnectionLimits(idle_timeout_s=0.5)
+    async with RpcServer({"large": large, **HANDLERS}, connection_limits=limits) as server:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, parse_address(server.address))
+        await loop.sock_sendall(sock, b"".join(frame({"id": i, "m": "large"})
+                                               for i in range(16)))
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if not server._conns:
+                break
+        stats = server.stats()
+        assert stats["connections_open"] == 0, "the stalled connection is still open"
+        assert stats["write_stalled"] == 1
+        assert server.connection_stats()["write_stalled"] == 1.0
+        sock.close()
+        # a client that reads its replies is not affected
+        async with RpcClient(server.address) as client:
+            for _ in range(3):
+                assert len(await client.call("large", None)) == big.size
+        assert server.stats()["write_stalled"] == 1
 
 
 async def test_the_idle_timeout_can_be_switched_off():
