@@ -144,3 +144,29 @@ async def test_a_json_key_given_twice_is_refused_not_last_one_wins():
         r = await post("/v1/embeddings/configure", content=b'{"admit_probability": 0.5}',
                        headers=json_)
         assert r.status_code != 422, r.text
+
+
+async def test_connections_that_never_complete_a_request_head_are_closed():
+    """uvicorn keeps a connection that sends nothing, or half a request head, open for
+    good (one fd each, before any authentication); close_stalled closes them, and
+    leaves a client that keeps making requests alone."""
+    import asyncio
+
+    from stream_persia.api.server import close_stalled
+
+    async with LiveApi(settings_for()) as api:
+        sweep = asyncio.create_task(close_stalled(api.server, 0.6))
+        try:
+            host, port = api.url.removeprefix("http://").split(":")
+            silent = await asyncio.open_connection(host, int(port))
+            partial = await asyncio.open_connection(host, int(port))
+            partial[1].write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            for _ in range(8):      # a live keep-alive client, one request every 0.25 s
+                assert (await api.client.get("/healthz")).status_code == 200
+                await asyncio.sleep(0.25)
+            for reader, writer in (silent, partial):
+                assert await asyncio.wait_for(reader.read(), 5) == b""   # closed by us
+                writer.close()
+            assert (await api.client.get("/healthz")).status_code == 200
+        finally:
+            sweep.cancel()
