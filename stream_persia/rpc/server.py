@@ -10,7 +10,9 @@ Who may connect, and for how long (every bound is counted in :meth:`RpcServer.st
   (``auth_refused``; logged at most every 10 s). Frames before the handshake are limited
   to 1 KiB. Without a secret the server binds loopback only.
 - At most ``max_connections`` connections are open; one more is answered with a
-  ``PeerUnavailable`` frame and closed (``connections_refused``).
+  ``PeerUnavailable`` frame and closed (``connections_refused``), unless a connection is
+  still in its handshake: the oldest such one is closed to make room (``auth_refused``),
+  so strangers cannot keep every slot taken; authenticated ones are never displaced.
 - A connection with no request in flight and none received for ``idle_timeout_s`` is
   sent a *goaway* frame (``idle_closed``): the client opens a new connection for its next
   call and closes this one once its own calls have their replies; a request already on
@@ -165,7 +167,7 @@ class _Conn:
     """One accepted connection: its protocol, its reader task and its handler tasks."""
 
     __slots__ = ("proto", "peer", "slots", "tasks", "reader_task", "reading", "authed",
-                 "requests", "swept", "idle_sweeps", "goaway_at")
+                 "requests", "swept", "idle_sweeps", "goaway_at", "accepted_at")
 
     def __init__(self, proto: FrameProtocol, max_in_flight: int, authed: bool):
         self.proto = proto
@@ -181,6 +183,7 @@ class _Conn:
         self.swept = 0                # ``requests`` at the last sweep
         self.idle_sweeps = 0          # sweeps in a row that found it idle
         self.goaway_at: float | None = None
+        self.accepted_at = time.monotonic()
 
 
 class RpcServer:
@@ -376,7 +379,7 @@ class RpcServer:
             proto.close()
             return
         cap = self._conn_limits.max_connections
-        if len(self._conns) >= cap:
+        if len(self._conns) >= cap and not self._displace_a_stranger():
             self._counters["connections_refused"] += 1
             self._warn.warning("cap", "%s: refused a connection from %s: max_connections=%d "
                                "are open", self.name, proto.peer, cap)
@@ -400,6 +403,23 @@ class RpcServer:
         self._counters["connections_total"] += 1
         conn.reader_task = asyncio.get_running_loop().create_task(
             self._read_loop(conn), name=f"{self.name} reader {conn.peer}")
+
+    def _displace_a_stranger(self) -> bool:
+        """At the cap, close the oldest connection still in its handshake to make room:
+        else anyone who reaches the port could keep every slot taken with connections
+        that never authenticate (each held for ``handshake_timeout_s``) and lock the
+        job's own roles out. An authenticated connection is never displaced."""
+        strangers = [c for c in self._conns if not c.authed]
+        if not strangers:
+            return False
+        oldest = min(strangers, key=lambda c: c.accepted_at)
+        self._conns.discard(oldest)   # its reader ends once the transport is closed
+        self._refuse(oldest, AuthError(
+            f"{self.name} has max_connections={self._conn_limits.max_connections} open "
+            f"and closed the connection from {oldest.peer}, which had not authenticated, "
+            "for a newer one", field=auth.SETTING, hint=auth.SAME_SECRET_HINT))
+        asyncio.get_running_loop().call_later(_REFUSED_LINGER_S, oldest.proto.abort)
+        return True
 
     async def _read_loop(self, conn: _Conn) -> None:
         try:

@@ -75,6 +75,41 @@ async def test_connections_past_the_cap_are_refused_and_counted(secret):
                 await c.close()
 
 
+async def test_strangers_cannot_keep_every_slot_from_the_jobs_roles():
+    """Connections that never authenticate used to hold their slots for the whole
+    handshake timeout: opened again and again they locked the job's own roles out of
+    the port. At the cap, the oldest connection still in its handshake is closed for
+    the new one; authenticated connections are never displaced."""
+    limits = ConnectionLimits(max_connections=3, handshake_timeout_s=30)
+    async with RpcServer(HANDLERS, secret=SECRET, connection_limits=limits) as server:
+        host, port = parse_address(server.address)
+        strangers = [await asyncio.open_connection(host, port) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        async with RpcClient(server.address, secret=SECRET) as client:
+            assert await client.call("echo", 1) == 1
+            # the oldest stranger was told why, and closed
+            data = await asyncio.wait_for(strangers[0][0].read(), 5)
+            (n,) = struct.unpack_from(">I", data)
+            assert wire.unpack(data[4:4 + n])["e"]["field"] == "PERSIA_ROLE_SECRET / " \
+                                                             "PERSIA_ROLE_SECRET_FILE"
+            # two more authenticated clients displace the other strangers; a fourth
+            # finds only authenticated connections and is refused as before
+            more = [RpcClient(server.address, secret=SECRET) for _ in range(3)]
+            try:
+                assert await more[0].call("echo", 2) == 2
+                assert await more[1].call("echo", 3) == 3
+                with pytest.raises(PeerUnavailable, match="max_connections=3"):
+                    await more[2].call("echo", 4, timeout_ms=2000)
+                assert await client.call("echo", 5) == 5
+            finally:
+                for c in more:
+                    await c.close()
+        for _, writer in strangers:
+            writer.close()
+        stats = server.stats()
+        assert stats["auth_refused"] == 3 and stats["connections_refused"] >= 1
+
+
 # ----------------------------------------------------------------------- idle timeout
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "secret"])
