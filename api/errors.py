@@ -6,6 +6,7 @@ error                             status  why
 BadInput (WireError, ConfigError)  422    the request is wrong; ``field`` names where
 request validation (pydantic)      422    same body; ``field`` is the dotted location
 body not JSON / not UTF-8          422    ``field`` is ``body`` (FastAPI would say 400)
+a key twice, NaN (BadJson)         422    ``field`` names the key (``json_body``)
 BodyTooLarge / too many rows       413    limits of :class:`~stream_persia.api.settings.ApiSettings`
 Misuse                             409    the job is not in a state that allows it
 DataLost                           409    data the request needs is gone (a restore
@@ -51,7 +52,7 @@ from stream_persia.errors import (
     RemoteTimeout,
 )
 
-__all__ = ["install_error_handlers", "status_of", "error_body", "TooLarge", "NotReady",
+__all__ = ["BadJson", "install_error_handlers", "status_of", "error_body", "TooLarge", "NotReady",
            "UnhandledErrors"]
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,15 @@ class TooLarge(BadInput):
     """The request is over a size limit (body bytes or rows)."""
 
     kind = "too_large"
+
+
+class BadJson(StarletteHTTPException):
+    """A JSON body refused by :func:`stream_persia.api.json_body.loads`: an HTTPException
+    so that FastAPI's body reader lets it through, answered as its ``error`` (422)."""
+
+    def __init__(self, error: BadInput):
+        super().__init__(422, error.message)
+        self.error = error
 
 
 class NotReady(PersiaError):
@@ -145,6 +155,10 @@ def install_error_handlers(app: FastAPI) -> None:
         body = error_body("bad_input", message, type_="RequestValidationError", field=field,
                           hint="see the request schema in /docs")
         return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(BadJson)
+    async def bad_json(request: Request, err: BadJson) -> JSONResponse:
+        return _persia_response(err.error)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:

@@ -8,6 +8,12 @@ real ``host:port`` can be written to ``ready_file`` once the app is ready. If a
 supervised task of the app fails (the inference micro-batcher; :mod:`stream_persia.
 supervisor`), ``/readyz`` answers 503 naming it, and after ``EXIT_GRACE_S`` the API drains
 the same way and exits 1.
+
+uvicorn has no timeout on a request's head: a connection that sends nothing, or part of
+the request line and headers, stays open for good (and one fd with it), before any
+authentication. :func:`close_stalled` closes those that have not completed a request
+head for :data:`HEAD_TIMEOUT_S` (an idle keep-alive connection uvicorn closes itself
+after 5 s; a request being served is never touched).
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from stream_persia.core import aio
 from stream_persia.core.supervisor import EXIT_GRACE_S, Supervisor
 from stream_persia.errors import ConfigError
 
-__all__ = ["serve", "bind_socket"]
+__all__ = ["HEAD_TIMEOUT_S", "bind_socket", "close_stalled", "serve"]
+
+#: seconds a connection may take to complete a request head (see the module docstring)
+HEAD_TIMEOUT_S = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +50,38 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.bind((host.strip("[]"), port))
     sock.set_inheritable(True)
     return sock
+
+
+async def close_stalled(server: Any, timeout_s: float = HEAD_TIMEOUT_S) -> None:
+    """Forever: close the connections of ``server`` (a ``uvicorn.Server``) that serve no
+    request and have not completed a request head for ``timeout_s`` (found by a sweep
+    every ``timeout_s / 2``; nothing is timed per request)."""
+    # connection -> (its last request, sweeps in a row that found it waiting after it)
+    waiting: dict[Any, tuple[Any, int]] = {}
+    tick = timeout_s / 2
+    while True:
+        await asyncio.sleep(tick)
+        seen: dict[Any, tuple[Any, int]] = {}
+        for conn in list(server.server_state.connections):
+            cycle = getattr(conn, "cycle", None)   # uvicorn's current request, if any
+            if cycle is not None and not cycle.response_complete:
+                continue   # a request is being served (its body may still be arriving)
+            last, sweeps = waiting.get(conn, (cycle, 0))
+            sweeps = sweeps + 1 if last is cycle else 1   # a new request since: progress
+            if sweeps * tick > timeout_s:
+                transport = getattr(conn, "transport", None)
+                if transport is not None and not transport.is_closing():
+                    log.warning("closing an HTTP connection from %s: no complete request "
+                                "head in %g s", _peer(transport), timeout_s)
+                    transport.close()
+                continue
+            seen[conn] = (cycle, sweeps)
+        waiting = seen
+
+
+def _peer(transport: Any) -> str:
+    addr = transport.get_extra_info("peername")
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "?"
 
 
 def _address(sock: socket.socket) -> str:
@@ -90,10 +131,12 @@ def serve(settings: ApiSettings, *, ready_file: str | None = None, log_level: st
             _write_ready(ready_file, address)
             log.info("API listening on http://%s (loop %s, http %s)", address, loop, http)
         watch = asyncio.create_task(_exit_on_failure(app.state.supervisor, server))
+        sweep = asyncio.create_task(close_stalled(server))
         try:
             await task
         finally:
             watch.cancel()
+            sweep.cancel()
 
     # uvicorn re-raises the signal it caught once it has drained, with the handler that was
     # installed before it started; a Python-level no-op there makes a drained exit 0.

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
 from stream_persia.api.auth import require_token
 from stream_persia.api.checkpoints import Checkpoints
+from stream_persia.api.json_body import StrictJsonRoute
 from stream_persia.api.schemas import (
     CHECKPOINT_ID_PATTERN,
     ERRORS,
@@ -19,7 +20,8 @@ from stream_persia.api.schemas import (
 )
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"],
-                   dependencies=[Depends(require_token)], responses=ERRORS["checkpoint"])
+                   dependencies=[Depends(require_token)], responses=ERRORS["checkpoint"],
+                   route_class=StrictJsonRoute)
 
 _ID = Path(description="checkpoint id (its directory name under the checkpoint directory)",
            pattern=CHECKPOINT_ID_PATTERN, examples=["ckpt-20250101T000000Z-a1b2c3"])

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from prometheus_client.parser import text_string_to_metric_families
 from stream_persia.api.auth import require_token
+from stream_persia.api.json_body import StrictJsonRoute
 from stream_persia.api.roles import SERVER, WORKER, Role, Roles
 from stream_persia.api.schemas import (
     ERRORS,
@@ -33,7 +34,7 @@ from stream_persia.core.replies import WorkerStatus as WorkerStatusReply
 from stream_persia.errors import BadInput, Misuse, PersiaError
 
 router = APIRouter(prefix="/v1", tags=["control"], dependencies=[Depends(require_token)],
-                   responses=ERRORS["control"])
+                   responses=ERRORS["control"], route_class=StrictJsonRoute)
 
 _APPLIED_METRIC = "persia_embedding_worker_batches_applied"
 

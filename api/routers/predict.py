@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 from stream_persia.api.auth import PREDICT_AUTH_MARK, require_predict_token, require_token
 from stream_persia.api.errors import NotReady
 from stream_persia.api.features import JSON_TYPES, MSGPACK_TYPES, parse_json, parse_msgpack
+from stream_persia.api.json_body import StrictJsonRoute
 from stream_persia.api.predictor import Prediction, predictions_json
 from stream_persia.api.schemas import (
     ERRORS,
@@ -19,7 +20,7 @@ from stream_persia.api.schemas import (
 
 from stream_persia.core import wire
 
-router = APIRouter(prefix="/v1", tags=["inference"])
+router = APIRouter(prefix="/v1", tags=["inference"], route_class=StrictJsonRoute)
 
 _REQUEST_SCHEMA = PredictRequest.model_json_schema()
 _MSGPACK_NOTE = ("the bytes of PersiaBatch.to_bytes() (stream_persia.core.data); "

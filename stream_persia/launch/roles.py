@@ -20,7 +20,8 @@ on loopback only, and ``--host 0.0.0.0`` exits 2 before anything starts), the ch
 root their RPCs are confined to (``--checkpoint-root``, env ``PERSIA_CHECKPOINT_ROOT``,
 else ``PERSIA_CHECKPOINT_DIR``) and the connection bounds (``rpc`` in the global config).
 ``--metrics-port`` serves on the RPC ``--host``: loopback without a secret; with one it
-may face the network, unauthenticated and read-only (counters and gauges, nothing else).
+may face the network, unauthenticated and read-only (counters and gauges, nothing else),
+bounded to a few connections at once, each dropped after 10 s without a byte.
 With no ``--port`` they listen on their well-known local port, and a worker with no
 servers given finds them on theirs, waiting up to ``--peer-timeout-s``
 (:mod:`stream_persia.rpc.local_ports`).
@@ -115,15 +116,50 @@ def write_ready_file(path: str | None, address: str) -> None:
     os.replace(tmp, path)
 
 
-def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> None:
-    """Serve ``GET /metrics`` on ``port`` from a daemon thread (stdlib HTTP server)."""
+#: scrapes served at once by a role's metrics port; more connections are closed at once
+METRICS_MAX_CONNECTIONS = 8
+#: how long a metrics connection may wait for its peer's next bytes (socket timeout)
+METRICS_TIMEOUT_S = 10.0
+
+
+def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> Any:
+    """Serve ``GET /metrics`` on ``port`` from a daemon thread (stdlib HTTP server);
+    returns the server (None without a port).
+
+    The port may face the network unauthenticated, so it is bounded: at most
+    :data:`METRICS_MAX_CONNECTIONS` connections are served at once (each on its own
+    thread; one more is closed unanswered), and one whose peer sends nothing for
+    :data:`METRICS_TIMEOUT_S` is closed. Without the bounds every idle connection held a
+    thread for good.
+    """
     if port is None:
-        return
+        return None
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from stream_persia.core.metrics import CONTENT_TYPE
 
+    class Server(ThreadingHTTPServer):
+        slots = threading.BoundedSemaphore(METRICS_MAX_CONNECTIONS)
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not self.slots.acquire(blocking=False):
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)   # starts its thread
+            except BaseException:
+                self.slots.release()
+                raise
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
+
     class Handler(BaseHTTPRequestHandler):
+        timeout = METRICS_TIMEOUT_S
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if self.path.split("?")[0] not in ("/metrics", "/"):
                 self.send_error(404)
@@ -139,13 +175,14 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> N
             pass
 
     try:
-        httpd = ThreadingHTTPServer((host, port), Handler)
+        httpd = Server((host, port), Handler)
     except OSError as e:
         raise ConfigError(f"--metrics-port {port}: cannot listen on {host}:{port} "
                           f"({e.strerror or e})", field="--metrics-port",
                           hint="pick a free port, or leave the flag out") from None
     threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
     log.info("metrics on http://%s:%d/metrics", host, httpd.server_address[1])
+    return httpd
 
 
 async def _serve(role: Any, args: argparse.Namespace,

@@ -10,12 +10,18 @@ Who may connect, and for how long (every bound is counted in :meth:`RpcServer.st
   (``auth_refused``; logged at most every 10 s). Frames before the handshake are limited
   to 1 KiB. Without a secret the server binds loopback only.
 - At most ``max_connections`` connections are open; one more is answered with a
-  ``PeerUnavailable`` frame and closed (``connections_refused``).
+  ``PeerUnavailable`` frame and closed (``connections_refused``), unless a connection is
+  still in its handshake: the oldest such one is closed to make room (``auth_refused``),
+  so strangers cannot keep every slot taken; authenticated ones are never displaced.
 - A connection with no request in flight and none received for ``idle_timeout_s`` is
   sent a *goaway* frame (``idle_closed``): the client opens a new connection for its next
   call and closes this one once its own calls have their replies; a request already on
   its way is still served. A peer that keeps it open anyway is closed
   ``GOAWAY_GRACE_S`` later.
+- A peer that stops reading its replies is held back by TCP (at most
+  ``max_in_flight_per_conn`` replies queue per connection, error replies included); one
+  that reads too little of them to drain the write buffer within ``idle_timeout_s`` is
+  aborted (``write_stalled``).
 
 Size: one module past 500 lines on purpose: one protocol role, the server end of the
 RPC (one module per role, as aiokafka does). The bounds above all act on the one
@@ -64,7 +70,7 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 GOAWAY_GRACE_S = 10.0
 #: keys of :meth:`RpcServer.connection_stats` that only grow (exported as counters)
 CONNECTION_COUNTERS = frozenset({"connections", "connections_refused", "auth_refused",
-                                 "idle_closed", "frames_rejected"})
+                                 "idle_closed", "frames_rejected", "write_stalled"})
 _LOG_EVERY_S = 10.0
 #: how long a connection refused over the cap stays half-open for its reason to be read
 _REFUSED_LINGER_S = 1.0
@@ -77,7 +83,9 @@ class ConnectionLimits:
     Args:
         max_connections: connections open at once; more are refused (counted).
         idle_timeout_s: a connection with no request in flight and none received for
-            this long is closed (after a goaway frame); ``math.inf``: never.
+            this long is closed (after a goaway frame), and one whose peer reads too
+            little of its replies to drain them for this long is aborted;
+            ``math.inf``: never.
         handshake_timeout_s: how long a new connection may take to authenticate (with a
             role secret).
 
@@ -159,7 +167,7 @@ class _Conn:
     """One accepted connection: its protocol, its reader task and its handler tasks."""
 
     __slots__ = ("proto", "peer", "slots", "tasks", "reader_task", "reading", "authed",
-                 "requests", "swept", "idle_sweeps", "goaway_at")
+                 "requests", "swept", "idle_sweeps", "goaway_at", "accepted_at")
 
     def __init__(self, proto: FrameProtocol, max_in_flight: int, authed: bool):
         self.proto = proto
@@ -175,6 +183,7 @@ class _Conn:
         self.swept = 0                # ``requests`` at the last sweep
         self.idle_sweeps = 0          # sweeps in a row that found it idle
         self.goaway_at: float | None = None
+        self.accepted_at = time.monotonic()
 
 
 class RpcServer:
@@ -230,7 +239,8 @@ class RpcServer:
         self._stopped: asyncio.Event | None = None
         self._stats: dict[str, _MethodStats] = {m: _MethodStats() for m in self._handlers}
         self._counters = {"connections_total": 0, "frames_rejected": 0, "unknown_method": 0,
-                          "connections_refused": 0, "auth_refused": 0, "idle_closed": 0}
+                          "connections_refused": 0, "auth_refused": 0, "idle_closed": 0,
+                          "write_stalled": 0}
         self._secret = auth.resolve(secret)
         self._conn_limits = connection_limits
         self._sweeper: asyncio.Task[None] | None = None
@@ -344,7 +354,7 @@ class RpcServer:
         """Counters for metrics: per-method calls, errors, in-flight and latency histogram;
         connections open, accepted (``connections_total``), refused over the cap
         (``connections_refused``), refused authentication (``auth_refused``), closed idle
-        (``idle_closed``)."""
+        (``idle_closed``), aborted for not reading their replies (``write_stalled``)."""
         return {"name": self.name, "address": self.address,
                 "connections_open": len(self._conns), **self._counters,
                 "methods": {m: s.as_dict() for m, s in self._stats.items()}}
@@ -358,7 +368,8 @@ class RpcServer:
                 "connections_refused": float(c["connections_refused"]),
                 "auth_refused": float(c["auth_refused"]),
                 "idle_closed": float(c["idle_closed"]),
-                "frames_rejected": float(c["frames_rejected"])}
+                "frames_rejected": float(c["frames_rejected"]),
+                "write_stalled": float(c["write_stalled"])}
 
     # -- connections -----------------------------------------------------------------
 
@@ -368,7 +379,7 @@ class RpcServer:
             proto.close()
             return
         cap = self._conn_limits.max_connections
-        if len(self._conns) >= cap:
+        if len(self._conns) >= cap and not self._displace_a_stranger():
             self._counters["connections_refused"] += 1
             self._warn.warning("cap", "%s: refused a connection from %s: max_connections=%d "
                                "are open", self.name, proto.peer, cap)
@@ -392,6 +403,23 @@ class RpcServer:
         self._counters["connections_total"] += 1
         conn.reader_task = asyncio.get_running_loop().create_task(
             self._read_loop(conn), name=f"{self.name} reader {conn.peer}")
+
+    def _displace_a_stranger(self) -> bool:
+        """At the cap, close the oldest connection still in its handshake to make room:
+        else anyone who reaches the port could keep every slot taken with connections
+        that never authenticate (each held for ``handshake_timeout_s``) and lock the
+        job's own roles out. An authenticated connection is never displaced."""
+        strangers = [c for c in self._conns if not c.authed]
+        if not strangers:
+            return False
+        oldest = min(strangers, key=lambda c: c.accepted_at)
+        self._conns.discard(oldest)   # its reader ends once the transport is closed
+        self._refuse(oldest, AuthError(
+            f"{self.name} has max_connections={self._conn_limits.max_connections} open "
+            f"and closed the connection from {oldest.peer}, which had not authenticated, "
+            "for a newer one", field=auth.SETTING, hint=auth.SAME_SECRET_HINT))
+        asyncio.get_running_loop().call_later(_REFUSED_LINGER_S, oldest.proto.abort)
+        return True
 
     async def _read_loop(self, conn: _Conn) -> None:
         try:
@@ -484,8 +512,7 @@ class RpcServer:
         try:
             req = framing.parse_request(msg, conn.peer)
         except framing.MalformedRequest as exc:
-            self._reply_now(conn, framing.error_reply(exc.request_id, exc))
-            conn.slots.release()
+            await self._reply_in_turn(conn, framing.error_reply(exc.request_id, exc))
             return True
         except WireError as exc:  # no id to answer to
             if auth.is_hello(msg):   # a client with a secret: this server has none
@@ -501,8 +528,7 @@ class RpcServer:
             self._counters["unknown_method"] += 1
             err = Misuse(f"{self.name} has no RPC method {req.method!r}", field="m",
                          hint=f"known methods: {', '.join(sorted(self._handlers)) or 'none'}")
-            self._reply_now(conn, framing.error_reply(req.id, err))
-            conn.slots.release()
+            await self._reply_in_turn(conn, framing.error_reply(req.id, err))
             return True
         task = asyncio.get_running_loop().create_task(self._serve(conn, req, handler))
         conn.tasks.add(task)
@@ -569,6 +595,41 @@ class RpcServer:
         if not conn.proto.is_closing():
             conn.proto.write(framing.encode_parts(msg, self._limits, "error reply"))
 
+    async def _reply_in_turn(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        """Answer a request refused before it ran, holding its slot until the reply is
+        drained: a peer that pipelines bad requests and never reads the answers is held
+        back by TCP, as one whose requests run is, instead of growing our write buffer
+        by one reply per request without bound."""
+        try:
+            self._reply_now(conn, msg)
+            await self._drain(conn)
+        finally:
+            conn.slots.release()
+
+    async def _drain(self, conn: _Conn) -> None:
+        """Wait until ``conn`` takes our replies; a peer that takes too little of them to
+        drain its write buffer within ``idle_timeout_s`` is aborted (``write_stalled``):
+        a client that stopped reading would otherwise hold its connection, and every
+        reply queued on it, for as long as it stays connected."""
+        if not conn.proto.write_paused:   # the common case: no timer
+            with contextlib.suppress(ConnectionError):
+                await conn.proto.drain()
+            return
+        timeout_s = self._conn_limits.idle_timeout_s
+        try:
+            await wait_bounded(conn.proto.drain(),
+                               timeout_s if math.isfinite(timeout_s) else None)
+        except ConnectionError:
+            return
+        except TimeoutError:
+            self._counters["write_stalled"] += 1
+            self._warn.warning("stall", "%s: aborted the connection from %s: it read too "
+                               "little of its replies for %g s (idle_timeout_s) with %d "
+                               "bytes queued", self.name, conn.peer, timeout_s,
+                               conn.proto.transport.get_write_buffer_size()
+                               if conn.proto.transport is not None else 0)
+            conn.proto.abort()
+
     async def _serve(self, conn: _Conn, req: framing.Request, handler: Handler) -> None:
         stats = self._stats[req.method]
         stats.calls += 1
@@ -611,5 +672,4 @@ class RpcServer:
         if conn.proto.is_closing():
             return  # the caller is gone; it already saw PeerUnavailable
         conn.proto.write(parts)
-        with contextlib.suppress(ConnectionError):
-            await conn.proto.drain()
+        await self._drain(conn)

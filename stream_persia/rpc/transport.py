@@ -294,6 +294,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def is_closing(self) -> bool:
         return self.transport is None or self.transport.is_closing()
 
+    @property
+    def write_paused(self) -> bool:
+        """The transport's write buffer is over its high-water mark: :meth:`drain` waits."""
+        return self._write_paused
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()

@@ -113,3 +113,60 @@ async def test_body_size_limit_is_413_declared_or_streamed():
         assert r.json()["error"]["field"] == "body"
         # The server is fine afterwards.
         assert (await api.client.get("/healthz")).status_code == 200
+
+
+async def test_a_json_key_given_twice_is_refused_not_last_one_wins():
+    """json.loads keeps the last value of a duplicated key: a control body that named a
+    key twice was applied with whichever came last (past a proxy or a validator that
+    read the first) without a word. Refused naming the key, nested ones included."""
+    async with LiveApi(settings_for()) as api:
+        post = api.client.post
+        json_ = {"content-type": "application/json", **AUTH}
+        for url, body, field in (
+                ("/v1/embeddings/configure",
+                 b'{"admit_probability": 7, "admit_probability": 0.5}',
+                 "body.admit_probability"),
+                ("/v1/embeddings/configure",
+                 b'{"optimizer": {"name": "sgd", "lr": -1, "lr": 0.1}}',
+                 "body.optimizer.lr"),
+                ("/v1/embeddings/configure",
+                 b'{"policies": {"user": {"min_count": 0, "min_count": 2}}}',
+                 "body.policies.user.min_count"),
+                ("/v1/model/reload",
+                 b'{"checkpoint": "../../etc", "checkpoint": "ckpt-x"}', "body.checkpoint"),
+                ("/v1/embeddings/configure", b'{"admit_probability": NaN}', "body"),
+                ("/v1/embeddings/configure", b'{"weight_bound": Infinity}', "body")):
+            r = await post(url, content=body, headers=json_)
+            assert r.status_code == 422, (body, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["kind"] == "bad_input" and err["field"] == field, (body, err)
+        # a body with each key once still goes through to the route (no roles here: 503)
+        r = await post("/v1/embeddings/configure", content=b'{"admit_probability": 0.5}',
+                       headers=json_)
+        assert r.status_code != 422, r.text
+
+
+async def test_connections_that_never_complete_a_request_head_are_closed():
+    """uvicorn keeps a connection that sends nothing, or half a request head, open for
+    good (one fd each, before any authentication); close_stalled closes them, and
+    leaves a client that keeps making requests alone."""
+    import asyncio
+
+    from stream_persia.api.server import close_stalled
+
+    async with LiveApi(settings_for()) as api:
+        sweep = asyncio.create_task(close_stalled(api.server, 0.6))
+        try:
+            host, port = api.url.removeprefix("http://").split(":")
+            silent = await asyncio.open_connection(host, int(port))
+            partial = await asyncio.open_connection(host, int(port))
+            partial[1].write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            for _ in range(8):      # a live keep-alive client, one request every 0.25 s
+                assert (await api.client.get("/healthz")).status_code == 200
+                await asyncio.sleep(0.25)
+            for reader, writer in (silent, partial):
+                assert await asyncio.wait_for(reader.read(), 5) == b""   # closed by us
+                writer.close()
+            assert (await api.client.get("/healthz")).status_code == 200
+        finally:
+            sweep.cancel()

@@ -6,6 +6,7 @@ Real sockets on loopback, once on the standard loop and once on uvloop.
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 
 import numpy as np
@@ -127,6 +128,45 @@ def test_a_peer_that_floods_requests_is_held_back_by_a_bounded_queue(run):
 
     run(body())
     assert 0 < seen["max_queued"] <= transport._QUEUE_MAX_FRAMES
+
+
+@pytest.mark.parametrize("bad", [{"m": "no-such-method"}, {"m": 5}],
+                         ids=["unknown-method", "malformed"])
+def test_a_peer_that_sends_bad_requests_and_never_reads_is_held_back(run, bad):
+    """Requests refused before they run (unknown method, malformed) are answered in
+    turn: a peer that pipelines them and never reads the answers stops being read, as
+    one whose requests run does. The server used to queue one error reply per request
+    in its write buffer without bound (19 MB after 200k requests of ~20 bytes)."""
+    async def body():
+        async with RpcServer({"echo": echo}) as server:
+            host, port = parse_address(server.address)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, (host, port))
+            chunk = b"".join(frame({"id": i, **bad}) for i in range(1000))
+            sent = 0
+            try:
+                for _ in range(200):  # until the server stops reading (or 200k requests)
+                    await asyncio.wait_for(loop.sock_sendall(sock, chunk), 1.0)
+                    sent += 1000
+            except asyncio.TimeoutError:
+                pass
+            await asyncio.sleep(0.2)
+            (conn,) = server._conns
+            buffered = conn.proto.transport.get_write_buffer_size()
+            assert sent < 200_000, "the server read every request it was sent"
+            assert buffered < 256 * 1024, f"{buffered} bytes of replies queued"
+            # the peer reads again: its answers come, addressed to its requests, in order
+            reader, writer = await asyncio.open_connection(sock=sock)
+            for i in range(2000):
+                (n,) = struct.unpack(">I", await reader.readexactly(4))
+                reply = wire.unpack(await reader.readexactly(n))
+                assert reply["id"] == i % 1000 and reply["e"]["field"] == "m"
+            writer.close()
+
+    run(body(), timeout=60)
 
 
 def test_eof_mid_frame_is_a_dropped_connection_and_clean_eof_is_not_an_error(run):

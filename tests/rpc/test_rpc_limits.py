@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -74,6 +75,41 @@ async def test_connections_past_the_cap_are_refused_and_counted(secret):
                 await c.close()
 
 
+async def test_strangers_cannot_keep_every_slot_from_the_jobs_roles():
+    """Connections that never authenticate used to hold their slots for the whole
+    handshake timeout: opened again and again they locked the job's own roles out of
+    the port. At the cap, the oldest connection still in its handshake is closed for
+    the new one; authenticated connections are never displaced."""
+    limits = ConnectionLimits(max_connections=3, handshake_timeout_s=30)
+    async with RpcServer(HANDLERS, secret=SECRET, connection_limits=limits) as server:
+        host, port = parse_address(server.address)
+        strangers = [await asyncio.open_connection(host, port) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        async with RpcClient(server.address, secret=SECRET) as client:
+            assert await client.call("echo", 1) == 1
+            # the oldest stranger was told why, and closed
+            data = await asyncio.wait_for(strangers[0][0].read(), 5)
+            (n,) = struct.unpack_from(">I", data)
+            assert wire.unpack(data[4:4 + n])["e"]["field"] == "PERSIA_ROLE_SECRET / " \
+                                                             "PERSIA_ROLE_SECRET_FILE"
+            # two more authenticated clients displace the other strangers; a fourth
+            # finds only authenticated connections and is refused as before
+            more = [RpcClient(server.address, secret=SECRET) for _ in range(3)]
+            try:
+                assert await more[0].call("echo", 2) == 2
+                assert await more[1].call("echo", 3) == 3
+                with pytest.raises(PeerUnavailable, match="max_connections=3"):
+                    await more[2].call("echo", 4, timeout_ms=2000)
+                assert await client.call("echo", 5) == 5
+            finally:
+                for c in more:
+                    await c.close()
+        for _, writer in strangers:
+            writer.close()
+        stats = server.stats()
+        assert stats["auth_refused"] == 3 and stats["connections_refused"] >= 1
+
+
 # ----------------------------------------------------------------------- idle timeout
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "secret"])
@@ -114,6 +150,41 @@ async def test_a_peer_that_ignores_the_goaway_is_closed(monkeypatch):
     goaway = wire.unpack(data[4:4 + n])
     assert goaway["goaway"] is True and goaway["id"] is None
     assert goaway["e"]["field"] == "idle_timeout_s"
+
+
+async def test_a_peer_that_stops_reading_its_replies_is_aborted():
+    """A raw client asks for large replies and never reads them: its requests stay in
+    flight (so it is never idle), and it used to hold the connection, and every reply
+    queued on it, for as long as it stayed connected. Now the connection is aborted once
+    its replies have not drained for idle_timeout_s, and counted."""
+    big = np.zeros(1 << 20, dtype=np.uint8)
+
+    async def large(params):
+        return big
+
+    limits = ConnectionLimits(idle_timeout_s=0.5)
+    async with RpcServer({"large": large, **HANDLERS}, connection_limits=limits) as server:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, parse_address(server.address))
+        await loop.sock_sendall(sock, b"".join(frame({"id": i, "m": "large"})
+                                               for i in range(16)))
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if not server._conns:
+                break
+        stats = server.stats()
+        assert stats["connections_open"] == 0, "the stalled connection is still open"
+        assert stats["write_stalled"] == 1
+        assert server.connection_stats()["write_stalled"] == 1.0
+        sock.close()
+        # a client that reads its replies is not affected
+        async with RpcClient(server.address) as client:
+            for _ in range(3):
+                assert len(await client.call("large", None)) == big.size
+        assert server.stats()["write_stalled"] == 1
 
 
 async def test_the_idle_timeout_can_be_switched_off():
