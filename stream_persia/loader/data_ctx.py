@@ -52,8 +52,10 @@ Semantics:
 - **Ordering.** Kafka: call order is kept within each partition (the idempotent producer
   keeps one request per partition in flight). Batches with a ``batch_id`` are keyed by it,
   so they spread over partitions by hash, and there is no order across partitions; with
-  one partition the order is the call order. Direct: the order is kept only with one
-  worker and ``max_inflight=1``; otherwise concurrent sends race.
+  one partition the order is the call order. Direct: with one worker the call order is
+  kept, whatever ``max_inflight`` (the worker takes waiting sends in the order they came,
+  through a full buffer and a pause), unless a connection drops and a send is repeated;
+  with several, batches go round-robin and a full worker's batch moves on to the next.
 - **Delivery.** Kafka: retries never duplicate a record (idempotence). Direct: at least
   once while the context lives — a send whose worker connection drops or times out is
   retried on the next worker and may be ingested twice — and a batch buffered in a worker
