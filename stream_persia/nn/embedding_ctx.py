@@ -9,8 +9,9 @@ id_type_feature_embedding_tensors)``, PERSIA's signature), slot by slot in the b
 ID-feature order. In a ``TrainCtx`` that order (and the non-ID features' and labels')
 is the one of the first batch trained, or of the restored checkpoint: later batches are
 arranged by name to match it, and one with another set of slots, named features or
-labels is refused (``BadInput`` naming it), since the model takes positional lists and
-would read one slot's embeddings as another's:
+labels, or a non-ID feature whose per-sample shape changed, is refused (``BadInput``
+naming it), since the model takes positional lists and would read one slot's embeddings
+(or one feature's columns) as another's:
 
 - a summation slot: float32 ``(batch, dim)``;
 - a raw slot (``embedding_summation: false``): float32 ``(batch, sample_fixed_size,

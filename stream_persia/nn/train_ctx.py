@@ -242,6 +242,13 @@ class TrainCtx(EmbeddingCtx):
         self.pushed = 0
         self.worker_skipped_slots = 0
         self.dropped_updates = 0
+        #: slots of trained batches whose embeddings got no gradient (the loss does not
+        #: depend on them: their rows are never trained), one per slot and batch
+        self.gradless_slots = 0
+        self._gradless_names: set[str] = set()
+        #: batches released without an embedding update (backward() never called)
+        self.released_untrained = 0
+        self._checked_dense_params = False
 
     # ------------------------------------------------------------------ lifecycle
     def _enter(self) -> None:
@@ -481,6 +488,10 @@ class TrainCtx(EmbeddingCtx):
                                              or batch.event_time > self.trained_through):
             self.trained_through = batch.event_time
         grads = [(name, leaf.grad) for name, leaf in leaves]
+        self._note_gradless([name for name, g in grads if g is None])
+        if not self._checked_dense_params:
+            self._checked_dense_params = True
+            self._warn_params_outside_optimizer()
         finite = True
         if freq and self.steps % freq == 0:
             flags = [torch.isfinite(g).all() for _, g in grads if g is not None]
@@ -525,6 +536,38 @@ class TrainCtx(EmbeddingCtx):
             self._push(ticket, {name: _grad_array(g, scale) for name, g in grads})
         self._step_boundary()
         return scaled
+
+    def _note_gradless(self, names: list[str]) -> None:
+        """Count the slots whose embeddings got no gradient from this step's loss (the
+        model never reads them, or reads them only through a detached path): the worker
+        leaves their rows as they are, so they would stay at their initial values while
+        every batch counts as trained. Said once per slot."""
+        if not names:
+            return
+        self.gradless_slots += len(names)
+        new = [n for n in names if n not in self._gradless_names]
+        if new:
+            self._gradless_names.update(new)
+            log.warning("step %d: the loss does not depend on the embeddings of slot(s) %s: "
+                        "their rows get no update (counted in stats()['gradless_slots']; "
+                        "leave such slots out of the embedding config or use them in the "
+                        "model)", self.steps, new)
+
+    def _warn_params_outside_optimizer(self) -> None:
+        """Once, at the first backward: dense parameters that got a gradient but that the
+        dense optimizer does not hold are never updated (and their gradients, never
+        zeroed by it, add up from step to step)."""
+        held = {id(p) for group in self.dense_optimizer.param_groups
+                for p in group["params"]}
+        model = self.raw_model
+        if model is None:
+            return
+        outside = [name for name, p in model.named_parameters()
+                   if p.grad is not None and id(p) not in held]
+        if outside:
+            log.warning("the dense optimizer does not hold %d parameter(s) of the model that "
+                        "got gradients, so they are never trained: %s%s", len(outside),
+                        outside[:5], " ..." if len(outside) > 5 else "")
 
     def _step_boundary(self) -> None:
         # Checkpoints requested over HTTP (POST /v1/checkpoints) are taken here, at the
@@ -636,6 +679,7 @@ class TrainCtx(EmbeddingCtx):
             # and the embeddings never (every batch consumed, no error otherwise).
             if self._current is batch:
                 self._current = self._current_leaves = None
+            self.released_untrained += 1
             self._push(ticket, {s.name: None for s in batch.id_type_feature_embeddings})
             raise Misuse(f"batch {ticket.batch_id}: its embeddings got gradients but "
                          f"ctx.backward(loss) was not called for it, so they were not sent "
@@ -649,6 +693,7 @@ class TrainCtx(EmbeddingCtx):
                         "called for it: released without embedding update", ticket.batch_id)
         if self._current is batch:
             self._current = self._current_leaves = None
+        self.released_untrained += 1
         # The next backward looks at them: a loss over this batch too (gradients
         # accumulated over batches) would send only the last batch's embedding gradients.
         self._released_leaves = list(leaves.values())
@@ -711,12 +756,17 @@ class TrainCtx(EmbeddingCtx):
             cluster.run(p.start())
 
     def stats(self) -> dict[str, int]:
-        """Counters: steps, skipped steps (non-finite, overflow), pushes, worker-side drops."""
+        """Counters: steps, skipped steps (non-finite, overflow), pushes, worker-side drops,
+        slots that got no gradient (``gradless_slots``: per slot and step) and batches
+        released untrained because their backward was not called
+        (``released_untrained``; ``pushed`` counts their empty pushes too)."""
         return {"steps": self.steps, "nonfinite_steps": self.nonfinite_steps,
                 "nonfinite_dense_steps": self.nonfinite_dense_steps,
                 "overflow_steps": self.overflow_steps, "pushed": self.pushed,
                 "worker_skipped_slots": self.worker_skipped_slots,
                 "dropped_updates": self.dropped_updates,
+                "gradless_slots": self.gradless_slots,
+                "released_untrained": self.released_untrained,
                 "served": sum(p.served for p in self._prefetchers),
                 "returned": sum(p.returned for p in self._prefetchers)}
 

@@ -341,11 +341,16 @@ def test_a_batch_without_backward_is_released(job_factory):
     job = job_factory(SCHEMA)
     job.feed([make_batch(i) for i in range(4)], background=False)
     model = SumModel(3 + 8 + 8 + 4)
-    with train_ctx(job, model):
+    with train_ctx(job, model) as ctx:
         # With staleness 1 this would wait forever if the skipped batches kept their permit.
         seen = [tb.meta for tb in DataLoader(StreamingDataset(), embedding_staleness=1,
                                              max_batches=4, timeout_ms=5000)]
+        stats = ctx.stats()
     assert len(seen) == 4 and len(job.workers[0].inflight) == 0
+    # The first three were released at the next take (counted: 'pushed' counts their empty
+    # pushes too); the last one went back to its worker untrained when the loop ended.
+    assert stats["released_untrained"] == 3 and stats["steps"] == 0
+    assert stats["returned"] == 1
 
 
 def test_loss_backward_instead_of_ctx_backward_is_refused(job_factory):
