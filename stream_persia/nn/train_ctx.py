@@ -459,6 +459,12 @@ class TrainCtx(EmbeddingCtx):
             raise Misuse("backward() without a forward() of a training batch",
                          hint="call ctx.forward(batch) first, once per batch")
         ticket = batch.ticket
+        if ticket is None and batch.batch_id is not None and not batch.requires_grad:
+            raise Misuse(f"batch {batch.batch_id} was sent with requires_grad=False: it is "
+                         f"served for its forward pass only and has no embedding "
+                         f"gradients to apply", field="requires_grad",
+                         hint="skip backward for such batches (`if batch.requires_grad:`), "
+                              "or send them with requires_grad=True")
         if leaves is None or ticket is None:
             raise Misuse("this batch was looked up for evaluation (IterableDataset or "
                          "get_embedding_from_data): its embedding gradients cannot be "

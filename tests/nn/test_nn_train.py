@@ -226,7 +226,11 @@ def test_the_nn_side_follows_a_configuration_set_elsewhere(job_factory):
 
 def test_backward_misuse_is_refused(job_factory):
     job = job_factory(SCHEMA)
-    job.feed([make_batch(i) for i in range(2)], background=False)
+    forward_only = make_batch(2)
+    forward_only = PersiaBatch(forward_only.id_type_features,
+                               forward_only.non_id_type_features, forward_only.labels,
+                               requires_grad=False)
+    job.feed([make_batch(0), forward_only], background=False)
     model = SumModel(3 + 8 + 8 + 4)
     with train_ctx(job, model) as ctx:
         with pytest.raises(Misuse, match="without a forward"):
@@ -241,6 +245,13 @@ def test_backward_misuse_is_refused(job_factory):
         output, labels = ctx.forward(tb)
         with pytest.raises(Misuse, match="evaluation"):
             ctx.backward(bce(output, labels))
+        # Nor can a stream batch sent with requires_grad=False: said as such, not as an
+        # evaluation lookup the script never made.
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=1):
+            output, labels = ctx.forward(tb)
+            with pytest.raises(Misuse, match="requires_grad=False") as err:
+                ctx.backward(bce(output, labels))
+            assert err.value.field == "requires_grad"
 
 
 def _poison(t):
