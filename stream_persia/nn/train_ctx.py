@@ -77,7 +77,7 @@ from stream_persia.core.lifecycle import drain
 from stream_persia.core.optim import Optimizer
 from stream_persia.errors import BadInput, Misuse, PeerUnavailable, RemoteTimeout
 from stream_persia.nn import checkpointing
-from stream_persia.nn.batch import PersiaTrainingBatch, arrange, input_signature
+from stream_persia.nn.batch import PersiaTrainingBatch, input_signature
 from stream_persia.nn.checkpoint_poller import NnCheckpointPoller
 from stream_persia.nn.dense_publisher import DensePublisher, model_updates_config
 from stream_persia.nn.distributed import DistributedBaseOption, get_default_distributed_option
@@ -212,11 +212,8 @@ class TrainCtx(EmbeddingCtx):
         self._warned_unreleased = False
         self._released_leaves: list[torch.Tensor] = []   # of the last batch released untrained
         self.checkpoint_poll_steps = checkpoint_poll_steps
-        # The inputs of the first batch trained (nn.batch.input_signature), for checkpoints,
-        # and its label names: later batches are arranged to match both (nn.batch.arrange).
-        # A restore replaces both with the checkpoint's.
-        self.input_signature: dict[str, Any] | None = None
-        self.label_names: list[str | None] | None = None
+        # input_signature and label_names (EmbeddingCtx): set from the first batch trained
+        # (kept in checkpoints) unless a restore set them; later batches are arranged to them.
         self.checkpoint_poller: NnCheckpointPoller | None = None
         self.checkpointing_config = checkpointing if checkpointing is not None \
             else checkpointing_config()
@@ -410,10 +407,6 @@ class TrainCtx(EmbeddingCtx):
             return out
 
         return pv.read(gather)
-
-    def _arrange(self, batch: PersiaTrainingBatch) -> None:
-        if self.input_signature is not None:
-            arrange(batch, self.input_signature, self.label_names)
 
     def _prepared(self, batch: PersiaTrainingBatch, leaves: list | None) -> None:
         self.raise_async_errors()
