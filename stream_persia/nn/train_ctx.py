@@ -436,8 +436,9 @@ class TrainCtx(EmbeddingCtx):
                 model NaN for good.
 
         Raises:
-            Misuse: no forward before, the batch was not served for training, backward
-                was already called for it, or the loss also depends on the embeddings of
+            Misuse: no forward before, the batch was not served for training (an
+                evaluation lookup, or a stream batch sent with ``requires_grad=False``:
+                field ``requires_grad``), backward was already called for it, or the loss also depends on the embeddings of
                 a batch released untrained before (gradients accumulated over batches:
                 nothing is applied).
             PersiaError: an earlier asynchronous gradient push failed.
