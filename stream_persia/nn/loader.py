@@ -246,6 +246,18 @@ class StreamPrefetcher:
                 self._kept.append(item)
         return left
 
+    @property
+    def kept(self) -> int:
+        """Forward-only batches :meth:`pause` kept that no :meth:`get` took yet."""
+        return sum(isinstance(item, PersiaTrainingBatch) for item in self._kept)
+
+    def adopt(self, other: StreamPrefetcher) -> None:
+        """Take over what ``other`` (paused: an earlier DataLoader of the same context)
+        kept, ahead of anything else: a new DataLoader serves it first."""
+        if other is not self:
+            self._kept.extend(other._kept)
+            other._kept.clear()
+
     async def give_back(self, batches: list[PersiaTrainingBatch]) -> None:
         """Return served, untrained batches to their workers (unapplied, first in line)."""
         by_worker: dict[int, list[Ticket]] = {}

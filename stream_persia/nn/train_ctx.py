@@ -320,6 +320,11 @@ class TrainCtx(EmbeddingCtx):
                 try:
                     self.quiesce(strict=False)
                     quiet = True
+                    kept = sum(p.kept for p in self._prefetchers)
+                    if kept:
+                        log.warning("%d forward-only batch(es) (requires_grad=False) were "
+                                    "served to this rank but never taken: their workers "
+                                    "settled them when they served them", kept)
                 finally:
                     # Nothing in flight now: a pending HTTP checkpoint is served (clean
                     # exit) or failed, and the API takes the next ones itself.
@@ -718,7 +723,13 @@ class TrainCtx(EmbeddingCtx):
             dist.barrier()
 
     def register_prefetcher(self, prefetcher: StreamPrefetcher) -> None:
-        """Have :meth:`quiesce` stop ``prefetcher`` too (the DataLoader's stream)."""
+        """Have :meth:`quiesce` stop ``prefetcher`` too (the DataLoader's stream); it
+        takes over what the paused ones of this context kept (forward-only batches, a
+        fetch's error: :meth:`~stream_persia.nn.loader.StreamPrefetcher.pause`), so
+        that a new DataLoader serves them first instead of leaving them behind."""
+        for p in self._prefetchers:
+            if p.cluster is prefetcher.cluster and not p.running:
+                prefetcher.adopt(p)
         self._prefetchers.append(prefetcher)
 
     def quiesce(self, *, strict: bool = True, timeout_s: float | None = None

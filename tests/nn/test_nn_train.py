@@ -364,6 +364,29 @@ def test_a_batch_without_backward_is_released(job_factory):
     assert stats["returned"] == 1
 
 
+def test_forward_only_batches_prefetched_when_a_loop_ends_reach_the_next_loop(job_factory):
+    """Batches sent with requires_grad=False are settled by their worker when served, so
+    the end of a loop (or a checkpoint cut) that handed back the prefetched ones dropped
+    them, silently: the next DataLoader never saw them."""
+    job = job_factory(SCHEMA)
+    forward_only = [PersiaBatch(b.id_type_features, b.non_id_type_features, b.labels,
+                                requires_grad=False, meta=b.meta)
+                    for b in (make_batch(1), make_batch(2))]
+    job.feed([make_batch(0), *forward_only], background=False)
+    model = SumModel(3 + 8 + 8 + 4)
+    with train_ctx(job, model) as ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=2, max_batches=1):
+            output, labels = ctx.forward(tb)
+            ctx.backward(bce(output, labels))
+            deadline = time.monotonic() + 10
+            while ctx.stats()["served"] < 3:     # both prefetched behind it
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        later = [(tb.meta, tb.requires_grad) for tb in DataLoader(
+            StreamingDataset(), embedding_staleness=2, timeout_ms=1500)]
+    assert later == [(b"batch-1", False), (b"batch-2", False)]
+
+
 def test_loss_backward_instead_of_ctx_backward_is_refused(job_factory):
     """A script that runs ``loss.backward()`` and its dense optimizer's step, the plain
     PyTorch way, instead of ``ctx.backward(loss)``: the embedding gradients it computed
