@@ -174,7 +174,8 @@ def arrange(batch: PersiaTrainingBatch, signature: dict[str, Any],
 
     Raises:
         BadInput: the batch lacks a slot, feature or label the model was trained with, or
-            has one it was not (names the field: ``id_type_features.<slot>``, ...).
+            has one it was not, or a non-ID feature whose per-sample shape changed (names
+            the field: ``id_type_features.<slot>``, ``non_id_type_features.<name>``, ...).
     """
     emb = batch.id_type_feature_embeddings
     order = _positions("id_type_features", list(signature.get("id_type_features") or []),
@@ -188,11 +189,32 @@ def arrange(batch: PersiaTrainingBatch, signature: dict[str, Any],
     if order is not None:
         batch.non_id_type_features = [batch.non_id_type_features[i] for i in order]
         batch.non_id_type_feature_names = [names[i] for i in order]
+    _check_widths(signature.get("non_id_type_features") or [], batch)
     if label_names is not None and batch.labels is not None:
         order = _positions("labels", label_names, list(batch.label_names))
         if order is not None:
             batch.labels = [batch.labels[i] for i in order]
             batch.label_names = [batch.label_names[i] for i in order]
+
+
+def _check_widths(want: list[Any], batch: PersiaTrainingBatch) -> None:
+    """Each non-ID feature must keep the per-sample shape it was first trained with: the
+    model concatenates them (or slices their columns), so a loader whose 'age' grew a
+    column while 'income' lost one keeps the total width and would feed every column after
+    'age' one place off, silently. A dtype change is let through: a model that casts
+    (``t.float()``) reads the same values, and one that does not fails loudly in torch."""
+    names = batch.non_id_type_feature_names or [None] * len(batch.non_id_type_features)
+    for i, (spec, t) in enumerate(zip(want, batch.non_id_type_features, strict=False)):
+        shape = spec.get("shape") if isinstance(spec, dict) else None
+        if not isinstance(shape, list) or list(t.shape[1:]) == shape:
+            continue
+        name = names[i] if i < len(names) and names[i] is not None else str(i)
+        raise BadInput(
+            f"non_id_type_features: {name!r} has per-sample shape {list(t.shape[1:])} in "
+            f"this batch, but the model was trained on batches where it had {list(shape)}",
+            field=f"non_id_type_features.{name}",
+            hint="every batch of a job must carry each feature with the same width (the "
+                 "model reads its columns by position); fix the data loader")
 
 
 def _positions(what: str, want: list[str | None], have: list[str | None]) -> list[int] | None:

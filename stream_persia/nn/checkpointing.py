@@ -342,6 +342,8 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
                 trainer.grad_scaler.load_state_dict(load_torch(src_dir, GRAD_SCALER_FILENAME))
         if trainer is not None:
             _restore_trainer(trainer, manifest)
+        else:
+            _restore_inputs(ctx, manifest)
         _barrier(ctx)
     finally:
         if trainer is not None:
@@ -408,10 +410,18 @@ def _restore_trainer(trainer: TrainerSeam, manifest: Manifest) -> None:
     except BadInput as e:
         log.warning("checkpoint %s: %s; its trained_through is unknown", manifest.path, e)
         trainer.trained_through = None
+    _restore_inputs(trainer, manifest)   # kept in the next checkpoint
+
+
+def _restore_inputs(ctx: ContextSeam, manifest: Manifest) -> None:
+    """The inputs the restored model was trained with, in order: the batches ``ctx``
+    runs through it from here (training or evaluation) are arranged to them by name
+    (:func:`stream_persia.nn.batch.arrange`)."""
+    extra = manifest.extra if isinstance(manifest.extra, dict) else {}
     if isinstance(extra.get("inputs"), dict):
-        trainer.input_signature = extra["inputs"]   # kept in the next checkpoint
+        ctx.input_signature = extra["inputs"]
     if isinstance(extra.get("label_names"), list):
-        trainer.label_names = list(extra["label_names"])
+        ctx.label_names = list(extra["label_names"])
 
 
 def _stream_params(manifest: Manifest, where: str) -> list[dict[str, Any]]:

@@ -25,7 +25,8 @@ and with one rank a checkpoint requested over HTTP is taken there (the time it t
 does not count against ``timeout_ms``).
 
 A batch whose ``backward`` was not called by the time the next batch is taken is
-released without an embedding update (logged once): otherwise it would keep its
+released without an embedding update (logged once, counted in the trainer's
+``stats()["released_untrained"]``): otherwise it would keep its
 staleness permit forever. If its embeddings got gradients all the same (the script ran
 ``loss.backward()`` instead of ``ctx.backward(loss)``), taking the next batch raises
 ``Misuse`` instead: the embeddings would never be trained.

@@ -7,10 +7,12 @@ cluster.Cluster`); entering it connects and waits (bounded) until every role ans
 What the model receives (``forward(non_id_type_feature_tensors,
 id_type_feature_embedding_tensors)``, PERSIA's signature), slot by slot in the batch's
 ID-feature order. In a ``TrainCtx`` that order (and the non-ID features' and labels')
-is the one of the first batch trained, or of the restored checkpoint: later batches are
+is the one of the first batch trained, or of the restored checkpoint (in any context
+that restored one: an ``eval_ctx`` evaluating a checkpoint too): later batches are
 arranged by name to match it, and one with another set of slots, named features or
-labels is refused (``BadInput`` naming it), since the model takes positional lists and
-would read one slot's embeddings as another's:
+labels, or a non-ID feature whose per-sample shape changed, is refused (``BadInput``
+naming it), since the model takes positional lists and would read one slot's embeddings
+(or one feature's columns) as another's:
 
 - a summation slot: float32 ``(batch, dim)``;
 - a raw slot (``embedding_summation: false``): float32 ``(batch, sample_fixed_size,
@@ -34,7 +36,7 @@ from stream_persia.core.data import PersiaBatch
 from stream_persia.core.embedding_config import EmbeddingConfig
 from stream_persia.errors import BadInput, InternalError, Misuse
 from stream_persia.nn import checkpointing
-from stream_persia.nn.batch import PersiaTrainingBatch, from_served
+from stream_persia.nn.batch import PersiaTrainingBatch, arrange, from_served
 from stream_persia.nn.cluster import Cluster
 from stream_persia.nn.seams import TrainerSeam
 
@@ -118,6 +120,12 @@ class EmbeddingCtx:
         self.cluster: Cluster | None = None
         self._lookup_rr = itertools.count()
         self._dump_future: concurrent.futures.Future | None = None
+        #: the inputs the model was trained with (:func:`~stream_persia.nn.batch.
+        #: input_signature`): a restored checkpoint's (a TrainCtx: else its first
+        #: batch's); batches are arranged to them. None: taken as they come.
+        self.input_signature: dict[str, Any] | None = None
+        #: the label names it was trained with, in order (None: not known)
+        self.label_names: list[str | None] | None = None
         self._load_future: concurrent.futures.Future | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -243,8 +251,10 @@ class EmbeddingCtx:
         return non_id, emb_tensors, labels
 
     def _arrange(self, batch: PersiaTrainingBatch) -> None:
-        """Hook for TrainCtx: put the batch's inputs in the order the model was trained
-        on (:func:`stream_persia.nn.batch.arrange`)."""
+        """Put the batch's inputs in the order the model was trained on, when known
+        (:func:`stream_persia.nn.batch.arrange`)."""
+        if self.input_signature is not None:
+            arrange(batch, self.input_signature, self.label_names)
 
     def _prepared(self, batch: PersiaTrainingBatch, leaves: list | None) -> None:
         """Hook for TrainCtx: remember the leaves of the batch being trained."""

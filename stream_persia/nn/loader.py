@@ -17,13 +17,16 @@ thread takes ready batches from a thread-safe queue.
 A fetch in flight is never cancelled: the worker would count the batch as served with
 nobody to train it. Pausing (for a checkpoint, at the end of iteration, on close) stops
 issuing fetches, lets those in flight finish, and hands every batch not yet trained back
-to its worker, which puts it first in line again. If the main task crashes (a bug), its
+to its worker, which puts it first in line again; forward-only batches
+(``requires_grad=False``, settled by the worker when served) stay on the NN side instead,
+first in line for the next iteration. If the main task crashes (a bug), its
 error is raised to the training thread by the next :meth:`StreamPrefetcher.get`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 from typing import Any
@@ -94,6 +97,9 @@ class StreamPrefetcher:
         self.served = 0
         self.returned = 0
         self.last_taken: PersiaTrainingBatch | None = None
+        # what pause() took out of the ready queue but could not give back (see there)
+        self._kept: collections.deque[PersiaTrainingBatch | BaseException] = \
+            collections.deque()
 
     @property
     def running(self) -> bool:
@@ -211,7 +217,14 @@ class StreamPrefetcher:
             self._idle.set()
 
     async def pause(self) -> list[PersiaTrainingBatch]:
-        """Stop fetching, let fetches in flight finish; returns the batches never taken."""
+        """Stop fetching, let fetches in flight finish; returns the training batches never
+        taken (for :meth:`give_back`).
+
+        What cannot go back is kept, in order, for the next :meth:`get`: forward-only
+        batches (``requires_grad=False``: their worker settled them when it served them,
+        so a handed-back one would be lost, silently, at every checkpoint cut or end of a
+        loop) and a fetch's error (a ``ServerRestarted`` dropped here would let training
+        go on past the restart)."""
         self._stopping = True
         task, self._task = self._task, None
         if task is not None:
@@ -227,9 +240,23 @@ class StreamPrefetcher:
                 break
             if self._room is not None:
                 self._room.release()
-            if isinstance(item, PersiaTrainingBatch):
+            if isinstance(item, PersiaTrainingBatch) and item.ticket is not None:
                 left.append(item)
+            else:
+                self._kept.append(item)
         return left
+
+    @property
+    def kept(self) -> int:
+        """Forward-only batches :meth:`pause` kept that no :meth:`get` took yet."""
+        return sum(isinstance(item, PersiaTrainingBatch) for item in self._kept)
+
+    def adopt(self, other: StreamPrefetcher) -> None:
+        """Take over what ``other`` (paused: an earlier DataLoader of the same context)
+        kept, ahead of anything else: a new DataLoader serves it first."""
+        if other is not self:
+            self._kept.extend(other._kept)
+            other._kept.clear()
 
     async def give_back(self, batches: list[PersiaTrainingBatch]) -> None:
         """Return served, untrained batches to their workers (unapplied, first in line)."""
@@ -261,13 +288,16 @@ class StreamPrefetcher:
         Raises:
             PersiaError: fetching failed (a worker is unreachable, ...).
         """
-        try:
-            item = self._ready.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-        room = self._room
-        if room is not None:
-            self.cluster.loop.loop.call_soon_threadsafe(room.release)
+        if self._kept:   # kept by pause(), ahead of what was fetched since; no room held
+            item = self._kept.popleft()
+        else:
+            try:
+                item = self._ready.get(timeout=timeout_s)
+            except queue.Empty:
+                return None
+            room = self._room
+            if room is not None:
+                self.cluster.loop.loop.call_soon_threadsafe(room.release)
         if isinstance(item, BaseException):
             raise item
         self.last_taken = item

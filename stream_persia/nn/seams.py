@@ -34,6 +34,12 @@ class ContextSeam(Protocol):
 
     #: the model as the context runs it (DDP-wrapped in a TrainCtx with several ranks)
     model: torch.nn.Module | None
+    #: the model's inputs as trained (:func:`~stream_persia.nn.batch.input_signature`):
+    #: the first batch a TrainCtx trained, or a restored checkpoint's; batches are
+    #: arranged to it (None: not known)
+    input_signature: dict[str, Any] | None
+    #: the label names it was trained with, in order (None: not known)
+    label_names: list[str | None] | None
 
     def require_cluster(self) -> Cluster:
         """The context's RPC clients and loop thread; ``Misuse`` if not entered."""
@@ -58,11 +64,6 @@ class TrainerSeam(ContextSeam, Protocol):
     raw_model: torch.nn.Module
     dense_optimizer: torch.optim.Optimizer
     grad_scaler: torch.amp.GradScaler | None
-    #: the inputs of the first batch trained (:func:`~stream_persia.nn.batch.
-    #: input_signature`), kept in every checkpoint
-    input_signature: dict[str, Any] | None
-    #: the label names of the first batch trained, in order (None: not known yet)
-    label_names: list[str | None] | None
     #: the newest event time of a batch this rank ran a backward on (None: none yet)
     trained_through: float | None
     #: this rank's progressive validation (None: off)

@@ -77,7 +77,7 @@ from stream_persia.core.lifecycle import drain
 from stream_persia.core.optim import Optimizer
 from stream_persia.errors import BadInput, Misuse, PeerUnavailable, RemoteTimeout
 from stream_persia.nn import checkpointing
-from stream_persia.nn.batch import PersiaTrainingBatch, arrange, input_signature
+from stream_persia.nn.batch import PersiaTrainingBatch, input_signature
 from stream_persia.nn.checkpoint_poller import NnCheckpointPoller
 from stream_persia.nn.dense_publisher import DensePublisher, model_updates_config
 from stream_persia.nn.distributed import DistributedBaseOption, get_default_distributed_option
@@ -212,11 +212,8 @@ class TrainCtx(EmbeddingCtx):
         self._warned_unreleased = False
         self._released_leaves: list[torch.Tensor] = []   # of the last batch released untrained
         self.checkpoint_poll_steps = checkpoint_poll_steps
-        # The inputs of the first batch trained (nn.batch.input_signature), for checkpoints,
-        # and its label names: later batches are arranged to match both (nn.batch.arrange).
-        # A restore replaces both with the checkpoint's.
-        self.input_signature: dict[str, Any] | None = None
-        self.label_names: list[str | None] | None = None
+        # input_signature and label_names (EmbeddingCtx): set from the first batch trained
+        # (kept in checkpoints) unless a restore set them; later batches are arranged to them.
         self.checkpoint_poller: NnCheckpointPoller | None = None
         self.checkpointing_config = checkpointing if checkpointing is not None \
             else checkpointing_config()
@@ -242,6 +239,13 @@ class TrainCtx(EmbeddingCtx):
         self.pushed = 0
         self.worker_skipped_slots = 0
         self.dropped_updates = 0
+        #: slots of trained batches whose embeddings got no gradient (the loss does not
+        #: depend on them: their rows are never trained), one per slot and batch
+        self.gradless_slots = 0
+        self._gradless_names: set[str] = set()
+        #: batches released without an embedding update (backward() never called)
+        self.released_untrained = 0
+        self._checked_dense_params = False
 
     # ------------------------------------------------------------------ lifecycle
     def _enter(self) -> None:
@@ -316,6 +320,11 @@ class TrainCtx(EmbeddingCtx):
                 try:
                     self.quiesce(strict=False)
                     quiet = True
+                    kept = sum(p.kept for p in self._prefetchers)
+                    if kept:
+                        log.warning("%d forward-only batch(es) (requires_grad=False) were "
+                                    "served to this rank but never taken: their workers "
+                                    "settled them when they served them", kept)
                 finally:
                     # Nothing in flight now: a pending HTTP checkpoint is served (clean
                     # exit) or failed, and the API takes the next ones itself.
@@ -404,10 +413,6 @@ class TrainCtx(EmbeddingCtx):
 
         return pv.read(gather)
 
-    def _arrange(self, batch: PersiaTrainingBatch) -> None:
-        if self.input_signature is not None:
-            arrange(batch, self.input_signature, self.label_names)
-
     def _prepared(self, batch: PersiaTrainingBatch, leaves: list | None) -> None:
         self.raise_async_errors()
         if leaves is not None and self.input_signature is None:
@@ -436,8 +441,9 @@ class TrainCtx(EmbeddingCtx):
                 model NaN for good.
 
         Raises:
-            Misuse: no forward before, the batch was not served for training, backward
-                was already called for it, or the loss also depends on the embeddings of
+            Misuse: no forward before, the batch was not served for training (an
+                evaluation lookup, or a stream batch sent with ``requires_grad=False``:
+                field ``requires_grad``), backward was already called for it, or the loss also depends on the embeddings of
                 a batch released untrained before (gradients accumulated over batches:
                 nothing is applied).
             PersiaError: an earlier asynchronous gradient push failed.
@@ -452,6 +458,12 @@ class TrainCtx(EmbeddingCtx):
             raise Misuse("backward() without a forward() of a training batch",
                          hint="call ctx.forward(batch) first, once per batch")
         ticket = batch.ticket
+        if ticket is None and batch.batch_id is not None and not batch.requires_grad:
+            raise Misuse(f"batch {batch.batch_id} was sent with requires_grad=False: it is "
+                         f"served for its forward pass only and has no embedding "
+                         f"gradients to apply", field="requires_grad",
+                         hint="skip backward for such batches (`if batch.requires_grad:`), "
+                              "or send them with requires_grad=True")
         if leaves is None or ticket is None:
             raise Misuse("this batch was looked up for evaluation (IterableDataset or "
                          "get_embedding_from_data): its embedding gradients cannot be "
@@ -481,6 +493,10 @@ class TrainCtx(EmbeddingCtx):
                                              or batch.event_time > self.trained_through):
             self.trained_through = batch.event_time
         grads = [(name, leaf.grad) for name, leaf in leaves]
+        self._note_gradless([name for name, g in grads if g is None])
+        if not self._checked_dense_params:
+            self._checked_dense_params = True
+            self._warn_params_outside_optimizer()
         finite = True
         if freq and self.steps % freq == 0:
             flags = [torch.isfinite(g).all() for _, g in grads if g is not None]
@@ -525,6 +541,38 @@ class TrainCtx(EmbeddingCtx):
             self._push(ticket, {name: _grad_array(g, scale) for name, g in grads})
         self._step_boundary()
         return scaled
+
+    def _note_gradless(self, names: list[str]) -> None:
+        """Count the slots whose embeddings got no gradient from this step's loss (the
+        model never reads them, or reads them only through a detached path): the worker
+        leaves their rows as they are, so they would stay at their initial values while
+        every batch counts as trained. Said once per slot."""
+        if not names:
+            return
+        self.gradless_slots += len(names)
+        new = [n for n in names if n not in self._gradless_names]
+        if new:
+            self._gradless_names.update(new)
+            log.warning("step %d: the loss does not depend on the embeddings of slot(s) %s: "
+                        "their rows get no update (counted in stats()['gradless_slots']; "
+                        "leave such slots out of the embedding config or use them in the "
+                        "model)", self.steps, new)
+
+    def _warn_params_outside_optimizer(self) -> None:
+        """Once, at the first backward: dense parameters that got a gradient but that the
+        dense optimizer does not hold are never updated (and their gradients, never
+        zeroed by it, add up from step to step)."""
+        held = {id(p) for group in self.dense_optimizer.param_groups
+                for p in group["params"]}
+        model = self.raw_model
+        if model is None:
+            return
+        outside = [name for name, p in model.named_parameters()
+                   if p.grad is not None and id(p) not in held]
+        if outside:
+            log.warning("the dense optimizer does not hold %d parameter(s) of the model that "
+                        "got gradients, so they are never trained: %s%s", len(outside),
+                        outside[:5], " ..." if len(outside) > 5 else "")
 
     def _step_boundary(self) -> None:
         # Checkpoints requested over HTTP (POST /v1/checkpoints) are taken here, at the
@@ -636,6 +684,7 @@ class TrainCtx(EmbeddingCtx):
             # and the embeddings never (every batch consumed, no error otherwise).
             if self._current is batch:
                 self._current = self._current_leaves = None
+            self.released_untrained += 1
             self._push(ticket, {s.name: None for s in batch.id_type_feature_embeddings})
             raise Misuse(f"batch {ticket.batch_id}: its embeddings got gradients but "
                          f"ctx.backward(loss) was not called for it, so they were not sent "
@@ -649,6 +698,7 @@ class TrainCtx(EmbeddingCtx):
                         "called for it: released without embedding update", ticket.batch_id)
         if self._current is batch:
             self._current = self._current_leaves = None
+        self.released_untrained += 1
         # The next backward looks at them: a loss over this batch too (gradients
         # accumulated over batches) would send only the last batch's embedding gradients.
         self._released_leaves = list(leaves.values())
@@ -673,7 +723,13 @@ class TrainCtx(EmbeddingCtx):
             dist.barrier()
 
     def register_prefetcher(self, prefetcher: StreamPrefetcher) -> None:
-        """Have :meth:`quiesce` stop ``prefetcher`` too (the DataLoader's stream)."""
+        """Have :meth:`quiesce` stop ``prefetcher`` too (the DataLoader's stream); it
+        takes over what the paused ones of this context kept (forward-only batches, a
+        fetch's error: :meth:`~stream_persia.nn.loader.StreamPrefetcher.pause`), so
+        that a new DataLoader serves them first instead of leaving them behind."""
+        for p in self._prefetchers:
+            if p.cluster is prefetcher.cluster and not p.running:
+                prefetcher.adopt(p)
         self._prefetchers.append(prefetcher)
 
     def quiesce(self, *, strict: bool = True, timeout_s: float | None = None
@@ -711,12 +767,17 @@ class TrainCtx(EmbeddingCtx):
             cluster.run(p.start())
 
     def stats(self) -> dict[str, int]:
-        """Counters: steps, skipped steps (non-finite, overflow), pushes, worker-side drops."""
+        """Counters: steps, skipped steps (non-finite, overflow), pushes, worker-side drops,
+        slots that got no gradient (``gradless_slots``: per slot and step) and batches
+        released untrained because their backward was not called
+        (``released_untrained``; ``pushed`` counts their empty pushes too)."""
         return {"steps": self.steps, "nonfinite_steps": self.nonfinite_steps,
                 "nonfinite_dense_steps": self.nonfinite_dense_steps,
                 "overflow_steps": self.overflow_steps, "pushed": self.pushed,
                 "worker_skipped_slots": self.worker_skipped_slots,
                 "dropped_updates": self.dropped_updates,
+                "gradless_slots": self.gradless_slots,
+                "released_untrained": self.released_untrained,
                 "served": sum(p.served for p in self._prefetchers),
                 "returned": sum(p.returned for p in self._prefetchers)}
 

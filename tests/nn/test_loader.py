@@ -162,6 +162,28 @@ def test_pause_hands_back_what_was_not_taken_and_it_is_served_again_first(job_fa
         stop(cluster, pf)
 
 
+def test_a_pause_keeps_forward_only_batches_for_the_next_iteration(job_factory, cluster_of):
+    """Forward-only batches (requires_grad=False) are settled by their worker when served:
+    handed back they were dropped, so a checkpoint cut or the end of a loop with one in
+    the ready buffer lost it, silently. They stay on the NN side, first in line."""
+    job = job_factory(LEARNABLE_SCHEMA)
+    send(job, 0, tagged(1) + tagged(2, 1, requires_grad=False) + tagged(1, 3))
+    cluster = cluster_of(job)
+    pf = started(cluster, staleness=4, buffer_size=4)
+    settle(pf, 4)
+    left = stop(cluster, pf)
+    assert [b.meta for b in left] == [b"b0", b"b3"]    # only these go back to the worker
+    cluster.run(pf.give_back(left), timeout=10)
+    cluster.run(pf.start(), timeout=10)
+    try:
+        again = [pf.get(5) for _ in range(4)]
+        assert [b.meta for b in again] == [b"b1", b"b2", b"b0", b"b3"]
+        assert [b.requires_grad for b in again] == [False, False, True, True]
+        assert pf.get(0.3) is None
+    finally:
+        stop(cluster, pf)
+
+
 def test_reproducible_waits_on_its_worker_where_the_default_moves_on(job_factory,
                                                                       cluster_of):
     job = job_factory(LEARNABLE_SCHEMA, workers=2)
@@ -209,6 +231,23 @@ def test_a_worker_that_goes_away_is_raised_to_the_training_thread(job_factory, c
         assert pf.get(0.3) is None              # it stopped fetching: nothing more comes
     finally:
         stop(cluster, pf)
+
+
+def test_a_fetch_error_pending_at_a_pause_is_raised_after_it(job_factory, cluster_of):
+    """A checkpoint cut or the end of a loop pausing the prefetcher while a fetch's error
+    waited in its ready queue dropped the error (a ServerRestarted, say): the next
+    iteration fetched on as if nothing had happened."""
+    job = job_factory(LEARNABLE_SCHEMA)
+    cluster = cluster_of(job)
+    pf = started(cluster, staleness=1, buffer_size=1)
+    job.loop.run(job.workers[0].stop(), timeout=10)
+    deadline = time.monotonic() + 20
+    while not pf._ready.qsize():                # the fetch failed: its error is queued
+        assert time.monotonic() < deadline, "the fetch never failed"
+        time.sleep(0.05)
+    assert stop(cluster, pf) == []
+    with pytest.raises(PersiaError):
+        pf.get(0.2)
 
 
 @pytest.mark.parametrize("value", ["false", "0", 2, None, [True]])

@@ -21,10 +21,10 @@ from nn_helpers import SumModel
 from stream_persia.checkpoint import config_digest, read_manifest, verify
 from stream_persia.config import GlobalConfig, KafkaConfig, load_embedding_config
 from stream_persia.ctx import DataCtx, TrainCtx, eval_ctx
-from stream_persia.data import DataLoader, StreamingDataset
+from stream_persia.data import DataLoader, IterableDataset, StreamingDataset
 from stream_persia.embedding.data import Label, PersiaBatch
 from stream_persia.embedding.optim import Adagrad
-from stream_persia.errors import DataLost, Misuse
+from stream_persia.errors import BadInput, DataLost, Misuse
 from stream_persia.kafka import DeadLetterWriter, SampleConsumer
 from stream_persia.launch.processes import RoleProcess
 from stream_persia.testing.kafka_mock import MockKafkaCluster
@@ -417,6 +417,45 @@ def test_a_restored_model_gets_the_labels_in_its_order(job_factory, tmp_path):
             assert [float(y.mean()) for y in labels] == [0.0, 1.0]   # click, then buy
             ctx.backward(torch.nn.functional.binary_cross_entropy(
                 out, torch.cat(labels, dim=1)))
+
+
+def test_an_eval_ctx_arranges_batches_to_the_restored_models_inputs(job_factory, tmp_path):
+    """An evaluation of a checkpoint (``eval_ctx`` + ``load_checkpoint``) took batches in
+    the order they came: a test set whose loader sent the slots or labels in another
+    order than the training stream fed the model one slot's embeddings as another's and
+    scored each head against the other's label, silently. It is arranged to the
+    checkpoint's inputs, and one lacking an input is refused naming it."""
+    job = job_factory(SCHEMA)
+
+    def labelled(i, order, slots=("user", "item", "tags")):
+        b = make_batch(i)
+        feats = {f.name: f for f in b.id_type_features}
+        y = {"click": np.zeros((16, 1), np.float32), "buy": np.ones((16, 1), np.float32)}
+        return PersiaBatch([feats[n] for n in slots], b.non_id_type_features,
+                           [Label(y[n], n) for n in order], meta=b.meta)
+
+    job.feed([labelled(0, ["click", "buy"])], background=False)
+    model = TwoHeads()
+    ck = str(tmp_path / "ck")
+    with _ctx(job, model, torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        for tb in DataLoader(StreamingDataset(), max_batches=1, timeout_ms=3000):
+            out, labels = ctx.forward(tb)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(
+                out, torch.cat(labels, dim=1)))
+        ctx.dump_checkpoint(ck)
+    test_set = [labelled(1, ["buy", "click"], ("tags", "user", "item"))]
+    with eval_ctx(model=TwoHeads(), embedding_workers=job.worker_addresses) as ctx:
+        ctx.load_checkpoint(ck)
+        for tb in DataLoader(IterableDataset(iterable=test_set)):
+            assert [s.name for s in tb.id_type_feature_embeddings] == ["tags", "user", "item"]
+            _, labels = ctx.forward(tb)
+            assert [s.name for s in tb.id_type_feature_embeddings] == ["user", "item", "tags"]
+            assert [float(y.mean()) for y in labels] == [0.0, 1.0]   # click, then buy
+        with pytest.raises(BadInput) as err:
+            for tb in DataLoader(IterableDataset(
+                    iterable=[labelled(2, ["click", "buy"], ("user", "item"))])):
+                ctx.forward(tb)
+        assert err.value.field == "id_type_features.tags"
 
 
 @pytest.mark.parametrize("other", ["model", "dense_optimizer"])

@@ -14,7 +14,7 @@ from nn_helpers import LEARNABLE_SCHEMA, LEARNABLE_SLOTS, SumModel, learnable_ba
 from stream_persia.ctx import TrainCtx
 from stream_persia.data import DataLoader, StreamingDataset
 from stream_persia.embedding import EmbeddingConfig
-from stream_persia.embedding.data import Label, PersiaBatch
+from stream_persia.embedding.data import Label, NonIDTypeFeature, PersiaBatch
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import BadInput
 from stream_persia.nn.batch import EmbeddingSlot, PersiaTrainingBatch, arrange
@@ -140,3 +140,95 @@ def test_a_nan_label_skips_its_step_instead_of_poisoning_the_dense_model(job_fac
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert stats["nonfinite_steps"] == stats["nonfinite_dense_steps"] == 1
     assert stats["pushed"] == 4
+
+
+def test_a_feature_whose_width_changes_is_refused_naming_it():
+    """'x' grows a column while 'y' loses one: the total width stays 3, so a model that
+    concatenates them would read every column after 'x' one place off, silently."""
+    sig = {"id_type_features": ["a", "b"],
+           "non_id_type_features": [{"name": "x", "dtype": "float32", "shape": [1]},
+                                    {"name": "y", "dtype": "float32", "shape": [2]}]}
+    ok = _batch(["a", "b"], ["y", "x"], [])
+    ok.non_id_type_features = [torch.zeros(2, 2), torch.zeros(2, 1)]   # y, x: as trained
+    arrange(ok, sig)
+    assert [list(t.shape) for t in ok.non_id_type_features] == [[2, 1], [2, 2]]
+    bad = _batch(["a", "b"], ["x", "y"], [])
+    bad.non_id_type_features = [torch.zeros(2, 2), torch.zeros(2, 1)]
+    with pytest.raises(BadInput, match=r"\[2\].*\[1\]") as err:
+        arrange(bad, sig)
+    assert err.value.field == "non_id_type_features.x"
+    # A dtype change is no misalignment: let through (a model that casts reads the same).
+    cast = _batch(["a", "b"], ["x", "y"], [])
+    cast.non_id_type_features = [torch.zeros(2, 1, dtype=torch.float64),
+                                 torch.zeros(2, 2, dtype=torch.int64)]
+    arrange(cast, sig)
+
+
+def _widened(batch: PersiaBatch, width: int) -> PersiaBatch:
+    n = batch.non_id_type_features[0].data.shape[0]
+    return PersiaBatch(batch.id_type_features,
+                       [NonIDTypeFeature(np.ones((n, width), np.float32), "one")],
+                       batch.labels)
+
+
+def test_a_width_change_mid_stream_stops_training_before_the_model_sees_it(job_factory):
+    job = job_factory(LEARNABLE_SCHEMA)
+    batches = learnable_batches(3, 16)
+    batches[2] = _widened(batches[2], 2)
+    job.feed(batches, background=False)
+
+    class SliceModel(torch.nn.Module):   # reads column 0 only: no shape error of its own
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, non_id, emb):
+            return torch.sigmoid(non_id[0][:, :1] * self.w + sum(e.sum(1, keepdim=True)
+                                                                 for e in emb))
+
+    model = SliceModel()
+    steps = []
+    with pytest.raises(BadInput) as err, \
+            TrainCtx(SGD(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                     embedding_workers=job.worker_addresses, mixed_precision=False,
+                     embedding_config=EmbeddingConfig((-0.01, 0.01))) as ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=3):
+            output, labels = ctx.forward(tb)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+            steps.append(ctx.steps)
+    assert err.value.field == "non_id_type_features.one" and steps == [1, 2]
+
+
+class TwoSlotModel(SumModel):
+    """Reads slots 'a' and 'b' only ('c' is looked up and served, never used); its
+    ``extra`` layer is left out of the optimizer below."""
+
+    def __init__(self):
+        super().__init__(1 + 4 + 4)
+        self.extra = torch.nn.Linear(1, 1)
+
+    def forward(self, non_id, emb):
+        out = super().forward(non_id, emb[:2])
+        return torch.sigmoid(torch.logit(out) + self.extra(non_id[0]))
+
+
+def test_slots_the_loss_never_reaches_are_counted_and_said_once(job_factory, caplog):
+    job = job_factory(LEARNABLE_SCHEMA)
+    job.feed(learnable_batches(3, 16), background=False)
+    model = TwoSlotModel()
+    with caplog.at_level("WARNING", logger="stream_persia.nn.train_ctx"), \
+            TrainCtx(SGD(lr=0.1), torch.optim.SGD(model.mlp.parameters(), lr=0.1),
+                     model=model, embedding_workers=job.worker_addresses,
+                     mixed_precision=False,
+                     embedding_config=EmbeddingConfig((-0.01, 0.01))) as ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=3):
+            output, labels = ctx.forward(tb)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+        stats = ctx.stats()
+    assert stats["steps"] == 3 and stats["gradless_slots"] == 3
+    said = [r.getMessage() for r in caplog.records if "no update" in r.getMessage()]
+    assert len(said) == 1 and "'c'" in said[0] and "'a'" not in said[0]
+    # The layer outside the optimizer got gradients and is never stepped: said once too.
+    outside = [r.getMessage() for r in caplog.records
+               if "does not hold" in r.getMessage()]
+    assert len(outside) == 1 and "extra.weight" in outside[0]

@@ -226,7 +226,11 @@ def test_the_nn_side_follows_a_configuration_set_elsewhere(job_factory):
 
 def test_backward_misuse_is_refused(job_factory):
     job = job_factory(SCHEMA)
-    job.feed([make_batch(i) for i in range(2)], background=False)
+    forward_only = make_batch(2)
+    forward_only = PersiaBatch(forward_only.id_type_features,
+                               forward_only.non_id_type_features, forward_only.labels,
+                               requires_grad=False)
+    job.feed([make_batch(0), forward_only], background=False)
     model = SumModel(3 + 8 + 8 + 4)
     with train_ctx(job, model) as ctx:
         with pytest.raises(Misuse, match="without a forward"):
@@ -241,6 +245,13 @@ def test_backward_misuse_is_refused(job_factory):
         output, labels = ctx.forward(tb)
         with pytest.raises(Misuse, match="evaluation"):
             ctx.backward(bce(output, labels))
+        # Nor can a stream batch sent with requires_grad=False: said as such, not as an
+        # evaluation lookup the script never made.
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=1, max_batches=1):
+            output, labels = ctx.forward(tb)
+            with pytest.raises(Misuse, match="requires_grad=False") as err:
+                ctx.backward(bce(output, labels))
+            assert err.value.field == "requires_grad"
 
 
 def _poison(t):
@@ -341,11 +352,39 @@ def test_a_batch_without_backward_is_released(job_factory):
     job = job_factory(SCHEMA)
     job.feed([make_batch(i) for i in range(4)], background=False)
     model = SumModel(3 + 8 + 8 + 4)
-    with train_ctx(job, model):
+    with train_ctx(job, model) as ctx:
         # With staleness 1 this would wait forever if the skipped batches kept their permit.
         seen = [tb.meta for tb in DataLoader(StreamingDataset(), embedding_staleness=1,
                                              max_batches=4, timeout_ms=5000)]
+        stats = ctx.stats()
     assert len(seen) == 4 and len(job.workers[0].inflight) == 0
+    # The first three were released at the next take (counted: 'pushed' counts their empty
+    # pushes too); the last one went back to its worker untrained when the loop ended.
+    assert stats["released_untrained"] == 3 and stats["steps"] == 0
+    assert stats["returned"] == 1
+
+
+def test_forward_only_batches_prefetched_when_a_loop_ends_reach_the_next_loop(job_factory):
+    """Batches sent with requires_grad=False are settled by their worker when served, so
+    the end of a loop (or a checkpoint cut) that handed back the prefetched ones dropped
+    them, silently: the next DataLoader never saw them."""
+    job = job_factory(SCHEMA)
+    forward_only = [PersiaBatch(b.id_type_features, b.non_id_type_features, b.labels,
+                                requires_grad=False, meta=b.meta)
+                    for b in (make_batch(1), make_batch(2))]
+    job.feed([make_batch(0), *forward_only], background=False)
+    model = SumModel(3 + 8 + 8 + 4)
+    with train_ctx(job, model) as ctx:
+        for tb in DataLoader(StreamingDataset(), embedding_staleness=2, max_batches=1):
+            output, labels = ctx.forward(tb)
+            ctx.backward(bce(output, labels))
+            deadline = time.monotonic() + 10
+            while ctx.stats()["served"] < 3:     # both prefetched behind it
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        later = [(tb.meta, tb.requires_grad) for tb in DataLoader(
+            StreamingDataset(), embedding_staleness=2, timeout_ms=1500)]
+    assert later == [(b"batch-1", False), (b"batch-2", False)]
 
 
 def test_loss_backward_instead_of_ctx_backward_is_refused(job_factory):
