@@ -160,7 +160,8 @@ def input_signature(batch: PersiaTrainingBatch) -> dict[str, Any]:
 
 
 def arrange(batch: PersiaTrainingBatch, signature: dict[str, Any],
-            label_names: list[str | None] | None = None) -> None:
+            label_names: list[str | None] | None = None, *,
+            strict_labels: bool = True) -> None:
     """Put ``batch``'s inputs in the order of the batches the model was trained on, in
     place: the model takes positional lists, so a data loader that sends its slots (or
     named non-ID features, or labels) in another order from one batch to the next would
@@ -171,6 +172,10 @@ def arrange(batch: PersiaTrainingBatch, signature: dict[str, Any],
         signature: :func:`input_signature` of the first batch trained (or the one a
             restored checkpoint recorded).
         label_names: the label names of the first batch trained (None: not known).
+        strict_labels: refuse labels other than those (training). False (evaluation:
+            labels never reach the model, only the script's metrics): labels are put in
+            that order when the batch has exactly those, and left as they are otherwise
+            (a test set with fewer labels, or other ones).
 
     Raises:
         BadInput: the batch lacks a slot, feature or label the model was trained with, or
@@ -190,7 +195,9 @@ def arrange(batch: PersiaTrainingBatch, signature: dict[str, Any],
         batch.non_id_type_features = [batch.non_id_type_features[i] for i in order]
         batch.non_id_type_feature_names = [names[i] for i in order]
     _check_widths(signature.get("non_id_type_features") or [], batch)
-    if label_names is not None and batch.labels is not None:
+    same_labels = batch.labels is not None and \
+        sorted(map(str, batch.label_names)) == sorted(map(str, label_names or []))
+    if label_names is not None and batch.labels is not None and (strict_labels or same_labels):
         order = _positions("labels", label_names, list(batch.label_names))
         if order is not None:
             batch.labels = [batch.labels[i] for i in order]

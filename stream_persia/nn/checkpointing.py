@@ -342,6 +342,7 @@ def load_checkpoint(ctx: ContextSeam, src_dir: str, *, map_location: Any = None,
                 trainer.grad_scaler.load_state_dict(load_torch(src_dir, GRAD_SCALER_FILENAME))
         if trainer is not None:
             _restore_trainer(trainer, manifest)
+            trainer.drop_kept(f"the restore of {src_dir}")
         else:
             _restore_inputs(ctx, manifest)
         _barrier(ctx)
@@ -418,10 +419,15 @@ def _restore_inputs(ctx: ContextSeam, manifest: Manifest) -> None:
     runs through it from here (training or evaluation) are arranged to them by name
     (:func:`stream_persia.nn.batch.arrange`)."""
     extra = manifest.extra if isinstance(manifest.extra, dict) else {}
+    trainer = ctx.as_trainer() is not None
     if isinstance(extra.get("inputs"), dict):
         ctx.input_signature = extra["inputs"]
+    elif not trainer:   # a checkpoint taken before any step: nothing known, not older
+        ctx.input_signature = None
     if isinstance(extra.get("label_names"), list):
         ctx.label_names = list(extra["label_names"])
+    elif not trainer:
+        ctx.label_names = None
 
 
 def _stream_params(manifest: Manifest, where: str) -> list[dict[str, Any]]:
@@ -497,6 +503,8 @@ def _guarded(ctx: ContextSeam, fn: Any, blocking: bool) -> concurrent.futures.Fu
     resume = trainer.quiesce() if trainer is not None else []
     try:
         fut.set_result(fn())
+        if trainer is not None:
+            trainer.drop_kept("the embeddings were loaded")
     except Exception as e:
         fut.set_exception(e)
     finally:

@@ -201,9 +201,12 @@ class EmbeddingCtx:
         over every use, are what ``backward`` sends back.
 
         Raises:
-            BadInput: an EVAL batch without labels (INFERENCE allows none); in a
-                ``TrainCtx``, a batch that lacks a slot, named feature or label of the
-                batches trained before, or has one they had not (names the field).
+            BadInput: an EVAL batch without labels (INFERENCE allows none); once the
+                model's inputs are known (a ``TrainCtx`` after its first batch, or any
+                context after ``load_checkpoint``), a batch that lacks a slot or named
+                feature of the batches trained, or has one they had not, or a non-ID
+                feature of another per-sample width (names the field); in a
+                ``TrainCtx``, the same for labels.
         """
         batch = persia_training_batch
         if not isinstance(batch, PersiaTrainingBatch):
@@ -254,7 +257,8 @@ class EmbeddingCtx:
         """Put the batch's inputs in the order the model was trained on, when known
         (:func:`stream_persia.nn.batch.arrange`)."""
         if self.input_signature is not None:
-            arrange(batch, self.input_signature, self.label_names)
+            arrange(batch, self.input_signature, self.label_names,
+                    strict_labels=self.as_trainer() is not None)
 
     def _prepared(self, batch: PersiaTrainingBatch, leaves: list | None) -> None:
         """Hook for TrainCtx: remember the leaves of the batch being trained."""

@@ -251,6 +251,14 @@ class StreamPrefetcher:
         """Forward-only batches :meth:`pause` kept that no :meth:`get` took yet."""
         return sum(isinstance(item, PersiaTrainingBatch) for item in self._kept)
 
+    def drop_kept(self) -> int:
+        """Forget what :meth:`pause` kept (after a restore: those forward-only batches
+        carry embeddings looked up before it, and a Kafka replay serves them again; a
+        kept error is one the restore dealt with). Returns the batches dropped."""
+        dropped = self.kept
+        self._kept.clear()
+        return dropped
+
     def adopt(self, other: StreamPrefetcher) -> None:
         """Take over what ``other`` (paused: an earlier DataLoader of the same context)
         kept, ahead of anything else: a new DataLoader serves it first."""

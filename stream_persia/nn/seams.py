@@ -84,6 +84,10 @@ class TrainerSeam(ContextSeam, Protocol):
         """Start the prefetchers that :meth:`quiesce` stopped again."""
         ...
 
+    def drop_kept(self, why: str) -> None:
+        """Forget what the prefetchers kept at a pause (stale after ``why``: a restore)."""
+        ...
+
     # ---- the DataLoader's training stream
     def register_prefetcher(self, prefetcher: StreamPrefetcher) -> None:
         ...

@@ -766,6 +766,14 @@ class TrainCtx(EmbeddingCtx):
         for p in prefetchers:
             cluster.run(p.start())
 
+    def drop_kept(self, why: str) -> None:
+        """Forget the forward-only batches (and fetch errors) the prefetchers kept at a
+        pause: ``why`` (a restore) made them stale. Logged with their count."""
+        dropped = sum(p.drop_kept() for p in self._prefetchers)
+        if dropped:
+            log.warning("dropped %d forward-only batch(es) fetched before %s: their "
+                        "embeddings were looked up before it", dropped, why)
+
     def stats(self) -> dict[str, int]:
         """Counters: steps, skipped steps (non-finite, overflow), pushes, worker-side drops,
         slots that got no gradient (``gradless_slots``: per slot and step) and batches

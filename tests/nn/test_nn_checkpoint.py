@@ -189,6 +189,59 @@ def test_kafka_checkpoint_replays_the_stream_from_the_cut(job_factory, kafka_bro
     assert replayed == metas[8:14], "training resumes at the first batch after the cut"
 
 
+def test_forward_only_batches_kept_at_a_pause_are_dropped_by_a_restore(
+        job_factory, kafka_broker, kafka_topic, tmp_path):
+    """Forward-only batches a loop's end kept for the next loop carry embeddings looked
+    up before a restore, and the replay from the checkpoint's offsets serves them again:
+    they were served first after the restore, then a second time by the replay."""
+    topic = kafka_topic(1)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+    job = job_factory(SCHEMA, workers=0)
+    (tmp_path / "embedding_config.yml").write_text(EMBEDDING_YAML)
+    worker = RoleProcess("embedding-worker", [
+        "--embedding-config", str(tmp_path / "embedding_config.yml"),
+        "--embedding-servers", job.servers[0].address, "--kafka", kafka_broker.bootstrap_servers,
+        "--topic", topic, "--num-partitions", "1"], log_path=tmp_path / "worker.log")
+    ck = str(tmp_path / "ck")
+
+    def step(ctx, tb):
+        output, labels = ctx.forward(tb)
+        if tb.requires_grad:
+            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+
+    with worker:
+        config = GlobalConfig(kafka=KafkaConfig(samples_topic=topic))
+        with DataCtx(kafka_bootstrap_servers=kafka_broker.bootstrap_servers,
+                     global_config=config) as dc:
+            for i in range(12):
+                b = make_batch(i)
+                if i in (6, 7):
+                    b = PersiaBatch(b.id_type_features, b.non_id_type_features, b.labels,
+                                    requires_grad=False, meta=b.meta)
+                dc.send_data(b)
+        model = SumModel(IN_DIM)
+        with TrainCtx(Adagrad(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1),
+                      model=model, embedding_workers=[worker.address],
+                      mixed_precision=False, ready_timeout_s=10) as ctx:
+            first = []
+            for tb in DataLoader(StreamingDataset(), embedding_staleness=4, reproducible=True,
+                                 max_batches=6, timeout_ms=20_000):
+                first.append(tb.meta)
+                if len(first) == 6:
+                    time.sleep(2)   # the prefetcher fetches the forward-only 6 and 7
+                step(ctx, tb)
+                if len(first) == 4:
+                    ctx.dump_checkpoint(ck)
+            ctx.load_checkpoint(ck)
+            replayed = []
+            for tb in DataLoader(StreamingDataset(), embedding_staleness=4, reproducible=True,
+                                 max_batches=8, timeout_ms=5_000):
+                replayed.append(tb.meta)
+                step(ctx, tb)
+    assert first == [f"batch-{i}".encode() for i in range(6)]
+    assert replayed == [f"batch-{i}".encode() for i in range(4, 12)]
+
+
 def test_a_kafka_restore_the_broker_cannot_replay_changes_nothing(job_factory, tmp_path):
     """load_checkpoint of a cut whose offsets retention has deleted since raises DataLost
     naming them before the servers load anything: the job trains on as it was. (Its own
@@ -451,6 +504,11 @@ def test_an_eval_ctx_arranges_batches_to_the_restored_models_inputs(job_factory,
             _, labels = ctx.forward(tb)
             assert [s.name for s in tb.id_type_feature_embeddings] == ["user", "item", "tags"]
             assert [float(y.mean()) for y in labels] == [0.0, 1.0]   # click, then buy
+        # A test set labelled with fewer labels (or others) is evaluated as it comes:
+        # labels never reach the model, only the script's metrics.
+        for tb in DataLoader(IterableDataset(iterable=[labelled(3, ["buy"])])):
+            _, labels = ctx.forward(tb)
+            assert tb.label_names == ["buy"] and float(labels[0].mean()) == 1.0
         with pytest.raises(BadInput) as err:
             for tb in DataLoader(IterableDataset(
                     iterable=[labelled(2, ["click", "buy"], ("user", "item"))])):
