@@ -174,6 +174,10 @@ class KafkaLagRow(BaseModel):
     seconds: float | None = Field(
         default=None, description="event time of the partition's newest record minus that "
         "of the newest one the worker ingested (0 when caught up)")
+    probe_age_s: float | None = Field(
+        default=None, description="seconds since the worker's last lag probe that "
+        "succeeded: messages and seconds are as of then (a probe fails while the brokers "
+        "are down or slow, and the figures stay as last known, 0 included)")
 
 
 class Watermarks(BaseModel):
