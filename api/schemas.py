@@ -155,7 +155,8 @@ class ServerStatus(BaseModel):
 
 class TrainingStatus(BaseModel):
     step: int | None = Field(default=None, description="last step reported by NN rank 0")
-    batches_applied: int | None = Field(default=None, description="sum over embedding workers")
+    batches_applied: int | None = Field(
+        default=None, description="sum over embedding workers (null: a worker did not answer)")
     nn_attached: bool | None = None
 
 
@@ -174,6 +175,10 @@ class KafkaLagRow(BaseModel):
     seconds: float | None = Field(
         default=None, description="event time of the partition's newest record minus that "
         "of the newest one the worker ingested (0 when caught up)")
+    probe_age_s: float | None = Field(
+        default=None, description="seconds since the worker's last lag probe that "
+        "succeeded: messages and seconds are as of then (a probe fails while the brokers "
+        "are down or slow, and the figures stay as last known, 0 included)")
 
 
 class Watermarks(BaseModel):
@@ -213,9 +218,13 @@ class JobStatus(BaseModel):
     workers: list[WorkerStatus]
     servers: list[ServerStatus]
     consumer_lag: dict[str, int] = Field(description="partition -> lag, over every worker")
-    staleness_in_flight: int = Field(description="batches served but not yet applied")
-    rows_total: int = Field(description="embedding rows over every server")
-    ingest_paused: bool | None = Field(default=None, description="true when every worker is paused")
+    staleness_in_flight: int | None = Field(
+        description="batches served but not yet applied (null: a worker did not answer)")
+    rows_total: int | None = Field(
+        description="embedding rows over every server (null: a server did not answer)")
+    ingest_paused: bool | None = Field(
+        default=None, description="true when every worker is paused, false when one is not "
+        "(null: not known, a worker did not answer)")
     training: TrainingStatus
     last_checkpoint: dict[str, Any] | None = None
     model: ModelInfo | None = None

@@ -87,11 +87,17 @@ def _mark(value: Any) -> float | None:
 def _watermarks(w_status: list[Any], s_health: list[Any], training: dict[str, Any] | None,
                 served: float | None) -> Watermarks:
     """The job's stage watermarks: per stage the least event time over the roles that
-    report it (the slowest), its lag, the Kafka lag rows and the relayed progressive."""
+    report it (the slowest), its lag, the Kafka lag rows and the relayed progressive.
+
+    A role that does not answer may be the slowest: the stages its kind reports (workers:
+    produced, ingested; servers: applied) are then unknown (None), not the least over the
+    others, which would show a stuck role's stage as current."""
     seen: dict[str, list[float]] = {}
+    unknown: set[str] = set()
     rows: list[KafkaLagRow] = []
     for i, st in enumerate(w_status):
         if not isinstance(st, dict):
+            unknown |= {"produced", "ingested"}
             continue
         for stage, t in (st.get("watermarks") or {}).items():
             if (t := _mark(t)) is not None:
@@ -100,16 +106,24 @@ def _watermarks(w_status: list[Any], s_health: list[Any], training: dict[str, An
             if isinstance(row, dict):
                 rows.append(KafkaLagRow(worker=i, **row))
     for health in s_health:
-        if isinstance(health, dict) and (t := _mark(health.get("trained_through"))) is not None:
+        if not isinstance(health, dict):
+            unknown.add("applied")
+        elif (t := _mark(health.get("trained_through"))) is not None:
             seen.setdefault("applied", []).append(t)
     if served is not None:
         seen.setdefault("served", []).append(served)
     now = time.time()
     marks = {stage: StageMark(event_time=min(ts), lag_s=now - min(ts))
-             for stage, ts in seen.items() if stage in Watermarks.model_fields}
+             for stage, ts in seen.items()
+             if stage in Watermarks.model_fields and stage not in unknown}
     progressive = (training or {}).get("progressive")
     return Watermarks(**marks, kafka_lag=rows,
                       progressive=progressive if isinstance(progressive, dict) else {})
+
+
+def _total(values: list[int | None]) -> int | None:
+    """The sum, or None when a value is unknown (its role did not answer)."""
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
 
 @router.get("/status", response_model=JobStatus, summary="Status of the whole job")
@@ -153,17 +167,21 @@ async def status(request: Request) -> JobStatus:
     applied = [_applied(m) for m in w_metrics]
     replica = getattr(state.predictor, "replica", None)
     served = _mark(getattr(replica, "trained_through", None))
-    paused = [w.ingest_paused for w in workers if w.ingest_paused is not None]
+    # Totals over the roles: unknown (None) when one does not answer, not the sum of the
+    # others (a server gone would read as rows lost, a stuck worker as nothing in flight).
+    paused = [w.ingest_paused for w in workers]
+    inflight = [w.inflight for w in workers]
+    rows = [s.rows for s in servers]
     return JobStatus(
         roles=health, workers=workers, servers=servers, consumer_lag=lag,
-        staleness_in_flight=sum(w.inflight or 0 for w in workers),
-        rows_total=sum(s.rows or 0 for s in servers),
-        ingest_paused=(all(paused) if paused else None),
+        staleness_in_flight=_total(inflight),
+        rows_total=_total(rows),
+        ingest_paused=(False if False in paused else
+                       True if paused and None not in paused else None),
         training=TrainingStatus(
             step=training.get("step") if training else None,
             nn_attached=training.get("attached") if training else None,
-            batches_applied=(sum(a for a in applied if a is not None)
-                             if any(a is not None for a in applied) else None)),
+            batches_applied=_total(applied)),
         last_checkpoint=last,
         model=state.predictor.info() if state.predictor is not None else None,
         watermarks=_watermarks(w_status, [replies.get((SERVER, r.index))

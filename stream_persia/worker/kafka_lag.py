@@ -42,7 +42,11 @@ Exported (:class:`KafkaLagCollector`) as ``persia_embedding_worker_kafka_lag_mes
 A probe that fails (brokers down or slow: it gives up after 2 s, and the next one comes a
 ``probe_interval_s`` later) leaves both as last known; the worker counts the failures in
 ``persia_embedding_worker_kafka_lag_probe_failures_total`` (:class:`~stream_persia.worker.
-ingest.KafkaIngest` ``stats``), and logs a warning when probes start failing.
+ingest.KafkaIngest` ``stats``), and logs a warning when probes start failing. As last
+known may well read 0 (a worker caught up when the brokers went away stays "caught up"),
+so the figures carry their age: ``persia_embedding_worker_kafka_lag_probe_age_seconds``,
+the seconds since the last probe that succeeded (since the probing started before the
+first one); the ``PersiaKafkaLagUnknown`` alert fires on it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, TypedDict
 
@@ -74,15 +79,18 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 5.0
 MESSAGES_METRIC = "persia_embedding_worker_kafka_lag_messages"
 SECONDS_METRIC = "persia_embedding_worker_kafka_lag_seconds"
+AGE_METRIC = "persia_embedding_worker_kafka_lag_probe_age_seconds"
 
 
 class LagRow(TypedDict):
-    """One partition's lag (``status``'s ``kafka_lag``; None: not known yet)."""
+    """One partition's lag (``status``'s ``kafka_lag``; None: not known yet), and
+    ``probe_age_s``: how old the figures may be (:meth:`KafkaLag.probe_age_s`)."""
 
     topic: str
     partition: int
     messages: int | None
     seconds: float | None
+    probe_age_s: float | None
 
 
 def record_event_time(value: bytes | None) -> float | None:
@@ -118,6 +126,8 @@ class KafkaLag:
         #: probes that failed (a broker down or slow); the worker exports the count
         self.probe_failures = 0
         self._failing = False
+        self._clock = time.monotonic
+        self._probed_at: float | None = None   # last probe that succeeded (or the start)
 
     def saw(self, partition: int, offset: int, event_time: float | None) -> None:
         """The record at ``offset`` of ``partition`` was handled: ingested (with its
@@ -137,6 +147,7 @@ class KafkaLag:
     def rows(self) -> list[LagRow]:
         """Every owned partition's lag now (no request)."""
         out: list[LagRow] = []
+        age = self.probe_age_s()
         for p, (fetched, highwater) in sorted(self._tail_now().items()):
             position = self._position.get(p, fetched)
             ends = [e for e in (highwater, self._ends.get(p)) if e is not None]
@@ -149,8 +160,15 @@ class KafkaLag:
                 if tail is not None and got is not None:
                     seconds = max(0.0, tail - got)
             out.append({"topic": self.topic, "partition": p, "messages": messages,
-                        "seconds": seconds})
+                        "seconds": seconds, "probe_age_s": age})
         return out
+
+    def probe_age_s(self) -> float | None:
+        """Seconds since the last probe that succeeded, or since :meth:`start` before the
+        first one: how old the lag figures may be (None before :meth:`start`)."""
+        if self._probed_at is None:
+            return None
+        return max(0.0, self._clock() - self._probed_at)
 
     def produced(self) -> float | None:
         """The ``produced`` watermark: the newest event time known in the partitions."""
@@ -164,6 +182,7 @@ class KafkaLag:
         from stream_persia.kafka import TailProbe
 
         self._position.update(positions)
+        self._probed_at = self._clock()
 
         self._probe = TailProbe(self.consumer.side_client_kwargs(), self.topic,
                                 timeout_s=min(2.0, self.probe_interval_s))
@@ -206,6 +225,7 @@ class KafkaLag:
                 self._failing = True
                 self.probe_failures += 1
             else:
+                self._probed_at = self._clock()
                 if self._failing:
                     log.info("Kafka lag probe of %s succeeds again", self.topic)
                 self._failing = False
@@ -213,14 +233,18 @@ class KafkaLag:
 
 class KafkaLagCollector(Collector):
     """Exports ``rows()`` as the two ``persia_embedding_worker_kafka_lag_*`` families
-    (a partition whose figure is unknown has no sample)."""
+    (a partition whose figure is unknown has no sample), and ``age()`` (seconds since the
+    last probe that succeeded; None: no sample) as ``..._kafka_lag_probe_age_seconds``."""
 
-    def __init__(self, rows: Callable[[], Iterable[LagRow]]):
+    def __init__(self, rows: Callable[[], Iterable[LagRow]],
+                 age: Callable[[], float | None] = lambda: None):
         self._rows = rows
+        self._age = age
 
     def describe(self) -> Iterable[Metric]:
         return [GaugeMetricFamily(MESSAGES_METRIC, "", labels=["topic", "partition"]),
-                GaugeMetricFamily(SECONDS_METRIC, "", labels=["topic", "partition"])]
+                GaugeMetricFamily(SECONDS_METRIC, "", labels=["topic", "partition"]),
+                GaugeMetricFamily(AGE_METRIC, "")]
 
     def collect(self) -> Iterable[Metric]:
         msgs = GaugeMetricFamily(MESSAGES_METRIC, "messages between the partition's end "
@@ -242,3 +266,8 @@ class KafkaLagCollector(Collector):
             yield msgs
         if any_s:
             yield secs
+        age = self._age()
+        if age is not None:
+            yield GaugeMetricFamily(AGE_METRIC, "seconds since the last Kafka lag probe "
+                                    "that succeeded: how old the lag figures may be",
+                                    value=age)

@@ -380,7 +380,7 @@ class EmbeddingWorker:
         # the exported counters never drop.
         self._kafka_retired = dict.fromkeys(KafkaIngest.COUNTERS, 0.0)
         self.metrics.add_callback("kafka", self._kafka_stats, counters=KafkaIngest.COUNTERS)
-        self.metrics.registry.register(KafkaLagCollector(self.kafka_lag))
+        self.metrics.registry.register(KafkaLagCollector(self.kafka_lag, self.kafka_lag_age))
         self.kafka = ingest
         await self._start_ingest(ingest)
 
@@ -474,6 +474,10 @@ class EmbeddingWorker:
     def kafka_lag(self) -> list[LagRow]:
         """Per partition of the current Kafka ingest, its lag (empty without one)."""
         return self.kafka.lag.rows() if self.kafka is not None else []
+
+    def kafka_lag_age(self) -> float | None:
+        """Seconds since the current Kafka ingest's last lag probe that succeeded."""
+        return self.kafka.lag.probe_age_s() if self.kafka is not None else None
 
     def reject(self, reason: str) -> None:
         self.m_rejected.labels(reason).inc()

@@ -213,3 +213,40 @@ async def test_a_relay_the_worker_refuses_costs_the_figures_not_the_mailbox(job)
     assert hb is not None, "every heartbeat of rank 0 was refused"
     assert hb["trained"] == T0 + 5 and hb["detached"] is True
     assert hb["progressive"] == {}
+
+
+async def test_a_role_that_does_not_answer_makes_its_stages_and_totals_unknown():
+    """A stuck or dead worker or server may be the slowest: /v1/status says its stages and
+    the totals over its kind are unknown (null), not the least or the sum over the roles
+    still answering, which would show the job fresher or emptier than it is."""
+    job = await start_job(n_servers=2, n_workers=2)
+    try:
+        await _train(job, [T0 + 2, T0 + 3])
+        lagging = job.client(job.workers[1].address)     # the slowest worker: T0 + 1
+        await lagging.call("ingest", {"batch": make_batch(7).stamped(T0 + 1).to_wire()})
+        await job.client(job.workers[0].address).call(
+            "nn_heartbeat", {"rank": 0, "world_size": 1, "step": 2, "trained": T0 + 3})
+        async with LiveApi(settings_for(job)) as api:
+            st = (await api.client.get("/v1/status", headers=AUTH)).json()
+            marks = st["watermarks"]
+            assert marks["ingested"]["event_time"] == T0 + 1
+            assert marks["applied"]["event_time"] == T0 + 3
+            assert st["rows_total"] > 0 and st["staleness_in_flight"] == 0
+            assert st["ingest_paused"] is False and st["training"]["batches_applied"] == 2
+
+            await job.workers[1].stop()
+            await job.servers[1].stop()
+            r = await api.client.get("/v1/status", headers=AUTH)
+            assert r.status_code == 200, r.text
+            st = r.json()
+            marks = st["watermarks"]
+        assert not st["workers"][1]["healthy"] and not st["servers"][1]["healthy"]
+        assert marks["ingested"] is None and marks["produced"] is None
+        assert marks["applied"] is None
+        assert marks["trained"]["event_time"] == T0 + 3      # worker 0 relays it
+        assert st["rows_total"] is None and st["staleness_in_flight"] is None
+        assert st["training"]["batches_applied"] is None
+        assert st["ingest_paused"] is False      # worker 0 answers, not paused: not all are
+        assert st["servers"][0]["rows"] > 0                  # what is known stays shown
+    finally:
+        await stop_job(job)

@@ -124,7 +124,8 @@ async def test_a_lagging_worker_reports_lag_in_messages_and_seconds_then_catches
                 assert got[("persia_stage_event_time_seconds", (("stage", "ingested"),))] \
                     == T0 + N - 1
                 assert all(v == 0 for (name, _), v in got.items()
-                           if name.startswith("persia_embedding_worker_kafka_lag_"))
+                           if name.startswith("persia_embedding_worker_kafka_lag_")
+                           and name != "persia_embedding_worker_kafka_lag_probe_age_seconds")
         finally:
             await worker.stop()
 
@@ -132,8 +133,9 @@ async def test_a_lagging_worker_reports_lag_in_messages_and_seconds_then_catches
 @pytest.mark.kafka
 async def test_a_dead_broker_neither_hangs_nor_hides_the_lag_probe():
     """The broker dies under a lagging worker: the probe gives up within its bound, status
-    still answers, and the failures show on the worker's metrics (the lag figures stay as
-    last known, so without the count nothing would say they are stale)."""
+    still answers, and the failures show on the worker's metrics; the lag figures stay as
+    last known, and their age (``..._kafka_lag_probe_age_seconds``, ``probe_age_s`` in
+    status) grows from the last probe that succeeded, so they do not pass for current."""
     cluster = MockKafkaCluster().start()
     try:
         topic = "lag-dies"
@@ -159,6 +161,11 @@ async def test_a_dead_broker_neither_hangs_nor_hides_the_lag_probe():
                         return rows if rows and rows[0]["seconds"] else None
 
                     before = await _until(lagging, "a lag in seconds")
+                    age = ("persia_embedding_worker_kafka_lag_probe_age_seconds", ())
+                    fresh = _samples((await c.call("metrics")).decode())[age]
+                    assert 0 <= fresh < 2, fresh             # probes every 0.2 s succeed
+                    assert all(r["probe_age_s"] is not None and r["probe_age_s"] < 2
+                               for r in before), before
                     cluster.kill()
 
                     async def failures():
@@ -167,10 +174,19 @@ async def test_a_dead_broker_neither_hangs_nor_hides_the_lag_probe():
                                         "lag_probe_failures_total", ())) or None
 
                     assert await _until(failures, "probe failures counted") >= 1
+
+                    async def aged():   # the figures stay, but say how old they are
+                        got = _samples((await c.call("metrics")).decode())
+                        return got.get(age) if got.get(age, 0) > 3 else None
+
+                    assert await _until(aged, "the lag figures' age grows") > 3
                     started = time.monotonic()
                     st = await c.call("status")
                     assert time.monotonic() - started < 5
-                    assert st["kafka_lag"] == before      # as last known
+                    figures = ("topic", "partition", "messages", "seconds")
+                    assert [{k: r[k] for k in figures} for r in st["kafka_lag"]] == \
+                        [{k: r[k] for k in figures} for r in before]   # as last known
+                    assert all(r["probe_age_s"] > 3 for r in st["kafka_lag"]), st["kafka_lag"]
             finally:
                 async with asyncio.timeout(30):
                     await worker.stop()
