@@ -15,7 +15,10 @@ against the real mock broker.
   read before again: ``recheck_every_s``), when a broker killed while it was read comes
   back empty behind its address and refilled past the position (it checks once the
   brokers answer again), and when the re-created partition has another leader (metadata
-  says so). These start mock clusters of their own (deleted and created through the
+  says so). The periodic check anchors on no record of before a restore (``seek``) even
+  when it falls due at the first fetch after it or the partition read nothing since,
+  gives up within the fingerprint timeout on slow brokers, and takes a leader election
+  under way (leader -1) for no leader change. These start mock clusters of their own (deleted and created through the
   mock's control commands, a broker killed and replaced, a leader moved), so the Tansu
   pass leaves them out like the other tests here. Not covered: metadata that lacks the
   topic (the mock creates a topic a consumer fetches or asks for by name, with 4
@@ -480,10 +483,15 @@ async def test_a_re_created_partition_idle_since_its_last_check_names_no_records
             await asyncio.sleep(0.4)                       # a check is due
             await produce_one_each(servers, "s", {1: b"o2"})
             assert await keep_reading(consumer, 0.5) == {1: [2]}   # anchors: 0/1, 1/1
+            # Paused briefly (no recheck on resume) so that no fetch meets the empty new
+            # topic (out of range, then in range: a check of its own): the periodic one
+            # finds the re-creation.
+            consumer.pause()
             grow(cluster, "s", 2)
             for i in range(4):
                 await produce_one_each(servers, "s", {0: b"new%d" % i, 1: b"n%d" % i})
             await asyncio.sleep(0.4)                       # a check is due
+            consumer.resume()
             assert await keep_reading(consumer, 1.5) == {}
             loss = consumer.stopped()[0]
             assert (loss.cause, loss.first, loss.checked) == ("recreated", 2, 1)
@@ -520,3 +528,33 @@ def test_a_leader_election_under_way_is_no_leader_change(leaders, moved):
         flagged.append(0 in consumer._recheck)
         consumer._recheck.clear()
     assert flagged.count(True) == int(moved)
+
+
+async def test_a_periodic_check_the_brokers_answer_slowly_gives_up_within_the_fingerprint_timeout():
+    """Brokers that answer after 10 s (well within broker_timeout_s, 60 s): the periodic
+    check waits for the log starts no longer than the fingerprint timeout (5 s), then
+    leaves the check to the next round and hands the records over. It waited for the log
+    start and end offsets, up to 60 s each, handing nothing over meanwhile."""
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("s", 1)
+        servers = cluster.bootstrap_servers
+        await produce_one_each(servers, "s", {0: b"r0"})
+        consumer = SampleConsumer(servers, "s", recheck_every_s=0.3, broker_timeout_s=60)
+        try:
+            await bounded(consumer.start())
+            assert await read_until([consumer], 1) == [{0: [0]}]
+            await produce_one_each(servers, "s", {0: b"r1"})
+            await asyncio.sleep(0.4)                       # a check is due
+            cluster.set_rtt(10_000)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 40
+            took = None
+            while took is None and loop.time() < deadline:
+                began = loop.time()
+                if await consumer.getmany(timeout_ms=100):
+                    took = loop.time() - began
+            cluster.set_rtt(0)
+            assert took is not None and took < 12, took  # 5 s, then handed over
+            assert consumer.stopped() == {}
+        finally:
+            await consumer.stop()
