@@ -395,7 +395,10 @@ class SampleConsumer:
         for p, offset in starts.items():
             consumer.seek(self._tps[p], offset)
             self._next[p] = offset
-            self._anchor.pop(p, None)   # checked here; the next record read is the anchor
+            # Checked here; the next record read is the anchor (the last one handed over
+            # before the move is of another place, maybe of a log since replaced).
+            self._anchor.pop(p, None)
+            self._last.pop(p, None)
 
     async def check_offsets(self, offsets: Mapping[int, int],
                             fingerprints: Mapping[int, Fingerprint] | None = None) -> None:
@@ -433,6 +436,25 @@ class SampleConsumer:
                 hint="is the broker running? kafka.broker_timeout_ms bounds the wait") from e
         return begin, end
 
+    async def _log_starts(self, tps: list[TopicPartition]) -> dict[int, int]:
+        """The log start offset of each of ``tps``, by partition, within
+        ``FINGERPRINT_TIMEOUT_S`` (the periodic check: ingest waits on it).
+
+        Raises:
+            KafkaUnavailable: the brokers did not answer in time.
+        """
+        timeout_s = self._fingerprint_timeout_s
+        try:
+            begin = await wait_bounded(self._live().beginning_offsets(tps), timeout_s)
+        except (KafkaError, TimeoutError, asyncio.TimeoutError) as e:
+            raise KafkaUnavailable(
+                f"consumer of {self.topic!r}: no Kafka broker at "
+                f"{servers_text(self.bootstrap_servers)} answered with the log start "
+                f"offsets of partitions {sorted(tp.partition for tp in tps)} within "
+                f"{timeout_s:g} s ({e!r})", servers=self.bootstrap_servers,
+                hint="is the broker running? kafka.broker_timeout_ms bounds the wait") from e
+        return {tp.partition: b for tp, b in begin.items()}
+
     # --------------------------------------------------------------- data loss
     def _accept(self, loss: DataLoss) -> None:
         """on_data_loss=skip: count and log a loss, and read on."""
@@ -440,8 +462,10 @@ class SampleConsumer:
         if loss.cause == "recreated":
             self._counts["fingerprint_mismatches"] += 1
         # Reading goes on in the log as it is now: the next record read is the anchor of
-        # the periodic check, not one of a log the loss replaced.
+        # the periodic check, not one of a log the loss replaced (nor the last one
+        # handed over before it, which a check due now would take as the anchor).
         self._anchor.pop(loss.partition, None)
+        self._last.pop(loss.partition, None)
         self._counts["offsets_lost"] += loss.lost
         self._lost[loss.partition] = self._lost.get(loss.partition, 0) + loss.lost
         self._accepted = [*self._accepted[-(MAX_LOSSES_KEPT - 1):], loss]
@@ -598,7 +622,7 @@ class SampleConsumer:
         moved = []
         for p in self._tps:
             leader = cluster.leader_for_partition(self._tps[p])
-            if leader is None:
+            if leader is None or leader < 0:   # -1: an election under way; keep the last
                 continue
             if self._leaders.get(p, leader) != leader:
                 moved.append(p)
@@ -614,20 +638,22 @@ class SampleConsumer:
     async def _check_anchors(self) -> None:
         """Every ``recheck_every_s`` of reading: read again, by one side client, the
         record each partition had last handed over at the previous check (its anchor),
-        and stop (or count) a partition where it is another record or gone although
-        retention did not delete it. Then the last records read become the anchors. A
-        side client that does not answer leaves the check to the next round (logged)."""
+        and stop (or count) a partition where it is another record. An anchor gone
+        although retention did not delete it (compacted) cannot be compared (logged). Then
+        the last records read become the anchors. Brokers or a side client that do not
+        answer within ``FINGERPRINT_TIMEOUT_S`` leave the check to the next round
+        (logged): ingest hands nothing over meanwhile."""
         self._anchor_due = time.monotonic() + self.recheck_every_s
         anchors = {p: fp for p, fp in self._anchor.items()
                    if p not in self._stopped and p not in self._held and p in self._last}
         if anchors:
             try:
                 tps = [self._tps[p] for p in anchors]
-                begin, _ = await self._log_bounds(self._live(), tps)
+                begin = await self._log_starts(tps)
                 losses = await recreated(
                     self._kwargs, self.topic, {p: fp.offset + 1 for p, fp in anchors.items()},
-                    anchors, {tp.partition: b for tp, b in begin.items()},
-                    skip=self.on_data_loss == "skip", timeout_s=self._fingerprint_timeout_s)
+                    anchors, begin, skip=self.on_data_loss == "skip",
+                    timeout_s=self._fingerprint_timeout_s, absent_is_loss=False)
             except KafkaUnavailable as e:
                 log.warning("%s: the records read at %s could not be read again to check "
                             "the topic was not created again (tried again in %g s): %s",
@@ -637,13 +663,18 @@ class SampleConsumer:
             for loss in losses:
                 p = loss.partition
                 first = self._next[p]
-                self._lose(dataclasses.replace(
-                    loss, first=first, checked=anchors[p].offset,
-                    detail=f"{loss.detail}; offsets {anchors[p].offset + 1}..{first - 1} "
-                           f"were read and handed over since, maybe from the new topic"))
+                since = (f"; offsets {anchors[p].offset + 1}..{first - 1} were read and "
+                         f"handed over since, maybe from the new topic"
+                         if first > anchors[p].offset + 1 else "")
+                self._lose(dataclasses.replace(loss, first=first, checked=anchors[p].offset,
+                                               detail=f"{loss.detail}{since}"))
         for p, record in self._last.items():
-            if p not in self._stopped and p not in self._held:
+            if p in self._stopped or p in self._held:
+                continue
+            if record.offset == self._next[p] - 1:
                 self._anchor[p] = Fingerprint.of(record)
+            else:   # moved since it was read: the next record read is the anchor
+                self._anchor.pop(p, None)
 
     def _adopt(self, consumer: AIOKafkaConsumer, num_partitions: int) -> None:
         """The topic grew to ``num_partitions`` (CreatePartitions while the job runs):

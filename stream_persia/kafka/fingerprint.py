@@ -49,6 +49,11 @@ two fetches), the periodic check catches it: every ``recheck_every_s`` (30 s) of
 reading, the record each partition had last handed over at the previous check is read
 again and compared before more are handed over; the new topic's records read in between
 are trained already (at most one period's), and the loss is at the partition's position.
+There, only another record at the anchor's offset is a loss: none there (the log cleaner
+compacted it away on a compacted topic) is logged and the next check anchors afresh,
+rather than stop the partition at every check after a cleaner pass. The restore and
+resume checks above keep treating a missing record as a re-creation: they run once per
+restore or long pause, on the operator's demand, where refusing is the safe side.
 
 ``on_data_loss`` decides because a recreated topic is data the job would lose (the new
 records below the offsets): ``fail`` refuses, as it refuses offsets retention deleted;
@@ -238,7 +243,8 @@ async def take(client_kwargs: Mapping[str, Any], topic: str, offsets: Mapping[in
 
 async def recreated(client_kwargs: Mapping[str, Any], topic: str, offsets: Mapping[int, int],
                     fingerprints: Mapping[int, Fingerprint], begin: Mapping[int, int], *,
-                    skip: bool, timeout_s: float = FINGERPRINT_TIMEOUT_S) -> list[DataLoss]:
+                    skip: bool, timeout_s: float = FINGERPRINT_TIMEOUT_S,
+                    absent_is_loss: bool = True) -> list[DataLoss]:
     """Read the record below each of ``offsets`` (partition → stored offset) again and
     compare it with its fingerprint; one :class:`DataLoss` of cause ``"recreated"``
     (``accepted`` = ``skip``) per partition that differs (the module docstring says
@@ -246,6 +252,9 @@ async def recreated(client_kwargs: Mapping[str, Any], topic: str, offsets: Mappi
 
     Args:
         begin: each partition's log start offset now.
+        absent_is_loss: whether no record at the offset (the broker's first one after it)
+            is a loss; False: it cannot be compared (compacted away, or a transaction
+            marker), logged at INFO. Only a different record there is a loss then.
 
     Raises:
         KafkaUnavailable: the brokers did not answer.
@@ -282,6 +291,10 @@ async def recreated(client_kwargs: Mapping[str, Any], topic: str, offsets: Mappi
             if now == fp:
                 continue
             detail = f"recorded {fp.describe()}; the broker has {now.describe()}"
+        elif p in absent and not absent_is_loss:
+            log.info("%s/%d: the broker has no record at offset %d now (compacted?): the "
+                     "topic's identity cannot be checked there", topic, p, at)
+            continue
         elif p in absent:
             detail = f"recorded {fp.describe()}; the broker has no record at offset {at} now"
         else:

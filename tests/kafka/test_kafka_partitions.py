@@ -15,7 +15,10 @@ against the real mock broker.
   read before again: ``recheck_every_s``), when a broker killed while it was read comes
   back empty behind its address and refilled past the position (it checks once the
   brokers answer again), and when the re-created partition has another leader (metadata
-  says so). These start mock clusters of their own (deleted and created through the
+  says so). The periodic check anchors on no record of before a restore (``seek``) even
+  when it falls due at the first fetch after it or the partition read nothing since,
+  gives up within the fingerprint timeout on slow brokers, and takes a leader election
+  under way (leader -1) for no leader change. These start mock clusters of their own (deleted and created through the
   mock's control commands, a broker killed and replaced, a leader moved), so the Tansu
   pass leaves them out like the other tests here. Not covered: metadata that lacks the
   topic (the mock creates a topic a consumer fetches or asks for by name, with 4
@@ -38,7 +41,7 @@ import asyncio
 import time
 
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 from test_kafka_loss import Worker, bounded, ingest_factory, serve_all
 
 from stream_persia.checkpoint import stream_cut
@@ -403,9 +406,12 @@ async def test_a_leader_change_makes_a_reading_consumer_check_the_record_below()
             await consumer.stop()
 
 
-async def test_a_consumer_moved_onto_a_topic_created_again_checks_from_there():
+@pytest.mark.parametrize("restore_s", [0.0, 0.4])
+async def test_a_consumer_moved_onto_a_topic_created_again_checks_from_there(restore_s):
     """Moved on purpose (a restore, ``seek``) onto the re-created topic's start, the
-    consumer's periodic check compares records of the new topic only: no loss."""
+    consumer's periodic check compares records of the new topic only: no loss. Also when
+    the check falls due at the first fetch after the move (a restore that took longer than
+    ``recheck_every_s``): the last record read before the move is no anchor."""
     with MockKafkaCluster() as cluster:
         cluster.create_topic("s", 1)
         servers = cluster.bootstrap_servers
@@ -419,12 +425,136 @@ async def test_a_consumer_moved_onto_a_topic_created_again_checks_from_there():
             for i in range(3):
                 await produce_one_each(servers, "s", {0: b"new%d" % i})
             await bounded(consumer.seek({0: 0}))
+            await asyncio.sleep(restore_s)
             (first,) = await read_until([consumer], 1)
             await asyncio.sleep(0.4)                       # a check is due
             await produce_one_each(servers, "s", {0: b"new3"})
             rest = await keep_reading(consumer, 1.5)
             assert first.get(0, []) + rest.get(0, []) == [0, 1, 2, 3]
             assert consumer.stats()["data_loss_events"] == 0
+            assert consumer.stopped() == {}
+        finally:
+            await consumer.stop()
+
+
+async def test_a_moved_partition_idle_when_the_check_falls_due_is_not_taken_as_re_created():
+    """Both partitions moved onto the re-created topic's start; only partition 1 has
+    records when the periodic check falls due, so partition 0 has read nothing since the
+    move: it gets no anchor from the record it read before (of the old topic), and
+    neither partition is stopped when its records come."""
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("s", 2)
+        servers = cluster.bootstrap_servers
+        await produce_one_each(servers, "s", {0: b"old0", 1: b"o0"})
+        await produce_one_each(servers, "s", {0: b"old1", 1: b"o1"})
+        consumer = SampleConsumer(servers, "s", recheck_every_s=0.3)
+        try:
+            await bounded(consumer.start())
+            assert await read_until([consumer], 4) == [{0: [0, 1], 1: [0, 1]}]
+            grow(cluster, "s", 2)
+            await produce_one_each(servers, "s", {1: b"n0"})
+            await bounded(consumer.seek({0: 0, 1: 0}))
+            await asyncio.sleep(0.4)                       # a check is due
+            first = await keep_reading(consumer, 0.8)      # partition 1 only
+            for i in range(3):
+                await produce_one_each(servers, "s", {0: b"new%d" % i, 1: b"n%d" % (i + 1)})
+            rest = await keep_reading(consumer, 1.5)
+            assert consumer.stopped() == {}
+            assert consumer.stats()["data_loss_events"] == 0
+            assert first.get(0, []) + rest.get(0, []) == [0, 1, 2]
+            assert first.get(1, []) + rest.get(1, []) == [0, 1, 2, 3]
+        finally:
+            await consumer.stop()
+
+
+async def test_a_re_created_partition_idle_since_its_last_check_names_no_records_read_since():
+    """Partition 0 read nothing between two periodic checks (partition 1's records make
+    them run): when its anchor is found replaced, nothing of it was handed over since,
+    and the loss says no range of offsets read since (it said "offsets 2..1")."""
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("s", 2)
+        servers = cluster.bootstrap_servers
+        await produce_one_each(servers, "s", {0: b"old0", 1: b"o0"})
+        await produce_one_each(servers, "s", {0: b"old1", 1: b"o1"})
+        consumer = SampleConsumer(servers, "s", recheck_every_s=0.3)
+        try:
+            await bounded(consumer.start())
+            assert await read_until([consumer], 4) == [{0: [0, 1], 1: [0, 1]}]
+            await asyncio.sleep(0.4)                       # a check is due
+            await produce_one_each(servers, "s", {1: b"o2"})
+            assert await keep_reading(consumer, 0.5) == {1: [2]}   # anchors: 0/1, 1/1
+            # Paused briefly (no recheck on resume) so that no fetch meets the empty new
+            # topic (out of range, then in range: a check of its own): the periodic one
+            # finds the re-creation.
+            consumer.pause()
+            grow(cluster, "s", 2)
+            for i in range(4):
+                await produce_one_each(servers, "s", {0: b"new%d" % i, 1: b"n%d" % i})
+            await asyncio.sleep(0.4)                       # a check is due
+            consumer.resume()
+            assert await keep_reading(consumer, 1.5) == {}
+            loss = consumer.stopped()[0]
+            assert (loss.cause, loss.first, loss.checked) == ("recreated", 2, 1)
+            assert "handed over since" not in loss.describe(), loss.describe()
+        finally:
+            await consumer.stop()
+
+
+class _Metadata:
+    """aiokafka's ClusterMetadata as the metadata listener reads it: one leader per
+    partition, -1 while an election is under way."""
+
+    def __init__(self, leader: int):
+        self.leader = leader
+
+    def partitions_for_topic(self, topic):
+        return {0}
+
+    def leader_for_partition(self, tp):
+        return self.leader
+
+
+@pytest.mark.parametrize("leaders, moved", [([1, -1, 1], False), ([1, -1, 2], True),
+                                            ([1, 2], True)])
+def test_a_leader_election_under_way_is_no_leader_change(leaders, moved):
+    """aiokafka names leader -1 while a partition elects one: 1 -> -1 -> 1 moved nothing,
+    1 -> -1 -> 2 moved once (it flagged both steps)."""
+    consumer = SampleConsumer("127.0.0.1:1", "s")
+    consumer._tps = {0: TopicPartition("s", 0)}
+    consumer._last[0] = object()                  # the partition has been read
+    flagged = []
+    for leader in leaders:
+        consumer._on_metadata(_Metadata(leader))
+        flagged.append(0 in consumer._recheck)
+        consumer._recheck.clear()
+    assert flagged.count(True) == int(moved)
+
+
+async def test_a_periodic_check_the_brokers_answer_slowly_gives_up_within_the_fingerprint_timeout():
+    """Brokers that answer after 10 s (well within broker_timeout_s, 60 s): the periodic
+    check waits for the log starts no longer than the fingerprint timeout (5 s), then
+    leaves the check to the next round and hands the records over. It waited for the log
+    start and end offsets, up to 60 s each, handing nothing over meanwhile."""
+    with MockKafkaCluster() as cluster:
+        cluster.create_topic("s", 1)
+        servers = cluster.bootstrap_servers
+        await produce_one_each(servers, "s", {0: b"r0"})
+        consumer = SampleConsumer(servers, "s", recheck_every_s=0.3, broker_timeout_s=60)
+        try:
+            await bounded(consumer.start())
+            assert await read_until([consumer], 1) == [{0: [0]}]
+            await produce_one_each(servers, "s", {0: b"r1"})
+            await asyncio.sleep(0.4)                       # a check is due
+            cluster.set_rtt(10_000)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 40
+            took = None
+            while took is None and loop.time() < deadline:
+                began = loop.time()
+                if await consumer.getmany(timeout_ms=100):
+                    took = loop.time() - began
+            cluster.set_rtt(0)
+            assert took is not None and took < 12, took  # 5 s, then handed over
             assert consumer.stopped() == {}
         finally:
             await consumer.stop()
