@@ -135,7 +135,12 @@ async def test_a_json_key_given_twice_is_refused_not_last_one_wins():
                 ("/v1/model/reload",
                  b'{"checkpoint": "../../etc", "checkpoint": "ckpt-x"}', "body.checkpoint"),
                 ("/v1/embeddings/configure", b'{"admit_probability": NaN}', "body"),
-                ("/v1/embeddings/configure", b'{"weight_bound": Infinity}', "body")):
+                ("/v1/embeddings/configure", b'{"weight_bound": Infinity}', "body"),
+                # JSON's grammar allows it, but json.loads reads it as inf (ttl_s has
+                # no upper bound, so the body model alone took it: an endless TTL)
+                ("/v1/embeddings/configure", b'{"policies": {"user": {"ttl_s": 1e999}}}',
+                 "body.policies.user.ttl_s"),
+                ("/v1/embeddings/configure", b'[-1e999]', "body.0")):
             r = await post(url, content=body, headers=json_)
             assert r.status_code == 422, (body, r.status_code, r.text)
             err = r.json()["error"]
