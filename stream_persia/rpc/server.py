@@ -38,6 +38,7 @@ import contextlib
 import inspect
 import logging
 import math
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -77,6 +78,12 @@ _LOG_EVERY_S = 10.0
 _REFUSED_LINGER_S = 1.0
 #: how often a paused writer checks that its peer still takes bytes (see ``_drain``)
 _DRAIN_SLICE_S = 1.0
+try:   # the kernel's unsent bytes of a socket (Linux); elsewhere the write buffer only
+    import fcntl
+    import termios
+    _OUTQ: int | None = termios.TIOCOUTQ
+except (ImportError, AttributeError):
+    _OUTQ = None
 
 
 @dataclass(frozen=True)
@@ -659,8 +666,20 @@ class RpcServer:
 
     @staticmethod
     def _write_backlog(conn: _Conn) -> int:
+        """Bytes of replies ``conn``'s peer has not taken yet: our write buffer, and the
+        kernel's send queue (Linux ``SIOCOUTQ``): the write buffer alone moves only when
+        the kernel wakes the writer, after half of a send buffer of megabytes drained, so
+        a slow reader would show no progress for seconds at a time."""
         transport = conn.proto.transport
-        return transport.get_write_buffer_size() if transport is not None else 0
+        if transport is None:
+            return 0
+        size = transport.get_write_buffer_size()
+        sock = transport.get_extra_info("socket")
+        if sock is not None and _OUTQ is not None:
+            with contextlib.suppress(OSError, ValueError):
+                size += int.from_bytes(fcntl.ioctl(sock.fileno(), _OUTQ, bytes(4)),
+                                       sys.byteorder, signed=True)
+        return size
 
     async def _serve(self, conn: _Conn, req: framing.Request, handler: Handler) -> None:
         stats = self._stats[req.method]
