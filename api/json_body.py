@@ -2,7 +2,8 @@
 
 FastAPI reads such a body with ``json.loads``, which keeps the *last* value of a key given
 twice without a word (``{"admit_probability": 0.5, "admit_probability": 0.0}`` applied
-0.0) and takes ``NaN`` / ``Infinity``, which are not JSON. A route of a router built with
+0.0) and takes ``NaN`` / ``Infinity``, which are not JSON (nor is ``1e999``, which it
+reads as infinity). A route of a router built with
 ``route_class=StrictJsonRoute`` refuses both with a 422 naming the field, the way
 ``/v1/predict`` (:mod:`stream_persia.api.features`) does. Bodies are small there (bounded
 by ``api.max_body_bytes``), so the one pass over the parsed document costs nothing.
@@ -11,6 +12,7 @@ by ``api.max_body_bytes``), so the one pass over the parsed document costs nothi
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -45,7 +47,8 @@ def _reject_constant(name: str) -> Any:
 
 
 def loads(body: bytes) -> Any:
-    """``json.loads`` that refuses a key given twice in one object, and NaN / Infinity.
+    """``json.loads`` that refuses a key given twice in one object, NaN / Infinity, and
+    numbers too large for a float (``1e999``, which ``json.loads`` reads as infinity).
 
     Raises:
         BadInput: naming the dotted field (``body.optimizer.lr``).
@@ -64,6 +67,9 @@ def loads(body: bytes) -> Any:
             stack.extend((v, f"{path}.{k}") for k, v in node.items())
         elif isinstance(node, list):
             stack.extend((v, f"{path}.{i}") for i, v in enumerate(node))
+        elif isinstance(node, float) and not math.isfinite(node):   # 1e999
+            raise BadInput(f"{path}: a number too large for a float (read as {node})",
+                           field=path, hint="send finite numbers")
     return doc
 
 

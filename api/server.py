@@ -13,7 +13,9 @@ uvicorn has no timeout on a request's head: a connection that sends nothing, or 
 the request line and headers, stays open for good (and one fd with it), before any
 authentication. :func:`close_stalled` closes those that have not completed a request
 head for :data:`HEAD_TIMEOUT_S` (an idle keep-alive connection uvicorn closes itself
-after 5 s; a request being served is never touched).
+after 5 s; a request being served is never touched). It reads uvicorn's protocol
+internals (``cycle``): with a uvicorn whose connections lack them it logs an error once
+and stops, rather than take every connection for a stalled one.
 """
 
 from __future__ import annotations
@@ -63,7 +65,16 @@ async def close_stalled(server: Any, timeout_s: float = HEAD_TIMEOUT_S) -> None:
         await asyncio.sleep(tick)
         seen: dict[Any, tuple[Any, int]] = {}
         for conn in list(server.server_state.connections):
-            cycle = getattr(conn, "cycle", None)   # uvicorn's current request, if any
+            missing = _missing_internals(conn)
+            if missing:
+                # Without them every connection would look idle, and requests in flight
+                # would be cut off: better no sweep than that (uvicorn is pinned >= only).
+                log.error("not closing stalled HTTP connections: uvicorn's %s has no %s "
+                          "(a uvicorn this stream-persia does not know); connections that "
+                          "never complete a request head stay open",
+                          type(conn).__name__, missing)
+                return
+            cycle = conn.cycle   # uvicorn's current request, if any
             if cycle is not None and not cycle.response_complete:
                 continue   # a request is being served (its body may still be arriving)
             last, sweeps = waiting.get(conn, (cycle, 0))
@@ -77,6 +88,19 @@ async def close_stalled(server: Any, timeout_s: float = HEAD_TIMEOUT_S) -> None:
                 continue
             seen[conn] = (cycle, sweeps)
         waiting = seen
+
+
+def _missing_internals(conn: Any) -> str:
+    """The uvicorn internals :func:`close_stalled` reads that ``conn`` (an established
+    connection's protocol) lacks, or ''. uvicorn 0.29-0.54's HTTP protocols set
+    ``cycle`` (None between requests) and ``transport`` when the connection is made."""
+    for name in ("cycle", "transport"):
+        if not hasattr(conn, name):
+            return f"attribute {name!r}"
+    cycle = conn.cycle
+    if cycle is not None and not hasattr(cycle, "response_complete"):
+        return f"attribute 'response_complete' on its {type(cycle).__name__}"
+    return ""
 
 
 def _peer(transport: Any) -> str:

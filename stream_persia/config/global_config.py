@@ -514,7 +514,7 @@ class RpcConfig(_Section):
             (counted in ``persia_<role>_rpc_connections_refused_total``).
         idle_timeout_s: a connection with no request for this long is closed (clients
             reconnect by themselves; ``..._rpc_idle_closed_total``), and one whose peer
-            reads too little of its replies to drain them for this long is aborted
+            takes none of its queued replies' bytes for this long is aborted
             (``..._rpc_write_stalled_total``); 0: never.
         handshake_timeout_s: how long a new connection may take to prove the role secret
             (``..._rpc_auth_refused_total`` counts the failures).

@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import runpy
 import signal
+import socket
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,8 +121,10 @@ def write_ready_file(path: str | None, address: str) -> None:
 
 #: scrapes served at once by a role's metrics port; more connections are closed at once
 METRICS_MAX_CONNECTIONS = 8
-#: how long a metrics connection may wait for its peer's next bytes (socket timeout)
+#: how long a metrics connection may stay open in all, and wait for its peer's next bytes
 METRICS_TIMEOUT_S = 10.0
+#: at most one warning per this many seconds about connections refused at the cap
+_METRICS_LOG_EVERY_S = 10.0
 
 
 def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> Any:
@@ -128,9 +133,11 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> A
 
     The port may face the network unauthenticated, so it is bounded: at most
     :data:`METRICS_MAX_CONNECTIONS` connections are served at once (each on its own
-    thread; one more is closed unanswered), and one whose peer sends nothing for
-    :data:`METRICS_TIMEOUT_S` is closed. Without the bounds every idle connection held a
-    thread for good.
+    thread; one more is closed unanswered, counted in the server's ``refused`` and
+    logged at most every 10 s), and each is closed :data:`METRICS_TIMEOUT_S` after it was
+    accepted (``cut_off``), whatever it sends: the socket timeout alone bounds each
+    read, so a peer that trickled a byte every few seconds kept its slot for good, and
+    :data:`METRICS_MAX_CONNECTIONS` of them refused every scrape.
     """
     if port is None:
         return None
@@ -139,11 +146,25 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> A
     from stream_persia.core.metrics import CONTENT_TYPE
 
     class Server(ThreadingHTTPServer):
-        slots = threading.BoundedSemaphore(METRICS_MAX_CONNECTIONS)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.slots = threading.BoundedSemaphore(METRICS_MAX_CONNECTIONS)
+            self.refused = 0    # connections closed unanswered at the cap
+            self.cut_off = 0    # connections closed at their deadline
+            self._logged_at = -_METRICS_LOG_EVERY_S
+            self._logged_refused = 0
+            # One thread enforces every connection's deadline (not a timer each: the
+            # threads a hostile peer can make the role hold stay bounded as they were).
+            self._deadlines: dict[Any, float] = {}
+            self._closing = False
+            self._wake = threading.Condition()
+            threading.Thread(target=self._enforce_deadlines, name="metrics deadlines",
+                             daemon=True).start()
 
         def process_request(self, request: Any, client_address: Any) -> None:
             if not self.slots.acquire(blocking=False):
                 self.shutdown_request(request)
+                self._note_refused(client_address)
                 return
             try:
                 super().process_request(request, client_address)   # starts its thread
@@ -151,11 +172,45 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> A
                 self.slots.release()
                 raise
 
+        def _note_refused(self, client_address: Any) -> None:
+            self.refused += 1   # only the serve_forever thread refuses
+            now = time.monotonic()
+            if now - self._logged_at >= _METRICS_LOG_EVERY_S:
+                log.warning("metrics port: refused %d connection(s) since the last warning, "
+                            "the latest from %s: %d are open (each for at most %g s)",
+                            self.refused - self._logged_refused,
+                            client_address[0] if client_address else "?",
+                            METRICS_MAX_CONNECTIONS, METRICS_TIMEOUT_S)
+                self._logged_at, self._logged_refused = now, self.refused
+
         def process_request_thread(self, request: Any, client_address: Any) -> None:
+            with self._wake:
+                self._deadlines[request] = time.monotonic() + METRICS_TIMEOUT_S
+                self._wake.notify()
             try:
                 super().process_request_thread(request, client_address)
             finally:
+                with self._wake:
+                    self._deadlines.pop(request, None)
                 self.slots.release()
+
+        def _enforce_deadlines(self) -> None:
+            with self._wake:
+                while not self._closing:
+                    now = time.monotonic()
+                    for request in [r for r, t in self._deadlines.items() if t <= now]:
+                        del self._deadlines[request]
+                        self.cut_off += 1
+                        with contextlib.suppress(OSError):   # wakes the handler's recv
+                            request.shutdown(socket.SHUT_RDWR)
+                    soonest = min(self._deadlines.values(), default=None)
+                    self._wake.wait(None if soonest is None else soonest - now)
+
+        def server_close(self) -> None:
+            with self._wake:
+                self._closing = True
+                self._wake.notify()
+            super().server_close()
 
     class Handler(BaseHTTPRequestHandler):
         timeout = METRICS_TIMEOUT_S
@@ -205,7 +260,11 @@ async def _serve(role: Any, args: argparse.Namespace,
     supervisor = getattr(role, "supervisor", None)   # stream_persia.core.supervisor
     code = 0
     try:
-        serve_metrics(args.metrics_port, args.host, role.metrics.render)
+        httpd = serve_metrics(args.metrics_port, args.host, role.metrics.render)
+        if httpd is not None:
+            role.metrics.add_callback(
+                "metrics_port", lambda: {"refused": httpd.refused, "cut_off": httpd.cut_off},
+                counters={"refused", "cut_off"})
         write_ready_file(args.ready_file, role.address)
         if stop is None:
             stop = stop_signals()

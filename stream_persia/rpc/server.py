@@ -11,7 +11,8 @@ Who may connect, and for how long (every bound is counted in :meth:`RpcServer.st
   to 1 KiB. Without a secret the server binds loopback only.
 - At most ``max_connections`` connections are open; one more is answered with a
   ``PeerUnavailable`` frame and closed (``connections_refused``), unless a connection is
-  still in its handshake: the oldest such one is closed to make room (``auth_refused``),
+  still in its handshake: the oldest such one is closed to make room, with a retriable
+  ``PeerUnavailable`` (``connections_refused``),
   so strangers cannot keep every slot taken; authenticated ones are never displaced.
 - A connection with no request in flight and none received for ``idle_timeout_s`` is
   sent a *goaway* frame (``idle_closed``): the client opens a new connection for its next
@@ -20,8 +21,8 @@ Who may connect, and for how long (every bound is counted in :meth:`RpcServer.st
   ``GOAWAY_GRACE_S`` later.
 - A peer that stops reading its replies is held back by TCP (at most
   ``max_in_flight_per_conn`` replies queue per connection, error replies included); one
-  that reads too little of them to drain the write buffer within ``idle_timeout_s`` is
-  aborted (``write_stalled``).
+  that takes no bytes of them for ``idle_timeout_s`` (checked every second) is aborted
+  (``write_stalled``); a slow but steady reader is not.
 
 Size: one module past 500 lines on purpose: one protocol role, the server end of the
 RPC (one module per role, as aiokafka does). The bounds above all act on the one
@@ -37,6 +38,7 @@ import contextlib
 import inspect
 import logging
 import math
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -74,6 +76,14 @@ CONNECTION_COUNTERS = frozenset({"connections", "connections_refused", "auth_ref
 _LOG_EVERY_S = 10.0
 #: how long a connection refused over the cap stays half-open for its reason to be read
 _REFUSED_LINGER_S = 1.0
+#: how often a paused writer checks that its peer still takes bytes (see ``_drain``)
+_DRAIN_SLICE_S = 1.0
+try:   # the kernel's unsent bytes of a socket (Linux); elsewhere the write buffer only
+    import fcntl
+    import termios
+    _OUTQ: int | None = termios.TIOCOUTQ
+except (ImportError, AttributeError):
+    _OUTQ = None
 
 
 @dataclass(frozen=True)
@@ -414,10 +424,13 @@ class RpcServer:
             return False
         oldest = min(strangers, key=lambda c: c.accepted_at)
         self._conns.discard(oldest)   # its reader ends once the transport is closed
-        self._refuse(oldest, AuthError(
+        # Not an AuthError: the displaced one may well hold the secret (two roles
+        # connecting at once at the cap), and a PeerUnavailable is what clients retry.
+        self._refuse(oldest, PeerUnavailable(
             f"{self.name} has max_connections={self._conn_limits.max_connections} open "
-            f"and closed the connection from {oldest.peer}, which had not authenticated, "
-            "for a newer one", field=auth.SETTING, hint=auth.SAME_SECRET_HINT))
+            f"and closed the connection from {oldest.peer}, which had not authenticated "
+            "yet, for a newer one", field="max_connections",
+            hint="retry later, or raise rpc.max_connections"), counter="connections_refused")
         asyncio.get_running_loop().call_later(_REFUSED_LINGER_S, oldest.proto.abort)
         return True
 
@@ -486,10 +499,12 @@ class RpcServer:
         except WireError:   # over the handshake's limits, or undecodable
             return None     # not a handshake message: check_hello / check_proof refuse it
 
-    def _refuse(self, conn: _Conn, err: AuthError) -> None:
+    def _refuse(self, conn: _Conn, err: AuthError | PeerUnavailable,
+                counter: str = "auth_refused") -> None:
         """Answer a failed handshake with ``err`` and close the connection."""
-        self._counters["auth_refused"] += 1
-        self._warn.warning("auth", "%s: refused the connection from %s: %s", self.name,
+        self._counters[counter] += 1
+        self._warn.warning("auth" if counter == "auth_refused" else "cap",
+                           "%s: refused the connection from %s: %s", self.name,
                            conn.peer, err.message)
         self._reply_now(conn, framing.error_reply(None, err))
         conn.proto.close()
@@ -607,28 +622,64 @@ class RpcServer:
             conn.slots.release()
 
     async def _drain(self, conn: _Conn) -> None:
-        """Wait until ``conn`` takes our replies; a peer that takes too little of them to
-        drain its write buffer within ``idle_timeout_s`` is aborted (``write_stalled``):
-        a client that stopped reading would otherwise hold its connection, and every
-        reply queued on it, for as long as it stays connected."""
+        """Wait until ``conn`` takes our replies; a peer that takes none of them for
+        ``idle_timeout_s`` is aborted (``write_stalled``): a client that stopped reading
+        would otherwise hold its connection, and every reply queued on it, for as long as
+        it stays connected. What counts is progress, not the total time: a peer that
+        reads a large reply slowly but steadily is not aborted however long it takes."""
         if not conn.proto.write_paused:   # the common case: no timer
             with contextlib.suppress(ConnectionError):
                 await conn.proto.drain()
             return
         timeout_s = self._conn_limits.idle_timeout_s
-        try:
-            await wait_bounded(conn.proto.drain(),
-                               timeout_s if math.isfinite(timeout_s) else None)
-        except ConnectionError:
+        if not math.isfinite(timeout_s):
+            with contextlib.suppress(ConnectionError):
+                await conn.proto.drain()
             return
-        except TimeoutError:
-            self._counters["write_stalled"] += 1
-            self._warn.warning("stall", "%s: aborted the connection from %s: it read too "
-                               "little of its replies for %g s (idle_timeout_s) with %d "
-                               "bytes queued", self.name, conn.peer, timeout_s,
-                               conn.proto.transport.get_write_buffer_size()
-                               if conn.proto.transport is not None else 0)
-            conn.proto.abort()
+        loop = asyncio.get_running_loop()
+        slice_s = min(_DRAIN_SLICE_S, timeout_s)
+        last = self._write_backlog(conn)
+        progress_at = loop.time()
+        drained = asyncio.ensure_future(conn.proto.drain())   # one waiter, polled
+        try:
+            while True:
+                done, _ = await asyncio.wait({drained}, timeout=slice_s)
+                if done:
+                    if not drained.cancelled():
+                        with contextlib.suppress(ConnectionError):
+                            drained.result()
+                    return
+                now = loop.time()
+                backlog = self._write_backlog(conn)
+                if backlog < last:   # the peer took some bytes; a newer reply may add some
+                    progress_at = now
+                last = backlog
+                if now - progress_at >= timeout_s:
+                    break
+        finally:
+            drained.cancel()
+        self._counters["write_stalled"] += 1
+        self._warn.warning("stall", "%s: aborted the connection from %s: it read none of "
+                           "its replies for %g s (idle_timeout_s) with %d bytes queued",
+                           self.name, conn.peer, timeout_s, last)
+        conn.proto.abort()
+
+    @staticmethod
+    def _write_backlog(conn: _Conn) -> int:
+        """Bytes of replies ``conn``'s peer has not taken yet: our write buffer, and the
+        kernel's send queue (Linux ``SIOCOUTQ``): the write buffer alone moves only when
+        the kernel wakes the writer, after half of a send buffer of megabytes drained, so
+        a slow reader would show no progress for seconds at a time."""
+        transport = conn.proto.transport
+        if transport is None:
+            return 0
+        size = transport.get_write_buffer_size()
+        sock = transport.get_extra_info("socket")
+        if sock is not None and _OUTQ is not None:
+            with contextlib.suppress(OSError, ValueError):
+                size += int.from_bytes(fcntl.ioctl(sock.fileno(), _OUTQ, bytes(4)),
+                                       sys.byteorder, signed=True)
+        return size
 
     async def _serve(self, conn: _Conn, req: framing.Request, handler: Handler) -> None:
         stats = self._stats[req.method]

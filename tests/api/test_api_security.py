@@ -135,7 +135,12 @@ async def test_a_json_key_given_twice_is_refused_not_last_one_wins():
                 ("/v1/model/reload",
                  b'{"checkpoint": "../../etc", "checkpoint": "ckpt-x"}', "body.checkpoint"),
                 ("/v1/embeddings/configure", b'{"admit_probability": NaN}', "body"),
-                ("/v1/embeddings/configure", b'{"weight_bound": Infinity}', "body")):
+                ("/v1/embeddings/configure", b'{"weight_bound": Infinity}', "body"),
+                # JSON's grammar allows it, but json.loads reads it as inf (ttl_s has
+                # no upper bound, so the body model alone took it: an endless TTL)
+                ("/v1/embeddings/configure", b'{"policies": {"user": {"ttl_s": 1e999}}}',
+                 "body.policies.user.ttl_s"),
+                ("/v1/embeddings/configure", b'[-1e999]', "body.0")):
             r = await post(url, content=body, headers=json_)
             assert r.status_code == 422, (body, r.status_code, r.text)
             err = r.json()["error"]
@@ -170,3 +175,37 @@ async def test_connections_that_never_complete_a_request_head_are_closed():
             assert (await api.client.get("/healthz")).status_code == 200
         finally:
             sweep.cancel()
+
+
+async def test_close_stalled_stands_down_on_a_uvicorn_without_its_internals(caplog):
+    """close_stalled reads uvicorn's per-connection ``cycle`` (pyproject pins only
+    uvicorn>=0.29). On a uvicorn without it, every connection used to look stalled and
+    was closed, requests in flight included; now the sweep logs an error once and stops.
+    The stand-in is a real server on a real socket whose protocol (like such a uvicorn's)
+    has a transport but no ``cycle``."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from stream_persia.api.server import close_stalled
+
+    class Bare(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+            conns.add(self)
+
+    conns: set = set()
+    tcp = await asyncio.get_running_loop().create_server(Bare, "127.0.0.1", 0)
+    port = tcp.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        stand_in = SimpleNamespace(server_state=SimpleNamespace(connections=conns))
+        with caplog.at_level(logging.ERROR, logger="stream_persia.api.server"):
+            await asyncio.wait_for(close_stalled(stand_in, 0.2), 3)   # returns: stood down
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "'cycle'" in errors[0].getMessage(), errors
+        (conn,) = conns
+        assert not conn.transport.is_closing()     # left alone
+    finally:
+        writer.close()
+        tcp.close()

@@ -118,6 +118,9 @@ async def test_parameter_server_alias_serves_rpc_and_http_metrics_and_drains(tmp
         metrics = await asyncio.to_thread(scrape, port)
         assert metrics['persia_embedding_server_requests_total'] >= 1
         assert "persia_embedding_server_store_lookups_total" in metrics
+        # the metrics port counts its own refusals and cut-off connections
+        assert metrics["persia_embedding_server_metrics_port_refused_total"] == 0
+        assert metrics["persia_embedding_server_metrics_port_cut_off_total"] == 0
     finally:
         code = await asyncio.to_thread(role.stop)
     assert code == 0, role.log_tail()
