@@ -147,7 +147,6 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> A
 
     class Server(ThreadingHTTPServer):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
             self.slots = threading.BoundedSemaphore(METRICS_MAX_CONNECTIONS)
             self.refused = 0    # connections closed unanswered at the cap
             self.cut_off = 0    # connections closed at their deadline
@@ -158,6 +157,8 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> A
             self._deadlines: dict[Any, float] = {}
             self._closing = False
             self._wake = threading.Condition()
+            # Set first: a port that cannot be bound calls server_close from here.
+            super().__init__(*args, **kwargs)
             threading.Thread(target=self._enforce_deadlines, name="metrics deadlines",
                              daemon=True).start()
 
