@@ -42,7 +42,7 @@ from stream_persia.core.data import (
 )
 from stream_persia.errors import BadInput
 
-__all__ = ["JSON_TYPES", "MSGPACK_TYPES", "parse_json", "parse_msgpack", "check_batch",
+__all__ = ["JsonObject", "reject_constant", "JSON_TYPES", "MSGPACK_TYPES", "parse_json", "parse_msgpack", "check_batch",
            "signature"]
 
 JSON_TYPES = ("application/json",)
@@ -121,7 +121,7 @@ def _dense(name: str, rows: Any, batch_size: int, maybe_bools: bool) -> NonIDTyp
 def parse_json(body: bytes, schema: EmbeddingSchema | None, max_rows: int) -> PersiaBatch:
     """Parse and validate a JSON inference request."""
     try:
-        doc = json.loads(body, parse_constant=_reject_constant, object_pairs_hook=_Object)
+        doc = json.loads(body, parse_constant=reject_constant, object_pairs_hook=JsonObject)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadInput(f"body is not valid JSON: {e}", field="body") from None
     except RecursionError:
@@ -172,7 +172,7 @@ def parse_json(body: bytes, schema: EmbeddingSchema | None, max_rows: int) -> Pe
 #: as "false_click_rate": only then are the non-ID values scanned for booleans.
 _JSON_BOOL = re.compile(rb"[\[,:]\s*(?:true|false)\b")
 
-class _Object(dict):
+class JsonObject(dict):
     """A JSON object that remembers the first key it was given twice (``json.loads``
     keeps the last value of such a key without a word)."""
 
@@ -197,7 +197,8 @@ def _once(obj: Any, prefix: str) -> None:
                        hint="name each feature once")
 
 
-def _reject_constant(name: str) -> Any:
+def reject_constant(name: str) -> Any:
+    """``json.loads``'s ``parse_constant``: NaN and Infinity are not JSON."""
     raise BadInput(f"body holds {name}, which is not JSON", field="body",
                    hint="send finite numbers")
 

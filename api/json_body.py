@@ -19,31 +19,11 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from stream_persia.api.errors import BadJson
+from stream_persia.api.features import JsonObject, reject_constant
 
 from stream_persia.errors import BadInput
 
 __all__ = ["StrictJsonRoute", "loads"]
-
-
-class _Object(dict):
-    """A JSON object that remembers the first key it was given twice."""
-
-    twice: str | None = None
-
-    def __init__(self, pairs: list[tuple[str, Any]]):
-        super().__init__(pairs)
-        if len(self) != len(pairs):
-            seen: set[str] = set()
-            for key, _ in pairs:
-                if key in seen:
-                    self.twice = key
-                    break
-                seen.add(key)
-
-
-def _reject_constant(name: str) -> Any:
-    raise BadInput(f"body holds {name}, which is not JSON", field="body",
-                   hint="send finite numbers")
 
 
 def loads(body: bytes) -> Any:
@@ -54,11 +34,11 @@ def loads(body: bytes) -> Any:
         BadInput: naming the dotted field (``body.optimizer.lr``).
         json.JSONDecodeError, UnicodeDecodeError, RecursionError: as ``json.loads``.
     """
-    doc = json.loads(body, object_pairs_hook=_Object, parse_constant=_reject_constant)
+    doc = json.loads(body, object_pairs_hook=JsonObject, parse_constant=reject_constant)
     stack: list[tuple[Any, str]] = [(doc, "body")]
     while stack:   # iterative: a deeply nested body must not recurse here
         node, path = stack.pop()
-        if isinstance(node, _Object):
+        if isinstance(node, JsonObject):
             if node.twice is not None:
                 field = f"{path}.{node.twice}"
                 raise BadInput(f"{field}: given twice in one object (JSON parsers disagree "
