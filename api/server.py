@@ -65,6 +65,8 @@ async def close_stalled(server: Any, timeout_s: float = HEAD_TIMEOUT_S) -> None:
         await asyncio.sleep(tick)
         seen: dict[Any, tuple[Any, int]] = {}
         for conn in list(server.server_state.connections):
+            if not type(conn).__module__.startswith("uvicorn.protocols.http"):
+                continue   # a WebSocket upgrade under way (no request cycle): not ours
             missing = _missing_internals(conn)
             if missing:
                 # Without them every connection would look idle, and requests in flight

@@ -207,6 +207,13 @@ def serve_metrics(port: int | None, host: str, render: Callable[[], bytes]) -> A
                     soonest = min(self._deadlines.values(), default=None)
                     self._wake.wait(None if soonest is None else soonest - now)
 
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            # A connection cut off at its deadline (or dropped by its peer) fails the
+            # handler's write: counted in cut_off, not a traceback per connection.
+            if isinstance(sys.exc_info()[1], OSError):
+                return
+            super().handle_error(request, client_address)
+
         def server_close(self) -> None:
             with self._wake:
                 self._closing = True

@@ -65,7 +65,8 @@ RPC methods (params → result):
 - ``status`` → buffers, counters, frontier offsets, ``watermarks`` (stage → event time
   or None: ``ingested``, with Kafka ``produced``, on replica 0 ``trained``:
   :mod:`stream_persia.core.stages`), and with Kafka ``kafka_lag`` (``[{"topic",
-  "partition", "messages", "seconds"}]``, :mod:`stream_persia.worker.kafka_lag`) and
+  "partition", "messages", "seconds", "probe_age_s"}]``,
+  :mod:`stream_persia.worker.kafka_lag`) and
   ``kafka``: lag, paused
   partitions, those stopped on a data loss (``stopped``) and the messages lost where the
   loss was accepted (``lost_messages``; :meth:`KafkaIngest.status`);

@@ -194,6 +194,7 @@ async def test_close_stalled_stands_down_on_a_uvicorn_without_its_internals(capl
             self.transport = transport
             conns.add(self)
 
+    Bare.__module__ = "uvicorn.protocols.http.future_impl"   # an HTTP protocol of its
     conns: set = set()
     tcp = await asyncio.get_running_loop().create_server(Bare, "127.0.0.1", 0)
     port = tcp.sockets[0].getsockname()[1]
@@ -206,6 +207,39 @@ async def test_close_stalled_stands_down_on_a_uvicorn_without_its_internals(capl
         assert len(errors) == 1 and "'cycle'" in errors[0].getMessage(), errors
         (conn,) = conns
         assert not conn.transport.is_closing()     # left alone
+    finally:
+        writer.close()
+        tcp.close()
+
+
+async def test_close_stalled_goes_on_past_a_websocket_upgrade():
+    """A WebSocket upgrade under way (uvicorn[standard] brings websockets) sits in the
+    server's connections without a request cycle: the sweep skips it and goes on (it
+    took it for a uvicorn it did not know and stopped for good, so a flood of upgrade
+    requests switched off the closing of stalled connections)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from stream_persia.api.server import close_stalled
+
+    class Upgrading(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+            conns.add(self)
+
+    Upgrading.__module__ = "uvicorn.protocols.websockets.websockets_sansio_impl"
+    conns: set = set()
+    tcp = await asyncio.get_running_loop().create_server(Upgrading, "127.0.0.1", 0)
+    port = tcp.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        stand_in = SimpleNamespace(server_state=SimpleNamespace(connections=conns))
+        sweep = asyncio.ensure_future(close_stalled(stand_in, 0.2))
+        await asyncio.sleep(1.0)
+        assert not sweep.done(), "the sweep stopped"
+        (conn,) = conns
+        assert not conn.transport.is_closing()
+        sweep.cancel()
     finally:
         writer.close()
         tcp.close()
