@@ -238,7 +238,11 @@ def test_forward_only_batches_kept_at_a_pause_are_dropped_by_a_restore(
                                  max_batches=8, timeout_ms=5_000):
                 replayed.append(tb.meta)
                 step(ctx, tb)
-    assert first == [f"batch-{i}".encode() for i in range(6)]
+    # The cut at batch 4 hands the prefetched training batches back to the worker and
+    # keeps forward-only ones already fetched: those are served first (they train nothing,
+    # so training order holds; see the README).
+    assert first[:4] == [f"batch-{i}".encode() for i in range(4)]
+    assert len(first) == 6 and set(first[4:]) <= {f"batch-{i}".encode() for i in range(4, 8)}
     assert replayed == [f"batch-{i}".encode() for i in range(4, 12)]
 
 
