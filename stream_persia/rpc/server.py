@@ -627,12 +627,8 @@ class RpcServer:
         would otherwise hold its connection, and every reply queued on it, for as long as
         it stays connected. What counts is progress, not the total time: a peer that
         reads a large reply slowly but steadily is not aborted however long it takes."""
-        if not conn.proto.write_paused:   # the common case: no timer
-            with contextlib.suppress(ConnectionError):
-                await conn.proto.drain()
-            return
         timeout_s = self._conn_limits.idle_timeout_s
-        if not math.isfinite(timeout_s):
+        if not conn.proto.write_paused or not math.isfinite(timeout_s):   # no timer
             with contextlib.suppress(ConnectionError):
                 await conn.proto.drain()
             return
