@@ -347,7 +347,8 @@ class EmbeddingWorker:
         self.ingested_mark: float | None = None
         m.registry.register(StageCollector(self.watermarks))
         if self.mailbox is not None:
-            m.registry.register(NnRelayCollector(self.mailbox.relay))
+            m.registry.register(NnRelayCollector(self.mailbox.relay,
+                                                 self.mailbox.heartbeat_age))
 
     def _kafka_stats(self) -> dict[str, float]:
         """The current ingest's statistics, its counts added to those of retired ones."""

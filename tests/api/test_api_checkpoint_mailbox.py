@@ -122,6 +122,31 @@ async def test_heartbeats_tell_a_stepping_rank_from_a_waiting_or_a_living_one():
     assert status["attached"] and status["stepping"]
 
 
+async def test_the_heartbeat_age_counts_from_the_start_until_a_heartbeat_comes():
+    """``persia_nn_heartbeat_age_seconds`` exists from worker 0's start: a worker that
+    never hears from NN rank 0 (restarted while the ranks are gone) ages, so
+    ``PersiaNNHeartbeatStale`` can fire; a heartbeat resets it, and it ages again after."""
+    from stream_persia.worker.nn_relay import NnRelayCollector
+
+    clock = Clock()
+    box = CheckpointMailbox(clock, checkpoint_root=ROOT)
+    collector = NnRelayCollector(box.relay, box.heartbeat_age)
+
+    def ages() -> list[float]:
+        return [s.value for f in collector.collect() for s in f.samples
+                if s.name == "persia_nn_heartbeat_age_seconds"]
+
+    assert ages() == [0.0]
+    clock.now += 300
+    assert ages() == [300.0] and box.relay() is None
+    await box.nn_heartbeat({"rank": 0, "world_size": 1, "step": 1})
+    assert ages() == [0.0]
+    clock.now += 130
+    assert ages() == [130.0]
+    await box.nn_heartbeat({"rank": 0, "world_size": 1, "step": 2, "waiting": True})
+    assert ages() == [130.0]     # liveness only: a stuck step keeps ageing
+
+
 async def _aiter_value(value):
     return value
 

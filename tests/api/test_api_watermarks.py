@@ -105,7 +105,12 @@ async def test_no_sample_before_any_watermark(job):
     assert all(marks[s] is None for s in ("produced", "ingested", "trained", "applied",
                                           "served"))
     assert "persia_stage_event_time_seconds" not in text
-    assert "persia_nn_heartbeat_age_seconds" not in text
+    assert "persia_nn_progressive" not in text
+    # No heartbeat yet: the age counts from worker 0's start (it must age, or a worker
+    # that never hears from an NN rank could not fire PersiaNNHeartbeatStale).
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    age = families["persia_nn_heartbeat_age_seconds"].samples
+    assert len(age) == 1 and 0 <= age[0].value < 600
 
 
 @pytest.mark.parametrize("extra, field", [
