@@ -46,7 +46,9 @@ def progressive_figures(state: list[dict[str, Any]], window: int) -> dict[str, A
         merged = summarize([task])
         fig = {k: (float(merged[k]) if merged.get(k) is not None
                    and math.isfinite(merged[k]) else None) for k in FIGURES}
-        out[task["name"]] = {"window": int(window), "samples": int(merged["samples"]), **fig}
+        out[task["name"]] = {"window": int(window), "samples": int(merged["samples"]),
+                             "skipped": int(merged["skipped"]),
+                             "not_probabilities": int(merged["not_probabilities"]), **fig}
     return out
 
 

@@ -30,7 +30,10 @@ Worker 0 exports them (:class:`NnRelayCollector`): ``persia_nn_progressive_auc_r
 ``persia_nn_progressive_ne_ratio{task,window}``, ``persia_nn_progressive_calibration_ratio
 {task,window}``, ``persia_nn_progressive_log_loss_nats{task,window}`` (``window`` =
 ``windowed`` | ``lifetime``), ``persia_nn_progressive_samples_total{task}`` and
-``persia_nn_heartbeat_age_seconds``; ``periodic`` as ``persia_nn_periodic_checkpoints_total
+``persia_nn_heartbeat_age_seconds``, with ``persia_nn_progressive_skipped_samples_total
+{task}`` and ``persia_nn_progressive_not_probability_samples_total{task}`` (from the first of
+these, a model whose outputs are logits, the task's figures are None and the quality alerts
+cannot fire: ``PersiaProgressiveValidationOff`` says so); ``periodic`` as ``persia_nn_periodic_checkpoints_total
 {outcome}`` (``taken`` | ``skipped`` | ``failed`` | ``compacted`` | ``compaction_failed``),
 ``persia_nn_periodic_checkpoint_last_step``,
 ``persia_nn_periodic_checkpoint_last_timestamp_seconds``,
@@ -65,12 +68,14 @@ MAX_TASK_CHARS = 128
 #: The float figures of one task.
 FIGURES = ("auc", "ne", "lifetime_ne", "calibration", "lifetime_calibration", "log_loss",
            "lifetime_log_loss")
-_COUNTS = ("window", "samples")
+_COUNTS = ("window", "samples", "skipped", "not_probabilities")
 
 
 class TaskFigures(TypedDict, total=False):
     window: int
     samples: int
+    skipped: int
+    not_probabilities: int
     auc: float | None
     ne: float | None
     lifetime_ne: float | None
@@ -220,6 +225,14 @@ class NnRelayCollector(Collector):
                                 "AUC of NN rank 0", labels=["task"])
         samples = CounterMetricFamily("persia_nn_progressive_samples", "samples NN rank 0 "
                                       "scored before learning from them", labels=["task"])
+        skipped = CounterMetricFamily("persia_nn_progressive_skipped_samples",
+                                      "samples of NN rank 0 left out of the progressive "
+                                      "figures (prediction not in [0, 1] or label not 0/1)",
+                                      labels=["task"])
+        outside = CounterMetricFamily("persia_nn_progressive_not_probability_samples",
+                                      "finite predictions of NN rank 0 outside [0, 1] "
+                                      "(logits?): the task's figures are off from the first",
+                                      labels=["task"])
         windowed = {name: GaugeMetricFamily(
             f"persia_nn_progressive_{name}", f"progressive {name} of NN rank 0",
             labels=["task", "window"]) for name, _, _ in _WINDOWED}
@@ -228,12 +241,16 @@ class NnRelayCollector(Collector):
                 auc.add_metric([task], fig["auc"])   # type: ignore[arg-type]
             if fig.get("samples") is not None:
                 samples.add_metric([task], float(fig["samples"]))
+            if fig.get("skipped") is not None:
+                skipped.add_metric([task], float(fig["skipped"]))
+            if fig.get("not_probabilities") is not None:
+                outside.add_metric([task], float(fig["not_probabilities"]))
             for name, w_key, l_key in _WINDOWED:
                 for window, key in (("windowed", w_key), ("lifetime", l_key)):
                     value = fig.get(key)
                     if value is not None:
                         windowed[name].add_metric([task, window], value)   # type: ignore[arg-type]
-        for fam in (auc, samples, *windowed.values()):
+        for fam in (auc, samples, skipped, outside, *windowed.values()):
             if fam.samples:
                 yield fam
 

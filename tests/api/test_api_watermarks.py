@@ -7,6 +7,7 @@ a bad heartbeat is refused naming the field; a real TrainCtx relays its figures.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import numpy as np
@@ -133,14 +134,23 @@ async def test_a_bad_heartbeat_is_refused_naming_the_field(job, extra, field):
     assert await worker.call("nn_status") is None    # nothing recorded
 
 
-def _train_stamped(worker: str) -> TrainCtx:
-    model = Click(seed=3)
+class _Logits(Click):
+    """Click's output stretched past [0, 1] (logits, as a BCEWithLogitsLoss model gives)."""
+
+    def forward(self, *args):
+        return super().forward(*args) * 8 - 4
+
+
+def _train_stamped(worker: str, logits: bool = False) -> TrainCtx:
+    model = _Logits(seed=3) if logits else Click(seed=3)
     ctx = TrainCtx(SGD(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.05), model=model,
                    embedding_workers=[worker], mixed_precision=False, ready_timeout_s=10)
+    loss = (torch.nn.functional.binary_cross_entropy_with_logits if logits
+            else torch.nn.functional.binary_cross_entropy)
     with ctx:
         for tb in DataLoader(StreamingDataset(), embedding_staleness=2, timeout_ms=300):
             output, labels = ctx.forward(tb)
-            ctx.backward(torch.nn.functional.binary_cross_entropy(output, labels[0]))
+            ctx.backward(loss(output, labels[0]))
     return ctx
 
 
@@ -166,6 +176,29 @@ async def test_nn_rank_0_relays_trained_and_its_progressive_figures(job):
               for f in text_string_to_metric_families(text) for s in f.samples}
     assert values[("persia_stage_event_time_seconds", (("stage", "trained"),))] == T0 + 5
     assert values[("persia_nn_progressive_samples_total", (("task", "task0"),))] == 96
+    assert values[("persia_nn_progressive_not_probability_samples_total",
+                   (("task", "task0"),))] == 0
+
+
+async def test_a_model_outputting_logits_says_its_progressive_figures_are_off(job):
+    """Logits switch a task's progressive figures off (they would be figures of a biased
+    subset): worker 0 exports how many predictions were outside [0, 1], so
+    ``PersiaProgressiveValidationOff`` fires instead of every quality alert going quiet."""
+    worker = job.client(job.workers[0].address)
+    for i in range(4):
+        await worker.call("ingest", {"batch": make_batch(i).stamped(T0 + i).to_wire()})
+    ctx = await asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(_train_stamped, job.workers[0].address, logits=True))
+    assert ctx.steps == 4
+    got = (await worker.call("nn_status"))["progressive"]["task0"]
+    assert got["auc"] is None and got["not_probabilities"] > 0
+    assert got["skipped"] >= got["not_probabilities"]
+    text = (await worker.call("metrics")).decode()
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(text) for s in f.samples}
+    key = ("persia_nn_progressive_not_probability_samples_total", (("task", "task0"),))
+    assert values[key] == got["not_probabilities"]
+    assert ("persia_nn_progressive_auc_ratio", (("task", "task0"),)) not in values
 
 
 async def test_a_serving_replica_exports_the_served_stage(tmp_path):
