@@ -235,6 +235,12 @@ class CheckpointingConfig(_Section):
                   hint="with enable_incremental_update, compact a periodic chain into a new "
                        "base in the background once it has this many patches, e.g. 4; "
                        "null (or no key): never")
+        if self.periodic_dir is not None and self.periodic_dir.startswith("~"):
+            # No shell expands it: os.path.abspath made it ./~/... under the NN rank's
+            # working directory, outside the checkpoint root, and every periodic
+            # checkpoint failed (logged) while training went on.
+            raise error("periodic_dir", f"{self.periodic_dir!r} starts with ~, which is not "
+                        "expanded in a config file", "write the absolute path")
         if self.periodic_dir is not None and "::" in self.periodic_dir:
             raise error("periodic_dir", f"{self.periodic_dir!r} is a chained URL",
                         "give the storage URL itself")

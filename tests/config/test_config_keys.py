@@ -83,7 +83,7 @@ READ: dict[str, list[tuple[str, str]]] = {
     "embedding_worker_config.rpc_timeout_ms": [
         (LAUNCH, r"wc\.rpc_timeout_ms"),
         (API_SETTINGS, r"embedding_worker_config\.rpc_timeout_ms")],
-    "kafka.bootstrap_servers": [(KAFKA_CONFIG, r"return kafka\.bootstrap_servers"),
+    "kafka.bootstrap_servers": [(KAFKA_CONFIG, r"in_file = kafka\.bootstrap_servers"),
                                 (CONSUMER, r"config_servers\(kafka")],
     "kafka.job_name": [(CONSUMER, r"kafka\.job_name")],
     "kafka.samples_topic": [(CONSUMER, r"kafka\.samples_topic"),
@@ -106,7 +106,7 @@ READ: dict[str, list[tuple[str, str]]] = {
     "kafka.startup_timeout_ms": [(CONSUMER, r"kafka\.startup_timeout_ms / 1000")],
     "kafka.broker_timeout_ms": [(CONSUMER, r"kafka\.broker_timeout_ms / 1000")],
     "kafka.enable_idempotence": [
-        (KAFKA_CONFIG, r"def resolve_idempotence[\s\S]*return kafka\.enable_idempotence"),
+        (KAFKA_CONFIG, r"def resolve_idempotence[\s\S]*in_file = kafka\.enable_idempotence"),
         (PRODUCER, r"resolve_idempotence\(kafka\)"),
         ("stream_persia/kafka/dlq.py", r"resolve_idempotence\(kafka\)"),
         ("stream_persia/kafka/updates.py", r"resolve_idempotence\(gc\.kafka\)"),
