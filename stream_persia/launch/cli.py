@@ -104,9 +104,10 @@ def _add_checkpoint_root(p: argparse.ArgumentParser, what: str) -> None:
 
 def _add_configs(p: argparse.ArgumentParser) -> None:
     """The config paths and log level every role takes (PERSIA's variables)."""
-    p.add_argument("--embedding-config", default=os.environ.get("PERSIA_EMBEDDING_CONFIG"),
+    p.add_argument("--embedding-config",
+                   **flags.env("PERSIA_EMBEDDING_CONFIG", flags.path, None),
                    help="embedding_config.yml (env PERSIA_EMBEDDING_CONFIG)")
-    p.add_argument("--global-config", default=os.environ.get("PERSIA_GLOBAL_CONFIG"),
+    p.add_argument("--global-config", **flags.env("PERSIA_GLOBAL_CONFIG", flags.path, None),
                    help="global_config.yml (env PERSIA_GLOBAL_CONFIG)")
     _add_log_level(p, "info")
 
