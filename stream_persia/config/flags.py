@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["integer", "size", "number", "port", "addresses", "path", "topic", "log_level",
+__all__ = ["integer", "size", "number", "port", "addresses", "nonempty", "topic", "log_level",
            "env"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -126,11 +126,12 @@ def addresses(raw: str) -> str:
     return value
 
 
-def path(raw: str) -> str:
-    """A file or directory path, not empty: ``--global-config ""`` (an unset shell
-    variable) used to fall back to the built-in defaults or the environment's file."""
+def nonempty(raw: str) -> str:
+    """A path or name that is not empty: ``--global-config ""`` (an unset shell variable)
+    used to read as "not given", so the built-in defaults or the environment's file were
+    used instead of the one the user meant."""
     if not str(raw).strip():
-        raise argparse.ArgumentTypeError(f"is empty ({raw!r}): name a file, or leave the "
+        raise argparse.ArgumentTypeError(f"is empty ({raw!r}): give a value, or leave the "
                                          "flag out for the default")
     return raw
 

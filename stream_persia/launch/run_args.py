@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedding-staleness", type=SETTINGS_TYPES["embedding_staleness"],
                    default=None,
                    help="batches an NN rank may hold unapplied (>= 1; 1: synchronous)")
-    p.add_argument("--data", "--data-dir", "--data-file", dest="data", default=None,
+    p.add_argument("--data", "--data-dir", "--data-file", dest="data", type=flags.nonempty,
+                   default=None,
                    help="dataset location for topologies that read one")
     replicas = flags.integer(1, 1024)
     p.add_argument("--embedding-servers", type=replicas, default=None, help="replicas (>= 1)")
@@ -88,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nn-workers", type=replicas, default=None,
                    help="NN ranks on this machine (>= 1)")
     p.add_argument("--data-loaders", type=replicas, default=None, help="replicas (>= 1)")
-    p.add_argument("--output-dir", default=None,
+    p.add_argument("--output-dir", type=flags.nonempty, default=None,
                    help="where logs, metrics, the checkpoint and the report go "
                         "(default: runs/<job>-<time>)")
     p.add_argument("--no-api", action="store_true", help="do not start the HTTP API")

@@ -102,6 +102,8 @@ RUN = [
     # or the file decided instead
     (["--kafka", ""], "--kafka"),
     (["--kafka", " , "], "--kafka"),
+    (["--output-dir", ""], "--output-dir"),   # it wrote to runs/<job>-<time> instead
+    (["--data-dir", ""], "--data"),
 ]
 
 
@@ -270,6 +272,10 @@ LAUNCH = [
     (["data-loader", "loader.py", "--embedding-workers", ""], "--embedding-workers"),
     (["api", "--global-config", " "], "--global-config"),
     (["nn-worker", "train.py", "--global-config="], "--global-config"),
+    (["embedding-server", "--checkpoint-root", ""], "--checkpoint-root"),
+    (["embedding-worker", "--ready-file", ""], "--ready-file"),
+    (["api", "--checkpoint-dir", ""], "--checkpoint-dir"),
+    (["api", "--model", ""], "--model"),
 ]
 
 
