@@ -121,6 +121,15 @@ def check_topology(topo: Topology, args: argparse.Namespace) -> None:
     and flags that need a role the topology does not start (ConfigError naming the file
     and key, or the flag)."""
     file = topo.directory / "topology.yml"
+    for key, flag in (("output_dir", "--output-dir"), ("checkpoint_dir", "--output-dir")):
+        if topo.run.get(key) is not None:
+            # run sets PERSIA_OUTPUT_DIR and PERSIA_CKPT_DIR for every role, which win over
+            # the file's value: the results went elsewhere than the file said.
+            raise ConfigError(f"{file}: run.{key}: stream-persia run does not use it (the "
+                              "results and the final checkpoint go under its output "
+                              "directory)", field=f"run.{key}",
+                              hint=f"pass {flag} instead; run.{key} is for running the "
+                                   "scripts on their own")
     for key, parse in SETTINGS_TYPES.items():
         if key in topo.run and getattr(args, key) is None:
             value = topo.run[key]

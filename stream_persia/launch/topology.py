@@ -169,6 +169,17 @@ def load_topology(directory: str | Path) -> Topology:
     for key in ("flag", "default"):
         if key in data and not isinstance(data[key], str):
             raise _err(file, f"data.{key}", f"expected text, got {data[key]!r}")
+    serving = _mapping(file, "serving", top.get("serving"), {"model", "model_kwargs"})
+    model = serving.get("model")
+    if model is not None and not (isinstance(model, str)
+                                  and re.fullmatch(r"[\w.]+:[\w.]+", model.strip())):
+        raise _err(file, "serving.model", f"expected module:Class, got {model!r}",
+                   "e.g. model:DNN, importable with the topology directory on sys.path")
+    kwargs = serving.get("model_kwargs")
+    if kwargs is not None and not (isinstance(kwargs, dict)
+                                   and all(isinstance(k, str) for k in kwargs)):
+        raise _err(file, "serving.model_kwargs", f"expected a mapping of argument names to "
+                   f"values, got {kwargs!r}", "{} builds the model with no arguments")
     run = _mapping(file, "run", top.get("run"))
     unknown = sorted(str(k) for k in set(run) - set(RUN_KEYS))
     if unknown:
@@ -193,7 +204,7 @@ def load_topology(directory: str | Path) -> Topology:
         global_config=str(config.get("global", "global_config.yml")),
         run=run,
         data=data,
-        serving=_mapping(file, "serving", top.get("serving"), {"model", "model_kwargs"}),
+        serving=serving,
         tasks=tuple(tasks),
         gates=tuple(gates))
     for key, rel in (("entry.data_loader", topo.data_loader_entry),

@@ -165,6 +165,11 @@ TOPOLOGY_EDITS = [
     # a misspelt run setting: refused by the scripts only once every role had started
     (("  epochs: 1", "  epoch: 3"), "run.epoch"),
     (("seed: 0", "seed: 0\ndata: {required: 'false'}"), "data.required"),  # a true string
+    # run sets PERSIA_OUTPUT_DIR / PERSIA_CKPT_DIR for every role, over the file's values
+    (("seed: 0", "seed: 0\n  output_dir: /data/results"), "run.output_dir"),
+    (("seed: 0", "seed: 0\n  checkpoint_dir: /data/ckpt"), "run.checkpoint_dir"),
+    (("model_kwargs: {}", "model_kwargs: [64, 32]"), "serving.model_kwargs"),
+    (("model: model:DNN", "model: DNN"), "serving.model"),
 ]
 
 
