@@ -349,6 +349,17 @@ def test_checkpoint_refuses_a_bad_log_level(capsys, argv):
     refused(argv, "--log-level", capsys)
 
 
+@pytest.mark.parametrize("argv", [["checkpoint", "clean", ""], ["checkpoint", "list", " "],
+                                  ["checkpoint", "inspect", ""],
+                                  ["checkpoint", "compact", "ckpt", "--dst="]],
+                         ids=["clean", "list", "inspect", "compact --dst"])
+def test_checkpoint_refuses_an_empty_path(capsys, monkeypatch, tmp_path, argv):
+    # `checkpoint clean "$ROOT"` with ROOT unset cleaned the current directory
+    monkeypatch.chdir(tmp_path)
+    err = refused(argv, "is empty", capsys)
+    assert "argument" in err
+
+
 # ---------------------------------------------------------------------- real processes
 @pytest.mark.parametrize("argv", [
     ["run", TOPOLOGY, "--samples", "abc"],
