@@ -1,11 +1,12 @@
 """On/off environment variables, read strictly.
 
-``STREAM_PERSIA_RPC_UNIX=false`` used to leave the Unix-socket shortcut on (only ``0``
-turned it off), ``STREAM_PERSIA_NO_UVLOOP=false`` turned uvloop *off* (anything but ``0``
-did) and ``STREAM_PERSIA_PURE_PYTHON=true`` picked no twin (only ``1`` did). Each is now
-read by :func:`env_switch`: true/false, 1/0, yes/no, on/off in any case, empty or unset
-for the default, and anything else is a :class:`~stream_persia.errors.ConfigError`
-naming the variable.
+The switches of the Unix-socket shortcut (:mod:`stream_persia.rpc.unix`), of uvloop
+(:mod:`stream_persia.core.aio`) and of the pure-Python twins (:mod:`stream_persia.kernels.
+twins`) each compared against one spelling: ``false`` left the shortcut on (only ``0``
+turned it off), turned uvloop *off* (anything but ``0`` did) and ``true`` picked no twin
+(only ``1`` did). Each is now read by :func:`env_switch`: true/false, 1/0, yes/no, on/off
+in any case, empty or unset for the default, and anything else is a
+:class:`~stream_persia.errors.ConfigError` naming the variable.
 """
 
 from __future__ import annotations
