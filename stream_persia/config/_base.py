@@ -1,5 +1,6 @@
 """Shared machinery of the config loaders: errors that carry a key path, value checks used
-by every ``__post_init__``, the mapping → dataclass builder and the strict YAML reader.
+by every ``__post_init__`` and the mapping → dataclass builder (files are read by
+:mod:`stream_persia.config.files`).
 
 Errors are built in two steps so that every message names the file, the full key path, the
 value received and a fix, whether the config came from a file or from Python:
@@ -17,19 +18,14 @@ import difflib
 import hashlib
 import json
 import numbers
-import os
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
-
-import yaml
 
 from stream_persia.errors import ConfigError
 
 __all__ = ["error", "rescope", "at_source", "describe", "did_you_mean", "build",
            "check_int", "check_bool", "check_str", "check_choice", "check_instance",
-           "check_no_unknown", "parse_addresses", "section_to_dict", "parse_yaml",
-           "read_text", "read_yaml", "canonical_digest", "MAX_YAML_BYTES", "MAX_YAML_VALUES",
-           "MAX_YAML_DEPTH", "YamlBoundError"]
+           "check_no_unknown", "parse_addresses", "section_to_dict", "canonical_digest"]
 
 
 def error(field: str, detail: str, hint: str | None = None) -> ConfigError:
@@ -285,198 +281,6 @@ def section_to_dict(obj: Any, redact: bool, secrets: Collection[str] = ()) -> di
             value = "<redacted>"
         out[f.name] = value
     return out
-
-
-# ---- YAML
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one)."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False):
-    seen: dict[Any, yaml.Node] = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue  # keys merged in with `<<: *anchor` may be overridden on purpose
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            duplicate = key in seen
-        except TypeError:  # unhashable key: let the default constructor report it
-            break
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                "while constructing a mapping", node.start_mark,
-                f"found duplicate key {key!r} (first at line {seen[key].start_mark.line + 1})",
-                key_node.start_mark)
-        seen[key] = key_node
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-#: The most bytes read from one YAML file of a job (a config is kilobytes; this stops a
-#: wrong path such as ``/dev/zero`` or a data file from filling memory).
-MAX_YAML_BYTES = 16 << 20
-#: The most values (scalars, lists and mappings) one YAML document may hold once its
-#: aliases are expanded: ``*name`` shares a node, so ten lines of aliases can stand for a
-#: billion values (the "billion laughs"), which every walk of the data (a ``repr`` in an
-#: error message, a digest) would then expand.
-MAX_YAML_VALUES = 1 << 20
-#: The deepest nesting of lists and mappings accepted (PyYAML recurses per level).
-MAX_YAML_DEPTH = 100
-
-
-class YamlBoundError(yaml.YAMLError):
-    """A YAML document past :data:`MAX_YAML_VALUES` or :data:`MAX_YAML_DEPTH`, or whose
-    alias refers to a node that holds it (its message says which)."""
-
-
-def _check_expansion(root: yaml.Node) -> None:
-    """Refuse a document whose aliases expand it past :data:`MAX_YAML_VALUES` values, that
-    nests deeper than :data:`MAX_YAML_DEPTH`, or whose alias refers to a node that holds
-    it (an endless value). One pass over the distinct nodes (sizes are memoised)."""
-    size: dict[int, int] = {}
-    on_path: set[int] = set()
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    depth = 0
-    while stack:
-        node, done = stack.pop()
-        key = id(node)
-        children: list[yaml.Node] = []
-        if isinstance(node, yaml.SequenceNode):
-            children = list(node.value)
-        elif isinstance(node, yaml.MappingNode):
-            children = [n for pair in node.value for n in pair]
-        if done:
-            on_path.discard(key)
-            depth -= 1
-            total = 1 + sum(size[id(c)] for c in children)
-            if total > MAX_YAML_VALUES:
-                raise YamlBoundError(
-                    f"the document holds more than {MAX_YAML_VALUES} values once its "
-                    f"aliases (*name) are expanded (from line {node.start_mark.line + 1}); "
-                    "a config needs far fewer: write the values out, or remove the aliases")
-            size[key] = total
-            continue
-        if key in size:
-            continue
-        if key in on_path:
-            raise YamlBoundError(
-                f"an alias at or below line {node.start_mark.line + 1} refers to a node that "
-                "contains it: the value would never end")
-        if not children:
-            size[key] = 1
-            continue
-        depth += 1
-        if depth > MAX_YAML_DEPTH:
-            raise YamlBoundError(f"lists and mappings nest more than {MAX_YAML_DEPTH} deep "
-                                 f"(at line {node.start_mark.line + 1})")
-        on_path.add(key)
-        stack.append((node, True))
-        stack.extend((c, False) for c in children if id(c) not in size)
-
-
-def parse_yaml(text: str) -> Any:
-    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the
-    last one silently), and a document whose aliases expand past
-    :data:`MAX_YAML_VALUES` values or that nests past :data:`MAX_YAML_DEPTH`: how every
-    file of a job is read (configs, ``topology.yml``).
-
-    Raises:
-        yaml.YAMLError: invalid YAML, a duplicate key (its message names the key and both
-            lines), or a document past those bounds.
-    """
-    loader = _StrictLoader(text)
-    try:
-        try:
-            node = loader.get_single_node()
-        except RecursionError:   # PyYAML's composer recurses once per nesting level
-            raise YamlBoundError(f"lists and mappings nest more than {MAX_YAML_DEPTH} "
-                                 "deep") from None
-        if node is None:
-            return None
-        _check_expansion(node)
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
-
-
-def read_text(path: str | os.PathLike[str], what: str) -> str:
-    """The UTF-8 text of a job's YAML file, at most :data:`MAX_YAML_BYTES` bytes.
-
-    Raises:
-        ConfigError: naming the file: missing, a directory, unreadable, not UTF-8, or
-            larger than the bound.
-    """
-    source = os.fspath(path)
-    try:
-        with open(source, "rb") as f:
-            raw = f.read(MAX_YAML_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: {what} file does not exist", field=source,
-                          hint="check the path") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{source}: is a directory, not a {what} file", field=source,
-                          hint=f"name the {what} file inside it") from None
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read {what} file: {exc}", field=source) from None
-    if len(raw) > MAX_YAML_BYTES:
-        raise ConfigError(f"{source}: {what} file is larger than {MAX_YAML_BYTES} bytes",
-                          field=source, hint=f"is this the {what} file? a config is a few "
-                                             "kilobytes of YAML")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        raise ConfigError(f"{source}: {what} file is not UTF-8 text (byte {exc.start}, line "
-                          f"{line}: {raw[exc.start:exc.start + 1]!r})", field=source,
-                          hint="save the file as UTF-8") from None
-
-
-def read_yaml(path: str | os.PathLike[str] | None, what: str, env_var: str
-              ) -> tuple[dict, str]:
-    """Read ``path`` (or the file named by ``env_var``) as a YAML mapping.
-
-    Returns the mapping and the source name used in error messages.
-    """
-    origin = ""
-    if path is None:
-        path = os.environ.get(env_var) or None
-        if path is None:
-            raise ConfigError(f"no {what} given: pass a path or set {env_var}",
-                              field=env_var, hint=f"export {env_var}=/path/to/{what}.yml")
-        origin = f" (path from {env_var})"
-    source = os.fspath(path)
-    if not source:
-        raise ConfigError(f"the {what} path is empty", field=what,
-                          hint=f"name the {what}.yml file")
-    try:
-        text = read_text(source, what)
-    except ConfigError as err:
-        if not origin:
-            raise
-        raise ConfigError(f"{err.message}{origin}", field=err.field, hint=err.hint) from None
-    try:
-        data = parse_yaml(text)
-    except yaml.YAMLError as exc:
-        where = ""
-        mark = getattr(exc, "problem_mark", None)
-        if mark is not None:
-            where = f" at line {mark.line + 1}, column {mark.column + 1}"
-        problem = getattr(exc, "problem", None) or str(exc)
-        if isinstance(exc, YamlBoundError):
-            raise ConfigError(f"{source}: refused: {problem}", field=source) from None
-        raise ConfigError(f"{source}: not valid YAML{where}: {problem}", field=source,
-                          hint="fix the YAML syntax (indentation, ':' after keys)") from None
-    if data is None:
-        raise ConfigError(f"{source}: {what} file is empty", field=source,
-                          hint="it must be a YAML mapping of sections")
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a YAML mapping at the top level, got "
-                          f"{type(data).__name__}", field=source,
-                          hint="the file must hold `key: value` lines")
-    return data, source
 
 
 def canonical_digest(d: Mapping[str, Any]) -> str:

@@ -94,6 +94,7 @@ from stream_persia.config._base import (
     parse_addresses,
     section_to_dict,
 )
+from stream_persia.config.files import read_secret_file
 from stream_persia.config.kafka import KafkaConfig
 from stream_persia.core.embedding_config import (
     MAX_CAPACITY,
@@ -498,16 +499,8 @@ class ApiConfig(_Section):
         """The bearer token, from ``token_file`` when set; None = no authentication."""
         if self.token_file is None:
             return self.token
-        try:
-            with open(self.token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"api.token_file: cannot read {self.token_file!r}: {exc}",
-                              field="api.token_file") from None
-        if not token:
-            raise ConfigError(f"api.token_file: {self.token_file!r} is empty",
-                              field="api.token_file", hint="write the token into the file")
-        return token
+        return read_secret_file(self.token_file, "api.token_file",
+                                "write the token into the file")
 
 
 @dataclass(frozen=True)

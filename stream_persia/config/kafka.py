@@ -31,6 +31,7 @@ from stream_persia.config._base import (
     parse_addresses,
     section_to_dict,
 )
+from stream_persia.config.files import read_secret_file
 from stream_persia.core.switches import parse_switch
 from stream_persia.errors import ConfigError, Misuse
 
@@ -237,17 +238,8 @@ class KafkaConfig:
         """The SASL password, from the file when ``sasl_password_file`` is set."""
         if self.sasl_password_file is None:
             return self.sasl_password
-        try:
-            with open(self.sasl_password_file, encoding="utf-8") as f:
-                secret = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"kafka.sasl_password_file: cannot read "
-                              f"{self.sasl_password_file!r}: {exc}",
-                              field="kafka.sasl_password_file") from None
-        if not secret:
-            raise ConfigError(f"kafka.sasl_password_file: {self.sasl_password_file!r} is "
-                              "empty", field="kafka.sasl_password_file")
-        return secret
+        return read_secret_file(self.sasl_password_file, "kafka.sasl_password_file",
+                                "write the password into the file")
 
     def security_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for aiokafka's producer and consumer (security only)."""

@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from stream_persia.config import parse_yaml
-from stream_persia.config._base import read_text
+from stream_persia.config.files import read_text
 from stream_persia.errors import ConfigError
 
 __all__ = ["Topology", "Gate", "load_topology", "RUN_KEYS"]

@@ -13,11 +13,11 @@ import sys
 import pytest
 
 from stream_persia.config import GlobalConfig, load_embedding_config, load_global_config
-from stream_persia.config._base import MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES
+from stream_persia.config.files import MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES
 from stream_persia.config.kafka import resolve_bootstrap_servers, resolve_idempotence
 from stream_persia.core import aio, switches
 from stream_persia.errors import ConfigError
-from stream_persia.rpc import unix
+from stream_persia.rpc import auth, unix
 
 
 def write(tmp_path, name: str, text: str | bytes):
@@ -131,6 +131,24 @@ def test_a_periodic_dir_under_home_written_with_a_tilde_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"common_config\.checkpointing_config\.periodic_dir: "
                                           r"'~/ckpt' starts with ~"):
         load_global_config(path)
+
+
+@pytest.mark.timeout(30)
+def test_secret_files_are_read_only_up_to_a_bound(tmp_path, monkeypatch):
+    # /dev/zero (or a data file) was read whole: memory, or a secret of gigabytes
+    api = GlobalConfig.from_dict({"api": {"token_file": "/dev/zero"}}).api
+    with pytest.raises(ConfigError, match="api.token_file: '/dev/zero' is larger than"):
+        api.read_token()
+    kafka = GlobalConfig.from_dict({"kafka": {
+        "bootstrap_servers": "k:9092", "security_protocol": "SASL_PLAINTEXT",
+        "sasl_username": "u", "sasl_password_file": "/dev/zero"}}).kafka
+    with pytest.raises(ConfigError, match="kafka.sasl_password_file: '/dev/zero' is larger"):
+        kafka.read_sasl_password()
+    with pytest.raises(ConfigError, match="PERSIA_ROLE_SECRET_FILE: '/dev/zero' is larger"):
+        auth.RoleSecret.from_env({"PERSIA_ROLE_SECRET_FILE": "/dev/zero"})
+    token = write(tmp_path, "token", "  s3cret-token-of-the-api \n")
+    assert GlobalConfig.from_dict({"api": {"token_file": str(token)}}).api.read_token() == \
+        "s3cret-token-of-the-api"
 
 
 # ---------------------------------------------------------------- environment
