@@ -5,7 +5,8 @@ YAML (:func:`parse_yaml`, :func:`read_yaml`): a key given twice in one mapping i
 (PyYAML keeps the last one silently), and so is a document whose aliases (``*name``)
 expand it past :data:`MAX_YAML_VALUES` values (ten lines can stand for a billion: the
 "billion laughs"), an alias inside its own anchor (an endless value) and nesting past
-:data:`MAX_YAML_DEPTH`; at most :data:`MAX_YAML_BYTES` are read, as UTF-8
+:data:`MAX_YAML_DEPTH`, and a zero-padded number (YAML 1.1 reads ``0700`` as octal 448);
+at most :data:`MAX_YAML_BYTES` are read, as UTF-8
 (:func:`read_text`). Merge keys (``<<: *common``) work as in PyYAML.
 
 Secrets (:func:`read_secret_file`): at most :data:`MAX_SECRET_BYTES`, stripped, not empty.
@@ -50,6 +51,21 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def _construct_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
+    """YAML 1.1 reads a zero-padded number as octal (``capacity: 010000`` is 4096, a
+    ``sample_fixed_size: 010`` is 8): refused rather than taken."""
+    digits = str(node.value).replace("_", "").lstrip("+-")
+    if len(digits) > 1 and digits[0] == "0" and digits.isdigit():
+        raise YamlBoundError(f"{node.value!r} at line {node.start_mark.line + 1} starts with "
+                             f"0, which YAML reads as an octal number "
+                             f"({loader.construct_yaml_int(node)}): write it without the "
+                             "leading zeros, or quote it if it is text")
+    return loader.construct_yaml_int(node)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
 #: The most bytes read from one YAML file of a job (a config is kilobytes; this stops a
 #: wrong path such as ``/dev/zero`` or a data file from filling memory).
 MAX_YAML_BYTES = 16 << 20
@@ -63,8 +79,9 @@ MAX_YAML_DEPTH = 100
 
 
 class YamlBoundError(yaml.YAMLError):
-    """A YAML document past :data:`MAX_YAML_VALUES` or :data:`MAX_YAML_DEPTH`, or whose
-    alias refers to a node that holds it (its message says which)."""
+    """A YAML document past :data:`MAX_YAML_VALUES` or :data:`MAX_YAML_DEPTH`, whose
+    alias refers to a node that holds it, or with a zero-padded (octal) number (its
+    message says which)."""
 
 
 def _check_expansion(root: yaml.Node) -> None:

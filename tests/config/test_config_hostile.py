@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -83,6 +84,22 @@ def test_nesting_past_the_bound_is_a_config_error_not_a_recursion_error(tmp_path
     with pytest.raises(ConfigError, match=f"{path}: refused: lists and mappings nest more "
                                           f"than {MAX_YAML_DEPTH} deep"):
         load_embedding_config(path)
+
+
+@pytest.mark.parametrize("value", ["010000", "0700", "+07", "00"])
+def test_a_zero_padded_number_yaml_reads_as_octal_is_refused(tmp_path, value):
+    # capacity: 010000 was 4096 rows
+    path = write(tmp_path, "glob.yml", f"embedding_parameter_server_config:\n"
+                                       f"  capacity: {value}\n")
+    with pytest.raises(ConfigError, match=rf"{path}: refused: '{re.escape(value)}' at line 2 "
+                                          r"starts with 0, which YAML reads as an octal"):
+        load_global_config(path)
+    # 0, quoted text and hexadecimal are what they look like
+    path = write(tmp_path, "ok.yml", "embedding_parameter_server_config: {capacity: 0x10, "
+                                     "num_hashmap_internal_shards: 10}\nkafka: {job_name: '007'}\n")
+    cfg = load_global_config(path)
+    assert cfg.embedding_parameter_server_config.capacity == 16
+    assert cfg.kafka.job_name == "007"
 
 
 @pytest.mark.timeout(60)
