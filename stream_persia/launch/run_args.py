@@ -15,7 +15,7 @@ from pathlib import Path
 from stream_persia.config import flags, load_global_config
 from stream_persia.config.kafka import ENV_KAFKA_ENABLE_IDEMPOTENCE, parse_switch
 from stream_persia.errors import ConfigError
-from stream_persia.launch.topology import Topology
+from stream_persia.launch.topology import MAX_REPLICAS, Topology
 
 __all__ = ["PREDICT_SAMPLES", "SETTINGS_ENV", "SETTINGS_TYPES", "STOP_CHECKPOINT_S",
            "add_arguments", "check_args", "check_topology"]
@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", "--data-dir", "--data-file", dest="data", type=flags.nonempty,
                    default=None,
                    help="dataset location for topologies that read one")
-    replicas = flags.integer(1, 1024)
+    replicas = flags.integer(1, MAX_REPLICAS)
     p.add_argument("--embedding-servers", type=replicas, default=None, help="replicas (>= 1)")
     p.add_argument("--embedding-workers", type=replicas, default=None, help="replicas (>= 1)")
     p.add_argument("--nn-workers", type=replicas, default=None,

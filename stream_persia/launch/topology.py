@@ -39,7 +39,7 @@ from stream_persia.config import parse_yaml
 from stream_persia.config.files import read_text
 from stream_persia.errors import ConfigError
 
-__all__ = ["Topology", "Gate", "load_topology", "RUN_KEYS"]
+__all__ = ["Topology", "Gate", "load_topology", "RUN_KEYS", "MAX_REPLICAS"]
 
 _ROLE_KEYS = {"embedding_servers", "embedding_workers", "nn_workers", "data_loaders", "api"}
 #: The settings ``run:`` may hold (``topologies/common.py`` reads them; each has a flag or
@@ -94,9 +94,14 @@ def _err(file: Path, key: str, detail: str, hint: str | None = None) -> ConfigEr
     return ConfigError(f"{file}: {key}: {detail}", field=key, hint=hint)
 
 
+#: The most replicas of one role a topology may ask for (``run``'s flags have the same
+#: bound): each is a process on this machine.
+MAX_REPLICAS = 1024
+
+
 def _count(file: Path, key: str, value: Any, lo: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise _err(file, key, f"expected an integer >= {lo}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= MAX_REPLICAS:
+        raise _err(file, key, f"expected an integer in [{lo}, {MAX_REPLICAS}], got {value!r}")
     return value
 
 

@@ -170,6 +170,10 @@ TOPOLOGY_EDITS = [
     (("seed: 0", "seed: 0\n  checkpoint_dir: /data/ckpt"), "run.checkpoint_dir"),
     (("model_kwargs: {}", "model_kwargs: [64, 32]"), "serving.model_kwargs"),
     (("model: model:DNN", "model: DNN"), "serving.model"),
+    # a process each: run's --embedding-servers has the same bound
+    (("embedding_servers: 1", "embedding_servers: 100000"), "roles.embedding_servers"),
+    (("nn_workers: {nproc_per_node: 1}", "nn_workers: {nproc_per_node: 5000}"),
+     "roles.nn_workers.nproc_per_node"),
 ]
 
 
