@@ -32,6 +32,7 @@ from stream_persia.config import (
     KafkaConfig,
     load_embedding_config,
 )
+from stream_persia.config.files import read_secret_file
 from stream_persia.config.kafka import resolve_bootstrap_servers, resolve_idempotence
 from stream_persia.core.embedding_config import MAX_CAPACITY
 from stream_persia.core.hosts import is_loopback
@@ -67,15 +68,7 @@ def _env_bool(name: str) -> bool | None:
 
 
 def _read_token_file(path: str, where: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot read {path!r}: {exc}", field=where) from None
-    if not token:
-        raise ConfigError(f"{where}: {path!r} is empty", field=where,
-                          hint="write the token into the file")
-    return token
+    return read_secret_file(path, where, "write the token into the file")
 
 
 @dataclass(frozen=True)

@@ -33,26 +33,27 @@ def add_parser(sub: Any) -> None:
     ck = sub.add_parser("checkpoint", help="inspect and list checkpoints")
     cmds = ck.add_subparsers(dest="checkpoint_command", required=True)
     ins = cmds.add_parser("inspect", help="print a checkpoint's manifest")
-    ins.add_argument("dir", help="checkpoint directory (local path or fsspec URL)")
+    ins.add_argument("dir", type=flags.nonempty, help="checkpoint directory (local path or fsspec URL)")
     ins.add_argument("--json", action="store_true", help="print the manifest as JSON")
     ins.add_argument("--verify", action="store_true",
                      help="recompute every file's sha256 (exit 2 on a mismatch)")
     ls = cmds.add_parser("list", help="list the complete checkpoints under a root")
-    ls.add_argument("root", help="directory holding checkpoint directories")
+    ls.add_argument("root", type=flags.nonempty, help="directory holding checkpoint directories")
     ls.add_argument("--json", action="store_true", help="print the manifests as JSON")
     cmp = cmds.add_parser("compact", help="compact a chain (a base and its patches) into a "
                                           "new full base, offline")
     # its arguments and its run are the server package's (it reads shard files):
     # stream_persia.server.compaction, which the console script dispatches to
-    cmp.add_argument("src", help="a checkpoint of the chain (local path or fsspec URL): the "
+    cmp.add_argument("src", type=flags.nonempty, help="a checkpoint of the chain (local path or fsspec URL): the "
                                  "chain up to it is compacted")
-    cmp.add_argument("--dst", default=None,
+    cmp.add_argument("--dst", type=flags.nonempty, default=None,
                      help="the new base's directory (default: SRC's sibling "
                           "<name>-compacted); must not exist")
     cmp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     cl = cmds.add_parser("clean", help="remove what killed writers left under a root (hidden "
                                        "staging, replaced and half-deleted checkpoints)")
-    cl.add_argument("root", help="local directory holding checkpoint directories")
+    cl.add_argument("root", type=flags.nonempty,
+                    help="local directory holding checkpoint directories")
     cl.add_argument("--dry-run", action="store_true",
                     help="list every leftover and what would be removed; remove nothing")
     cl.add_argument("--idle-s", type=flags.number(0.0), default=IDLE_S,

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import os
 
-from stream_persia.config._base import parse_yaml, read_yaml
 from stream_persia.config.embedding import (
     MAX_PREFIX_BIT,
     EmbeddingSchema,
     HashStackConfig,
     SlotConfig,
 )
+from stream_persia.config.files import parse_yaml, read_yaml
 from stream_persia.config.global_config import (
     JOB_TYPES,
     AdmissionConfig,

@@ -1,5 +1,6 @@
 """Shared machinery of the config loaders: errors that carry a key path, value checks used
-by every ``__post_init__``, the mapping → dataclass builder and the strict YAML reader.
+by every ``__post_init__`` and the mapping → dataclass builder (files are read by
+:mod:`stream_persia.config.files`).
 
 Errors are built in two steps so that every message names the file, the full key path, the
 value received and a fix, whether the config came from a file or from Python:
@@ -17,18 +18,14 @@ import difflib
 import hashlib
 import json
 import numbers
-import os
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
-
-import yaml
 
 from stream_persia.errors import ConfigError
 
 __all__ = ["error", "rescope", "at_source", "describe", "did_you_mean", "build",
            "check_int", "check_bool", "check_str", "check_choice", "check_instance",
-           "check_no_unknown", "parse_addresses", "section_to_dict", "parse_yaml",
-           "read_yaml", "canonical_digest"]
+           "check_no_unknown", "parse_addresses", "section_to_dict", "canonical_digest"]
 
 
 def error(field: str, detail: str, hint: str | None = None) -> ConfigError:
@@ -284,90 +281,6 @@ def section_to_dict(obj: Any, redact: bool, secrets: Collection[str] = ()) -> di
             value = "<redacted>"
         out[f.name] = value
     return out
-
-
-# ---- YAML
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one)."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False):
-    seen: dict[Any, yaml.Node] = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue  # keys merged in with `<<: *anchor` may be overridden on purpose
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            duplicate = key in seen
-        except TypeError:  # unhashable key: let the default constructor report it
-            break
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                "while constructing a mapping", node.start_mark,
-                f"found duplicate key {key!r} (first at line {seen[key].start_mark.line + 1})",
-                key_node.start_mark)
-        seen[key] = key_node
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def parse_yaml(text: str) -> Any:
-    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the
-    last one silently): how every file of a job is read (configs, ``topology.yml``).
-
-    Raises:
-        yaml.YAMLError: invalid YAML or a duplicate key (its message names the key and
-            both lines).
-    """
-    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-
-
-def read_yaml(path: str | os.PathLike[str] | None, what: str, env_var: str
-              ) -> tuple[dict, str]:
-    """Read ``path`` (or the file named by ``env_var``) as a YAML mapping.
-
-    Returns the mapping and the source name used in error messages.
-    """
-    origin = ""
-    if path is None:
-        path = os.environ.get(env_var) or None
-        if path is None:
-            raise ConfigError(f"no {what} given: pass a path or set {env_var}",
-                              field=env_var, hint=f"export {env_var}=/path/to/{what}.yml")
-        origin = f" (path from {env_var})"
-    source = os.fspath(path)
-    try:
-        with open(source, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: {what} file does not exist{origin}", field=source,
-                          hint="check the path") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{source}: is a directory, not a {what} file", field=source,
-                          hint=f"name the {what}.yml file inside it") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{source}: cannot read {what} file: {exc}", field=source) from None
-    try:
-        data = parse_yaml(text)
-    except yaml.YAMLError as exc:
-        where = ""
-        mark = getattr(exc, "problem_mark", None)
-        if mark is not None:
-            where = f" at line {mark.line + 1}, column {mark.column + 1}"
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{source}: not valid YAML{where}: {problem}", field=source,
-                          hint="fix the YAML syntax (indentation, ':' after keys)") from None
-    if data is None:
-        raise ConfigError(f"{source}: {what} file is empty", field=source,
-                          hint="it must be a YAML mapping of sections")
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a YAML mapping at the top level, got "
-                          f"{type(data).__name__}", field=source,
-                          hint="the file must hold `key: value` lines")
-    return data, source
 
 
 def canonical_digest(d: Mapping[str, Any]) -> str:

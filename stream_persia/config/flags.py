@@ -17,7 +17,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["integer", "size", "number", "port", "addresses", "topic", "log_level", "env"]
+__all__ = ["integer", "size", "number", "port", "addresses", "nonempty", "topic", "log_level",
+           "env"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -105,16 +106,34 @@ def port(*, zero: str | None = "any free port") -> Callable[[str], int]:
 
 
 def addresses(raw: str) -> str:
-    """``host:port[,host:port...]``, normalised; an empty string is kept (none)."""
+    """``host:port[,host:port...]``, normalised. An empty value is refused: given as a
+    flag (``--kafka ""``, a shell variable that was not set) it used to read as "not
+    given", so the environment's or the config file's addresses were used instead, or
+    none; an empty environment variable still counts as unset (:func:`env`)."""
     from stream_persia.config._base import parse_addresses
     from stream_persia.errors import ConfigError
 
     try:
-        return parse_addresses(raw, "addresses") or ""
+        value = parse_addresses(raw, "addresses")
     except ConfigError as e:
         raise argparse.ArgumentTypeError(
             f"{getattr(e, 'detail', e.message)}; expected host:port[,host:port...], "
             "e.g. 127.0.0.1:9092 or [::1]:9092") from None
+    if value is None:
+        raise argparse.ArgumentTypeError(
+            f"is empty ({raw!r}); expected host:port[,host:port...]: leave the flag out "
+            "for the default")
+    return value
+
+
+def nonempty(raw: str) -> str:
+    """A path or name that is not empty: ``--global-config ""`` (an unset shell variable)
+    used to read as "not given", so the built-in defaults or the environment's file were
+    used instead of the one the user meant."""
+    if not str(raw).strip():
+        raise argparse.ArgumentTypeError(f"is empty ({raw!r}): give a value, or leave the "
+                                         "flag out for the default")
+    return raw
 
 
 def topic(raw: str) -> str:

@@ -94,6 +94,7 @@ from stream_persia.config._base import (
     parse_addresses,
     section_to_dict,
 )
+from stream_persia.config.files import read_secret_file
 from stream_persia.config.kafka import KafkaConfig
 from stream_persia.core.embedding_config import (
     MAX_CAPACITY,
@@ -235,6 +236,12 @@ class CheckpointingConfig(_Section):
                   hint="with enable_incremental_update, compact a periodic chain into a new "
                        "base in the background once it has this many patches, e.g. 4; "
                        "null (or no key): never")
+        if self.periodic_dir is not None and self.periodic_dir.startswith("~"):
+            # No shell expands it: os.path.abspath made it ./~/... under the NN rank's
+            # working directory, outside the checkpoint root, and every periodic
+            # checkpoint failed (logged) while training went on.
+            raise error("periodic_dir", f"{self.periodic_dir!r} starts with ~, which is not "
+                        "expanded in a config file", "write the absolute path")
         if self.periodic_dir is not None and "::" in self.periodic_dir:
             raise error("periodic_dir", f"{self.periodic_dir!r} is a chained URL",
                         "give the storage URL itself")
@@ -492,16 +499,8 @@ class ApiConfig(_Section):
         """The bearer token, from ``token_file`` when set; None = no authentication."""
         if self.token_file is None:
             return self.token
-        try:
-            with open(self.token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"api.token_file: cannot read {self.token_file!r}: {exc}",
-                              field="api.token_file") from None
-        if not token:
-            raise ConfigError(f"api.token_file: {self.token_file!r} is empty",
-                              field="api.token_file", hint="write the token into the file")
-        return token
+        return read_secret_file(self.token_file, "api.token_file",
+                                "write the token into the file")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ argument (``run --no-kafka-idempotence``) > environment ``KAFKA_ENABLE_IDEMPOTEN
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -30,15 +31,19 @@ from stream_persia.config._base import (
     parse_addresses,
     section_to_dict,
 )
+from stream_persia.config.files import read_secret_file
+from stream_persia.core.switches import parse_switch
 from stream_persia.errors import ConfigError, Misuse
+
+log = logging.getLogger(__name__)
+#: overrides already logged (:func:`_overrides`); a process resolves a handful at most
+_WARNED: set[tuple[object, ...]] = set()
 
 __all__ = ["KafkaConfig", "resolve_bootstrap_servers", "resolve_idempotence",
            "parse_switch", "ENV_KAFKA_BOOTSTRAP_SERVERS", "ENV_KAFKA_ENABLE_IDEMPOTENCE"]
 
 ENV_KAFKA_BOOTSTRAP_SERVERS = "KAFKA_BOOTSTRAP_SERVERS"
 ENV_KAFKA_ENABLE_IDEMPOTENCE = "KAFKA_ENABLE_IDEMPOTENCE"
-_SWITCH = {"true": True, "1": True, "yes": True, "on": True,
-           "false": False, "0": False, "no": False, "off": False}
 
 COMPRESSION_TYPES = ("none", "gzip", "snappy", "lz4", "zstd")
 ON_DATA_LOSS = ("fail", "skip")  # kafka.on_data_loss: see stream_persia.kafka.loss
@@ -138,8 +143,13 @@ class KafkaConfig:
     _SECRETS: ClassVar[tuple[str, ...]] = ("sasl_password",)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "bootstrap_servers",
-                           parse_addresses(self.bootstrap_servers, "bootstrap_servers"))
+        servers = parse_addresses(self.bootstrap_servers, "bootstrap_servers")
+        if servers is None and self.bootstrap_servers is not None:
+            # "" (an unexpanded ${KAFKA}, say) would silently mean the broker-less mode.
+            raise error("bootstrap_servers", f"is empty ({self.bootstrap_servers!r})",
+                        "name the brokers (host:port[,host:port...]), or write null or "
+                        "remove the key for the embedded, broker-less mode")
+        object.__setattr__(self, "bootstrap_servers", servers)
         _check_topic(self, "job_name")
         if self.samples_topic is None:
             object.__setattr__(self, "samples_topic", f"{self.job_name}.samples")
@@ -228,17 +238,8 @@ class KafkaConfig:
         """The SASL password, from the file when ``sasl_password_file`` is set."""
         if self.sasl_password_file is None:
             return self.sasl_password
-        try:
-            with open(self.sasl_password_file, encoding="utf-8") as f:
-                secret = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"kafka.sasl_password_file: cannot read "
-                              f"{self.sasl_password_file!r}: {exc}",
-                              field="kafka.sasl_password_file") from None
-        if not secret:
-            raise ConfigError(f"kafka.sasl_password_file: {self.sasl_password_file!r} is "
-                              "empty", field="kafka.sasl_password_file")
-        return secret
+        return read_secret_file(self.sasl_password_file, "kafka.sasl_password_file",
+                                "write the password into the file")
 
     def security_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for aiokafka's producer and consumer (security only)."""
@@ -270,31 +271,33 @@ def resolve_bootstrap_servers(config: Any = None, cli_value: str | None = None) 
     Returns:
         The normalised ``host:port[,...]`` string, or None for the embedded mode.
     """
+    kafka = _kafka_section(config)
+    in_file = kafka.bootstrap_servers if kafka is not None else None
     explicit = parse_addresses(cli_value, "--kafka") if cli_value else None
     if explicit:
+        _overrides("--kafka", explicit, "kafka.bootstrap_servers", in_file)
         return explicit
     env = os.environ.get(ENV_KAFKA_BOOTSTRAP_SERVERS, "")
     if env.strip():
         try:
-            return parse_addresses(env, ENV_KAFKA_BOOTSTRAP_SERVERS)
+            servers = parse_addresses(env, ENV_KAFKA_BOOTSTRAP_SERVERS)
         except ConfigError as err:
             raise ConfigError(f"environment {err.message}", field=ENV_KAFKA_BOOTSTRAP_SERVERS,
                               hint=err.hint) from None
-    kafka = _kafka_section(config)
-    return kafka.bootstrap_servers if kafka is not None else None
+        _overrides(f"environment {ENV_KAFKA_BOOTSTRAP_SERVERS}", servers,
+                   "kafka.bootstrap_servers", in_file)
+        return servers
+    return in_file
 
 
-def parse_switch(raw: str, name: str) -> bool:
-    """``true``/``false`` (also 1/0, yes/no, on/off, any case) as a bool.
-
-    Raises:
-        ConfigError: naming ``name`` for anything else.
-    """
-    value = _SWITCH.get(raw.strip().lower())
-    if value is None:
-        raise ConfigError(f"{name} = {raw!r} is not true or false", field=name,
-                          hint="true or false (1/0, yes/no and on/off also work)")
-    return value
+def _overrides(what: str, value: object, key: str, in_file: object) -> None:
+    """Say so when a flag or the environment overrides a different value of the global
+    config (it wins by design, but a file that reads one way and runs another is a trap)."""
+    seen = (what, value, key, in_file)
+    if in_file is not None and value != in_file and seen not in _WARNED:
+        _WARNED.add(seen)   # once per process: several clients resolve the same values
+        log.warning("%s = %r overrides %s = %r of the global config", what, value, key,
+                    in_file)
 
 
 def resolve_idempotence(config: Any = None, explicit: bool | None = None) -> bool:
@@ -305,13 +308,17 @@ def resolve_idempotence(config: Any = None, explicit: bool | None = None) -> boo
         config: a ``GlobalConfig``, a :class:`KafkaConfig` or None.
         explicit: a value given in code or by a flag; None when not given.
     """
+    kafka = _kafka_section(config)
+    in_file = kafka.enable_idempotence if kafka is not None else None
     if explicit is not None:
         return bool(explicit)
     env = os.environ.get(ENV_KAFKA_ENABLE_IDEMPOTENCE, "")
     if env.strip():
-        return parse_switch(env, ENV_KAFKA_ENABLE_IDEMPOTENCE)
-    kafka = _kafka_section(config)
-    return kafka.enable_idempotence if kafka is not None else True
+        value = parse_switch(env, ENV_KAFKA_ENABLE_IDEMPOTENCE)
+        _overrides(f"environment {ENV_KAFKA_ENABLE_IDEMPOTENCE}", value,
+                   "kafka.enable_idempotence", in_file)
+        return value
+    return in_file if in_file is not None else True
 
 
 def _kafka_section(config: Any) -> KafkaConfig | None:

@@ -2,7 +2,7 @@
 
 Every asyncio role (embedding worker, embedding server, API) runs on uvloop when it is
 importable; :func:`new_event_loop` and :func:`run` make that choice in one place. Set
-``STREAM_PERSIA_NO_UVLOOP=1`` to force the standard loop (e.g. to rule uvloop out while
+``STREAM_PERSIA_NO_UVLOOP=1`` (or true) to force the standard loop (e.g. to rule uvloop out while
 debugging).
 
 NN workers run synchronous PyTorch code, but talk to the other roles over asyncio RPC.
@@ -21,12 +21,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import os
 import sys
 import threading
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
+from stream_persia.core.switches import env_switch
 from stream_persia.errors import Misuse
 
 __all__ = ["LoopThread", "cancel_and_wait", "install_uvloop", "new_event_loop", "run",
@@ -53,7 +53,7 @@ async def cancel_and_wait(*tasks: asyncio.Task | None) -> None:
 
 
 def _uvloop():
-    if os.environ.get("STREAM_PERSIA_NO_UVLOOP", "") not in ("", "0"):
+    if env_switch("STREAM_PERSIA_NO_UVLOOP", False):
         return None
     try:
         import uvloop

@@ -1,7 +1,8 @@
 """The one switch between the compiled fast paths and their pure-Python (numpy) twins.
 
-``STREAM_PERSIA_PURE_PYTHON=1`` in the environment picks every twin; anything else (or
-unset) picks each compiled path that is available. It is read here, once, when the package
+``STREAM_PERSIA_PURE_PYTHON=1`` (or true, yes, on) in the environment picks every twin;
+0 (false, no, off), empty or unset picks each compiled path that is available, and any
+other value is a ConfigError naming the variable (:mod:`stream_persia.core.switches`). It is read here, once, when the package
 is first imported, and nowhere else. The pairs, each held to one result by the same tests:
 
 =================================================  ==========================================
@@ -18,7 +19,7 @@ Each module states the one it runs in its ``IMPLEMENTATION`` constant (``segment
 
 from __future__ import annotations
 
-import os
+from stream_persia.core.switches import env_switch
 
 __all__ = ["ENV", "PURE_PYTHON"]
 
@@ -26,4 +27,4 @@ __all__ = ["ENV", "PURE_PYTHON"]
 ENV = "STREAM_PERSIA_PURE_PYTHON"
 
 #: True when every pure-Python twin runs.
-PURE_PYTHON: bool = os.environ.get(ENV) == "1"
+PURE_PYTHON: bool = env_switch(ENV, False)

@@ -82,7 +82,7 @@ def _add_listen(p: argparse.ArgumentParser, *, metrics: bool = True) -> None:
         p.add_argument("--metrics-port", type=flags.port(zero="any free port, logged"),
                        default=None,
                        help="serve Prometheus metrics on this port (default: off)")
-    p.add_argument("--ready-file", default=None,
+    p.add_argument("--ready-file", type=flags.nonempty, default=None,
                    help="write host:port here once listening (used by `run` and tests)")
 
 
@@ -94,7 +94,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _add_checkpoint_root(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--checkpoint-root",
+    p.add_argument("--checkpoint-root", type=flags.nonempty,
                    default=(os.environ.get("PERSIA_CHECKPOINT_ROOT")
                             or os.environ.get("PERSIA_CHECKPOINT_DIR") or None),
                    help=f"local directory or fsspec URL prefix of the job's checkpoints: {what} "
@@ -104,9 +104,10 @@ def _add_checkpoint_root(p: argparse.ArgumentParser, what: str) -> None:
 
 def _add_configs(p: argparse.ArgumentParser) -> None:
     """The config paths and log level every role takes (PERSIA's variables)."""
-    p.add_argument("--embedding-config", default=os.environ.get("PERSIA_EMBEDDING_CONFIG"),
+    p.add_argument("--embedding-config",
+                   **flags.env("PERSIA_EMBEDDING_CONFIG", flags.nonempty, None),
                    help="embedding_config.yml (env PERSIA_EMBEDDING_CONFIG)")
-    p.add_argument("--global-config", default=os.environ.get("PERSIA_GLOBAL_CONFIG"),
+    p.add_argument("--global-config", **flags.env("PERSIA_GLOBAL_CONFIG", flags.nonempty, None),
                    help="global_config.yml (env PERSIA_GLOBAL_CONFIG)")
     _add_log_level(p, "info")
 
@@ -186,11 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
                     **flags.env("PERSIA_EMBEDDING_SERVERS", flags.addresses, None),
                     help="host:port of the embedding servers, in replica order "
                          "(env PERSIA_EMBEDDING_SERVERS)")
-    ap.add_argument("--checkpoint-dir", default=None,
+    ap.add_argument("--checkpoint-dir", type=flags.nonempty, default=None,
                     help="where checkpoints started over HTTP go (env PERSIA_CHECKPOINT_DIR)")
-    ap.add_argument("--model", default=None,
+    ap.add_argument("--model", type=flags.nonempty, default=None,
                     help="checkpoint to serve at start-up (env PERSIA_API_MODEL)")
-    ap.add_argument("--model-class", default=None,
+    ap.add_argument("--model-class", type=flags.nonempty, default=None,
                     help="module:Class of the dense model for checkpoints without "
                          "jit_dense.pt (env PERSIA_API_MODEL_CLASS)")
     ap.add_argument("--embeddings", choices=("auto", "workers", "local", "replica"),

@@ -15,7 +15,7 @@ from pathlib import Path
 from stream_persia.config import flags, load_global_config
 from stream_persia.config.kafka import ENV_KAFKA_ENABLE_IDEMPOTENCE, parse_switch
 from stream_persia.errors import ConfigError
-from stream_persia.launch.topology import Topology
+from stream_persia.launch.topology import MAX_REPLICAS, Topology
 
 __all__ = ["PREDICT_SAMPLES", "SETTINGS_ENV", "SETTINGS_TYPES", "STOP_CHECKPOINT_S",
            "add_arguments", "check_args", "check_topology"]
@@ -80,15 +80,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedding-staleness", type=SETTINGS_TYPES["embedding_staleness"],
                    default=None,
                    help="batches an NN rank may hold unapplied (>= 1; 1: synchronous)")
-    p.add_argument("--data", "--data-dir", "--data-file", dest="data", default=None,
+    p.add_argument("--data", "--data-dir", "--data-file", dest="data", type=flags.nonempty,
+                   default=None,
                    help="dataset location for topologies that read one")
-    replicas = flags.integer(1, 1024)
+    replicas = flags.integer(1, MAX_REPLICAS)
     p.add_argument("--embedding-servers", type=replicas, default=None, help="replicas (>= 1)")
     p.add_argument("--embedding-workers", type=replicas, default=None, help="replicas (>= 1)")
     p.add_argument("--nn-workers", type=replicas, default=None,
                    help="NN ranks on this machine (>= 1)")
     p.add_argument("--data-loaders", type=replicas, default=None, help="replicas (>= 1)")
-    p.add_argument("--output-dir", default=None,
+    p.add_argument("--output-dir", type=flags.nonempty, default=None,
                    help="where logs, metrics, the checkpoint and the report go "
                         "(default: runs/<job>-<time>)")
     p.add_argument("--no-api", action="store_true", help="do not start the HTTP API")
@@ -120,6 +121,15 @@ def check_topology(topo: Topology, args: argparse.Namespace) -> None:
     and flags that need a role the topology does not start (ConfigError naming the file
     and key, or the flag)."""
     file = topo.directory / "topology.yml"
+    for key, flag in (("output_dir", "--output-dir"), ("checkpoint_dir", "--output-dir")):
+        if topo.run.get(key) is not None:
+            # run sets PERSIA_OUTPUT_DIR and PERSIA_CKPT_DIR for every role, which win over
+            # the file's value: the results went elsewhere than the file said.
+            raise ConfigError(f"{file}: run.{key}: stream-persia run does not use it (the "
+                              "results and the final checkpoint go under its output "
+                              "directory)", field=f"run.{key}",
+                              hint=f"pass {flag} instead; run.{key} is for running the "
+                                   "scripts on their own")
     for key, parse in SETTINGS_TYPES.items():
         if key in topo.run and getattr(args, key) is None:
             value = topo.run[key]

@@ -26,6 +26,8 @@ directory ``stream-persia run`` is started from, normally the project root).
 
 from __future__ import annotations
 
+import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,11 +36,16 @@ from typing import Any
 import yaml
 
 from stream_persia.config import parse_yaml
+from stream_persia.config.files import read_text
 from stream_persia.errors import ConfigError
 
-__all__ = ["Topology", "Gate", "load_topology"]
+__all__ = ["Topology", "Gate", "load_topology", "RUN_KEYS", "MAX_REPLICAS"]
 
 _ROLE_KEYS = {"embedding_servers", "embedding_workers", "nn_workers", "data_loaders", "api"}
+#: The settings ``run:`` may hold (``topologies/common.py`` reads them; each has a flag or
+#: environment variable that overrides it).
+RUN_KEYS = ("samples", "epochs", "batch_size", "eval_samples", "embedding_staleness", "seed",
+            "reproducible", "output_dir", "checkpoint_dir", "data")
 _TOP_KEYS = {"name", "description", "roles", "entry", "config", "run", "data", "serving",
              "tasks", "gates"}
 
@@ -87,9 +94,14 @@ def _err(file: Path, key: str, detail: str, hint: str | None = None) -> ConfigEr
     return ConfigError(f"{file}: {key}: {detail}", field=key, hint=hint)
 
 
+#: The most replicas of one role a topology may ask for (``run``'s flags have the same
+#: bound): each is a process on this machine.
+MAX_REPLICAS = 1024
+
+
 def _count(file: Path, key: str, value: Any, lo: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise _err(file, key, f"expected an integer >= {lo}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= MAX_REPLICAS:
+        raise _err(file, key, f"expected an integer in [{lo}, {MAX_REPLICAS}], got {value!r}")
     return value
 
 
@@ -99,7 +111,7 @@ def _mapping(file: Path, key: str, value: Any, allowed: set[str] | None = None) 
     if not isinstance(value, dict):
         raise _err(file, key, f"expected a mapping, got {type(value).__name__}")
     if allowed is not None and set(value) - allowed:
-        raise _err(file, key, f"unknown key(s) {sorted(set(value) - allowed)}",
+        raise _err(file, key, f"unknown key(s) {sorted(map(str, set(value) - allowed))}",
                    f"accepted: {sorted(allowed)}")
     return value
 
@@ -113,10 +125,25 @@ def load_topology(directory: str | Path) -> Topology:
                           field="topology", hint="pass a directory such as "
                                                  "topologies/synthetic_ctr")
     try:
-        raw = parse_yaml(file.read_text())
+        raw = parse_yaml(read_text(file, "topology.yml"))
     except yaml.YAMLError as e:
         raise ConfigError(f"{file}: not valid YAML: {e}", field="topology") from None
     top = _mapping(file, "<top>", raw, _TOP_KEYS)
+    description = top.get("description")
+    if description is not None and not isinstance(description, str):
+        raise _err(file, "description", f"expected text, got {description!r}")
+    tasks = top.get("tasks")
+    if tasks is None:
+        tasks = []
+    if not isinstance(tasks, list) or not all(isinstance(t, str) and t.strip() for t in tasks):
+        # A bare `tasks: click` would be read letter by letter; `tasks: [yes]` as true.
+        raise _err(file, "tasks", f"expected a list of task (label) names, got {tasks!r}",
+                   f"write it as [{tasks}]" if isinstance(tasks, str) else
+                   "quote names YAML reads as other values (yes, no, on, off, numbers)")
+    gate_list = top.get("gates")
+    if gate_list is not None and not isinstance(gate_list, list):
+        raise _err(file, "gates", f"expected a list of {{metric, min}}, got {gate_list!r}",
+                   "write each gate as a list item: - {metric: auc.click, min: 0.9}")
     name = top.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise _err(file, "name", f"expected a job name of letters, digits, _ . -, got {name!r}")
@@ -130,14 +157,44 @@ def load_topology(directory: str | Path) -> Topology:
     gates = []
     for i, g in enumerate(top.get("gates") or []):
         g = _mapping(file, f"gates[{i}]", g, {"metric", "min"})
-        if not isinstance(g.get("metric"), str) or not isinstance(g.get("min"), (int, float)):
-            raise _err(file, f"gates[{i}]", "needs a metric (str) and a min (number)")
+        low = g.get("min")
+        if not isinstance(g.get("metric"), str) or isinstance(low, bool) \
+                or not isinstance(low, (int, float)) or not math.isfinite(low):
+            raise _err(file, f"gates[{i}]", f"needs a metric (str) and a finite min (number), "
+                       f"got {g!r}")
         gates.append(Gate(g["metric"], float(g["min"])))
     api = roles.get("api", True)
     if not isinstance(api, bool):
         raise _err(file, "roles.api", f"expected true or false, got {api!r}")
+    data = _mapping(file, "data", top.get("data"), {"flag", "default", "required"})
+    if not isinstance(data.get("required", False), bool):
+        # `required: "false"` would be a non-empty string, so true.
+        raise _err(file, "data.required", f"expected true or false, got "
+                   f"{data['required']!r}")
+    for key in ("flag", "default"):
+        if key in data and not isinstance(data[key], str):
+            raise _err(file, f"data.{key}", f"expected text, got {data[key]!r}")
+    serving = _mapping(file, "serving", top.get("serving"), {"model", "model_kwargs"})
+    model = serving.get("model")
+    if model is not None and not (isinstance(model, str)
+                                  and re.fullmatch(r"[\w.]+:[\w.]+", model.strip())):
+        raise _err(file, "serving.model", f"expected module:Class, got {model!r}",
+                   "e.g. model:DNN, importable with the topology directory on sys.path")
+    kwargs = serving.get("model_kwargs")
+    if kwargs is not None and not (isinstance(kwargs, dict)
+                                   and all(isinstance(k, str) for k in kwargs)):
+        raise _err(file, "serving.model_kwargs", f"expected a mapping of argument names to "
+                   f"values, got {kwargs!r}", "{} builds the model with no arguments")
+    run = _mapping(file, "run", top.get("run"))
+    unknown = sorted(str(k) for k in set(run) - set(RUN_KEYS))
+    if unknown:
+        # The scripts refuse them too, but only once every role has started.
+        hint = difflib.get_close_matches(unknown[0], RUN_KEYS, n=1)
+        raise _err(file, f"run.{unknown[0]}", "unknown run setting",
+                   (f"did you mean {hint[0]!r}? " if hint else "")
+                   + f"accepted: {', '.join(RUN_KEYS)}")
     topo = Topology(
-        directory=d.resolve(), name=name, description=str(top.get("description") or ""),
+        directory=d.resolve(), name=name, description=description or "",
         embedding_servers=_count(file, "roles.embedding_servers",
                                  roles.get("embedding_servers", 1)),
         embedding_workers=_count(file, "roles.embedding_workers",
@@ -150,10 +207,10 @@ def load_topology(directory: str | Path) -> Topology:
         nn_worker_entry=str(entry.get("nn_worker", "train.py")),
         embedding_config=str(config.get("embedding", "embedding_config.yml")),
         global_config=str(config.get("global", "global_config.yml")),
-        run=_mapping(file, "run", top.get("run")),
-        data=_mapping(file, "data", top.get("data"), {"flag", "default", "required"}),
-        serving=_mapping(file, "serving", top.get("serving"), {"model", "model_kwargs"}),
-        tasks=tuple(str(t) for t in (top.get("tasks") or [])),
+        run=run,
+        data=data,
+        serving=serving,
+        tasks=tuple(tasks),
         gates=tuple(gates))
     for key, rel in (("entry.data_loader", topo.data_loader_entry),
                      ("entry.nn_worker", topo.nn_worker_entry),

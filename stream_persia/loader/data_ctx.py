@@ -146,8 +146,9 @@ class DataCtx:
         max_inflight: batches sent but not yet acknowledged before ``send_data`` waits.
         timeout_ms: how long one batch may wait for room before it fails with
             ``Backpressure`` (Kafka: also the longest ``flush``).
-        topic: the samples topic (default ``kafka.samples_topic``).
-        compression_type: none|gzip|snappy|lz4|zstd (default ``kafka.compression_type``).
+        topic: the samples topic (default ``kafka.samples_topic``); Kafka mode only.
+        compression_type: none|gzip|snappy|lz4|zstd (default ``kafka.compression_type``);
+            Kafka mode only.
         embedding_config: an ``EmbeddingSchema`` or a path (default: env
             ``PERSIA_EMBEDDING_CONFIG``, if set); batches with unknown slots are refused.
         startup_timeout_ms: how long ``start`` waits for the brokers or the embedding
@@ -156,7 +157,8 @@ class DataCtx:
 
     Raises:
         ConfigError: a bad ``PERSIA_BASE_PORT`` (no destination given), both kinds
-            given, or a bad address, topic or compression type.
+            given, a bad address, topic or compression type, or a topic or compression
+            type in the broker-less mode (it would be ignored).
         Misuse: unknown arguments, or ``max_inflight``/``timeout_ms`` below 1.
 
     Example::
@@ -207,6 +209,17 @@ class DataCtx:
                                        ("compression_type", compression_type)) if v}
         # replace() re-validates the section, so a bad topic or codec fails here, by name.
         self.kafka = dataclasses.replace(self.config.kafka, **overrides)
+        if overrides and not self.bootstrap:
+            # Broker-less, the batches go to the workers over RPC: a topic or codec asked
+            # for would be ignored while the caller believes the data went there.
+            name = next(iter(overrides))
+            arg = "topic" if name == "samples_topic" else name
+            raise ConfigError(f"DataCtx({arg}={overrides[name]!r}) applies to Kafka only, "
+                              "but no Kafka bootstrap servers are configured (broker-less: "
+                              "batches go to the embedding workers over RPC)", field=arg,
+                              hint="give the brokers (kafka_bootstrap_servers, produce "
+                                   "--kafka, KAFKA_BOOTSTRAP_SERVERS or "
+                                   "kafka.bootstrap_servers), or drop it")
         if embedding_config is None and os.environ.get("PERSIA_EMBEDDING_CONFIG"):
             embedding_config = os.environ["PERSIA_EMBEDDING_CONFIG"]
         if isinstance(embedding_config, (str, os.PathLike)):

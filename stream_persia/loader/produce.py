@@ -299,9 +299,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     dest.add_argument("--embedding-workers", type=flags.addresses, default=None,
                       help="broker-less: host:port,... of the embedding workers (else env "
                            "PERSIA_EMBEDDING_WORKERS when no Kafka is configured)")
-    p.add_argument("--global-config", default=os.environ.get("PERSIA_GLOBAL_CONFIG"),
+    p.add_argument("--global-config", **flags.env("PERSIA_GLOBAL_CONFIG", flags.nonempty, None),
                    help="global_config.yml (env PERSIA_GLOBAL_CONFIG)")
-    p.add_argument("--embedding-config", default=os.environ.get("PERSIA_EMBEDDING_CONFIG"),
+    p.add_argument("--embedding-config",
+                   **flags.env("PERSIA_EMBEDDING_CONFIG", flags.nonempty, None),
                    help="embedding_config.yml: refuse batches with unknown slots before "
                         "sending (env PERSIA_EMBEDDING_CONFIG)")
     p.add_argument("--topic", type=flags.topic, default=None,

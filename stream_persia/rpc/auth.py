@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from stream_persia.config.files import read_secret_file
 from stream_persia.core.hosts import is_loopback
 from stream_persia.core.wire import WireLimits
 from stream_persia.errors import AuthError, ConfigError, WireError
@@ -115,15 +116,8 @@ class RoleSecret:
             return cls(inline, SECRET_ENV)
         if path is None:
             return None
-        try:
-            with open(path, encoding="utf-8") as f:
-                value = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"{SECRET_FILE_ENV}: cannot read {path!r}: "
-                              f"{exc.strerror or exc}", field=SECRET_FILE_ENV) from None
-        if not value:
-            raise ConfigError(f"{SECRET_FILE_ENV}: {path!r} is empty", field=SECRET_FILE_ENV,
-                              hint="write the job's role secret into the file")
+        value = read_secret_file(path, SECRET_FILE_ENV,
+                                 "write the job's role secret into the file")
         return cls(value, SECRET_FILE_ENV)
 
 

@@ -14,14 +14,14 @@ load_tests/bench_rpc.py (2-core machine).
 Abstract sockets live in the network namespace, as loopback ports do, so the name is as
 unique as the port; no file is created or left behind. A server bound to one non-loopback
 address does not take the name: a loopback server on the same port may hold it.
-``STREAM_PERSIA_RPC_UNIX=0`` turns the shortcut off for servers and clients.
+``STREAM_PERSIA_RPC_UNIX=0`` (or false, no, off) turns the shortcut off for servers and clients;
+another value than a switch is a ConfigError naming it (:mod:`stream_persia.core.switches`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import struct
 import sys
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stream_persia.core.hosts import is_loopback
+from stream_persia.core.switches import env_switch
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ __all__ = ["BUFFER_BYTES", "describe_peer", "enabled", "listen", "name_for",
 def enabled() -> bool:
     """Whether the shortcut may be used here: Linux, and not switched off."""
     return (sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
-            and os.environ.get("STREAM_PERSIA_RPC_UNIX", "1") != "0")
+            and env_switch("STREAM_PERSIA_RPC_UNIX", True))
 
 
 #: socket buffer asked for on Unix-socket connections: without it a stream socket moves

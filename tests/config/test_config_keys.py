@@ -83,7 +83,7 @@ READ: dict[str, list[tuple[str, str]]] = {
     "embedding_worker_config.rpc_timeout_ms": [
         (LAUNCH, r"wc\.rpc_timeout_ms"),
         (API_SETTINGS, r"embedding_worker_config\.rpc_timeout_ms")],
-    "kafka.bootstrap_servers": [(KAFKA_CONFIG, r"return kafka\.bootstrap_servers"),
+    "kafka.bootstrap_servers": [(KAFKA_CONFIG, r"in_file = kafka\.bootstrap_servers"),
                                 (CONSUMER, r"config_servers\(kafka")],
     "kafka.job_name": [(CONSUMER, r"kafka\.job_name")],
     "kafka.samples_topic": [(CONSUMER, r"kafka\.samples_topic"),
@@ -97,7 +97,8 @@ READ: dict[str, list[tuple[str, str]]] = {
     "kafka.sasl_password": _security(r"read_sasl_password\(\)")
     + [(KAFKA_CONFIG, r"def read_sasl_password[\s\S]*return self\.sasl_password\b")],
     "kafka.sasl_password_file": _security(r"read_sasl_password\(\)")
-    + [(KAFKA_CONFIG, r"def read_sasl_password[\s\S]*open\(self\.sasl_password_file")],
+    + [(KAFKA_CONFIG,
+        r"def read_sasl_password[\s\S]*read_secret_file\(self\.sasl_password_file")],
     "kafka.ssl_cafile": _security("ssl_cafile"),
     "kafka.ssl_certfile": _security("ssl_certfile"),
     "kafka.ssl_keyfile": _security("ssl_keyfile"),
@@ -106,7 +107,7 @@ READ: dict[str, list[tuple[str, str]]] = {
     "kafka.startup_timeout_ms": [(CONSUMER, r"kafka\.startup_timeout_ms / 1000")],
     "kafka.broker_timeout_ms": [(CONSUMER, r"kafka\.broker_timeout_ms / 1000")],
     "kafka.enable_idempotence": [
-        (KAFKA_CONFIG, r"def resolve_idempotence[\s\S]*return kafka\.enable_idempotence"),
+        (KAFKA_CONFIG, r"def resolve_idempotence[\s\S]*in_file = kafka\.enable_idempotence"),
         (PRODUCER, r"resolve_idempotence\(kafka\)"),
         ("stream_persia/kafka/dlq.py", r"resolve_idempotence\(kafka\)"),
         ("stream_persia/kafka/updates.py", r"resolve_idempotence\(gc\.kafka\)"),
@@ -122,7 +123,7 @@ READ: dict[str, list[tuple[str, str]]] = {
                    r"def read_token[\s\S]*return self\.token\b")],
     "api.token_file": [(API_SETTINGS, r"api\.read_token\(\)"),
                        ("stream_persia/config/global_config.py",
-                        r"def read_token[\s\S]*open\(self\.token_file")],
+                        r"def read_token[\s\S]*read_secret_file\(self\.token_file")],
     "api.max_body_bytes": [(API_SETTINGS, r"api\.max_body_bytes")],
     "api.max_rows_per_request": [(API_SETTINGS, r"api\.max_rows_per_request")],
     "model_updates.enabled": [(TRAIN_CTX, r"model_updates\.enabled"),

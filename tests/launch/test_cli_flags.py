@@ -98,6 +98,12 @@ RUN = [
     (["--kafka", "127.0.0.1:9092", "--topic", "t", "--partitions", "4"], "--partitions"),
     (["--no-api", "--predict-samples", "5"], "--predict-samples"),
     (["--data", "/tmp/clicks.csv"], "--data"),   # synthetic_ctr reads no dataset
+    # empty (an unset shell variable): it read as "not given", so KAFKA_BOOTSTRAP_SERVERS
+    # or the file decided instead
+    (["--kafka", ""], "--kafka"),
+    (["--kafka", " , "], "--kafka"),
+    (["--output-dir", ""], "--output-dir"),   # it wrote to runs/<job>-<time> instead
+    (["--data-dir", ""], "--data"),
 ]
 
 
@@ -145,6 +151,65 @@ def test_run_refuses_a_key_given_twice_in_topology_yml(tmp_path, capsys):
                   "duplicate key 'run'", capsys)
     assert str(topo / "topology.yml") in err and "first at line" in err
     assert not (tmp_path / "run").exists()
+
+
+TOPOLOGY_EDITS = [
+    # (what replaces what in synthetic_ctr's topology.yml, the key named)
+    # `tasks: click` was read letter by letter: tasks c, l, i, c, k
+    (("tasks: [click]", "tasks: click"), "tasks"),
+    (("tasks: [click]", "tasks: [yes]"), "tasks"),         # YAML's true
+    # a gate's min of true was 1.0; a mapping for the list went through its keys
+    (("min: 0.95", "min: true"), "gates[0]"),
+    (("min: 0.95", "min: .nan"), "gates[0]"),
+    (("  - {metric: bayes_lift.click, min: 0.95}", "  metric: auc.click"), "gates"),
+    # a misspelt run setting: refused by the scripts only once every role had started
+    (("  epochs: 1", "  epoch: 3"), "run.epoch"),
+    (("seed: 0", "seed: 0\ndata: {required: 'false'}"), "data.required"),  # a true string
+    # run sets PERSIA_OUTPUT_DIR / PERSIA_CKPT_DIR for every role, over the file's values
+    (("seed: 0", "seed: 0\n  output_dir: /data/results"), "run.output_dir"),
+    (("seed: 0", "seed: 0\n  checkpoint_dir: /data/ckpt"), "run.checkpoint_dir"),
+    (("model_kwargs: {}", "model_kwargs: [64, 32]"), "serving.model_kwargs"),
+    (("model: model:DNN", "model: DNN"), "serving.model"),
+    # a process each: run's --embedding-servers has the same bound
+    (("embedding_servers: 1", "embedding_servers: 100000"), "roles.embedding_servers"),
+    (("nn_workers: {nproc_per_node: 1}", "nn_workers: {nproc_per_node: 5000}"),
+     "roles.nn_workers.nproc_per_node"),
+]
+
+
+@pytest.mark.parametrize(("edit", "key"), TOPOLOGY_EDITS,
+                         ids=[e[1] for e, _ in TOPOLOGY_EDITS])
+def test_run_refuses_topology_values_it_would_misread(tmp_path, capsys, edit, key):
+    topo = tmp_path / "topo"
+    shutil.copytree(TOPOLOGY, topo)
+    text = (topo / "topology.yml").read_text()
+    assert edit[0] in text
+    (topo / "topology.yml").write_text(text.replace(edit[0], edit[1], 1))
+    err = refused(["run", str(topo), "--output-dir", str(tmp_path / "run")], f": {key}:",
+                  capsys)
+    assert str(topo / "topology.yml") in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_refuses_a_topology_yml_that_is_not_utf8(tmp_path, capsys):
+    topo = tmp_path / "topo"
+    shutil.copytree(TOPOLOGY, topo)
+    with open(topo / "topology.yml", "ab") as f:
+        f.write(b"# caf\xe9\n")
+    err = refused(["run", str(topo), "--output-dir", str(tmp_path / "run")],
+                  "topology.yml file is not UTF-8 text", capsys)
+    assert "Traceback" not in err
+
+
+def test_the_run_settings_load_topology_accepts_are_those_the_scripts_read():
+    sys.path.insert(0, str(ROOT / "topologies"))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(ROOT / "topologies"))
+    from stream_persia.launch.topology import RUN_KEYS
+
+    assert RUN_KEYS == tuple(name for name, _, _ in common._FIELDS)
 
 
 def test_run_refuses_a_dataset_that_does_not_exist(tmp_path, capsys):
@@ -207,6 +272,19 @@ LAUNCH = [
     (["nn-worker", "train.py", "--nnodes", "2", "--node-rank", "1"], "--master-port"),
     (["nn-worker", "train.py", "--master-port", "70000"], "--master-port"),
     (["nn-worker", "train.py", "--embedding-workers", ":1"], "--embedding-workers"),
+    # empty values (an unset shell variable): they read as "not given", so the built-in
+    # defaults, the environment or the well-known ports were used instead
+    (["embedding-server", "--global-config", ""], "--global-config"),
+    (["embedding-server", "--embedding-config="], "--embedding-config"),
+    (["embedding-worker", "--kafka", ""], "--kafka"),
+    (["embedding-worker", "--embedding-servers", ","], "--embedding-servers"),
+    (["data-loader", "loader.py", "--embedding-workers", ""], "--embedding-workers"),
+    (["api", "--global-config", " "], "--global-config"),
+    (["nn-worker", "train.py", "--global-config="], "--global-config"),
+    (["embedding-server", "--checkpoint-root", ""], "--checkpoint-root"),
+    (["embedding-worker", "--ready-file", ""], "--ready-file"),
+    (["api", "--checkpoint-dir", ""], "--checkpoint-dir"),
+    (["api", "--model", ""], "--model"),
 ]
 
 
@@ -259,6 +337,8 @@ PRODUCE = [
     (["--kafka", "broker"], "--kafka"),
     (["--embedding-workers", "w:0"], "--embedding-workers"),
     (["--log-level", "0"], "--log-level"),
+    (["--kafka", ""], "--kafka"),
+    (["--global-config", ""], "--global-config"),
 ]
 
 
@@ -271,6 +351,17 @@ def test_produce_refuses_bad_flags_before_producing(capsys, flags, named):
                                   ["checkpoint", "list", "r", "--log-level", "5"]])
 def test_checkpoint_refuses_a_bad_log_level(capsys, argv):
     refused(argv, "--log-level", capsys)
+
+
+@pytest.mark.parametrize("argv", [["checkpoint", "clean", ""], ["checkpoint", "list", " "],
+                                  ["checkpoint", "inspect", ""],
+                                  ["checkpoint", "compact", "ckpt", "--dst="]],
+                         ids=["clean", "list", "inspect", "compact --dst"])
+def test_checkpoint_refuses_an_empty_path(capsys, monkeypatch, tmp_path, argv):
+    # `checkpoint clean "$ROOT"` with ROOT unset cleaned the current directory
+    monkeypatch.chdir(tmp_path)
+    err = refused(argv, "is empty", capsys)
+    assert "argument" in err
 
 
 # ---------------------------------------------------------------------- real processes

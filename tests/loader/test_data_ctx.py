@@ -142,6 +142,13 @@ def test_destination_precedence_and_bad_arguments(monkeypatch):
     for bad in ({"max_inflight": 0}, {"timeout_ms": -1}, {"whatever": 1}):
         with pytest.raises(Misuse):
             DataCtx(**bad)
+    # broker-less, a topic or codec would be ignored while the caller thinks it applies
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS")
+    for arg, value in (("topic", "clicks"), ("compression_type", "gzip")):
+        with pytest.raises(ConfigError, match=rf"DataCtx\({arg}='{value}'\) applies to "
+                                              "Kafka only") as err:
+            DataCtx(embedding_workers=["127.0.0.1:2"], **{arg: value})
+        assert err.value.field == arg
 
 
 def test_misuse_outside_the_context_and_non_batches():
