@@ -186,10 +186,21 @@ class KafkaFollow:
                 await asyncio.sleep(1.0)
                 continue
             for tp, records in batches.items():
-                if tp.partition == self.replica.shards:
-                    await self.take_dense(records)
-                else:
-                    await self.take(self.replica.cursors[tp.partition], records)
+                try:
+                    if tp.partition == self.replica.shards:
+                        await self.take_dense(records)
+                    else:
+                        await self.take(self.replica.cursors[tp.partition], records)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:   # a bug: it used to end this task, silently
+                    self.replica.counts["bad_messages"] += 1
+                    log.exception("replica: applying records of %s/%d failed", tp.topic,
+                                  tp.partition)
+                    if tp.partition < self.replica.shards:   # they are read: a gap
+                        cursor = self.replica.cursors[tp.partition]
+                        cursor.skipping, cursor.rebuilding = True, False
+                        await self._ask_resync(cursor)
 
     async def take_dense(self, records: list[Any]) -> None:
         """Assemble ``dense`` records into blobs; serve each whole one that is newer or
@@ -251,8 +262,12 @@ class KafkaFollow:
 
     async def _apply(self, cursor: ShardCursor, msgs: list[dict[str, Any]]) -> None:
         r = self.replica
-        ended = await r.execute(lambda: apply_messages(r.store, cursor, r.shards, msgs))
         r.counts["bytes"] += sum(message_bytes(m) for m in msgs)
+        try:
+            ended = await r.execute(lambda: apply_messages(r.store, cursor, r.shards, msgs))
+        except BadInput as e:   # the table refused one: it used to end this task, silently
+            await r.refused_by_table(cursor, e, self._ask_resync)
+            return
         r.advance(rewound=bool(ended))
 
     async def _ask_resync(self, cursor: ShardCursor) -> None:

@@ -465,3 +465,32 @@ async def test_a_dense_model_that_does_not_fit_is_refused_and_following_goes_on(
             assert r.status_code == 200 and r.json()["model_version"] == 21
     finally:
         await stop_job(job)
+
+
+async def test_a_replica_follows_servers_rescaled_since_its_checkpoint(tmp_path):
+    """The checkpoint was written by one embedding server; the job restored it into two
+    (a checkpoint loads into another number of servers) and trains on. The manifest's
+    update positions name one server's log: a replica starting from that checkpoint reads
+    every server's log from its start (a reset each) and ends with the servers' rows. It
+    used to index the positions by the new server's number: the task following server 1
+    died with an IndexError, nothing said, and that shard was never followed again."""
+    small = await start_job(n_servers=1)
+    try:
+        await small.train(3)
+        ckpt = await write_checkpoint(small, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3))
+    finally:
+        await stop_job(small)
+    job = await start_job(n_servers=2)
+    try:
+        await load_embeddings(ckpt, [job.client(a) for a in job.server_addresses])
+        await job.train(2, seed=1)
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                checkpoint_dir=str(tmp_path / "ckpts"))
+        async with LiveApi(settings) as replica:
+            await job.train(2, seed=2)
+            await drained(replica, job)
+            follower = replica.state.predictor.replica
+            assert table_rows(follower.store) == server_rows(job)
+            assert all(c.applied["resets"] >= 1 for c in follower.cursors)
+    finally:
+        await stop_job(job)

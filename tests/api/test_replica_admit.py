@@ -6,11 +6,16 @@ a restarted server's log is followed from its reset; and messages are validated 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
-from stream_persia.api.replica import ShardCursor, apply_messages, check_message
-from stream_persia.api.replica_kafka import admit, check_dense
+from api_helpers import start_job, stop_job
+from stream_persia.api.replica import Replica, ShardCursor, apply_messages, check_message
+from stream_persia.api.replica_kafka import KafkaFollow, admit, check_dense
+from stream_persia.api.roles import Roles
 
+from stream_persia.core import wire
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import BadInput
 from stream_persia.server.store import EmbeddingStore
@@ -146,3 +151,69 @@ def test_a_dense_records_lineage_is_validated_and_absent_is_the_legacy_one():
         with pytest.raises(BadInput) as e:
             check_dense(dense(lineage=bad), 1)
         assert e.value.field == "lineage"
+
+
+def test_a_row_the_table_refuses_is_never_passed_over_as_applied(store):
+    """Rows of another dim for an id the table holds (a job started again with another
+    embedding config) are refused by the table. The cursor used to be past that message
+    already: the rest of the pass and its mark were applied, the shard said it was at the
+    server's version while that row kept its old value. Now it skips to the next reset,
+    its version and event time held, and says so (BadInput naming the refusal)."""
+    c = ShardCursor(0)
+    run(c, store, [msg(0, "reset"), msg(1, ids=(1,)), msg(2, "mark")])
+    bad = msg(3, ids=(1,))
+    bad.update(dim=3, weights=np.full((1, 3), 5.0, np.float32))
+    with pytest.raises(BadInput, match="refused by the serving table"):
+        apply_messages(store, c, 1, [bad, msg(4, ids=(2,)), msg(5, "mark")])
+    assert c.skipping and not c.refused_full and c.next_seq == 4
+    apply_messages(store, c, 1, [msg(4, ids=(2,)), msg(5, "mark")])
+    assert (c.version, c.event_time) == (2, 102.0)       # nothing claimed past the refusal
+    assert not store.contains(np.array([2], np.uint64))[0]
+    # a full pass the table refuses too: no resync asked (it would only repeat it)
+    with pytest.raises(BadInput):
+        apply_messages(store, c, 1, [msg(6, "reset"), bad | {"seq": 7}, msg(8, "mark")])
+    assert c.refused_full and c.skipping and c.version == 2
+    run(c, store, [msg(9, "reset"), msg(10, ids=(2,)), msg(11, "mark")])
+    assert not c.refused_full and not c.skipping and c.version == 11
+
+
+async def test_a_record_the_table_refuses_does_not_end_the_kafka_follower():
+    """Over Kafka the same refusal used to escape ``take`` and end the task that reads
+    the topic: the replica never applied another record, with nothing said until it
+    stopped. It is counted, the shard skips to the next reset, and the server is asked
+    for one (a real server: its next pass is a full one)."""
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=1)
+    roles = Roles([], job.server_addresses)
+    try:
+        replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense)
+        follow = KafkaFollow(replica, "127.0.0.1:9", "j.model.updates", None)
+        cursor = replica.cursors[0]
+        bad = msg(3, ids=(1,))
+        bad.update(dim=3, weights=np.full((1, 3), 5.0, np.float32))
+        log = [msg(0, "reset"), msg(1, ids=(1,)), msg(2, "mark"), bad, msg(4, ids=(2,)),
+               msg(5, "mark")]
+        records = [SimpleNamespace(value=wire.pack(m), key=None, topic="j.model.updates",
+                                   partition=0, offset=i) for i, m in enumerate(log)]
+        feed = job.servers[0].feed
+        assert feed is not None
+
+        def resets() -> int:
+            return sum(m["kind"] == "reset" for m in feed.log.read(feed.log.first_seq, 1 << 30))
+
+        await follow.take(cursor, records[:3])
+        await feed.run_pass()
+        before = resets()
+        await follow.take(cursor, records[3:])
+        assert replica.counts["bad_messages"] == 1 and cursor.resyncs == 1
+        assert cursor.skipping and cursor.version == 2
+        await feed.run_pass()
+        assert resets() == before + 1
+    finally:
+        await roles.close()
+        await stop_job(job)
