@@ -48,7 +48,10 @@ the previous ``trained_through``), an upper bound of the freshness of every samp
 A published dense model that does not fit the served one (another architecture) is
 refused: counted in ``dense_failures``, named in ``GET /v1/model`` as
 ``dense_refused_step``, never fetched again; the served model stays until a newer one of
-the refused lineage, or one of another lineage, fits.
+the refused lineage, or one of another lineage, fits. A lineage the replica served and then
+replaced is never served again: a blob of it still on its way through Kafka's dense
+partition when the replica took its successor over RPC at start came after it, and a
+server 0 restarted (it forgets the lineages it refused) took a stale trainer's again.
 
 Size: one module past 500 lines on purpose: one class, the replica's state and the two
 streams it follows (the shards' update logs and the dense model), which share its table,
@@ -80,6 +83,7 @@ from stream_persia.errors import BadInput, InternalError, PersiaError
 from stream_persia.kernels.sharding import shard_of
 from stream_persia.server.dense_hub import (
     LEGACY_LINEAGE,
+    REPLACED_LINEAGES_KEPT,
     LineageCalls,
     check_lineage,
     lineage_or_legacy,
@@ -334,6 +338,9 @@ class Replica:
         # fetched again; None once a model was served after it
         self.refused: tuple[int, int] | None = None
         self._dense_calls = LineageCalls("replica")
+        # lineages this replica served and then replaced: never served again (a record of
+        # one still on its way through Kafka would bring back a model training replaced)
+        self._replaced: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.trained_through: float | None = None
         self._known: float | None = None   # trained_through before it became unknown
         self.advances: collections.deque[tuple[float, float]] = collections.deque(
@@ -574,6 +581,10 @@ class Replica:
         """
         if lineage == self.dense_lineage and step <= self.dense_step:
             return False
+        if lineage in self._replaced:
+            self._warn_once(f"replaced-{lineage}", "replica: ignoring the dense model of "
+                            "lineage %d step %d: a later lineage replaced it", lineage, step)
+            return False
         if self.refused is not None and lineage == self.refused[0] \
                 and step <= self.refused[1]:
             return False
@@ -608,6 +619,10 @@ class Replica:
         replaced = lineage != self.dense_lineage
         if replaced:
             self.counts["dense_lineage_changes"] += 1
+            if self.dense_lineage != LEGACY_LINEAGE:   # (publishers before lineages share it)
+                self._replaced[self.dense_lineage] = None
+                while len(self._replaced) > REPLACED_LINEAGES_KEPT:
+                    self._replaced.popitem(last=False)
             log.warning("replica: serving the dense model of lineage %d step %d (was lineage "
                         "%d step %d): the trainer restarted", lineage, step,
                         self.dense_lineage, self.dense_step)

@@ -6,10 +6,13 @@ a restarted server's log is followed from its reset; and messages are validated 
 
 from __future__ import annotations
 
+import hashlib
+import io
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from api_helpers import start_job, stop_job
 from stream_persia.api.replica import Replica, ShardCursor, apply_messages, check_message
 from stream_persia.api.replica_kafka import KafkaFollow, admit, check_dense
@@ -217,3 +220,40 @@ async def test_a_record_the_table_refuses_does_not_end_the_kafka_follower():
     finally:
         await roles.close()
         await stop_job(job)
+
+
+async def test_a_replaced_dense_lineage_is_never_served_again():
+    """Over Kafka a replica takes the dense model once over RPC at start, then reads the
+    dense partition from its end: a blob of the lineage server 0 just replaced (a trainer
+    restored, a new lineage) may still be on its way there and arrive after the new
+    lineage's model. It used to be served as "another lineage", training's replaced model
+    answering under a higher model_version until the next publication. Refused now, and
+    the current lineage goes on."""
+    served: list[tuple[int, float | None]] = []
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(state, step, event_time):
+        served.append((step, event_time))
+
+    def blob(value: float) -> tuple[bytes, str]:
+        buf = io.BytesIO()
+        torch.save({"w": torch.full((2,), value)}, buf)
+        return buf.getvalue(), hashlib.sha256(buf.getvalue()).hexdigest()
+
+    roles = Roles([], ["127.0.0.1:9"])   # never called: the blobs come as Kafka's would
+    try:
+        replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense,
+                          dense_step=40, dense_event_time=100.0, dense_lineage=5)
+        data, digest = blob(2.0)
+        assert await replica.apply_dense(data, 3, digest, 90.0, lineage=9)   # restored
+        data, digest = blob(1.0)
+        assert not await replica.apply_dense(data, 41, digest, 101.0, lineage=5)
+        assert (replica.dense_lineage, replica.dense_step) == (9, 3)
+        data, digest = blob(3.0)
+        assert await replica.apply_dense(data, 4, digest, 91.0, lineage=9)
+        assert served == [(3, 90.0), (4, 91.0)]
+        assert replica.counts["dense_lineage_changes"] == 1
+    finally:
+        await roles.close()
