@@ -144,6 +144,11 @@ def check_message(msg: Any, cursor: ShardCursor, shards: int) -> dict[str, Any]:
     if msg.get("shard") != cursor.shard or msg.get("shards") != shards:
         raise BadInput(f"update message for shard {msg.get('shard')!r}/{msg.get('shards')!r} "
                        f"came from server {cursor.shard} of {shards}", field="shard")
+    inc = msg.get("incarnation")
+    if not isinstance(inc, str) or not 0 < len(inc) <= 256:
+        # Kafka's admit() follows it: a record without one ended the follower (KeyError)
+        raise BadInput(f"update message incarnation must be a non-empty string, got "
+                       f"{str(inc)[:80]!r}", field="incarnation")
     seq, version = msg.get("seq"), msg.get("version")
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
         raise BadInput(f"update message seq must be an int >= 0, got {seq!r}", field="seq")

@@ -131,7 +131,9 @@ def test_joining_a_new_incarnation_mid_log_is_a_gap(store):
     ({"kind": "delta"}, "kind"), ({"shard": 1}, "shard"), ({"seq": -1}, "seq"),
     ({"version": "1"}, "version"), ({"event_time": float("nan")}, "event_time"),
     ({"ids": np.array([1], np.int64)}, "ids"), ({"dim": 0}, "dim"),
-    ({"weights": np.zeros((1, 3), np.float32)}, "weights")])
+    ({"weights": np.zeros((1, 3), np.float32)}, "weights"),
+    ({"incarnation": None}, "incarnation"), ({"incarnation": 7}, "incarnation"),
+    ({"incarnation": ""}, "incarnation")])
 def test_bad_messages_are_refused_naming_the_field(change, field):
     m = {**msg(1), **change}
     with pytest.raises(BadInput) as e:
