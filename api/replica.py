@@ -20,7 +20,9 @@ does (its rows into a table in this process, its dense model), then follows:
   ``extra["dense_lineage"]``; without one (older checkpoints) it is the legacy lineage 0
   of publishers from before lineages: with those, only a newer step is taken, as before.
 
-It never looks anything up on the training servers. The table is bounded
+It never looks anything up on the training servers. A server that answers as another shard
+than its place in ``PERSIA_EMBEDDING_SERVERS`` (a list in another order) is refused, said
+once and retried, never followed as that shard nor asked for full passes. The table is bounded
 (``PERSIA_API_TABLE_ROWS``, default: the rows the servers may hold together) and LRU: a row
 pushed out answers as missing (zeros) until it changes again.
 
@@ -446,6 +448,14 @@ class Replica:
         if not isinstance(inc, str):
             raise BadInput(f"{role.peer} answered model_updates without an incarnation",
                            field="incarnation")
+        if (reply.get("shard"), reply.get("shards")) != (cursor.shard, self.shards):
+            # Servers listed in another order (or of another job size): its messages are
+            # another shard's. Said and retried, never a resync (a full pass of training's
+            # rows asked again and again) nor rows applied to the wrong shard.
+            raise BadInput(f"{role.peer} is embedding server {reply.get('shard')!r} of "
+                           f"{reply.get('shards')!r}, listed as server {cursor.shard} of "
+                           f"{self.shards}", field="embedding_servers",
+                           hint="list PERSIA_EMBEDDING_SERVERS in the job's replica order")
         first, nxt = int(reply.get("first_seq", 0)), int(reply.get("next_seq", 0))
         if inc != cursor.incarnation:
             return await self._new_incarnation(cursor, inc, first)
@@ -589,6 +599,7 @@ class Replica:
         if lineage in self._replaced:
             self._warn_once(f"replaced-{lineage}", "replica: ignoring the dense model of "
                             "lineage %d step %d: a later lineage replaced it", lineage, step)
+            self.refused = (lineage, step)   # over RPC: not fetched again
             return False
         if self.refused is not None and lineage == self.refused[0] \
                 and step <= self.refused[1]:

@@ -494,3 +494,35 @@ async def test_a_replica_follows_servers_rescaled_since_its_checkpoint(tmp_path)
             assert all(c.applied["resets"] >= 1 for c in follower.cursors)
     finally:
         await stop_job(job)
+
+
+async def test_a_replica_given_the_servers_in_another_order_says_so_and_asks_nothing(
+        tmp_path):
+    """PERSIA_EMBEDDING_SERVERS listed in another order than the job's: each follower
+    talks to another shard's server. Every pull used to be refused message by message
+    (logged each time) and answered with a resync: a full pass of every row asked of the
+    training servers every 50 ms, for good. The reply names the server's shard: the
+    replica refuses it once, naming the setting, asks for no full pass, and its
+    trained_through stays unknown."""
+    job = await start_job(n_servers=2)
+    try:
+        await job.train(3)
+        ckpt, _ = await replica_of(job, tmp_path)
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                checkpoint_dir=str(tmp_path / "ckpts"),
+                                embedding_servers=tuple(reversed(job.server_addresses)))
+        full = [s.feed.counts["full_passes"] for s in job.servers]
+        async with LiveApi(settings) as replica:
+            follower = replica.state.predictor.replica
+            async with asyncio.timeout(20):
+                while follower.counts["pull_failures"] < 4:
+                    await asyncio.sleep(0.05)
+            await job.train(2, seed=1)
+            await asyncio.sleep(0.5)
+            assert all(c.resyncs == 0 and c.version is None for c in follower.cursors)
+            assert follower.counts["bad_messages"] == 0
+            assert [s.feed.counts["full_passes"] for s in job.servers] == full
+            info = (await replica.client.get("/v1/model")).json()
+            assert info["replica"]["shards"][0]["version"] is None
+    finally:
+        await stop_job(job)
