@@ -120,6 +120,7 @@ class ShardCursor:
     resyncs: int = 0
     restarts: int = 0
     start: tuple[str, int] | None = None   # Kafka: skip to this (incarnation, seq) first
+    start_at_offset: bool = False       # ... read from its offset: every record is after it
     rebuilding: bool = False            # a reset applied, not yet the mark ending its pass
     refused_full: bool = False          # the table refused a full pass's message: no resync
     received: list[np.ndarray] = field(default_factory=list)   # ... the ids it sent so far

@@ -69,6 +69,12 @@ def admit(cursor: ShardCursor, msg: dict[str, Any]) -> str:
             # From the checkpoint's place on: a first record past it means the ones
             # between are gone (retention, a broker that lost its data): a gap below.
             cursor.incarnation, cursor.next_seq = inc, cursor.start[1]
+        elif inc != cursor.start[0] and cursor.start_at_offset:
+            # Read from the checkpoint's offset: a later server process (restarted since),
+            # its log joined past its reset when retention deleted that (a gap below). It
+            # used to be skipped, as a process from before the checkpoint would be, record
+            # after record until that server's next full pass: nothing said, no resync.
+            pass
         elif not (inc != cursor.start[0] and seq == 0 and msg["kind"] == "reset"):
             return "skip"   # before the checkpoint's place in its server's log
         # (else: a server process restarted since the checkpoint; its log starts here)
@@ -123,6 +129,7 @@ class KafkaFollow:
             pos = positions[c.shard] if positions is not None else None
             if pos:   # where the checkpoint left this server's log: read on from there
                 c.start = (str(pos["incarnation"]), int(pos["seq"]))
+                c.start_at_offset = "offset" in pos
                 c.incarnation, c.next_seq = c.start
 
     async def start(self) -> None:

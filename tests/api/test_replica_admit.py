@@ -120,6 +120,28 @@ def test_without_an_offset_an_older_log_first_ends_in_a_resync_never_silently(st
     assert not store.contains(np.array([8], np.uint64))[0]
 
 
+def test_from_a_checkpoints_offset_a_later_process_past_its_reset_is_a_gap(store):
+    """The replica reads from the offset its checkpoint records; the server restarted
+    since, and retention deleted the new process's first records (its reset): the first
+    record read is one of the new log's middle. Every such record used to be skipped as if
+    from before the checkpoint, until that server's next full pass (none comes unasked):
+    nothing said, nothing resynced. Read from an offset, every record is after the
+    checkpoint's place: it is a gap (skip to the next reset, resync)."""
+    c = ShardCursor(0, start=("b", 5), start_at_offset=True)
+    c.incarnation, c.next_seq = c.start            # as KafkaFollow sets it
+    assert run(c, store, [msg(40, inc="c", ids=(8,)), msg(41, "mark", inc="c")]) \
+        == ["gap", "apply"]
+    assert c.skipping and c.restarts == 1 and c.version is None and c.start is None
+    assert run(c, store, [msg(42, "reset", inc="c"), msg(43, inc="c", ids=(3,)),
+                          msg(44, "mark", inc="c")]) == ["apply"] * 3
+    assert not c.skipping and c.version == 44
+    # without an offset (read from the partition's start) an older process's records
+    # come first: they are before the checkpoint's place, skipped as before
+    c = ShardCursor(0, start=("b", 5))
+    c.incarnation, c.next_seq = c.start
+    assert run(c, store, [msg(40, inc="a", ids=(8,))]) == ["skip"]
+
+
 def test_joining_a_new_incarnation_mid_log_is_a_gap(store):
     c = ShardCursor(0)
     run(c, store, [msg(0, "reset"), msg(1)])
