@@ -9,7 +9,9 @@ message goes to ``<topic>.dlq`` with the reason and is counted
 incarnation and sequence it applied last (:func:`admit`): a record applied already (a
 producer retry) is skipped; a gap (a record lost to retention or refused) or an
 incarnation joined in the middle makes it skip to the next ``reset`` and ask that server,
-over RPC, for a full pass. Nothing is applied twice; nothing is missed silently.
+over RPC, for a full pass; so does a partition read to its end from its start (the
+checkpoint recorded no offset) without the checkpoint's place in it (retention deleted
+it). Nothing is applied twice; nothing is missed silently.
 """
 
 from __future__ import annotations
@@ -208,6 +210,28 @@ class KafkaFollow:
                         cursor = self.replica.cursors[tp.partition]
                         cursor.skipping, cursor.rebuilding = True, False
                         await self._ask_resync(cursor)
+            await self._start_not_found()
+
+    async def _start_not_found(self) -> None:
+        """A partition read to its end from its start (the checkpoint recorded no offset)
+        without meeting the checkpoint's place in its server's log, nor a later process's
+        reset: retention deleted them. Its records were skipped as older than the
+        checkpoint; from now on the shard skips to the next reset, which it asks for."""
+        from aiokafka import TopicPartition
+
+        for c in self.replica.cursors:
+            if c.start is None or c.start_at_offset:
+                continue
+            tp = TopicPartition(self.topic, c.shard)
+            hw = self._consumer.highwater(tp)
+            if hw is None or await self._consumer.position(tp) < hw:
+                continue
+            log.warning("replica: %s/%d read to its end without the checkpoint's place in "
+                        "embedding server %d's log (incarnation %s, message %d); asking it "
+                        "for a full pass", self.topic, c.shard, c.shard, *c.start)
+            c.start, c.incarnation = None, None
+            c.skipping, c.rebuilding = True, False
+            await self._ask_resync(c)
 
     async def take_dense(self, records: list[Any]) -> None:
         """Assemble ``dense`` records into blobs; serve each whole one that is newer or
