@@ -319,7 +319,7 @@ class Predictor:
             self.replica.start()
             return
         bootstrap, topic, security, idempotent = kafka
-        self._kafka = KafkaFollow(self.replica, bootstrap, topic, positions,
+        self._kafka = KafkaFollow(self.replica, bootstrap, topic, self.replica.positions,
                                   security_kwargs=security, enable_idempotence=idempotent)
         await self._kafka.start()
         self.replica.start(over_rpc=False)

@@ -20,14 +20,21 @@ does (its rows into a table in this process, its dense model), then follows:
   ``extra["dense_lineage"]``; without one (older checkpoints) it is the legacy lineage 0
   of publishers from before lineages: with those, only a newer step is taken, as before.
 
-It never looks anything up on the training servers. The table is bounded
+It never looks anything up on the training servers. A server that answers as another shard
+than its place in ``PERSIA_EMBEDDING_SERVERS`` (a list in another order) is refused, said
+once and retried, never followed as that shard nor asked for full passes. The table is bounded
 (``PERSIA_API_TABLE_ROWS``, default: the rows the servers may hold together) and LRU: a row
 pushed out answers as missing (zeros) until it changes again.
 
 Restarts and gaps, never silent: a server restarted (another incarnation) is read from the
 start of its new log, which begins with a ``reset``; a replica that fell behind a server's
 bounded log asks it for a full pass (``resync``) and skips to that pass's ``reset``. A
-restarted replica restores the newest checkpoint again and catches up from there. While a
+restarted replica restores the newest checkpoint again and catches up from there (from the
+start of every log when the checkpoint was written by another number of servers: its
+positions name other logs). A message the table refuses (rows of another dim than the ones
+it holds for those ids) is counted in ``bad_messages`` and skips the shard to the next full
+pass, asked for unless a full pass was refused (then the server's next restart or restore
+brings one); it is never passed over as applied. While a
 shard is being resynced, ``trained_through`` stays where it was, so the gap shows in the
 freshness metric; a restarted server's shard makes it None (unknown) until that server
 is restored (its load says what the checkpoint is trained through) or applies an update
@@ -43,7 +50,10 @@ the previous ``trained_through``), an upper bound of the freshness of every samp
 A published dense model that does not fit the served one (another architecture) is
 refused: counted in ``dense_failures``, named in ``GET /v1/model`` as
 ``dense_refused_step``, never fetched again; the served model stays until a newer one of
-the refused lineage, or one of another lineage, fits.
+the refused lineage, or one of another lineage, fits. A lineage the replica served and then
+replaced is never served again: a blob of it still on its way through Kafka's dense
+partition when the replica took its successor over RPC at start came after it, and a
+server 0 restarted (it forgets the lineages it refused) took a stale trainer's again.
 
 Size: one module past 500 lines on purpose: one class, the replica's state and the two
 streams it follows (the shards' update logs and the dense model), which share its table,
@@ -75,6 +85,7 @@ from stream_persia.errors import BadInput, InternalError, PersiaError
 from stream_persia.kernels.sharding import shard_of
 from stream_persia.server.dense_hub import (
     LEGACY_LINEAGE,
+    REPLACED_LINEAGES_KEPT,
     LineageCalls,
     check_lineage,
     lineage_or_legacy,
@@ -109,7 +120,9 @@ class ShardCursor:
     resyncs: int = 0
     restarts: int = 0
     start: tuple[str, int] | None = None   # Kafka: skip to this (incarnation, seq) first
+    start_at_offset: bool = False       # ... read from its offset: every record is after it
     rebuilding: bool = False            # a reset applied, not yet the mark ending its pass
+    refused_full: bool = False          # the table refused a full pass's message: no resync
     received: list[np.ndarray] = field(default_factory=list)   # ... the ids it sent so far
     applied: dict[str, int] = field(default_factory=lambda: {"rows": 0, "tombstones": 0,
                                                              "resets": 0, "marks": 0})
@@ -134,6 +147,11 @@ def check_message(msg: Any, cursor: ShardCursor, shards: int) -> dict[str, Any]:
     if msg.get("shard") != cursor.shard or msg.get("shards") != shards:
         raise BadInput(f"update message for shard {msg.get('shard')!r}/{msg.get('shards')!r} "
                        f"came from server {cursor.shard} of {shards}", field="shard")
+    inc = msg.get("incarnation")
+    if not isinstance(inc, str) or not 0 < len(inc) <= 256:
+        # Kafka's admit() follows it: a record without one ended the follower (KeyError)
+        raise BadInput(f"update message incarnation must be a non-empty string, got "
+                       f"{str(inc)[:80]!r}", field="incarnation")
     seq, version = msg.get("seq"), msg.get("version")
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
         raise BadInput(f"update message seq must be an int >= 0, got {seq!r}", field="seq")
@@ -187,7 +205,14 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
     A ``reset`` starts a full pass of the shard: its rows overwrite the held ones as they
     come, and at the pass's ``mark`` the rows of the shard that it did not send leave.
     Until then the shard's previous rows are served: a pass read over many pulls (a
-    resync of a large shard) never leaves a half-empty shard answering in between."""
+    resync of a large shard) never leaves a half-empty shard answering in between.
+
+    Raises:
+        BadInput: the table refused a message (rows of another dim than the held ones of
+            the same ids: a job started again with another embedding config): the cursor
+            then skips to the next reset (its marks are not applied, so the shard's
+            version and ``trained_through`` hold), never past the message as applied.
+    """
     ended = False
     for msg in messages:
         kind = msg["kind"]
@@ -195,26 +220,44 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
         if cursor.skipping and kind != "reset":
             cursor.rebuilding, cursor.received = False, []   # that pass is abandoned
             continue
-        if kind == "reset":
-            cursor.skipping = False
-            cursor.rebuilding = True
-            cursor.received = []
-            cursor.applied["resets"] += 1
-        elif kind == "tombstones":
-            store.remove(msg["ids"])
-            cursor.applied["tombstones"] += len(msg["ids"])
-        elif kind == "rows":
-            store.load([{"dim": msg["dim"], "ids": msg["ids"], "weights": msg["weights"]}])
-            if cursor.rebuilding:   # a copy: the message's buffer (its weights) is let go
-                cursor.received.append(np.array(msg["ids"], dtype=np.uint64, copy=True))
-            cursor.applied["rows"] += len(msg["ids"])
-        else:
-            if cursor.rebuilding:
-                sent = np.concatenate(cursor.received) if cursor.received else None
-                drop_shard(store, cursor.shard, shards, keep=sent)
-                cursor.rebuilding, cursor.received, ended = False, [], True
-            cursor.version, cursor.event_time = msg["version"], msg["event_time"]
-            cursor.applied["marks"] += 1
+        try:
+            ended = _apply_one(store, cursor, shards, msg) or ended
+        except PersiaError as e:
+            cursor.refused_full = cursor.rebuilding or kind == "reset"
+            cursor.skipping, cursor.rebuilding, cursor.received = True, False, []
+            raise BadInput(f"update message {msg['seq']} ({kind}) of server {cursor.shard} "
+                           f"was refused by the serving table: {e.message}; skipping to "
+                           f"the server's next full pass", field=e.field or "weights",
+                           hint="a job started again with another embedding config needs "
+                                "a replica restored from one of its checkpoints") from None
+    return ended
+
+
+def _apply_one(store: Store, cursor: ShardCursor, shards: int, msg: dict[str, Any]) -> bool:
+    """One message of :func:`apply_messages`; whether it ended a full pass."""
+    ended = False
+    kind = msg["kind"]
+    if kind == "reset":
+        cursor.skipping = False
+        cursor.rebuilding = True
+        cursor.received = []
+        cursor.applied["resets"] += 1
+    elif kind == "tombstones":
+        store.remove(msg["ids"])
+        cursor.applied["tombstones"] += len(msg["ids"])
+    elif kind == "rows":
+        store.load([{"dim": msg["dim"], "ids": msg["ids"], "weights": msg["weights"]}])
+        if cursor.rebuilding:   # a copy: the message's buffer (its weights) is let go
+            cursor.received.append(np.array(msg["ids"], dtype=np.uint64, copy=True))
+        cursor.applied["rows"] += len(msg["ids"])
+    else:
+        if cursor.rebuilding:
+            sent = np.concatenate(cursor.received) if cursor.received else None
+            drop_shard(store, cursor.shard, shards, keep=sent)
+            cursor.rebuilding, cursor.received, ended = False, [], True
+        cursor.version, cursor.event_time = msg["version"], msg["event_time"]
+        cursor.applied["marks"] += 1
+        cursor.refused_full = False
     return ended
 
 
@@ -287,7 +330,15 @@ class Replica:
         self.on_dense = on_dense
         self.interval_s = interval_s
         self.cursors = [ShardCursor(i) for i in range(self.shards)]
-        self._positions = positions
+        if positions is not None and len(positions) != self.shards:
+            # The checkpoint was written by another number of servers (it loads into any):
+            # its positions name other logs. Every log is read from its start (a reset).
+            log.warning("replica: the checkpoint records update positions of %d embedding "
+                        "servers, the job has %d; reading every server's log from its "
+                        "start", len(positions), self.shards)
+            positions = None
+        #: where each server's log is read from (None: from its start)
+        self.positions = positions
         self.dense_step = dense_step
         self.dense_event_time = dense_event_time
         self.dense_lineage = check_lineage(dense_lineage, "dense_lineage")
@@ -295,6 +346,9 @@ class Replica:
         # fetched again; None once a model was served after it
         self.refused: tuple[int, int] | None = None
         self._dense_calls = LineageCalls("replica")
+        # lineages this replica served and then replaced: never served again (a record of
+        # one still on its way through Kafka would bring back a model training replaced)
+        self._replaced: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.trained_through: float | None = None
         self._known: float | None = None   # trained_through before it became unknown
         self.advances: collections.deque[tuple[float, float]] = collections.deque(
@@ -375,6 +429,13 @@ class Replica:
                 self._warn_once(f"pull-{cursor.shard}", "replica: cannot follow %s: %s "
                                 "(retrying; trained_through holds)", role.peer, e)
                 more = False
+            except Exception:   # a bug: said, counted and retried, never a task ended silently
+                self.counts["pull_failures"] += 1
+                if not self._warned.get(f"bug-{cursor.shard}"):
+                    self._warned[f"bug-{cursor.shard}"] = True
+                    log.exception("replica: following %s failed (retrying; trained_through "
+                                  "holds)", role.peer)
+                more = False
             if not more:
                 await asyncio.sleep(self.interval_s)
 
@@ -388,6 +449,14 @@ class Replica:
         if not isinstance(inc, str):
             raise BadInput(f"{role.peer} answered model_updates without an incarnation",
                            field="incarnation")
+        if (reply.get("shard"), reply.get("shards")) != (cursor.shard, self.shards):
+            # Servers listed in another order (or of another job size): its messages are
+            # another shard's. Said and retried, never a resync (a full pass of training's
+            # rows asked again and again) nor rows applied to the wrong shard.
+            raise BadInput(f"{role.peer} is embedding server {reply.get('shard')!r} of "
+                           f"{reply.get('shards')!r}, listed as server {cursor.shard} of "
+                           f"{self.shards}", field="embedding_servers",
+                           hint="list PERSIA_EMBEDDING_SERVERS in the job's replica order")
         first, nxt = int(reply.get("first_seq", 0)), int(reply.get("next_seq", 0))
         if inc != cursor.incarnation:
             return await self._new_incarnation(cursor, inc, first)
@@ -415,16 +484,32 @@ class Replica:
             log.error("replica: refused a pull from %s: %s; resyncing", role.peer, e.message)
             await self._resync(cursor)
             return True
-        ended = await self.execute(
-            lambda: apply_messages(self.store, cursor, self.shards, checked))
         self.counts["bytes"] += sum(message_bytes(m) for m in checked)
+        try:
+            ended = await self.execute(
+                lambda: apply_messages(self.store, cursor, self.shards, checked))
+        except BadInput as e:
+            await self.refused_by_table(cursor, e)
+            return True
         self.advance(rewound=bool(ended))
         return cursor.next_seq < nxt
 
+    async def refused_by_table(self, cursor: ShardCursor, e: BadInput,
+                               resync: Callable[[ShardCursor], Awaitable[None]] | None = None
+                               ) -> None:
+        """The table refused a message of ``cursor``'s shard (:func:`apply_messages`): it
+        now skips to the next full pass, which it asks for, unless a full pass was what
+        the table refused (asking again would only repeat it: the shard then waits for the
+        server's next one, a restart or restore, its ``trained_through`` held)."""
+        self.counts["bad_messages"] += 1
+        log.error("replica: %s", e.message)
+        if not cursor.refused_full:
+            await (resync or self._resync)(cursor)
+
     async def _new_incarnation(self, cursor: ShardCursor, inc: str, first: int) -> bool:
         start = None
-        if cursor.incarnation is None and self._positions is not None:
-            pos = self._positions[cursor.shard]
+        if cursor.incarnation is None and self.positions is not None:
+            pos = self.positions[cursor.shard]
             if pos.get("incarnation") == inc:
                 start = int(pos["seq"])    # the checkpoint's place in this very log
         if cursor.incarnation is not None:
@@ -466,6 +551,12 @@ class Replica:
                 self.counts["dense_failures"] += 1
                 self._warn_once("dense", "replica: cannot fetch the dense model: %s", e)
                 got = False
+            except Exception:   # a bug: said, counted and retried, never a task ended silently
+                self.counts["dense_failures"] += 1
+                if not self._warned.get("bug-dense"):
+                    self._warned["bug-dense"] = True
+                    log.exception("replica: following the dense model failed (retrying)")
+                got = False
             if not got:
                 await asyncio.sleep(self.interval_s)
 
@@ -506,6 +597,11 @@ class Replica:
         """
         if lineage == self.dense_lineage and step <= self.dense_step:
             return False
+        if lineage in self._replaced:
+            self._warn_once(f"replaced-{lineage}", "replica: ignoring the dense model of "
+                            "lineage %d step %d: a later lineage replaced it", lineage, step)
+            self.refused = (lineage, step)   # over RPC: not fetched again
+            return False
         if self.refused is not None and lineage == self.refused[0] \
                 and step <= self.refused[1]:
             return False
@@ -540,6 +636,10 @@ class Replica:
         replaced = lineage != self.dense_lineage
         if replaced:
             self.counts["dense_lineage_changes"] += 1
+            if self.dense_lineage != LEGACY_LINEAGE:   # (publishers before lineages share it)
+                self._replaced[self.dense_lineage] = None
+                while len(self._replaced) > REPLACED_LINEAGES_KEPT:
+                    self._replaced.popitem(last=False)
             log.warning("replica: serving the dense model of lineage %d step %d (was lineage "
                         "%d step %d): the trainer restarted", lineage, step,
                         self.dense_lineage, self.dense_step)

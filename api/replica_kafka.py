@@ -9,7 +9,9 @@ message goes to ``<topic>.dlq`` with the reason and is counted
 incarnation and sequence it applied last (:func:`admit`): a record applied already (a
 producer retry) is skipped; a gap (a record lost to retention or refused) or an
 incarnation joined in the middle makes it skip to the next ``reset`` and ask that server,
-over RPC, for a full pass. Nothing is applied twice; nothing is missed silently.
+over RPC, for a full pass; so does a partition read to its end from its start (the
+checkpoint recorded no offset) without the checkpoint's place in it (retention deleted
+it). Nothing is applied twice; nothing is missed silently.
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ def admit(cursor: ShardCursor, msg: dict[str, Any]) -> str:
             # From the checkpoint's place on: a first record past it means the ones
             # between are gone (retention, a broker that lost its data): a gap below.
             cursor.incarnation, cursor.next_seq = inc, cursor.start[1]
+        elif inc != cursor.start[0] and cursor.start_at_offset:
+            # Read from the checkpoint's offset: a later server process (restarted since),
+            # its log joined past its reset when retention deleted that (a gap below). It
+            # used to be skipped, as a process from before the checkpoint would be, record
+            # after record until that server's next full pass: nothing said, no resync.
+            pass
         elif not (inc != cursor.start[0] and seq == 0 and msg["kind"] == "reset"):
             return "skip"   # before the checkpoint's place in its server's log
         # (else: a server process restarted since the checkpoint; its log starts here)
@@ -123,6 +131,7 @@ class KafkaFollow:
             pos = positions[c.shard] if positions is not None else None
             if pos:   # where the checkpoint left this server's log: read on from there
                 c.start = (str(pos["incarnation"]), int(pos["seq"]))
+                c.start_at_offset = "offset" in pos
                 c.incarnation, c.next_seq = c.start
 
     async def start(self) -> None:
@@ -186,10 +195,43 @@ class KafkaFollow:
                 await asyncio.sleep(1.0)
                 continue
             for tp, records in batches.items():
-                if tp.partition == self.replica.shards:
-                    await self.take_dense(records)
-                else:
-                    await self.take(self.replica.cursors[tp.partition], records)
+                try:
+                    if tp.partition == self.replica.shards:
+                        await self.take_dense(records)
+                    else:
+                        await self.take(self.replica.cursors[tp.partition], records)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:   # a bug: it used to end this task, silently
+                    self.replica.counts["bad_messages"] += 1
+                    log.exception("replica: applying records of %s/%d failed", tp.topic,
+                                  tp.partition)
+                    if tp.partition < self.replica.shards:   # they are read: a gap
+                        cursor = self.replica.cursors[tp.partition]
+                        cursor.skipping, cursor.rebuilding = True, False
+                        await self._ask_resync(cursor)
+            await self._start_not_found()
+
+    async def _start_not_found(self) -> None:
+        """A partition read to its end from its start (the checkpoint recorded no offset)
+        without meeting the checkpoint's place in its server's log, nor a later process's
+        reset: retention deleted them. Its records were skipped as older than the
+        checkpoint; from now on the shard skips to the next reset, which it asks for."""
+        from aiokafka import TopicPartition
+
+        for c in self.replica.cursors:
+            if c.start is None or c.start_at_offset:
+                continue
+            tp = TopicPartition(self.topic, c.shard)
+            hw = self._consumer.highwater(tp)
+            if hw is None or await self._consumer.position(tp) < hw:
+                continue
+            log.warning("replica: %s/%d read to its end without the checkpoint's place in "
+                        "embedding server %d's log (incarnation %s, message %d); asking it "
+                        "for a full pass", self.topic, c.shard, c.shard, *c.start)
+            c.start, c.incarnation = None, None
+            c.skipping, c.rebuilding = True, False
+            await self._ask_resync(c)
 
     async def take_dense(self, records: list[Any]) -> None:
         """Assemble ``dense`` records into blobs; serve each whole one that is newer or
@@ -251,8 +293,12 @@ class KafkaFollow:
 
     async def _apply(self, cursor: ShardCursor, msgs: list[dict[str, Any]]) -> None:
         r = self.replica
-        ended = await r.execute(lambda: apply_messages(r.store, cursor, r.shards, msgs))
         r.counts["bytes"] += sum(message_bytes(m) for m in msgs)
+        try:
+            ended = await r.execute(lambda: apply_messages(r.store, cursor, r.shards, msgs))
+        except BadInput as e:   # the table refused one: it used to end this task, silently
+            await r.refused_by_table(cursor, e, self._ask_resync)
+            return
         r.advance(rewound=bool(ended))
 
     async def _ask_resync(self, cursor: ShardCursor) -> None:

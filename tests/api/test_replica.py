@@ -465,3 +465,64 @@ async def test_a_dense_model_that_does_not_fit_is_refused_and_following_goes_on(
             assert r.status_code == 200 and r.json()["model_version"] == 21
     finally:
         await stop_job(job)
+
+
+async def test_a_replica_follows_servers_rescaled_since_its_checkpoint(tmp_path):
+    """The checkpoint was written by one embedding server; the job restored it into two
+    (a checkpoint loads into another number of servers) and trains on. The manifest's
+    update positions name one server's log: a replica starting from that checkpoint reads
+    every server's log from its start (a reset each) and ends with the servers' rows. It
+    used to index the positions by the new server's number: the task following server 1
+    died with an IndexError, nothing said, and that shard was never followed again."""
+    small = await start_job(n_servers=1)
+    try:
+        await small.train(3)
+        ckpt = await write_checkpoint(small, str(tmp_path / "ckpts" / "c1"), TwoHeads(seed=3))
+    finally:
+        await stop_job(small)
+    job = await start_job(n_servers=2)
+    try:
+        await load_embeddings(ckpt, [job.client(a) for a in job.server_addresses])
+        await job.train(2, seed=1)
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                checkpoint_dir=str(tmp_path / "ckpts"))
+        async with LiveApi(settings) as replica:
+            await job.train(2, seed=2)
+            await drained(replica, job)
+            follower = replica.state.predictor.replica
+            assert table_rows(follower.store) == server_rows(job)
+            assert all(c.applied["resets"] >= 1 for c in follower.cursors)
+    finally:
+        await stop_job(job)
+
+
+async def test_a_replica_given_the_servers_in_another_order_says_so_and_asks_nothing(
+        tmp_path):
+    """PERSIA_EMBEDDING_SERVERS listed in another order than the job's: each follower
+    talks to another shard's server. Every pull used to be refused message by message
+    (logged each time) and answered with a resync: a full pass of every row asked of the
+    training servers every 50 ms, for good. The reply names the server's shard: the
+    replica refuses it once, naming the setting, asks for no full pass, and its
+    trained_through stays unknown."""
+    job = await start_job(n_servers=2)
+    try:
+        await job.train(3)
+        ckpt, _ = await replica_of(job, tmp_path)
+        settings = settings_for(job, model_checkpoint=ckpt, embeddings="replica",
+                                checkpoint_dir=str(tmp_path / "ckpts"),
+                                embedding_servers=tuple(reversed(job.server_addresses)))
+        full = [s.feed.counts["full_passes"] for s in job.servers]
+        async with LiveApi(settings) as replica:
+            follower = replica.state.predictor.replica
+            async with asyncio.timeout(20):
+                while follower.counts["pull_failures"] < 4:
+                    await asyncio.sleep(0.05)
+            await job.train(2, seed=1)
+            await asyncio.sleep(0.5)
+            assert all(c.resyncs == 0 and c.version is None for c in follower.cursors)
+            assert follower.counts["bad_messages"] == 0
+            assert [s.feed.counts["full_passes"] for s in job.servers] == full
+            info = (await replica.client.get("/v1/model")).json()
+            assert info["replica"]["shards"][0]["version"] is None
+    finally:
+        await stop_job(job)

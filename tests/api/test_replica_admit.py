@@ -6,11 +6,19 @@ a restarted server's log is followed from its reset; and messages are validated 
 
 from __future__ import annotations
 
+import hashlib
+import io
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
-from stream_persia.api.replica import ShardCursor, apply_messages, check_message
-from stream_persia.api.replica_kafka import admit, check_dense
+import torch
+from api_helpers import start_job, stop_job
+from stream_persia.api.replica import Replica, ShardCursor, apply_messages, check_message
+from stream_persia.api.replica_kafka import KafkaFollow, admit, check_dense
+from stream_persia.api.roles import Roles
 
+from stream_persia.core import wire
 from stream_persia.embedding.optim import SGD
 from stream_persia.errors import BadInput
 from stream_persia.server.store import EmbeddingStore
@@ -112,6 +120,28 @@ def test_without_an_offset_an_older_log_first_ends_in_a_resync_never_silently(st
     assert not store.contains(np.array([8], np.uint64))[0]
 
 
+def test_from_a_checkpoints_offset_a_later_process_past_its_reset_is_a_gap(store):
+    """The replica reads from the offset its checkpoint records; the server restarted
+    since, and retention deleted the new process's first records (its reset): the first
+    record read is one of the new log's middle. Every such record used to be skipped as if
+    from before the checkpoint, until that server's next full pass (none comes unasked):
+    nothing said, nothing resynced. Read from an offset, every record is after the
+    checkpoint's place: it is a gap (skip to the next reset, resync)."""
+    c = ShardCursor(0, start=("b", 5), start_at_offset=True)
+    c.incarnation, c.next_seq = c.start            # as KafkaFollow sets it
+    assert run(c, store, [msg(40, inc="c", ids=(8,)), msg(41, "mark", inc="c")]) \
+        == ["gap", "apply"]
+    assert c.skipping and c.restarts == 1 and c.version is None and c.start is None
+    assert run(c, store, [msg(42, "reset", inc="c"), msg(43, inc="c", ids=(3,)),
+                          msg(44, "mark", inc="c")]) == ["apply"] * 3
+    assert not c.skipping and c.version == 44
+    # without an offset (read from the partition's start) an older process's records
+    # come first: they are before the checkpoint's place, skipped as before
+    c = ShardCursor(0, start=("b", 5))
+    c.incarnation, c.next_seq = c.start
+    assert run(c, store, [msg(40, inc="a", ids=(8,))]) == ["skip"]
+
+
 def test_joining_a_new_incarnation_mid_log_is_a_gap(store):
     c = ShardCursor(0)
     run(c, store, [msg(0, "reset"), msg(1)])
@@ -123,7 +153,9 @@ def test_joining_a_new_incarnation_mid_log_is_a_gap(store):
     ({"kind": "delta"}, "kind"), ({"shard": 1}, "shard"), ({"seq": -1}, "seq"),
     ({"version": "1"}, "version"), ({"event_time": float("nan")}, "event_time"),
     ({"ids": np.array([1], np.int64)}, "ids"), ({"dim": 0}, "dim"),
-    ({"weights": np.zeros((1, 3), np.float32)}, "weights")])
+    ({"weights": np.zeros((1, 3), np.float32)}, "weights"),
+    ({"incarnation": None}, "incarnation"), ({"incarnation": 7}, "incarnation"),
+    ({"incarnation": ""}, "incarnation")])
 def test_bad_messages_are_refused_naming_the_field(change, field):
     m = {**msg(1), **change}
     with pytest.raises(BadInput) as e:
@@ -146,3 +178,107 @@ def test_a_dense_records_lineage_is_validated_and_absent_is_the_legacy_one():
         with pytest.raises(BadInput) as e:
             check_dense(dense(lineage=bad), 1)
         assert e.value.field == "lineage"
+
+
+def test_a_row_the_table_refuses_is_never_passed_over_as_applied(store):
+    """Rows of another dim for an id the table holds (a job started again with another
+    embedding config) are refused by the table. The cursor used to be past that message
+    already: the rest of the pass and its mark were applied, the shard said it was at the
+    server's version while that row kept its old value. Now it skips to the next reset,
+    its version and event time held, and says so (BadInput naming the refusal)."""
+    c = ShardCursor(0)
+    run(c, store, [msg(0, "reset"), msg(1, ids=(1,)), msg(2, "mark")])
+    bad = msg(3, ids=(1,))
+    bad.update(dim=3, weights=np.full((1, 3), 5.0, np.float32))
+    with pytest.raises(BadInput, match="refused by the serving table"):
+        apply_messages(store, c, 1, [bad, msg(4, ids=(2,)), msg(5, "mark")])
+    assert c.skipping and not c.refused_full and c.next_seq == 4
+    apply_messages(store, c, 1, [msg(4, ids=(2,)), msg(5, "mark")])
+    assert (c.version, c.event_time) == (2, 102.0)       # nothing claimed past the refusal
+    assert not store.contains(np.array([2], np.uint64))[0]
+    # a full pass the table refuses too: no resync asked (it would only repeat it)
+    with pytest.raises(BadInput):
+        apply_messages(store, c, 1, [msg(6, "reset"), bad | {"seq": 7}, msg(8, "mark")])
+    assert c.refused_full and c.skipping and c.version == 2
+    run(c, store, [msg(9, "reset"), msg(10, ids=(2,)), msg(11, "mark")])
+    assert not c.refused_full and not c.skipping and c.version == 11
+
+
+async def test_a_record_the_table_refuses_does_not_end_the_kafka_follower():
+    """Over Kafka the same refusal used to escape ``take`` and end the task that reads
+    the topic: the replica never applied another record, with nothing said until it
+    stopped. It is counted, the shard skips to the next reset, and the server is asked
+    for one (a real server: its next pass is a full one)."""
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=1)
+    roles = Roles([], job.server_addresses)
+    try:
+        replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense)
+        follow = KafkaFollow(replica, "127.0.0.1:9", "j.model.updates", None)
+        cursor = replica.cursors[0]
+        bad = msg(3, ids=(1,))
+        bad.update(dim=3, weights=np.full((1, 3), 5.0, np.float32))
+        log = [msg(0, "reset"), msg(1, ids=(1,)), msg(2, "mark"), bad, msg(4, ids=(2,)),
+               msg(5, "mark")]
+        records = [SimpleNamespace(value=wire.pack(m), key=None, topic="j.model.updates",
+                                   partition=0, offset=i) for i, m in enumerate(log)]
+        feed = job.servers[0].feed
+        assert feed is not None
+
+        def resets() -> int:
+            return sum(m["kind"] == "reset" for m in feed.log.read(feed.log.first_seq, 1 << 30))
+
+        await follow.take(cursor, records[:3])
+        await feed.run_pass()
+        before = resets()
+        await follow.take(cursor, records[3:])
+        assert replica.counts["bad_messages"] == 1 and cursor.resyncs == 1
+        assert cursor.skipping and cursor.version == 2
+        await feed.run_pass()
+        assert resets() == before + 1
+    finally:
+        await roles.close()
+        await stop_job(job)
+
+
+async def test_a_replaced_dense_lineage_is_never_served_again():
+    """Over Kafka a replica takes the dense model once over RPC at start, then reads the
+    dense partition from its end: a blob of the lineage server 0 just replaced (a trainer
+    restored, a new lineage) may still be on its way there and arrive after the new
+    lineage's model. It used to be served as "another lineage", training's replaced model
+    answering under a higher model_version until the next publication. Refused now, and
+    the current lineage goes on."""
+    served: list[tuple[int, float | None]] = []
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(state, step, event_time):
+        served.append((step, event_time))
+
+    def blob(value: float) -> tuple[bytes, str]:
+        buf = io.BytesIO()
+        torch.save({"w": torch.full((2,), value)}, buf)
+        return buf.getvalue(), hashlib.sha256(buf.getvalue()).hexdigest()
+
+    roles = Roles([], ["127.0.0.1:9"])   # never called: the blobs come as Kafka's would
+    try:
+        replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense,
+                          dense_step=40, dense_event_time=100.0, dense_lineage=5)
+        data, digest = blob(2.0)
+        assert await replica.apply_dense(data, 3, digest, 90.0, lineage=9)   # restored
+        data, digest = blob(1.0)
+        assert not await replica.apply_dense(data, 41, digest, 101.0, lineage=5)
+        assert (replica.dense_lineage, replica.dense_step) == (9, 3)
+        assert replica.refused == (5, 41)     # over RPC: asked past it, not fetched again
+        data, digest = blob(3.0)
+        assert await replica.apply_dense(data, 4, digest, 91.0, lineage=9)
+        assert served == [(3, 90.0), (4, 91.0)]
+        assert replica.counts["dense_lineage_changes"] == 1
+    finally:
+        await roles.close()

@@ -23,15 +23,21 @@ from api_helpers import (
     TwoHeads,
     publish_dense,
     settings_for,
+    start_job,
     stop_job,
     write_checkpoint,
 )
+from stream_persia.api.replica import Replica
+from stream_persia.api.replica_kafka import KafkaFollow
+from stream_persia.api.roles import Roles
 
 from stream_persia.config import GlobalConfig
+from stream_persia.core import wire
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD
 from stream_persia.kafka.updates import UpdateSink, updates_topic
 from stream_persia.server.service import EmbeddingServer
+from stream_persia.server.store import EmbeddingStore
 from stream_persia.testing.samples import SCHEMA
 from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT
 from stream_persia.worker.service import EmbeddingWorker
@@ -225,4 +231,50 @@ async def test_a_restore_to_an_older_checkpoint_lowers_trained_through_over_kafk
             assert follower.dense_step == 20
             assert follower.counts["trained_through_rewinds"] == 1
     finally:
+        await stop_job(job)
+
+
+async def test_a_checkpoint_place_retention_deleted_without_an_offset_resyncs(kafka_broker):
+    """The checkpoint recorded its place in server 0's log without a Kafka offset (the sink
+    knew none yet), and retention has deleted that place and the reset of the process that
+    came after it: the partition holds only the middle of a later log. Its records used to
+    be skipped as older than the checkpoint, and the replica waited for its place for good,
+    nothing said. Read to the partition's end without it, the shard asks its server for a
+    full pass and follows that."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = updates_topic(f"rkgone{os.getpid()}")
+    assert kafka_broker.create_topic(topic, 2)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+    later = [{"job": "j", "shard": 0, "shards": 1, "incarnation": "later", "seq": seq,
+              "kind": "mark", "version": seq, "event_time": 10.0 + seq} for seq in (40, 41)]
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        for m in later:
+            await producer.send_and_wait(topic, wire.pack(m), partition=0)
+    finally:
+        await producer.stop()
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=1)
+    roles = Roles([], job.server_addresses)
+    positions = [{"incarnation": "gone", "seq": 5}]
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, execute, on_dense,
+                      dense_step=1, dense_event_time=1.0)
+    follow = KafkaFollow(replica, bootstrap, topic, positions)
+    await follow.start()
+    try:
+        cursor = replica.cursors[0]
+        async with asyncio.timeout(20):
+            while cursor.resyncs < 1:
+                await asyncio.sleep(0.05)
+        assert cursor.start is None and cursor.skipping and cursor.version is None
+    finally:
+        await follow.stop()
+        await roles.close()
         await stop_job(job)
