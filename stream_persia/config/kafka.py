@@ -293,7 +293,7 @@ def resolve_bootstrap_servers(config: Any = None, cli_value: str | None = None) 
 def _overrides(what: str, value: object, key: str, in_file: object) -> None:
     """Say so when a flag or the environment overrides a different value of the global
     config (it wins by design, but a file that reads one way and runs another is a trap)."""
-    seen = (what, value, key, in_file)
+    seen = (value, key, in_file)   # not ``what``: a value resolved once is passed on
     if in_file is not None and value != in_file and seen not in _WARNED:
         _WARNED.add(seen)   # once per process: several clients resolve the same values
         log.warning("%s = %r overrides %s = %r of the global config", what, value, key,

@@ -54,6 +54,7 @@ from typing import Any
 
 import yaml
 
+from stream_persia.config.files import parse_yaml, read_text
 from stream_persia.config.kafka import ENV_KAFKA_ENABLE_IDEMPOTENCE
 from stream_persia.core.supervisor import UNHEALTHY_MARK
 from stream_persia.errors import (
@@ -86,6 +87,7 @@ from stream_persia.launch.run_args import (
     SETTINGS_ENV,
     check_args,
     check_topology,
+    output_dir,
 )
 from stream_persia.launch.samples_topic import check_idempotence, ensure_topic, ensure_updates_topic
 from stream_persia.launch.stop_signals import Stopped, StopSignals
@@ -176,7 +178,13 @@ class Job:
         off = getattr(self.args, "no_model_updates", False)
         if not self.args.kafka and not off:
             return src
-        data = yaml.safe_load(src.read_text()) or {}
+        try:
+            data = parse_yaml(read_text(src, "global config")) or {}
+        except yaml.YAMLError as exc:   # the roles would refuse it the same way, later
+            raise ConfigError(f"{src}: not valid YAML: {exc}", field=str(src)) from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{src}: expected a YAML mapping at the top level, got "
+                              f"{type(data).__name__}", field=str(src))
         if off:
             data["model_updates"] = {**(data.get("model_updates") or {}), "enabled": False}
         if not self.args.kafka:
@@ -186,7 +194,8 @@ class Job:
         kafka = dict(data.get("kafka") or {})
         kafka["bootstrap_servers"] = self.args.kafka
         kafka["samples_topic"] = self.topic
-        kafka.pop("dlq_topic", None)
+        # A dead-letter topic the file names is kept (where the user looks for refused
+        # records); without one it follows this run's samples topic (<topic>.dlq).
         if getattr(self.args, "on_data_loss", None) is not None:
             kafka["on_data_loss"] = self.args.on_data_loss
         if getattr(self.args, "broker_timeout_s", None) is not None:
@@ -419,7 +428,7 @@ def main(args: argparse.Namespace) -> int:
     check_topology(topo, args)
     if args.predict_samples is None:
         args.predict_samples = PREDICT_SAMPLES
-    out = Path(args.output_dir or Path("runs") / f"{topo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = output_dir(topo, args, Path("runs") / f"{topo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out = out.resolve()
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from stream_persia.config import flags, load_global_config
@@ -116,20 +117,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"before every role is stopped (0: none; default {STOP_CHECKPOINT_S:g})")
 
 
+def output_dir(topo: Topology, args: argparse.Namespace, default: Path) -> Path:
+    """The run's output directory: ``--output-dir``, else the topology's
+    ``run.output_dir`` (relative to the current directory, as the scripts read it), else
+    ``default``. A flag that overrides the file's value says so."""
+    from_file = topo.run.get("output_dir")
+    if args.output_dir:
+        if from_file is not None and Path(from_file).resolve() != Path(args.output_dir).resolve():
+            print(f"stream-persia run: note: --output-dir {args.output_dir} overrides "
+                  f"{topo.directory / 'topology.yml'} run.output_dir {from_file!r}",
+                  file=sys.stderr)
+        return Path(args.output_dir)
+    return Path(from_file) if from_file is not None else default
+
+
 def check_topology(topo: Topology, args: argparse.Namespace) -> None:
     """The topology's ``run:`` settings and its global config, which the roles will read,
     and flags that need a role the topology does not start (ConfigError naming the file
     and key, or the flag)."""
     file = topo.directory / "topology.yml"
-    for key, flag in (("output_dir", "--output-dir"), ("checkpoint_dir", "--output-dir")):
-        if topo.run.get(key) is not None:
-            # run sets PERSIA_OUTPUT_DIR and PERSIA_CKPT_DIR for every role, which win over
-            # the file's value: the results went elsewhere than the file said.
-            raise ConfigError(f"{file}: run.{key}: stream-persia run does not use it (the "
-                              "results and the final checkpoint go under its output "
-                              "directory)", field=f"run.{key}",
-                              hint=f"pass {flag} instead; run.{key} is for running the "
-                                   "scripts on their own")
+    for key in ("output_dir", "checkpoint_dir"):
+        value = topo.run.get(key)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"{file}: run.{key}: must be a directory path, got {value!r}",
+                              field=f"run.{key}")
+    if topo.run.get("checkpoint_dir") is not None:
+        # The API serves, and the report reloads, checkpoints only under the run's own
+        # directory: run cannot put the final one elsewhere. Said, not silently ignored.
+        print(f"stream-persia run: note: {file}: run.checkpoint_dir "
+              f"{topo.run['checkpoint_dir']!r} is for running the scripts on their own; run "
+              "puts the final checkpoint under its output directory (checkpoints/final)",
+              file=sys.stderr)
     for key, parse in SETTINGS_TYPES.items():
         if key in topo.run and getattr(args, key) is None:
             value = topo.run[key]

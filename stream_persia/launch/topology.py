@@ -172,7 +172,7 @@ def load_topology(directory: str | Path) -> Topology:
         raise _err(file, "data.required", f"expected true or false, got "
                    f"{data['required']!r}")
     for key in ("flag", "default"):
-        if key in data and not isinstance(data[key], str):
+        if data.get(key) is not None and not isinstance(data[key], str):   # null: none
             raise _err(file, f"data.{key}", f"expected text, got {data[key]!r}")
     serving = _mapping(file, "serving", top.get("serving"), {"model", "model_kwargs"})
     model = serving.get("model")

@@ -180,6 +180,9 @@ def test_the_environment_overriding_the_files_brokers_is_logged_once(monkeypatch
         assert resolve_bootstrap_servers(g) == "env:9092"
         assert resolve_idempotence(g) is False
         assert resolve_bootstrap_servers(g, cli_value="cli:9092") == "cli:9092"
+        # a client handed the value resolved from the environment resolves it again
+        # (kafka._client.config_servers): nothing new to say, and no false "--kafka"
+        assert resolve_bootstrap_servers(g, cli_value="env:9092") == "env:9092"
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
         "environment KAFKA_BOOTSTRAP_SERVERS = 'env:9092' overrides kafka.bootstrap_servers "

@@ -9,6 +9,7 @@ comes too late fails fast instead of starting a job. A few run as real processes
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -165,9 +166,8 @@ TOPOLOGY_EDITS = [
     # a misspelt run setting: refused by the scripts only once every role had started
     (("  epochs: 1", "  epoch: 3"), "run.epoch"),
     (("seed: 0", "seed: 0\ndata: {required: 'false'}"), "data.required"),  # a true string
-    # run sets PERSIA_OUTPUT_DIR / PERSIA_CKPT_DIR for every role, over the file's values
-    (("seed: 0", "seed: 0\n  output_dir: /data/results"), "run.output_dir"),
-    (("seed: 0", "seed: 0\n  checkpoint_dir: /data/ckpt"), "run.checkpoint_dir"),
+    (("seed: 0", "seed: 0\n  output_dir: 12"), "run.output_dir"),
+    (("seed: 0", "seed: 0\n  checkpoint_dir: ' '"), "run.checkpoint_dir"),
     (("model_kwargs: {}", "model_kwargs: [64, 32]"), "serving.model_kwargs"),
     (("model: model:DNN", "model: DNN"), "serving.model"),
     # a process each: run's --embedding-servers has the same bound
@@ -189,6 +189,34 @@ def test_run_refuses_topology_values_it_would_misread(tmp_path, capsys, edit, ke
                   capsys)
     assert str(topo / "topology.yml") in err
     assert not (tmp_path / "run").exists()
+
+
+def test_run_honours_run_output_dir_and_says_what_it_does_with_checkpoint_dir(
+        tmp_path, capsys, monkeypatch):
+    """``run.output_dir`` is where run writes unless ``--output-dir`` says otherwise (which
+    says so); ``run.checkpoint_dir`` cannot be honoured (the API serves checkpoints only
+    under the run's directory), and run says so instead of ignoring it silently."""
+    from stream_persia.launch.run_args import add_arguments, check_topology, output_dir
+    from stream_persia.launch.topology import load_topology
+
+    topo_dir = tmp_path / "topo"
+    shutil.copytree(TOPOLOGY, topo_dir)
+    text = (topo_dir / "topology.yml").read_text()
+    (topo_dir / "topology.yml").write_text(text.replace(
+        "seed: 0", "seed: 0\n  output_dir: results\n  checkpoint_dir: /data/ckpt", 1))
+    topo = load_topology(str(topo_dir))
+    monkeypatch.chdir(tmp_path)
+    default = tmp_path / "default"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    check_topology(topo, parser.parse_args([str(topo_dir)]))
+    assert "run.checkpoint_dir '/data/ckpt'" in capsys.readouterr().err
+    assert output_dir(topo, argparse.Namespace(output_dir=None), default) == Path("results")
+    flag = str(tmp_path / "flag")
+    assert output_dir(topo, argparse.Namespace(output_dir=flag), default) == Path(flag)
+    assert "--output-dir" in capsys.readouterr().err
+    plain = load_topology(str(TOPOLOGY))
+    assert output_dir(plain, argparse.Namespace(output_dir=None), default) == default
 
 
 def test_run_refuses_a_topology_yml_that_is_not_utf8(tmp_path, capsys):

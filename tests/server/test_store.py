@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD, Adagrad, Adam
 from stream_persia.errors import BadInput, Misuse
+from stream_persia.kernels import twins
 from stream_persia.server import store
 from stream_persia.server._pystore import PyEmbeddingStore
 
@@ -65,7 +66,7 @@ def test_env_flag_picks_the_implementation(flag, expected):
 
 def test_module_constant_matches_the_class_in_use():
     assert store.EmbeddingStore.implementation == store.IMPLEMENTATION
-    forced = os.environ.get("STREAM_PERSIA_PURE_PYTHON") == "1"
+    forced = twins.PURE_PYTHON
     assert store.IMPLEMENTATION == ("python" if forced else "cython")
 
 

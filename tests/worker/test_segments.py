@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream_persia.errors import BadInput, Misuse
-from stream_persia.kernels import segments
+from stream_persia.kernels import segments, twins
 from stream_persia.kernels.ids import prefix_ids
 
 IMPLS = ["cython", "python"]
@@ -106,7 +105,7 @@ def naive_scatter(grads, index, offsets, n_ids, active):
 
 
 def test_the_suite_states_which_implementation_runs():
-    if os.environ.get("STREAM_PERSIA_PURE_PYTHON") == "1" or not HAS_C:
+    if twins.PURE_PYTHON or not HAS_C:
         assert segments.IMPLEMENTATION == "python"
     else:
         assert segments.IMPLEMENTATION == "cython"
