@@ -62,7 +62,7 @@ def test_no_token_refuses_a_public_address_but_allows_loopback():
     for host in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost"):
         assert is_loopback(host)
         create_app(ApiSettings(host=host))
-    create_app(ApiSettings(host="0.0.0.0", token="t"))
+    create_app(ApiSettings(host="0.0.0.0", token=TOKEN))
 
 
 async def test_without_a_token_loopback_control_is_open():
@@ -76,23 +76,54 @@ def test_token_from_env_file_and_config(tmp_path, monkeypatch):
     monkeypatch.delenv("PERSIA_EMBEDDING_CONFIG", raising=False)
     assert ApiSettings.from_env().token is None
     secret = tmp_path / "token"
-    secret.write_text("from-file\n")
+    secret.write_text("from-file-0123456789\n")
     monkeypatch.setenv("PERSIA_API_TOKEN_FILE", str(secret))
-    assert ApiSettings.from_env().token == "from-file"
-    monkeypatch.setenv("PERSIA_API_TOKEN", "inline")
+    assert ApiSettings.from_env().token == "from-file-0123456789"
+    monkeypatch.setenv("PERSIA_API_TOKEN", "inline-0123456789")
     with pytest.raises(ConfigError, match="both"):
         ApiSettings.from_env()
     monkeypatch.delenv("PERSIA_API_TOKEN_FILE")
-    assert ApiSettings.from_env().token == "inline"
+    assert ApiSettings.from_env().token == "inline-0123456789"
     monkeypatch.delenv("PERSIA_API_TOKEN")
     gc = GlobalConfig.from_dict({"api": {"token_file": str(secret), "host": "0.0.0.0"}})
     settings = ApiSettings.from_env(gc)
-    assert settings.token == "from-file" and settings.host == "0.0.0.0"
+    assert settings.token == "from-file-0123456789" and settings.host == "0.0.0.0"
     settings.check_bind()
     (tmp_path / "empty").write_text("  \n")
     monkeypatch.setenv("PERSIA_API_TOKEN_FILE", str(tmp_path / "empty"))
     with pytest.raises(ConfigError, match="empty"):
         ApiSettings.from_env()
+
+
+@pytest.mark.parametrize("token", ["", "   ", "short", "fifteen-chars-x", " " * 8 + "a" * 15])
+def test_a_short_or_empty_token_is_refused_naming_its_setting(tmp_path, monkeypatch, token):
+    """The role secret needs 16 characters; the API token took any, even one character, so
+    a bearer token guessable over HTTP served every control route. Each source is named."""
+    for name in ("PERSIA_API_TOKEN", "PERSIA_API_TOKEN_FILE", "PERSIA_EMBEDDING_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    secret = tmp_path / "token"
+    secret.write_text(token + "\n")
+    with pytest.raises(ConfigError) as err:
+        ApiSettings(host="0.0.0.0", token=token)
+    assert err.value.field == "token" and "at least 16" in str(err.value)
+    if token.strip():   # an empty env var means no token; an empty file is refused as empty
+        monkeypatch.setenv("PERSIA_API_TOKEN", token)
+        with pytest.raises(ConfigError) as err:
+            ApiSettings.from_env()
+        assert err.value.field == "PERSIA_API_TOKEN" and "at least 16" in str(err.value)
+        monkeypatch.delenv("PERSIA_API_TOKEN")
+        monkeypatch.setenv("PERSIA_API_TOKEN_FILE", str(secret))
+        with pytest.raises(ConfigError) as err:
+            ApiSettings.from_env()
+        assert err.value.field == "PERSIA_API_TOKEN_FILE"
+        monkeypatch.delenv("PERSIA_API_TOKEN_FILE")
+        with pytest.raises(ConfigError) as err:
+            ApiSettings.from_env(GlobalConfig.from_dict({"api": {"token_file": str(secret)}}))
+        assert err.value.field == "api.token_file"
+    with pytest.raises(ConfigError) as err:
+        ApiSettings.from_env(GlobalConfig.from_dict({"api": {"token": token}}))
+    assert err.value.field == "api.token"
+    ApiSettings(host="0.0.0.0", token=" " + "x" * 16 + " ").check_bind()   # 16 will do
 
 
 async def test_body_size_limit_is_413_declared_or_streamed():
