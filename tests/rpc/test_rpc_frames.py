@@ -95,8 +95,17 @@ def test_frames_larger_than_the_reservation_grow_and_arrive_whole(run, monkeypat
     """A large frame's buffer is reserved ahead of its bytes only up to a bound and doubles
     as they arrive: frames around and past the bound (shrunk here to 256 KiB), trickled in
     odd chunks or sent whole, come out intact, and one cut short is still a dropped
-    connection."""
+    connection. A connection that delivered a frame that large reserves its size at once
+    (no copies for steady large traffic)."""
     monkeypatch.setattr(transport, "_RESERVE_BYTES", 256 * 1024)
+    grown: list[int] = []
+    real_grown = transport._grown
+
+    def counting(body, announced):
+        grown.append(announced)
+        return real_grown(body, announced)
+
+    monkeypatch.setattr(transport, "_grown", counting)
     rng = np.random.default_rng(1)
     sizes = [65_530, 65_540, 262_000, 262_144 // 4, 262_200 // 4 + 1, 700_000 // 4,
              2_500_000 // 4, 5]
@@ -125,6 +134,11 @@ def test_frames_larger_than_the_reservation_grow_and_arrive_whole(run, monkeypat
             async with RpcClient(server.address) as client:   # sent whole, past two doublings
                 big = rng.standard_normal(300_000).astype(np.float32)
                 np.testing.assert_array_equal(await client.call("echo", big), big)
+                assert grown, "the buffers of a frame past the reservation grew"
+                # a connection that delivered a frame that large reserves it at once next
+                grown.clear()
+                np.testing.assert_array_equal(await client.call("echo", big), big)
+                assert grown == []
             reader, writer = await asyncio.open_connection(*parse_address(server.address))
             writer.write(struct.pack(">I", 1 << 20) + b"x" * 600_000)   # past one doubling
             writer.write_eof()
