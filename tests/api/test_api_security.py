@@ -146,6 +146,61 @@ async def test_body_size_limit_is_413_declared_or_streamed():
         assert (await api.client.get("/healthz")).status_code == 200
 
 
+async def test_a_body_that_does_not_arrive_in_time_is_408_and_its_connection_closed(
+        monkeypatch):
+    """uvicorn has no deadline on a request body and the stalled-connection sweep leaves a
+    request being served alone: a head announcing 1000 bytes followed by a byte now and
+    then held its connection (and the handler waiting on it) for good. Now the body must
+    arrive whole within BODY_TIMEOUT_S of its head (shortened here); a slower one is 408
+    and its connection closed, and a body that arrives in time in pieces is served."""
+    import asyncio
+    import time
+
+    from stream_persia.api import limits
+
+    monkeypatch.setattr(limits, "BODY_TIMEOUT_S", 1.0)
+    async with LiveApi(settings_for()) as api:
+        host, port = api.url.removeprefix("http://").split(":")
+        head = (b"POST /v1/embeddings/configure HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nAuthorization: Bearer " + TOKEN.encode()
+                + b"\r\nContent-Length: %d\r\n\r\n")
+
+        async def send_slowly(body: bytes, pieces: int, gap_s: float) -> tuple[bytes, float]:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            t0 = time.monotonic()
+            writer.write(head % len(body))
+
+            async def trickle() -> None:
+                for i in range(pieces):
+                    writer.write(body[i * len(body) // pieces:(i + 1) * len(body) // pieces])
+                    await asyncio.sleep(gap_s)
+
+            task = asyncio.create_task(trickle())
+            try:
+                reply = await asyncio.wait_for(reader.read(), 10)   # until it closes
+            finally:
+                task.cancel()
+                writer.close()
+            return reply, time.monotonic() - t0
+
+        body = b'{"admit_probability": 0.5}'.ljust(1000)
+        reply, took = await send_slowly(body, 100, 0.2)     # 20 s of trickle
+        assert reply.startswith(b"HTTP/1.1 408 "), reply
+        assert b'"field":"body"' in reply and b"connection: close" in reply.lower()
+        assert 0.9 < took < 5, took
+        # in time, in pieces: served (no servers configured: 409 naming them, not 408)
+        ok = await api.client.post("/v1/embeddings/configure", headers=AUTH,
+                                   json={"admit_probability": 0.5})
+        assert ok.status_code == 409
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head % len(body) + body[:500])
+        await asyncio.sleep(0.5)
+        writer.write(body[500:])
+        reply = await asyncio.wait_for(reader.readuntil(b"}}"), 5)
+        assert reply.startswith(b"HTTP/1.1 409 "), reply
+        writer.close()
+
+
 async def test_a_json_key_given_twice_is_refused_not_last_one_wins():
     """json.loads keeps the last value of a duplicated key: a control body that named a
     key twice was applied with whichever came last (past a proxy or a validator that
