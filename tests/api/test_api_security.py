@@ -201,6 +201,41 @@ async def test_a_body_that_does_not_arrive_in_time_is_408_and_its_connection_clo
         writer.close()
 
 
+async def test_bodies_held_by_the_requests_in_flight_are_bounded_together(monkeypatch):
+    """Each body was bounded (max_body_bytes), their number was not: 2,000 concurrent
+    16 MiB bodies held 32 GiB. Past MAX_INFLIGHT_BODY_BYTES over every request being served
+    (shortened here), a request is 503 with Retry-After; the bytes are given back as
+    requests are answered."""
+    import asyncio
+
+    from stream_persia.api import limits
+
+    monkeypatch.setattr(limits, "MAX_INFLIGHT_BODY_BYTES", 1500)
+    async with LiveApi(settings_for()) as api:
+        host, port = api.url.removeprefix("http://").split(":")
+        body = b'{"admit_probability": 0.5}'.ljust(1000)
+        head = (b"POST /v1/embeddings/configure HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nAuthorization: Bearer " + TOKEN.encode()
+                + b"\r\nContent-Length: 1000\r\n\r\n")
+        first = await asyncio.open_connection(host, int(port))
+        first[1].write(head + body[:900])
+        await asyncio.sleep(0.3)
+        second = await asyncio.open_connection(host, int(port))
+        second[1].write(head + body[:900])
+        reply = await asyncio.wait_for(second[0].read(), 5)
+        assert reply.startswith(b"HTTP/1.1 503 "), reply
+        assert b"retry-after: 1" in reply.lower() and b'"field":"body"' in reply
+        first[1].write(body[900:])   # the first one completes and is answered
+        reply = await asyncio.wait_for(first[0].readuntil(b"}}"), 5)
+        assert reply.startswith(b"HTTP/1.1 409 "), reply   # no servers: 409, not 503
+        for _, writer in (first, second):
+            writer.close()
+        for _ in range(3):   # its bytes were given back
+            r = await api.client.post("/v1/embeddings/configure", content=body, headers={
+                "content-type": "application/json", **AUTH})
+            assert r.status_code == 409, r.text
+
+
 async def test_a_json_key_given_twice_is_refused_not_last_one_wins():
     """json.loads keeps the last value of a duplicated key: a control body that named a
     key twice was applied with whichever came last (past a proxy or a validator that
