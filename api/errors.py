@@ -8,6 +8,9 @@ request validation (pydantic)      422    same body; ``field`` is the dotted loc
 body not JSON / not UTF-8          422    ``field`` is ``body`` (FastAPI would say 400)
 a key twice, NaN (BadJson)         422    ``field`` names the key (``json_body``)
 BodyTooLarge / too many rows       413    limits of :class:`~stream_persia.api.settings.ApiSettings`
+body not whole within 60 s         408    :mod:`stream_persia.api.limits`; the
+                                          connection is closed
+bodies in flight over 256 MiB      503    :mod:`stream_persia.api.limits`: retry later
 Misuse                             409    the job is not in a state that allows it
 DataLost                           409    data the request needs is gone (a restore
                                           whose Kafka offsets retention deleted)
@@ -175,9 +178,10 @@ def install_error_handlers(app: FastAPI) -> None:
             if allow:
                 headers = {**(headers or {}), "Allow": allow}
         kinds = {401: "unauthorized", 403: "forbidden", 404: "not_found",
-                 405: "method_not_allowed", 413: "too_large"}
+                 405: "method_not_allowed", 408: "timeout", 413: "too_large",
+                 503: "backpressure"}
         body = error_body(kinds.get(status, "http"), str(err.detail), type_="HTTPException",
-                          field="body" if status in (413, 415) else None)
+                          field="body" if status in (408, 413, 415, 503) else None)
         return JSONResponse(body, status_code=status, headers=headers)
 
 

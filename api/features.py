@@ -43,7 +43,7 @@ from stream_persia.core.data import (
 from stream_persia.errors import BadInput
 
 __all__ = ["JsonObject", "reject_constant", "JSON_TYPES", "MSGPACK_TYPES", "parse_json", "parse_msgpack", "check_batch",
-           "signature"]
+           "signature", "truncated_ids"]
 
 JSON_TYPES = ("application/json",)
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
@@ -239,3 +239,16 @@ def signature(batch: PersiaBatch) -> tuple:
             tuple((f.name, f.data.dtype.str, f.data.shape[1:])
                   for f in batch.non_id_type_features))
 
+
+def truncated_ids(batch: PersiaBatch, schema: EmbeddingSchema | None) -> int:
+    """Ids of ``batch`` that no row is looked up for: those past ``sample_fixed_size`` in a
+    sample of a raw slot (``embedding_summation: false``; PERSIA's rule, which training
+    applies too and counts as ``ids_truncated_total``). 0 without a schema."""
+    if schema is None:
+        return 0
+    over = 0
+    for feature in batch.id_type_features:
+        slot = schema.slots.get(feature.name)
+        if slot is not None and not slot.embedding_summation:
+            over += int(np.maximum(np.diff(feature.offsets) - slot.sample_fixed_size, 0).sum())
+    return over

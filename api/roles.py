@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from stream_persia.errors import Misuse, PersiaError
+from stream_persia.errors import Misuse, PersiaError, RemoteError
 from stream_persia.rpc import RpcClient
 
 __all__ = ["Role", "Roles", "WORKER", "SERVER"]
@@ -86,6 +86,38 @@ class Roles:
         """Call ``method`` on every role concurrently; the first error is raised."""
         return list(await asyncio.gather(*(self.call(r, method, params, timeout_ms)
                                            for r in roles)))
+
+    async def change_all(self, roles: list[Role], method: str, params: Any = None) -> list[Any]:
+        """Make a change (``method``: configure, clear, pause or resume ingest) on every
+        role in ``roles``, and never leave it made on some of them without saying so.
+
+        Every role must answer ``health`` first, so that one that is down or unreachable
+        refuses the request before any role has changed (its error, 503). Past that, a role
+        that fails the change itself (a timeout, a refusal) is raised with its class and
+        status, its message saying which roles did take the change and which did not (the
+        change is idempotent: sending it again once they answer makes them agree).
+
+        Returns:
+            Every role's reply, in order.
+        """
+        await self.fanout(roles, "health", timeout_ms=HEALTH_TIMEOUT_MS)
+        out = await self.gather_settled(roles, method, params)
+        failed = [(r, e) for r, e in zip(roles, out, strict=True) if isinstance(e, PersiaError)]
+        if not failed:
+            return out
+        done = [r.peer for r, e in zip(roles, out, strict=True) if not isinstance(e, PersiaError)]
+        first = failed[0][1]
+        if not done:
+            raise first
+        message = (f"{method} was applied on {', '.join(done)} but not on "
+                   f"{', '.join(r.peer for r, _ in failed)} ({first.message}): they differ now")
+        hint = f"send the same request again once every {roles[0].kind} answers"
+        try:
+            err = type(first)(message, field=first.field, hint=hint)
+        except TypeError:   # an error class with its own constructor: its family's 502
+            err = RemoteError(message, field=first.field, hint=hint)
+        err.peer = getattr(first, "peer", None)  # type: ignore[attr-defined]
+        raise err
 
     async def gather_settled(self, roles: list[Role], method: str, params: Any = None, *,
                              timeout_ms: float | None = None) -> list[Any | PersiaError]:

@@ -308,7 +308,8 @@ class PredictResponse(BaseModel):
     model_config = _example({"model_version": 1200,
                              "checkpoint": "ckpt-20250101T000000Z-0001",
                              "trained_through": 1735689600.25, "rows": 2,
-                             "missing_ids": 1, "heads": ["click", "buy"],
+                             "missing_ids": 1, "truncated_ids": 0,
+                             "heads": ["click", "buy"],
                              "predictions": [{"click": 0.12, "buy": 0.01},
                                              {"click": 0.57, "buy": 0.2}]})
     model_version: int = Field(description="training step of the dense model that answered")
@@ -319,6 +320,10 @@ class PredictResponse(BaseModel):
                           "not known)")
     rows: int
     missing_ids: int = Field(description="ids absent from the embedding tables (zeros used)")
+    truncated_ids: int = Field(
+        0, description="ids past a raw slot's sample_fixed_size in their sample: no row is "
+                       "looked up for them (PERSIA's rule, as in training), so the answer "
+                       "does not reflect them")
     heads: list[str]
     predictions: list[dict[str, float | int | bool | list[Any] | None]] = Field(
         description="per sample: head -> a number (an integer or bool head keeps its type, "

@@ -36,6 +36,7 @@ from stream_persia.config.files import read_secret_file
 from stream_persia.config.kafka import resolve_bootstrap_servers, resolve_idempotence
 from stream_persia.core.embedding_config import MAX_CAPACITY
 from stream_persia.core.hosts import is_loopback
+from stream_persia.core.secret_rule import check_secret
 from stream_persia.errors import ConfigError
 
 __all__ = ["ApiSettings", "EMBEDDING_SOURCES"]
@@ -77,8 +78,10 @@ class ApiSettings:
 
     Args:
         host, port: where uvicorn binds (used for the loopback check and by ``launch api``).
-        token: bearer token for control and checkpoint routes; None = no authentication,
-            which is refused unless ``host`` is a loopback address.
+        token: bearer token for control and checkpoint routes, at least
+            :data:`~stream_persia.core.secret_rule.MIN_SECRET_CHARS` characters (the role
+            secret's rule); None = no authentication, which is refused unless ``host`` is a
+            loopback address.
         predict_requires_token: ``POST /v1/predict`` needs the token as well.
         max_body_bytes: larger request bodies get 413.
         max_rows_per_request: more samples in one inference request get 413.
@@ -137,9 +140,8 @@ class ApiSettings:
         if self.embeddings not in EMBEDDING_SOURCES:
             raise ConfigError(f"embeddings must be one of {EMBEDDING_SOURCES}, got "
                               f"{self.embeddings!r}", field="embeddings")
-        if self.token is not None and not self.token.strip():
-            raise ConfigError("the API token is empty", field="token",
-                              hint="set a non-empty token or none at all")
+        if self.token is not None:
+            check_secret(self.token, "token", "the API token")
         for name in ("max_body_bytes", "max_rows_per_request", "rpc_timeout_ms",
                      "max_batch_rows", "predict_timeout_ms", "torch_threads"):
             value = getattr(self, name)
@@ -246,11 +248,15 @@ class ApiSettings:
             raise ConfigError("both PERSIA_API_TOKEN and PERSIA_API_TOKEN_FILE are set",
                               field="PERSIA_API_TOKEN", hint="keep one of them")
         if env_token is not None:
-            token = env_token.strip()
+            token, source = env_token, "PERSIA_API_TOKEN"
         elif env_file is not None:
-            token = _read_token_file(env_file, "PERSIA_API_TOKEN_FILE")
+            token, source = _read_token_file(env_file, "PERSIA_API_TOKEN_FILE"), \
+                "PERSIA_API_TOKEN_FILE"
         else:
             token = api.read_token()
+            source = "api.token_file" if api.token_file is not None else "api.token"
+        if token is not None:   # the same rule as the role secret, naming where it was set
+            token = check_secret(token, source, "the API token")
         values: dict[str, Any] = {
             "host": api.host, "port": api.port, "token": token,
             "max_body_bytes": api.max_body_bytes,

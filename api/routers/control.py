@@ -191,7 +191,7 @@ async def status(request: Request) -> JobStatus:
 async def _set_ingest(request: Request, paused: bool) -> IngestState:
     roles = _roles(request)
     workers = roles.require(WORKER)
-    await roles.fanout(workers, "pause_ingest" if paused else "resume_ingest")
+    await roles.change_all(workers, "pause_ingest" if paused else "resume_ingest")
     return IngestState(ingest_paused=paused, workers=len(workers))
 
 
@@ -289,25 +289,29 @@ async def configure(request: Request, body: EmbeddingConfigRequest) -> Applied:
     """PERSIA's ``configure_embedding_parameter_servers``. The EmbeddingConfig is replaced
     as a whole (fields left out take their defaults) when any of its fields is given; the
     optimizer only when given; ``policies`` (by slot name) replace the policy of each named
-    slot's feature group as a whole, other groups keep theirs. Checked in full before any
-    server is changed."""
+    slot's feature group as a whole, other groups keep theirs. Checked in full, and every
+    server must answer, before any server is changed; a server that fails the change
+    itself is an error naming the servers that took it and those that did not (send it
+    again: it is idempotent)."""
     params = _checked_config(body)
     roles = _roles(request)
     servers = roles.require(SERVER)
     policies = await _policies_param(request, body, servers)
     if policies is not None:
         params["policies"] = policies
-    await roles.fanout(servers, "configure", params)
+    await roles.change_all(servers, "configure", params)
     return Applied(applied=True, servers=len(servers))
 
 
 @router.post("/embeddings/clear", response_model=Applied,
              summary="Clear every embedding on every server")
 async def clear(request: Request) -> Applied:
-    """PERSIA's ``clear_embeddings``: drops every row on every embedding server."""
+    """PERSIA's ``clear_embeddings``: drops every row on every embedding server. Every
+    server must answer before any is cleared; one that fails the clear itself is an error
+    naming the servers that were cleared and those that were not."""
     roles = _roles(request)
     servers = roles.require(SERVER)
-    await roles.fanout(servers, "clear")
+    await roles.change_all(servers, "clear")
     return Applied(applied=True, servers=len(servers))
 
 

@@ -6,7 +6,13 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from stream_persia.api.auth import PREDICT_AUTH_MARK, require_predict_token, require_token
 from stream_persia.api.errors import NotReady
-from stream_persia.api.features import JSON_TYPES, MSGPACK_TYPES, parse_json, parse_msgpack
+from stream_persia.api.features import (
+    JSON_TYPES,
+    MSGPACK_TYPES,
+    parse_json,
+    parse_msgpack,
+    truncated_ids,
+)
 from stream_persia.api.json_body import StrictJsonRoute
 from stream_persia.api.predictor import Prediction, predictions_json
 from stream_persia.api.schemas import (
@@ -37,15 +43,15 @@ def _wants_msgpack(request: Request) -> bool:
     return any(t in accept for t in MSGPACK_TYPES)
 
 
-def _response(request: Request, p: Prediction) -> Response:
+def _response(request: Request, p: Prediction, truncated: int) -> Response:
     versions = {"model_version": p.step, "checkpoint": p.version,
                 "trained_through": p.trained_through}
+    counts = {"rows": p.rows, "missing_ids": p.missing, "truncated_ids": truncated}
     if _wants_msgpack(request):
-        body = wire.pack({**versions, "rows": p.rows, "missing_ids": p.missing,
-                          "heads": list(p.heads), "outputs": p.heads})
+        body = wire.pack({**versions, **counts, "heads": list(p.heads), "outputs": p.heads})
         return Response(body, media_type="application/msgpack")
-    return JSONResponse({**versions, "rows": p.rows, "missing_ids": p.missing,
-                         "heads": list(p.heads), "predictions": predictions_json(p)})
+    return JSONResponse({**versions, **counts, "heads": list(p.heads),
+                         "predictions": predictions_json(p)})
 
 
 @router.post(
@@ -63,7 +69,9 @@ async def predict(request: Request) -> Response:
     samples get 413; unknown slots, wrong types and malformed bodies get 422 naming the
     field. Slots and non-ID features are matched to the model's inputs by name, in any
     order (``GET /v1/model`` lists them); a name the model does not take, or one it lacks,
-    is 422 naming it."""
+    is 422 naming it. A raw slot looks up at most its ``sample_fixed_size`` ids per sample
+    (PERSIA's rule, as in training): ``truncated_ids`` counts the ids past it that the
+    answer does not reflect."""
     state = request.app.state
     media = _media_type(request)
     if media not in JSON_TYPES and media not in MSGPACK_TYPES:
@@ -79,7 +87,8 @@ async def predict(request: Request) -> Response:
         batch = parse_msgpack(body, settings.schema, settings.max_rows_per_request)
     else:
         batch = parse_json(body, settings.schema, settings.max_rows_per_request)
-    return _response(request, await predictor.predict(batch))
+    return _response(request, await predictor.predict(batch),
+                     truncated_ids(batch, settings.schema))
 
 
 @router.get("/model", response_model=ModelInfo, summary="The model being served",

@@ -43,6 +43,7 @@ from typing import Any, Final
 
 from stream_persia.config.files import read_secret_file
 from stream_persia.core.hosts import is_loopback
+from stream_persia.core.secret_rule import MIN_SECRET_CHARS, check_secret
 from stream_persia.core.wire import WireLimits
 from stream_persia.errors import AuthError, ConfigError, WireError
 
@@ -60,8 +61,6 @@ SETTING: Final = f"{SECRET_ENV} / {SECRET_FILE_ENV}"
 #: the hint of every refusal for a missing or different secret
 SAME_SECRET_HINT: Final = (f"give every process of the job the same {SECRET_ENV} or "
                            f"{SECRET_FILE_ENV}")
-#: shorter secrets are refused: a handshake seen on the network allows an offline guess
-MIN_SECRET_CHARS: Final = 16
 NONCE_BYTES: Final = 32
 VERSION: Final = 1
 CONTEXT: Final = b"stream-persia rpc auth v1"
@@ -88,11 +87,7 @@ class RoleSecret:
     source: str = SECRET_ENV
 
     def __post_init__(self) -> None:
-        if not isinstance(self.value, str) or len(self.value.strip()) < MIN_SECRET_CHARS:
-            raise ConfigError(
-                f"{self.source}: the role secret must be at least {MIN_SECRET_CHARS} "
-                f"characters", field=self.source,
-                hint="generate one, e.g. `openssl rand -hex 32`")
+        check_secret(self.value, self.source, "the role secret")
 
     @property
     def key(self) -> bytes:

@@ -8,6 +8,17 @@ fresh buffer per frame keeps them valid). ``StreamReader.readexactly`` instead c
 every byte twice (into its buffer, then out of it) and shifts what follows; on the 5 MB
 lookup reply of a 1024 x 26-slot batch that cost the embedding worker ~4 ms of CPU.
 
+A large frame's buffer is reserved as its bytes arrive, not as its header announces: at
+first at most :data:`_RESERVE_BYTES` (16 MiB), or the largest frame the connection has
+already delivered whole if that is more, then doubling (with one copy of what came so
+far) until it reaches the announced size. A header alone announcing 256 MiB used to
+reserve all of it, so a peer holding many connections that each announced a large frame
+and sent nothing more charged the role gigabytes of address space it never filled (1,024
+connections: 256 GiB); now a connection reserves ahead only what its own traffic has
+shown. Frames up to 16 MiB (the 5 MB lookup reply above, three times over), and larger
+ones on a connection that carried one as large before, are still read straight into
+their final buffer; only a connection's first frame past both pays the copies.
+
 The scratch buffer starts lean (:data:`_LEAN_BYTES`, enough for the handshake and small
 requests) and grows to its working size (256 KiB) only once the connection carries
 traffic that needs it: a read that fills it, or a frame that does not fit. An idle or
@@ -42,6 +53,10 @@ __all__ = ["FrameProtocol", "set_nodelay", "write_frame"]
 # its own buffer, and the socket reads the rest of it straight into place.
 _SMALL_FRAME = 64 * 1024
 _SCRATCH_BYTES = 4 * _SMALL_FRAME
+# The most of a large frame's buffer reserved ahead of its bytes, unless the connection
+# delivered a larger frame before: a frame past it doubles its buffer as it fills (one copy
+# of what came so far at each step), so memory follows the bytes received.
+_RESERVE_BYTES = 16 << 20
 # A new connection's scratch buffer, until its traffic needs the full one.
 _LEAN_BYTES = 4096
 # Received frames not yet taken by the reader: past either bound, stop parsing and stop
@@ -78,6 +93,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._end = 0
         self._body: memoryview | None = None  # a large frame being filled, and how far
         self._filled = 0
+        self._announced = 0      # ... and its size (the buffer is smaller while it grows)
+        self._largest = 0        # the largest frame this connection delivered whole
         self._frames: collections.deque[memoryview | bytearray] = collections.deque()
         self._queued_bytes = 0
         self._error: BaseException | None = None  # raised once the queued frames are read
@@ -136,9 +153,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self._body is not None:
             self._filled += nbytes
-            if self._filled == len(self._body):
+            if self._filled == self._announced:
                 body, self._body = self._body, None
+                self._largest = max(self._largest, self._announced)
                 self._push(body)
+            elif self._filled == len(self._body):
+                self._body = _grown(self._body, self._announced)
             return
         self._end += nbytes
         if self._lean and self._end == len(self._scratch):
@@ -195,9 +215,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 start = body_at + length
             elif length > _SMALL_FRAME:
                 # np.empty, not bytearray: the socket fills it at once, so no zeroing first.
-                self._body = np.empty(length, dtype=np.uint8).data
+                reserve = min(length, max(_RESERVE_BYTES, self._largest))
+                self._body = np.empty(reserve, dtype=np.uint8).data
                 self._body[:have] = self._scratch_view[start + HEADER.size:end]
-                self._filled = have
+                self._filled, self._announced = have, length
                 start = end
                 break
             else:
@@ -246,7 +267,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if self._eof:
                 partial = bytes(self._scratch_view[self._start:self._end])
                 if self._body is not None:  # the part of a large frame received
-                    partial = HEADER.pack(len(self._body)) + bytes(self._body[:self._filled])
+                    partial = HEADER.pack(self._announced) + bytes(self._body[:self._filled])
                 raise asyncio.IncompleteReadError(partial, None)
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -310,6 +331,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
     async def wait_closed(self) -> None:
         if self._closed is not None:
             await asyncio.shield(self._closed)
+
+
+def _grown(body: memoryview, announced: int) -> memoryview:
+    """A buffer twice ``body``'s size (at most ``announced``) holding ``body``'s bytes."""
+    grown = np.empty(min(announced, 2 * len(body)), dtype=np.uint8).data
+    grown[:len(body)] = body
+    return grown
 
 
 def write_frame(transport: asyncio.WriteTransport, parts: list[bytes | memoryview],

@@ -9,7 +9,8 @@ import pytest
 from api_helpers import AUTH, LiveApi, settings_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from stream_persia.errors import Backpressure, BadInput
+from stream_persia.errors import Backpressure, BadInput, Misuse
+from stream_persia.rpc import RpcServer
 from stream_persia.testing.samples import make_batch
 
 
@@ -131,6 +132,58 @@ async def test_configure_checks_everything_before_changing_any_server(job):
             assert s.store.embedding_config.admit_probability == 0.5
             assert s.store.embedding_config.emb_initialization == (-0.1, 0.1)
             assert s.store.optimizer.name == "adagrad" and s.store.optimizer.lr == 0.05
+
+
+async def test_a_server_that_is_down_leaves_every_server_unchanged(job):
+    """With embedding server 1 down, a configure or a clear was answered 503 ("retry
+    later") after server 0 had already taken it: the servers then trained with different
+    configurations (or one held its rows) though the docs said nothing changes before
+    every server is checked. Every server must answer before any is changed."""
+    await job.train(2)
+    async with LiveApi(settings_for(job, rpc_timeout_ms=2000)) as api:
+        before = job.servers[0].store.embedding_config
+        rows = len(job.servers[0].store)
+        assert rows > 0
+        await job.servers[1].stop()
+        for url, body in (("/v1/embeddings/configure", {"admit_probability": 0.25}),
+                          ("/v1/embeddings/clear", None)):
+            r = await api.client.post(url, json=body, headers=AUTH)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["peer"].startswith("embedding-server-1"), r.text
+        assert job.servers[0].store.embedding_config == before
+        assert len(job.servers[0].store) == rows
+
+
+async def test_a_server_that_fails_the_change_is_named_with_those_that_took_it(job):
+    """A server that answers but fails the change itself: the error says which servers
+    took it and which did not, instead of only the failure (a retry makes them agree)."""
+    async def health(params):
+        return {"ok": True}
+
+    async def refuse(params):
+        raise Misuse("this server refuses every change", field="config")
+
+    other = RpcServer({"health": health, "configure": refuse, "clear": refuse},
+                      name="refusing-server")
+    await other.start()
+    try:
+        settings = settings_for(job, embedding_servers=(job.servers[0].address, other.address))
+        async with LiveApi(settings) as api:
+            r = await api.client.post("/v1/embeddings/configure", headers=AUTH,
+                                      json={"admit_probability": 0.25})
+            assert r.status_code == 409, r.text
+            error = r.json()["error"]
+            assert error["message"].startswith(
+                f"configure was applied on embedding-server-0 {job.servers[0].address} but "
+                f"not on embedding-server-1 {other.address} (this server refuses"), error
+            assert error["peer"] == f"embedding-server-1 {other.address}"
+            assert "send the same request again" in error["hint"]
+            assert job.servers[0].store.embedding_config.admit_probability == 0.25
+            r = await api.client.post("/v1/embeddings/clear", headers=AUTH)
+            assert r.status_code == 409
+            assert r.json()["error"]["message"].startswith("clear was applied on embedding-server-0")
+    finally:
+        await other.stop()
 
 
 async def test_metrics_cover_routes_and_every_role(job):

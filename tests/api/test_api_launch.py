@@ -39,14 +39,14 @@ async def test_launch_api_serves_and_drains_on_sigterm(tmp_path):
                        name="slow-worker")
     await worker.start()
     token_file = tmp_path / "token"
-    token_file.write_text("tok\n")
+    token_file.write_text("tok-0123456789abcdef\n")
     proc = RoleProcess("api", ["--port", "0", "--checkpoint-dir", str(tmp_path)],
                        env=_env(PERSIA_API_TOKEN_FILE=str(token_file),
                                 PERSIA_EMBEDDING_WORKERS=worker.address))
     proc.start()
     try:
         url = "http://" + await asyncio.to_thread(proc.wait_ready, 60)
-        auth = {"Authorization": "Bearer tok"}
+        auth = {"Authorization": "Bearer tok-0123456789abcdef"}
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             assert (await client.get("/healthz")).json() == {"status": "ok"}
             assert (await client.get("/v1/status")).status_code == 401
@@ -70,6 +70,14 @@ def test_launch_api_refuses_a_public_address_without_a_token():
     out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     assert "PERSIA_API_TOKEN" in out.stderr
+
+
+def test_launch_api_refuses_a_short_token_at_start_up():
+    cmd = [sys.executable, "-m", "stream_persia.launch.cli", "launch", "api", "--port", "0"]
+    out = subprocess.run(cmd, env=_env(PERSIA_API_TOKEN="tok"), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "PERSIA_API_TOKEN: the API token must be at least 16 characters" in out.stderr
 
 
 def test_launch_api_names_a_port_already_taken():

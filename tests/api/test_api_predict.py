@@ -217,6 +217,36 @@ async def test_bad_requests_are_422_naming_the_field(trained):
         assert r.status_code == 422 and r.json()["error"]["field"] == "id_type_features.color"
 
 
+@pytest.mark.parametrize("source", ["local", "workers"])
+async def test_ids_past_a_raw_slots_fixed_size_are_counted_not_dropped_silently(trained,
+                                                                              source):
+    """``tags`` is a raw slot of sample_fixed_size 3: a sample naming 100,000 tags was
+    answered 200 with missing_ids 0, as if every id had been looked up, though only the
+    first 3 were (PERSIA's rule). The answer now says how many it leaves out."""
+    job, model, ckpt = trained
+    async with LiveApi(settings_for(job, model_checkpoint=ckpt, embeddings=source)) as api:
+        dense = {"dense": [[0.0, 0.0, 0.0], [0.1, 0.2, 0.3]]}
+        body = {"id_type_features": {"user": [[1], [2]], "item": [2, 3],
+                                     "tags": [list(range(100_000)), [1, 2]]},
+                "non_id_type_features": dense}
+        r = await api.client.post("/v1/predict", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["truncated_ids"] == 100_000 - 3
+        first = r.json()["predictions"]
+        body["id_type_features"]["tags"][0] = [0, 1, 2]   # what was looked up: same answer
+        r = await api.client.post("/v1/predict", json=body)
+        assert r.json()["truncated_ids"] == 0 and r.json()["predictions"] == first
+        batch = PersiaBatch([IDTypeFeature("user", [np.array([1], np.uint64)]),
+                             IDTypeFeature("item", [np.array([2], np.uint64)]),
+                             IDTypeFeature("tags", [np.arange(5, dtype=np.uint64)])],
+                            [NonIDTypeFeature(np.zeros((1, 3), np.float32), "dense")],
+                            requires_grad=False)
+        r = await api.client.post("/v1/predict", content=batch.to_bytes(),
+                                  headers={"content-type": "application/msgpack",
+                                           "accept": "application/msgpack"})
+        assert r.status_code == 200 and wire.unpack(r.content)["truncated_ids"] == 2
+
+
 async def test_a_key_given_twice_or_a_boolean_value_is_422_not_read_silently(trained):
     """A JSON parser keeps the last of two equal keys and numpy reads true as 1.0: either
     would score something other than what the request says, without a word."""

@@ -62,7 +62,7 @@ def test_no_token_refuses_a_public_address_but_allows_loopback():
     for host in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost"):
         assert is_loopback(host)
         create_app(ApiSettings(host=host))
-    create_app(ApiSettings(host="0.0.0.0", token="t"))
+    create_app(ApiSettings(host="0.0.0.0", token=TOKEN))
 
 
 async def test_without_a_token_loopback_control_is_open():
@@ -76,23 +76,54 @@ def test_token_from_env_file_and_config(tmp_path, monkeypatch):
     monkeypatch.delenv("PERSIA_EMBEDDING_CONFIG", raising=False)
     assert ApiSettings.from_env().token is None
     secret = tmp_path / "token"
-    secret.write_text("from-file\n")
+    secret.write_text("from-file-0123456789\n")
     monkeypatch.setenv("PERSIA_API_TOKEN_FILE", str(secret))
-    assert ApiSettings.from_env().token == "from-file"
-    monkeypatch.setenv("PERSIA_API_TOKEN", "inline")
+    assert ApiSettings.from_env().token == "from-file-0123456789"
+    monkeypatch.setenv("PERSIA_API_TOKEN", "inline-0123456789")
     with pytest.raises(ConfigError, match="both"):
         ApiSettings.from_env()
     monkeypatch.delenv("PERSIA_API_TOKEN_FILE")
-    assert ApiSettings.from_env().token == "inline"
+    assert ApiSettings.from_env().token == "inline-0123456789"
     monkeypatch.delenv("PERSIA_API_TOKEN")
     gc = GlobalConfig.from_dict({"api": {"token_file": str(secret), "host": "0.0.0.0"}})
     settings = ApiSettings.from_env(gc)
-    assert settings.token == "from-file" and settings.host == "0.0.0.0"
+    assert settings.token == "from-file-0123456789" and settings.host == "0.0.0.0"
     settings.check_bind()
     (tmp_path / "empty").write_text("  \n")
     monkeypatch.setenv("PERSIA_API_TOKEN_FILE", str(tmp_path / "empty"))
     with pytest.raises(ConfigError, match="empty"):
         ApiSettings.from_env()
+
+
+@pytest.mark.parametrize("token", ["", "   ", "short", "fifteen-chars-x", " " * 8 + "a" * 15])
+def test_a_short_or_empty_token_is_refused_naming_its_setting(tmp_path, monkeypatch, token):
+    """The role secret needs 16 characters; the API token took any, even one character, so
+    a bearer token guessable over HTTP served every control route. Each source is named."""
+    for name in ("PERSIA_API_TOKEN", "PERSIA_API_TOKEN_FILE", "PERSIA_EMBEDDING_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    secret = tmp_path / "token"
+    secret.write_text(token + "\n")
+    with pytest.raises(ConfigError) as err:
+        ApiSettings(host="0.0.0.0", token=token)
+    assert err.value.field == "token" and "at least 16" in str(err.value)
+    if token.strip():   # an empty env var means no token; an empty file is refused as empty
+        monkeypatch.setenv("PERSIA_API_TOKEN", token)
+        with pytest.raises(ConfigError) as err:
+            ApiSettings.from_env()
+        assert err.value.field == "PERSIA_API_TOKEN" and "at least 16" in str(err.value)
+        monkeypatch.delenv("PERSIA_API_TOKEN")
+        monkeypatch.setenv("PERSIA_API_TOKEN_FILE", str(secret))
+        with pytest.raises(ConfigError) as err:
+            ApiSettings.from_env()
+        assert err.value.field == "PERSIA_API_TOKEN_FILE"
+        monkeypatch.delenv("PERSIA_API_TOKEN_FILE")
+        with pytest.raises(ConfigError) as err:
+            ApiSettings.from_env(GlobalConfig.from_dict({"api": {"token_file": str(secret)}}))
+        assert err.value.field == "api.token_file"
+    with pytest.raises(ConfigError) as err:
+        ApiSettings.from_env(GlobalConfig.from_dict({"api": {"token": token}}))
+    assert err.value.field == "api.token"
+    ApiSettings(host="0.0.0.0", token=" " + "x" * 16 + " ").check_bind()   # 16 will do
 
 
 async def test_body_size_limit_is_413_declared_or_streamed():
@@ -113,6 +144,96 @@ async def test_body_size_limit_is_413_declared_or_streamed():
         assert r.json()["error"]["field"] == "body"
         # The server is fine afterwards.
         assert (await api.client.get("/healthz")).status_code == 200
+
+
+async def test_a_body_that_does_not_arrive_in_time_is_408_and_its_connection_closed(
+        monkeypatch):
+    """uvicorn has no deadline on a request body and the stalled-connection sweep leaves a
+    request being served alone: a head announcing 1000 bytes followed by a byte now and
+    then held its connection (and the handler waiting on it) for good. Now the body must
+    arrive whole within BODY_TIMEOUT_S of its head (shortened here); a slower one is 408
+    and its connection closed, and a body that arrives in time in pieces is served."""
+    import asyncio
+    import time
+
+    from stream_persia.api import limits
+
+    monkeypatch.setattr(limits, "BODY_TIMEOUT_S", 1.0)
+    async with LiveApi(settings_for()) as api:
+        host, port = api.url.removeprefix("http://").split(":")
+        head = (b"POST /v1/embeddings/configure HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nAuthorization: Bearer " + TOKEN.encode()
+                + b"\r\nContent-Length: %d\r\n\r\n")
+
+        async def send_slowly(body: bytes, pieces: int, gap_s: float) -> tuple[bytes, float]:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            t0 = time.monotonic()
+            writer.write(head % len(body))
+
+            async def trickle() -> None:
+                for i in range(pieces):
+                    writer.write(body[i * len(body) // pieces:(i + 1) * len(body) // pieces])
+                    await asyncio.sleep(gap_s)
+
+            task = asyncio.create_task(trickle())
+            try:
+                reply = await asyncio.wait_for(reader.read(), 10)   # until it closes
+            finally:
+                task.cancel()
+                writer.close()
+            return reply, time.monotonic() - t0
+
+        body = b'{"admit_probability": 0.5}'.ljust(1000)
+        reply, took = await send_slowly(body, 100, 0.2)     # 20 s of trickle
+        assert reply.startswith(b"HTTP/1.1 408 "), reply
+        assert b'"field":"body"' in reply and b"connection: close" in reply.lower()
+        assert 0.9 < took < 5, took
+        # in time, in pieces: served (no servers configured: 409 naming them, not 408)
+        ok = await api.client.post("/v1/embeddings/configure", headers=AUTH,
+                                   json={"admit_probability": 0.5})
+        assert ok.status_code == 409
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head % len(body) + body[:500])
+        await asyncio.sleep(0.5)
+        writer.write(body[500:])
+        reply = await asyncio.wait_for(reader.readuntil(b"}}"), 5)
+        assert reply.startswith(b"HTTP/1.1 409 "), reply
+        writer.close()
+
+
+async def test_bodies_held_by_the_requests_in_flight_are_bounded_together(monkeypatch):
+    """Each body was bounded (max_body_bytes), their number was not: 2,000 concurrent
+    16 MiB bodies held 32 GiB. Past MAX_INFLIGHT_BODY_BYTES over every request being served
+    (shortened here), a request is 503 with Retry-After; the bytes are given back as
+    requests are answered."""
+    import asyncio
+
+    from stream_persia.api import limits
+
+    monkeypatch.setattr(limits, "MAX_INFLIGHT_BODY_BYTES", 1500)
+    async with LiveApi(settings_for()) as api:
+        host, port = api.url.removeprefix("http://").split(":")
+        body = b'{"admit_probability": 0.5}'.ljust(1000)
+        head = (b"POST /v1/embeddings/configure HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nAuthorization: Bearer " + TOKEN.encode()
+                + b"\r\nContent-Length: 1000\r\n\r\n")
+        first = await asyncio.open_connection(host, int(port))
+        first[1].write(head + body[:900])
+        await asyncio.sleep(0.3)
+        second = await asyncio.open_connection(host, int(port))
+        second[1].write(head + body[:900])
+        reply = await asyncio.wait_for(second[0].read(), 5)
+        assert reply.startswith(b"HTTP/1.1 503 "), reply
+        assert b"retry-after: 1" in reply.lower() and b'"field":"body"' in reply
+        first[1].write(body[900:])   # the first one completes and is answered
+        reply = await asyncio.wait_for(first[0].readuntil(b"}}"), 5)
+        assert reply.startswith(b"HTTP/1.1 409 "), reply   # no servers: 409, not 503
+        for _, writer in (first, second):
+            writer.close()
+        for _ in range(3):   # its bytes were given back
+            r = await api.client.post("/v1/embeddings/configure", content=body, headers={
+                "content-type": "application/json", **AUTH})
+            assert r.status_code == 409, r.text
 
 
 async def test_a_json_key_given_twice_is_refused_not_last_one_wins():

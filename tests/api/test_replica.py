@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 from api_helpers import (
+    AUTH,
     Click,
     Gated,
     LiveApi,
@@ -322,7 +323,7 @@ async def test_a_replica_reloads_another_checkpoint_and_its_metrics_go_on(tmp_pa
             await job.train(2, seed=1)
             await write_checkpoint(job, str(tmp_path / "ckpts" / "c2"), TwoHeads(seed=4))
             r = await replica.client.post("/v1/model/reload", json={"checkpoint": "c2"},
-                                          headers={"Authorization": "Bearer s3cret-token"})
+                                          headers=AUTH)
             assert r.status_code == 200, r.text
             await job.train(2, seed=2)
             await drained(replica, job)

@@ -91,6 +91,66 @@ def test_frames_split_at_any_byte_boundary_are_reassembled(run):
     run(body())
 
 
+def test_frames_larger_than_the_reservation_grow_and_arrive_whole(run, monkeypatch):
+    """A large frame's buffer is reserved ahead of its bytes only up to a bound and doubles
+    as they arrive: frames around and past the bound (shrunk here to 256 KiB), trickled in
+    odd chunks or sent whole, come out intact, and one cut short is still a dropped
+    connection. A connection that delivered a frame that large reserves its size at once
+    (no copies for steady large traffic)."""
+    monkeypatch.setattr(transport, "_RESERVE_BYTES", 256 * 1024)
+    grown: list[int] = []
+    real_grown = transport._grown
+
+    def counting(body, announced):
+        grown.append(announced)
+        return real_grown(body, announced)
+
+    monkeypatch.setattr(transport, "_grown", counting)
+    rng = np.random.default_rng(1)
+    sizes = [65_530, 65_540, 262_000, 262_144 // 4, 262_200 // 4 + 1, 700_000 // 4,
+             2_500_000 // 4, 5]
+    payloads = [rng.integers(0, 255, n).astype(np.uint8 if i % 2 else np.float32)
+                for i, n in enumerate(sizes)]
+    stream = b"".join(frame({"id": i, "m": "echo", "p": p}) for i, p in enumerate(payloads))
+
+    async def body():
+        async with RpcServer({"echo": echo}) as server:
+            reader, writer = await asyncio.open_connection(*parse_address(server.address))
+            pos, chunks = 0, [1, 70_001, 3, 262_147, 131_071, 500_000]
+            for i in range(len(stream)):
+                if pos >= len(stream):
+                    break
+                writer.write(stream[pos:pos + chunks[i % len(chunks)]])
+                await writer.drain()
+                await asyncio.sleep(0)
+                pos += chunks[i % len(chunks)]
+            replies = {}
+            for _ in payloads:
+                (n,) = struct.unpack(">I", await reader.readexactly(4))
+                reply = wire.unpack(await reader.readexactly(n))
+                replies[reply["id"]] = reply["r"]
+            writer.close()
+            await writer.wait_closed()
+            async with RpcClient(server.address) as client:   # sent whole, past two doublings
+                big = rng.standard_normal(300_000).astype(np.float32)
+                np.testing.assert_array_equal(await client.call("echo", big), big)
+                assert grown, "the buffers of a frame past the reservation grew"
+                # a connection that delivered a frame that large reserves it at once next
+                grown.clear()
+                np.testing.assert_array_equal(await client.call("echo", big), big)
+                assert grown == []
+            reader, writer = await asyncio.open_connection(*parse_address(server.address))
+            writer.write(struct.pack(">I", 1 << 20) + b"x" * 600_000)   # past one doubling
+            writer.write_eof()
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+            await writer.wait_closed()
+        for i, p in enumerate(payloads):
+            np.testing.assert_array_equal(replies[i], p)
+
+    run(body())
+
+
 def test_decoded_arrays_stay_valid_across_later_frames(run):
     async def body():
         async with RpcServer({"echo": echo}) as server, RpcClient(server.address) as client:

@@ -324,6 +324,51 @@ def _rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
 
 
+def _vm_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmSize")) // 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_frames_announced_but_not_sent_reserve_little_memory():
+    """A header announcing 256 MiB made the receiver reserve all of it before a byte of the
+    body came: 20 connections that each announced one and sent 100 KB grew the server's
+    address space (and the system's commit charge) by 5 GiB for 2 MB received. Now a
+    large frame's buffer grows as its bytes arrive, 16 MiB ahead at most."""
+    n = 20
+    env = {**os.environ, "PERSIA_ROLE_SECRET": ""}
+    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        address = f"127.0.0.1:{int(proc.stdout.readline())}"
+
+        async def body() -> int:
+            async with RpcClient(address, secret=None) as client:
+                assert await client.call("echo", 1) == 1
+                before = _vm_mib(proc.pid)
+                writers = []
+                for _ in range(n):
+                    _, w = await asyncio.open_connection(*parse_address(address))
+                    w.write(struct.pack(">I", wire.WireLimits().max_frame_bytes) + b"\x81"
+                            + b"x" * 100_000)
+                    await w.drain()
+                    writers.append(w)
+                await asyncio.sleep(1.0)
+                grew = _vm_mib(proc.pid) - before
+                # the frames still arrive whole: one of 40 MiB, past two doublings
+                big = np.arange(10 << 20, dtype=np.float32)
+                np.testing.assert_array_equal(await client.call("echo", big), big)
+                for w in writers:
+                    w.close()
+                return grew
+
+        grew_mib = asyncio.run(asyncio.wait_for(body(), 60))
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+    assert grew_mib < n * 24, f"{n} announced frames grew the server by {grew_mib} MiB"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "secret"])
 def test_idle_connections_cost_little_memory(secret):
