@@ -54,7 +54,7 @@ from typing import Any
 
 import yaml
 
-from stream_persia.config.files import parse_yaml, read_text
+from stream_persia.config.files import read_yaml
 from stream_persia.config.kafka import ENV_KAFKA_ENABLE_IDEMPOTENCE
 from stream_persia.core.supervisor import UNHEALTHY_MARK
 from stream_persia.errors import (
@@ -178,13 +178,7 @@ class Job:
         off = getattr(self.args, "no_model_updates", False)
         if not self.args.kafka and not off:
             return src
-        try:
-            data = parse_yaml(read_text(src, "global config")) or {}
-        except yaml.YAMLError as exc:   # the roles would refuse it the same way, later
-            raise ConfigError(f"{src}: not valid YAML: {exc}", field=str(src)) from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{src}: expected a YAML mapping at the top level, got "
-                              f"{type(data).__name__}", field=str(src))
+        data, _ = read_yaml(src, "global config", "PERSIA_GLOBAL_CONFIG")   # bounded
         if off:
             data["model_updates"] = {**(data.get("model_updates") or {}), "enabled": False}
         if not self.args.kafka:
@@ -194,8 +188,6 @@ class Job:
         kafka = dict(data.get("kafka") or {})
         kafka["bootstrap_servers"] = self.args.kafka
         kafka["samples_topic"] = self.topic
-        # A dead-letter topic the file names is kept (where the user looks for refused
-        # records); without one it follows this run's samples topic (<topic>.dlq).
         if getattr(self.args, "on_data_loss", None) is not None:
             kafka["on_data_loss"] = self.args.on_data_loss
         if getattr(self.args, "broker_timeout_s", None) is not None:
@@ -429,7 +421,6 @@ def main(args: argparse.Namespace) -> int:
     if args.predict_samples is None:
         args.predict_samples = PREDICT_SAMPLES
     out = output_dir(topo, args, Path("runs") / f"{topo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    out = out.resolve()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -120,15 +120,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def output_dir(topo: Topology, args: argparse.Namespace, default: Path) -> Path:
     """The run's output directory: ``--output-dir``, else the topology's
     ``run.output_dir`` (relative to the current directory, as the scripts read it), else
-    ``default``. A flag that overrides the file's value says so."""
+    ``default``; made absolute. A flag that overrides the file's value says so."""
     from_file = topo.run.get("output_dir")
     if args.output_dir:
         if from_file is not None and Path(from_file).resolve() != Path(args.output_dir).resolve():
             print(f"stream-persia run: note: --output-dir {args.output_dir} overrides "
                   f"{topo.directory / 'topology.yml'} run.output_dir {from_file!r}",
                   file=sys.stderr)
-        return Path(args.output_dir)
-    return Path(from_file) if from_file is not None else default
+        return Path(args.output_dir).resolve()
+    return (Path(from_file) if from_file is not None else default).resolve()
 
 
 def check_topology(topo: Topology, args: argparse.Namespace) -> None:

@@ -211,12 +211,38 @@ def test_run_honours_run_output_dir_and_says_what_it_does_with_checkpoint_dir(
     add_arguments(parser)
     check_topology(topo, parser.parse_args([str(topo_dir)]))
     assert "run.checkpoint_dir '/data/ckpt'" in capsys.readouterr().err
-    assert output_dir(topo, argparse.Namespace(output_dir=None), default) == Path("results")
+    assert output_dir(topo, argparse.Namespace(output_dir=None), default) == \
+        tmp_path / "results"
     flag = str(tmp_path / "flag")
     assert output_dir(topo, argparse.Namespace(output_dir=flag), default) == Path(flag)
     assert "--output-dir" in capsys.readouterr().err
     plain = load_topology(str(TOPOLOGY))
     assert output_dir(plain, argparse.Namespace(output_dir=None), default) == default
+
+
+def test_run_with_kafka_keeps_the_dead_letter_topic_the_global_config_names(tmp_path):
+    """``run --kafka`` rewrites the global config for its samples topic; a ``dlq_topic``
+    the file names stays (it was dropped: refused records went elsewhere than the file
+    said), and without one the run's topic gets its own."""
+    import yaml
+
+    from stream_persia.launch.run import Job
+    from stream_persia.launch.run_args import add_arguments
+    from stream_persia.launch.topology import load_topology
+
+    topo_dir = tmp_path / "topo"
+    shutil.copytree(TOPOLOGY, topo_dir)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([str(topo_dir), "--kafka", "127.0.0.1:9"])
+    plain = Job(load_topology(str(topo_dir)), args, tmp_path / "a")._global_config()
+    assert "dlq_topic" not in yaml.safe_load(plain.read_text())["kafka"]
+    cfg = topo_dir / "global_config.yml"
+    cfg.write_text(cfg.read_text().replace("  job_name: synthetic_ctr",
+                                           "  job_name: synthetic_ctr\n  dlq_topic: my.dlq", 1))
+    got = Job(load_topology(str(topo_dir)), args, tmp_path / "b")._global_config()
+    kafka = yaml.safe_load(got.read_text())["kafka"]
+    assert kafka["dlq_topic"] == "my.dlq" and kafka["bootstrap_servers"] == "127.0.0.1:9"
 
 
 def test_run_refuses_a_topology_yml_that_is_not_utf8(tmp_path, capsys):
