@@ -142,7 +142,6 @@ class CheckpointMailbox:
         self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._expires: dict[str, float] = {}
         self._heartbeat: dict[str, Any] | None = None
-        self._started = clock()
 
     def handlers(self) -> dict[str, Any]:
         """RPC method name → coroutine, to merge into an ``RpcServer``'s handlers."""
@@ -282,13 +281,6 @@ class CheckpointMailbox:
         if hb is None:
             return None
         return hb["relay"], max(0.0, self._clock() - hb["at"])
-
-    def heartbeat_age(self) -> float:
-        """Seconds since the training thread's last heartbeat, or since this mailbox was
-        made when none has come (a worker 0 restarted while the NN ranks are gone must
-        age too, or no alert could see that nothing trains)."""
-        hb = self._heartbeat
-        return max(0.0, self._clock() - (self._started if hb is None else hb["at"]))
 
 
 class MailboxClient:

@@ -43,8 +43,9 @@ watermarks (:mod:`stream_persia.core.stages`). A figure not known (None) has no 
 The last heartbeat's figures stay exported after rank 0 stops, cleanly or killed (a
 final reading is worth keeping); ``persia_nn_heartbeat_age_seconds`` says how old they
 are, and the ``PersiaNNHeartbeatStale`` alert (``deploy/prometheus/alerts.yml``) fires on it.
-Before the first heartbeat it counts from the worker's start, so a worker 0 that never
-hears from rank 0 fires the alert too.
+Before the first heartbeat there is no age; ``persia_nn_heartbeat_seen`` is 0 then (1
+after), and ``PersiaNNNeverReported`` fires when it stays 0 (a worker 0 restarted while the
+NN ranks are gone, NN workers that never started).
 """
 
 from __future__ import annotations
@@ -197,26 +198,26 @@ _WINDOWED = (("ne_ratio", "ne", "lifetime_ne"),
 class NnRelayCollector(Collector):
     """Exports the last relay (``relay()``: the figures and the heartbeat's age in
     seconds, or None before the first heartbeat) as the ``persia_nn_*`` families, and
-    ``age()`` (seconds since the last heartbeat, or since the worker started when none
-    came) as ``persia_nn_heartbeat_age_seconds``, from the start: a worker 0 that never
-    hears from an NN rank (restarted while the ranks are gone) ages like one that stopped
-    hearing, so ``PersiaNNHeartbeatStale`` fires for both."""
+    ``persia_nn_heartbeat_seen`` (1 once a heartbeat came, 0 before) from the start: a
+    worker 0 restarted while the NN ranks are gone has no age to export, and
+    ``PersiaNNNeverReported`` fires on the 0 instead of nothing saying so."""
 
-    def __init__(self, relay: Callable[[], tuple[NnRelay, float] | None],
-                 age: Callable[[], float]):
-        self._relay, self._age = relay, age
+    def __init__(self, relay: Callable[[], tuple[NnRelay, float] | None]):
+        self._relay = relay
 
     def describe(self) -> Iterable[Metric]:
-        return [GaugeMetricFamily("persia_nn_heartbeat_age_seconds", "")]
+        return [GaugeMetricFamily("persia_nn_heartbeat_seen", "")]
 
     def collect(self) -> Iterable[Metric]:
-        yield GaugeMetricFamily("persia_nn_heartbeat_age_seconds",
-                                "seconds since NN rank 0's last heartbeat (since this "
-                                "worker started when none came)", value=self._age())
         got = self._relay()
+        yield GaugeMetricFamily("persia_nn_heartbeat_seen", "1 once NN rank 0's first "
+                                "heartbeat reached this worker, 0 before",
+                                value=0.0 if got is None else 1.0)
         if got is None:
             return
-        relay, _ = got
+        relay, age = got
+        yield GaugeMetricFamily("persia_nn_heartbeat_age_seconds",
+                                "seconds since NN rank 0's last heartbeat", value=age)
         yield from _periodic_families(relay.get("periodic"))
         tasks = relay["progressive"]
         if not tasks:

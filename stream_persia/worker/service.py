@@ -347,8 +347,7 @@ class EmbeddingWorker:
         self.ingested_mark: float | None = None
         m.registry.register(StageCollector(self.watermarks))
         if self.mailbox is not None:
-            m.registry.register(NnRelayCollector(self.mailbox.relay,
-                                                 self.mailbox.heartbeat_age))
+            m.registry.register(NnRelayCollector(self.mailbox.relay))
 
     def _kafka_stats(self) -> dict[str, float]:
         """The current ingest's statistics, its counts added to those of retired ones."""

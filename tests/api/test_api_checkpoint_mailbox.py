@@ -122,29 +122,27 @@ async def test_heartbeats_tell_a_stepping_rank_from_a_waiting_or_a_living_one():
     assert status["attached"] and status["stepping"]
 
 
-async def test_the_heartbeat_age_counts_from_the_start_until_a_heartbeat_comes():
-    """``persia_nn_heartbeat_age_seconds`` exists from worker 0's start: a worker that
-    never hears from NN rank 0 (restarted while the ranks are gone) ages, so
-    ``PersiaNNHeartbeatStale`` can fire; a heartbeat resets it, and it ages again after."""
+async def test_worker_0_says_whether_a_heartbeat_ever_came():
+    """``persia_nn_heartbeat_seen`` is exported from the start, 0 until NN rank 0's first
+    heartbeat (no age then: there is none), 1 after, with the age: a worker 0 restarted
+    while the NN ranks are gone says so (``PersiaNNNeverReported``)."""
     from stream_persia.worker.nn_relay import NnRelayCollector
 
     clock = Clock()
     box = CheckpointMailbox(clock, checkpoint_root=ROOT)
-    collector = NnRelayCollector(box.relay, box.heartbeat_age)
+    collector = NnRelayCollector(box.relay)
 
-    def ages() -> list[float]:
-        return [s.value for f in collector.collect() for s in f.samples
-                if s.name == "persia_nn_heartbeat_age_seconds"]
+    def samples() -> dict[str, float]:
+        return {s.name: s.value for f in collector.collect() for s in f.samples
+                if s.name.startswith("persia_nn_heartbeat")}
 
-    assert ages() == [0.0]
+    assert samples() == {"persia_nn_heartbeat_seen": 0.0}
     clock.now += 300
-    assert ages() == [300.0] and box.relay() is None
+    assert samples() == {"persia_nn_heartbeat_seen": 0.0}
     await box.nn_heartbeat({"rank": 0, "world_size": 1, "step": 1})
-    assert ages() == [0.0]
     clock.now += 130
-    assert ages() == [130.0]
-    await box.nn_heartbeat({"rank": 0, "world_size": 1, "step": 2, "waiting": True})
-    assert ages() == [130.0]     # liveness only: a stuck step keeps ageing
+    assert samples() == {"persia_nn_heartbeat_seen": 1.0,
+                         "persia_nn_heartbeat_age_seconds": 130.0}
 
 
 async def _aiter_value(value):

@@ -97,6 +97,7 @@ async def test_status_and_metrics_carry_every_stage_and_the_relayed_figures(job)
                                           if s.name.endswith("_total")] == [640.0]
     age = families["persia_nn_heartbeat_age_seconds"].samples
     assert len(age) == 1 and 0 <= age[0].value < 60
+    assert [s.value for s in families["persia_nn_heartbeat_seen"].samples] == [1.0]
 
 
 async def test_no_sample_before_any_watermark(job):
@@ -107,11 +108,11 @@ async def test_no_sample_before_any_watermark(job):
                                           "served"))
     assert "persia_stage_event_time_seconds" not in text
     assert "persia_nn_progressive" not in text
-    # No heartbeat yet: the age counts from worker 0's start (it must age, or a worker
-    # that never hears from an NN rank could not fire PersiaNNHeartbeatStale).
+    assert "persia_nn_heartbeat_age_seconds" not in text
+    # No heartbeat yet: worker 0 says so (PersiaNNNeverReported fires on it), where a
+    # missing age alone could not tell "never heard" from "not scraped".
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    age = families["persia_nn_heartbeat_age_seconds"].samples
-    assert len(age) == 1 and 0 <= age[0].value < 600
+    assert [s.value for s in families["persia_nn_heartbeat_seen"].samples] == [0.0]
 
 
 @pytest.mark.parametrize("extra, field", [

@@ -100,7 +100,7 @@ def test_every_steps_with_retention_and_the_relayed_figures(job_factory, tmp_pat
         verify(m.path)
         assert {"dense.pt", "opt.pt"} <= set(m.files) and m.rows > 0
         assert m.extra["id"] == Path(m.path).name and m.stream == "direct"
-    families = {f.name: f for f in NnRelayCollector(lambda: (relay, 0.5), lambda: 0.5).collect()}
+    families = {f.name: f for f in NnRelayCollector(lambda: (relay, 0.5)).collect()}
     totals = {s.labels["outcome"]: s.value
               for s in families["persia_nn_periodic_checkpoints"].samples
               if s.name.endswith("_total")}
