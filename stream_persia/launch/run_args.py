@@ -128,7 +128,17 @@ def output_dir(topo: Topology, args: argparse.Namespace, default: Path) -> Path:
                   f"{topo.directory / 'topology.yml'} run.output_dir {from_file!r}",
                   file=sys.stderr)
         return Path(args.output_dir).resolve()
-    return (Path(from_file) if from_file is not None else default).resolve()
+    if from_file is None:
+        return default.resolve()
+    out = Path(from_file).resolve()
+    if out.is_dir() and any(out.iterdir()):
+        # One directory for every run of the topology: a second run would append to the
+        # first's logs, find its checkpoints (its bootstrap one refused as existing) and,
+        # with --kafka, reuse its samples topic (named after the directory).
+        raise ConfigError(f"{topo.directory / 'topology.yml'}: run.output_dir: {out} already "
+                          "holds a run", field="run.output_dir",
+                          hint="remove it, or pass --output-dir for this run")
+    return out
 
 
 def check_topology(topo: Topology, args: argparse.Namespace) -> None:

@@ -171,9 +171,10 @@ def load_topology(directory: str | Path) -> Topology:
         # `required: "false"` would be a non-empty string, so true.
         raise _err(file, "data.required", f"expected true or false, got "
                    f"{data['required']!r}")
-    for key in ("flag", "default"):
-        if data.get(key) is not None and not isinstance(data[key], str):   # null: none
-            raise _err(file, f"data.{key}", f"expected text, got {data[key]!r}")
+    if "flag" in data and not isinstance(data["flag"], str):
+        raise _err(file, "data.flag", f"expected text, got {data['flag']!r}")
+    if data.get("default") is not None and not isinstance(data["default"], str):  # null: none
+        raise _err(file, "data.default", f"expected text, got {data['default']!r}")
     serving = _mapping(file, "serving", top.get("serving"), {"model", "model_kwargs"})
     model = serving.get("model")
     if model is not None and not (isinstance(model, str)

@@ -38,17 +38,22 @@ LIVENESS_EVERY_S = 2.0
 PROGRESSIVE_EVERY_S = 2.0
 
 
-def progressive_figures(state: list[dict[str, Any]], window: int) -> dict[str, Any]:
+#: The per-task counts a worker 0 of an older release refuses (it knows window, samples).
+NEWER_COUNTS = ("skipped", "not_probabilities")
+
+
+def progressive_figures(state: list[dict[str, Any]], window: int,
+                        counts: bool = True) -> dict[str, Any]:
     """Rank 0's progressive figures per task (the heartbeat's ``progressive``) from its
-    ``ProgressiveValidation.state()``."""
+    ``ProgressiveValidation.state()``; without :data:`NEWER_COUNTS` unless ``counts``."""
     out: dict[str, Any] = {}
     for task in state:
         merged = summarize([task])
         fig = {k: (float(merged[k]) if merged.get(k) is not None
                    and math.isfinite(merged[k]) else None) for k in FIGURES}
         out[task["name"]] = {"window": int(window), "samples": int(merged["samples"]),
-                             "skipped": int(merged["skipped"]),
-                             "not_probabilities": int(merged["not_probabilities"]), **fig}
+                             **({key: int(merged[key]) for key in NEWER_COUNTS}
+                                if counts else {}), **fig}
     return out
 
 
@@ -100,6 +105,7 @@ class NnCheckpointPoller:
         self._figures: dict[str, Any] | None = None   # rank 0's last progressive figures
         self._figures_at = -math.inf
         self._relay_figures = True     # rank 0: False once worker 0 refused the figures
+        self._relay_counts = True      # False once an older worker 0 refused NEWER_COUNTS
 
     @property
     def _rank0(self) -> bool:
@@ -195,7 +201,7 @@ class NnCheckpointPoller:
         if state is not None:   # off the training thread (and off the loop: a sort)
             try:
                 self._figures = await asyncio.get_running_loop().run_in_executor(
-                    None, progressive_figures, *state)
+                    None, progressive_figures, *state, self._relay_counts)
                 params["progressive"] = self._figures
             except Exception as e:   # never stops training nor the heartbeat
                 log.debug("progressive figures for the heartbeat: %r", e)
@@ -232,6 +238,16 @@ class NnCheckpointPoller:
         any other refusal."""
         if "progressive" not in params or not (err.field or "").startswith("progressive"):
             return False
+        if self._relay_counts and (err.field or "").endswith(
+                tuple(f".{key}" for key in NEWER_COUNTS)):
+            # A worker 0 of an older release: the figures go on without the new counts.
+            self._relay_counts = False
+            self._figures = {task: {k: v for k, v in fig.items() if k not in NEWER_COUNTS}
+                             for task, fig in params["progressive"].items()}
+            params["progressive"] = self._figures
+            log.info("embedding worker 0 does not take the skipped-sample counts of the "
+                     "progressive figures (an older release): the figures go without them")
+            return True
         if self._relay_figures:
             log.warning("embedding worker 0 refuses rank 0's progressive figures (%s): "
                         "they are not relayed to /metrics for the rest of the run; "
@@ -420,7 +436,8 @@ class NnCheckpointPoller:
             pv = self.ctx.progressive_validation
             if pv is not None and self._relay_figures:   # the final figures
                 try:
-                    self._figures = progressive_figures(pv.state(), pv.window_samples)
+                    self._figures = progressive_figures(pv.state(), pv.window_samples,
+                                                        self._relay_counts)
                 except Exception as e:
                     log.debug("progressive figures for the heartbeat: %r", e)
             try:

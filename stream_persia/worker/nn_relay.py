@@ -7,7 +7,8 @@ NN ranks are clients nothing scrapes, so rank 0 adds to its ``nn_heartbeat``
 
 - ``trained``: float | None, the newest ``PersiaBatch.event_time`` of a batch rank 0 ran a
   backward on (``TrainCtx.trained_through``);
-- ``progressive``: ``{task: {"window": int, "samples": int, "auc", "ne", "lifetime_ne",
+- ``progressive``: ``{task: {"window": int, "samples": int, "skipped": int,
+  "not_probabilities": int (both optional: older NN ranks send neither), "auc", "ne", "lifetime_ne",
   "calibration", "lifetime_calibration", "log_loss", "lifetime_log_loss": float | None}}``,
   *rank 0's own* progressive figures (:mod:`stream_persia.nn.progressive`) over the samples
   rank 0 trained: a read merged over the ranks is a collective, which the heartbeat, sent

@@ -254,6 +254,23 @@ async def test_a_relay_the_worker_refuses_costs_the_figures_not_the_mailbox(job)
     assert hb["progressive"] == {}
 
 
+async def test_an_older_worker_refusing_the_new_counts_keeps_the_figures(job, monkeypatch):
+    """Worker 0 of an older release knows only window and samples among the counts: rank
+    0 then relays its figures without skipped / not_probabilities, not none at all."""
+    from stream_persia.worker import nn_relay
+
+    monkeypatch.setattr(nn_relay, "_COUNTS", ("window", "samples"))
+    worker = job.client(job.workers[0].address)
+    for i in range(6):
+        await worker.call("ingest", {"batch": make_batch(i).stamped(T0 + i).to_wire()})
+    ctx = await asyncio.get_running_loop().run_in_executor(
+        None, _train_stamped, job.workers[0].address)
+    assert ctx.steps == 6
+    got = (await worker.call("nn_status"))["progressive"]["task0"]
+    assert got["samples"] == 96 and got["auc"] is not None
+    assert "skipped" not in got and "not_probabilities" not in got
+
+
 async def test_a_role_that_does_not_answer_makes_its_stages_and_totals_unknown():
     """A stuck or dead worker or server may be the slowest: /v1/status says its stages and
     the totals over its kind are unknown (null), not the least or the sum over the roles

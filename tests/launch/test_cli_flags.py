@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from stream_persia.errors import ConfigError
 from stream_persia.launch import cli
 from stream_persia.launch import roles as launch
 from stream_persia.launch.processes import RoleProcess
@@ -216,6 +217,11 @@ def test_run_honours_run_output_dir_and_says_what_it_does_with_checkpoint_dir(
     flag = str(tmp_path / "flag")
     assert output_dir(topo, argparse.Namespace(output_dir=flag), default) == Path(flag)
     assert "--output-dir" in capsys.readouterr().err
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "report.json").write_text("{}")   # a run before this one
+    with pytest.raises(ConfigError) as err:
+        output_dir(topo, argparse.Namespace(output_dir=None), default)
+    assert err.value.field == "run.output_dir" and "already holds a run" in err.value.message
     plain = load_topology(str(TOPOLOGY))
     assert output_dir(plain, argparse.Namespace(output_dir=None), default) == default
 
