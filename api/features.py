@@ -240,12 +240,14 @@ def signature(batch: PersiaBatch) -> tuple:
                   for f in batch.non_id_type_features))
 
 
-def truncated_ids(batch: PersiaBatch, schema: EmbeddingSchema | None) -> int:
+def truncated_ids(batch: PersiaBatch, schema: EmbeddingSchema | None) -> int | None:
     """Ids of ``batch`` that no row is looked up for: those past ``sample_fixed_size`` in a
     sample of a raw slot (``embedding_summation: false``; PERSIA's rule, which training
-    applies too and counts as ``ids_truncated_total``). 0 without a schema."""
+    applies too and counts as ``ids_truncated_total``). None without a schema (the API
+    has no embedding config: the slots' sizes are not known here, and 0 would say every
+    id was used)."""
     if schema is None:
-        return 0
+        return None
     over = 0
     for feature in batch.id_type_features:
         slot = schema.slots.get(feature.name)

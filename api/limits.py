@@ -28,13 +28,18 @@ from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stream_persia.api.errors import error_body
 
+from stream_persia.core.aio import run_until
+
 __all__ = ["BODY_TIMEOUT_S", "MAX_INFLIGHT_BODY_BYTES", "BodySizeLimit"]
 
 #: seconds a request body may take to arrive whole after its head (16 MiB, the default
 #: size limit, at 280 KB/s)
 BODY_TIMEOUT_S = 60.0
-#: bytes of request bodies held by the requests being served at once (16 x 16 MiB)
+#: bytes of request bodies held by the requests being served at once (16 x 16 MiB; a
+#: request alone may pass it, up to ``api.max_body_bytes``)
 MAX_INFLIGHT_BODY_BYTES = 256 << 20
+#: the default api.max_body_bytes: a raised one stretches BODY_TIMEOUT_S by as much
+_DEFAULT_MAX_BODY = 16 << 20
 
 
 class _TooLarge(HTTPException):
@@ -71,6 +76,8 @@ class BodySizeLimit:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.inflight_bytes = 0   # body bytes of the requests being served
+        # The deadline scales with a raised api.max_body_bytes (the same rate is asked).
+        self.timeout_s = BODY_TIMEOUT_S * max(1.0, max_body_bytes / _DEFAULT_MAX_BODY)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -84,7 +91,7 @@ class BodySizeLimit:
         received = 0   # body bytes of this request, all counted in inflight_bytes
         started = False
         whole = False   # the body has arrived (later receives wait for a disconnect)
-        timeout_s = BODY_TIMEOUT_S
+        timeout_s = self.timeout_s
         deadline = asyncio.get_running_loop().time() + timeout_s
 
         async def limited_receive() -> Message:
@@ -92,8 +99,7 @@ class BodySizeLimit:
             if whole:
                 return await receive()
             try:
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
+                message = await run_until(receive(), deadline)   # Python 3.10 too
             except TimeoutError:
                 raise _TooSlow(timeout_s) from None
             if message["type"] == "http.request":
@@ -101,7 +107,10 @@ class BodySizeLimit:
                 if received + n > limit:
                     raise _TooLarge(limit)
                 bound = MAX_INFLIGHT_BODY_BYTES
-                if self.inflight_bytes + n > bound:
+                # A body alone is bounded by max_body_bytes only (one over the shared
+                # bound, after a raised api.max_body_bytes, was answered "retry" for ever).
+                others = self.inflight_bytes - received
+                if others > 0 and self.inflight_bytes + n > bound:
                     raise _Busy(bound)
                 received += n
                 self.inflight_bytes += n

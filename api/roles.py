@@ -100,7 +100,9 @@ class Roles:
         Returns:
             Every role's reply, in order.
         """
-        await self.fanout(roles, "health", timeout_ms=HEALTH_TIMEOUT_MS)
+        # The change's own timeout: a worker busy serving pipelined predictions may take
+        # longer than HEALTH_TIMEOUT_MS to answer, and would refuse a change that works.
+        await self.fanout(roles, "health", timeout_ms=self.timeout_ms)
         out = await self.gather_settled(roles, method, params)
         failed = [(r, e) for r, e in zip(roles, out, strict=True) if isinstance(e, PersiaError)]
         if not failed:

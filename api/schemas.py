@@ -320,10 +320,11 @@ class PredictResponse(BaseModel):
                           "not known)")
     rows: int
     missing_ids: int = Field(description="ids absent from the embedding tables (zeros used)")
-    truncated_ids: int = Field(
+    truncated_ids: int | None = Field(
         0, description="ids past a raw slot's sample_fixed_size in their sample: no row is "
                        "looked up for them (PERSIA's rule, as in training), so the answer "
-                       "does not reflect them")
+                       "does not reflect them (null when the API has no embedding config: "
+                       "not known)")
     heads: list[str]
     predictions: list[dict[str, float | int | bool | list[Any] | None]] = Field(
         description="per sample: head -> a number (an integer or bool head keeps its type, "

@@ -43,7 +43,7 @@ def _wants_msgpack(request: Request) -> bool:
     return any(t in accept for t in MSGPACK_TYPES)
 
 
-def _response(request: Request, p: Prediction, truncated: int) -> Response:
+def _response(request: Request, p: Prediction, truncated: int | None) -> Response:
     versions = {"model_version": p.step, "checkpoint": p.version,
                 "trained_through": p.trained_through}
     counts = {"rows": p.rows, "missing_ids": p.missing, "truncated_ids": truncated}

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from api_helpers import AUTH, DenseAndContext, LiveApi, TwoHeads, settings_for, write_checkpoint
-from stream_persia.api.features import signature
+from stream_persia.api.features import signature, truncated_ids
 from stream_persia.api.inputs import ModelInputs, NonIdInput
 
 from stream_persia.core import wire
@@ -200,3 +200,9 @@ def test_requests_in_any_order_share_one_micro_batch_signature():
     b = batch_of(0, 2)
     assert inputs.arrange(b) is b
     assert signature(inputs.arrange(reordered(b))) == signature(b)
+
+
+def test_truncated_ids_are_unknown_without_an_embedding_config():
+    """Without the API's embedding config the slots' sample_fixed_size is not known: the
+    count is None (null in the answer), never a 0 that says every id was used."""
+    assert truncated_ids(make_batch(1, batch_size=4, requires_grad=False), None) is None

@@ -236,6 +236,20 @@ async def test_bodies_held_by_the_requests_in_flight_are_bounded_together(monkey
             assert r.status_code == 409, r.text
 
 
+async def test_a_body_alone_over_the_shared_bound_is_served(monkeypatch):
+    """The shared bound is for bodies held together: one request alone is bounded by
+    api.max_body_bytes only (a body over the bound, after a raised max_body_bytes, was
+    answered 503 "retry shortly" every time)."""
+    from stream_persia.api import limits
+
+    monkeypatch.setattr(limits, "MAX_INFLIGHT_BODY_BYTES", 500)
+    async with LiveApi(settings_for()) as api:
+        body = b'{"admit_probability": 0.5}'.ljust(1000)
+        r = await api.client.post("/v1/embeddings/configure", content=body, headers={
+            "content-type": "application/json", **AUTH})
+        assert r.status_code == 409, r.text   # no servers: 409, not 503
+
+
 async def test_a_json_key_given_twice_is_refused_not_last_one_wins():
     """json.loads keeps the last value of a duplicated key: a control body that named a
     key twice was applied with whichever came last (past a proxy or a validator that
