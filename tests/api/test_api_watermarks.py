@@ -155,15 +155,22 @@ def _train_stamped(worker: str, logits: bool = False) -> TrainCtx:
     return ctx
 
 
+async def _ingest_and_train(job, batches: int, *, logits: bool = False):
+    """``batches`` stamped batches ingested by worker 0, then trained by a real TrainCtx
+    on a thread; its RPC client of worker 0 and the context."""
+    worker = job.client(job.workers[0].address)
+    for i in range(batches):
+        await worker.call("ingest", {"batch": make_batch(i).stamped(T0 + i).to_wire()})
+    ctx = await asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(_train_stamped, job.workers[0].address, logits=logits))
+    assert ctx.steps == batches
+    return worker, ctx
+
+
 async def test_nn_rank_0_relays_trained_and_its_progressive_figures(job):
     """A real TrainCtx: its heartbeats carry ``trained`` and rank 0's progressive figures
     to worker 0, which exports them and answers them in ``nn_status``."""
-    worker = job.client(job.workers[0].address)
-    for i in range(6):
-        await worker.call("ingest", {"batch": make_batch(i).stamped(T0 + i).to_wire()})
-    ctx = await asyncio.get_running_loop().run_in_executor(
-        None, _train_stamped, job.workers[0].address)
-    assert ctx.steps == 6
+    worker, ctx = await _ingest_and_train(job, 6)
     hb = await worker.call("nn_status")
     assert hb["trained"] == T0 + 5 and hb["detached"] is True
     mine = ctx.progressive_validation.read()
@@ -185,12 +192,7 @@ async def test_a_model_outputting_logits_says_its_progressive_figures_are_off(jo
     """Logits switch a task's progressive figures off (they would be figures of a biased
     subset): worker 0 exports how many predictions were outside [0, 1], so
     ``PersiaProgressiveValidationOff`` fires instead of every quality alert going quiet."""
-    worker = job.client(job.workers[0].address)
-    for i in range(4):
-        await worker.call("ingest", {"batch": make_batch(i).stamped(T0 + i).to_wire()})
-    ctx = await asyncio.get_running_loop().run_in_executor(
-        None, functools.partial(_train_stamped, job.workers[0].address, logits=True))
-    assert ctx.steps == 4
+    worker, _ = await _ingest_and_train(job, 4, logits=True)
     got = (await worker.call("nn_status"))["progressive"]["task0"]
     assert got["auc"] is None and got["not_probabilities"] > 0
     assert got["skipped"] >= got["not_probabilities"]
@@ -260,12 +262,7 @@ async def test_an_older_worker_refusing_the_new_counts_keeps_the_figures(job, mo
     from stream_persia.worker import nn_relay
 
     monkeypatch.setattr(nn_relay, "_COUNTS", ("window", "samples"))
-    worker = job.client(job.workers[0].address)
-    for i in range(6):
-        await worker.call("ingest", {"batch": make_batch(i).stamped(T0 + i).to_wire()})
-    ctx = await asyncio.get_running_loop().run_in_executor(
-        None, _train_stamped, job.workers[0].address)
-    assert ctx.steps == 6
+    worker, ctx = await _ingest_and_train(job, 6)
     got = (await worker.call("nn_status"))["progressive"]["task0"]
     assert got["samples"] == 96 and got["auc"] is not None
     assert "skipped" not in got and "not_probabilities" not in got
