@@ -92,8 +92,8 @@ from stream_persia.server.dense_hub import (
 )
 from stream_persia.server.store import Store
 
-__all__ = ["Replica", "ReplicaMetrics", "ShardCursor", "apply_messages", "drop_shard", "message_bytes",
-           "check_message"]
+__all__ = ["Replica", "ReplicaMetrics", "ShardCursor", "TableRefused", "apply_messages",
+           "check_message", "drop_shard", "message_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -208,12 +208,16 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
     resync of a large shard) never leaves a half-empty shard answering in between.
 
     Raises:
-        BadInput: the table refused a message (rows of another dim than the held ones of
-            the same ids: a job started again with another embedding config): the cursor
-            then skips to the next reset (its marks are not applied, so the shard's
-            version and ``trained_through`` hold), never past the message as applied.
+        TableRefused: the table refused a message (rows of another dim than the held ones
+            of the same ids: a job started again with another embedding config): the
+            cursor then skips to the next reset (its marks are not applied, so the shard's
+            version and ``trained_through`` hold), never past the message as applied. The
+            rest of the messages are still looked at (a ``reset`` among them applies) and
+            ``next_seq`` ends past the last one: over Kafka the consumer is past them too,
+            and a cursor left at the refused message took the next record for a gap.
     """
     ended = False
+    refused: PersiaError | None = None
     for msg in messages:
         kind = msg["kind"]
         cursor.next_seq = msg["seq"] + 1
@@ -225,12 +229,23 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
         except PersiaError as e:
             cursor.refused_full = cursor.rebuilding or kind == "reset"
             cursor.skipping, cursor.rebuilding, cursor.received = True, False, []
-            raise BadInput(f"update message {msg['seq']} ({kind}) of server {cursor.shard} "
-                           f"was refused by the serving table: {e.message}; skipping to "
-                           f"the server's next full pass", field=e.field or "weights",
-                           hint="a job started again with another embedding config needs "
-                                "a replica restored from one of its checkpoints") from None
+            refused = refused or TableRefused(
+                f"update message {msg['seq']} ({kind}) of server {cursor.shard} was refused "
+                f"by the serving table: {e.message}; skipping to the server's next full pass",
+                field=e.field or "weights",
+                hint="a job started again with another embedding config needs a replica "
+                     "restored from one of its checkpoints")
+    if refused is not None:
+        refused.ended = ended
+        raise refused
     return ended
+
+
+class TableRefused(BadInput):
+    """:func:`apply_messages` met a message the table refused; ``ended``: whether a full
+    pass ended among the messages all the same (one after a later ``reset``)."""
+
+    ended: bool = False
 
 
 def _apply_one(store: Store, cursor: ShardCursor, shards: int, msg: dict[str, Any]) -> bool:
@@ -488,22 +503,25 @@ class Replica:
         try:
             ended = await self.execute(
                 lambda: apply_messages(self.store, cursor, self.shards, checked))
-        except BadInput as e:
+        except TableRefused as e:
             await self.refused_by_table(cursor, e)
             return True
         self.advance(rewound=bool(ended))
         return cursor.next_seq < nxt
 
-    async def refused_by_table(self, cursor: ShardCursor, e: BadInput,
+    async def refused_by_table(self, cursor: ShardCursor, e: TableRefused,
                                resync: Callable[[ShardCursor], Awaitable[None]] | None = None
                                ) -> None:
         """The table refused a message of ``cursor``'s shard (:func:`apply_messages`): it
         now skips to the next full pass, which it asks for, unless a full pass was what
         the table refused (asking again would only repeat it: the shard then waits for the
-        server's next one, a restart or restore, its ``trained_through`` held)."""
+        server's next one, a restart or restore, its ``trained_through`` held), or a later
+        ``reset`` of the same messages started one already."""
         self.counts["bad_messages"] += 1
         log.error("replica: %s", e.message)
-        if not cursor.refused_full:
+        if e.ended:
+            self.advance(rewound=True)
+        if cursor.skipping and not cursor.refused_full:
             await (resync or self._resync)(cursor)
 
     async def _new_incarnation(self, cursor: ShardCursor, inc: str, first: int) -> bool:

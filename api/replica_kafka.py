@@ -23,6 +23,7 @@ from typing import Any
 from stream_persia.api.replica import (
     Replica,
     ShardCursor,
+    TableRefused,
     apply_messages,
     check_message,
     message_bytes,
@@ -296,7 +297,7 @@ class KafkaFollow:
         r.counts["bytes"] += sum(message_bytes(m) for m in msgs)
         try:
             ended = await r.execute(lambda: apply_messages(r.store, cursor, r.shards, msgs))
-        except BadInput as e:   # the table refused one: it used to end this task, silently
+        except TableRefused as e:   # the table refused one: it used to end this task, silently
             await r.refused_by_table(cursor, e, self._ask_resync)
             return
         r.advance(rewound=bool(ended))

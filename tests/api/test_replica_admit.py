@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 import torch
 from api_helpers import start_job, stop_job
-from stream_persia.api.replica import Replica, ShardCursor, apply_messages, check_message
+from stream_persia.api.replica import (
+    Replica,
+    ShardCursor,
+    TableRefused,
+    apply_messages,
+    check_message,
+)
 from stream_persia.api.replica_kafka import KafkaFollow, admit, check_dense
 from stream_persia.api.roles import Roles
 
@@ -192,8 +198,7 @@ def test_a_row_the_table_refuses_is_never_passed_over_as_applied(store):
     bad.update(dim=3, weights=np.full((1, 3), 5.0, np.float32))
     with pytest.raises(BadInput, match="refused by the serving table"):
         apply_messages(store, c, 1, [bad, msg(4, ids=(2,)), msg(5, "mark")])
-    assert c.skipping and not c.refused_full and c.next_seq == 4
-    apply_messages(store, c, 1, [msg(4, ids=(2,)), msg(5, "mark")])
+    assert c.skipping and not c.refused_full and c.next_seq == 6   # past what it looked at
     assert (c.version, c.event_time) == (2, 102.0)       # nothing claimed past the refusal
     assert not store.contains(np.array([2], np.uint64))[0]
     # a full pass the table refuses too: no resync asked (it would only repeat it)
@@ -202,6 +207,23 @@ def test_a_row_the_table_refuses_is_never_passed_over_as_applied(store):
     assert c.refused_full and c.skipping and c.version == 2
     run(c, store, [msg(9, "reset"), msg(10, ids=(2,)), msg(11, "mark")])
     assert not c.refused_full and not c.skipping and c.version == 11
+
+
+def test_a_reset_after_a_refused_message_of_the_same_pull_still_applies(store):
+    """Messages after the refused one used to be never looked at: a ``reset`` among them
+    was lost, and the shard waited (skipping) for another full pass that nobody asked
+    for. It applies now, and its pass ends; the refusal is still said."""
+    c = ShardCursor(0)
+    run(c, store, [msg(0, "reset"), msg(1, ids=(1,)), msg(2, "mark")])
+    bad = msg(3, ids=(1,))
+    bad.update(dim=3, weights=np.full((1, 3), 5.0, np.float32))
+    with pytest.raises(TableRefused) as e:
+        apply_messages(store, c, 1, [bad, msg(4, ids=(2,)), msg(5, "reset"), msg(6, ids=(3,)),
+                                     msg(7, "mark")])
+    assert e.value.ended
+    assert not c.skipping and c.next_seq == 8 and (c.version, c.event_time) == (7, 107.0)
+    held = store.contains(np.array([1, 2, 3], np.uint64))
+    assert list(held) == [False, False, True]   # the pass did not send 1; 2 was skipped
 
 
 async def test_a_record_the_table_refuses_does_not_end_the_kafka_follower():
@@ -241,6 +263,13 @@ async def test_a_record_the_table_refuses_does_not_end_the_kafka_follower():
         assert cursor.skipping and cursor.version == 2
         await feed.run_pass()
         assert resets() == before + 1
+        # The next batch follows on: the cursor is past the whole batch, as the consumer
+        # is. It used to drop back to the refused record, so this record was a gap and a
+        # full pass was asked again on every batch.
+        nxt = SimpleNamespace(value=wire.pack(msg(6, ids=(3,))), key=None,
+                              topic="j.model.updates", partition=0, offset=6)
+        await follow.take(cursor, [nxt])
+        assert cursor.resyncs == 1 and cursor.next_seq == 7
     finally:
         await roles.close()
         await stop_job(job)
