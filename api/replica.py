@@ -437,6 +437,7 @@ class Replica:
             try:
                 more = await self.pull(cursor)
                 self._warned.pop(f"pull-{cursor.shard}", None)
+                self._warned.pop(f"bug-{cursor.shard}", None)
             except asyncio.CancelledError:
                 raise
             except PersiaError as e:
@@ -448,8 +449,17 @@ class Replica:
                 self.counts["pull_failures"] += 1
                 if not self._warned.get(f"bug-{cursor.shard}"):
                     self._warned[f"bug-{cursor.shard}"] = True
-                    log.exception("replica: following %s failed (retrying; trained_through "
+                    log.exception("replica: following %s failed (resyncing; trained_through "
                                   "holds)", role.peer)
+                # The pull's messages are past (next_seq moved before each was applied, a
+                # MemoryError from the table's load among them): never passed over as
+                # applied, the shard skips to a full pass.
+                cursor.skipping, cursor.rebuilding, cursor.received = True, False, []
+                try:
+                    await self._resync(cursor)
+                except PersiaError as e:
+                    self._warn_once(f"pull-{cursor.shard}", "replica: cannot follow %s: %s "
+                                    "(retrying; trained_through holds)", role.peer, e)
                 more = False
             if not more:
                 await asyncio.sleep(self.interval_s)

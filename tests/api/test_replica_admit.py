@@ -6,6 +6,7 @@ a restarted server's log is followed from its reset; and messages are validated 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 from types import SimpleNamespace
@@ -311,3 +312,61 @@ async def test_a_replaced_dense_lineage_is_never_served_again():
         assert replica.counts["dense_lineage_changes"] == 1
     finally:
         await roles.close()
+
+
+class FailingOnce:
+    """A table whose first load of rows raises MemoryError (the Cython table's load raises
+    it when it cannot grow); the rest is a real table's."""
+
+    def __init__(self, table):
+        self.table, self.failed = table, False
+
+    def __getattr__(self, name):
+        return getattr(self.table, name)
+
+    def load(self, chunks):
+        if not self.failed:
+            self.failed = True
+            raise MemoryError("the table could not grow")
+        return self.table.load(chunks)
+
+
+async def test_a_pull_that_fails_with_a_bug_resyncs_and_never_passes_the_rows_over():
+    """Over RPC, ``next_seq`` is past a message before it is applied: a MemoryError from
+    the table (or any exception that is not a PersiaError) was only logged, and the next
+    pull started after the rows it lost. Their pass's mark then dropped them as unsent
+    and the shard claimed the server's version without them. The shard now resyncs and
+    holds the server's rows."""
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    def rows(store) -> dict[int, bytes]:
+        return {k: w.tobytes() for c in store.dump()
+                for k, w in zip(c["ids"].tolist(), c["weights"], strict=True)}
+
+    job = await start_job(n_servers=1)
+    roles = Roles([], job.server_addresses)
+    store = FailingOnce(EmbeddingStore(100_000, SGD(lr=0.0)))
+    replica = Replica(roles, store, None, execute, on_dense, interval_s=0.01)
+    try:
+        await job.train(2)
+        feed = job.servers[0].feed
+        assert feed is not None
+        await feed.run_pass()
+        want = rows(job.servers[0].store)
+        assert want
+        replica.start()
+        cursor = replica.cursors[0]
+        async with asyncio.timeout(20):
+            while not (store.failed and cursor.version is not None and not cursor.skipping
+                       and not cursor.rebuilding):
+                await asyncio.sleep(0.02)
+        assert cursor.resyncs == 1 and replica.counts["pull_failures"] == 1
+        assert rows(store) == want
+    finally:
+        await replica.stop()
+        await roles.close()
+        await stop_job(job)
