@@ -5,7 +5,10 @@ the topic), read with manually assigned partitions, one per embedding server, fr
 offsets the checkpoint's manifest records (else from the start of each partition). Every
 record is validated on receipt: one that does not decode or is not a valid update
 message goes to ``<topic>.dlq`` with the reason and is counted
-(``persia_api_replica_bad_messages_total``). Per partition the replica keeps the
+(``persia_api_replica_bad_messages_total``), except a record of another job size (the
+topic keeps the records of the servers before a rescale, read from every partition's start
+when the checkpoint was written by another number of servers): skipped, said once per
+partition. Per partition the replica keeps the
 incarnation and sequence it applied last (:func:`admit`): a record applied already (a
 producer retry) is skipped; a gap (a record lost to retention or refused) or an
 incarnation joined in the middle makes it skip to the next ``reset`` and ask that server,
@@ -128,6 +131,8 @@ class KafkaFollow:
         self._dense_parts: dict[int, bytes] = {}
         self._dlq: Any = None
         self._task: asyncio.Task | None = None
+        #: records skipped per partition as another job size's (:meth:`_other_layout`)
+        self.other_layout: dict[int, int] = {}
         for c in replica.cursors:
             pos = positions[c.shard] if positions is not None else None
             if pos:   # where the checkpoint left this server's log: read on from there
@@ -273,7 +278,10 @@ class KafkaFollow:
         resync = False
         for rec in records:
             try:
-                msg = check_message(wire.unpack(rec.value), cursor, self.replica.shards)
+                raw = wire.unpack(rec.value)
+                if self._other_layout(cursor, raw):
+                    continue
+                msg = check_message(raw, cursor, self.replica.shards)
             except (BadInput, ValueError) as e:
                 await self._dead_letter(rec, e)
                 continue
@@ -291,6 +299,21 @@ class KafkaFollow:
             await self._apply(cursor, todo)
         if resync:
             await self._ask_resync(cursor)
+
+    def _other_layout(self, cursor: ShardCursor, raw: Any) -> bool:
+        """Whether ``raw`` is a record of the servers of another job size (the topic keeps
+        them from before the job was rescaled: a checkpoint of another server count is
+        read from every partition's start). Skipped, said once per partition and counted
+        in ``other_layout``; they used to be dead-lettered one by one, at error."""
+        n = raw.get("shards") if isinstance(raw, dict) else None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n == self.replica.shards:
+            return False
+        if not self.other_layout.get(cursor.shard):
+            log.warning("replica: %s/%d holds records of %d embedding servers (the job has "
+                        "%d: from before it was rescaled); skipping them", self.topic,
+                        cursor.shard, n, self.replica.shards)
+        self.other_layout[cursor.shard] = self.other_layout.get(cursor.shard, 0) + 1
+        return True
 
     async def _apply(self, cursor: ShardCursor, msgs: list[dict[str, Any]]) -> None:
         r = self.replica

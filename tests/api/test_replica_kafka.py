@@ -278,3 +278,63 @@ async def test_a_checkpoint_place_retention_deleted_without_an_offset_resyncs(ka
         await follow.stop()
         await roles.close()
         await stop_job(job)
+
+
+async def test_a_checkpoint_of_another_server_count_skips_the_old_layouts_records(
+        kafka_broker):
+    """A checkpoint written by 2 servers restored into a job of 1 (a supported restore):
+    its positions name other logs, so every partition is read from its start, where the
+    topic still holds the 2-server layout's records. Each used to be refused as another
+    shard's, logged at error, counted as bad and copied to the dead-letter topic. They are
+    skipped, said once, and the current server's log is followed."""
+    import numpy as np
+
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = updates_topic(f"rkrescaled{os.getpid()}")
+    assert kafka_broker.create_topic(topic, 2)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+
+    def m(shards: int, inc: str, seq: int, kind: str) -> dict:
+        out = {"job": "j", "shard": 0, "shards": shards, "incarnation": inc, "seq": seq,
+               "kind": kind, "version": seq, "event_time": 10.0 + seq}
+        if kind == "rows":
+            out.update(dim=2, ids=np.array([2, 4], np.uint64),
+                       weights=np.ones((2, 2), np.float32))
+        return out
+
+    old = [m(2, "old", 0, "reset"), m(2, "old", 1, "rows"), m(2, "old", 2, "mark")]
+    new = [m(1, "new", 0, "reset"), m(1, "new", 1, "mark")]
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        for msg in old + new:
+            await producer.send_and_wait(topic, wire.pack(msg), partition=0)
+    finally:
+        await producer.stop()
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=1)
+    roles = Roles([], job.server_addresses)
+    positions = [{"incarnation": "old", "seq": 3, "offset": 3},
+                 {"incarnation": "old1", "seq": 3, "offset": 0}]
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, execute, on_dense,
+                      dense_step=1, dense_event_time=1.0)
+    assert replica.positions is None
+    follow = KafkaFollow(replica, bootstrap, topic, replica.positions)
+    await follow.start()
+    try:
+        cursor = replica.cursors[0]
+        async with asyncio.timeout(20):
+            while cursor.version != 1:
+                await asyncio.sleep(0.05)
+        assert replica.counts["bad_messages"] == 0 and follow.other_layout == {0: 3}
+        assert cursor.resyncs == 0 and cursor.incarnation == "new"
+    finally:
+        await follow.stop()
+        await roles.close()
+        await stop_job(job)
