@@ -22,7 +22,9 @@ does (its rows into a table in this process, its dense model), then follows:
 
 It never looks anything up on the training servers. A server that answers as another shard
 than its place in ``PERSIA_EMBEDDING_SERVERS`` (a list in another order) is refused, said
-once and retried, never followed as that shard nor asked for full passes. The table is bounded
+once and retried, never followed as that shard nor asked for full passes (over Kafka,
+:mod:`~stream_persia.api.replica_kafka` checks each at start and before each full pass it
+asks). The table is bounded
 (``PERSIA_API_TABLE_ROWS``, default: the rows the servers may hold together) and LRU: a row
 pushed out answers as missing (zeros) until it changes again.
 

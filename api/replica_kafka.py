@@ -133,6 +133,8 @@ class KafkaFollow:
         self._task: asyncio.Task | None = None
         #: records skipped per partition as another job size's (:meth:`_other_layout`)
         self.other_layout: dict[int, int] = {}
+        self._checked: set[int] = set()       # shards whose listed server answers as them
+        self._warned_order: dict[int, bool] = {}
         for c in replica.cursors:
             pos = positions[c.shard] if positions is not None else None
             if pos:   # where the checkpoint left this server's log: read on from there
@@ -163,6 +165,11 @@ class KafkaFollow:
             await self.replica.pull_dense()
         except PersiaError as e:
             log.warning("replica: no dense model from embedding server 0 yet: %s", e)
+        for c in self.replica.cursors:   # said now, not at the first full pass it needs
+            try:
+                await self._server_is(c.shard)
+            except PersiaError:
+                pass   # not up yet: checked again before it is asked for a full pass
         for tp in tps:
             pos = self.positions[tp.partition] if self.positions is not None else None
             if pos and "offset" in pos:
@@ -325,11 +332,35 @@ class KafkaFollow:
             return
         r.advance(rewound=bool(ended))
 
+    async def _server_is(self, shard: int) -> bool:
+        """Whether the server listed at ``shard`` in ``PERSIA_EMBEDDING_SERVERS`` is that
+        shard (asked once it is). The records come from each server's own partition
+        whatever the list's order, but a full pass is asked of the listed address: in
+        another order, another server did it and this shard waited on."""
+        if shard in self._checked:
+            return True
+        r = self.replica
+        role = r.roles.servers[shard]
+        reply = await r.roles.call(role, "model_updates", {"from_seq": 1 << 62, "max_bytes": 1})
+        got = (reply.get("shard"), reply.get("shards")) if isinstance(reply, dict) else None
+        if got != (shard, r.shards):
+            r.counts["pull_failures"] += 1
+            if not self._warned_order.get(shard):
+                self._warned_order[shard] = True
+                log.warning("replica: %s is embedding server %r of %r, listed as server %d of "
+                            "%d in PERSIA_EMBEDDING_SERVERS: never asked for that shard's full "
+                            "passes (list the servers in the job's replica order)", role.peer,
+                            *(got or (None, None)), shard, r.shards)
+            return False
+        self._checked.add(shard)
+        return True
+
     async def _ask_resync(self, cursor: ShardCursor) -> None:
         cursor.resyncs += 1
         try:
-            await self.replica.roles.call(self.replica.roles.servers[cursor.shard],
-                                          "model_updates", {"resync": True})
+            if await self._server_is(cursor.shard):
+                await self.replica.roles.call(self.replica.roles.servers[cursor.shard],
+                                              "model_updates", {"resync": True})
         except PersiaError as e:   # its next full pass (a restore, a restart) will do
             log.warning("replica: could not ask embedding server %d for a full pass: %s",
                         cursor.shard, e)

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -334,6 +335,53 @@ async def test_a_checkpoint_of_another_server_count_skips_the_old_layouts_record
                 await asyncio.sleep(0.05)
         assert replica.counts["bad_messages"] == 0 and follow.other_layout == {0: 3}
         assert cursor.resyncs == 0 and cursor.incarnation == "new"
+    finally:
+        await follow.stop()
+        await roles.close()
+        await stop_job(job)
+
+
+async def test_a_kafka_replica_given_the_servers_in_another_order_says_so_and_asks_nothing(
+        kafka_broker, caplog):
+    """Over Kafka each server's records come from its own partition, whatever the order of
+    PERSIA_EMBEDDING_SERVERS; but a full pass was asked of the address listed at the
+    shard's place: in another order another server did it and the shard waited on, with
+    nothing said. The replica says so at start, naming the setting, and asks no full pass
+    of a server that answers as another shard."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = updates_topic(f"rkorder{os.getpid()}")
+    assert kafka_broker.create_topic(topic, 3)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=2)
+    roles = Roles([], tuple(reversed(job.server_addresses)))
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense)
+    follow = KafkaFollow(replica, bootstrap, topic, None)
+    try:
+        for s in job.servers:
+            await s.feed.run_pass()
+        full = [s.feed.counts["full_passes"] for s in job.servers]
+        with caplog.at_level("WARNING", logger="stream_persia.api.replica_kafka"):
+            await follow.start()
+        said = [m for r in caplog.records
+                if "PERSIA_EMBEDDING_SERVERS" in (m := r.getMessage())]
+        assert len(said) == 2 and "listed as server 0 of 2" in said[0]
+        mid = {"job": "j", "shard": 0, "shards": 2, "incarnation": "x", "seq": 7,
+               "kind": "mark", "version": 7, "event_time": 17.0}
+        rec = SimpleNamespace(value=wire.pack(mid), key=None, topic=topic, partition=0,
+                              offset=0)
+        await follow.take(replica.cursors[0], [rec])   # joined mid-log: a gap
+        assert replica.cursors[0].skipping
+        for s in job.servers:
+            await s.feed.run_pass()
+        assert [s.feed.counts["full_passes"] for s in job.servers] == full
+        assert replica.counts["pull_failures"] >= 2
     finally:
         await follow.stop()
         await roles.close()
