@@ -13,8 +13,10 @@ incarnation and sequence it applied last (:func:`admit`): a record applied alrea
 producer retry) is skipped; a gap (a record lost to retention or refused) or an
 incarnation joined in the middle makes it skip to the next ``reset`` and ask that server,
 over RPC, for a full pass; so does a partition read to its end from its start (the
-checkpoint recorded no offset) without the checkpoint's place in it (retention deleted
-it). Nothing is applied twice; nothing is missed silently.
+checkpoint recorded no offset) without the checkpoint's place in it, ending in another
+server process's records (retention deleted the place; one ending in the checkpoint's own
+process's records, or empty, waits for the place, not written yet). Nothing is applied
+twice; nothing is missed silently.
 """
 
 from __future__ import annotations
@@ -134,6 +136,9 @@ class KafkaFollow:
         #: records skipped per partition as another job size's (:meth:`_other_layout`)
         self.other_layout: dict[int, int] = {}
         self._checked: set[int] = set()       # shards whose listed server answers as them
+        self._failing: set[int] = set()       # partitions whose last batch failed (said)
+        #: per partition, the incarnation of the last valid record read
+        self._last_incarnation: dict[int, str] = {}
         self._warned_order: dict[int, bool] = {}
         for c in replica.cursors:
             pos = positions[c.shard] if positions is not None else None
@@ -208,32 +213,55 @@ class KafkaFollow:
                 await asyncio.sleep(1.0)
                 continue
             for tp, records in batches.items():
-                try:
-                    if tp.partition == self.replica.shards:
-                        await self.take_dense(records)
-                    else:
-                        await self.take(self.replica.cursors[tp.partition], records)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:   # a bug: it used to end this task, silently
-                    self.replica.counts["bad_messages"] += 1
-                    log.exception("replica: applying records of %s/%d failed", tp.topic,
-                                  tp.partition)
-                    if tp.partition < self.replica.shards:   # they are read: a gap
-                        cursor = self.replica.cursors[tp.partition]
-                        cursor.skipping, cursor.rebuilding = True, False
-                        await self._ask_resync(cursor)
+                await self._take_batch(tp.partition, records)
             await self._start_not_found()
+
+    async def _take_batch(self, partition: int, records: list[Any]) -> None:
+        """One partition's records of a fetch. An exception that is not a refusal (a bug, a
+        table out of memory) is said once per partition until a batch of it goes through,
+        counted in ``pull_failures`` (the records were fine), and the shard skips to a full
+        pass, asked once: it used to be logged, counted as a bad message and asked again on
+        every failing batch."""
+        r = self.replica
+        cursor = r.cursors[partition] if partition < r.shards else None
+        skipping = cursor is not None and cursor.skipping
+        try:
+            if cursor is None:
+                await self.take_dense(records)
+            else:
+                await self.take(cursor, records)
+            self._failing.discard(partition)
+        except asyncio.CancelledError:
+            raise
+        except Exception:   # a bug: it used to end this task, silently
+            r.counts["pull_failures"] += 1
+            if partition not in self._failing:
+                self._failing.add(partition)
+                log.exception("replica: applying records of %s/%d failed (said once until "
+                              "they apply again)", self.topic, partition)
+            if cursor is not None:   # they are read: a gap
+                cursor.skipping, cursor.rebuilding, cursor.received = True, False, []
+                if not skipping:   # else asked already (or refused: the next one will do)
+                    await self._ask_resync(cursor)
 
     async def _start_not_found(self) -> None:
         """A partition read to its end from its start (the checkpoint recorded no offset)
         without meeting the checkpoint's place in its server's log, nor a later process's
         reset: retention deleted them. Its records were skipped as older than the
-        checkpoint; from now on the shard skips to the next reset, which it asks for."""
+        checkpoint; from now on the shard skips to the next reset, which it asks for.
+
+        Only when its last record is another process's: the checkpoint's process may not
+        have written its place yet (its sink had nothing acknowledged when the checkpoint
+        was taken), and an empty partition or one ending in that process's records is
+        waited on; a full pass asked then was followed by a second one when the place
+        came ("joined mid-log")."""
         from aiokafka import TopicPartition
 
         for c in self.replica.cursors:
             if c.start is None or c.start_at_offset:
+                continue
+            last = self._last_incarnation.get(c.shard)
+            if last is None or last == c.start[0]:
                 continue
             tp = TopicPartition(self.topic, c.shard)
             hw = self._consumer.highwater(tp)
@@ -292,6 +320,7 @@ class KafkaFollow:
             except (BadInput, ValueError) as e:
                 await self._dead_letter(rec, e)
                 continue
+            self._last_incarnation[cursor.shard] = msg["incarnation"]
             verdict = admit(cursor, msg)
             if verdict == "skip":
                 continue

@@ -386,3 +386,99 @@ async def test_a_kafka_replica_given_the_servers_in_another_order_says_so_and_as
         await follow.stop()
         await roles.close()
         await stop_job(job)
+
+
+async def _produce(bootstrap: str, topic: str, msgs: list[dict]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        for m in msgs:
+            await producer.send_and_wait(topic, wire.pack(m), partition=0)
+    finally:
+        await producer.stop()
+
+
+def _mark(inc: str, seq: int, kind: str = "mark") -> dict:
+    return {"job": "j", "shard": 0, "shards": 1, "incarnation": inc, "seq": seq,
+            "kind": kind, "version": seq, "event_time": 10.0 + seq}
+
+
+async def test_a_failing_batch_is_said_once_and_asks_one_full_pass(kafka_broker, caplog):
+    """Applying a batch failed with an exception that is not a refusal (here the table's
+    thread fails every time): each failing batch used to be logged with its traceback,
+    counted as a bad message (the records were fine) and answered with another full
+    pass asked of the server. Said once, counted as a failure, one full pass asked."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = updates_topic(f"rkbug{os.getpid()}")
+    assert kafka_broker.create_topic(topic, 2)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+
+    async def execute(fn):
+        raise RuntimeError("the table's thread is gone")
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=1)
+    roles = Roles([], job.server_addresses)
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense,
+                      dense_step=1, dense_event_time=1.0)
+    follow = KafkaFollow(replica, bootstrap, topic, None)
+    await follow.start()
+    try:
+        with caplog.at_level("ERROR", logger="stream_persia.api.replica_kafka"):
+            for seq, kind in enumerate(("reset", "mark", "mark")):
+                await _produce(bootstrap, topic, [_mark("a", seq, kind)])
+                async with asyncio.timeout(20):
+                    while (replica.counts["pull_failures"]
+                           + replica.counts["bad_messages"]) < seq + 1:
+                        await asyncio.sleep(0.02)
+        said = [r for r in caplog.records if "failed" in r.getMessage()]
+        assert len(said) == 1
+        assert replica.cursors[0].resyncs == 1 and replica.counts["bad_messages"] == 0
+        assert replica.cursors[0].skipping
+    finally:
+        await follow.stop()
+        await roles.close()
+        await stop_job(job)
+
+
+async def test_a_checkpoint_place_not_written_yet_is_waited_for(kafka_broker):
+    """The checkpoint recorded its place in server 0's log without an offset (the server's
+    sink had nothing acknowledged yet). The replica read the partition to its end before
+    the server wrote that place: it asked a full pass as if retention had deleted it, and
+    another when the place came ("joined mid-log"). The partition ends in the checkpoint's
+    own process's records: it waits, and follows on from the place, no full pass asked."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = updates_topic(f"rkplace{os.getpid()}")
+    assert kafka_broker.create_topic(topic, 2)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+    await _produce(bootstrap, topic, [_mark("now", 0, "reset"), _mark("now", 1),
+                                      _mark("now", 2)])
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=1)
+    roles = Roles([], job.server_addresses)
+    positions = [{"incarnation": "now", "seq": 3}]
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, execute, on_dense,
+                      dense_step=1, dense_event_time=1.0)
+    follow = KafkaFollow(replica, bootstrap, topic, positions)
+    await follow.start()
+    try:
+        cursor = replica.cursors[0]
+        await asyncio.sleep(1.0)   # several fetches at the partition's end
+        assert cursor.resyncs == 0 and cursor.start == ("now", 3)
+        await _produce(bootstrap, topic, [_mark("now", 3), _mark("now", 4)])
+        async with asyncio.timeout(20):
+            while cursor.version != 4:
+                await asyncio.sleep(0.05)
+        assert cursor.resyncs == 0 and not cursor.skipping
+    finally:
+        await follow.stop()
+        await roles.close()
+        await stop_job(job)
