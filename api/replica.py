@@ -406,7 +406,9 @@ class Replica:
                 "advances": [list(a) for a in list(self.advances)[-256:]],
                 "counts": dict(self.counts), "dense_event_time": self.dense_event_time,
                 "dense_lineage": self.dense_lineage,
-                "dense_refused_step": self.refused[1] if self.refused is not None else None}
+                # a replaced lineage's model, asked past, is not one that did not fit
+                "dense_refused_step": self.refused[1] if self.refused is not None
+                and self.refused[0] not in self._replaced else None}
 
     @property
     def _legacy_hub(self) -> bool:
@@ -626,6 +628,10 @@ class Replica:
                 one stays, and the next newer one is tried.
         """
         if lineage == self.dense_lineage and step <= self.dense_step:
+            if self.refused is not None and self.refused[0] in self._replaced:
+                # over RPC, asked past a replaced lineage's model: server 0 answered with
+                # the one served, which it would send again at every poll
+                self.refused = None
             return False
         if lineage in self._replaced:
             self._warn_once(f"replaced-{lineage}", "replica: ignoring the dense model of "

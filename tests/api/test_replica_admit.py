@@ -306,6 +306,12 @@ async def test_a_replaced_dense_lineage_is_never_served_again():
         assert not await replica.apply_dense(data, 41, digest, 101.0, lineage=5)
         assert (replica.dense_lineage, replica.dense_step) == (9, 3)
         assert replica.refused == (5, 41)     # over RPC: asked past it, not fetched again
+        assert replica.info()["dense_refused_step"] is None   # it fits: not "refused"
+        # Asked past it, server 0 answers with the model served: it used to be fetched
+        # again at every poll (asked past the replaced one again)
+        data, digest = blob(2.0)
+        assert not await replica.apply_dense(data, 3, digest, 90.0, lineage=9)
+        assert replica.refused is None
         data, digest = blob(3.0)
         assert await replica.apply_dense(data, 4, digest, 91.0, lineage=9)
         assert served == [(3, 90.0), (4, 91.0)]
