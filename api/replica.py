@@ -30,7 +30,9 @@ pushed out answers as missing (zeros) until it changes again.
 
 Restarts and gaps, never silent: a server restarted (another incarnation) is read from the
 start of its new log, which begins with a ``reset``; a replica that fell behind a server's
-bounded log asks it for a full pass (``resync``) and skips to that pass's ``reset``. A
+bounded log asks it for a full pass (``resync``) and skips to that pass's ``reset`` (an ask
+that failed is made again at the next pull; ``GET /v1/model`` names each shard's
+``full_pass``: ``asked``, ``to_ask`` or ``refused``). A
 restarted replica restores the newest checkpoint again and catches up from there (from the
 start of every log when the checkpoint was written by another number of servers: its
 positions name other logs). A message the table refuses (rows of another dim than the ones
@@ -125,6 +127,7 @@ class ShardCursor:
     start_at_offset: bool = False       # ... read from its offset: every record is after it
     rebuilding: bool = False            # a reset applied, not yet the mark ending its pass
     refused_full: bool = False          # the table refused a full pass's message: no resync
+    resync_pending: bool = False        # a full pass to ask: the last ask failed (retried)
     received: list[np.ndarray] = field(default_factory=list)   # ... the ids it sent so far
     applied: dict[str, int] = field(default_factory=lambda: {"rows": 0, "tombstones": 0,
                                                              "resets": 0, "marks": 0})
@@ -255,7 +258,7 @@ def _apply_one(store: Store, cursor: ShardCursor, shards: int, msg: dict[str, An
     ended = False
     kind = msg["kind"]
     if kind == "reset":
-        cursor.skipping = False
+        cursor.skipping = cursor.resync_pending = False
         cursor.rebuilding = True
         cursor.received = []
         cursor.applied["resets"] += 1
@@ -276,6 +279,18 @@ def _apply_one(store: Store, cursor: ShardCursor, shards: int, msg: dict[str, An
         cursor.applied["marks"] += 1
         cursor.refused_full = False
     return ended
+
+
+def _full_pass(c: ShardCursor) -> str | None:
+    """What a shard skipping to a full pass waits on (``GET /v1/model``): ``asked`` of its
+    server, ``to_ask`` (the ask failed: asked again), ``refused`` (the table refused the
+    last one: none asked, the server's next restart or restore brings one); None when not
+    skipping."""
+    if not c.skipping:
+        return None
+    if c.resync_pending:
+        return "to_ask"
+    return "refused" if c.refused_full else "asked"
 
 
 _COUNTERS = frozenset({"pulls", "pull_failures", "bad_messages", "dense_loads",
@@ -401,6 +416,7 @@ class Replica:
         return {"shards": [{"shard": c.shard, "incarnation": c.incarnation,
                             "next_seq": c.next_seq, "version": c.version,
                             "event_time": c.event_time, "resyncing": c.skipping,
+                            "full_pass": _full_pass(c),
                             "resyncs": c.resyncs, "applied": dict(c.applied)}
                            for c in self.cursors],
                 "advances": [list(a) for a in list(self.advances)[-256:]],
@@ -489,6 +505,9 @@ class Replica:
         first, nxt = int(reply.get("first_seq", 0)), int(reply.get("next_seq", 0))
         if inc != cursor.incarnation:
             return await self._new_incarnation(cursor, inc, first)
+        if cursor.resync_pending:   # the last ask failed: the shard waited on for good
+            await self._resync(cursor)
+            return True
         if cursor.next_seq < first:   # fell behind the bounded log: rows were lost to us
             self._warn_once(f"behind-{cursor.shard}", "replica: fell behind %s's update log "
                             "(at %d, it keeps %d on); asking for a full pass", role.peer,
@@ -549,7 +568,7 @@ class Replica:
             log.warning("replica: embedding server %d restarted (incarnation %s, was %s); "
                         "following its new log", cursor.shard, inc, cursor.incarnation)
         cursor.incarnation = inc
-        cursor.skipping = False
+        cursor.skipping = cursor.resync_pending = False
         if start is None:
             start = 0   # a log starts with a reset: it rebuilds the shard from nothing
         if start < first:
@@ -565,10 +584,12 @@ class Replica:
         return True
 
     async def _resync(self, cursor: ShardCursor) -> None:
+        # pending until asked: a failed ask is retried at the next pull
+        cursor.skipping = cursor.resync_pending = True
         reply = await self.roles.call(self.roles.servers[cursor.shard], "model_updates",
                                       {"resync": True})
         cursor.next_seq = int(reply["resync_seq"])
-        cursor.skipping = True
+        cursor.resync_pending = False
         cursor.resyncs += 1
 
     # ----------------------------------------------------------------- dense

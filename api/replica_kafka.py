@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from stream_persia.api.replica import (
@@ -42,6 +43,9 @@ from stream_persia.server.dense_hub import lineage_or_legacy
 __all__ = ["KafkaFollow", "admit", "check_dense"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds between two asks of a full pass whose last ask failed.
+RESYNC_RETRY_S = 1.0
 
 
 def check_dense(msg: Any, shards: int) -> dict[str, Any]:
@@ -137,6 +141,7 @@ class KafkaFollow:
         self.other_layout: dict[int, int] = {}
         self._checked: set[int] = set()       # shards whose listed server answers as them
         self._failing: set[int] = set()       # partitions whose last batch failed (said)
+        self._retry_at: dict[int, float] = {}   # when a failed ask of a full pass is retried
         #: per partition, the incarnation of the last valid record read
         self._last_incarnation: dict[int, str] = {}
         self._warned_order: dict[int, bool] = {}
@@ -215,6 +220,7 @@ class KafkaFollow:
             for tp, records in batches.items():
                 await self._take_batch(tp.partition, records)
             await self._start_not_found()
+            await self._retry_resyncs()
 
     async def _take_batch(self, partition: int, records: list[Any]) -> None:
         """One partition's records of a fetch. An exception that is not a refusal (a bug, a
@@ -385,11 +391,22 @@ class KafkaFollow:
         return True
 
     async def _ask_resync(self, cursor: ShardCursor) -> None:
-        cursor.resyncs += 1
+        cursor.resync_pending = True   # until asked: retried (_retry_resyncs)
+        self._retry_at[cursor.shard] = time.monotonic() + RESYNC_RETRY_S
         try:
             if await self._server_is(cursor.shard):
                 await self.replica.roles.call(self.replica.roles.servers[cursor.shard],
                                               "model_updates", {"resync": True})
-        except PersiaError as e:   # its next full pass (a restore, a restart) will do
-            log.warning("replica: could not ask embedding server %d for a full pass: %s",
-                        cursor.shard, e)
+                cursor.resync_pending = False
+                cursor.resyncs += 1
+        except PersiaError as e:
+            log.warning("replica: could not ask embedding server %d for a full pass: %s "
+                        "(asked again)", cursor.shard, e)
+
+    async def _retry_resyncs(self) -> None:
+        """Ask again the full passes whose ask failed (a server down then): they used to
+        be never asked again, the shard skipping until a restart or restore of it."""
+        now = time.monotonic()
+        for c in self.replica.cursors:
+            if c.resync_pending and c.skipping and now >= self._retry_at.get(c.shard, 0.0):
+                await self._ask_resync(c)

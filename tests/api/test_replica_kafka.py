@@ -39,6 +39,7 @@ from stream_persia.embedding.optim import SGD
 from stream_persia.kafka.updates import UpdateSink, updates_topic
 from stream_persia.server.service import EmbeddingServer
 from stream_persia.server.store import EmbeddingStore
+from stream_persia.testing.proxy import LateProxy
 from stream_persia.testing.samples import SCHEMA
 from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT
 from stream_persia.worker.service import EmbeddingWorker
@@ -481,4 +482,51 @@ async def test_a_checkpoint_place_not_written_yet_is_waited_for(kafka_broker):
     finally:
         await follow.stop()
         await roles.close()
+        await stop_job(job)
+
+
+async def test_a_full_pass_whose_ask_failed_is_asked_again(kafka_broker):
+    """A gap found while its server could not be reached: the ask of a full pass failed,
+    was said, and never made again: the shard skipped every record until that server's
+    next restart or restore. It is asked again once the server answers, and GET
+    /v1/model's ``full_pass`` tells it apart from a refused pass."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = updates_topic(f"rkretry{os.getpid()}")
+    assert kafka_broker.create_topic(topic, 2)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=1)
+    proxy = LateProxy(job.server_addresses[0])   # nothing listens until started
+    roles = Roles([], (proxy.address,))
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense,
+                      dense_step=1, dense_event_time=1.0)
+    follow = KafkaFollow(replica, bootstrap, topic, None)
+    await follow.start()
+    try:
+        feed = job.servers[0].feed
+        await feed.run_pass()
+        full = feed.counts["full_passes"]
+        cursor = replica.cursors[0]
+        rec = SimpleNamespace(value=wire.pack(_mark("x", 7)), key=None, topic=topic,
+                              partition=0, offset=0)
+        await follow.take(cursor, [rec])   # joined mid-log: a gap, its server unreachable
+        assert cursor.skipping and cursor.resync_pending and cursor.resyncs == 0
+        assert replica.info()["shards"][0]["full_pass"] == "to_ask"
+        proxy.start()
+        async with asyncio.timeout(20):
+            while cursor.resync_pending:
+                await asyncio.sleep(0.05)
+        assert cursor.resyncs == 1 and replica.info()["shards"][0]["full_pass"] == "asked"
+        await feed.run_pass()
+        assert feed.counts["full_passes"] == full + 1
+    finally:
+        await follow.stop()
+        await roles.close()
+        proxy.close()
         await stop_job(job)
