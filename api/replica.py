@@ -222,7 +222,7 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
             and a cursor left at the refused message took the next record for a gap.
     """
     ended = False
-    refused: PersiaError | None = None
+    refused: TableRefused | None = None
     for msg in messages:
         kind = msg["kind"]
         cursor.next_seq = msg["seq"] + 1
