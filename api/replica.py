@@ -477,7 +477,7 @@ class Replica:
                 cursor.skipping, cursor.rebuilding, cursor.received = True, False, []
                 try:
                     await self._resync(cursor)
-                except PersiaError as e:
+                except Exception as e:   # asked again at the next pull (resync_pending)
                     self._warn_once(f"pull-{cursor.shard}", "replica: cannot follow %s: %s "
                                     "(retrying; trained_through holds)", role.peer, e)
                 more = False

@@ -44,8 +44,10 @@ __all__ = ["KafkaFollow", "admit", "check_dense"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds between two asks of a full pass whose last ask failed.
+#: Seconds before a failed ask of a full pass is made again (doubled after each failure,
+#: up to RESYNC_RETRY_MAX_S).
 RESYNC_RETRY_S = 1.0
+RESYNC_RETRY_MAX_S = 30.0
 
 
 def check_dense(msg: Any, shards: int) -> dict[str, Any]:
@@ -142,6 +144,7 @@ class KafkaFollow:
         self._checked: set[int] = set()       # shards whose listed server answers as them
         self._failing: set[int] = set()       # partitions whose last batch failed (said)
         self._retry_at: dict[int, float] = {}   # when a failed ask of a full pass is retried
+        self._retry_s: dict[int, float] = {}    # ... and the wait before the one after
         #: per partition, the incarnation of the last valid record read
         self._last_incarnation: dict[int, str] = {}
         self._warned_order: dict[int, bool] = {}
@@ -175,11 +178,10 @@ class KafkaFollow:
             await self.replica.pull_dense()
         except PersiaError as e:
             log.warning("replica: no dense model from embedding server 0 yet: %s", e)
-        for c in self.replica.cursors:   # said now, not at the first full pass it needs
-            try:
-                await self._server_is(c.shard)
-            except PersiaError:
-                pass   # not up yet: checked again before it is asked for a full pass
+        # Said now, not at the first full pass a shard needs; at once (a server not up
+        # costs one deadline, not one each): one not up is checked before it is asked.
+        await asyncio.gather(*(self._server_is(c.shard) for c in self.replica.cursors),
+                             return_exceptions=True)
         for tp in tps:
             pos = self.positions[tp.partition] if self.positions is not None else None
             if pos and "offset" in pos:
@@ -392,13 +394,17 @@ class KafkaFollow:
 
     async def _ask_resync(self, cursor: ShardCursor) -> None:
         cursor.resync_pending = True   # until asked: retried (_retry_resyncs)
-        self._retry_at[cursor.shard] = time.monotonic() + RESYNC_RETRY_S
+        # backing off: a server down costs this loop (every partition) a deadline each time
+        wait = self._retry_s[cursor.shard] = min(
+            RESYNC_RETRY_MAX_S, 2 * self._retry_s.get(cursor.shard, RESYNC_RETRY_S / 2))
+        self._retry_at[cursor.shard] = time.monotonic() + wait
         try:
             if await self._server_is(cursor.shard):
                 await self.replica.roles.call(self.replica.roles.servers[cursor.shard],
                                               "model_updates", {"resync": True})
                 cursor.resync_pending = False
                 cursor.resyncs += 1
+                self._retry_s.pop(cursor.shard, None)
         except PersiaError as e:
             log.warning("replica: could not ask embedding server %d for a full pass: %s "
                         "(asked again)", cursor.shard, e)
