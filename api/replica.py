@@ -22,13 +22,17 @@ does (its rows into a table in this process, its dense model), then follows:
 
 It never looks anything up on the training servers. A server that answers as another shard
 than its place in ``PERSIA_EMBEDDING_SERVERS`` (a list in another order) is refused, said
-once and retried, never followed as that shard nor asked for full passes. The table is bounded
+once and retried, never followed as that shard nor asked for full passes (over Kafka,
+:mod:`~stream_persia.api.replica_kafka` checks each at start and before each full pass it
+asks). The table is bounded
 (``PERSIA_API_TABLE_ROWS``, default: the rows the servers may hold together) and LRU: a row
 pushed out answers as missing (zeros) until it changes again.
 
 Restarts and gaps, never silent: a server restarted (another incarnation) is read from the
 start of its new log, which begins with a ``reset``; a replica that fell behind a server's
-bounded log asks it for a full pass (``resync``) and skips to that pass's ``reset``. A
+bounded log asks it for a full pass (``resync``) and skips to that pass's ``reset`` (an ask
+that failed is made again at the next pull; ``GET /v1/model`` names each shard's
+``full_pass``: ``asked``, ``to_ask`` or ``refused``). A
 restarted replica restores the newest checkpoint again and catches up from there (from the
 start of every log when the checkpoint was written by another number of servers: its
 positions name other logs). A message the table refuses (rows of another dim than the ones
@@ -92,8 +96,8 @@ from stream_persia.server.dense_hub import (
 )
 from stream_persia.server.store import Store
 
-__all__ = ["Replica", "ReplicaMetrics", "ShardCursor", "apply_messages", "drop_shard", "message_bytes",
-           "check_message"]
+__all__ = ["Replica", "ReplicaMetrics", "ShardCursor", "TableRefused", "apply_messages",
+           "check_message", "drop_shard", "message_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +127,7 @@ class ShardCursor:
     start_at_offset: bool = False       # ... read from its offset: every record is after it
     rebuilding: bool = False            # a reset applied, not yet the mark ending its pass
     refused_full: bool = False          # the table refused a full pass's message: no resync
+    resync_pending: bool = False        # a full pass to ask: the last ask failed (retried)
     received: list[np.ndarray] = field(default_factory=list)   # ... the ids it sent so far
     applied: dict[str, int] = field(default_factory=lambda: {"rows": 0, "tombstones": 0,
                                                              "resets": 0, "marks": 0})
@@ -208,12 +213,16 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
     resync of a large shard) never leaves a half-empty shard answering in between.
 
     Raises:
-        BadInput: the table refused a message (rows of another dim than the held ones of
-            the same ids: a job started again with another embedding config): the cursor
-            then skips to the next reset (its marks are not applied, so the shard's
-            version and ``trained_through`` hold), never past the message as applied.
+        TableRefused: the table refused a message (rows of another dim than the held ones
+            of the same ids: a job started again with another embedding config): the
+            cursor then skips to the next reset (its marks are not applied, so the shard's
+            version and ``trained_through`` hold), never past the message as applied. The
+            rest of the messages are still looked at (a ``reset`` among them applies) and
+            ``next_seq`` ends past the last one: over Kafka the consumer is past them too,
+            and a cursor left at the refused message took the next record for a gap.
     """
     ended = False
+    refused: TableRefused | None = None
     for msg in messages:
         kind = msg["kind"]
         cursor.next_seq = msg["seq"] + 1
@@ -225,12 +234,23 @@ def apply_messages(store: Store, cursor: ShardCursor, shards: int,
         except PersiaError as e:
             cursor.refused_full = cursor.rebuilding or kind == "reset"
             cursor.skipping, cursor.rebuilding, cursor.received = True, False, []
-            raise BadInput(f"update message {msg['seq']} ({kind}) of server {cursor.shard} "
-                           f"was refused by the serving table: {e.message}; skipping to "
-                           f"the server's next full pass", field=e.field or "weights",
-                           hint="a job started again with another embedding config needs "
-                                "a replica restored from one of its checkpoints") from None
+            refused = refused or TableRefused(
+                f"update message {msg['seq']} ({kind}) of server {cursor.shard} was refused "
+                f"by the serving table: {e.message}; skipping to the server's next full pass",
+                field=e.field or "weights",
+                hint="a job started again with another embedding config needs a replica "
+                     "restored from one of its checkpoints")
+    if refused is not None:
+        refused.ended = ended
+        raise refused
     return ended
+
+
+class TableRefused(BadInput):
+    """:func:`apply_messages` met a message the table refused; ``ended``: whether a full
+    pass ended among the messages all the same (one after a later ``reset``)."""
+
+    ended: bool = False
 
 
 def _apply_one(store: Store, cursor: ShardCursor, shards: int, msg: dict[str, Any]) -> bool:
@@ -238,7 +258,7 @@ def _apply_one(store: Store, cursor: ShardCursor, shards: int, msg: dict[str, An
     ended = False
     kind = msg["kind"]
     if kind == "reset":
-        cursor.skipping = False
+        cursor.skipping = cursor.resync_pending = False
         cursor.rebuilding = True
         cursor.received = []
         cursor.applied["resets"] += 1
@@ -259,6 +279,18 @@ def _apply_one(store: Store, cursor: ShardCursor, shards: int, msg: dict[str, An
         cursor.applied["marks"] += 1
         cursor.refused_full = False
     return ended
+
+
+def _full_pass(c: ShardCursor) -> str | None:
+    """What a shard skipping to a full pass waits on (``GET /v1/model``): ``asked`` of its
+    server, ``to_ask`` (the ask failed: asked again), ``refused`` (the table refused the
+    last one: none asked, the server's next restart or restore brings one); None when not
+    skipping."""
+    if not c.skipping:
+        return None
+    if c.resync_pending:
+        return "to_ask"
+    return "refused" if c.refused_full else "asked"
 
 
 _COUNTERS = frozenset({"pulls", "pull_failures", "bad_messages", "dense_loads",
@@ -384,12 +416,15 @@ class Replica:
         return {"shards": [{"shard": c.shard, "incarnation": c.incarnation,
                             "next_seq": c.next_seq, "version": c.version,
                             "event_time": c.event_time, "resyncing": c.skipping,
+                            "full_pass": _full_pass(c),
                             "resyncs": c.resyncs, "applied": dict(c.applied)}
                            for c in self.cursors],
                 "advances": [list(a) for a in list(self.advances)[-256:]],
                 "counts": dict(self.counts), "dense_event_time": self.dense_event_time,
                 "dense_lineage": self.dense_lineage,
-                "dense_refused_step": self.refused[1] if self.refused is not None else None}
+                # a replaced lineage's model, asked past, is not one that did not fit
+                "dense_refused_step": self.refused[1] if self.refused is not None
+                and self.refused[0] not in self._replaced else None}
 
     @property
     def _legacy_hub(self) -> bool:
@@ -422,6 +457,7 @@ class Replica:
             try:
                 more = await self.pull(cursor)
                 self._warned.pop(f"pull-{cursor.shard}", None)
+                self._warned.pop(f"bug-{cursor.shard}", None)
             except asyncio.CancelledError:
                 raise
             except PersiaError as e:
@@ -433,8 +469,17 @@ class Replica:
                 self.counts["pull_failures"] += 1
                 if not self._warned.get(f"bug-{cursor.shard}"):
                     self._warned[f"bug-{cursor.shard}"] = True
-                    log.exception("replica: following %s failed (retrying; trained_through "
+                    log.exception("replica: following %s failed (resyncing; trained_through "
                                   "holds)", role.peer)
+                # The pull's messages are past (next_seq moved before each was applied, a
+                # MemoryError from the table's load among them): never passed over as
+                # applied, the shard skips to a full pass.
+                cursor.skipping, cursor.rebuilding, cursor.received = True, False, []
+                try:
+                    await self._resync(cursor)
+                except Exception as e:   # asked again at the next pull (resync_pending)
+                    self._warn_once(f"pull-{cursor.shard}", "replica: cannot follow %s: %s "
+                                    "(retrying; trained_through holds)", role.peer, e)
                 more = False
             if not more:
                 await asyncio.sleep(self.interval_s)
@@ -460,6 +505,9 @@ class Replica:
         first, nxt = int(reply.get("first_seq", 0)), int(reply.get("next_seq", 0))
         if inc != cursor.incarnation:
             return await self._new_incarnation(cursor, inc, first)
+        if cursor.resync_pending:   # the last ask failed: the shard waited on for good
+            await self._resync(cursor)
+            return True
         if cursor.next_seq < first:   # fell behind the bounded log: rows were lost to us
             self._warn_once(f"behind-{cursor.shard}", "replica: fell behind %s's update log "
                             "(at %d, it keeps %d on); asking for a full pass", role.peer,
@@ -488,22 +536,25 @@ class Replica:
         try:
             ended = await self.execute(
                 lambda: apply_messages(self.store, cursor, self.shards, checked))
-        except BadInput as e:
+        except TableRefused as e:
             await self.refused_by_table(cursor, e)
             return True
         self.advance(rewound=bool(ended))
         return cursor.next_seq < nxt
 
-    async def refused_by_table(self, cursor: ShardCursor, e: BadInput,
+    async def refused_by_table(self, cursor: ShardCursor, e: TableRefused,
                                resync: Callable[[ShardCursor], Awaitable[None]] | None = None
                                ) -> None:
         """The table refused a message of ``cursor``'s shard (:func:`apply_messages`): it
         now skips to the next full pass, which it asks for, unless a full pass was what
         the table refused (asking again would only repeat it: the shard then waits for the
-        server's next one, a restart or restore, its ``trained_through`` held)."""
+        server's next one, a restart or restore, its ``trained_through`` held), or a later
+        ``reset`` of the same messages started one already."""
         self.counts["bad_messages"] += 1
         log.error("replica: %s", e.message)
-        if not cursor.refused_full:
+        if e.ended:
+            self.advance(rewound=True)
+        if cursor.skipping and not cursor.refused_full:
             await (resync or self._resync)(cursor)
 
     async def _new_incarnation(self, cursor: ShardCursor, inc: str, first: int) -> bool:
@@ -517,7 +568,7 @@ class Replica:
             log.warning("replica: embedding server %d restarted (incarnation %s, was %s); "
                         "following its new log", cursor.shard, inc, cursor.incarnation)
         cursor.incarnation = inc
-        cursor.skipping = False
+        cursor.skipping = cursor.resync_pending = False
         if start is None:
             start = 0   # a log starts with a reset: it rebuilds the shard from nothing
         if start < first:
@@ -533,10 +584,12 @@ class Replica:
         return True
 
     async def _resync(self, cursor: ShardCursor) -> None:
+        # pending until asked: a failed ask is retried at the next pull
+        cursor.skipping = cursor.resync_pending = True
         reply = await self.roles.call(self.roles.servers[cursor.shard], "model_updates",
                                       {"resync": True})
         cursor.next_seq = int(reply["resync_seq"])
-        cursor.skipping = True
+        cursor.resync_pending = False
         cursor.resyncs += 1
 
     # ----------------------------------------------------------------- dense
@@ -596,6 +649,10 @@ class Replica:
                 one stays, and the next newer one is tried.
         """
         if lineage == self.dense_lineage and step <= self.dense_step:
+            if self.refused is not None and self.refused[0] in self._replaced:
+                # over RPC, asked past a replaced lineage's model: server 0 answered with
+                # the one served, which it would send again at every poll
+                self.refused = None
             return False
         if lineage in self._replaced:
             self._warn_once(f"replaced-{lineage}", "replica: ignoring the dense model of "

@@ -5,24 +5,31 @@ the topic), read with manually assigned partitions, one per embedding server, fr
 offsets the checkpoint's manifest records (else from the start of each partition). Every
 record is validated on receipt: one that does not decode or is not a valid update
 message goes to ``<topic>.dlq`` with the reason and is counted
-(``persia_api_replica_bad_messages_total``). Per partition the replica keeps the
+(``persia_api_replica_bad_messages_total``), except a record of another job size (the
+topic keeps the records of the servers before a rescale, read from every partition's start
+when the checkpoint was written by another number of servers): skipped, said once per
+partition. Per partition the replica keeps the
 incarnation and sequence it applied last (:func:`admit`): a record applied already (a
 producer retry) is skipped; a gap (a record lost to retention or refused) or an
 incarnation joined in the middle makes it skip to the next ``reset`` and ask that server,
 over RPC, for a full pass; so does a partition read to its end from its start (the
-checkpoint recorded no offset) without the checkpoint's place in it (retention deleted
-it). Nothing is applied twice; nothing is missed silently.
+checkpoint recorded no offset) without the checkpoint's place in it, ending in another
+server process's records (retention deleted the place; one ending in the checkpoint's own
+process's records, or empty, waits for the place, not written yet). Nothing is applied
+twice; nothing is missed silently.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from stream_persia.api.replica import (
     Replica,
     ShardCursor,
+    TableRefused,
     apply_messages,
     check_message,
     message_bytes,
@@ -36,6 +43,11 @@ from stream_persia.server.dense_hub import lineage_or_legacy
 __all__ = ["KafkaFollow", "admit", "check_dense"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds before a failed ask of a full pass is made again (doubled after each failure,
+#: up to RESYNC_RETRY_MAX_S).
+RESYNC_RETRY_S = 1.0
+RESYNC_RETRY_MAX_S = 30.0
 
 
 def check_dense(msg: Any, shards: int) -> dict[str, Any]:
@@ -127,6 +139,15 @@ class KafkaFollow:
         self._dense_parts: dict[int, bytes] = {}
         self._dlq: Any = None
         self._task: asyncio.Task | None = None
+        #: records skipped per partition as another job size's (:meth:`_other_layout`)
+        self.other_layout: dict[int, int] = {}
+        self._checked: set[int] = set()       # shards whose listed server answers as them
+        self._failing: set[int] = set()       # partitions whose last batch failed (said)
+        self._retry_at: dict[int, float] = {}   # when a failed ask of a full pass is retried
+        self._retry_s: dict[int, float] = {}    # ... and the wait before the one after
+        #: per partition, the incarnation of the last valid record read
+        self._last_incarnation: dict[int, str] = {}
+        self._warned_order: dict[int, bool] = {}
         for c in replica.cursors:
             pos = positions[c.shard] if positions is not None else None
             if pos:   # where the checkpoint left this server's log: read on from there
@@ -157,6 +178,10 @@ class KafkaFollow:
             await self.replica.pull_dense()
         except PersiaError as e:
             log.warning("replica: no dense model from embedding server 0 yet: %s", e)
+        # Said now, not at the first full pass a shard needs; at once (a server not up
+        # costs one deadline, not one each): one not up is checked before it is asked.
+        await asyncio.gather(*(self._server_is(c.shard) for c in self.replica.cursors),
+                             return_exceptions=True)
         for tp in tps:
             pos = self.positions[tp.partition] if self.positions is not None else None
             if pos and "offset" in pos:
@@ -195,32 +220,56 @@ class KafkaFollow:
                 await asyncio.sleep(1.0)
                 continue
             for tp, records in batches.items():
-                try:
-                    if tp.partition == self.replica.shards:
-                        await self.take_dense(records)
-                    else:
-                        await self.take(self.replica.cursors[tp.partition], records)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:   # a bug: it used to end this task, silently
-                    self.replica.counts["bad_messages"] += 1
-                    log.exception("replica: applying records of %s/%d failed", tp.topic,
-                                  tp.partition)
-                    if tp.partition < self.replica.shards:   # they are read: a gap
-                        cursor = self.replica.cursors[tp.partition]
-                        cursor.skipping, cursor.rebuilding = True, False
-                        await self._ask_resync(cursor)
+                await self._take_batch(tp.partition, records)
             await self._start_not_found()
+            await self._retry_resyncs()
+
+    async def _take_batch(self, partition: int, records: list[Any]) -> None:
+        """One partition's records of a fetch. An exception that is not a refusal (a bug, a
+        table out of memory) is said once per partition until a batch of it goes through,
+        counted in ``pull_failures`` (the records were fine), and the shard skips to a full
+        pass, asked once: it used to be logged, counted as a bad message and asked again on
+        every failing batch."""
+        r = self.replica
+        cursor = r.cursors[partition] if partition < r.shards else None
+        skipping = cursor is not None and cursor.skipping
+        try:
+            if cursor is None:
+                await self.take_dense(records)
+            else:
+                await self.take(cursor, records)
+            self._failing.discard(partition)
+        except asyncio.CancelledError:
+            raise
+        except Exception:   # a bug: it used to end this task, silently
+            r.counts["pull_failures"] += 1
+            if partition not in self._failing:
+                self._failing.add(partition)
+                log.exception("replica: applying records of %s/%d failed (said once until "
+                              "they apply again)", self.topic, partition)
+            if cursor is not None:   # they are read: a gap
+                cursor.skipping, cursor.rebuilding, cursor.received = True, False, []
+                if not skipping:   # else asked already (or refused: the next one will do)
+                    await self._ask_resync(cursor)
 
     async def _start_not_found(self) -> None:
         """A partition read to its end from its start (the checkpoint recorded no offset)
         without meeting the checkpoint's place in its server's log, nor a later process's
         reset: retention deleted them. Its records were skipped as older than the
-        checkpoint; from now on the shard skips to the next reset, which it asks for."""
+        checkpoint; from now on the shard skips to the next reset, which it asks for.
+
+        Only when its last record is another process's: the checkpoint's process may not
+        have written its place yet (its sink had nothing acknowledged when the checkpoint
+        was taken), and an empty partition or one ending in that process's records is
+        waited on; a full pass asked then was followed by a second one when the place
+        came ("joined mid-log")."""
         from aiokafka import TopicPartition
 
         for c in self.replica.cursors:
             if c.start is None or c.start_at_offset:
+                continue
+            last = self._last_incarnation.get(c.shard)
+            if last is None or last == c.start[0]:
                 continue
             tp = TopicPartition(self.topic, c.shard)
             hw = self._consumer.highwater(tp)
@@ -272,10 +321,14 @@ class KafkaFollow:
         resync = False
         for rec in records:
             try:
-                msg = check_message(wire.unpack(rec.value), cursor, self.replica.shards)
+                raw = wire.unpack(rec.value)
+                if self._other_layout(cursor, raw):
+                    continue
+                msg = check_message(raw, cursor, self.replica.shards)
             except (BadInput, ValueError) as e:
                 await self._dead_letter(rec, e)
                 continue
+            self._last_incarnation[cursor.shard] = msg["incarnation"]
             verdict = admit(cursor, msg)
             if verdict == "skip":
                 continue
@@ -291,21 +344,75 @@ class KafkaFollow:
         if resync:
             await self._ask_resync(cursor)
 
+    def _other_layout(self, cursor: ShardCursor, raw: Any) -> bool:
+        """Whether ``raw`` is a record of the servers of another job size (the topic keeps
+        them from before the job was rescaled: a checkpoint of another server count is
+        read from every partition's start). Skipped, said once per partition and counted
+        in ``other_layout``; they used to be dead-lettered one by one, at error."""
+        n = raw.get("shards") if isinstance(raw, dict) else None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n == self.replica.shards:
+            return False
+        if not self.other_layout.get(cursor.shard):
+            log.warning("replica: %s/%d holds records of %d embedding servers (the job has "
+                        "%d: from before it was rescaled); skipping them", self.topic,
+                        cursor.shard, n, self.replica.shards)
+        self.other_layout[cursor.shard] = self.other_layout.get(cursor.shard, 0) + 1
+        return True
+
     async def _apply(self, cursor: ShardCursor, msgs: list[dict[str, Any]]) -> None:
         r = self.replica
         r.counts["bytes"] += sum(message_bytes(m) for m in msgs)
         try:
             ended = await r.execute(lambda: apply_messages(r.store, cursor, r.shards, msgs))
-        except BadInput as e:   # the table refused one: it used to end this task, silently
+        except TableRefused as e:   # the table refused one: it used to end this task, silently
             await r.refused_by_table(cursor, e, self._ask_resync)
             return
         r.advance(rewound=bool(ended))
 
+    async def _server_is(self, shard: int) -> bool:
+        """Whether the server listed at ``shard`` in ``PERSIA_EMBEDDING_SERVERS`` is that
+        shard (asked once it is). The records come from each server's own partition
+        whatever the list's order, but a full pass is asked of the listed address: in
+        another order, another server did it and this shard waited on."""
+        if shard in self._checked:
+            return True
+        r = self.replica
+        role = r.roles.servers[shard]
+        reply = await r.roles.call(role, "model_updates", {"from_seq": 1 << 62, "max_bytes": 1})
+        got = (reply.get("shard"), reply.get("shards")) if isinstance(reply, dict) else None
+        if got != (shard, r.shards):
+            r.counts["pull_failures"] += 1
+            if not self._warned_order.get(shard):
+                self._warned_order[shard] = True
+                log.warning("replica: %s is embedding server %r of %r, listed as server %d of "
+                            "%d in PERSIA_EMBEDDING_SERVERS: never asked for that shard's full "
+                            "passes (list the servers in the job's replica order)", role.peer,
+                            *(got or (None, None)), shard, r.shards)
+            return False
+        self._checked.add(shard)
+        return True
+
     async def _ask_resync(self, cursor: ShardCursor) -> None:
-        cursor.resyncs += 1
+        cursor.resync_pending = True   # until asked: retried (_retry_resyncs)
+        # backing off: a server down costs this loop (every partition) a deadline each time
+        wait = self._retry_s[cursor.shard] = min(
+            RESYNC_RETRY_MAX_S, 2 * self._retry_s.get(cursor.shard, RESYNC_RETRY_S / 2))
+        self._retry_at[cursor.shard] = time.monotonic() + wait
         try:
-            await self.replica.roles.call(self.replica.roles.servers[cursor.shard],
-                                          "model_updates", {"resync": True})
-        except PersiaError as e:   # its next full pass (a restore, a restart) will do
-            log.warning("replica: could not ask embedding server %d for a full pass: %s",
-                        cursor.shard, e)
+            if await self._server_is(cursor.shard):
+                await self.replica.roles.call(self.replica.roles.servers[cursor.shard],
+                                              "model_updates", {"resync": True})
+                cursor.resync_pending = False
+                cursor.resyncs += 1
+                self._retry_s.pop(cursor.shard, None)
+        except PersiaError as e:
+            log.warning("replica: could not ask embedding server %d for a full pass: %s "
+                        "(asked again)", cursor.shard, e)
+
+    async def _retry_resyncs(self) -> None:
+        """Ask again the full passes whose ask failed (a server down then): they used to
+        be never asked again, the shard skipping until a restart or restore of it."""
+        now = time.monotonic()
+        for c in self.replica.cursors:
+            if c.resync_pending and c.skipping and now >= self._retry_at.get(c.shard, 0.0):
+                await self._ask_resync(c)

@@ -6,6 +6,7 @@ a restarted server's log is followed from its reset; and messages are validated 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 from types import SimpleNamespace
@@ -14,7 +15,13 @@ import numpy as np
 import pytest
 import torch
 from api_helpers import start_job, stop_job
-from stream_persia.api.replica import Replica, ShardCursor, apply_messages, check_message
+from stream_persia.api.replica import (
+    Replica,
+    ShardCursor,
+    TableRefused,
+    apply_messages,
+    check_message,
+)
 from stream_persia.api.replica_kafka import KafkaFollow, admit, check_dense
 from stream_persia.api.roles import Roles
 
@@ -192,8 +199,7 @@ def test_a_row_the_table_refuses_is_never_passed_over_as_applied(store):
     bad.update(dim=3, weights=np.full((1, 3), 5.0, np.float32))
     with pytest.raises(BadInput, match="refused by the serving table"):
         apply_messages(store, c, 1, [bad, msg(4, ids=(2,)), msg(5, "mark")])
-    assert c.skipping and not c.refused_full and c.next_seq == 4
-    apply_messages(store, c, 1, [msg(4, ids=(2,)), msg(5, "mark")])
+    assert c.skipping and not c.refused_full and c.next_seq == 6   # past what it looked at
     assert (c.version, c.event_time) == (2, 102.0)       # nothing claimed past the refusal
     assert not store.contains(np.array([2], np.uint64))[0]
     # a full pass the table refuses too: no resync asked (it would only repeat it)
@@ -202,6 +208,23 @@ def test_a_row_the_table_refuses_is_never_passed_over_as_applied(store):
     assert c.refused_full and c.skipping and c.version == 2
     run(c, store, [msg(9, "reset"), msg(10, ids=(2,)), msg(11, "mark")])
     assert not c.refused_full and not c.skipping and c.version == 11
+
+
+def test_a_reset_after_a_refused_message_of_the_same_pull_still_applies(store):
+    """Messages after the refused one used to be never looked at: a ``reset`` among them
+    was lost, and the shard waited (skipping) for another full pass that nobody asked
+    for. It applies now, and its pass ends; the refusal is still said."""
+    c = ShardCursor(0)
+    run(c, store, [msg(0, "reset"), msg(1, ids=(1,)), msg(2, "mark")])
+    bad = msg(3, ids=(1,))
+    bad.update(dim=3, weights=np.full((1, 3), 5.0, np.float32))
+    with pytest.raises(TableRefused) as e:
+        apply_messages(store, c, 1, [bad, msg(4, ids=(2,)), msg(5, "reset"), msg(6, ids=(3,)),
+                                     msg(7, "mark")])
+    assert e.value.ended
+    assert not c.skipping and c.next_seq == 8 and (c.version, c.event_time) == (7, 107.0)
+    held = store.contains(np.array([1, 2, 3], np.uint64))
+    assert list(held) == [False, False, True]   # the pass did not send 1; 2 was skipped
 
 
 async def test_a_record_the_table_refuses_does_not_end_the_kafka_follower():
@@ -241,6 +264,13 @@ async def test_a_record_the_table_refuses_does_not_end_the_kafka_follower():
         assert cursor.skipping and cursor.version == 2
         await feed.run_pass()
         assert resets() == before + 1
+        # The next batch follows on: the cursor is past the whole batch, as the consumer
+        # is. It used to drop back to the refused record, so this record was a gap and a
+        # full pass was asked again on every batch.
+        nxt = SimpleNamespace(value=wire.pack(msg(6, ids=(3,))), key=None,
+                              topic="j.model.updates", partition=0, offset=6)
+        await follow.take(cursor, [nxt])
+        assert cursor.resyncs == 1 and cursor.next_seq == 7
     finally:
         await roles.close()
         await stop_job(job)
@@ -276,9 +306,73 @@ async def test_a_replaced_dense_lineage_is_never_served_again():
         assert not await replica.apply_dense(data, 41, digest, 101.0, lineage=5)
         assert (replica.dense_lineage, replica.dense_step) == (9, 3)
         assert replica.refused == (5, 41)     # over RPC: asked past it, not fetched again
+        assert replica.info()["dense_refused_step"] is None   # it fits: not "refused"
+        # Asked past it, server 0 answers with the model served: it used to be fetched
+        # again at every poll (asked past the replaced one again)
+        data, digest = blob(2.0)
+        assert not await replica.apply_dense(data, 3, digest, 90.0, lineage=9)
+        assert replica.refused is None
         data, digest = blob(3.0)
         assert await replica.apply_dense(data, 4, digest, 91.0, lineage=9)
         assert served == [(3, 90.0), (4, 91.0)]
         assert replica.counts["dense_lineage_changes"] == 1
     finally:
         await roles.close()
+
+
+class FailingOnce:
+    """A table whose first load of rows raises MemoryError (the Cython table's load raises
+    it when it cannot grow); the rest is a real table's."""
+
+    def __init__(self, table):
+        self.table, self.failed = table, False
+
+    def __getattr__(self, name):
+        return getattr(self.table, name)
+
+    def load(self, chunks):
+        if not self.failed:
+            self.failed = True
+            raise MemoryError("the table could not grow")
+        return self.table.load(chunks)
+
+
+async def test_a_pull_that_fails_with_a_bug_resyncs_and_never_passes_the_rows_over():
+    """Over RPC, ``next_seq`` is past a message before it is applied: a MemoryError from
+    the table (or any exception that is not a PersiaError) was only logged, and the next
+    pull started after the rows it lost. Their pass's mark then dropped them as unsent
+    and the shard claimed the server's version without them. The shard now resyncs and
+    holds the server's rows."""
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    def rows(store) -> dict[int, bytes]:
+        return {k: w.tobytes() for c in store.dump()
+                for k, w in zip(c["ids"].tolist(), c["weights"], strict=True)}
+
+    job = await start_job(n_servers=1)
+    roles = Roles([], job.server_addresses)
+    store = FailingOnce(EmbeddingStore(100_000, SGD(lr=0.0)))
+    replica = Replica(roles, store, None, execute, on_dense, interval_s=0.01)
+    try:
+        await job.train(2)
+        feed = job.servers[0].feed
+        assert feed is not None
+        await feed.run_pass()
+        want = rows(job.servers[0].store)
+        assert want
+        replica.start()
+        cursor = replica.cursors[0]
+        async with asyncio.timeout(20):
+            while not (store.failed and cursor.version is not None and not cursor.skipping
+                       and not cursor.rebuilding):
+                await asyncio.sleep(0.02)
+        assert cursor.resyncs == 1 and replica.counts["pull_failures"] == 1
+        assert rows(store) == want
+    finally:
+        await replica.stop()
+        await roles.close()
+        await stop_job(job)

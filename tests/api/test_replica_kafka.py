@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -38,6 +39,7 @@ from stream_persia.embedding.optim import SGD
 from stream_persia.kafka.updates import UpdateSink, updates_topic
 from stream_persia.server.service import EmbeddingServer
 from stream_persia.server.store import EmbeddingStore
+from stream_persia.testing.proxy import LateProxy
 from stream_persia.testing.samples import SCHEMA
 from stream_persia.testing.servers import TEST_CHECKPOINT_ROOT
 from stream_persia.worker.service import EmbeddingWorker
@@ -277,4 +279,254 @@ async def test_a_checkpoint_place_retention_deleted_without_an_offset_resyncs(ka
     finally:
         await follow.stop()
         await roles.close()
+        await stop_job(job)
+
+
+async def test_a_checkpoint_of_another_server_count_skips_the_old_layouts_records(
+        kafka_broker):
+    """A checkpoint written by 2 servers restored into a job of 1 (a supported restore):
+    its positions name other logs, so every partition is read from its start, where the
+    topic still holds the 2-server layout's records. Each used to be refused as another
+    shard's, logged at error, counted as bad and copied to the dead-letter topic. They are
+    skipped, said once, and the current server's log is followed."""
+    import numpy as np
+
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = updates_topic(f"rkrescaled{os.getpid()}")
+    assert kafka_broker.create_topic(topic, 2)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+
+    def m(shards: int, inc: str, seq: int, kind: str) -> dict:
+        out = {"job": "j", "shard": 0, "shards": shards, "incarnation": inc, "seq": seq,
+               "kind": kind, "version": seq, "event_time": 10.0 + seq}
+        if kind == "rows":
+            out.update(dim=2, ids=np.array([2, 4], np.uint64),
+                       weights=np.ones((2, 2), np.float32))
+        return out
+
+    old = [m(2, "old", 0, "reset"), m(2, "old", 1, "rows"), m(2, "old", 2, "mark")]
+    new = [m(1, "new", 0, "reset"), m(1, "new", 1, "mark")]
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        for msg in old + new:
+            await producer.send_and_wait(topic, wire.pack(msg), partition=0)
+    finally:
+        await producer.stop()
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=1)
+    roles = Roles([], job.server_addresses)
+    positions = [{"incarnation": "old", "seq": 3, "offset": 3},
+                 {"incarnation": "old1", "seq": 3, "offset": 0}]
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, execute, on_dense,
+                      dense_step=1, dense_event_time=1.0)
+    assert replica.positions is None
+    follow = KafkaFollow(replica, bootstrap, topic, replica.positions)
+    await follow.start()
+    try:
+        cursor = replica.cursors[0]
+        async with asyncio.timeout(20):
+            while cursor.version != 1:
+                await asyncio.sleep(0.05)
+        assert replica.counts["bad_messages"] == 0 and follow.other_layout == {0: 3}
+        assert cursor.resyncs == 0 and cursor.incarnation == "new"
+    finally:
+        await follow.stop()
+        await roles.close()
+        await stop_job(job)
+
+
+async def test_a_kafka_replica_given_the_servers_in_another_order_says_so_and_asks_nothing(
+        kafka_broker, caplog):
+    """Over Kafka each server's records come from its own partition, whatever the order of
+    PERSIA_EMBEDDING_SERVERS; but a full pass was asked of the address listed at the
+    shard's place: in another order another server did it and the shard waited on, with
+    nothing said. The replica says so at start, naming the setting, and asks no full pass
+    of a server that answers as another shard."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = updates_topic(f"rkorder{os.getpid()}")
+    assert kafka_broker.create_topic(topic, 3)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=2)
+    roles = Roles([], tuple(reversed(job.server_addresses)))
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense)
+    follow = KafkaFollow(replica, bootstrap, topic, None)
+    try:
+        for s in job.servers:
+            await s.feed.run_pass()
+        full = [s.feed.counts["full_passes"] for s in job.servers]
+        with caplog.at_level("WARNING", logger="stream_persia.api.replica_kafka"):
+            await follow.start()
+        said = [m for r in caplog.records
+                if "PERSIA_EMBEDDING_SERVERS" in (m := r.getMessage())]
+        assert len(said) == 2 and "listed as server 0 of 2" in said[0]
+        mid = {"job": "j", "shard": 0, "shards": 2, "incarnation": "x", "seq": 7,
+               "kind": "mark", "version": 7, "event_time": 17.0}
+        rec = SimpleNamespace(value=wire.pack(mid), key=None, topic=topic, partition=0,
+                              offset=0)
+        await follow.take(replica.cursors[0], [rec])   # joined mid-log: a gap
+        assert replica.cursors[0].skipping
+        for s in job.servers:
+            await s.feed.run_pass()
+        assert [s.feed.counts["full_passes"] for s in job.servers] == full
+        assert replica.counts["pull_failures"] >= 2
+    finally:
+        await follow.stop()
+        await roles.close()
+        await stop_job(job)
+
+
+async def _produce(bootstrap: str, topic: str, msgs: list[dict]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        for m in msgs:
+            await producer.send_and_wait(topic, wire.pack(m), partition=0)
+    finally:
+        await producer.stop()
+
+
+def _mark(inc: str, seq: int, kind: str = "mark") -> dict:
+    return {"job": "j", "shard": 0, "shards": 1, "incarnation": inc, "seq": seq,
+            "kind": kind, "version": seq, "event_time": 10.0 + seq}
+
+
+async def test_a_failing_batch_is_said_once_and_asks_one_full_pass(kafka_broker, caplog):
+    """Applying a batch failed with an exception that is not a refusal (here the table's
+    thread fails every time): each failing batch used to be logged with its traceback,
+    counted as a bad message (the records were fine) and answered with another full
+    pass asked of the server. Said once, counted as a failure, one full pass asked."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = updates_topic(f"rkbug{os.getpid()}")
+    assert kafka_broker.create_topic(topic, 2)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+
+    async def execute(fn):
+        raise RuntimeError("the table's thread is gone")
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=1)
+    roles = Roles([], job.server_addresses)
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense,
+                      dense_step=1, dense_event_time=1.0)
+    follow = KafkaFollow(replica, bootstrap, topic, None)
+    await follow.start()
+    try:
+        with caplog.at_level("ERROR", logger="stream_persia.api.replica_kafka"):
+            for seq, kind in enumerate(("reset", "mark", "mark")):
+                await _produce(bootstrap, topic, [_mark("a", seq, kind)])
+                async with asyncio.timeout(20):
+                    while (replica.counts["pull_failures"]
+                           + replica.counts["bad_messages"]) < seq + 1:
+                        await asyncio.sleep(0.02)
+        said = [r for r in caplog.records if "failed" in r.getMessage()]
+        assert len(said) == 1
+        assert replica.cursors[0].resyncs == 1 and replica.counts["bad_messages"] == 0
+        assert replica.cursors[0].skipping
+    finally:
+        await follow.stop()
+        await roles.close()
+        await stop_job(job)
+
+
+async def test_a_checkpoint_place_not_written_yet_is_waited_for(kafka_broker):
+    """The checkpoint recorded its place in server 0's log without an offset (the server's
+    sink had nothing acknowledged yet). The replica read the partition to its end before
+    the server wrote that place: it asked a full pass as if retention had deleted it, and
+    another when the place came ("joined mid-log"). The partition ends in the checkpoint's
+    own process's records: it waits, and follows on from the place, no full pass asked."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = updates_topic(f"rkplace{os.getpid()}")
+    assert kafka_broker.create_topic(topic, 2)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+    await _produce(bootstrap, topic, [_mark("now", 0, "reset"), _mark("now", 1),
+                                      _mark("now", 2)])
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=1)
+    roles = Roles([], job.server_addresses)
+    positions = [{"incarnation": "now", "seq": 3}]
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, execute, on_dense,
+                      dense_step=1, dense_event_time=1.0)
+    follow = KafkaFollow(replica, bootstrap, topic, positions)
+    await follow.start()
+    try:
+        cursor = replica.cursors[0]
+        await asyncio.sleep(1.0)   # several fetches at the partition's end
+        assert cursor.resyncs == 0 and cursor.start == ("now", 3)
+        await _produce(bootstrap, topic, [_mark("now", 3), _mark("now", 4)])
+        async with asyncio.timeout(20):
+            while cursor.version != 4:
+                await asyncio.sleep(0.05)
+        assert cursor.resyncs == 0 and not cursor.skipping
+    finally:
+        await follow.stop()
+        await roles.close()
+        await stop_job(job)
+
+
+async def test_a_full_pass_whose_ask_failed_is_asked_again(kafka_broker):
+    """A gap found while its server could not be reached: the ask of a full pass failed,
+    was said, and never made again: the shard skipped every record until that server's
+    next restart or restore. It is asked again once the server answers, and GET
+    /v1/model's ``full_pass`` tells it apart from a refused pass."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = updates_topic(f"rkretry{os.getpid()}")
+    assert kafka_broker.create_topic(topic, 2)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=1)
+    proxy = LateProxy(job.server_addresses[0])   # nothing listens until started
+    roles = Roles([], (proxy.address,))
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense,
+                      dense_step=1, dense_event_time=1.0)
+    follow = KafkaFollow(replica, bootstrap, topic, None)
+    await follow.start()
+    try:
+        feed = job.servers[0].feed
+        await feed.run_pass()
+        full = feed.counts["full_passes"]
+        cursor = replica.cursors[0]
+        rec = SimpleNamespace(value=wire.pack(_mark("x", 7)), key=None, topic=topic,
+                              partition=0, offset=0)
+        await follow.take(cursor, [rec])   # joined mid-log: a gap, its server unreachable
+        assert cursor.skipping and cursor.resync_pending and cursor.resyncs == 0
+        assert replica.info()["shards"][0]["full_pass"] == "to_ask"
+        proxy.start()
+        async with asyncio.timeout(20):
+            while cursor.resync_pending:
+                await asyncio.sleep(0.05)
+        assert cursor.resyncs == 1 and replica.info()["shards"][0]["full_pass"] == "asked"
+        await feed.run_pass()
+        assert feed.counts["full_passes"] == full + 1
+    finally:
+        await follow.stop()
+        await roles.close()
+        proxy.close()
         await stop_job(job)
