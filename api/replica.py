@@ -31,7 +31,8 @@ pushed out answers as missing (zeros) until it changes again.
 Restarts and gaps, never silent: a server restarted (another incarnation) is read from the
 start of its new log, which begins with a ``reset``; a replica that fell behind a server's
 bounded log asks it for a full pass (``resync``) and skips to that pass's ``reset`` (an ask
-that failed is made again at the next pull; ``GET /v1/model`` names each shard's
+that failed is made again at the next pull, over Kafka within 1-30 s; ``GET /v1/model``
+names each shard's
 ``full_pass``: ``asked``, ``to_ask`` or ``refused``). A
 restarted replica restores the newest checkpoint again and catches up from there (from the
 start of every log when the checkpoint was written by another number of servers: its

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 #: up to RESYNC_RETRY_MAX_S).
 RESYNC_RETRY_S = 1.0
 RESYNC_RETRY_MAX_S = 30.0
+#: how long one ask of a server (a full pass, its shard) may hold the topic's loop: every
+#: partition, and the dense model, wait meanwhile
+ASK_TIMEOUT_MS = 2000
 
 
 def check_dense(msg: Any, shards: int) -> dict[str, Any]:
@@ -233,6 +236,7 @@ class KafkaFollow:
         r = self.replica
         cursor = r.cursors[partition] if partition < r.shards else None
         skipping = cursor is not None and cursor.skipping
+        resets = cursor.applied["resets"] if cursor is not None else 0
         try:
             if cursor is None:
                 await self.take_dense(records)
@@ -249,7 +253,10 @@ class KafkaFollow:
                               "they apply again)", self.topic, partition)
             if cursor is not None:   # they are read: a gap
                 cursor.skipping, cursor.rebuilding, cursor.received = True, False, []
-                if not skipping:   # else asked already (or refused: the next one will do)
+                # Else asked already (or refused: the next one will do), unless a reset
+                # of this batch (the full pass asked) was taken before it failed: that
+                # pass is spent, and none would come again.
+                if not skipping or cursor.applied["resets"] != resets:
                     await self._ask_resync(cursor)
 
     async def _start_not_found(self) -> None:
@@ -378,7 +385,8 @@ class KafkaFollow:
             return True
         r = self.replica
         role = r.roles.servers[shard]
-        reply = await r.roles.call(role, "model_updates", {"from_seq": 1 << 62, "max_bytes": 1})
+        reply = await r.roles.call(role, "model_updates", {"from_seq": 1 << 62, "max_bytes": 1},
+                                   ASK_TIMEOUT_MS)
         got = (reply.get("shard"), reply.get("shards")) if isinstance(reply, dict) else None
         if got != (shard, r.shards):
             r.counts["pull_failures"] += 1
@@ -401,7 +409,8 @@ class KafkaFollow:
         try:
             if await self._server_is(cursor.shard):
                 await self.replica.roles.call(self.replica.roles.servers[cursor.shard],
-                                              "model_updates", {"resync": True})
+                                              "model_updates", {"resync": True},
+                                              ASK_TIMEOUT_MS)
                 cursor.resync_pending = False
                 cursor.resyncs += 1
                 self._retry_s.pop(cursor.shard, None)

@@ -17,6 +17,7 @@ import os
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from api_helpers import (
@@ -36,6 +37,7 @@ from stream_persia.config import GlobalConfig
 from stream_persia.core import wire
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD
+from stream_persia.errors import Misuse
 from stream_persia.kafka.updates import UpdateSink, updates_topic
 from stream_persia.server.service import EmbeddingServer
 from stream_persia.server.store import EmbeddingStore
@@ -48,8 +50,16 @@ pytestmark = pytest.mark.kafka
 
 
 def rows(store) -> dict[int, bytes]:
-    return {k: w.tobytes() for c in store.dump()
-            for k, w in zip(c["ids"].tolist(), c["weights"], strict=True)}
+    """A live server's rows, read from the test's thread: the server's own store thread
+    may be on the store (a full pass the replica asked for), which the store refuses
+    (Misuse) rather than race; read again once it is done."""
+    for _ in range(200):
+        try:
+            return {k: w.tobytes() for c in store.dump()
+                    for k, w in zip(c["ids"].tolist(), c["weights"], strict=True)}
+        except Misuse:
+            time.sleep(0.01)
+    raise AssertionError("the server's store stayed busy for 2 s")
 
 
 async def kafka_job(bootstrap: str, job_name: str, n_servers: int = 2):
@@ -529,4 +539,57 @@ async def test_a_full_pass_whose_ask_failed_is_asked_again(kafka_broker):
         await follow.stop()
         await roles.close()
         proxy.close()
+        await stop_job(job)
+
+
+class _LoadFails:
+    """A real table whose loads of rows raise MemoryError (the Cython table's, when it
+    cannot grow)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def __getattr__(self, name):
+        return getattr(self.table, name)
+
+    def load(self, chunks):
+        raise MemoryError("the table could not grow")
+
+
+async def test_a_full_pass_failing_in_the_batch_of_its_reset_is_asked_again(kafka_broker):
+    """A shard skipping to the full pass it asked for; the pass's reset and rows came in
+    one fetch, and the rows failed (MemoryError): the reset had spent the ask, and the
+    shard, skipping again, asked none (it had asked already), so it skipped every record
+    until its server's next restart. It asks again."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = updates_topic(f"rkspent{os.getpid()}")
+    assert kafka_broker.create_topic(topic, 2)
+    kafka_broker.create_topic(f"{topic}.dlq", 1)
+
+    async def execute(fn):
+        return fn()
+
+    async def on_dense(*_):
+        return None
+
+    job = await start_job(n_servers=1)
+    roles = Roles([], job.server_addresses)
+    replica = Replica(roles, _LoadFails(EmbeddingStore(100, SGD(lr=0.0))), None, execute,
+                      on_dense, dense_step=1, dense_event_time=1.0)
+    follow = KafkaFollow(replica, bootstrap, topic, None)
+    await follow.start()
+    try:
+        cursor = replica.cursors[0]
+        cursor.skipping = True            # a full pass asked, waited for
+        asked = cursor.resyncs
+        rows = {**_mark("p", 1, "rows"), "dim": 2, "ids": np.array([5], np.uint64),
+                "weights": np.ones((1, 2), np.float32)}
+        recs = [SimpleNamespace(value=wire.pack(m), key=None, topic=topic, partition=0,
+                                offset=i) for i, m in enumerate((_mark("p", 0, "reset"), rows))]
+        await follow._take_batch(0, recs)
+        assert cursor.applied["resets"] == 1 and cursor.skipping
+        assert cursor.resyncs == asked + 1, "the spent full pass was not asked again"
+    finally:
+        await follow.stop()
+        await roles.close()
         await stop_job(job)
