@@ -62,6 +62,16 @@ def rows(store) -> dict[int, bytes]:
     raise AssertionError("the server's store stayed busy for 2 s")
 
 
+async def _run_now(fn):
+    """A replica's ``execute``: the table's work run at once, on the loop."""
+    return fn()
+
+
+async def _no_dense(*_):
+    """A replica's ``on_dense``: dense models are not served here."""
+    return None
+
+
 async def kafka_job(bootstrap: str, job_name: str, n_servers: int = 2):
     from api_helpers import Job
 
@@ -267,16 +277,10 @@ async def test_a_checkpoint_place_retention_deleted_without_an_offset_resyncs(ka
     finally:
         await producer.stop()
 
-    async def execute(fn):
-        return fn()
-
-    async def on_dense(*_):
-        return None
-
     job = await start_job(n_servers=1)
     roles = Roles([], job.server_addresses)
     positions = [{"incarnation": "gone", "seq": 5}]
-    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, execute, on_dense,
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, _run_now, _no_dense,
                       dense_step=1, dense_event_time=1.0)
     follow = KafkaFollow(replica, bootstrap, topic, positions)
     await follow.start()
@@ -324,17 +328,11 @@ async def test_a_checkpoint_of_another_server_count_skips_the_old_layouts_record
     finally:
         await producer.stop()
 
-    async def execute(fn):
-        return fn()
-
-    async def on_dense(*_):
-        return None
-
     job = await start_job(n_servers=1)
     roles = Roles([], job.server_addresses)
     positions = [{"incarnation": "old", "seq": 3, "offset": 3},
                  {"incarnation": "old1", "seq": 3, "offset": 0}]
-    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, execute, on_dense,
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, _run_now, _no_dense,
                       dense_step=1, dense_event_time=1.0)
     assert replica.positions is None
     follow = KafkaFollow(replica, bootstrap, topic, replica.positions)
@@ -364,15 +362,9 @@ async def test_a_kafka_replica_given_the_servers_in_another_order_says_so_and_as
     assert kafka_broker.create_topic(topic, 3)
     kafka_broker.create_topic(f"{topic}.dlq", 1)
 
-    async def execute(fn):
-        return fn()
-
-    async def on_dense(*_):
-        return None
-
     job = await start_job(n_servers=2)
     roles = Roles([], tuple(reversed(job.server_addresses)))
-    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense)
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, _run_now, _no_dense)
     follow = KafkaFollow(replica, bootstrap, topic, None)
     try:
         for s in job.servers:
@@ -427,12 +419,9 @@ async def test_a_failing_batch_is_said_once_and_asks_one_full_pass(kafka_broker,
     async def execute(fn):
         raise RuntimeError("the table's thread is gone")
 
-    async def on_dense(*_):
-        return None
-
     job = await start_job(n_servers=1)
     roles = Roles([], job.server_addresses)
-    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense,
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, _no_dense,
                       dense_step=1, dense_event_time=1.0)
     follow = KafkaFollow(replica, bootstrap, topic, None)
     await follow.start()
@@ -467,16 +456,10 @@ async def test_a_checkpoint_place_not_written_yet_is_waited_for(kafka_broker):
     await _produce(bootstrap, topic, [_mark("now", 0, "reset"), _mark("now", 1),
                                       _mark("now", 2)])
 
-    async def execute(fn):
-        return fn()
-
-    async def on_dense(*_):
-        return None
-
     job = await start_job(n_servers=1)
     roles = Roles([], job.server_addresses)
     positions = [{"incarnation": "now", "seq": 3}]
-    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, execute, on_dense,
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, _run_now, _no_dense,
                       dense_step=1, dense_event_time=1.0)
     follow = KafkaFollow(replica, bootstrap, topic, positions)
     await follow.start()
@@ -505,16 +488,10 @@ async def test_a_full_pass_whose_ask_failed_is_asked_again(kafka_broker):
     assert kafka_broker.create_topic(topic, 2)
     kafka_broker.create_topic(f"{topic}.dlq", 1)
 
-    async def execute(fn):
-        return fn()
-
-    async def on_dense(*_):
-        return None
-
     job = await start_job(n_servers=1)
     proxy = LateProxy(job.server_addresses[0])   # nothing listens until started
     roles = Roles([], (proxy.address,))
-    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, on_dense,
+    replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, _run_now, _no_dense,
                       dense_step=1, dense_event_time=1.0)
     follow = KafkaFollow(replica, bootstrap, topic, None)
     await follow.start()
@@ -566,16 +543,10 @@ async def test_a_full_pass_failing_in_the_batch_of_its_reset_is_asked_again(kafk
     assert kafka_broker.create_topic(topic, 2)
     kafka_broker.create_topic(f"{topic}.dlq", 1)
 
-    async def execute(fn):
-        return fn()
-
-    async def on_dense(*_):
-        return None
-
     job = await start_job(n_servers=1)
     roles = Roles([], job.server_addresses)
-    replica = Replica(roles, _LoadFails(EmbeddingStore(100, SGD(lr=0.0))), None, execute,
-                      on_dense, dense_step=1, dense_event_time=1.0)
+    replica = Replica(roles, _LoadFails(EmbeddingStore(100, SGD(lr=0.0))), None, _run_now,
+                      _no_dense, dense_step=1, dense_event_time=1.0)
     follow = KafkaFollow(replica, bootstrap, topic, None)
     await follow.start()
     try:
