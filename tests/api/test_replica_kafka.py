@@ -34,6 +34,7 @@ from stream_persia.api.replica_kafka import KafkaFollow
 from stream_persia.api.roles import Roles
 
 from stream_persia.config import GlobalConfig
+from stream_persia.config.kafka import resolve_idempotence
 from stream_persia.core import wire
 from stream_persia.embedding import EmbeddingConfig
 from stream_persia.embedding.optim import SGD
@@ -60,6 +61,13 @@ def rows(store) -> dict[int, bytes]:
         except Misuse:
             time.sleep(0.01)
     raise AssertionError("the server's store stayed busy for 2 s")
+
+
+def _follow(replica, bootstrap: str, topic: str, positions) -> KafkaFollow:
+    """A Kafka follower whose dead-letter producer is idempotent as the session's broker
+    allows (Tansu 0.6 refuses producer ids: the session turns idempotence off)."""
+    return KafkaFollow(replica, bootstrap, topic, positions,
+                       enable_idempotence=resolve_idempotence())
 
 
 async def _run_now(fn):
@@ -282,7 +290,7 @@ async def test_a_checkpoint_place_retention_deleted_without_an_offset_resyncs(ka
     positions = [{"incarnation": "gone", "seq": 5}]
     replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, _run_now, _no_dense,
                       dense_step=1, dense_event_time=1.0)
-    follow = KafkaFollow(replica, bootstrap, topic, positions)
+    follow = _follow(replica, bootstrap, topic, positions)
     await follow.start()
     try:
         cursor = replica.cursors[0]
@@ -335,7 +343,7 @@ async def test_a_checkpoint_of_another_server_count_skips_the_old_layouts_record
     replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, _run_now, _no_dense,
                       dense_step=1, dense_event_time=1.0)
     assert replica.positions is None
-    follow = KafkaFollow(replica, bootstrap, topic, replica.positions)
+    follow = _follow(replica, bootstrap, topic, replica.positions)
     await follow.start()
     try:
         cursor = replica.cursors[0]
@@ -365,7 +373,7 @@ async def test_a_kafka_replica_given_the_servers_in_another_order_says_so_and_as
     job = await start_job(n_servers=2)
     roles = Roles([], tuple(reversed(job.server_addresses)))
     replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, _run_now, _no_dense)
-    follow = KafkaFollow(replica, bootstrap, topic, None)
+    follow = _follow(replica, bootstrap, topic, None)
     try:
         for s in job.servers:
             await s.feed.run_pass()
@@ -423,7 +431,7 @@ async def test_a_failing_batch_is_said_once_and_asks_one_full_pass(kafka_broker,
     roles = Roles([], job.server_addresses)
     replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, execute, _no_dense,
                       dense_step=1, dense_event_time=1.0)
-    follow = KafkaFollow(replica, bootstrap, topic, None)
+    follow = _follow(replica, bootstrap, topic, None)
     await follow.start()
     try:
         with caplog.at_level("ERROR", logger="stream_persia.api.replica_kafka"):
@@ -461,7 +469,7 @@ async def test_a_checkpoint_place_not_written_yet_is_waited_for(kafka_broker):
     positions = [{"incarnation": "now", "seq": 3}]
     replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), positions, _run_now, _no_dense,
                       dense_step=1, dense_event_time=1.0)
-    follow = KafkaFollow(replica, bootstrap, topic, positions)
+    follow = _follow(replica, bootstrap, topic, positions)
     await follow.start()
     try:
         cursor = replica.cursors[0]
@@ -493,7 +501,7 @@ async def test_a_full_pass_whose_ask_failed_is_asked_again(kafka_broker):
     roles = Roles([], (proxy.address,))
     replica = Replica(roles, EmbeddingStore(100, SGD(lr=0.0)), None, _run_now, _no_dense,
                       dense_step=1, dense_event_time=1.0)
-    follow = KafkaFollow(replica, bootstrap, topic, None)
+    follow = _follow(replica, bootstrap, topic, None)
     await follow.start()
     try:
         feed = job.servers[0].feed
@@ -547,7 +555,7 @@ async def test_a_full_pass_failing_in_the_batch_of_its_reset_is_asked_again(kafk
     roles = Roles([], job.server_addresses)
     replica = Replica(roles, _LoadFails(EmbeddingStore(100, SGD(lr=0.0))), None, _run_now,
                       _no_dense, dense_step=1, dense_event_time=1.0)
-    follow = KafkaFollow(replica, bootstrap, topic, None)
+    follow = _follow(replica, bootstrap, topic, None)
     await follow.start()
     try:
         cursor = replica.cursors[0]
